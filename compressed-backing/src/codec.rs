@@ -54,23 +54,18 @@ impl BlockKind {
 }
 
 /// The compression algorithm used for blocks that are neither zero nor same-byte.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Codec {
     /// Store every data block raw.
     None,
     /// LZ4 block compression (fast; the default).
+    #[default]
     Lz4,
     /// zstd at the given level (1..=22, negative levels for faster modes).
     Zstd {
         /// Compression level.
         level: i32,
     },
-}
-
-impl Default for Codec {
-    fn default() -> Self {
-        Self::Lz4
-    }
 }
 
 impl fmt::Display for Codec {
@@ -133,6 +128,11 @@ impl MaxRatio {
     /// A ratio `num/den` in (0, 1].
     pub fn new(num: u32, den: u32) -> Option<Self> {
         (den > 0 && num > 0 && num <= den).then_some(Self { num, den })
+    }
+
+    /// The ratio as `(num, den)`.
+    pub fn parts(self) -> (u32, u32) {
+        (self.num, self.den)
     }
 
     /// The largest payload accepted for a block of `len` bytes.
@@ -427,9 +427,8 @@ impl Decoder {
                 .map_err(|e| corrupt(e.to_string()))?,
             BlockKind::Zstd => {
                 if self.zstd.is_none() {
-                    self.zstd = Some(
-                        zstd::bulk::Decompressor::new().map_err(CodecError::ZstdContext)?,
-                    );
+                    self.zstd =
+                        Some(zstd::bulk::Decompressor::new().map_err(CodecError::ZstdContext)?);
                 }
                 let zstd = self.zstd.as_mut().expect("created just above");
                 // The frame header states the content size; a frame that claims more than one
@@ -523,7 +522,10 @@ mod tests {
         let encoded = enc.encode(&block);
         assert_eq!(encoded.kind, BlockKind::Lz4);
         assert!(encoded.payload.len() < 1024, "{}", encoded.payload.len());
-        assert_eq!(roundtrip(CodecConfig::new(Codec::Zstd { level: 3 }), &block), BlockKind::Zstd);
+        assert_eq!(
+            roundtrip(CodecConfig::new(Codec::Zstd { level: 3 }), &block),
+            BlockKind::Zstd
+        );
     }
 
     #[test]
@@ -536,7 +538,10 @@ mod tests {
             max_ratio: MaxRatio::new(1, 4).unwrap(),
         };
         assert_eq!(roundtrip(strict, &block), BlockKind::Raw);
-        assert_eq!(roundtrip(CodecConfig::new(Codec::Lz4), &block), BlockKind::Lz4);
+        assert_eq!(
+            roundtrip(CodecConfig::new(Codec::Lz4), &block),
+            BlockKind::Lz4
+        );
     }
 
     #[test]
@@ -565,9 +570,15 @@ mod tests {
             assert!(matches!(err, CodecError::LengthMismatch { .. }), "{err}");
         }
         let mut out = vec![0; 10];
-        assert!(Decoder::new().decode(BlockKind::Raw, &[1; 9], &mut out).is_err());
-        assert!(Decoder::new().decode(BlockKind::Fill, &[1, 2], &mut out).is_err());
-        assert!(Decoder::new().decode(BlockKind::Zero, &[1], &mut out).is_err());
+        assert!(Decoder::new()
+            .decode(BlockKind::Raw, &[1; 9], &mut out)
+            .is_err());
+        assert!(Decoder::new()
+            .decode(BlockKind::Fill, &[1, 2], &mut out)
+            .is_err());
+        assert!(Decoder::new()
+            .decode(BlockKind::Zero, &[1], &mut out)
+            .is_err());
     }
 
     #[test]
@@ -599,18 +610,21 @@ mod tests {
     fn block_strategy() -> impl Strategy<Value = Vec<u8>> {
         prop_oneof![
             // Arbitrary bytes of any page-multiple length up to 64 KiB.
-            (1usize..=16).prop_flat_map(|pages| proptest::collection::vec(any::<u8>(), pages * 4096)),
+            (1usize..=16)
+                .prop_flat_map(|pages| proptest::collection::vec(any::<u8>(), pages * 4096)),
             // Runs of a few values: compressible with structure.
-            (1usize..=16, proptest::collection::vec((any::<u8>(), 1usize..600), 1..64)).prop_map(
-                |(pages, runs)| {
+            (
+                1usize..=16,
+                proptest::collection::vec((any::<u8>(), 1usize..600), 1..64)
+            )
+                .prop_map(|(pages, runs)| {
                     let len = pages * 4096;
                     runs.iter()
                         .flat_map(|&(b, n)| std::iter::repeat_n(b, n))
                         .cycle()
                         .take(len)
                         .collect()
-                }
-            ),
+                }),
             // Uniform blocks, including zero.
             (1usize..=16, any::<u8>()).prop_map(|(pages, b)| vec![b; pages * 4096]),
         ]

@@ -49,9 +49,11 @@ pub fn parse_size(text: &str) -> Result<u64, SizeError> {
     if digits_end == 0 {
         return Err(unparsable());
     }
-    let number: u64 = trimmed[..digits_end].parse().map_err(|_| SizeError::Overflow {
-        text: text.to_owned(),
-    })?;
+    let number: u64 = trimmed[..digits_end]
+        .parse()
+        .map_err(|_| SizeError::Overflow {
+            text: text.to_owned(),
+        })?;
     let shift = match trimmed[digits_end..].trim().to_ascii_lowercase().as_str() {
         "" | "b" => 0,
         "k" | "kb" | "kib" => 10,

@@ -8,3 +8,6 @@ pub mod layout;
 
 pub use codec::{BlockKind, Codec, CodecConfig, CodecError, Decoder, Encoded, Encoder, MaxRatio};
 pub use layout::{BlockSize, SizeError, PAGE_SIZE};
+pub mod store;
+
+pub use store::{DiskStore, StoreConfig, StoreError, StoreOptions, StoreStats, VerifyReport};

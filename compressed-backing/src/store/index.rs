@@ -1,0 +1,485 @@
+//! The store's index: geometry, segment table, one slot per block and metadata, serialised
+//! into one checksummed file that is replaced atomically on commit.
+//!
+//! Format (little-endian): magic `PVSTORE1`, version, block size, codec, max ratio, image size,
+//! generation, next segment id, segment table (id, committed length), block count, one entry
+//! per block (tag, then per-kind fields), metadata (key/value pairs), xxh3-64 of everything
+//! before it, end magic `PVSTEND1`. A file that is short, has a bad checksum or a field out
+//! of range is rejected as a whole: a partly written index never loads.
+
+use std::collections::BTreeMap;
+
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::codec::{BlockKind, Codec, CodecConfig, MaxRatio};
+use crate::layout::BlockSize;
+
+const MAGIC: &[u8; 8] = b"PVSTORE1";
+const END_MAGIC: &[u8; 8] = b"PVSTEND1";
+const VERSION: u32 = 1;
+const TAG_ABSENT: u8 = 0xFF;
+
+/// Where a block's bytes are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Slot {
+    /// Never written or discarded: reads as zeros.
+    Absent,
+    /// Written as all zeros.
+    Zero,
+    /// Written as one repeated byte.
+    Fill(u8),
+    /// Stored in a segment.
+    Data(DataRef),
+}
+
+impl Slot {
+    /// The block's kind, `None` when absent.
+    pub(crate) fn kind(&self) -> Option<BlockKind> {
+        match self {
+            Slot::Absent => None,
+            Slot::Zero => Some(BlockKind::Zero),
+            Slot::Fill(_) => Some(BlockKind::Fill),
+            Slot::Data(data) => Some(data.kind),
+        }
+    }
+}
+
+/// A payload in a segment file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DataRef {
+    pub kind: BlockKind,
+    pub segment: u32,
+    pub len: u32,
+    pub offset: u64,
+    /// xxh3-64 of the payload as stored.
+    pub checksum: u64,
+}
+
+/// The whole committed state of a store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Index {
+    pub block_size: BlockSize,
+    pub codec: CodecConfig,
+    pub image_size: u64,
+    pub generation: u64,
+    pub next_segment: u32,
+    /// Segment id → committed length in bytes.
+    pub segments: BTreeMap<u32, u64>,
+    pub slots: Vec<Slot>,
+    pub meta: BTreeMap<String, Vec<u8>>,
+}
+
+/// Why an index file was rejected.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum IndexError {
+    /// The file ended before a field.
+    #[error("truncated: it ends at byte {len} while reading {what}")]
+    Truncated {
+        /// The file's length.
+        len: usize,
+        /// The field being read.
+        what: &'static str,
+    },
+    /// The magic number is wrong: not a store index.
+    #[error("not a store index (bad magic)")]
+    BadMagic,
+    /// The format version is unknown.
+    #[error("unsupported format version {0}")]
+    Version(u32),
+    /// The checksum does not match: the file was changed or partly written.
+    #[error("checksum mismatch (stored {stored:#018x}, computed {computed:#018x})")]
+    Checksum {
+        /// The checksum in the file.
+        stored: u64,
+        /// The checksum of the bytes read.
+        computed: u64,
+    },
+    /// A field holds a value that cannot be.
+    #[error("invalid {what}: {detail}")]
+    Invalid {
+        /// The field.
+        what: &'static str,
+        /// What is wrong with it.
+        detail: String,
+    },
+}
+
+fn invalid(what: &'static str, detail: impl Into<String>) -> IndexError {
+    IndexError::Invalid {
+        what,
+        detail: detail.into(),
+    }
+}
+
+impl Index {
+    /// Serialises the index, checksum and end magic included.
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(64 + self.slots.len() * 26);
+        out.extend_from_slice(MAGIC);
+        put_u32(&mut out, VERSION);
+        put_u32(&mut out, self.block_size.bytes_u64() as u32);
+        let (codec_tag, level) = match self.codec.codec {
+            Codec::None => (0u8, 0i32),
+            Codec::Lz4 => (1, 0),
+            Codec::Zstd { level } => (2, level),
+        };
+        out.push(codec_tag);
+        out.extend_from_slice(&level.to_le_bytes());
+        let (num, den) = self.codec.max_ratio.parts();
+        put_u32(&mut out, num);
+        put_u32(&mut out, den);
+        put_u64(&mut out, self.image_size);
+        put_u64(&mut out, self.generation);
+        put_u32(&mut out, self.next_segment);
+        put_u32(&mut out, self.segments.len() as u32);
+        for (&id, &len) in &self.segments {
+            put_u32(&mut out, id);
+            put_u64(&mut out, len);
+        }
+        put_u64(&mut out, self.slots.len() as u64);
+        for slot in &self.slots {
+            match *slot {
+                Slot::Absent => out.push(TAG_ABSENT),
+                Slot::Zero => out.push(BlockKind::Zero as u8),
+                Slot::Fill(byte) => {
+                    out.push(BlockKind::Fill as u8);
+                    out.push(byte);
+                }
+                Slot::Data(data) => {
+                    out.push(data.kind as u8);
+                    put_u32(&mut out, data.segment);
+                    put_u64(&mut out, data.offset);
+                    put_u32(&mut out, data.len);
+                    put_u64(&mut out, data.checksum);
+                }
+            }
+        }
+        put_u32(&mut out, self.meta.len() as u32);
+        for (key, value) in &self.meta {
+            put_u32(&mut out, key.len() as u32);
+            out.extend_from_slice(key.as_bytes());
+            put_u32(&mut out, value.len() as u32);
+            out.extend_from_slice(value);
+        }
+        let checksum = xxh3_64(&out);
+        put_u64(&mut out, checksum);
+        out.extend_from_slice(END_MAGIC);
+        out
+    }
+
+    /// Parses and validates an index file's bytes.
+    pub(crate) fn decode(bytes: &[u8]) -> Result<Self, IndexError> {
+        if bytes.len() < MAGIC.len() || &bytes[..MAGIC.len()] != MAGIC {
+            return if bytes.len() < MAGIC.len() {
+                Err(IndexError::Truncated {
+                    len: bytes.len(),
+                    what: "magic",
+                })
+            } else {
+                Err(IndexError::BadMagic)
+            };
+        }
+        let trailer = 8 + END_MAGIC.len();
+        if bytes.len() < MAGIC.len() + 4 + trailer || &bytes[bytes.len() - 8..] != END_MAGIC {
+            return Err(IndexError::Truncated {
+                len: bytes.len(),
+                what: "end marker",
+            });
+        }
+        let body = &bytes[..bytes.len() - trailer];
+        let stored = u64::from_le_bytes(
+            bytes[body.len()..body.len() + 8]
+                .try_into()
+                .expect("slice of 8 bytes"),
+        );
+        let computed = xxh3_64(body);
+        if stored != computed {
+            return Err(IndexError::Checksum { stored, computed });
+        }
+        let mut r = Reader {
+            bytes: body,
+            pos: MAGIC.len(),
+        };
+        let version = r.u32("version")?;
+        if version != VERSION {
+            return Err(IndexError::Version(version));
+        }
+        let block_size = BlockSize::new(u64::from(r.u32("block size")?))
+            .map_err(|e| invalid("block size", e.to_string()))?;
+        let codec = match (r.u8("codec")?, r.i32("codec level")?) {
+            (0, _) => Codec::None,
+            (1, _) => Codec::Lz4,
+            (2, level) => Codec::Zstd { level },
+            (tag, _) => return Err(invalid("codec", format!("tag {tag}"))),
+        };
+        let (num, den) = (r.u32("ratio")?, r.u32("ratio")?);
+        let max_ratio =
+            MaxRatio::new(num, den).ok_or_else(|| invalid("max ratio", format!("{num}/{den}")))?;
+        let image_size = r.u64("image size")?;
+        let generation = r.u64("generation")?;
+        let next_segment = r.u32("next segment")?;
+        let segment_count = r.u32("segment count")?;
+        let mut segments = BTreeMap::new();
+        for _ in 0..segment_count {
+            let id = r.u32("segment id")?;
+            let len = r.u64("segment length")?;
+            if id >= next_segment || segments.insert(id, len).is_some() {
+                return Err(invalid(
+                    "segment table",
+                    format!("segment {id} listed twice or beyond next id"),
+                ));
+            }
+        }
+        let block_count = r.u64("block count")?;
+        if block_count != block_size.blocks_for(image_size) {
+            return Err(invalid(
+                "block count",
+                format!("{block_count} blocks for an image of {image_size} bytes"),
+            ));
+        }
+        // Every entry takes at least one byte: a count beyond the file is rejected before
+        // allocating for it.
+        if block_count > (body.len() - r.pos) as u64 {
+            return Err(IndexError::Truncated {
+                len: bytes.len(),
+                what: "block entries",
+            });
+        }
+        let mut slots = Vec::with_capacity(block_count as usize);
+        for block in 0..block_count {
+            let tag = r.u8("block tag")?;
+            let slot = match tag {
+                TAG_ABSENT => Slot::Absent,
+                _ => match BlockKind::from_tag(tag) {
+                    Some(BlockKind::Zero) => Slot::Zero,
+                    Some(BlockKind::Fill) => Slot::Fill(r.u8("fill byte")?),
+                    Some(kind) => {
+                        let data = DataRef {
+                            kind,
+                            segment: r.u32("block segment")?,
+                            offset: r.u64("block offset")?,
+                            len: r.u32("block length")?,
+                            checksum: r.u64("block checksum")?,
+                        };
+                        let end = data.offset.checked_add(u64::from(data.len));
+                        match (segments.get(&data.segment), end) {
+                            (Some(&seg_len), Some(end)) if end <= seg_len => {}
+                            _ => {
+                                return Err(invalid(
+                                    "block entry",
+                                    format!(
+                                        "block {block} points past segment {} ({} bytes at {})",
+                                        data.segment, data.len, data.offset
+                                    ),
+                                ))
+                            }
+                        }
+                        if data.len as usize > block_size.bytes() {
+                            return Err(invalid(
+                                "block entry",
+                                format!("block {block} payload of {} bytes", data.len),
+                            ));
+                        }
+                        Slot::Data(data)
+                    }
+                    None => return Err(invalid("block tag", format!("{tag} at block {block}"))),
+                },
+            };
+            slots.push(slot);
+        }
+        let meta_count = r.u32("metadata count")?;
+        let mut meta = BTreeMap::new();
+        for _ in 0..meta_count {
+            let key_len = r.u32("metadata key length")? as usize;
+            let key = std::str::from_utf8(r.bytes(key_len, "metadata key")?)
+                .map_err(|_| invalid("metadata key", "not UTF-8"))?
+                .to_owned();
+            let value_len = r.u32("metadata value length")? as usize;
+            let value = r.bytes(value_len, "metadata value")?.to_vec();
+            meta.insert(key, value);
+        }
+        if r.pos != body.len() {
+            return Err(invalid(
+                "index",
+                format!("{} trailing bytes", body.len() - r.pos),
+            ));
+        }
+        Ok(Self {
+            block_size,
+            codec: CodecConfig { codec, max_ratio },
+            image_size,
+            generation,
+            next_segment,
+            segments,
+            slots,
+            meta,
+        })
+    }
+}
+
+fn put_u32(out: &mut Vec<u8>, value: u32) {
+    out.extend_from_slice(&value.to_le_bytes());
+}
+
+fn put_u64(out: &mut Vec<u8>, value: u64) {
+    out.extend_from_slice(&value.to_le_bytes());
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn bytes(&mut self, len: usize, what: &'static str) -> Result<&'a [u8], IndexError> {
+        let end = self
+            .pos
+            .checked_add(len)
+            .filter(|&end| end <= self.bytes.len());
+        let end = end.ok_or(IndexError::Truncated {
+            len: self.bytes.len(),
+            what,
+        })?;
+        let out = &self.bytes[self.pos..end];
+        self.pos = end;
+        Ok(out)
+    }
+
+    fn array<const N: usize>(&mut self, what: &'static str) -> Result<[u8; N], IndexError> {
+        Ok(self.bytes(N, what)?.try_into().expect("slice of N bytes"))
+    }
+
+    fn u8(&mut self, what: &'static str) -> Result<u8, IndexError> {
+        Ok(self.array::<1>(what)?[0])
+    }
+
+    fn u32(&mut self, what: &'static str) -> Result<u32, IndexError> {
+        Ok(u32::from_le_bytes(self.array(what)?))
+    }
+
+    fn i32(&mut self, what: &'static str) -> Result<i32, IndexError> {
+        Ok(i32::from_le_bytes(self.array(what)?))
+    }
+
+    fn u64(&mut self, what: &'static str) -> Result<u64, IndexError> {
+        Ok(u64::from_le_bytes(self.array(what)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn sample() -> Index {
+        let block_size = BlockSize::new(64 << 10).unwrap();
+        let mut segments = BTreeMap::new();
+        segments.insert(0, 1000);
+        segments.insert(3, 70_000);
+        let mut meta = BTreeMap::new();
+        meta.insert("working-set".to_owned(), vec![1, 2, 3]);
+        Index {
+            block_size,
+            codec: CodecConfig::new(Codec::Zstd { level: 5 }),
+            image_size: 4 * (64 << 10) + 10,
+            generation: 9,
+            next_segment: 4,
+            segments,
+            slots: vec![
+                Slot::Absent,
+                Slot::Zero,
+                Slot::Fill(7),
+                Slot::Data(DataRef {
+                    kind: BlockKind::Lz4,
+                    segment: 3,
+                    len: 65536,
+                    offset: 10,
+                    checksum: 0xdead_beef,
+                }),
+                Slot::Data(DataRef {
+                    kind: BlockKind::Raw,
+                    segment: 0,
+                    len: 10,
+                    offset: 990,
+                    checksum: 1,
+                }),
+            ],
+            meta,
+        }
+    }
+
+    #[test]
+    fn index_roundtrips() {
+        let index = sample();
+        assert_eq!(Index::decode(&index.encode()).unwrap(), index);
+    }
+
+    #[test]
+    fn index_every_truncation_is_rejected() {
+        let bytes = sample().encode();
+        for len in 0..bytes.len() {
+            assert!(
+                Index::decode(&bytes[..len]).is_err(),
+                "length {len} accepted"
+            );
+        }
+    }
+
+    #[test]
+    fn index_flipped_bit_is_rejected_by_checksum() {
+        let bytes = sample().encode();
+        let mut bad = bytes.clone();
+        bad[40] ^= 0x10;
+        assert!(matches!(
+            Index::decode(&bad),
+            Err(IndexError::Checksum { .. })
+        ));
+    }
+
+    #[test]
+    fn index_entry_past_segment_end_is_rejected() {
+        let mut index = sample();
+        index.segments.insert(0, 999);
+        let err = Index::decode(&index.encode()).unwrap_err();
+        assert!(err.to_string().contains("points past segment 0"), "{err}");
+    }
+
+    fn slot_strategy() -> impl Strategy<Value = Slot> {
+        prop_oneof![
+            Just(Slot::Absent),
+            Just(Slot::Zero),
+            any::<u8>().prop_map(Slot::Fill),
+            (0u32..3, 0u64..1000, 0u32..=4096, any::<u64>(), 2u8..=4).prop_map(
+                |(segment, offset, len, checksum, tag)| Slot::Data(DataRef {
+                    kind: BlockKind::from_tag(tag).unwrap(),
+                    segment,
+                    len,
+                    offset,
+                    checksum,
+                })
+            ),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn any_index_roundtrips(
+            slots in proptest::collection::vec(slot_strategy(), 0..200),
+            generation in any::<u64>(),
+            meta in proptest::collection::btree_map("[a-z]{1,8}", proptest::collection::vec(any::<u8>(), 0..32), 0..4),
+        ) {
+            let block_size = BlockSize::new(4096).unwrap();
+            let index = Index {
+                block_size,
+                codec: CodecConfig::new(Codec::Lz4),
+                image_size: slots.len() as u64 * 4096,
+                generation,
+                next_segment: 3,
+                segments: (0..3).map(|id| (id, 10_000)).collect(),
+                slots,
+                meta,
+            };
+            prop_assert_eq!(Index::decode(&index.encode()).unwrap(), index);
+        }
+    }
+}

@@ -1,0 +1,522 @@
+use super::*;
+use crate::codec::Codec;
+use proptest::prelude::*;
+use std::os::unix::fs::FileExt;
+
+const BS: u64 = 16 << 10;
+
+fn config(blocks: u64, codec: Codec) -> StoreConfig {
+    StoreConfig {
+        block_size: BlockSize::new(BS).unwrap(),
+        codec: CodecConfig::new(codec),
+        image_size: blocks * BS,
+    }
+}
+
+/// A block that compresses (structured) but is unique to its seed.
+fn block_bytes(seed: u64, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| ((i as u64 / 16).wrapping_mul(seed | 1) >> 3) as u8 ^ seed as u8)
+        .collect()
+}
+
+fn random_bytes(seed: u64, len: usize) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 24) as u8
+        })
+        .collect()
+}
+
+fn read(store: &DiskStore, block: u64) -> Vec<u8> {
+    let mut out = vec![0xEE; store.block_len(block)];
+    store.get(block, &mut out).unwrap();
+    out
+}
+
+#[test]
+fn store_committed_blocks_survive_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = DiskStore::create(dir.path(), config(8, Codec::Lz4)).unwrap();
+    assert_eq!(
+        store.put(0, &block_bytes(1, BS as usize)).unwrap(),
+        BlockKind::Lz4
+    );
+    assert_eq!(
+        store.put(1, &vec![0; BS as usize]).unwrap(),
+        BlockKind::Zero
+    );
+    assert_eq!(
+        store.put(2, &vec![9; BS as usize]).unwrap(),
+        BlockKind::Fill
+    );
+    assert_eq!(
+        store.put(3, &random_bytes(3, BS as usize)).unwrap(),
+        BlockKind::Raw
+    );
+    store.set_meta("note", b"hello".to_vec()).unwrap();
+    store.commit().unwrap();
+    drop(store);
+
+    let store = DiskStore::open(dir.path()).unwrap();
+    assert_eq!(read(&store, 0), block_bytes(1, BS as usize));
+    assert_eq!(read(&store, 1), vec![0; BS as usize]);
+    assert_eq!(read(&store, 2), vec![9; BS as usize]);
+    assert_eq!(read(&store, 3), random_bytes(3, BS as usize));
+    assert_eq!(read(&store, 4), vec![0; BS as usize]);
+    assert_eq!(store.kind(4).unwrap(), None);
+    assert_eq!(store.meta("note"), Some(&b"hello"[..]));
+    // Creation is the first commit.
+    assert_eq!(store.generation(), 2);
+}
+
+#[test]
+fn store_uncommitted_writes_are_gone_after_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = DiskStore::create(dir.path(), config(4, Codec::Lz4)).unwrap();
+    store.put(0, &block_bytes(1, BS as usize)).unwrap();
+    store.commit().unwrap();
+    store.put(0, &block_bytes(2, BS as usize)).unwrap();
+    store.put(1, &block_bytes(3, BS as usize)).unwrap();
+    assert_eq!(read(&store, 0), block_bytes(2, BS as usize));
+    drop(store);
+
+    let store = DiskStore::open(dir.path()).unwrap();
+    assert_eq!(read(&store, 0), block_bytes(1, BS as usize));
+    assert_eq!(store.kind(1).unwrap(), None);
+}
+
+#[test]
+fn store_rollback_restores_last_commit() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = DiskStore::create(dir.path(), config(4, Codec::Zstd { level: 3 })).unwrap();
+    store.put(0, &block_bytes(1, BS as usize)).unwrap();
+    store.commit().unwrap();
+    store.put(0, &block_bytes(2, BS as usize)).unwrap();
+    store.discard(0).unwrap();
+    store.put(2, &block_bytes(2, BS as usize)).unwrap();
+    assert!(store.has_pending());
+    store.rollback().unwrap();
+    assert!(!store.has_pending());
+    assert_eq!(read(&store, 0), block_bytes(1, BS as usize));
+    assert_eq!(store.kind(2).unwrap(), None);
+    // Writing after a rollback still works and commits.
+    store.put(1, &block_bytes(5, BS as usize)).unwrap();
+    store.commit().unwrap();
+    assert_eq!(read(&store, 1), block_bytes(5, BS as usize));
+}
+
+#[test]
+fn store_partial_last_block_roundtrips() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(2, Codec::Lz4);
+    cfg.image_size = BS + 4096;
+    let mut store = DiskStore::create(dir.path(), cfg).unwrap();
+    assert_eq!(store.blocks(), 2);
+    let tail = block_bytes(4, 4096);
+    store.put(1, &tail).unwrap();
+    let err = store.put(1, &block_bytes(4, BS as usize)).unwrap_err();
+    assert!(matches!(err, StoreError::WrongLength { .. }), "{err}");
+    store.commit().unwrap();
+    assert_eq!(read(&store, 1), tail);
+}
+
+#[test]
+fn store_out_of_range_block_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = DiskStore::create(dir.path(), config(2, Codec::Lz4)).unwrap();
+    let err = store.put(2, &vec![1; BS as usize]).unwrap_err();
+    assert!(err.to_string().contains("block 2 is out of range"), "{err}");
+    assert!(store.discard(u64::MAX).is_err());
+}
+
+#[test]
+fn store_flipped_bit_is_reported_with_block_and_offset() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = DiskStore::create(dir.path(), config(4, Codec::Lz4)).unwrap();
+    for block in 0..4 {
+        store
+            .put(block, &block_bytes(block + 10, BS as usize))
+            .unwrap();
+    }
+    store.commit().unwrap();
+    let Slot::Data(victim) = store.slots[2] else {
+        panic!("block 2 should be stored data");
+    };
+    drop(store);
+
+    let seg_path = dir.path().join(segment::file_name(victim.segment));
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&seg_path)
+        .unwrap();
+    let at = victim.offset + u64::from(victim.len) / 2;
+    let mut byte = [0u8];
+    file.read_exact_at(&mut byte, at).unwrap();
+    file.write_all_at(&[byte[0] ^ 0x04], at).unwrap();
+
+    let store = DiskStore::open(dir.path()).unwrap();
+    let report = store.verify();
+    assert_eq!(report.blocks_checked, 4);
+    assert_eq!(report.problems.len(), 1, "{report:?}");
+    let problem = &report.problems[0];
+    assert_eq!(problem.block, 2);
+    assert_eq!(problem.offset, victim.offset);
+    assert_eq!(problem.path, seg_path);
+    assert!(
+        problem.reason.contains("checksum mismatch"),
+        "{}",
+        problem.reason
+    );
+
+    let mut out = vec![0; BS as usize];
+    let err = store.get(2, &mut out).unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("block 2"), "{text}");
+    assert!(
+        text.contains(&format!("offset {}", victim.offset)),
+        "{text}"
+    );
+    assert!(text.contains(&seg_path.display().to_string()), "{text}");
+    // The other blocks are still readable.
+    assert_eq!(read(&store, 3), block_bytes(13, BS as usize));
+}
+
+#[test]
+fn store_truncated_segment_is_a_clear_error_on_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = DiskStore::create(dir.path(), config(4, Codec::None)).unwrap();
+    store.put(0, &random_bytes(1, BS as usize)).unwrap();
+    store.commit().unwrap();
+    drop(store);
+    let seg_path = dir.path().join(segment::file_name(0));
+    let file = OpenOptions::new().write(true).open(&seg_path).unwrap();
+    file.set_len(100).unwrap();
+    let err = DiskStore::open(dir.path()).unwrap_err();
+    assert!(
+        matches!(err, StoreError::SegmentTruncated { expected, actual: 100, .. } if expected == BS),
+        "{err}"
+    );
+    assert!(err.to_string().contains("is truncated"), "{err}");
+    fs::remove_file(&seg_path).unwrap();
+    let err = DiskStore::open_read_only(dir.path()).unwrap_err();
+    assert!(matches!(err, StoreError::SegmentMissing { .. }), "{err}");
+}
+
+#[test]
+fn store_truncated_or_garbage_index_is_a_clear_error_on_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = DiskStore::create(dir.path(), config(4, Codec::Lz4)).unwrap();
+    store.put(0, &block_bytes(1, BS as usize)).unwrap();
+    store.commit().unwrap();
+    drop(store);
+    let index_path = dir.path().join(INDEX_FILE);
+    let bytes = fs::read(&index_path).unwrap();
+    for len in [0, 7, 20, bytes.len() / 2, bytes.len() - 1] {
+        fs::write(&index_path, &bytes[..len]).unwrap();
+        let err = DiskStore::open(dir.path()).unwrap_err();
+        assert!(
+            matches!(err, StoreError::IndexCorrupt { .. }),
+            "{len}: {err}"
+        );
+        assert!(error_chain(&err).contains("index"), "{}", error_chain(&err));
+    }
+    fs::write(&index_path, b"definitely not an index file").unwrap();
+    assert!(matches!(
+        DiskStore::open(dir.path()),
+        Err(StoreError::IndexCorrupt {
+            source: IndexError::BadMagic,
+            ..
+        })
+    ));
+}
+
+#[test]
+fn store_directory_without_index_is_not_a_store() {
+    let dir = tempfile::tempdir().unwrap();
+    assert!(matches!(
+        DiskStore::open(dir.path()),
+        Err(StoreError::NotAStore { .. })
+    ));
+}
+
+#[test]
+fn store_create_over_existing_store_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(DiskStore::create(dir.path(), config(4, Codec::Lz4)).unwrap());
+    let err = DiskStore::create(dir.path(), config(4, Codec::Lz4)).unwrap_err();
+    assert!(matches!(err, StoreError::AlreadyExists { .. }), "{err}");
+}
+
+#[test]
+fn store_second_writer_is_locked_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = DiskStore::create(dir.path(), config(4, Codec::Lz4)).unwrap();
+    assert!(matches!(
+        DiskStore::open(dir.path()),
+        Err(StoreError::Locked { .. })
+    ));
+    assert!(matches!(
+        DiskStore::open_read_only(dir.path()),
+        Err(StoreError::Locked { .. })
+    ));
+    drop(store);
+    let reader = DiskStore::open_read_only(dir.path()).unwrap();
+    let reader2 = DiskStore::open_read_only(dir.path()).unwrap();
+    assert!(matches!(
+        DiskStore::open(dir.path()),
+        Err(StoreError::Locked { .. })
+    ));
+    drop((reader, reader2));
+}
+
+#[test]
+fn store_read_only_refuses_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(DiskStore::create(dir.path(), config(4, Codec::Lz4)).unwrap());
+    let mut store = DiskStore::open_read_only(dir.path()).unwrap();
+    assert!(matches!(
+        store.put(0, &vec![1; BS as usize]),
+        Err(StoreError::ReadOnly { .. })
+    ));
+    assert!(matches!(store.commit(), Err(StoreError::ReadOnly { .. })));
+}
+
+#[test]
+fn store_stray_files_of_a_crashed_writer_are_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = DiskStore::create(dir.path(), config(4, Codec::Lz4)).unwrap();
+    store.put(0, &block_bytes(1, BS as usize)).unwrap();
+    store.commit().unwrap();
+    // Uncommitted tail on the committed segment, an orphan segment and a stale index.tmp.
+    store.put(1, &block_bytes(2, BS as usize)).unwrap();
+    let committed = store.segments[&0].committed_len;
+    drop(store);
+    fs::write(dir.path().join(segment::file_name(7)), b"orphan").unwrap();
+    fs::write(dir.path().join(INDEX_TMP), b"half an index").unwrap();
+
+    let mut store = DiskStore::open(dir.path()).unwrap();
+    assert!(!dir.path().join(segment::file_name(7)).exists());
+    assert!(!dir.path().join(INDEX_TMP).exists());
+    assert_eq!(
+        fs::metadata(dir.path().join(segment::file_name(0)))
+            .unwrap()
+            .len(),
+        committed
+    );
+    // New segments never reuse the orphan's id.
+    store.put(2, &block_bytes(3, BS as usize)).unwrap();
+    store.commit().unwrap();
+    assert!(
+        store.segments.keys().all(|&id| id == 0 || id > 7),
+        "{:?}",
+        store.segments.keys()
+    );
+    assert_eq!(read(&store, 2), block_bytes(3, BS as usize));
+}
+
+#[test]
+fn store_rewrites_are_reclaimed_by_compaction() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = StoreOptions {
+        segment_max_bytes: 256 << 10,
+        compact_min_bytes: 64 << 10,
+        ..StoreOptions::default()
+    };
+    let blocks = 64;
+    let mut store =
+        DiskStore::create_with(dir.path(), config(blocks, Codec::None), options).unwrap();
+    for round in 0..6u64 {
+        for block in 0..blocks {
+            store
+                .put(block, &random_bytes(round * 1000 + block, BS as usize))
+                .unwrap();
+        }
+        store.commit().unwrap();
+        let stats = store.stats();
+        // Never more than the live image plus one partly dead segment.
+        assert!(
+            stats.segment_bytes <= blocks * BS + options.segment_max_bytes,
+            "round {round}: {stats:?}"
+        );
+    }
+    // Rewrite half the blocks: the dead half is compacted away.
+    for block in (0..blocks).step_by(2) {
+        store
+            .put(block, &random_bytes(9000 + block, BS as usize))
+            .unwrap();
+    }
+    store.commit().unwrap();
+    drop(store);
+    let store = DiskStore::open(dir.path()).unwrap();
+    for block in 0..blocks {
+        let expect = if block % 2 == 0 {
+            9000 + block
+        } else {
+            5000 + block
+        };
+        assert_eq!(
+            read(&store, block),
+            random_bytes(expect, BS as usize),
+            "block {block}"
+        );
+    }
+    let stats = store.stats();
+    assert!(
+        stats.segment_bytes <= blocks * BS + options.segment_max_bytes,
+        "{stats:?}"
+    );
+    assert!(store.verify().problems.is_empty());
+}
+
+#[test]
+fn store_reset_reclaims_the_old_image() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = DiskStore::create(dir.path(), config(16, Codec::None)).unwrap();
+    for block in 0..16 {
+        store.put(block, &random_bytes(block, BS as usize)).unwrap();
+    }
+    store.commit().unwrap();
+    store.reset(4 * BS).unwrap();
+    store.put(0, &random_bytes(99, BS as usize)).unwrap();
+    store.commit().unwrap();
+    let stats = store.stats();
+    assert_eq!(stats.blocks, 4);
+    assert_eq!(stats.segment_bytes, BS, "{stats:?}");
+    drop(store);
+    let store = DiskStore::open(dir.path()).unwrap();
+    assert_eq!(store.image_size(), 4 * BS);
+    assert_eq!(read(&store, 0), random_bytes(99, BS as usize));
+}
+
+#[test]
+fn store_stats_count_kinds_and_disk_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = DiskStore::create(dir.path(), config(8, Codec::Lz4)).unwrap();
+    store.put(0, &vec![0; BS as usize]).unwrap();
+    store.put(1, &vec![3; BS as usize]).unwrap();
+    store.put(2, &random_bytes(1, BS as usize)).unwrap();
+    store.put(3, &block_bytes(1, BS as usize)).unwrap();
+    store.commit().unwrap();
+    let stats = store.stats();
+    assert_eq!(stats.blocks, 8);
+    assert_eq!(stats.present_blocks, 4);
+    assert_eq!(stats.zero_blocks, 1);
+    assert_eq!(stats.fill_blocks, 1);
+    assert_eq!(stats.raw_blocks, 1);
+    assert_eq!(stats.compressed_blocks, 1);
+    assert_eq!(stats.raw_bytes, 4 * BS);
+    assert!(
+        stats.stored_bytes > BS && stats.stored_bytes < 2 * BS,
+        "{stats:?}"
+    );
+    assert!(stats.disk_bytes >= stats.stored_bytes, "{stats:?}");
+    assert_eq!(stats.dead_bytes, 0);
+}
+
+#[test]
+fn store_put_encoded_passes_compressed_blocks_through() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = DiskStore::create(dir.path(), config(2, Codec::None)).unwrap();
+    let data = block_bytes(7, BS as usize);
+    let mut encoder = Encoder::new(CodecConfig::new(Codec::Zstd { level: 3 })).unwrap();
+    let encoded = encoder.encode(&data);
+    assert_eq!(encoded.kind, BlockKind::Zstd);
+    store.put_encoded(1, encoded).unwrap();
+    store.commit().unwrap();
+    assert_eq!(read(&store, 1), data);
+    let mut payload = Vec::new();
+    assert_eq!(
+        store.get_encoded(1, &mut payload).unwrap(),
+        Some(BlockKind::Zstd)
+    );
+    assert_eq!(payload, encoder.encode(&data).payload);
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Put(u64, u64),
+    Zero(u64),
+    Discard(u64),
+    Commit,
+    Rollback,
+    Reopen,
+}
+
+fn op_strategy(blocks: u64) -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..blocks, any::<u64>()).prop_map(|(b, s)| Op::Put(b, s)),
+        1 => (0..blocks).prop_map(Op::Zero),
+        1 => (0..blocks).prop_map(Op::Discard),
+        2 => Just(Op::Commit),
+        1 => Just(Op::Rollback),
+        1 => Just(Op::Reopen),
+    ]
+}
+
+fn model_block(seed: u64) -> Vec<u8> {
+    if seed.is_multiple_of(3) {
+        random_bytes(seed, BS as usize)
+    } else {
+        block_bytes(seed, BS as usize)
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    #[test]
+    fn store_matches_a_model_under_any_operations(
+        ops in proptest::collection::vec(op_strategy(6), 1..40),
+        codec in prop_oneof![Just(Codec::None), Just(Codec::Lz4), Just(Codec::Zstd { level: 1 })],
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let options = StoreOptions {
+            segment_max_bytes: 48 << 10,
+            compact_min_bytes: 16 << 10,
+            ..StoreOptions::default()
+        };
+        let mut store = DiskStore::create_with(dir.path(), config(6, codec), options).unwrap();
+        let zero = vec![0u8; BS as usize];
+        let mut current: Vec<Vec<u8>> = vec![zero.clone(); 6];
+        let mut committed = current.clone();
+        for op in ops {
+            match op {
+                Op::Put(block, seed) => {
+                    let data = model_block(seed);
+                    store.put(block, &data).unwrap();
+                    current[block as usize] = data;
+                }
+                Op::Zero(block) => {
+                    store.put(block, &zero).unwrap();
+                    current[block as usize] = zero.clone();
+                }
+                Op::Discard(block) => {
+                    store.discard(block).unwrap();
+                    current[block as usize] = zero.clone();
+                }
+                Op::Commit => {
+                    store.commit().unwrap();
+                    committed = current.clone();
+                }
+                Op::Rollback => {
+                    store.rollback().unwrap();
+                    current = committed.clone();
+                }
+                Op::Reopen => {
+                    drop(store);
+                    store = DiskStore::open_with(dir.path(), true, options).unwrap();
+                    current = committed.clone();
+                }
+            }
+            for (block, expect) in current.iter().enumerate() {
+                prop_assert_eq!(&read(&store, block as u64), expect, "block {}", block);
+            }
+        }
+        prop_assert!(store.verify().problems.is_empty());
+    }
+}
