@@ -1,13 +1,23 @@
 //! Compressed block store for guest-RAM pages.
 //!
+//! A RAM image is cut into blocks (64 KiB by default). Each block is stored as a zero tag, a
+//! same-byte tag, raw bytes, or a compressed payload, whichever is smallest worth keeping.
+//!
 //! - [`layout`]: block sizes and size parsing.
-//! - [`codec`]: `none`/`lz4`/`zstd` codecs with zero and same-byte tags.
+//! - [`codec`]: `none`/`lz4`/`zstd` codecs with zero and same-byte tags and an early bail-out
+//!   for incompressible blocks.
+//! - [`store`]: [`DiskStore`], the durable on-disk store (segments + atomically replaced index).
+//! - [`bulk`]: parallel, bounded-memory transfer of whole images into and out of a store.
+//! - [`image`]: packing a raw RAM file into a store and unpacking it.
 
+pub mod bulk;
 pub mod codec;
+pub mod image;
 pub mod layout;
-
-pub use codec::{BlockKind, Codec, CodecConfig, CodecError, Decoder, Encoded, Encoder, MaxRatio};
-pub use layout::{BlockSize, SizeError, PAGE_SIZE};
 pub mod store;
 
+pub use bulk::{BlockSource, BulkOptions, BulkReport, FileSource, SliceSource};
+pub use codec::{BlockKind, Codec, CodecConfig, CodecError, Decoder, Encoded, Encoder, MaxRatio};
+pub use image::{pack_file, unpack_file, ImageError, PackOptions};
+pub use layout::{BlockSize, SizeError, PAGE_SIZE};
 pub use store::{DiskStore, StoreConfig, StoreError, StoreOptions, StoreStats, VerifyReport};

@@ -165,9 +165,15 @@ pub enum StoreError {
         #[source]
         source: io::Error,
     },
-    /// A bulk operation's worker thread could not be started or panicked.
-    #[error("bulk worker failed: {0}")]
-    Worker(String),
+    /// A bulk read could not hand a block to its destination.
+    #[error("cannot write block {block} to the destination")]
+    Sink {
+        /// The block.
+        block: u64,
+        /// The destination's error.
+        #[source]
+        source: io::Error,
+    },
 }
 
 impl StoreError {
@@ -693,6 +699,14 @@ impl DiskStore {
             Slot::Data(data) => self.read_payload(block, &data, payload)?,
         }
         Ok(slot.kind())
+    }
+
+    /// Stored payload length of a block (0 for tags and absent blocks).
+    pub fn stored_len(&self, block: u64) -> usize {
+        match self.slot(block) {
+            Ok(Slot::Data(data)) => data.len as usize,
+            _ => 0,
+        }
     }
 
     /// Makes all writes since the last commit durable, then compacts if the options say so.

@@ -1,0 +1,462 @@
+//! Parallel bulk transfer between a RAM image and a `DiskStore`.
+//!
+//! Writing: worker threads claim batches of consecutive blocks, read them from the source,
+//! encode them and hand the batch to the calling thread, which appends it to the store with
+//! one write. The hand-off queue is bounded, so memory stays at a few batches per thread
+//! whatever the image size. Reading: worker threads decode blocks in parallel and give each
+//! to a sink (a file, guest memory).
+
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::thread;
+
+use crate::codec::{BlockKind, Encoder};
+use crate::store::{DiskStore, EncodedBatch, StoreError};
+
+/// Where a bulk write reads blocks from. Called from several threads at once.
+pub trait BlockSource: Sync {
+    /// Fills `buf` (exactly the block's length) with the bytes of block `block`.
+    fn read_block(&self, block: u64, buf: &mut [u8]) -> io::Result<()>;
+}
+
+/// A RAM image in a file.
+#[derive(Debug)]
+pub struct FileSource<'a> {
+    file: &'a std::fs::File,
+    block_size: u64,
+}
+
+impl<'a> FileSource<'a> {
+    /// Reads blocks of `block_size` bytes from `file`.
+    pub fn new(file: &'a std::fs::File, block_size: u64) -> Self {
+        Self { file, block_size }
+    }
+}
+
+impl BlockSource for FileSource<'_> {
+    fn read_block(&self, block: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.file.read_exact_at(buf, block * self.block_size)
+    }
+}
+
+/// A RAM image in memory.
+#[derive(Debug, Clone, Copy)]
+pub struct SliceSource<'a> {
+    bytes: &'a [u8],
+    block_size: usize,
+}
+
+impl<'a> SliceSource<'a> {
+    /// Reads blocks of `block_size` bytes from `bytes`.
+    pub fn new(bytes: &'a [u8], block_size: usize) -> Self {
+        Self { bytes, block_size }
+    }
+}
+
+impl BlockSource for SliceSource<'_> {
+    fn read_block(&self, block: u64, buf: &mut [u8]) -> io::Result<()> {
+        let start = usize::try_from(block)
+            .ok()
+            .and_then(|b| b.checked_mul(self.block_size))
+            .filter(|&start| start + buf.len() <= self.bytes.len())
+            .ok_or_else(|| io::Error::from(io::ErrorKind::UnexpectedEof))?;
+        buf.copy_from_slice(&self.bytes[start..start + buf.len()]);
+        Ok(())
+    }
+}
+
+/// Parallelism and batching of bulk transfers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BulkOptions {
+    /// Worker threads (at least 1).
+    pub threads: usize,
+    /// Consecutive blocks per batch (one append per batch).
+    pub batch_blocks: usize,
+    /// Batches that may wait for the writer; bounds memory.
+    pub queue_depth: usize,
+}
+
+impl Default for BulkOptions {
+    fn default() -> Self {
+        Self::with_threads(thread::available_parallelism().map_or(1, |n| n.get()))
+    }
+}
+
+impl BulkOptions {
+    /// Defaults with `threads` workers.
+    pub fn with_threads(threads: usize) -> Self {
+        let threads = threads.max(1);
+        Self {
+            threads,
+            batch_blocks: 16,
+            queue_depth: 2 * threads,
+        }
+    }
+}
+
+/// What a bulk transfer moved.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct BulkReport {
+    /// Blocks transferred.
+    pub blocks: u64,
+    /// Logical bytes transferred.
+    pub bytes: u64,
+    /// Payload bytes written to or read from segments.
+    pub stored_bytes: u64,
+    /// Blocks that were all zeros (or absent, when reading).
+    pub zero_blocks: u64,
+    /// Blocks of one repeated byte.
+    pub fill_blocks: u64,
+    /// Blocks stored uncompressed.
+    pub raw_blocks: u64,
+    /// Blocks stored compressed.
+    pub compressed_blocks: u64,
+}
+
+impl BulkReport {
+    fn count(&mut self, kind: Option<BlockKind>, len: usize, stored: usize) {
+        self.blocks += 1;
+        self.bytes += len as u64;
+        self.stored_bytes += stored as u64;
+        match kind {
+            None | Some(BlockKind::Zero) => self.zero_blocks += 1,
+            Some(BlockKind::Fill) => self.fill_blocks += 1,
+            Some(BlockKind::Raw) => self.raw_blocks += 1,
+            Some(BlockKind::Lz4 | BlockKind::Zstd) => self.compressed_blocks += 1,
+        }
+    }
+
+    fn merge(&mut self, other: &Self) {
+        self.blocks += other.blocks;
+        self.bytes += other.bytes;
+        self.stored_bytes += other.stored_bytes;
+        self.zero_blocks += other.zero_blocks;
+        self.fill_blocks += other.fill_blocks;
+        self.raw_blocks += other.raw_blocks;
+        self.compressed_blocks += other.compressed_blocks;
+    }
+}
+
+/// All block indices of `store`'s image, in order.
+pub fn all_blocks(store: &DiskStore) -> Vec<u64> {
+    (0..store.blocks()).collect()
+}
+
+/// Reads `blocks` from `source`, encodes them in parallel and writes them to `store`.
+/// Nothing is committed: the caller commits, or rolls back on error. `progress` receives the
+/// logical bytes of each batch as it lands.
+pub fn write_blocks(
+    store: &mut DiskStore,
+    source: &dyn BlockSource,
+    blocks: &[u64],
+    options: &BulkOptions,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<BulkReport, StoreError> {
+    if let Some(&block) = blocks.iter().find(|&&b| b >= store.blocks()) {
+        return Err(StoreError::BlockOutOfRange {
+            block,
+            blocks: store.blocks(),
+        });
+    }
+    let codec = store.codec();
+    let block_size = store.block_size();
+    let image_size = store.image_size();
+    let batch_blocks = options.batch_blocks.max(1);
+    let next = AtomicUsize::new(0);
+    let abort = AtomicBool::new(false);
+    let (tx, rx) =
+        crossbeam_channel::bounded::<Result<EncodedBatch, StoreError>>(options.queue_depth.max(1));
+    let mut report = BulkReport::default();
+    let mut first_error = None;
+    thread::scope(|scope| {
+        for _ in 0..options.threads.max(1) {
+            let tx = tx.clone();
+            let (next, abort) = (&next, &abort);
+            scope.spawn(move || {
+                let mut encoder = match Encoder::new(codec) {
+                    Ok(encoder) => encoder,
+                    Err(e) => {
+                        let _ = tx.send(Err(StoreError::Codec(e)));
+                        return;
+                    }
+                };
+                let mut buf = vec![0u8; block_size.bytes()];
+                while !abort.load(Ordering::Relaxed) {
+                    let start = next.fetch_add(batch_blocks, Ordering::Relaxed);
+                    if start >= blocks.len() {
+                        break;
+                    }
+                    let end = (start + batch_blocks).min(blocks.len());
+                    let mut batch = EncodedBatch::default();
+                    let mut failed = None;
+                    for &block in &blocks[start..end] {
+                        let len = block_size.len_in_image(block, image_size);
+                        if let Err(source) = source.read_block(block, &mut buf[..len]) {
+                            failed = Some(StoreError::Source { block, source });
+                            break;
+                        }
+                        batch.push(block, encoder.encode(&buf[..len]));
+                    }
+                    let message = match failed {
+                        Some(e) => Err(e),
+                        None => Ok(batch),
+                    };
+                    if tx.send(message).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+        drop(tx);
+        for message in rx {
+            if first_error.is_some() {
+                continue;
+            }
+            let written = message.and_then(|batch| {
+                store.put_batch(&batch)?;
+                Ok(batch)
+            });
+            match written {
+                Ok(batch) => {
+                    let mut bytes = 0;
+                    for item in &batch.items {
+                        let len = block_size.len_in_image(item.block, image_size);
+                        report.count(Some(item.kind), len, item.len);
+                        bytes += len as u64;
+                    }
+                    progress(bytes);
+                }
+                Err(e) => {
+                    abort.store(true, Ordering::Relaxed);
+                    first_error = Some(e);
+                }
+            }
+        }
+    });
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(report),
+    }
+}
+
+/// Reads `blocks` from `store` in parallel, decoding and checking each, and hands each to
+/// `sink` with its kind (`None` for an absent block, which reads as zeros).
+pub fn read_blocks(
+    store: &DiskStore,
+    blocks: &[u64],
+    options: &BulkOptions,
+    sink: &(dyn Fn(u64, Option<BlockKind>, &[u8]) -> io::Result<()> + Sync),
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<BulkReport, StoreError> {
+    let batch_blocks = options.batch_blocks.max(1);
+    let next = AtomicUsize::new(0);
+    let abort = AtomicBool::new(false);
+    let first_error: Mutex<Option<StoreError>> = Mutex::new(None);
+    let total = Mutex::new(BulkReport::default());
+    thread::scope(|scope| {
+        for _ in 0..options.threads.max(1) {
+            scope.spawn(|| {
+                let mut buf = vec![0u8; store.block_size().bytes()];
+                let mut report = BulkReport::default();
+                'work: while !abort.load(Ordering::Relaxed) {
+                    let start = next.fetch_add(batch_blocks, Ordering::Relaxed);
+                    if start >= blocks.len() {
+                        break;
+                    }
+                    let mut bytes = 0;
+                    for &block in &blocks[start..(start + batch_blocks).min(blocks.len())] {
+                        let len = store.block_len(block);
+                        let result = store.get(block, &mut buf[..len]).and_then(|kind| {
+                            sink(block, kind, &buf[..len])
+                                .map_err(|source| StoreError::Sink { block, source })?;
+                            Ok(kind)
+                        });
+                        match result {
+                            Ok(kind) => {
+                                report.count(kind, len, store.stored_len(block));
+                                bytes += len as u64;
+                            }
+                            Err(e) => {
+                                abort.store(true, Ordering::Relaxed);
+                                first_error
+                                    .lock()
+                                    .unwrap_or_else(|p| p.into_inner())
+                                    .get_or_insert(e);
+                                break 'work;
+                            }
+                        }
+                    }
+                    progress(bytes);
+                }
+                total
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .merge(&report);
+            });
+        }
+    });
+    if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e);
+    }
+    Ok(total.into_inner().unwrap_or_else(|p| p.into_inner()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::{Codec, CodecConfig};
+    use crate::layout::BlockSize;
+    use crate::store::StoreConfig;
+
+    fn image(len: usize) -> Vec<u8> {
+        let mut state = 0x1234_5678_u64;
+        (0..len)
+            .map(|i| match (i / 65536) % 4 {
+                0 => 0,
+                1 => (i % 97) as u8,
+                2 => {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    state as u8
+                }
+                _ => 0x5A,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn bulk_write_then_read_roundtrips_with_any_thread_count() {
+        let len = (64 << 10) * 37 + 4096;
+        let data = image(len);
+        for threads in [1, 2, 5] {
+            let dir = tempfile::tempdir().unwrap();
+            let mut store = DiskStore::create(
+                dir.path(),
+                StoreConfig {
+                    block_size: BlockSize::new(64 << 10).unwrap(),
+                    codec: CodecConfig::new(Codec::Lz4),
+                    image_size: len as u64,
+                },
+            )
+            .unwrap();
+            let options = BulkOptions::with_threads(threads);
+            let blocks = all_blocks(&store);
+            let written = AtomicUsize::new(0);
+            let progress = |bytes: u64| {
+                written.fetch_add(bytes as usize, Ordering::Relaxed);
+            };
+            let report = write_blocks(
+                &mut store,
+                &SliceSource::new(&data, 64 << 10),
+                &blocks,
+                &options,
+                &progress,
+            )
+            .unwrap();
+            store.commit().unwrap();
+            assert_eq!(written.load(Ordering::Relaxed), len);
+            assert_eq!(report.blocks, 38);
+            assert!(
+                report.zero_blocks >= 9 && report.fill_blocks >= 9,
+                "{report:?}"
+            );
+            assert!(
+                report.raw_blocks >= 9 && report.compressed_blocks >= 9,
+                "{report:?}"
+            );
+
+            let out = Mutex::new(vec![0xEEu8; len]);
+            let read = read_blocks(
+                &store,
+                &blocks,
+                &options,
+                &|block, _kind, bytes| {
+                    let start = block as usize * (64 << 10);
+                    out.lock().unwrap()[start..start + bytes.len()].copy_from_slice(bytes);
+                    Ok(())
+                },
+                &|_| {},
+            )
+            .unwrap();
+            assert_eq!(read.blocks, 38);
+            assert_eq!(read.stored_bytes, report.stored_bytes);
+            assert!(out.into_inner().unwrap() == data, "threads {threads}");
+        }
+    }
+
+    struct FailingSource;
+    impl BlockSource for FailingSource {
+        fn read_block(&self, block: u64, buf: &mut [u8]) -> io::Result<()> {
+            if block == 20 {
+                return Err(io::Error::other("injected read failure"));
+            }
+            buf.fill(block as u8);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn bulk_write_source_error_stops_and_keeps_the_committed_image() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = DiskStore::create(
+            dir.path(),
+            StoreConfig {
+                block_size: BlockSize::new(4096).unwrap(),
+                codec: CodecConfig::new(Codec::Lz4),
+                image_size: 64 * 4096,
+            },
+        )
+        .unwrap();
+        store.put(20, &[7u8; 4096]).unwrap();
+        store.commit().unwrap();
+        let blocks = all_blocks(&store);
+        let err = write_blocks(
+            &mut store,
+            &FailingSource,
+            &blocks,
+            &BulkOptions::with_threads(2),
+            &|_| {},
+        )
+        .unwrap_err();
+        assert!(matches!(err, StoreError::Source { block: 20, .. }), "{err}");
+        store.rollback().unwrap();
+        let mut out = [0u8; 4096];
+        store.get(20, &mut out).unwrap();
+        assert_eq!(out, [7u8; 4096]);
+        assert_eq!(store.kind(21).unwrap(), None);
+    }
+
+    #[test]
+    fn bulk_read_sink_error_names_the_block() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = DiskStore::create(
+            dir.path(),
+            StoreConfig {
+                block_size: BlockSize::new(4096).unwrap(),
+                codec: CodecConfig::new(Codec::Lz4),
+                image_size: 8 * 4096,
+            },
+        )
+        .unwrap();
+        store.commit().unwrap();
+        let blocks = all_blocks(&store);
+        let err = read_blocks(
+            &store,
+            &blocks,
+            &BulkOptions::with_threads(1),
+            &|block, _, _| {
+                if block == 3 {
+                    Err(io::Error::other("disk full"))
+                } else {
+                    Ok(())
+                }
+            },
+            &|_| {},
+        )
+        .unwrap_err();
+        assert!(matches!(err, StoreError::Sink { block: 3, .. }), "{err}");
+    }
+}
