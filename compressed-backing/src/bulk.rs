@@ -139,6 +139,10 @@ impl BulkReport {
     }
 }
 
+/// Receives blocks read in bulk: index, kind (`None` when absent) and bytes. Called from
+/// several threads at once.
+pub type BlockSink<'a> = dyn Fn(u64, Option<BlockKind>, &[u8]) -> io::Result<()> + Sync + 'a;
+
 /// All block indices of `store`'s image, in order.
 pub fn all_blocks(store: &DiskStore) -> Vec<u64> {
     (0..store.blocks()).collect()
@@ -247,7 +251,7 @@ pub fn read_blocks(
     store: &DiskStore,
     blocks: &[u64],
     options: &BulkOptions,
-    sink: &(dyn Fn(u64, Option<BlockKind>, &[u8]) -> io::Result<()> + Sync),
+    sink: &BlockSink<'_>,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<BulkReport, StoreError> {
     let batch_blocks = options.batch_blocks.max(1);
