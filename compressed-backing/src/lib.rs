@@ -7,17 +7,21 @@
 //! - [`codec`]: `none`/`lz4`/`zstd` codecs with zero and same-byte tags and an early bail-out
 //!   for incompressible blocks.
 //! - [`store`]: [`DiskStore`], the durable on-disk store (segments + atomically replaced index).
+//! - [`pool`]: [`MemoryPool`], the in-memory compressed pool for cold blocks of running VMs.
 //! - [`bulk`]: parallel, bounded-memory transfer of whole images into and out of a store.
 //! - [`image`]: packing a raw RAM file into a store and unpacking it.
 
 pub mod bulk;
 pub mod codec;
+pub mod fuse;
 pub mod image;
 pub mod layout;
+pub mod pool;
 pub mod store;
 
 pub use bulk::{BlockSource, BulkOptions, BulkReport, FileSource, SliceSource};
 pub use codec::{BlockKind, Codec, CodecConfig, CodecError, Decoder, Encoded, Encoder, MaxRatio};
 pub use image::{pack_file, unpack_file, ImageError, PackOptions};
 pub use layout::{BlockSize, SizeError, PAGE_SIZE};
+pub use pool::{MemoryPool, PoolConfig, PoolError, PoolStats, PutOutcome};
 pub use store::{DiskStore, StoreConfig, StoreError, StoreOptions, StoreStats, VerifyReport};
