@@ -865,7 +865,34 @@ mod tests {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(32))]
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        #[test]
+        fn pool_any_bytes_roundtrip_or_are_refused(
+            bytes in proptest::collection::vec(any::<u8>(), 1..512),
+            repeat in 1usize..256,
+            codec in prop_oneof![Just(Codec::Lz4), Just(Codec::Zstd { level: 1 }), Just(Codec::Zstd { level: 9 })],
+        ) {
+            // Arbitrary bytes, repeated to fill a block: from incompressible to highly
+            // compressible depending on the length and repeat count drawn.
+            let mut data: Vec<u8> = bytes.iter().copied().cycle().take(bytes.len() * repeat).collect();
+            data.resize(BS, 0);
+            let pool = MemoryPool::new(PoolConfig {
+                codec: CodecConfig::new(codec),
+                ..config(1, u64::MAX)
+            })
+            .unwrap();
+            let outcome = pool.put(0, &data).unwrap();
+            let mut out = vec![0xEE; BS];
+            let got = pool.get(0, &mut out).unwrap();
+            if outcome.is_stored() {
+                prop_assert!(got.is_some());
+                prop_assert!(out == data);
+            } else {
+                prop_assert_eq!(outcome, PutOutcome::Incompressible);
+                prop_assert_eq!(got, None);
+            }
+        }
+
         #[test]
         fn pool_matches_a_model(ops in proptest::collection::vec((0u64..16, 0u64..1000, 0u8..4), 1..200)) {
             let pool = MemoryPool::new(config(16, 3 * DEFAULT_SLAB_BYTES as u64)).unwrap();

@@ -468,6 +468,27 @@ fn model_block(seed: u64) -> Vec<u8> {
 }
 
 proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    #[test]
+    fn store_any_bytes_roundtrip_through_every_codec(
+        blocks in proptest::collection::vec(proptest::collection::vec(any::<u8>(), BS as usize), 1..4),
+        codec in prop_oneof![Just(Codec::None), Just(Codec::Lz4), Just(Codec::Zstd { level: 3 })],
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = DiskStore::create(dir.path(), config(blocks.len() as u64, codec)).unwrap();
+        for (block, data) in blocks.iter().enumerate() {
+            store.put(block as u64, data).unwrap();
+        }
+        store.commit().unwrap();
+        drop(store);
+        let store = DiskStore::open_read_only(dir.path()).unwrap();
+        for (block, data) in blocks.iter().enumerate() {
+            prop_assert!(&read(&store, block as u64) == data);
+        }
+    }
+}
+
+proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
     #[test]
     fn store_matches_a_model_under_any_operations(
