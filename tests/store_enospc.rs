@@ -2,6 +2,9 @@
 //! the same process (after rollback) and after reopening. Uses a real, small tmpfs so the
 //! kernel itself runs out of space; needs root (mount).
 
+// Test code: a failed setup step should stop the test on the spot.
+#![allow(clippy::unwrap_used)]
+
 use std::ffi::CString;
 use std::fs::{self, OpenOptions};
 use std::io::Write;

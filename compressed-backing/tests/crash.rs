@@ -5,6 +5,9 @@
 //!
 //! The writer is this test binary itself, re-executed with `CRASH_WRITER_DIR` set.
 
+// Test code: a failed setup step should stop the test on the spot.
+#![allow(clippy::unwrap_used)]
+
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -31,13 +34,13 @@ fn options() -> StoreOptions {
 /// most compressible, every one distinct per generation.
 fn pattern(generation: u64, block: u64) -> Vec<u8> {
     let mut out = vec![0u8; BLOCK];
-    if block % 11 == 5 && generation % 2 == 0 {
+    if block % 11 == 5 && generation.is_multiple_of(2) {
         return out;
     }
     out[..8].copy_from_slice(&generation.to_le_bytes());
     out[8..16].copy_from_slice(&block.to_le_bytes());
     let mut state = (generation << 20 | block).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let random = (generation + block) % 4 == 0;
+    let random = (generation + block).is_multiple_of(4);
     for (i, byte) in out[16..].iter_mut().enumerate() {
         if random || i % 64 == 0 {
             state ^= state << 13;

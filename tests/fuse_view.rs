@@ -1,0 +1,433 @@
+//! The FUSE view of a compressed store through the real `/dev/fuse`: plain reads, `pwrite`,
+//! `MAP_SHARED` and `MAP_PRIVATE` mappings, unmount, and the store's contents afterwards.
+//!
+//! Needs `/dev/fuse` and the right to call `mount(2)` (root); set
+//! `PVISOR_SKIP_DEVICE_TESTS=1` to skip where FUSE is not available.
+
+use std::fs::{self, File, OpenOptions};
+use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use compressed_backing::fuse::{self, FuseOptions, MountedStore};
+use compressed_backing::{BlockSize, Codec, CodecConfig, DiskStore, StoreConfig};
+use memmap2::{MmapMut, MmapOptions};
+
+const IMAGE_SIZE: u64 = 16 << 20;
+const BS: usize = 64 << 10;
+const BLOCKS: usize = IMAGE_SIZE as usize / BS;
+
+/// True when FUSE can be used; false (after saying so) when the caller asked to skip device
+/// tests; panics with what is missing otherwise.
+fn fuse_available() -> bool {
+    if Path::new("/dev/fuse").exists() {
+        return true;
+    }
+    if std::env::var("PVISOR_SKIP_DEVICE_TESTS").as_deref() == Ok("1") {
+        eprintln!("skipping: /dev/fuse is missing and PVISOR_SKIP_DEVICE_TESTS=1");
+        return false;
+    }
+    panic!(
+        "/dev/fuse is missing: load the fuse module (modprobe fuse) or set \
+         PVISOR_SKIP_DEVICE_TESTS=1 to skip the device tests"
+    );
+}
+
+/// Bytes unique to `seed` and position that lz4 compresses.
+fn structured(seed: u64, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| ((i as u64 / 8).wrapping_mul(seed | 1) >> 2) as u8 ^ seed as u8)
+        .collect()
+}
+
+/// Bytes that do not compress.
+fn noise(seed: u64, len: usize) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 24) as u8
+        })
+        .collect()
+}
+
+/// Creates a 16 MiB store of 64 KiB lz4 blocks holding absent, zero, same-byte, compressible
+/// and incompressible blocks; returns the image it holds.
+fn create_store(dir: &Path) -> Vec<u8> {
+    let mut store = DiskStore::create(
+        dir,
+        StoreConfig {
+            block_size: BlockSize::new(BS as u64).expect("64 KiB is a valid block size"),
+            codec: CodecConfig::new(Codec::Lz4),
+            image_size: IMAGE_SIZE,
+        },
+    )
+    .expect("create store");
+    let mut image = vec![0u8; IMAGE_SIZE as usize];
+    for block in 0..BLOCKS {
+        let data = match block % 5 {
+            0 => continue, // absent: reads as zeros
+            1 => vec![0; BS],
+            2 => vec![block as u8 | 1; BS],
+            3 => noise(block as u64, BS),
+            _ => structured(block as u64, BS),
+        };
+        store.put(block as u64, &data).expect("put");
+        image[block * BS..(block + 1) * BS].copy_from_slice(&data);
+    }
+    store.commit().expect("commit");
+    image
+}
+
+fn mount_store(store_dir: &Path, mnt: &Path, cache_blocks: usize) -> MountedStore {
+    let store = DiskStore::open(store_dir).expect("open store");
+    let options = FuseOptions {
+        cache_blocks,
+        ..FuseOptions::default()
+    };
+    fuse::mount(store, mnt, &options).expect("mount the store (needs root and /dev/fuse)")
+}
+
+/// Checks every block of the store at `dir` against `image` and that it verifies clean.
+fn assert_store_holds(dir: &Path, image: &[u8]) {
+    let store = DiskStore::open(dir).expect("reopen store");
+    let mut block = vec![0u8; BS];
+    for b in 0..BLOCKS {
+        store.get(b as u64, &mut block).expect("get");
+        assert!(
+            block == image[b * BS..(b + 1) * BS],
+            "block {b} differs from the expected image"
+        );
+    }
+    let report = store.verify();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+}
+
+fn assert_unmounted(mnt: &Path) {
+    let parent = mnt.parent().expect("a tempdir has a parent");
+    let dev = |p: &Path| fs::metadata(p).expect("stat").dev();
+    assert_eq!(
+        dev(mnt),
+        dev(parent),
+        "{} is still a mountpoint",
+        mnt.display()
+    );
+}
+
+fn errno(err: &std::io::Error) -> i32 {
+    err.raw_os_error().unwrap_or(0)
+}
+
+#[test]
+fn fuse_view_reads_writes_and_maps_round_trip_to_the_store() {
+    if !fuse_available() {
+        return;
+    }
+    let started = Instant::now();
+    let store_dir = tempfile::tempdir().expect("tempdir");
+    let mnt = tempfile::tempdir().expect("tempdir");
+    let mut image = create_store(store_dir.path());
+    // A small cache, so the test also exercises eviction write-back.
+    let mounted = mount_store(store_dir.path(), mnt.path(), 16);
+    let path = mounted.file_path();
+
+    // One plain file of the image's size.
+    let names: Vec<_> = fs::read_dir(mnt.path())
+        .expect("readdir")
+        .map(|e| e.expect("entry").file_name())
+        .collect();
+    assert_eq!(names, ["ram"]);
+    let meta = fs::metadata(&path).expect("stat");
+    assert!(meta.is_file());
+    assert_eq!(meta.len(), IMAGE_SIZE);
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+
+    // Plain reads decompress.
+    assert!(
+        fs::read(&path).expect("read") == image,
+        "file differs from the image"
+    );
+
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .expect("open rw");
+
+    // MAP_SHARED read-write: read, write across blocks, msync, munmap.
+    {
+        // SAFETY: nothing else truncates or writes the mapped file while the mapping lives.
+        let mut map = unsafe { MmapMut::map_mut(&file) }.expect("mmap shared");
+        assert_eq!(map.len(), IMAGE_SIZE as usize);
+        assert!(
+            map[..] == image[..],
+            "shared mapping differs from the image"
+        );
+        let unaligned = 3 * BS - 100..3 * BS + 5000;
+        let fill = structured(77, unaligned.len());
+        map[unaligned.clone()].copy_from_slice(&fill);
+        image[unaligned].copy_from_slice(&fill);
+        let whole = 10 * BS..13 * BS;
+        let fill = noise(78, whole.len());
+        map[whole.clone()].copy_from_slice(&fill);
+        image[whole].copy_from_slice(&fill);
+        map[IMAGE_SIZE as usize - 1] = 0x5A;
+        image[IMAGE_SIZE as usize - 1] = 0x5A;
+        map.flush().expect("msync");
+    }
+    let after_msync = mounted.stats();
+    assert!(after_msync.writes > 0, "{after_msync:?}");
+
+    // MAP_SHARED written and unmapped without msync: munmap writes it back.
+    {
+        // SAFETY: as above.
+        let mut map = unsafe { MmapMut::map_mut(&file) }.expect("mmap shared");
+        let range = 40 * BS + 4096..40 * BS + 3 * 4096;
+        map[range.clone()].fill(0xC3);
+        image[range].fill(0xC3);
+    }
+
+    // MAP_PRIVATE: copy-on-write, the file does not change.
+    {
+        // SAFETY: as above; the private mapping's writes go to anonymous copies.
+        let mut map = unsafe { MmapOptions::new().map_copy(&file) }.expect("mmap private");
+        map[5 * BS..6 * BS + 10].fill(0xEE);
+        assert_eq!(map[5 * BS + 3], 0xEE);
+    }
+    let mut check = vec![0u8; BS + 10];
+    file.read_exact_at(&mut check, 5 * BS as u64)
+        .expect("pread");
+    assert!(
+        check == image[5 * BS..6 * BS + 10],
+        "MAP_PRIVATE writes reached the file"
+    );
+
+    // pwrite through the descriptor, unaligned across a block boundary, then fsync.
+    let offset = 21 * BS - 3;
+    let data = structured(91, BS + 7);
+    file.write_all_at(&data, offset as u64).expect("pwrite");
+    image[offset..offset + data.len()].copy_from_slice(&data);
+    file.sync_all().expect("fsync");
+    let after_fsync = mounted.stats();
+    assert!(after_fsync.commits > 0, "{after_fsync:?}");
+    assert_eq!(after_fsync.writeback_errors, 0, "{after_fsync:?}");
+
+    // The end of the file: short writes, EFBIG, empty reads.
+    let tail = file
+        .write_at(&[0x11; 8192], IMAGE_SIZE - 4096)
+        .expect("write across EOF");
+    assert_eq!(tail, 4096);
+    image[IMAGE_SIZE as usize - 4096..].fill(0x11);
+    let past = file
+        .write_at(&[1], IMAGE_SIZE)
+        .expect_err("a write past EOF fails");
+    assert_eq!(errno(&past), libc::EFBIG, "{past}");
+    assert_eq!(
+        file.read_at(&mut [0; 16], IMAGE_SIZE)
+            .expect("pread at EOF"),
+        0
+    );
+
+    // The size is fixed; truncating to it is harmless.
+    file.set_len(IMAGE_SIZE)
+        .expect("ftruncate to the same size");
+    let shrink = file
+        .set_len(IMAGE_SIZE / 2)
+        .expect_err("shrinking is refused");
+    assert_eq!(errno(&shrink), libc::EINVAL, "{shrink}");
+    assert_eq!(fs::metadata(&path).expect("stat").len(), IMAGE_SIZE);
+
+    // Everything is visible through a fresh read.
+    assert!(
+        fs::read(&path).expect("read") == image,
+        "file differs after writes"
+    );
+    drop(file);
+
+    let stats = mounted.unmount().expect("unmount");
+    assert_unmounted(mnt.path());
+    assert!(stats.bytes_read >= IMAGE_SIZE, "{stats:?}");
+    assert!(stats.blocks_written_back > 0, "{stats:?}");
+    assert!(stats.cache_misses > 0 && stats.cache_hits > 0, "{stats:?}");
+    assert_eq!(
+        (
+            stats.read_errors,
+            stats.write_errors,
+            stats.writeback_errors
+        ),
+        (0, 0, 0),
+        "{stats:?}"
+    );
+    assert_store_holds(store_dir.path(), &image);
+    eprintln!(
+        "fuse_view round trip took {:?}: {stats:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn fuse_view_corrupt_block_reads_fail_with_eio() {
+    if !fuse_available() {
+        return;
+    }
+    let store_dir = tempfile::tempdir().expect("tempdir");
+    let mnt = tempfile::tempdir().expect("tempdir");
+    let image = create_store(store_dir.path());
+    // Flip a byte in the middle of the segment file.
+    let segment = fs::read_dir(store_dir.path())
+        .expect("list store")
+        .map(|e| e.expect("entry").path())
+        .find(|p| p.extension().is_some_and(|e| e == "dat"))
+        .expect("a segment file");
+    let seg = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&segment)
+        .expect("open segment");
+    let at = seg.metadata().expect("stat segment").len() / 2;
+    let mut byte = [0u8];
+    seg.read_exact_at(&mut byte, at).expect("read segment");
+    seg.write_all_at(&[byte[0] ^ 0x40], at)
+        .expect("write segment");
+    drop(seg);
+    let bad: Vec<u64> = DiskStore::open_read_only(store_dir.path())
+        .expect("open store")
+        .verify()
+        .problems
+        .iter()
+        .map(|p| p.block)
+        .collect();
+    assert_eq!(bad.len(), 1, "flipping one byte breaks one block: {bad:?}");
+    let bad = bad[0] as usize;
+    let good = (0..BLOCKS)
+        .find(|&b| b != bad && b % 5 == 4)
+        .expect("another data block");
+
+    let mounted = mount_store(store_dir.path(), mnt.path(), 8);
+    let file = File::open(mounted.file_path()).expect("open");
+    let mut buf = vec![0u8; 4096];
+    let err = file
+        .read_at(&mut buf, (bad * BS + 1000) as u64)
+        .expect_err("a corrupt block must not read");
+    assert_eq!(errno(&err), libc::EIO, "{err}");
+    let whole = fs::read(mounted.file_path()).expect_err("reading the whole file fails too");
+    assert_eq!(errno(&whole), libc::EIO, "{whole}");
+    file.read_exact_at(&mut buf, (good * BS) as u64)
+        .expect("an intact block reads");
+    assert!(buf == image[good * BS..good * BS + 4096]);
+    assert!(mounted.stats().read_errors > 0);
+    drop(file);
+
+    mounted.unmount().expect("unmount");
+    assert_unmounted(mnt.path());
+}
+
+#[test]
+fn fuse_view_unmount_while_open_waits_for_the_last_user() {
+    if !fuse_available() {
+        return;
+    }
+    let store_dir = tempfile::tempdir().expect("tempdir");
+    let mnt = tempfile::tempdir().expect("tempdir");
+    let mut image = create_store(store_dir.path());
+    let mounted = mount_store(store_dir.path(), mnt.path(), 16);
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(mounted.file_path())
+        .expect("open rw");
+    let offset = 7 * BS + 123;
+    image[offset..offset + 4].copy_from_slice(b"late");
+
+    let user = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        // The mount is detached by now; the open file keeps working.
+        file.write_all_at(b"late", offset as u64)
+            .expect("write after detach");
+        drop(file);
+    });
+    let stats = mounted.unmount().expect("unmount");
+    user.join().expect("user thread");
+
+    assert_unmounted(mnt.path());
+    assert!(stats.writes > 0, "{stats:?}");
+    assert_store_holds(store_dir.path(), &image);
+}
+
+#[test]
+fn fuse_view_external_umount_leaves_the_store_committed() {
+    if !fuse_available() {
+        return;
+    }
+    let store_dir = tempfile::tempdir().expect("tempdir");
+    let mnt = tempfile::tempdir().expect("tempdir");
+    let mut image = create_store(store_dir.path());
+    let mounted = mount_store(store_dir.path(), mnt.path(), 16);
+    let path = mounted.file_path();
+    // The tree is fixed: no new files, no removal.
+    let create = File::create(mnt.path().join("other")).expect_err("create is refused");
+    assert_eq!(errno(&create), libc::EPERM, "{create}");
+    let remove = fs::remove_file(&path).expect_err("unlink is refused");
+    assert_eq!(errno(&remove), libc::EPERM, "{remove}");
+    let file = OpenOptions::new().write(true).open(&path).expect("open wo");
+    file.write_all_at(&[0x42; 3000], (30 * BS - 1000) as u64)
+        .expect("pwrite");
+    image[30 * BS - 1000..30 * BS + 2000].fill(0x42);
+    drop(file);
+
+    let target = std::ffi::CString::new(mnt.path().as_os_str().as_encoded_bytes())
+        .expect("a tempdir path has no NUL");
+    // SAFETY: `target` is a NUL-terminated path that outlives the call.
+    let rc = unsafe { libc::umount(target.as_ptr()) };
+    assert_eq!(rc, 0, "umount: {}", std::io::Error::last_os_error());
+    let stats = mounted.unmount().expect("unmount after an external umount");
+
+    assert_unmounted(mnt.path());
+    assert_eq!(stats.writeback_errors, 0, "{stats:?}");
+    assert_store_holds(store_dir.path(), &image);
+}
+
+#[test]
+fn fuse_view_concurrent_mapped_writers_all_land() {
+    if !fuse_available() {
+        return;
+    }
+    let store_dir = tempfile::tempdir().expect("tempdir");
+    let mnt = tempfile::tempdir().expect("tempdir");
+    let mut image = create_store(store_dir.path());
+    // Fewer cache entries than blocks touched: write-back on eviction races with faults.
+    let mounted = mount_store(store_dir.path(), mnt.path(), 4);
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(mounted.file_path())
+        .expect("open rw");
+    // SAFETY: nothing else truncates the mapped file while the mapping lives.
+    let mut map = unsafe { MmapMut::map_mut(&file) }.expect("mmap shared");
+    const WRITERS: usize = 4;
+    let chunk = IMAGE_SIZE as usize / WRITERS;
+    std::thread::scope(|scope| {
+        for (i, part) in map.chunks_mut(chunk).enumerate() {
+            scope.spawn(move || {
+                // Every third page of the quarter, a byte pattern per writer and page.
+                for page in (0..part.len() / 4096).step_by(3) {
+                    part[page * 4096..page * 4096 + 100].fill((i * 31 + page) as u8);
+                }
+            });
+        }
+    });
+    for (i, part) in image.chunks_mut(chunk).enumerate() {
+        for page in (0..part.len() / 4096).step_by(3) {
+            part[page * 4096..page * 4096 + 100].fill((i * 31 + page) as u8);
+        }
+    }
+    map.flush().expect("msync");
+    drop(map);
+    drop(file);
+
+    let stats = mounted.unmount().expect("unmount");
+    assert_eq!(stats.writeback_errors, 0, "{stats:?}");
+    assert_store_holds(store_dir.path(), &image);
+}

@@ -1,0 +1,140 @@
+//! Command-line parsing and dispatch.
+
+mod demo;
+mod store;
+
+use std::error::Error;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use compressed_backing::layout::parse_size;
+use compressed_backing::{BlockSize, Codec};
+
+/// What a command returns: its exit code, or an error printed with all its causes.
+pub(crate) type CliResult = Result<ExitCode, Box<dyn Error>>;
+
+/// Userfaultfd lazy memory service for microVMs, with a compressed block store.
+#[derive(Debug, Parser)]
+#[command(name = "uffd-pager", version, about, long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Pack a raw RAM file (e.g. a Firecracker snapshot memory file) into a store.
+    ///
+    /// Creates the store if DIR holds none; otherwise replaces its image (same block size)
+    /// and reclaims the old one. The new image is committed only when complete.
+    Pack {
+        /// The raw memory file to read.
+        #[arg(long, value_name = "RAW")]
+        mem_file: PathBuf,
+        /// The store directory.
+        #[arg(long, value_name = "DIR")]
+        store: PathBuf,
+        /// Codec: none, lz4 (fast, default) or zstd[:LEVEL] (smaller).
+        #[arg(long)]
+        codec: Option<Codec>,
+        /// Block size, a power of two from 4KiB to 2MiB (default 64KiB).
+        #[arg(long, value_name = "N")]
+        block_size: Option<BlockSize>,
+        /// Compression threads (default: all cores).
+        #[arg(long, value_name = "N")]
+        threads: Option<usize>,
+        /// Print the result as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write a store's image back to a raw file (sparse where blocks are zero).
+    Unpack {
+        /// The store directory.
+        #[arg(long, value_name = "DIR")]
+        store: PathBuf,
+        /// The raw file to write; it appears only when complete.
+        #[arg(long, value_name = "RAW")]
+        out: PathBuf,
+        /// Decompression threads (default: all cores).
+        #[arg(long, value_name = "N")]
+        threads: Option<usize>,
+    },
+    /// Read and check every block: checksums and decompression. Exits 1 if any block is bad.
+    Verify {
+        /// The store directory.
+        #[arg(long, value_name = "DIR")]
+        store: PathBuf,
+        /// Print the report as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show a store's blocks, sizes and compression ratio.
+    Info {
+        /// The store directory.
+        #[arg(long, value_name = "DIR")]
+        store: PathBuf,
+        /// Print one JSON object (keys include raw_bytes, stored_bytes, disk_bytes, ratio).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show what the store does: pack a VM-shaped RAM image (program code, 64 MiB of repeated
+    /// and 64 MiB of random application data, untouched memory) with every codec, verify and
+    /// unpack each, serve the compressed one through the FUSE view, and print the table.
+    Demo {
+        /// Size of the RAM image (KiB/MiB/GiB suffixes).
+        #[arg(long, default_value = "512MiB", value_parser = parse_size)]
+        size: u64,
+        /// Keep the files in this directory instead of a temporary one.
+        #[arg(long, value_name = "DIR")]
+        keep: Option<PathBuf>,
+    },
+    /// Mount a store so its image appears as one plain file (MOUNTPOINT/ram) that any VMM can
+    /// read, write or mmap. Runs until SIGINT or SIGTERM, then writes back, commits and
+    /// unmounts.
+    Mount {
+        /// The store directory.
+        #[arg(long, value_name = "DIR")]
+        store: PathBuf,
+        /// An existing empty directory to mount on.
+        mountpoint: PathBuf,
+        /// Name of the image file inside the mount.
+        #[arg(long, default_value = "ram")]
+        file_name: String,
+        /// Decompressed blocks kept in memory.
+        #[arg(long, default_value_t = 256)]
+        cache_blocks: usize,
+        /// Let other users access the mount.
+        #[arg(long)]
+        allow_other: bool,
+    },
+}
+
+/// Runs a parsed command line.
+pub fn run(cli: Cli) -> CliResult {
+    match cli.command {
+        Command::Pack {
+            mem_file,
+            store,
+            codec,
+            block_size,
+            threads,
+            json,
+        } => store::pack(&mem_file, &store, codec, block_size, threads, json),
+        Command::Unpack {
+            store,
+            out,
+            threads,
+        } => store::unpack(&store, &out, threads),
+        Command::Verify { store, json } => store::verify(&store, json),
+        Command::Info { store, json } => store::info(&store, json),
+        Command::Demo { size, keep } => demo::demo(size, keep.as_deref()),
+        Command::Mount {
+            store,
+            mountpoint,
+            file_name,
+            cache_blocks,
+            allow_other,
+        } => store::mount(&store, &mountpoint, file_name, cache_blocks, allow_other),
+    }
+}

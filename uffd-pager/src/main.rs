@@ -1,0 +1,24 @@
+//! `uffd-pager`: the lazy memory service's command line.
+//!
+//! Store commands (`pack`, `unpack`, `verify`, `info`, `mount`) work on the compressed block
+//! store of `compressed-backing`.
+
+mod cli;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let args = cli::Cli::parse();
+    match cli::run(args) {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!(
+                "uffd-pager: {}",
+                compressed_backing::store::error_chain(&*err)
+            );
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,643 @@
+//! A safe wrapper over a userfaultfd.
+//!
+//! The unsafe boundary is at registration (STYLE.md): registering a range promises that the
+//! mapping outlives the registration and that the kernel may fill it at any time. Once
+//! registered, resolving faults (`copy`, `zeropage`, `continue_range`, `wake`) is safe: the
+//! kernel only writes inside registered ranges and refuses anything else.
+//!
+//! Errnos are mapped to what they mean for a pager: `EEXIST` → the page is already mapped
+//! (someone else resolved it; wake the waiters), `EAGAIN` → the address space is changing
+//! (a `REMOVE` event is pending: read events first, then retry), `ESRCH` → the process that
+//! owns the memory is gone, `ENOENT` → the range is no longer mapped there.
+
+use std::fs::OpenOptions;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+use linux_raw_sys::general as sys;
+use linux_raw_sys::ioctl as nr;
+
+use crate::addr::{HostAddr, HostRange, PAGE_SIZE};
+
+/// `_IO(USERFAULTFD_IOC, 0x00)`: the `/dev/userfaultfd` ioctl that makes a new userfaultfd.
+const USERFAULTFD_IOC_NEW: libc::c_ulong = 0xAA00;
+/// `UFFDIO_CONTINUE_MODE_DONTWAKE` (missing from the generated bindings).
+const UFFDIO_CONTINUE_MODE_DONTWAKE: u64 = 1;
+
+/// `UFFD_FEATURE_*` bits the pager may ask for.
+pub mod feature {
+    /// Report `MADV_DONTNEED`/`MADV_REMOVE` of registered ranges as `REMOVE` events.
+    pub const EVENT_REMOVE: u64 = 1 << 3;
+    /// MISSING registration on shmem (memfd) mappings.
+    pub const MISSING_SHMEM: u64 = 1 << 5;
+    /// MINOR registration on shmem (memfd) mappings.
+    pub const MINOR_SHMEM: u64 = 1 << 10;
+    /// Write-protect unpopulated anonymous pages too.
+    pub const WP_UNPOPULATED: u64 = 1 << 13;
+    /// Resolve write-protect faults in the kernel, recording dirtiness (for PAGEMAP_SCAN).
+    pub const WP_ASYNC: u64 = 1 << 15;
+}
+
+/// One event read from a userfaultfd.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// A thread touched a page that needs resolving.
+    Pagefault {
+        /// The faulting address (not page-aligned).
+        addr: HostAddr,
+        /// The access was a write.
+        write: bool,
+        /// A MINOR fault: the page is in the page cache, only its mapping is missing.
+        minor: bool,
+        /// A write to a write-protected page.
+        write_protect: bool,
+    },
+    /// `[start, end)` was discarded (`MADV_DONTNEED`/`MADV_REMOVE`): it reads as zeros now.
+    Remove {
+        /// First address.
+        start: HostAddr,
+        /// One past the last address.
+        end: HostAddr,
+    },
+    /// `[start, end)` was unmapped.
+    Unmap {
+        /// First address.
+        start: HostAddr,
+        /// One past the last address.
+        end: HostAddr,
+    },
+    /// A range moved (`mremap`).
+    Remap {
+        /// Old start.
+        from: HostAddr,
+        /// New start.
+        to: HostAddr,
+        /// Length.
+        len: u64,
+    },
+    /// The owner forked; the child's userfaultfd is closed at once (not served).
+    Fork,
+    /// An event type this pager does not know.
+    Unknown(u8),
+}
+
+/// Errors of userfaultfd operations, with the errno translated.
+#[derive(Debug, thiserror::Error)]
+pub enum UffdError {
+    /// The userfaultfd could not be created.
+    #[error("cannot create a userfaultfd through {via}")]
+    Create {
+        /// `/dev/userfaultfd` or the system call.
+        via: &'static str,
+        /// The system error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The kernel refused the API handshake or lacks a feature the pager needs.
+    #[error("userfaultfd API handshake failed: asked for features {asked:#x}, kernel offers {offered:#x}")]
+    Api {
+        /// Features asked for.
+        asked: u64,
+        /// Features the kernel reported (0 if the call itself failed).
+        offered: u64,
+        /// The system error, if the call failed.
+        #[source]
+        source: Option<std::io::Error>,
+    },
+    /// Registration of a range failed.
+    #[error("cannot register {range:?} ({mode})")]
+    Register {
+        /// The range.
+        range: HostRange,
+        /// The mode, for the message.
+        mode: &'static str,
+        /// The system error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `EAGAIN`: the ioctl stopped after `done` bytes. With `done == 0` the address space is
+    /// changing (a `REMOVE` event is pending): read events, then retry. With `done > 0` it
+    /// made partial progress (it stops at an already-mapped page): continue after it.
+    #[error(
+        "{op} at {addr}: address space changing, {done} bytes done; retry after reading events"
+    )]
+    Retry {
+        /// The operation.
+        op: &'static str,
+        /// Where.
+        addr: HostAddr,
+        /// Bytes resolved before the interruption.
+        done: u64,
+    },
+    /// `ESRCH`: the process owning the memory has exited.
+    #[error("{op} at {addr}: the process owning the memory is gone")]
+    OwnerGone {
+        /// The operation.
+        op: &'static str,
+        /// Where.
+        addr: HostAddr,
+    },
+    /// `ENOENT`: the range is no longer mapped (the owner unmapped or remapped it).
+    #[error("{op} at {addr}: the range is no longer mapped")]
+    Unmapped {
+        /// The operation.
+        op: &'static str,
+        /// Where.
+        addr: HostAddr,
+    },
+    /// Any other failure of a resolving ioctl.
+    #[error("{op} of {len} bytes at {addr} failed")]
+    Ioctl {
+        /// The operation.
+        op: &'static str,
+        /// Where.
+        addr: HostAddr,
+        /// How much.
+        len: u64,
+        /// The system error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Reading events failed.
+    #[error("cannot read userfaultfd events")]
+    Read(#[source] std::io::Error),
+    /// A read returned a partial event message.
+    #[error("short read of {0} bytes from the userfaultfd")]
+    ShortRead(usize),
+}
+
+/// The outcome of a resolving ioctl that did not fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resolved {
+    /// The whole range was filled and mapped.
+    Done,
+    /// `EEXIST`: part of the range was already mapped; `done` bytes at the start were filled
+    /// before the first mapped page. Waiters still need a wake for the rest.
+    AlreadyMapped {
+        /// Bytes filled before the first already-mapped page.
+        done: u64,
+    },
+}
+
+/// How a range is registered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mode {
+    /// Faults on pages that are not there at all.
+    pub missing: bool,
+    /// Faults on pages present in the page cache but not mapped (shmem).
+    pub minor: bool,
+    /// Faults on writes to write-protected pages.
+    pub write_protect: bool,
+}
+
+impl Mode {
+    /// MISSING only.
+    pub const MISSING: Mode = Mode {
+        missing: true,
+        minor: false,
+        write_protect: false,
+    };
+    /// MISSING and MINOR, for memfd-backed RAM.
+    pub const MISSING_MINOR: Mode = Mode {
+        missing: true,
+        minor: true,
+        write_protect: false,
+    };
+
+    fn bits(self) -> u64 {
+        let mut mode = 0;
+        if self.missing {
+            mode |= u64::from(sys::UFFDIO_REGISTER_MODE_MISSING);
+        }
+        if self.minor {
+            mode |= u64::from(sys::UFFDIO_REGISTER_MODE_MINOR);
+        }
+        if self.write_protect {
+            mode |= u64::from(sys::UFFDIO_REGISTER_MODE_WP);
+        }
+        mode
+    }
+
+    fn name(self) -> &'static str {
+        match (self.missing, self.minor, self.write_protect) {
+            (true, false, false) => "missing",
+            (true, true, false) => "missing+minor",
+            (false, true, false) => "minor",
+            (true, false, true) => "missing+wp",
+            (false, false, true) => "wp",
+            _ => "missing+minor+wp",
+        }
+    }
+}
+
+/// One userfaultfd. Safe to share between threads: every operation is one system call.
+#[derive(Debug)]
+pub struct Userfaultfd {
+    fd: OwnedFd,
+}
+
+impl Userfaultfd {
+    /// Creates a non-blocking, close-on-exec userfaultfd through `/dev/userfaultfd` (falling
+    /// back to the system call where the device does not exist) and does the API handshake,
+    /// asking for `features` (`feature::*` bits).
+    pub fn create(features: u64) -> Result<Self, UffdError> {
+        let flags = libc::O_CLOEXEC | libc::O_NONBLOCK;
+        let fd = match OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/userfaultfd")
+        {
+            Ok(dev) => {
+                // SAFETY: USERFAULTFD_IOC_NEW takes the userfaultfd(2) flags as its argument.
+                let fd = unsafe { libc::ioctl(dev.as_raw_fd(), USERFAULTFD_IOC_NEW, flags) };
+                if fd < 0 {
+                    return Err(UffdError::Create {
+                        via: "/dev/userfaultfd",
+                        source: std::io::Error::last_os_error(),
+                    });
+                }
+                fd
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                // SAFETY: the userfaultfd system call takes only flags.
+                let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, flags) };
+                if fd < 0 {
+                    return Err(UffdError::Create {
+                        via: "userfaultfd(2)",
+                        source: std::io::Error::last_os_error(),
+                    });
+                }
+                fd as RawFd
+            }
+            Err(source) => {
+                return Err(UffdError::Create {
+                    via: "/dev/userfaultfd",
+                    source,
+                })
+            }
+        };
+        // SAFETY: `fd` was just returned by the kernel and is owned by nobody else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let uffd = Self { fd };
+        let mut api = sys::uffdio_api {
+            api: u64::from(sys::UFFD_API),
+            features,
+            ioctls: 0,
+        };
+        // SAFETY: `api` is the uffdio_api structure UFFDIO_API expects.
+        let rc = unsafe { ioctl(uffd.fd(), nr::UFFDIO_API, &mut api) };
+        if rc != 0 {
+            return Err(UffdError::Api {
+                asked: features,
+                offered: api.features,
+                source: Some(std::io::Error::last_os_error()),
+            });
+        }
+        if api.features & features != features {
+            return Err(UffdError::Api {
+                asked: features,
+                offered: api.features,
+                source: None,
+            });
+        }
+        Ok(uffd)
+    }
+
+    /// Takes over a userfaultfd created elsewhere (e.g. received from Firecracker over a
+    /// socket), on which the API handshake has already been done.
+    pub fn from_fd(fd: OwnedFd) -> Self {
+        Self { fd }
+    }
+
+    /// Registers `range` for faults of `mode`.
+    ///
+    /// # Safety
+    ///
+    /// `range` must be mapped in the process that owns this userfaultfd and stay mapped (or be
+    /// unregistered) for as long as faults in it may be resolved; the kernel will fill pages of
+    /// it at any time, so nothing may rely on its contents except through the pager.
+    pub unsafe fn register(&self, range: HostRange, mode: Mode) -> Result<(), UffdError> {
+        let mut arg = sys::uffdio_register {
+            range: sys::uffdio_range {
+                start: range.start().0,
+                len: range.len(),
+            },
+            mode: mode.bits(),
+            ioctls: 0,
+        };
+        // SAFETY: `arg` is the uffdio_register structure UFFDIO_REGISTER expects; the caller
+        // guarantees the range's lifetime.
+        let rc = unsafe { ioctl(self.fd(), nr::UFFDIO_REGISTER, &mut arg) };
+        if rc != 0 {
+            return Err(UffdError::Register {
+                range,
+                mode: mode.name(),
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Unregisters `range`; its pages stay as they are.
+    pub fn unregister(&self, range: HostRange) -> Result<(), UffdError> {
+        let mut arg = sys::uffdio_range {
+            start: range.start().0,
+            len: range.len(),
+        };
+        // SAFETY: `arg` is the uffdio_range structure UFFDIO_UNREGISTER expects.
+        let rc = unsafe { ioctl(self.fd(), nr::UFFDIO_UNREGISTER, &mut arg) };
+        if rc != 0 {
+            return Err(UffdError::Register {
+                range,
+                mode: "unregister",
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Fills the missing pages at `dst` with `src` (page multiple) and maps them; wakes the
+    /// faulting threads if `wake`.
+    pub fn copy(&self, dst: HostAddr, src: &[u8], wake: bool) -> Result<Resolved, UffdError> {
+        let mut arg = sys::uffdio_copy {
+            dst: dst.0,
+            src: src.as_ptr() as u64,
+            len: src.len() as u64,
+            mode: if wake {
+                0
+            } else {
+                u64::from(sys::UFFDIO_COPY_MODE_DONTWAKE)
+            },
+            copy: 0,
+        };
+        // SAFETY: `arg` is a valid uffdio_copy; `src` is readable for `len` bytes for the
+        // duration of the call; the kernel writes only inside ranges registered on this fd.
+        let rc = unsafe { ioctl(self.fd(), nr::UFFDIO_COPY, &mut arg) };
+        resolve("UFFDIO_COPY", dst, src.len() as u64, rc, arg.copy)
+    }
+
+    /// Maps the shared zero page over the missing pages of `range`.
+    pub fn zeropage(&self, range: HostRange, wake: bool) -> Result<Resolved, UffdError> {
+        let mut arg = sys::uffdio_zeropage {
+            range: sys::uffdio_range {
+                start: range.start().0,
+                len: range.len(),
+            },
+            mode: if wake {
+                0
+            } else {
+                u64::from(sys::UFFDIO_ZEROPAGE_MODE_DONTWAKE)
+            },
+            zeropage: 0,
+        };
+        // SAFETY: `arg` is a valid uffdio_zeropage; the kernel maps only registered ranges.
+        let rc = unsafe { ioctl(self.fd(), nr::UFFDIO_ZEROPAGE, &mut arg) };
+        resolve(
+            "UFFDIO_ZEROPAGE",
+            range.start(),
+            range.len(),
+            rc,
+            arg.zeropage,
+        )
+    }
+
+    /// Maps the page-cache pages of `range` (MINOR faults): nothing is copied.
+    pub fn continue_range(&self, range: HostRange, wake: bool) -> Result<Resolved, UffdError> {
+        let mut arg = sys::uffdio_continue {
+            range: sys::uffdio_range {
+                start: range.start().0,
+                len: range.len(),
+            },
+            mode: if wake {
+                0
+            } else {
+                UFFDIO_CONTINUE_MODE_DONTWAKE
+            },
+            mapped: 0,
+        };
+        // SAFETY: `arg` is a valid uffdio_continue; the kernel maps only registered ranges.
+        let rc = unsafe { ioctl(self.fd(), nr::UFFDIO_CONTINUE, &mut arg) };
+        resolve(
+            "UFFDIO_CONTINUE",
+            range.start(),
+            range.len(),
+            rc,
+            arg.mapped,
+        )
+    }
+
+    /// Fills every missing page of `dst .. dst + src.len()` from `src` (a page multiple),
+    /// skipping pages that are already mapped, then wakes the waiters of the whole range if
+    /// `wake`. Returns the bytes this call filled. `Err(Retry { done })` means the address
+    /// space changed under it (a `REMOVE` event is pending): the first `done` bytes are
+    /// settled; read events, then call again for the rest.
+    pub fn copy_missing(&self, dst: HostAddr, src: &[u8], wake: bool) -> Result<u64, UffdError> {
+        let len = src.len() as u64;
+        let mut offset = 0u64;
+        let mut filled = 0u64;
+        while offset < len {
+            let at = HostAddr(dst.0 + offset);
+            match self.copy(at, &src[offset as usize..], false) {
+                Ok(Resolved::Done) => {
+                    filled += len - offset;
+                    offset = len;
+                }
+                Ok(Resolved::AlreadyMapped { done }) => {
+                    // `done` bytes were filled, then one page was found mapped: skip it.
+                    filled += done;
+                    offset += done + PAGE_SIZE;
+                }
+                // Partial progress also ends in EAGAIN; only no progress means "stop".
+                Err(UffdError::Retry { done, .. }) if done > 0 => {
+                    filled += done;
+                    offset += done;
+                }
+                Err(UffdError::Retry { op, .. }) => {
+                    return Err(UffdError::Retry {
+                        op,
+                        addr: dst,
+                        done: offset,
+                    })
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        if wake {
+            self.wake(HostRange::new(dst, len).map_err(|_| UffdError::Ioctl {
+                op: "UFFDIO_WAKE",
+                addr: dst,
+                len,
+                source: std::io::Error::from_raw_os_error(libc::EINVAL),
+            })?)?;
+        }
+        Ok(filled)
+    }
+
+    /// Wakes threads waiting on faults in `range` (after `EEXIST`, or after DONTWAKE batches).
+    pub fn wake(&self, range: HostRange) -> Result<(), UffdError> {
+        let mut arg = sys::uffdio_range {
+            start: range.start().0,
+            len: range.len(),
+        };
+        // SAFETY: `arg` is a valid uffdio_range; WAKE only wakes waiters.
+        let rc = unsafe { ioctl(self.fd(), nr::UFFDIO_WAKE, &mut arg) };
+        match resolve("UFFDIO_WAKE", range.start(), range.len(), rc, 0) {
+            Ok(_) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Reads the events that are ready into `out` (cleared first), without blocking; returns
+    /// how many were read (0 when none are ready).
+    pub fn read_events(&self, out: &mut Vec<Event>) -> Result<usize, UffdError> {
+        const BATCH: usize = 64;
+        let msg_size = std::mem::size_of::<sys::uffd_msg>();
+        let mut msgs = [std::mem::MaybeUninit::<sys::uffd_msg>::uninit(); BATCH];
+        out.clear();
+        // SAFETY: `msgs` is writable for BATCH messages; read(2) writes at most that much.
+        let n = unsafe { libc::read(self.fd(), msgs.as_mut_ptr().cast(), BATCH * msg_size) };
+        if n < 0 {
+            let err = std::io::Error::last_os_error();
+            return match err.raw_os_error() {
+                Some(libc::EAGAIN) | Some(libc::EINTR) => Ok(0),
+                _ => Err(UffdError::Read(err)),
+            };
+        }
+        let n = n.unsigned_abs();
+        if !n.is_multiple_of(msg_size) {
+            return Err(UffdError::ShortRead(n));
+        }
+        for msg in &msgs[..n / msg_size] {
+            // SAFETY: the kernel filled these messages.
+            let msg = unsafe { msg.assume_init_ref() };
+            out.push(parse_event(msg));
+        }
+        Ok(out.len())
+    }
+
+    /// Waits up to `timeout_ms` (-1: forever) for events or for `extra` (e.g. an eventfd used
+    /// to stop) to become readable. Returns `(uffd_ready, extra_ready)`.
+    pub fn poll(&self, extra: Option<RawFd>, timeout_ms: i32) -> std::io::Result<(bool, bool)> {
+        let mut fds = [
+            libc::pollfd {
+                fd: self.fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: extra.unwrap_or(-1),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: `fds` is a valid array of two pollfd; a negative fd is ignored by poll.
+        let rc = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout_ms) };
+        if rc < 0 {
+            let err = std::io::Error::last_os_error();
+            if err.kind() == std::io::ErrorKind::Interrupted {
+                return Ok((false, false));
+            }
+            return Err(err);
+        }
+        let ready =
+            |f: &libc::pollfd| f.revents & (libc::POLLIN | libc::POLLERR | libc::POLLHUP) != 0;
+        Ok((ready(&fds[0]), ready(&fds[1])))
+    }
+
+    fn fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+impl AsRawFd for Userfaultfd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd()
+    }
+}
+
+/// Issues a userfaultfd ioctl.
+///
+/// # Safety
+///
+/// `arg` must be the argument structure that `request` expects.
+unsafe fn ioctl<T>(fd: RawFd, request: u32, arg: &mut T) -> libc::c_int {
+    // SAFETY: forwarded from the caller.
+    unsafe { libc::ioctl(fd, libc::c_ulong::from(request), arg as *mut T) }
+}
+
+/// Translates the result of a resolving ioctl. `count` is the kernel's progress field (bytes
+/// done, or a negative errno).
+fn resolve(
+    op: &'static str,
+    addr: HostAddr,
+    len: u64,
+    rc: libc::c_int,
+    count: i64,
+) -> Result<Resolved, UffdError> {
+    if rc == 0 {
+        return Ok(Resolved::Done);
+    }
+    let err = std::io::Error::last_os_error();
+    let done = u64::try_from(count).unwrap_or(0);
+    match err.raw_os_error() {
+        Some(libc::EEXIST) => Ok(Resolved::AlreadyMapped { done }),
+        Some(libc::EAGAIN) => Err(UffdError::Retry { op, addr, done }),
+        Some(libc::ESRCH) => Err(UffdError::OwnerGone { op, addr }),
+        Some(libc::ENOENT) => Err(UffdError::Unmapped { op, addr }),
+        _ => Err(UffdError::Ioctl {
+            op,
+            addr,
+            len,
+            source: err,
+        }),
+    }
+}
+
+fn parse_event(msg: &sys::uffd_msg) -> Event {
+    match u32::from(msg.event) {
+        sys::UFFD_EVENT_PAGEFAULT => {
+            // SAFETY: the kernel fills the pagefault member for PAGEFAULT events.
+            let fault = unsafe { msg.arg.pagefault };
+            let flags = fault.flags;
+            Event::Pagefault {
+                addr: HostAddr(fault.address),
+                write: flags & u64::from(sys::UFFD_PAGEFAULT_FLAG_WRITE) != 0,
+                minor: flags & u64::from(sys::UFFD_PAGEFAULT_FLAG_MINOR) != 0,
+                write_protect: flags & u64::from(sys::UFFD_PAGEFAULT_FLAG_WP) != 0,
+            }
+        }
+        sys::UFFD_EVENT_REMOVE => {
+            // SAFETY: the kernel fills the remove member for REMOVE events.
+            let remove = unsafe { msg.arg.remove };
+            Event::Remove {
+                start: HostAddr(remove.start),
+                end: HostAddr(remove.end),
+            }
+        }
+        sys::UFFD_EVENT_UNMAP => {
+            // SAFETY: UNMAP events use the remove member.
+            let remove = unsafe { msg.arg.remove };
+            Event::Unmap {
+                start: HostAddr(remove.start),
+                end: HostAddr(remove.end),
+            }
+        }
+        sys::UFFD_EVENT_REMAP => {
+            // SAFETY: the kernel fills the remap member for REMAP events.
+            let remap = unsafe { msg.arg.remap };
+            Event::Remap {
+                from: HostAddr(remap.from),
+                to: HostAddr(remap.to),
+                len: remap.len,
+            }
+        }
+        sys::UFFD_EVENT_FORK => {
+            // SAFETY: the kernel fills the fork member for FORK events; the descriptor it
+            // carries is ours to close.
+            let fork = unsafe { msg.arg.fork };
+            // SAFETY: `ufd` is a new descriptor the kernel installed for us.
+            drop(unsafe { OwnedFd::from_raw_fd(fork.ufd.cast_signed()) });
+            Event::Fork
+        }
+        other => Event::Unknown(other as u8),
+    }
+}

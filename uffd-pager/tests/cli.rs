@@ -1,0 +1,358 @@
+//! The store commands of the `uffd-pager` binary, run as a user would run them.
+
+// Test code: a failed setup step should stop the test on the spot.
+#![allow(clippy::unwrap_used)]
+
+use std::fs;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_uffd-pager"))
+}
+
+fn run(args: &[&str]) -> Output {
+    bin().args(args).output().expect("run uffd-pager")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn device_tests_skipped() -> bool {
+    let skip = std::env::var_os("PVISOR_SKIP_DEVICE_TESTS").is_some_and(|v| v == "1");
+    if skip {
+        eprintln!("skipped: PVISOR_SKIP_DEVICE_TESTS=1");
+    } else {
+        assert!(
+            Path::new("/dev/fuse").exists(),
+            "/dev/fuse is missing: FUSE tests need it (PVISOR_SKIP_DEVICE_TESTS=1 skips them)"
+        );
+    }
+    skip
+}
+
+/// An 8 MiB image: zero, repeated, random and same-byte stretches.
+fn write_image(path: &Path) -> Vec<u8> {
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let data: Vec<u8> = (0..8usize << 20)
+        .map(|i| match (i >> 18) % 4 {
+            0 => 0,
+            1 => (i % 61) as u8,
+            2 => {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state >> 40) as u8
+            }
+            _ => 0xC3,
+        })
+        .collect();
+    fs::write(path, &data).unwrap();
+    data
+}
+
+fn pack(dir: &Path, extra: &[&str]) -> (PathBuf, Vec<u8>) {
+    let raw = dir.join("mem.raw");
+    let data = write_image(&raw);
+    let store = dir.join("store");
+    let mut args = vec![
+        "pack",
+        "--mem-file",
+        raw.to_str().unwrap(),
+        "--store",
+        store.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let out = run(&args);
+    assert!(out.status.success(), "pack failed: {}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("packed 8.0 MiB"),
+        "{}",
+        text(&out.stdout)
+    );
+    (store, data)
+}
+
+#[test]
+fn cli_pack_info_verify_unpack_roundtrip() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, data) = pack(dir.path(), &["--codec", "zstd:3", "--block-size", "16KiB"]);
+    let store_arg = store.to_str().unwrap();
+
+    let out = run(&["info", "--store", store_arg, "--json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(info["blocks"], 512);
+    assert_eq!(info["block_size"], 16384);
+    assert_eq!(info["image_size"], 8 << 20);
+    assert_eq!(info["zero_blocks"], 128);
+    assert!(info["disk_bytes"].as_u64().unwrap() < 4 << 20, "{info}");
+    assert!(info["ratio"].as_f64().unwrap() > 2.0, "{info}");
+
+    let out = run(&["info", "--store", store_arg]);
+    assert!(
+        text(&out.stdout).contains("disk bytes"),
+        "{}",
+        text(&out.stdout)
+    );
+
+    let out = run(&["verify", "--store", store_arg]);
+    assert!(out.status.success(), "{}", text(&out.stdout));
+    assert!(text(&out.stdout).contains("0 bad"), "{}", text(&out.stdout));
+
+    let raw_out = dir.path().join("out.raw");
+    let out = run(&[
+        "unpack",
+        "--store",
+        store_arg,
+        "--out",
+        raw_out.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(fs::read(&raw_out).unwrap() == data);
+}
+
+#[test]
+fn cli_pack_json_reports_what_was_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let raw = dir.path().join("mem.raw");
+    write_image(&raw);
+    let store = dir.path().join("store");
+    let out = run(&[
+        "pack",
+        "--mem-file",
+        raw.to_str().unwrap(),
+        "--store",
+        store.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["written"]["blocks"], 128);
+    assert_eq!(report["stats"]["codec"], "lz4");
+    assert!(report["stats"]["disk_bytes"].as_u64().is_some());
+}
+
+#[test]
+fn cli_invalid_block_size_and_codec_are_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let raw = dir.path().join("mem.raw");
+    fs::write(&raw, [0u8; 4096]).unwrap();
+    let store = dir.path().join("store");
+    let base = [
+        "pack",
+        "--mem-file",
+        raw.to_str().unwrap(),
+        "--store",
+        store.to_str().unwrap(),
+    ];
+
+    let out = run(&[&base[..], &["--block-size", "3000"]].concat());
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(err.contains("power of two from 4 KiB to 2 MiB"), "{err}");
+
+    let out = run(&[&base[..], &["--block-size", "4MiB"]].concat());
+    assert!(!out.status.success());
+
+    let out = run(&[&base[..], &["--codec", "gzip"]].concat());
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(err.contains("unknown codec `gzip`"), "{err}");
+    assert!(
+        !store.join("index").exists(),
+        "a rejected command must not create a store"
+    );
+}
+
+#[test]
+fn cli_missing_store_or_file_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nowhere");
+    let out = run(&["info", "--store", missing.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("is not a store"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    let out = run(&[
+        "pack",
+        "--mem-file",
+        missing.to_str().unwrap(),
+        "--store",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("nowhere"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
+fn cli_flipped_bit_fails_verify_with_block_and_offset() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = pack(dir.path(), &["--codec", "lz4"]);
+    let segment = fs::read_dir(&store)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("seg-"))
+        .unwrap();
+    let mut bytes = fs::read(&segment).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0x01;
+    fs::write(&segment, &bytes).unwrap();
+
+    let out = run(&["verify", "--store", store.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("bad block"), "{stdout}");
+    assert!(stdout.contains("checksum mismatch"), "{stdout}");
+    assert!(stdout.contains(&segment.display().to_string()), "{stdout}");
+
+    let out = run(&["verify", "--store", store.to_str().unwrap(), "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let problem = &report["problems"][0];
+    let offset = problem["offset"].as_u64().unwrap();
+    assert!(offset <= at as u64, "{problem}");
+    assert!(problem["block"].as_u64().is_some(), "{problem}");
+
+    // Unpacking a corrupt store fails and leaves no output file behind.
+    let raw_out = dir.path().join("out.raw");
+    let out = run(&[
+        "unpack",
+        "--store",
+        store.to_str().unwrap(),
+        "--out",
+        raw_out.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("checksum mismatch"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert!(!raw_out.exists());
+    assert!(!dir.path().join("out.raw.partial").exists());
+}
+
+#[test]
+fn cli_truncated_index_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = pack(dir.path(), &[]);
+    let index = store.join("index");
+    let len = fs::metadata(&index).unwrap().len();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&index)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    let out = run(&["info", "--store", store.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("is unusable") && err.contains("truncated"),
+        "{err}"
+    );
+}
+
+fn is_mounted(path: &Path) -> bool {
+    let canonical = fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .any(|line| line.split(' ').nth(4) == Some(canonical.to_str().unwrap()))
+}
+
+#[test]
+fn cli_mount_serves_the_image_until_sigterm() {
+    if device_tests_skipped() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (store, data) = pack(dir.path(), &["--codec", "zstd"]);
+    let mountpoint = dir.path().join("mnt");
+    fs::create_dir(&mountpoint).unwrap();
+    let mut child = bin()
+        .args([
+            "mount",
+            "--store",
+            store.to_str().unwrap(),
+            mountpoint.to_str().unwrap(),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    let file = PathBuf::from(first.trim());
+    assert_eq!(file, mountpoint.join("ram"));
+    assert!(is_mounted(&mountpoint));
+    assert!(fs::read(&file).unwrap() == data);
+    // The store is held by the mount: a second writer is refused with a clear message.
+    let out = run(&[
+        "pack",
+        "--mem-file",
+        dir.path().join("mem.raw").to_str().unwrap(),
+        "--store",
+        store.to_str().unwrap(),
+    ]);
+    assert!(
+        text(&out.stderr).contains("in use by another process"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    // SAFETY: sending a signal to our own child process.
+    assert_eq!(
+        unsafe { libc::kill(child.id().cast_signed(), libc::SIGTERM) },
+        0
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "mount did not stop on SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status}");
+    assert!(!is_mounted(&mountpoint), "still mounted after SIGTERM");
+    let out = run(&["verify", "--store", store.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stdout));
+}
+
+#[test]
+fn cli_demo_packs_verifies_and_serves_a_small_image() {
+    if device_tests_skipped() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(&[
+        "demo",
+        "--size",
+        "96MiB",
+        "--keep",
+        dir.path().to_str().unwrap(),
+    ]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    for codec in ["none", "lz4", "zstd:3"] {
+        let row = stdout
+            .lines()
+            .find(|l| l.starts_with(codec))
+            .unwrap_or_else(|| panic!("{stdout}"));
+        assert!(row.ends_with("same"), "{row}");
+    }
+    assert!(stdout.contains("same bytes as the image"), "{stdout}");
+}
