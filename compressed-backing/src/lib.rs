@@ -24,4 +24,6 @@ pub use codec::{BlockKind, Codec, CodecConfig, CodecError, Decoder, Encoded, Enc
 pub use image::{pack_file, unpack_file, ImageError, PackOptions};
 pub use layout::{BlockSize, SizeError, PAGE_SIZE};
 pub use pool::{MemoryPool, PoolConfig, PoolError, PoolStats, PutOutcome};
-pub use store::{DiskStore, StoreConfig, StoreError, StoreOptions, StoreStats, VerifyReport};
+pub use store::{
+    DiskStore, StoreConfig, StoreError, StoreOptions, StoreReader, StoreStats, VerifyReport,
+};

@@ -4,7 +4,17 @@
 //! - [`addr`]: host addresses and page-aligned ranges.
 //! - [`uffd`]: the safe userfaultfd wrapper.
 //! - [`metrics`]: counters and the fault-latency histogram.
+//! - [`state`]: the flat per-page state table.
+//! - [`pager`]: [`Pager`](pager::Pager): regions, fault threads, fault resolution.
+//! - [`load`]: bringing offloaded RAM back, lazily with prefetch or eagerly.
+//! - [`offload`]: offload of a paused VM's RAM to a store.
+//! - [`source`]: where non-resident pages come from (raw memory file, store).
 
 pub mod addr;
+pub mod load;
 pub mod metrics;
+pub mod offload;
+pub mod pager;
+pub mod source;
+pub mod state;
 pub mod uffd;

@@ -431,12 +431,36 @@ impl Userfaultfd {
     /// space changed under it (a `REMOVE` event is pending): the first `done` bytes are
     /// settled; read events, then call again for the rest.
     pub fn copy_missing(&self, dst: HostAddr, src: &[u8], wake: bool) -> Result<u64, UffdError> {
-        let len = src.len() as u64;
+        self.settle_missing(dst, src.len() as u64, wake, |offset| {
+            self.copy(HostAddr(dst.0 + offset), &src[offset as usize..], false)
+        })
+    }
+
+    /// Maps the zero page over every missing page of `range`, skipping pages that are
+    /// already mapped, then wakes the waiters of the whole range if `wake`. Returns the bytes
+    /// this call mapped; errors as for [`Userfaultfd::copy_missing`].
+    pub fn zeropage_missing(&self, range: HostRange, wake: bool) -> Result<u64, UffdError> {
+        self.settle_missing(range.start(), range.len(), wake, |offset| {
+            let rest = HostRange::new(HostAddr(range.start().0 + offset), range.len() - offset)
+                .expect("a page-aligned tail of a valid range");
+            self.zeropage(rest, false)
+        })
+    }
+
+    /// Runs `step(offset)` (one DONTWAKE ioctl on `dst + offset ..`) until `len` bytes are
+    /// settled: an already-mapped page is skipped, partial progress continues, no progress on
+    /// EAGAIN stops with `Retry`. Then wakes the whole range if `wake`.
+    fn settle_missing(
+        &self,
+        dst: HostAddr,
+        len: u64,
+        wake: bool,
+        mut step: impl FnMut(u64) -> Result<Resolved, UffdError>,
+    ) -> Result<u64, UffdError> {
         let mut offset = 0u64;
         let mut filled = 0u64;
         while offset < len {
-            let at = HostAddr(dst.0 + offset);
-            match self.copy(at, &src[offset as usize..], false) {
+            match step(offset) {
                 Ok(Resolved::Done) => {
                     filled += len - offset;
                     offset = len;
@@ -462,12 +486,13 @@ impl Userfaultfd {
             }
         }
         if wake {
-            self.wake(HostRange::new(dst, len).map_err(|_| UffdError::Ioctl {
+            let range = HostRange::new(dst, len).map_err(|_| UffdError::Ioctl {
                 op: "UFFDIO_WAKE",
                 addr: dst,
                 len,
                 source: std::io::Error::from_raw_os_error(libc::EINVAL),
-            })?)?;
+            })?;
+            self.wake(range)?;
         }
         Ok(filled)
     }

@@ -314,10 +314,8 @@ fn cli_mount_serves_the_image_until_sigterm() {
     );
 
     // SAFETY: sending a signal to our own child process.
-    assert_eq!(
-        unsafe { libc::kill(child.id().cast_signed(), libc::SIGTERM) },
-        0
-    );
+    let rc = unsafe { libc::kill(child.id().cast_signed(), libc::SIGTERM) };
+    assert_eq!(rc, 0);
     let deadline = Instant::now() + Duration::from_secs(20);
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {

@@ -268,10 +268,8 @@ fn uffd_minor_fault_on_memfd_is_resolved_by_continue() {
     // SAFETY: in bounds of the mapping.
     unsafe { std::ptr::write_bytes(ptr, 0x5A, len) };
     // SAFETY: zapping our own mapping; the shmem page cache keeps the data.
-    assert_eq!(
-        unsafe { libc::madvise(ptr.cast(), len, libc::MADV_DONTNEED) },
-        0
-    );
+    let value = unsafe { libc::madvise(ptr.cast(), len, libc::MADV_DONTNEED) };
+    assert_eq!(value, 0);
 
     let uffd = Userfaultfd::create(feature::MISSING_SHMEM | feature::MINOR_SHMEM).unwrap();
     let range = HostRange::new(HostAddr::from_ptr(ptr), len as u64).unwrap();
@@ -302,10 +300,8 @@ fn uffd_minor_fault_on_memfd_is_resolved_by_continue() {
         });
         for page in 0..8 {
             // SAFETY: in bounds of the mapping.
-            assert_eq!(
-                unsafe { ptr.add(page * PAGE_SIZE as usize).read_volatile() },
-                0x5A
-            );
+            let value = unsafe { ptr.add(page * PAGE_SIZE as usize).read_volatile() };
+            assert_eq!(value, 0x5A);
         }
         stop.store(true, Ordering::Relaxed);
         server.join().unwrap()

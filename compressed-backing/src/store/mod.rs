@@ -9,22 +9,24 @@
 //! commit that no longer references it; only then does compaction delete or rewrite segments.
 
 mod index;
+mod reader;
 mod segment;
 
-use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{self, File, OpenOptions, TryLockError};
 use std::io::{self, Write};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use xxhash_rust::xxh3::xxh3_64;
 
 pub use index::IndexError;
 use index::{DataRef, Index, Slot};
+pub use reader::StoreReader;
 use segment::Segment;
 
-use crate::codec::{BlockKind, CodecConfig, CodecError, Decoder, Encoded, Encoder};
+use crate::codec::{BlockKind, CodecConfig, CodecError, Encoded, Encoder};
 use crate::layout::BlockSize;
 
 const INDEX_FILE: &str = "index";
@@ -346,11 +348,6 @@ impl EncodedBatch {
     }
 }
 
-thread_local! {
-    /// Per-thread decoder and payload buffer for `get`, which takes `&self`.
-    static READ_SCRATCH: RefCell<(Decoder, Vec<u8>)> = RefCell::new((Decoder::new(), Vec::new()));
-}
-
 /// The state as of the last commit, to roll back to.
 #[derive(Debug)]
 struct Committed {
@@ -665,23 +662,28 @@ impl DiskStore {
     pub fn get(&self, block: u64, out: &mut [u8]) -> Result<Option<BlockKind>, StoreError> {
         self.check_len(block, out.len())?;
         let slot = self.slot(block)?;
-        match slot {
-            Slot::Absent | Slot::Zero => out.fill(0),
-            Slot::Fill(byte) => out.fill(byte),
-            Slot::Data(data) => READ_SCRATCH.with(|scratch| {
-                let (decoder, buf) = &mut *scratch.borrow_mut();
-                self.read_payload(block, &data, buf)?;
-                decoder
-                    .decode(data.kind, buf, out)
-                    .map_err(|source| StoreError::Decode {
-                        block,
-                        path: self.segment_path(data.segment),
-                        offset: data.offset,
-                        source,
-                    })
-            })?,
+        reader::read_block(&self.dir, block, slot, out, &|id| self.segment_file(id))
+    }
+
+    /// A read-only view of the image as it is now, for other threads while this store goes
+    /// on being written (see [`StoreReader`]).
+    pub fn reader(&self) -> StoreReader {
+        StoreReader {
+            dir: self.dir.clone(),
+            block_size: self.block_size,
+            image_size: self.image_size,
+            slots: self.slots.as_slice().into(),
+            files: Arc::new(
+                self.segments
+                    .iter()
+                    .map(|(&id, seg)| (id, Arc::clone(&seg.file)))
+                    .collect(),
+            ),
         }
-        Ok(slot.kind())
+    }
+
+    fn segment_file(&self, id: u32) -> Option<&File> {
+        self.segments.get(&id).map(|seg| seg.file.as_ref())
     }
 
     /// Reads a block's stored representation without decoding it: its kind and payload
@@ -962,35 +964,7 @@ impl DiskStore {
         data: &DataRef,
         buf: &mut Vec<u8>,
     ) -> Result<(), StoreError> {
-        let path = || self.segment_path(data.segment);
-        let seg = self
-            .segments
-            .get(&data.segment)
-            .ok_or_else(|| StoreError::SegmentMissing { path: path() })?;
-        buf.resize(data.len as usize, 0);
-        seg.read_at(buf, data.offset).map_err(|e| {
-            if e.kind() == io::ErrorKind::UnexpectedEof {
-                StoreError::SegmentTruncated {
-                    path: path(),
-                    expected: data.offset + u64::from(data.len),
-                    actual: seg.file.metadata().map(|m| m.len()).unwrap_or(0),
-                }
-            } else {
-                StoreError::io("read segment", path())(e)
-            }
-        })?;
-        let computed = xxh3_64(buf);
-        if computed != data.checksum {
-            return Err(StoreError::Corrupt {
-                block,
-                path: path(),
-                offset: data.offset,
-                len: data.len,
-                stored: data.checksum,
-                computed,
-            });
-        }
-        Ok(())
+        reader::read_payload(&self.dir, block, data, buf, &|id| self.segment_file(id))
     }
 
     /// Appends bytes to the active segment, starting a new one when needed.

@@ -4,6 +4,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 const PREFIX: &str = "seg-";
 const SUFFIX: &str = ".dat";
@@ -26,7 +27,7 @@ pub(crate) fn parse_file_name(name: &str) -> Option<u32> {
 #[derive(Debug)]
 pub(crate) struct Segment {
     pub path: PathBuf,
-    pub file: File,
+    pub file: Arc<File>,
     /// Bytes written so far, committed or not: the next append goes here.
     pub len: u64,
     /// Bytes covered by the committed index.
@@ -46,7 +47,7 @@ impl Segment {
             .open(&path)?;
         Ok(Self {
             path,
-            file,
+            file: Arc::new(file),
             len: 0,
             committed_len: 0,
             live: 0,
@@ -66,7 +67,7 @@ impl Segment {
         Ok((
             Self {
                 path,
-                file,
+                file: Arc::new(file),
                 len: committed_len,
                 committed_len,
                 live: 0,
@@ -82,11 +83,6 @@ impl Segment {
         self.file.write_all_at(bytes, offset)?;
         self.len += bytes.len() as u64;
         Ok(offset)
-    }
-
-    /// Reads `buf.len()` bytes at `offset`.
-    pub(crate) fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        self.file.read_exact_at(buf, offset)
     }
 }
 

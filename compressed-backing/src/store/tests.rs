@@ -541,3 +541,39 @@ proptest! {
         prop_assert!(store.verify().problems.is_empty());
     }
 }
+
+#[test]
+fn store_reader_keeps_reading_its_view_while_the_store_is_rewritten() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = StoreOptions {
+        segment_max_bytes: 64 << 10,
+        compact_min_bytes: 16 << 10,
+        ..StoreOptions::default()
+    };
+    let mut store = DiskStore::create_with(dir.path(), config(8, Codec::Lz4), options).unwrap();
+    for block in 0..8 {
+        store.put(block, &block_bytes(block, BS as usize)).unwrap();
+    }
+    store.commit().unwrap();
+    let view = store.reader();
+    // Rewrite everything twice: compaction deletes the segments the view reads from.
+    for round in 1..3 {
+        for block in 0..8 {
+            store
+                .put(block, &random_bytes(round * 100 + block, BS as usize))
+                .unwrap();
+        }
+        store.commit().unwrap();
+    }
+    assert!(!dir.path().join(segment::file_name(0)).exists());
+    let mut out = vec![0; BS as usize];
+    for block in 0..8 {
+        view.get(block, &mut out).unwrap();
+        assert_eq!(out, block_bytes(block, BS as usize), "block {block}");
+    }
+    assert!(matches!(
+        view.get(8, &mut out),
+        Err(StoreError::BlockOutOfRange { .. })
+    ));
+    assert_eq!(read(&store, 3), random_bytes(203, BS as usize));
+}

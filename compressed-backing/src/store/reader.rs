@@ -1,0 +1,142 @@
+//! Reading blocks: shared by `DiskStore` and `StoreReader`, a detached read-only view that
+//! other threads can use while the store is being written.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::index::{DataRef, Slot};
+use super::{segment, StoreError};
+use crate::codec::{BlockKind, Decoder};
+use crate::layout::BlockSize;
+
+thread_local! {
+    /// Per-thread decoder and payload buffer: reads take `&self`.
+    static READ_SCRATCH: RefCell<(Decoder, Vec<u8>)> = RefCell::new((Decoder::new(), Vec::new()));
+}
+
+/// Finds the open file of a segment.
+pub(super) type FileOf<'a> = dyn Fn(u32) -> Option<&'a File> + 'a;
+
+/// Reads and checks the payload of `block` into `buf`.
+pub(super) fn read_payload(
+    dir: &Path,
+    block: u64,
+    data: &DataRef,
+    buf: &mut Vec<u8>,
+    file_of: &FileOf<'_>,
+) -> Result<(), StoreError> {
+    let path = || dir.join(segment::file_name(data.segment));
+    let file = file_of(data.segment).ok_or_else(|| StoreError::SegmentMissing { path: path() })?;
+    buf.resize(data.len as usize, 0);
+    file.read_exact_at(buf, data.offset).map_err(|e| {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            StoreError::SegmentTruncated {
+                path: path(),
+                expected: data.offset + u64::from(data.len),
+                actual: file.metadata().map(|m| m.len()).unwrap_or(0),
+            }
+        } else {
+            StoreError::Io {
+                op: "read segment",
+                path: path(),
+                source: e,
+            }
+        }
+    })?;
+    let computed = xxh3_64(buf);
+    if computed != data.checksum {
+        return Err(StoreError::Corrupt {
+            block,
+            path: path(),
+            offset: data.offset,
+            len: data.len,
+            stored: data.checksum,
+            computed,
+        });
+    }
+    Ok(())
+}
+
+/// Decodes `block`, whose slot is `slot`, into `out`.
+pub(super) fn read_block(
+    dir: &Path,
+    block: u64,
+    slot: Slot,
+    out: &mut [u8],
+    file_of: &FileOf<'_>,
+) -> Result<Option<BlockKind>, StoreError> {
+    match slot {
+        Slot::Absent | Slot::Zero => out.fill(0),
+        Slot::Fill(byte) => out.fill(byte),
+        Slot::Data(data) => READ_SCRATCH.with(|scratch| {
+            let (decoder, buf) = &mut *scratch.borrow_mut();
+            read_payload(dir, block, &data, buf, file_of)?;
+            decoder
+                .decode(data.kind, buf, out)
+                .map_err(|source| StoreError::Decode {
+                    block,
+                    path: dir.join(segment::file_name(data.segment)),
+                    offset: data.offset,
+                    source,
+                })
+        })?,
+    }
+    Ok(slot.kind())
+}
+
+/// A read-only view of a store's image as it was when the view was taken, usable from any
+/// thread while the store goes on being written (payloads are never overwritten in place, and
+/// open segment files stay readable even after compaction unlinks them). Blocks written but
+/// not committed when the view was taken must not be read after a rollback.
+#[derive(Debug, Clone)]
+pub struct StoreReader {
+    pub(super) dir: PathBuf,
+    pub(super) block_size: BlockSize,
+    pub(super) image_size: u64,
+    pub(super) slots: Arc<[Slot]>,
+    pub(super) files: Arc<BTreeMap<u32, Arc<File>>>,
+}
+
+impl StoreReader {
+    /// Bytes per block.
+    pub fn block_size(&self) -> BlockSize {
+        self.block_size
+    }
+
+    /// Bytes in the image.
+    pub fn image_size(&self) -> u64 {
+        self.image_size
+    }
+
+    /// The kind of `block` (`None`: absent, reads as zeros; also for an index past the end).
+    pub fn kind(&self, block: u64) -> Option<BlockKind> {
+        self.slots.get(block as usize).and_then(Slot::kind)
+    }
+
+    /// Reads `block` into `out` (exactly the block's length), as `DiskStore::get`.
+    pub fn get(&self, block: u64, out: &mut [u8]) -> Result<Option<BlockKind>, StoreError> {
+        let blocks = self.slots.len() as u64;
+        let slot = *self
+            .slots
+            .get(block as usize)
+            .ok_or(StoreError::BlockOutOfRange { block, blocks })?;
+        let expected = self.block_size.len_in_image(block, self.image_size);
+        if out.len() != expected {
+            return Err(StoreError::WrongLength {
+                block,
+                expected,
+                actual: out.len(),
+            });
+        }
+        read_block(&self.dir, block, slot, out, &|id| {
+            self.files.get(&id).map(|f| f.as_ref())
+        })
+    }
+}

@@ -1,0 +1,300 @@
+//! Bringing offloaded RAM back: `lazy` (faults are served from the store while a background
+//! prefetcher installs the rest, recorded working set first, in CRIU-style growing chunks that
+//! pause while faults are pending) or `eager` (everything installed in parallel before
+//! returning). The order of blocks faulted during a resume is recorded and saved with the
+//! next offload, so the next lazy load prefetches that working set first (REAP-style).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::offload::WORKING_SET_KEY;
+use crate::pager::{Pager, Shared};
+use crate::source::{Content, PageSource, SourceError};
+use crate::state::PageState;
+
+/// Smallest prefetch chunk (CRIU starts at 64 KiB).
+const MIN_CHUNK_BYTES: u64 = 64 << 10;
+/// Largest prefetch chunk (CRIU caps at 4 MiB).
+const MAX_CHUNK_BYTES: u64 = 4 << 20;
+
+/// How to bring offloaded RAM back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LoadMode {
+    /// Serve on fault; prefetch the rest in the background.
+    Lazy,
+    /// Install everything before returning.
+    Eager,
+}
+
+/// What a load did (for `Lazy`: what it scheduled).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct LoadReport {
+    /// Blocks with stored pages when the load started.
+    pub blocks: u64,
+    /// Of those, blocks in the recorded working set (prefetched first).
+    pub working_set_blocks: u64,
+    /// Pages installed before returning (eager).
+    pub pages_installed: u64,
+    /// Milliseconds spent before returning.
+    pub elapsed_ms: f64,
+}
+
+/// Why a load failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// A block could not be read (an eager load stops; faults on it report errors).
+    #[error("cannot load block {block}")]
+    Source {
+        /// The block.
+        block: u64,
+        /// Why.
+        #[source]
+        source: SourceError,
+    },
+    /// Installing pages failed.
+    #[error("cannot install block {block}")]
+    Install {
+        /// The block.
+        block: u64,
+        /// Why.
+        #[source]
+        source: crate::uffd::UffdError,
+    },
+    /// The prefetch thread could not be started.
+    #[error("cannot start the prefetcher")]
+    Thread(#[source] std::io::Error),
+}
+
+impl Shared {
+    /// Blocks holding at least one `Stored` page, ascending.
+    fn stored_blocks(&self) -> Vec<u64> {
+        let per_block = self.block_size.pages() as u64;
+        let pages = self.states.len();
+        (0..self.block_size.blocks_for(self.image_size))
+            .filter(|&b| {
+                self.states.any(
+                    b * per_block..((b + 1) * per_block).min(pages),
+                    PageState::Stored,
+                )
+            })
+            .collect()
+    }
+
+    /// The recorded working set saved with the store, if any.
+    fn saved_working_set(&self) -> Vec<u64> {
+        let guard = self.store.slot().read();
+        let Some(bytes) = guard.as_ref().and_then(|s| s.meta(WORKING_SET_KEY)) else {
+            return Vec::new();
+        };
+        bytes
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("chunks of 8")))
+            .collect()
+    }
+
+    /// Installs every `Stored` page of `block`; returns the pages filled.
+    pub(crate) fn fill_block(&self, block: u64, buf: &mut [u8]) -> Result<u64, LoadError> {
+        let per_block = self.block_size.pages() as u64;
+        let first = block * per_block;
+        let block_pages = first..(first + per_block).min(self.states.len());
+        if !self.states.any(block_pages.clone(), PageState::Stored) {
+            return Ok(0);
+        }
+        let offset = block * self.block_size.bytes_u64();
+        let len = self.block_size.len_in_image(block, self.image_size);
+        let mut decompressed = 0;
+        let content = self
+            .store
+            .read(offset, &mut buf[..len], &mut decompressed)
+            .map_err(|source| LoadError::Source { block, source })?;
+        self.metrics
+            .bytes_decompressed
+            .fetch_add(decompressed, Ordering::Relaxed);
+        let data = match content {
+            Content::Zero => None,
+            Content::Data => Some((first, &buf[..len])),
+        };
+        let mut filled = 0;
+        'retry: loop {
+            let _read = self.layout.read();
+            for region in &self.regions {
+                let pages = region.pages();
+                let (lo, hi) = (
+                    block_pages.start.max(pages.start),
+                    block_pages.end.min(pages.end),
+                );
+                let mut page = lo;
+                while page < hi {
+                    if self.states.get(page) != PageState::Stored {
+                        page += 1;
+                        continue;
+                    }
+                    let start = page;
+                    while page < hi && self.states.get(page) == PageState::Stored {
+                        page += 1;
+                    }
+                    match self
+                        .install_run(region, start..page, PageState::Stored, data, false)
+                        .map_err(|source| LoadError::Install { block, source })?
+                    {
+                        Some(n) => filled += n,
+                        None => {
+                            // A discard is pending: let a fault thread read it, then go on.
+                            drop(_read);
+                            std::thread::sleep(Duration::from_micros(50));
+                            continue 'retry;
+                        }
+                    }
+                }
+            }
+            return Ok(filled);
+        }
+    }
+}
+
+impl Pager {
+    /// Brings offloaded RAM back (see the module documentation). The VM may run during and
+    /// after a lazy load; faults are served from the store meanwhile.
+    pub fn load(&self, mode: LoadMode, threads: usize) -> Result<LoadReport, LoadError> {
+        let started = Instant::now();
+        let shared = self.shared();
+        let stored = shared.stored_blocks();
+        let saved = shared.saved_working_set();
+        // Recording starts afresh for this resume.
+        shared.working_set.take();
+        let mut report = LoadReport {
+            blocks: stored.len() as u64,
+            ..LoadReport::default()
+        };
+        match mode {
+            LoadMode::Eager => {
+                report.pages_installed = eager(shared, &stored, threads)?;
+            }
+            LoadMode::Lazy => {
+                let mut in_set =
+                    vec![false; shared.block_size.blocks_for(shared.image_size) as usize];
+                let mut order = Vec::with_capacity(stored.len());
+                for &block in &saved {
+                    if let Some(seen) = in_set.get_mut(block as usize) {
+                        if !*seen && stored.binary_search(&block).is_ok() {
+                            *seen = true;
+                            order.push(block);
+                        }
+                    }
+                }
+                report.working_set_blocks = order.len() as u64;
+                let hot = order.len();
+                order.extend(stored.iter().filter(|&&b| !in_set[b as usize]));
+                self.start_prefetch(order, hot)?;
+            }
+        }
+        report.elapsed_ms = started.elapsed().as_secs_f64() * 1e3;
+        Ok(report)
+    }
+
+    /// Starts the background prefetcher over `order` (the first `hot` blocks are the
+    /// recorded working set), replacing one that is still running.
+    fn start_prefetch(&self, order: Vec<u64>, hot: usize) -> Result<(), LoadError> {
+        self.stop_prefetch();
+        let shared = std::sync::Arc::clone(self.shared());
+        shared.prefetch_stop.store(false, Ordering::Relaxed);
+        let handle = std::thread::Builder::new()
+            .name("uffd-prefetch".into())
+            .spawn(move || prefetch(&shared, &order, hot))
+            .map_err(LoadError::Thread)?;
+        *self.prefetcher().lock() = Some(handle);
+        Ok(())
+    }
+
+    /// Waits until the prefetcher has installed everything it was given.
+    pub fn wait_prefetch(&self) {
+        let handle = self.prefetcher().lock().take();
+        if let Some(handle) = handle {
+            let _ = handle.join();
+        }
+    }
+
+    /// Stops the prefetcher (faults still serve everything).
+    pub fn stop_prefetch(&self) {
+        self.shared().prefetch_stop.store(true, Ordering::Relaxed);
+        self.wait_prefetch();
+    }
+}
+
+/// Installs every stored page of `blocks` with `threads` workers; returns the pages filled.
+fn eager(shared: &Shared, blocks: &[u64], threads: usize) -> Result<u64, LoadError> {
+    let next = AtomicUsize::new(0);
+    let results: Vec<Result<u64, LoadError>> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads.max(1))
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut buf = vec![0u8; shared.block_size.bytes()];
+                    let mut filled = 0;
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&block) = blocks.get(i) else {
+                            return Ok(filled);
+                        };
+                        filled += shared.fill_block(block, &mut buf)?;
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().unwrap_or(Ok(0)))
+            .collect()
+    });
+    let mut total = 0;
+    for result in results {
+        total += result?;
+    }
+    Ok(total)
+}
+
+/// The prefetcher: installs `order` in chunks that start at 64 KiB and double while no fault
+/// arrives (up to 4 MiB), yielding while faults are pending so they never wait behind it.
+fn prefetch(shared: &Shared, order: &[u64], hot: usize) {
+    let block_bytes = shared.block_size.bytes_u64();
+    let min_chunk = (MIN_CHUNK_BYTES / block_bytes).max(1) as usize;
+    let max_chunk = (MAX_CHUNK_BYTES / block_bytes).max(1) as usize;
+    let mut chunk = min_chunk;
+    let mut buf = vec![0u8; shared.block_size.bytes()];
+    let mut at = 0;
+    let mut faults = shared.faults_seen.load(Ordering::Relaxed);
+    while at < order.len() {
+        if shared.prefetch_stop.load(Ordering::Relaxed) {
+            return;
+        }
+        if shared.faults_in_flight.load(Ordering::Relaxed) > 0 {
+            std::thread::sleep(Duration::from_micros(20));
+            continue;
+        }
+        let end = (at + chunk).min(order.len());
+        for (i, &block) in order[at..end].iter().enumerate() {
+            match shared.fill_block(block, &mut buf) {
+                Ok(0) => {}
+                Ok(pages) => {
+                    shared
+                        .metrics
+                        .prefetch_pages
+                        .fetch_add(pages, Ordering::Relaxed);
+                    if at + i < hot {
+                        shared.metrics.prefetch_hits.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                // A block that cannot be read is left to faults, which report the error.
+                Err(_) => {}
+            }
+        }
+        at = end;
+        let now = shared.faults_seen.load(Ordering::Relaxed);
+        chunk = if now == faults {
+            (chunk * 2).min(max_chunk)
+        } else {
+            min_chunk
+        };
+        faults = now;
+    }
+}

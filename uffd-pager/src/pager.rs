@@ -1,0 +1,754 @@
+//! The pager: one userfaultfd, its regions, and the threads that serve their faults.
+//!
+//! Every fault thread polls the userfaultfd. Events are read under the write side of the
+//! `layout` lock and `REMOVE` events are applied to the page table before the lock is released;
+//! a fault is resolved (state checked, pages installed, state updated) under the read side.
+//! Because the kernel zaps a removed range only after its event has been read, no copy of
+//! stale data can land after a discard: any copy issued after the event was read re-checks the
+//! page's state, which then says `Zero`.
+//!
+//! A fault on a non-resident page fetches its whole block from the page's source (the restore
+//! image or the offload store) outside any lock; if every page of the block that lies in the
+//! region is in the same state, the whole block is installed with one `UFFDIO_COPY`, else only
+//! the faulting page. Zero content is mapped with `UFFDIO_ZEROPAGE`, MINOR faults (memfd RAM)
+//! with `UFFDIO_CONTINUE`.
+
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use compressed_backing::BlockSize;
+use parking_lot::{Mutex, RwLock};
+
+use crate::addr::{HostAddr, HostRange, PAGE_SIZE};
+use crate::metrics::Metrics;
+use crate::source::{Content, PageSource, SourceError, StoreSource};
+use crate::state::{PageState, PageStates, StateCounts};
+use crate::uffd::{feature, Event, Mode, UffdError, Userfaultfd};
+
+/// How guest RAM is mapped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RamKind {
+    /// Private anonymous memory: dropped with `MADV_DONTNEED`.
+    Anon,
+    /// A shared memfd mapping: dropped by punching holes; MINOR faults map the page cache.
+    Memfd,
+}
+
+/// One range of guest RAM handed to the pager.
+#[derive(Debug, Clone)]
+pub struct RegionSpec {
+    /// How it is mapped.
+    pub kind: RamKind,
+    /// Where it is mapped in the process that owns the userfaultfd.
+    pub range: HostRange,
+    /// Its offset in the RAM image (page-aligned; regions are laid end to end in the image).
+    pub image_offset: u64,
+    /// For memfd RAM: the memfd, to punch holes in on offload.
+    pub memfd: Option<Arc<File>>,
+    /// For memfd RAM: the offset in the memfd at which the region is mapped.
+    pub memfd_offset: u64,
+    /// True if the range is mapped in this process, so the pager can read and drop it itself
+    /// (an in-process VMM); false for memory of another process (served through its uffd).
+    pub local: bool,
+}
+
+/// A region as the pager keeps it.
+#[derive(Debug)]
+pub(crate) struct Region {
+    pub spec: RegionSpec,
+    /// Image page index of the region's first page.
+    pub first_page: u64,
+}
+
+impl Region {
+    /// Image pages of the region.
+    pub fn pages(&self) -> std::ops::Range<u64> {
+        self.first_page..self.first_page + self.spec.range.pages()
+    }
+
+    /// Host address of image page `page` (which must be in the region).
+    pub fn addr_of(&self, page: u64) -> HostAddr {
+        self.spec.range.page_addr(page - self.first_page)
+    }
+}
+
+/// Pager construction parameters.
+#[derive(Debug, Clone)]
+pub struct PagerConfig {
+    /// Fault-serving threads.
+    pub threads: usize,
+    /// Unit of fetch, install and prefetch.
+    pub block_size: BlockSize,
+    /// State of every page at start: `Zero` for a fresh VM, `Source` for a restore.
+    pub initial: PageState,
+    /// Register the regions on the userfaultfd (false when the owner registered them, as
+    /// Firecracker does before handing the descriptor over).
+    pub register: bool,
+}
+
+impl Default for PagerConfig {
+    fn default() -> Self {
+        Self {
+            threads: 1,
+            block_size: BlockSize::default(),
+            initial: PageState::Zero,
+            register: true,
+        }
+    }
+}
+
+/// Errors setting up a pager.
+#[derive(Debug, thiserror::Error)]
+pub enum PagerError {
+    /// A userfaultfd operation failed.
+    #[error(transparent)]
+    Uffd(#[from] UffdError),
+    /// Regions overlap, are misaligned in the image, or exceed the source.
+    #[error("invalid regions: {0}")]
+    Regions(String),
+    /// A thread could not be started.
+    #[error("cannot start a pager thread")]
+    Thread(#[source] std::io::Error),
+    /// The stop eventfd could not be created.
+    #[error("cannot create an eventfd")]
+    EventFd(#[source] std::io::Error),
+}
+
+/// A fault that could not be served. The faulting thread stays blocked: it is never given
+/// zeros or stale bytes for data that exists somewhere.
+#[derive(Debug, thiserror::Error)]
+pub enum FaultError {
+    /// The address is in no region.
+    #[error("fault at {addr} is outside every region")]
+    Outside {
+        /// The address.
+        addr: HostAddr,
+    },
+    /// The page's bytes could not be read.
+    #[error("fault at {addr}: cannot read its data")]
+    Source {
+        /// The address.
+        addr: HostAddr,
+        /// Why.
+        #[source]
+        source: SourceError,
+    },
+    /// A page is in the restore-source state but the pager has no restore source.
+    #[error("fault at {addr}: no restore source for it")]
+    NoSource {
+        /// The address.
+        addr: HostAddr,
+    },
+    /// Installing the page failed.
+    #[error("fault at {addr}: cannot install it")]
+    Install {
+        /// The address.
+        addr: HostAddr,
+        /// Why.
+        #[source]
+        source: UffdError,
+    },
+    /// The same page keeps faulting although the pager holds it resident: its data is gone.
+    #[error("fault at {addr}: the page faults again and again although it is resident")]
+    Lost {
+        /// The address.
+        addr: HostAddr,
+    },
+}
+
+/// Called for every fault that cannot be served (from a fault thread).
+pub type ErrorHandler = Box<dyn Fn(&FaultError) + Send + Sync>;
+
+/// State shared by the pager's threads.
+pub(crate) struct Shared {
+    pub uffd: Userfaultfd,
+    /// The userfaultfd reports `REMOVE` events (so the pager's own drops produce them too).
+    pub remove_events: bool,
+    pub regions: Vec<Region>,
+    pub states: PageStates,
+    pub block_size: BlockSize,
+    pub image_size: u64,
+    pub restore: Option<Arc<dyn PageSource>>,
+    pub store: StoreSource,
+    /// Write side: reading events and applying discards; read side: resolving faults.
+    pub layout: RwLock<()>,
+    pub metrics: Metrics,
+    /// Faults read and not yet resolved (the prefetcher yields while this is non-zero).
+    pub faults_in_flight: AtomicU64,
+    /// Faults ever read (the prefetcher grows its chunks while this does not move).
+    pub faults_seen: AtomicU64,
+    /// Blocks fetched by faults, in order, since the last `reset`.
+    pub working_set: WorkingSet,
+    /// The owner of the memory has exited.
+    pub owner_gone: AtomicBool,
+    /// Asks the prefetcher to stop.
+    pub prefetch_stop: AtomicBool,
+    pub on_error: ErrorHandler,
+}
+
+/// The order in which blocks were first faulted in.
+#[derive(Debug)]
+pub(crate) struct WorkingSet {
+    seen: Box<[AtomicBool]>,
+    order: Mutex<Vec<u64>>,
+}
+
+impl WorkingSet {
+    fn new(blocks: u64) -> Self {
+        Self {
+            seen: (0..blocks).map(|_| AtomicBool::new(false)).collect(),
+            order: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn record(&self, block: u64) {
+        if let Some(seen) = self.seen.get(block as usize) {
+            if !seen.swap(true, Ordering::Relaxed) {
+                self.order.lock().push(block);
+            }
+        }
+    }
+
+    /// The recorded order; recording starts afresh.
+    pub fn take(&self) -> Vec<u64> {
+        for seen in self.seen.iter() {
+            seen.store(false, Ordering::Relaxed);
+        }
+        std::mem::take(&mut *self.order.lock())
+    }
+}
+
+/// The lazy memory service for one set of regions. Dropping it stops its threads; pages
+/// still stored then fault to the kernel's default (zeros), so stop the VM first.
+pub struct Pager {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+    stop: OwnedFd,
+    prefetcher: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Pager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pager")
+            .field("regions", &self.shared.regions)
+            .field("threads", &self.threads.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The userfaultfd features an in-process pager asks for.
+pub const FEATURES: u64 = feature::EVENT_REMOVE | feature::MISSING_SHMEM | feature::MINOR_SHMEM;
+
+impl Pager {
+    /// Creates a userfaultfd, registers `regions` on it (see [`Pager::with_uffd`]) and starts
+    /// serving their faults.
+    ///
+    /// # Safety
+    ///
+    /// As [`Userfaultfd::register`]: every region must be mapped in this process and stay
+    /// mapped while the pager lives, and nothing may touch it except through the pager.
+    pub unsafe fn new(
+        regions: Vec<RegionSpec>,
+        config: PagerConfig,
+        restore: Option<Arc<dyn PageSource>>,
+        on_error: ErrorHandler,
+    ) -> Result<Self, PagerError> {
+        let uffd = Userfaultfd::create(FEATURES)?;
+        // SAFETY: forwarded from the caller.
+        unsafe { Self::with_uffd(uffd, true, regions, config, restore, on_error) }
+    }
+
+    /// Serves faults of `regions` on an existing userfaultfd (`remove_events`: it reports
+    /// `REMOVE`). Registers the regions first if `config.register`.
+    ///
+    /// # Safety
+    ///
+    /// If `config.register`, as [`Userfaultfd::register`]. Local regions (`spec.local`) must
+    /// be mapped in this process for the pager's lifetime.
+    pub unsafe fn with_uffd(
+        uffd: Userfaultfd,
+        remove_events: bool,
+        mut regions: Vec<RegionSpec>,
+        config: PagerConfig,
+        restore: Option<Arc<dyn PageSource>>,
+        on_error: ErrorHandler,
+    ) -> Result<Self, PagerError> {
+        regions.sort_by_key(|r| r.range.start());
+        let image_size = check_regions(&regions, restore.as_deref())?;
+        if config.register {
+            for region in &regions {
+                let mode = match region.kind {
+                    RamKind::Anon => Mode::MISSING,
+                    RamKind::Memfd => Mode::MISSING_MINOR,
+                };
+                // SAFETY: forwarded from the caller.
+                unsafe { uffd.register(region.range, mode)? };
+            }
+        }
+        let pages = image_size / PAGE_SIZE;
+        let blocks = config.block_size.blocks_for(image_size);
+        let shared = Arc::new(Shared {
+            uffd,
+            remove_events,
+            regions: regions
+                .into_iter()
+                .map(|spec| Region {
+                    first_page: spec.image_offset / PAGE_SIZE,
+                    spec,
+                })
+                .collect(),
+            states: PageStates::new(pages, config.initial),
+            block_size: config.block_size,
+            image_size,
+            restore,
+            store: StoreSource::empty(),
+            layout: RwLock::new(()),
+            metrics: Metrics::default(),
+            faults_in_flight: AtomicU64::new(0),
+            faults_seen: AtomicU64::new(0),
+            working_set: WorkingSet::new(blocks),
+            owner_gone: AtomicBool::new(false),
+            prefetch_stop: AtomicBool::new(false),
+            on_error,
+        });
+        // SAFETY: eventfd with valid flags; the result is checked.
+        let stop = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if stop < 0 {
+            return Err(PagerError::EventFd(std::io::Error::last_os_error()));
+        }
+        // SAFETY: a fresh descriptor owned by nobody else.
+        let stop = unsafe { OwnedFd::from_raw_fd(stop) };
+        let mut threads = Vec::new();
+        for index in 0..config.threads.max(1) {
+            let shared = Arc::clone(&shared);
+            let stop_fd = stop.as_raw_fd();
+            let thread = std::thread::Builder::new()
+                .name(format!("uffd-fault-{index}"))
+                .spawn(move || shared.serve(stop_fd))
+                .map_err(PagerError::Thread)?;
+            threads.push(thread);
+        }
+        Ok(Self {
+            shared,
+            threads,
+            stop,
+            prefetcher: Mutex::new(None),
+        })
+    }
+
+    /// Counters.
+    pub fn metrics(&self) -> &Metrics {
+        &self.shared.metrics
+    }
+
+    /// Pages per state, with every event read so far applied.
+    pub fn state_counts(&self) -> StateCounts {
+        let _read = self.shared.layout.read();
+        self.shared.states.counts()
+    }
+
+    /// The state of the page at image offset `offset`, with every event read so far applied
+    /// (a discard that has returned to its caller is visible here).
+    pub fn page_state(&self, offset: u64) -> PageState {
+        let _read = self.shared.layout.read();
+        self.shared.states.get(offset / PAGE_SIZE)
+    }
+
+    /// Bytes in the RAM image (all regions).
+    pub fn image_size(&self) -> u64 {
+        self.shared.image_size
+    }
+
+    /// The unit of fetch and prefetch.
+    pub fn block_size(&self) -> BlockSize {
+        self.shared.block_size
+    }
+
+    /// True once the process owning the memory has exited.
+    pub fn owner_gone(&self) -> bool {
+        self.shared.owner_gone.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    pub(crate) fn prefetcher(&self) -> &Mutex<Option<JoinHandle<()>>> {
+        &self.prefetcher
+    }
+
+    /// Tells the pager that the VMM discarded `range` itself without a `REMOVE` event (for
+    /// userfaultfds without that feature): its pages read as zeros from now on.
+    pub fn discarded(&self, range: HostRange) {
+        let _write = self.shared.layout.write();
+        self.shared.apply_remove(range.start(), range.end());
+    }
+}
+
+impl Drop for Pager {
+    fn drop(&mut self) {
+        self.stop_prefetch();
+        let one: u64 = 1;
+        // SAFETY: writing 8 bytes from a valid u64 to our own eventfd.
+        unsafe {
+            libc::write(
+                self.stop.as_raw_fd(),
+                (&one as *const u64).cast(),
+                std::mem::size_of::<u64>(),
+            )
+        };
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Checks that regions do not overlap in memory or in the image and are page-aligned;
+/// returns the image size.
+fn check_regions(
+    regions: &[RegionSpec],
+    restore: Option<&dyn PageSource>,
+) -> Result<u64, PagerError> {
+    if regions.is_empty() {
+        return Err(PagerError::Regions("no regions".into()));
+    }
+    let mut image_size = 0u64;
+    for (i, region) in regions.iter().enumerate() {
+        if region.image_offset % PAGE_SIZE != 0 {
+            return Err(PagerError::Regions(format!(
+                "region {:?} has image offset {:#x}, not page-aligned",
+                region.range, region.image_offset
+            )));
+        }
+        if region.kind == RamKind::Memfd && region.local && region.memfd.is_none() {
+            return Err(PagerError::Regions(format!(
+                "memfd region {:?} comes without its memfd",
+                region.range
+            )));
+        }
+        let end = region
+            .image_offset
+            .checked_add(region.range.len())
+            .ok_or_else(|| PagerError::Regions("image offset overflows".into()))?;
+        image_size = image_size.max(end);
+        for other in &regions[i + 1..] {
+            if region.range.overlaps(&other.range) {
+                return Err(PagerError::Regions(format!(
+                    "regions {:?} and {:?} overlap",
+                    region.range, other.range
+                )));
+            }
+            let other_end = other.image_offset + other.range.len();
+            if region.image_offset < other_end && other.image_offset < end {
+                return Err(PagerError::Regions(format!(
+                    "regions {:?} and {:?} overlap in the image",
+                    region.range, other.range
+                )));
+            }
+        }
+    }
+    if let Some(source) = restore {
+        if source.image_size() < image_size {
+            return Err(PagerError::Regions(format!(
+                "the regions need {image_size} bytes of image, the source has {}",
+                source.image_size()
+            )));
+        }
+    }
+    Ok(image_size)
+}
+
+/// A fault read from the userfaultfd and not yet resolved.
+struct Pending {
+    addr: HostAddr,
+    minor: bool,
+    since: Instant,
+}
+
+/// Outcome of one resolution attempt.
+enum Attempt {
+    Resolved,
+    /// EAGAIN: read events, then try again.
+    Retry,
+}
+
+impl Shared {
+    /// A fault thread: poll, read events, resolve, until `stop_fd` is signalled.
+    fn serve(&self, stop_fd: i32) {
+        let mut events = Vec::with_capacity(64);
+        let mut pending: Vec<Pending> = Vec::new();
+        let mut buf = vec![0u8; self.block_size.bytes()];
+        let mut repeat = (HostAddr(0), 0u32);
+        loop {
+            let timeout = if pending.is_empty() { -1 } else { 1 };
+            // A poll that fails cannot recover: stop this thread.
+            let (ready, stop) = self
+                .uffd
+                .poll(Some(stop_fd), timeout)
+                .unwrap_or((false, true));
+            if stop || self.owner_gone.load(Ordering::Relaxed) {
+                return;
+            }
+            if ready || !pending.is_empty() {
+                let _write = self.layout.write();
+                match self.uffd.read_events(&mut events) {
+                    Ok(_) => {}
+                    Err(_) => {
+                        // The descriptor is unusable (the owner closed its side).
+                        self.owner_gone.store(true, Ordering::Relaxed);
+                        return;
+                    }
+                }
+                for event in events.drain(..) {
+                    match event {
+                        Event::Pagefault { addr, minor, .. } => {
+                            self.faults_seen.fetch_add(1, Ordering::Relaxed);
+                            self.faults_in_flight.fetch_add(1, Ordering::Relaxed);
+                            pending.push(Pending {
+                                addr,
+                                minor,
+                                since: Instant::now(),
+                            });
+                        }
+                        Event::Remove { start, end } | Event::Unmap { start, end } => {
+                            self.apply_remove(start, end);
+                        }
+                        Event::Remap { .. } | Event::Fork | Event::Unknown(_) => {}
+                    }
+                }
+            }
+            let mut retry = Vec::new();
+            for fault in pending.drain(..) {
+                // A page that keeps faulting although resident has lost its data.
+                if repeat.0 == fault.addr.page_down() {
+                    repeat.1 += 1;
+                } else {
+                    repeat = (fault.addr.page_down(), 0);
+                }
+                let result = if repeat.1 > 10_000 {
+                    Err(FaultError::Lost { addr: fault.addr })
+                } else {
+                    self.resolve(fault.addr, fault.minor, &mut buf)
+                };
+                match result {
+                    Ok(Attempt::Resolved) => {
+                        self.metrics.fault_latency.record(fault.since.elapsed());
+                        self.faults_in_flight.fetch_sub(1, Ordering::Relaxed);
+                    }
+                    Ok(Attempt::Retry) => {
+                        self.metrics.eagain_retries.fetch_add(1, Ordering::Relaxed);
+                        retry.push(fault);
+                    }
+                    Err(FaultError::Install {
+                        source: UffdError::OwnerGone { .. },
+                        ..
+                    }) => {
+                        self.owner_gone.store(true, Ordering::Relaxed);
+                        return;
+                    }
+                    Err(e) => {
+                        self.faults_in_flight.fetch_sub(1, Ordering::Relaxed);
+                        self.metrics.fault_errors.fetch_add(1, Ordering::Relaxed);
+                        (self.on_error)(&e);
+                    }
+                }
+            }
+            pending = retry;
+        }
+    }
+
+    /// Marks pages of `[start, end)` as discarded: they read as zeros from now on, except
+    /// pages the pager is dropping itself, which are stored. Called under the write lock.
+    pub(crate) fn apply_remove(&self, start: HostAddr, end: HostAddr) {
+        self.metrics.remove_events.fetch_add(1, Ordering::Relaxed);
+        for region in &self.regions {
+            let Some((lo, hi)) = region.spec.range.clip(start, end) else {
+                continue;
+            };
+            for page in region.first_page + lo..region.first_page + hi {
+                if !self
+                    .states
+                    .transition(page, PageState::Dropping, PageState::Stored)
+                {
+                    self.states.set(page, PageState::Zero);
+                }
+            }
+        }
+    }
+
+    /// The region holding `addr`.
+    pub(crate) fn locate(&self, addr: HostAddr) -> Option<&Region> {
+        let index = self
+            .regions
+            .partition_point(|r| r.spec.range.start() <= addr)
+            .checked_sub(1)?;
+        let region = &self.regions[index];
+        region.spec.range.contains(addr).then_some(region)
+    }
+
+    /// The pages of the block holding `page` that lie in `region`.
+    pub(crate) fn block_span(&self, region: &Region, page: u64) -> std::ops::Range<u64> {
+        let per_block = self.block_size.pages() as u64;
+        let block_start = page / per_block * per_block;
+        let pages = region.pages();
+        block_start.max(pages.start)..(block_start + per_block).min(pages.end)
+    }
+
+    /// Resolves one fault.
+    fn resolve(&self, addr: HostAddr, minor: bool, buf: &mut [u8]) -> Result<Attempt, FaultError> {
+        let region = self.locate(addr).ok_or(FaultError::Outside { addr })?;
+        let page = region.first_page + region.spec.range.page_index(addr).expect("located");
+        let install = |source| FaultError::Install { addr, source };
+        if minor {
+            let _read = self.layout.read();
+            let one = HostRange::new(region.addr_of(page), PAGE_SIZE).expect("one page");
+            match self.uffd.continue_range(one, false) {
+                Ok(_) => {}
+                Err(UffdError::Retry { .. }) => return Ok(Attempt::Retry),
+                Err(e) => return Err(install(e)),
+            }
+            self.states.set(page, PageState::Resident);
+            self.metrics.faults_minor.fetch_add(1, Ordering::Relaxed);
+            self.uffd.wake(one).map_err(install)?;
+            return Ok(Attempt::Resolved);
+        }
+        loop {
+            let state = self.states.get(page);
+            match state {
+                PageState::Resident | PageState::Dropping => {
+                    let one = HostRange::new(region.addr_of(page), PAGE_SIZE).expect("one page");
+                    self.uffd.wake(one).map_err(install)?;
+                    self.metrics.eexist_races.fetch_add(1, Ordering::Relaxed);
+                    return Ok(Attempt::Resolved);
+                }
+                PageState::Zero => {
+                    let _read = self.layout.read();
+                    if self.states.get(page) != state {
+                        continue;
+                    }
+                    return self.install(region, page, state, None).map_err(install);
+                }
+                PageState::Source | PageState::Stored => {
+                    let span = self.block_span(region, page);
+                    let block = self.block_size.index_of(span.start * PAGE_SIZE);
+                    let offset = self
+                        .block_size
+                        .offset_of(block)
+                        .expect("block of the image");
+                    let len = self.block_size.len_in_image(block, self.image_size);
+                    let mut decompressed = 0;
+                    let content = match state {
+                        PageState::Source => self
+                            .restore
+                            .as_ref()
+                            .ok_or(FaultError::NoSource { addr })?
+                            .read(offset, &mut buf[..len], &mut decompressed),
+                        _ => self.store.read(offset, &mut buf[..len], &mut decompressed),
+                    }
+                    .map_err(|source| FaultError::Source { addr, source })?;
+                    self.metrics
+                        .bytes_decompressed
+                        .fetch_add(decompressed, Ordering::Relaxed);
+                    let _read = self.layout.read();
+                    if self.states.get(page) != state {
+                        // Installed by another thread or discarded meanwhile: look again.
+                        continue;
+                    }
+                    let data = match content {
+                        Content::Zero => None,
+                        Content::Data => Some((offset / PAGE_SIZE, &buf[..len])),
+                    };
+                    // Recorded before the install wakes the faulting thread, so that an
+                    // offload right after sees it.
+                    self.working_set.record(block);
+                    return self.install(region, page, state, data).map_err(install);
+                }
+            }
+        }
+    }
+
+    /// Installs the block span of `page` if all its pages are in `state`, else the page alone:
+    /// from `data` (first image page of the buffer, bytes) or as zero pages. Marks what it
+    /// installed resident. Called under the read lock.
+    fn install(
+        &self,
+        region: &Region,
+        page: u64,
+        state: PageState,
+        data: Option<(u64, &[u8])>,
+    ) -> Result<Attempt, UffdError> {
+        let span = self.block_span(region, page);
+        let pages = if self.states.all(span.clone(), state) {
+            span
+        } else {
+            page..page + 1
+        };
+        Ok(match self.install_run(region, pages, state, data, true)? {
+            Some(_) => Attempt::Resolved,
+            None => Attempt::Retry,
+        })
+    }
+
+    /// Installs the pages `pages` of `region` (all in `state`, not mapped) from `data` (first
+    /// image page of the buffer, bytes) or as zero pages, marks them resident and counts them
+    /// (as one fault if `fault`), then wakes waiters. Returns the pages it filled
+    /// (already-mapped ones are skipped), or `None` on EAGAIN (read events, then retry).
+    /// Called under the read lock.
+    pub(crate) fn install_run(
+        &self,
+        region: &Region,
+        pages: std::ops::Range<u64>,
+        state: PageState,
+        data: Option<(u64, &[u8])>,
+        fault: bool,
+    ) -> Result<Option<u64>, UffdError> {
+        let count = pages.end - pages.start;
+        let range = HostRange::new(region.addr_of(pages.start), count * PAGE_SIZE)
+            .expect("pages of a region");
+        // Install without waking, so that states and counters are up to date before the
+        // faulting thread runs on (an offload right after must see the page resident).
+        let result = match data {
+            None => self.uffd.zeropage_missing(range, false),
+            Some((buf_page, bytes)) => {
+                let from = ((pages.start - buf_page) * PAGE_SIZE) as usize;
+                let src = &bytes[from..from + (count * PAGE_SIZE) as usize];
+                self.uffd.copy_missing(range.start(), src, false)
+            }
+        };
+        let filled = match result {
+            Ok(filled) => filled / PAGE_SIZE,
+            Err(UffdError::Retry { .. }) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        for p in pages {
+            self.states.transition(p, state, PageState::Resident);
+        }
+        let m = &self.metrics;
+        let (pages_counter, faults_counter) = match data {
+            None => (&m.zero_pages, &m.faults_zero),
+            Some(_) => (&m.pages_copied, &m.faults_copy),
+        };
+        pages_counter.fetch_add(filled, Ordering::Relaxed);
+        if fault {
+            faults_counter.fetch_add(1, Ordering::Relaxed);
+            if filled < count {
+                m.eexist_races.fetch_add(1, Ordering::Relaxed);
+            }
+            if data.is_some() && count > 1 {
+                m.block_copies.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.uffd.wake(range)?;
+        Ok(Some(filled))
+    }
+
+    /// The region holding image page `page`, if any (the image may have gaps).
+    pub(crate) fn region_of_page(&self, page: u64) -> Option<&Region> {
+        self.regions.iter().find(|r| r.pages().contains(&page))
+    }
+}

@@ -1,0 +1,164 @@
+//! Page sources: where the bytes of non-resident pages come from. A source reads whole blocks
+//! of the RAM image by offset; the pager decides which pages of a block to install.
+
+use std::fmt;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use compressed_backing::codec::uniform_byte;
+use compressed_backing::{BlockKind, DiskStore, StoreError};
+use parking_lot::RwLock;
+
+/// Failures to read a block.
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    /// The raw memory file could not be read.
+    #[error("cannot read {len} bytes at offset {offset} of {path}")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// Where.
+        offset: u64,
+        /// How much.
+        len: usize,
+        /// The system error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The store failed (corrupt block, I/O error).
+    #[error("cannot read block {block} from the store")]
+    Store {
+        /// The block.
+        block: u64,
+        /// The store's error.
+        #[source]
+        source: StoreError,
+    },
+    /// No store is attached (nothing was offloaded).
+    #[error("no offload store is attached")]
+    NoStore,
+}
+
+/// What a read produced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Content {
+    /// All zeros (the buffer was zero-filled): install the zero page, copy nothing.
+    Zero,
+    /// Data in the buffer.
+    Data,
+}
+
+/// A source of page contents, addressed by offset in the RAM image. Called from several
+/// threads at once.
+pub trait PageSource: Send + Sync + fmt::Debug {
+    /// Bytes in the image.
+    fn image_size(&self) -> u64;
+
+    /// Fills `buf` with the image's bytes at `offset` (block-aligned; `buf` is one block, or
+    /// less at the end of the image). Bytes decompressed are added to `decompressed`.
+    fn read(
+        &self,
+        offset: u64,
+        buf: &mut [u8],
+        decompressed: &mut u64,
+    ) -> Result<Content, SourceError>;
+}
+
+/// A raw memory file (e.g. a Firecracker snapshot's memory file).
+#[derive(Debug)]
+pub struct RawFileSource {
+    path: PathBuf,
+    file: File,
+    size: u64,
+}
+
+impl RawFileSource {
+    /// Opens `path` read-only.
+    pub fn open(path: &Path) -> std::io::Result<Self> {
+        let file = File::open(path)?;
+        let size = file.metadata()?.len();
+        Ok(Self {
+            path: path.to_path_buf(),
+            file,
+            size,
+        })
+    }
+}
+
+impl PageSource for RawFileSource {
+    fn image_size(&self) -> u64 {
+        self.size
+    }
+
+    fn read(&self, offset: u64, buf: &mut [u8], _: &mut u64) -> Result<Content, SourceError> {
+        self.file
+            .read_exact_at(buf, offset)
+            .map_err(|source| SourceError::File {
+                path: self.path.clone(),
+                offset,
+                len: buf.len(),
+                source,
+            })?;
+        Ok(if uniform_byte(buf) == Some(0) {
+            Content::Zero
+        } else {
+            Content::Data
+        })
+    }
+}
+
+/// A `DiskStore`, shared: faults read it while offload (with the VM paused) may write it.
+#[derive(Debug, Clone, Default)]
+pub struct StoreSource {
+    store: Arc<RwLock<Option<DiskStore>>>,
+}
+
+impl StoreSource {
+    /// A source over `store`.
+    pub fn new(store: DiskStore) -> Self {
+        Self {
+            store: Arc::new(RwLock::new(Some(store))),
+        }
+    }
+
+    /// A source with no store yet (one is attached at the first offload).
+    pub fn empty() -> Self {
+        Self::default()
+    }
+
+    /// The shared store slot.
+    pub fn slot(&self) -> &Arc<RwLock<Option<DiskStore>>> {
+        &self.store
+    }
+}
+
+impl PageSource for StoreSource {
+    fn image_size(&self) -> u64 {
+        self.store.read().as_ref().map_or(0, DiskStore::image_size)
+    }
+
+    fn read(
+        &self,
+        offset: u64,
+        buf: &mut [u8],
+        decompressed: &mut u64,
+    ) -> Result<Content, SourceError> {
+        let guard = self.store.read();
+        let store = guard.as_ref().ok_or(SourceError::NoStore)?;
+        let block = store.block_size().index_of(offset);
+        let kind = store
+            .get(block, buf)
+            .map_err(|source| SourceError::Store { block, source })?;
+        Ok(match kind {
+            None | Some(BlockKind::Zero) => Content::Zero,
+            Some(kind) => {
+                if kind.is_compressed() {
+                    *decompressed += buf.len() as u64;
+                }
+                Content::Data
+            }
+        })
+    }
+}

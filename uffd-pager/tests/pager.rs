@@ -1,0 +1,520 @@
+//! The pager on the real device with host threads touching registered memory (no KVM):
+//! page-state transitions, offload and lazy/eager load with equal digests, REMOVE events,
+//! concurrent faults, a failing offload, memfd RAM, the recorded working set.
+
+// Test code: a failed setup step should stop the test on the spot.
+#![allow(clippy::unwrap_used)]
+
+use std::ffi::CString;
+use std::fs::File;
+use std::os::fd::FromRawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::sync::Arc;
+
+use compressed_backing::bulk::BulkOptions;
+use compressed_backing::{Codec, CodecConfig};
+use uffd_pager::addr::{HostAddr, HostRange, PAGE_SIZE};
+use uffd_pager::load::LoadMode;
+use uffd_pager::offload::{OffloadConfig, OffloadError};
+use uffd_pager::pager::{Pager, PagerConfig, RamKind, RegionSpec};
+use uffd_pager::source::RawFileSource;
+use uffd_pager::state::PageState;
+
+const MIB: usize = 1 << 20;
+
+fn skip() -> bool {
+    let skip = std::env::var_os("PVISOR_SKIP_DEVICE_TESTS").is_some_and(|v| v == "1");
+    if skip {
+        eprintln!("skipped: PVISOR_SKIP_DEVICE_TESTS=1");
+    } else {
+        assert!(
+            std::path::Path::new("/dev/userfaultfd").exists(),
+            "/dev/userfaultfd is missing (PVISOR_SKIP_DEVICE_TESTS=1 skips device tests)"
+        );
+    }
+    skip
+}
+
+/// Guest RAM for a test: an anonymous or memfd mapping, unmapped on drop (after the pager).
+struct Ram {
+    ptr: *mut u8,
+    len: usize,
+    memfd: Option<Arc<File>>,
+}
+
+// SAFETY: plain memory; the tests synchronise access themselves.
+unsafe impl Send for Ram {}
+// SAFETY: as above.
+unsafe impl Sync for Ram {}
+
+impl Ram {
+    fn anon(len: usize) -> Self {
+        // SAFETY: a fresh private anonymous mapping, checked below.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(ptr, libc::MAP_FAILED);
+        Self {
+            ptr: ptr.cast(),
+            len,
+            memfd: None,
+        }
+    }
+
+    fn memfd(len: usize) -> Self {
+        // SAFETY: creating and sizing our own memfd, mapping it shared; all checked.
+        unsafe {
+            let fd = libc::memfd_create(c"guest-ram".as_ptr(), libc::MFD_CLOEXEC);
+            assert!(fd >= 0);
+            assert_eq!(libc::ftruncate(fd, libc::off_t::try_from(len).unwrap()), 0);
+            let ptr = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            );
+            assert_ne!(ptr, libc::MAP_FAILED);
+            Self {
+                ptr: ptr.cast(),
+                len,
+                memfd: Some(Arc::new(File::from_raw_fd(fd))),
+            }
+        }
+    }
+
+    fn spec(&self) -> RegionSpec {
+        RegionSpec {
+            kind: if self.memfd.is_some() {
+                RamKind::Memfd
+            } else {
+                RamKind::Anon
+            },
+            range: HostRange::new(HostAddr::from_ptr(self.ptr), self.len as u64).unwrap(),
+            image_offset: 0,
+            memfd: self.memfd.clone(),
+            memfd_offset: 0,
+            local: true,
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: the mapping is live and `len` long.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: the mapping is live and `len` long, and borrowed mutably.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    fn digest(&self) -> u64 {
+        xxhash_rust::xxh3::xxh3_64(self.bytes())
+    }
+
+    /// Bytes of this mapping resident in memory (mincore).
+    fn resident(&self) -> usize {
+        let mut vec = vec![0u8; self.len / PAGE_SIZE as usize];
+        // SAFETY: `vec` has one byte per page of the mapping.
+        let rc = unsafe { libc::mincore(self.ptr.cast(), self.len, vec.as_mut_ptr()) };
+        assert_eq!(rc, 0);
+        vec.iter().filter(|&&b| b & 1 == 1).count() * PAGE_SIZE as usize
+    }
+}
+
+impl Drop for Ram {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mapping.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+fn pager(ram: &Ram, config: PagerConfig) -> Pager {
+    // SAFETY: `ram` outlives the pager in every test (declared before it, dropped after).
+    unsafe {
+        Pager::new(
+            vec![ram.spec()],
+            config,
+            None,
+            Box::new(|e| panic!("fault error: {e}")),
+        )
+        .unwrap()
+    }
+}
+
+/// Fills `bytes` with a pattern: random-looking in the first half of each MiB, repeated in
+/// the rest, some untouched zero pages.
+fn fill(bytes: &mut [u8], seed: u64) {
+    let mut state = seed | 1;
+    for (i, chunk) in bytes.chunks_mut(PAGE_SIZE as usize).enumerate() {
+        if i % 16 == 15 {
+            continue;
+        }
+        for (j, b) in chunk.iter_mut().enumerate() {
+            *b = if (i * PAGE_SIZE as usize) % MIB < MIB / 2 {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state as u8
+            } else {
+                (j % 97) as u8 ^ seed as u8
+            };
+        }
+    }
+}
+
+fn offload_config(dir: &std::path::Path, codec: Codec) -> OffloadConfig {
+    OffloadConfig {
+        dir: dir.to_path_buf(),
+        codec: CodecConfig::new(codec),
+        bulk: BulkOptions::with_threads(2),
+    }
+}
+
+#[test]
+fn pager_fresh_memory_reads_as_zero_pages() {
+    if skip() {
+        return;
+    }
+    let ram = Ram::anon(4 * MIB);
+    let pager = pager(&ram, PagerConfig::default());
+    assert!(ram.bytes().iter().all(|&b| b == 0));
+    let counts = pager.state_counts();
+    assert_eq!(counts.resident, (4 * MIB) as u64 / PAGE_SIZE);
+    let m = pager.metrics().snapshot();
+    // One zero-page fault per 64 KiB block, not per page.
+    assert_eq!(m.faults_zero, 64, "{m:?}");
+    assert_eq!(m.zero_pages, 1024);
+    assert_eq!(m.faults_copy, 0);
+}
+
+#[test]
+fn pager_offload_then_lazy_and_eager_load_keep_every_byte() {
+    if skip() {
+        return;
+    }
+    for (codec, mode) in [
+        (Codec::None, LoadMode::Lazy),
+        (Codec::Lz4, LoadMode::Eager),
+        (Codec::Zstd { level: 1 }, LoadMode::Lazy),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut ram = Ram::anon(16 * MIB);
+        let pager = pager(&ram, PagerConfig::default());
+        fill(ram.bytes_mut(), 7);
+        let digest = ram.digest();
+        let resident_before = ram.resident();
+        assert_eq!(resident_before, 16 * MIB);
+
+        let report = pager.offload(&offload_config(dir.path(), codec)).unwrap();
+        assert_eq!(report.pages_dropped, (16 * MIB) as u64 / PAGE_SIZE);
+        assert_eq!(
+            ram.resident(),
+            0,
+            "{codec}: pages still resident after offload"
+        );
+        let counts = pager.state_counts();
+        assert_eq!(counts.stored, (16 * MIB) as u64 / PAGE_SIZE, "{counts:?}");
+        if codec != Codec::None {
+            assert!(report.stored_bytes < 12 * MIB as u64, "{codec}: {report:?}");
+        }
+
+        let load = pager.load(mode, 2).unwrap();
+        assert_eq!(load.blocks, 256);
+        if mode == LoadMode::Lazy {
+            // Touch a few pages while the prefetcher runs.
+            assert_eq!(ram.bytes()[3 * MIB + 5], {
+                let mut probe = vec![0u8; 16 * MIB];
+                fill(&mut probe, 7);
+                probe[3 * MIB + 5]
+            });
+            pager.wait_prefetch();
+        } else {
+            assert_eq!(load.pages_installed, (16 * MIB) as u64 / PAGE_SIZE);
+            assert_eq!(pager.state_counts().resident, (16 * MIB) as u64 / PAGE_SIZE);
+        }
+        assert_eq!(ram.digest(), digest, "{codec} {mode:?}");
+        let m = pager.metrics().snapshot();
+        assert_eq!(m.fault_errors, 0);
+        if codec != Codec::None {
+            assert!(m.bytes_decompressed > 0, "{m:?}");
+        }
+    }
+}
+
+#[test]
+fn pager_second_offload_keeps_pages_that_were_never_loaded() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut ram = Ram::anon(8 * MIB);
+    let pager = pager(&ram, PagerConfig::default());
+    fill(ram.bytes_mut(), 3);
+    let mut expect = ram.bytes().to_vec();
+    pager
+        .offload(&offload_config(dir.path(), Codec::Lz4))
+        .unwrap();
+    // Fault back and change one page in the middle of a block; leave the rest stored.
+    let at = 2 * MIB + 3 * PAGE_SIZE as usize;
+    ram.bytes_mut()[at] ^= 0xFF;
+    expect[at] ^= 0xFF;
+    let counts = pager.state_counts();
+    assert!(counts.stored > 0 && counts.resident > 0, "{counts:?}");
+    pager
+        .offload(&offload_config(dir.path(), Codec::Lz4))
+        .unwrap();
+    assert_eq!(ram.resident(), 0);
+    pager.load(LoadMode::Eager, 2).unwrap();
+    assert!(ram.bytes() == &expect[..]);
+}
+
+#[test]
+fn pager_discarded_range_reads_back_as_zeros() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut ram = Ram::anon(4 * MIB);
+    let pager = pager(&ram, PagerConfig::default());
+    fill(ram.bytes_mut(), 9);
+    // A resident range discarded by the VMM (a balloon) reads as zeros.
+    // SAFETY: discarding part of our own mapping.
+    let value = unsafe { libc::madvise(ram.ptr.add(MIB).cast(), MIB, libc::MADV_DONTNEED) };
+    assert_eq!(value, 0);
+    assert!(ram.bytes()[MIB..2 * MIB].iter().all(|&b| b == 0));
+    // Offloaded, then discarded before loading: zeros too, never the stored bytes.
+    pager
+        .offload(&offload_config(dir.path(), Codec::Lz4))
+        .unwrap();
+    // SAFETY: as above.
+    let value = unsafe { libc::madvise(ram.ptr.add(3 * MIB).cast(), MIB, libc::MADV_DONTNEED) };
+    assert_eq!(value, 0);
+    assert_eq!(pager.page_state(3 * MIB as u64), PageState::Zero);
+    pager.load(LoadMode::Eager, 1).unwrap();
+    assert!(ram.bytes()[3 * MIB..].iter().all(|&b| b == 0));
+    let mut expect = vec![0u8; 4 * MIB];
+    fill(&mut expect, 9);
+    assert!(ram.bytes()[..MIB] == expect[..MIB]);
+    assert!(ram.bytes()[2 * MIB..3 * MIB] == expect[2 * MIB..3 * MIB]);
+    assert!(pager.metrics().snapshot().remove_events >= 2);
+}
+
+#[test]
+fn pager_concurrent_faults_from_eight_threads_get_the_right_bytes() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut ram = Ram::anon(32 * MIB);
+    let pager = pager(
+        &ram,
+        PagerConfig {
+            threads: 2,
+            ..PagerConfig::default()
+        },
+    );
+    fill(ram.bytes_mut(), 11);
+    let expect = ram.bytes().to_vec();
+    pager
+        .offload(&offload_config(dir.path(), Codec::Lz4))
+        .unwrap();
+    pager.load(LoadMode::Lazy, 1).unwrap();
+    std::thread::scope(|s| {
+        for t in 0..8 {
+            let (ram, expect) = (&ram, &expect);
+            s.spawn(move || {
+                // Interleaved pages, so threads race on the same blocks.
+                for page in (t..ram.len / PAGE_SIZE as usize).step_by(8) {
+                    let at = page * PAGE_SIZE as usize + (page % 4000);
+                    // SAFETY: reading a byte of the live mapping.
+                    let got = unsafe { ram.ptr.add(at).read_volatile() };
+                    assert_eq!(got, expect[at], "page {page}");
+                }
+            });
+        }
+    });
+    pager.wait_prefetch();
+    assert!(ram.bytes() == &expect[..]);
+    assert_eq!(pager.metrics().snapshot().fault_errors, 0);
+}
+
+/// A tmpfs of `size`, unmounted on drop.
+struct Tmpfs(tempfile::TempDir);
+
+impl Tmpfs {
+    fn mount(size: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let target = CString::new(dir.path().as_os_str().as_bytes()).unwrap();
+        let options = CString::new(format!("size={size}")).unwrap();
+        // SAFETY: valid NUL-terminated strings that outlive the call.
+        let rc = unsafe {
+            libc::mount(
+                c"tmpfs".as_ptr(),
+                target.as_ptr(),
+                c"tmpfs".as_ptr(),
+                0,
+                options.as_ptr().cast(),
+            )
+        };
+        assert_eq!(
+            rc,
+            0,
+            "mounting a tmpfs needs root: {}",
+            std::io::Error::last_os_error()
+        );
+        Self(dir)
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let target = CString::new(self.0.path().as_os_str().as_bytes()).unwrap();
+        // SAFETY: a valid path.
+        unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+    }
+}
+
+#[test]
+fn pager_offload_that_fails_half_way_leaves_memory_intact() {
+    if skip() {
+        return;
+    }
+    let small = Tmpfs::mount("2m");
+    let mut ram = Ram::anon(16 * MIB);
+    let pager = pager(&ram, PagerConfig::default());
+    fill(ram.bytes_mut(), 13);
+    let digest = ram.digest();
+    // Random-ish content does not fit in 2 MiB: the write fails with ENOSPC part-way.
+    let err = pager
+        .offload(&offload_config(&small.0.path().join("store"), Codec::None))
+        .unwrap_err();
+    assert!(
+        matches!(err, OffloadError::Store(ref e) if e.is_no_space()),
+        "{err}"
+    );
+    assert_eq!(ram.resident(), 16 * MIB);
+    assert_eq!(pager.state_counts().resident, (16 * MIB) as u64 / PAGE_SIZE);
+    assert_eq!(ram.digest(), digest);
+    // A later offload to a disk with room works.
+    let dir = tempfile::tempdir().unwrap();
+    drop(small);
+    let mut ram2 = Ram::anon(MIB);
+    let pager2 = self::pager(&ram2, PagerConfig::default());
+    fill(ram2.bytes_mut(), 1);
+    pager2
+        .offload(&offload_config(dir.path(), Codec::Lz4))
+        .unwrap();
+}
+
+#[test]
+fn pager_memfd_ram_offloads_by_punching_holes_and_serves_minor_faults() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut ram = Ram::memfd(8 * MIB);
+    let pager = pager(&ram, PagerConfig::default());
+    fill(ram.bytes_mut(), 17);
+    let digest = ram.digest();
+    // A zapped mapping of data still in the page cache comes back as MINOR faults.
+    // SAFETY: zapping our own shared mapping; the memfd keeps the data.
+    let value = unsafe { libc::madvise(ram.ptr.cast(), MIB, libc::MADV_DONTNEED) };
+    assert_eq!(value, 0);
+    assert_eq!(ram.digest(), digest);
+    let minors = pager.metrics().snapshot().faults_minor;
+    assert_eq!(minors, (MIB as u64) / PAGE_SIZE);
+
+    let memfd = ram.memfd.as_ref().unwrap();
+    let allocated = |f: &File| {
+        use std::os::unix::fs::MetadataExt;
+        f.metadata().unwrap().blocks() * 512
+    };
+    assert!(allocated(memfd) >= 7 * MIB as u64);
+    pager
+        .offload(&offload_config(dir.path(), Codec::Lz4))
+        .unwrap();
+    assert_eq!(allocated(memfd), 0, "the memfd still holds pages");
+    pager.load(LoadMode::Lazy, 1).unwrap();
+    assert_eq!(ram.digest(), digest);
+}
+
+#[test]
+fn pager_restore_from_a_raw_file_serves_its_bytes() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("mem");
+    let mut image = vec![0u8; 4 * MIB];
+    fill(&mut image, 21);
+    std::fs::write(&path, &image).unwrap();
+    let source = Arc::new(RawFileSource::open(&path).unwrap());
+    let ram = Ram::anon(4 * MIB);
+    // SAFETY: `ram` outlives the pager.
+    let pager = unsafe {
+        Pager::new(
+            vec![ram.spec()],
+            PagerConfig {
+                initial: PageState::Source,
+                ..PagerConfig::default()
+            },
+            Some(source),
+            Box::new(|e| panic!("{e}")),
+        )
+        .unwrap()
+    };
+    assert!(ram.bytes() == &image[..]);
+    let m = pager.metrics().snapshot();
+    assert_eq!(m.faults_copy + m.faults_zero, 64, "{m:?}");
+}
+
+#[test]
+fn pager_second_resume_prefetches_the_recorded_working_set() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut ram = Ram::anon(32 * MIB);
+    let pager = pager(&ram, PagerConfig::default());
+    fill(ram.bytes_mut(), 23);
+    let config = offload_config(dir.path(), Codec::Lz4);
+    let touch = |ram: &Ram| {
+        // The "working set": 4 MiB scattered over the image.
+        let mut sum = 0u64;
+        for block in (0..512).step_by(8) {
+            sum += u64::from(ram.bytes()[block * 64 * 1024 + 100]);
+        }
+        sum
+    };
+
+    pager.offload(&config).unwrap();
+    // First resume without prefetch: every touched block is a synchronous fault, recorded.
+    let before = pager.metrics().snapshot().faults_copy;
+    let first_sum = touch(&ram);
+    let first_faults = pager.metrics().snapshot().faults_copy - before;
+    assert_eq!(first_faults, 64);
+
+    pager.offload(&config).unwrap();
+    let report = pager.load(LoadMode::Lazy, 1).unwrap();
+    assert_eq!(report.working_set_blocks, 64);
+    // Give the prefetcher the head start a real resume has (the VM's first instructions).
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let before = pager.metrics().snapshot().faults_copy;
+    assert_eq!(touch(&ram), first_sum);
+    let second_faults = pager.metrics().snapshot().faults_copy - before;
+    assert!(
+        second_faults * 2 <= first_faults,
+        "{second_faults} vs {first_faults}"
+    );
+    assert!(pager.metrics().snapshot().prefetch_hits >= 32);
+    pager.wait_prefetch();
+}
