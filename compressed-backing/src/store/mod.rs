@@ -328,6 +328,25 @@ pub(crate) struct BatchItem {
 }
 
 impl EncodedBatch {
+    /// An empty batch with room for `blocks` blocks of `block_bytes` each, allocated (and
+    /// touched) up front so that reusing it never faults in fresh pages.
+    pub(crate) fn with_capacity(blocks: usize, block_bytes: usize) -> Self {
+        // `resize` writes every byte (unlike `vec![0; n]`, which may map untouched zero pages).
+        let mut data = Vec::with_capacity(blocks * block_bytes);
+        data.resize(blocks * block_bytes, 0);
+        data.clear();
+        Self {
+            data,
+            items: Vec::with_capacity(blocks),
+        }
+    }
+
+    /// Empties the batch, keeping its memory.
+    pub(crate) fn clear(&mut self) {
+        self.data.clear();
+        self.items.clear();
+    }
+
     /// Adds one encoded block.
     pub(crate) fn push(&mut self, block: u64, encoded: Encoded<'_>) {
         let offset = self.data.len();
