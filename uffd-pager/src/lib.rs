@@ -8,6 +8,7 @@
 //! - [`pager`]: [`Pager`](pager::Pager): regions, fault threads, fault resolution.
 //! - [`load`]: bringing offloaded RAM back, lazily with prefetch or eagerly.
 //! - [`offload`]: offload of a paused VM's RAM to a store.
+//! - [`server`]: the standalone server (Firecracker's UFFD handshake).
 //! - [`source`]: where non-resident pages come from (raw memory file, store).
 
 pub mod addr;
@@ -15,6 +16,7 @@ pub mod load;
 pub mod metrics;
 pub mod offload;
 pub mod pager;
+pub mod server;
 pub mod source;
 pub mod state;
 pub mod uffd;

@@ -332,6 +332,10 @@ impl EncodedBatch {
     /// touched) up front so that reusing it never faults in fresh pages.
     pub(crate) fn with_capacity(blocks: usize, block_bytes: usize) -> Self {
         // `resize` writes every byte (unlike `vec![0; n]`, which may map untouched zero pages).
+        #[allow(
+            clippy::slow_vector_initialization,
+            reason = "the pages must be touched now"
+        )]
         let mut data = Vec::with_capacity(blocks * block_bytes);
         data.resize(blocks * block_bytes, 0);
         data.clear();

@@ -1,6 +1,7 @@
 //! Command-line parsing and dispatch.
 
 mod demo;
+mod serve;
 mod store;
 
 use std::error::Error;
@@ -89,6 +90,28 @@ enum Command {
         #[arg(long, value_name = "DIR")]
         keep: Option<PathBuf>,
     },
+    /// Serve the guest memory of VMMs that hand over their userfaultfd with Firecracker's UFFD
+    /// handshake (a JSON array of regions plus the uffd over SCM_RIGHTS), from a raw memory
+    /// file or a compressed store, any number of VMs at once. Runs until SIGINT or SIGTERM.
+    Serve {
+        /// The Unix socket to listen on (a stale one is replaced).
+        #[arg(long, value_name = "PATH")]
+        socket: PathBuf,
+        /// Serve from this raw memory file (e.g. a Firecracker snapshot memory file).
+        #[arg(
+            long,
+            value_name = "FILE",
+            conflicts_with = "store",
+            required_unless_present = "store"
+        )]
+        mem_file: Option<PathBuf>,
+        /// Serve from this store (made with `pack`).
+        #[arg(long, value_name = "DIR")]
+        store: Option<PathBuf>,
+        /// Fault-serving threads per VM.
+        #[arg(long, default_value_t = 1, value_name = "N")]
+        threads: usize,
+    },
     /// Mount a store so its image appears as one plain file (MOUNTPOINT/ram) that any VMM can
     /// read, write or mmap. Runs until SIGINT or SIGTERM, then writes back, commits and
     /// unmounts.
@@ -128,6 +151,12 @@ pub fn run(cli: Cli) -> CliResult {
         } => store::unpack(&store, &out, threads),
         Command::Verify { store, json } => store::verify(&store, json),
         Command::Info { store, json } => store::info(&store, json),
+        Command::Serve {
+            socket,
+            mem_file,
+            store,
+            threads,
+        } => serve::serve(&socket, mem_file.as_deref(), store.as_deref(), threads),
         Command::Demo { size, keep } => demo::demo(size, keep.as_deref()),
         Command::Mount {
             store,

@@ -1,0 +1,99 @@
+//! `uffd-pager serve`: the standalone server.
+
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use compressed_backing::{BlockSize, DiskStore};
+use nix::sys::signal::{SigSet, Signal};
+use uffd_pager::server::{Server, ServerConfig};
+use uffd_pager::source::{PageSource, RawFileSource, StoreSource};
+
+use super::CliResult;
+
+pub fn serve(
+    socket: &Path,
+    mem_file: Option<&Path>,
+    store: Option<&Path>,
+    threads: usize,
+) -> CliResult {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    // Only the wait below receives the stop signals; every thread inherits the mask.
+    let mut signals = SigSet::empty();
+    signals.add(Signal::SIGINT);
+    signals.add(Signal::SIGTERM);
+    signals.thread_block()?;
+
+    let (source, block_size): (Arc<dyn PageSource>, BlockSize) = match (mem_file, store) {
+        (Some(path), _) => (
+            Arc::new(
+                RawFileSource::open(path)
+                    .map_err(|e| format!("cannot open memory file {}: {e}", path.display()))?,
+            ),
+            BlockSize::default(),
+        ),
+        (None, Some(dir)) => {
+            let store = DiskStore::open_read_only(dir)?;
+            let block_size = store.block_size();
+            (Arc::new(StoreSource::new(store)), block_size)
+        }
+        (None, None) => return Err("give --mem-file FILE or --store DIR".into()),
+    };
+    let server = Server::bind(
+        socket,
+        Arc::clone(&source),
+        ServerConfig {
+            threads: threads.max(1),
+            block_size,
+        },
+    )
+    .map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?;
+    tracing::info!(
+        socket = %socket.display(),
+        image_bytes = source.image_size(),
+        "listening"
+    );
+    println!("{}", socket.display());
+    let stop = Arc::new(AtomicBool::new(false));
+    std::thread::scope(|scope| -> CliResult {
+        let accept = scope.spawn(|| server.run(&stop));
+        let signal = signals.wait()?;
+        stop.store(true, Ordering::Relaxed);
+        let _ = accept.join();
+        // VMs still attached would freeze on their next fault if the server left now: serve
+        // them until they go, unless told again to stop.
+        let active = || server.stats().active.load(Ordering::Relaxed);
+        if active() > 0 {
+            tracing::warn!(
+                "{signal}: no new VMs; still serving {} (signal again to stop now)",
+                active()
+            );
+            while active() > 0 {
+                if wait_signal(&signals, 200) {
+                    tracing::warn!("stopping with {} VMs attached", active());
+                    break;
+                }
+            }
+        }
+        tracing::info!("stopped");
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+/// Waits up to `timeout_ms` for one of `signals`; true if one arrived.
+fn wait_signal(signals: &SigSet, timeout_ms: i64) -> bool {
+    let timeout = libc::timespec {
+        tv_sec: timeout_ms / 1000,
+        tv_nsec: (timeout_ms % 1000) * 1_000_000,
+    };
+    // SAFETY: `signals` is a valid, blocked signal set; a null info pointer is allowed.
+    let rc = unsafe { libc::sigtimedwait(signals.as_ref(), std::ptr::null_mut(), &timeout) };
+    rc > 0
+}

@@ -1,0 +1,269 @@
+//! Firecracker's UFFD handshake: one message on a Unix socket carrying a bare JSON array of
+//! guest-memory regions and, as `SCM_RIGHTS`, the userfaultfd. Both page-size fields are in
+//! bytes despite the name of one; versions before 1.7 send neither (4096 is assumed); unknown
+//! fields are ignored. `offset` is the region's offset in the memory file.
+
+use std::io::IoSliceMut;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+
+use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+
+use crate::addr::{HostAddr, HostRange, PAGE_SIZE};
+
+/// Largest handshake accepted (a VM has a handful of regions; this is generous).
+pub const MAX_HANDSHAKE_BYTES: usize = 64 << 10;
+
+/// One region as Firecracker describes it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+pub struct GuestRegion {
+    /// Where the region is mapped in the VMM.
+    pub base_host_virt_addr: u64,
+    /// Bytes.
+    pub size: u64,
+    /// Offset of the region in the memory file.
+    pub offset: u64,
+    /// Page size in bytes (Firecracker ≥ 1.7).
+    #[serde(default)]
+    pub page_size: Option<u64>,
+    /// Page size, also in bytes despite its name (Firecracker ≥ 1.7).
+    #[serde(default)]
+    pub page_size_kib: Option<u64>,
+}
+
+/// A validated region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Region {
+    /// Its range in the VMM's address space.
+    pub range: HostRange,
+    /// Its offset in the image.
+    pub offset: u64,
+}
+
+/// Why a handshake was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum HandshakeError {
+    /// Receiving the message failed.
+    #[error("cannot receive the handshake")]
+    Recv(#[source] std::io::Error),
+    /// The peer closed the connection before sending anything.
+    #[error("the peer disconnected before the handshake")]
+    Disconnected,
+    /// The message was longer than accepted.
+    #[error("the handshake is larger than {MAX_HANDSHAKE_BYTES} bytes")]
+    TooLarge,
+    /// No descriptor came with the message.
+    #[error("the handshake carries no userfaultfd (expected one SCM_RIGHTS descriptor)")]
+    NoFd,
+    /// More than one descriptor came with the message.
+    #[error("the handshake carries {0} descriptors, expected one")]
+    TooManyFds(usize),
+    /// The JSON is malformed.
+    #[error("the handshake is not a JSON array of regions")]
+    Json(#[source] serde_json::Error),
+    /// A region is invalid on its own or against the others or the image.
+    #[error("region {index}: {reason}")]
+    Region {
+        /// Position in the array.
+        index: usize,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The array is empty.
+    #[error("the handshake lists no regions")]
+    Empty,
+}
+
+/// A received handshake: the userfaultfd and the regions.
+#[derive(Debug)]
+pub struct Handshake {
+    /// The VMM's userfaultfd.
+    pub uffd: OwnedFd,
+    /// The raw regions, as sent.
+    pub raw: Vec<GuestRegion>,
+}
+
+/// Receives the handshake message from `stream`.
+pub fn receive(stream: &UnixStream) -> Result<Handshake, HandshakeError> {
+    let mut buf = vec![0u8; MAX_HANDSHAKE_BYTES];
+    let mut cmsg = nix::cmsg_space!([RawFd; 4]);
+    let (len, fds, truncated) = {
+        let mut iov = [IoSliceMut::new(&mut buf)];
+        let msg = recvmsg::<()>(
+            stream.as_raw_fd(),
+            &mut iov,
+            Some(&mut cmsg),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        )
+        .map_err(|e| HandshakeError::Recv(e.into()))?;
+        let mut fds = Vec::new();
+        for control in msg.cmsgs().map_err(|e| HandshakeError::Recv(e.into()))? {
+            if let ControlMessageOwned::ScmRights(received) = control {
+                // SAFETY: the kernel just installed these descriptors for us; nobody else owns
+                // them.
+                fds.extend(
+                    received
+                        .into_iter()
+                        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+                );
+            }
+        }
+        let truncated = msg
+            .flags
+            .intersects(MsgFlags::MSG_TRUNC | MsgFlags::MSG_CTRUNC);
+        (msg.bytes, fds, truncated)
+    };
+    if len == 0 && fds.is_empty() {
+        return Err(HandshakeError::Disconnected);
+    }
+    if truncated {
+        return Err(HandshakeError::TooLarge);
+    }
+    let mut fds = fds.into_iter();
+    let uffd = fds.next().ok_or(HandshakeError::NoFd)?;
+    let extra = fds.count();
+    if extra > 0 {
+        return Err(HandshakeError::TooManyFds(extra + 1));
+    }
+    let raw: Vec<GuestRegion> =
+        serde_json::from_slice(&buf[..len]).map_err(HandshakeError::Json)?;
+    Ok(Handshake { uffd, raw })
+}
+
+/// Validates regions: page size 4 KiB (huge pages are not served), page-aligned, no overlap
+/// in memory or in the image, every byte inside an image of `image_size` bytes.
+pub fn validate(raw: &[GuestRegion], image_size: u64) -> Result<Vec<Region>, HandshakeError> {
+    if raw.is_empty() {
+        return Err(HandshakeError::Empty);
+    }
+    let bad = |index: usize, reason: String| HandshakeError::Region { index, reason };
+    let mut regions: Vec<Region> = Vec::with_capacity(raw.len());
+    for (index, r) in raw.iter().enumerate() {
+        let page_size = r.page_size.or(r.page_size_kib).unwrap_or(PAGE_SIZE);
+        if let (Some(a), Some(b)) = (r.page_size, r.page_size_kib) {
+            if a != b {
+                return Err(bad(
+                    index,
+                    format!("page_size {a} and page_size_kib {b} disagree"),
+                ));
+            }
+        }
+        if page_size != PAGE_SIZE {
+            return Err(bad(
+                index,
+                format!("page size {page_size} is not served (only 4096-byte pages)"),
+            ));
+        }
+        let range = HostRange::new(HostAddr(r.base_host_virt_addr), r.size)
+            .map_err(|e| bad(index, e.to_string()))?;
+        if r.offset % PAGE_SIZE != 0 {
+            return Err(bad(
+                index,
+                format!("offset {:#x} is not page-aligned", r.offset),
+            ));
+        }
+        let end = r
+            .offset
+            .checked_add(r.size)
+            .filter(|&end| end <= image_size)
+            .ok_or_else(|| {
+                bad(
+                    index,
+                    format!(
+                        "offset {:#x} + size {:#x} is beyond the {image_size}-byte memory image",
+                        r.offset, r.size
+                    ),
+                )
+            })?;
+        for (other_index, other) in regions.iter().enumerate() {
+            if other.range.overlaps(&range) {
+                return Err(bad(
+                    index,
+                    format!("overlaps region {other_index} in memory"),
+                ));
+            }
+            if other.offset < end && r.offset < other.offset + other.range.len() {
+                return Err(bad(
+                    index,
+                    format!("overlaps region {other_index} in the image"),
+                ));
+            }
+        }
+        regions.push(Region {
+            range,
+            offset: r.offset,
+        });
+    }
+    Ok(regions)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(json: &str) -> Result<Vec<Region>, HandshakeError> {
+        let raw: Vec<GuestRegion> = serde_json::from_str(json).map_err(HandshakeError::Json)?;
+        validate(&raw, 1 << 30)
+    }
+
+    #[test]
+    fn handshake_firecracker_forms_are_all_accepted() {
+        // 1.12 style: both fields, in bytes.
+        let regions = parse(
+            r#"[{"base_host_virt_addr":140000000000000,"size":1048576,"offset":0,"page_size":4096,"page_size_kib":4096}]"#,
+        )
+        .unwrap();
+        assert_eq!(regions[0].range.len(), 1 << 20);
+        // Pre-1.7: no page size at all; unknown fields ignored.
+        parse(r#"[{"base_host_virt_addr":140000000000000,"size":4096,"offset":0,"future":true}]"#)
+            .unwrap();
+        // Only one of the two fields.
+        parse(r#"[{"base_host_virt_addr":140000000000000,"size":4096,"offset":8192,"page_size_kib":4096}]"#)
+            .unwrap();
+    }
+
+    #[test]
+    fn handshake_bad_regions_are_refused_with_a_reason() {
+        let cases = [
+            (r#"[]"#, "no regions"),
+            (r#"{"regions":[]}"#, "not a JSON array"),
+            (
+                r#"[{"base_host_virt_addr":4097,"size":4096,"offset":0}]"#,
+                "not page-aligned",
+            ),
+            (
+                r#"[{"base_host_virt_addr":4096,"size":100,"offset":0}]"#,
+                "not page-aligned",
+            ),
+            (
+                r#"[{"base_host_virt_addr":4096,"size":4096,"offset":7}]"#,
+                "offset 0x7",
+            ),
+            (
+                r#"[{"base_host_virt_addr":4096,"size":4096,"offset":0,"page_size":2097152}]"#,
+                "only 4096-byte pages",
+            ),
+            (
+                r#"[{"base_host_virt_addr":4096,"size":8192,"offset":0},{"base_host_virt_addr":8192,"size":4096,"offset":65536}]"#,
+                "overlaps region 0 in memory",
+            ),
+            (
+                r#"[{"base_host_virt_addr":4096,"size":8192,"offset":0},{"base_host_virt_addr":65536,"size":4096,"offset":4096}]"#,
+                "overlaps region 0 in the image",
+            ),
+            (
+                r#"[{"base_host_virt_addr":4096,"size":8192,"offset":1073737728}]"#,
+                "beyond the",
+            ),
+            (
+                r#"[{"base_host_virt_addr":4096,"size":4096,"offset":0,"page_size":4096,"page_size_kib":8192}]"#,
+                "disagree",
+            ),
+        ];
+        for (json, expect) in cases {
+            let err = parse(json).unwrap_err();
+            let text = crate::server::error_text(&err);
+            assert!(text.contains(expect), "{json}: {text}");
+        }
+    }
+}

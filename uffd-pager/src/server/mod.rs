@@ -1,0 +1,312 @@
+//! The standalone pager server: serves the guest memory of VMMs that hand over their
+//! userfaultfd (Firecracker's UFFD handshake, unchanged), from a raw memory file or a
+//! compressed store, any number of VMs at once, one connection and one pager each.
+//!
+//! A connection that sends a bad handshake, or whose peer disconnects, gets a logged (and
+//! rate-limited) error and is closed; the server goes on serving the others. A fault that
+//! cannot be served (a corrupt block, a read error) is never answered with zeros or stale
+//! bytes: the error is logged and the peer, found with `SO_PEERCRED`, is killed, since a VM
+//! frozen on a fault forever is worse.
+
+pub mod handshake;
+
+use std::io::Read;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use compressed_backing::BlockSize;
+use nix::sys::signal::{kill, Signal};
+use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+use nix::unistd::Pid;
+
+use crate::pager::{Pager, PagerConfig, RamKind, RegionSpec};
+use crate::source::PageSource;
+use crate::state::PageState;
+use crate::uffd::Userfaultfd;
+
+/// Formats an error with its causes, `a: b: c`.
+pub fn error_text(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut cause = err.source();
+    while let Some(next) = cause {
+        text.push_str(": ");
+        text.push_str(&next.to_string());
+        cause = next.source();
+    }
+    text
+}
+
+/// Server parameters.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Fault-serving threads per VM.
+    pub threads: usize,
+    /// Fetch unit (must be the store's block size when serving a store).
+    pub block_size: BlockSize,
+}
+
+/// Server-wide counters.
+#[derive(Debug, Default, serde::Serialize)]
+pub struct ServerStats {
+    /// Connections accepted.
+    pub connections: AtomicU64,
+    /// Handshakes that were refused.
+    pub bad_handshakes: AtomicU64,
+    /// VMs served (valid handshakes).
+    pub vms: AtomicU64,
+    /// VMs being served right now.
+    pub active: AtomicU64,
+    /// Peers killed because a fault could not be served.
+    pub peers_killed: AtomicU64,
+}
+
+/// Allows a burst of messages, then one per interval, counting what it suppresses.
+#[derive(Debug)]
+pub struct RateLimit {
+    state: Mutex<(Instant, u32)>,
+    suppressed: AtomicU64,
+    burst: u32,
+    interval: Duration,
+}
+
+impl RateLimit {
+    /// `burst` messages per `interval`.
+    pub fn new(burst: u32, interval: Duration) -> Self {
+        Self {
+            state: Mutex::new((Instant::now(), 0)),
+            suppressed: AtomicU64::new(0),
+            burst,
+            interval,
+        }
+    }
+
+    /// True if a message may be logged now; otherwise counts it as suppressed.
+    pub fn allow(&self) -> bool {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if state.0.elapsed() >= self.interval {
+            *state = (Instant::now(), 0);
+        }
+        if state.1 < self.burst {
+            state.1 += 1;
+            true
+        } else {
+            self.suppressed.fetch_add(1, Ordering::Relaxed);
+            false
+        }
+    }
+
+    /// Messages suppressed so far.
+    pub fn suppressed(&self) -> u64 {
+        self.suppressed.load(Ordering::Relaxed)
+    }
+}
+
+/// A listening server.
+#[derive(Debug)]
+pub struct Server {
+    listener: UnixListener,
+    path: PathBuf,
+    source: Arc<dyn PageSource>,
+    config: ServerConfig,
+    stats: Arc<ServerStats>,
+    log_limit: Arc<RateLimit>,
+}
+
+impl Server {
+    /// Listens on `path` (a stale socket file nobody listens on is replaced).
+    pub fn bind(
+        path: &Path,
+        source: Arc<dyn PageSource>,
+        config: ServerConfig,
+    ) -> std::io::Result<Self> {
+        if path.exists() {
+            if UnixStream::connect(path).is_ok() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::AddrInUse,
+                    format!("{} is in use by a running server", path.display()),
+                ));
+            }
+            std::fs::remove_file(path)?;
+        }
+        let listener = UnixListener::bind(path)?;
+        listener.set_nonblocking(true)?;
+        Ok(Self {
+            listener,
+            path: path.to_path_buf(),
+            source,
+            config,
+            stats: Arc::new(ServerStats::default()),
+            log_limit: Arc::new(RateLimit::new(20, Duration::from_secs(1))),
+        })
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &Arc<ServerStats> {
+        &self.stats
+    }
+
+    /// Accepts connections until `stop` is set, each served on its own thread. Connections
+    /// still open when it returns go on being served until their peers leave.
+    pub fn run(&self, stop: &AtomicBool) {
+        while !stop.load(Ordering::Relaxed) {
+            match self.listener.accept() {
+                Ok((stream, _)) => {
+                    self.stats.connections.fetch_add(1, Ordering::Relaxed);
+                    let connection = Connection {
+                        stream,
+                        source: Arc::clone(&self.source),
+                        config: self.config.clone(),
+                        stats: Arc::clone(&self.stats),
+                        log_limit: Arc::clone(&self.log_limit),
+                    };
+                    let spawned = std::thread::Builder::new()
+                        .name("uffd-conn".into())
+                        .spawn(move || connection.serve());
+                    if let Err(e) = spawned {
+                        tracing::error!("cannot start a connection thread: {e}");
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    wait_readable(self.listener.as_raw_fd(), 200);
+                }
+                Err(e) => {
+                    if self.log_limit.allow() {
+                        tracing::warn!("accept failed: {e}");
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn wait_readable(fd: i32, timeout_ms: i32) -> bool {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    let rc = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
+    rc > 0
+}
+
+/// One VMM's connection.
+struct Connection {
+    stream: UnixStream,
+    source: Arc<dyn PageSource>,
+    config: ServerConfig,
+    stats: Arc<ServerStats>,
+    log_limit: Arc<RateLimit>,
+}
+
+impl Connection {
+    fn serve(self) {
+        let pid = getsockopt(&self.stream, PeerCredentials)
+            .map(|c| c.pid())
+            .unwrap_or(0);
+        let pager = match self.start(pid) {
+            Ok(pager) => pager,
+            Err(e) => {
+                self.stats.bad_handshakes.fetch_add(1, Ordering::Relaxed);
+                if self.log_limit.allow() {
+                    tracing::warn!(peer_pid = pid, "connection refused: {}", error_text(&*e));
+                }
+                return;
+            }
+        };
+        self.stats.vms.fetch_add(1, Ordering::Relaxed);
+        self.stats.active.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(peer_pid = pid, bytes = pager.image_size(), "serving a VM");
+        // Firecracker keeps the socket open and sends nothing more: its end of file (or the
+        // end of its address space) ends the service.
+        let mut stream = &self.stream;
+        let mut byte = [0u8; 256];
+        while !pager.owner_gone() {
+            if !wait_readable(self.stream.as_raw_fd(), 200) {
+                continue;
+            }
+            match stream.read(&mut byte) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+        let metrics = pager.metrics().snapshot();
+        drop(pager);
+        self.stats.active.fetch_sub(1, Ordering::Relaxed);
+        tracing::info!(
+            peer_pid = pid,
+            faults = metrics.faults_copy + metrics.faults_zero,
+            errors = metrics.fault_errors,
+            "VM gone"
+        );
+    }
+
+    fn start(&self, pid: i32) -> Result<Pager, Box<dyn std::error::Error>> {
+        self.stream
+            .set_read_timeout(Some(Duration::from_secs(10)))?;
+        let received = handshake::receive(&self.stream)?;
+        let regions = handshake::validate(&received.raw, self.source.image_size())?;
+        let specs = regions
+            .iter()
+            .map(|r| RegionSpec {
+                kind: RamKind::Anon,
+                range: r.range,
+                image_offset: r.offset,
+                memfd: None,
+                memfd_offset: 0,
+                local: false,
+            })
+            .collect();
+        let killed = AtomicBool::new(false);
+        let stats = Arc::clone(&self.stats);
+        let log_limit = Arc::clone(&self.log_limit);
+        let on_error = Box::new(move |e: &crate::pager::FaultError| {
+            if log_limit.allow() {
+                tracing::error!(peer_pid = pid, "fault cannot be served: {}", error_text(e));
+            }
+            // Never feed the guest wrong bytes; a VM frozen forever is worse than a dead one.
+            if pid > 0
+                && pid != std::process::id().cast_signed()
+                && !killed.swap(true, Ordering::Relaxed)
+            {
+                stats.peers_killed.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(
+                    peer_pid = pid,
+                    "killing the VMM: its memory cannot be served"
+                );
+                let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+            }
+        });
+        let uffd = Userfaultfd::from_fd(received.uffd);
+        // SAFETY: the regions belong to the peer's address space (`local: false`) and were
+        // registered by the peer; the pager only resolves faults on them through the uffd.
+        let pager = unsafe {
+            Pager::with_uffd(
+                uffd,
+                true,
+                specs,
+                PagerConfig {
+                    threads: self.config.threads,
+                    block_size: self.config.block_size,
+                    initial: PageState::Source,
+                    register: false,
+                },
+                Some(Arc::clone(&self.source)),
+                on_error,
+            )?
+        };
+        self.stream.set_read_timeout(None)?;
+        Ok(pager)
+    }
+}
