@@ -18,7 +18,7 @@ const MIN_CHUNK_BYTES: u64 = 64 << 10;
 const MAX_CHUNK_BYTES: u64 = 4 << 20;
 
 /// How to bring offloaded RAM back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum LoadMode {
     /// Serve on fault; prefetch the rest in the background.

@@ -55,8 +55,12 @@ pub struct OffloadReport {
 /// (for `Drop`) durably stored and served on fault.
 #[derive(Debug, thiserror::Error)]
 pub enum OffloadError {
-    /// A region holds resident pages of another process, which the pager cannot read or drop.
-    #[error("region {range:?} is memory of another process: the pager cannot read or drop it")]
+    /// A region holds resident pages the pager cannot read or drop (anonymous memory of
+    /// another process).
+    #[error(
+        "region {range:?} is anonymous memory of another process: the pager cannot read or drop \
+         it (share guest RAM as memfds to offload through the server)"
+    )]
     Remote {
         /// The region.
         range: HostRange,
@@ -116,10 +120,11 @@ impl BlockSource for Composer<'_> {
             if region.pages().contains(&(first + pages - 1))
                 && shared.states.all(first..first + pages, PageState::Resident)
             {
-                let start = region.addr_of(first).as_ptr().cast::<u8>().cast_const();
-                // SAFETY: the region is local (checked before the offload) and mapped for the
-                // pager's lifetime; the pages are resident, so reading them does not fault; the
-                // VM is paused, so nothing writes them while the slice lives (this call).
+                let view = region.view_of(first).expect("checked before the offload");
+                let start = view.as_ptr().cast::<u8>().cast_const();
+                // SAFETY: the region's view is mapped for the pager's lifetime (checked before
+                // the offload); the pages are resident, so reading them does not fault into the
+                // pager; the VM is paused, so nothing writes them while the slice lives.
                 return Ok(unsafe { std::slice::from_raw_parts(start, len) });
             }
         }
@@ -134,10 +139,11 @@ impl BlockSource for Composer<'_> {
                         let region = shared
                             .region_of_page(page)
                             .expect("a resident page lies in a region");
-                        let src = region.addr_of(page).as_ptr().cast::<u8>().cast_const();
-                        // SAFETY: the region is local (checked before the offload) and mapped
-                        // for the pager's lifetime, and the page is resident, so reading it
-                        // does not fault; the VM is paused, so nothing writes it meanwhile.
+                        let view = region.view_of(page).expect("checked before the offload");
+                        let src = view.as_ptr().cast::<u8>().cast_const();
+                        // SAFETY: the region's view is mapped for the pager's lifetime and the
+                        // page is resident, so reading it does not fault into the pager; the
+                        // VM is paused, so nothing writes it meanwhile.
                         unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
                     }
                     PageState::Stored => {
@@ -204,7 +210,8 @@ impl Pager {
     pub fn offload(&self, config: &OffloadConfig) -> Result<OffloadReport, OffloadError> {
         let shared = self.shared().as_ref();
         for region in &shared.regions {
-            if !region.spec.local && shared.states.any(region.pages(), PageState::Resident) {
+            if !region.spec.can_offload() && shared.states.any(region.pages(), PageState::Resident)
+            {
                 return Err(OffloadError::Remote {
                     range: region.spec.range,
                 });
@@ -296,8 +303,9 @@ impl Pager {
                     .expect("pages of a region");
                 let result = match region.spec.kind {
                     RamKind::Anon => {
-                        // SAFETY: the range is local guest RAM whose bytes are durable in the
-                        // store; discarding it makes the next touch fault to the pager.
+                        // SAFETY: the range is this process's own guest RAM (`can_offload`) whose
+                        // bytes are durable in the store; discarding it makes the next touch
+                        // fault to the pager.
                         let rc = unsafe {
                             libc::madvise(
                                 run.start().as_ptr(),

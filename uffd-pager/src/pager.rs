@@ -52,9 +52,27 @@ pub struct RegionSpec {
     pub memfd: Option<Arc<File>>,
     /// For memfd RAM: the offset in the memfd at which the region is mapped.
     pub memfd_offset: u64,
-    /// True if the range is mapped in this process, so the pager can read and drop it itself
-    /// (an in-process VMM); false for memory of another process (served through its uffd).
-    pub local: bool,
+    /// Where the pager can read the region in its own address space: `range.start()` for an
+    /// in-process VMM (anonymous RAM is then dropped with `madvise`), the pager's own mapping
+    /// of the memfd for memfd RAM of another process (dropped by punching holes), `None` for
+    /// memory of another process that is reachable only through its userfaultfd (served, but
+    /// never offloaded).
+    pub view: Option<HostAddr>,
+}
+
+impl RegionSpec {
+    /// True if the region is this process's own mapping.
+    pub fn in_process(&self) -> bool {
+        self.view == Some(self.range.start())
+    }
+
+    /// True if the pager can read and drop the region's pages itself.
+    pub fn can_offload(&self) -> bool {
+        match self.kind {
+            RamKind::Anon => self.in_process(),
+            RamKind::Memfd => self.view.is_some() && self.memfd.is_some(),
+        }
+    }
 }
 
 /// A region as the pager keeps it.
@@ -71,9 +89,17 @@ impl Region {
         self.first_page..self.first_page + self.spec.range.pages()
     }
 
-    /// Host address of image page `page` (which must be in the region).
+    /// Host address of image page `page` (which must be in the region), as the owner of the
+    /// userfaultfd sees it.
     pub fn addr_of(&self, page: u64) -> HostAddr {
         self.spec.range.page_addr(page - self.first_page)
+    }
+
+    /// Where the pager reads image page `page` in its own address space, if it can.
+    pub fn view_of(&self, page: u64) -> Option<HostAddr> {
+        self.spec
+            .view
+            .map(|view| HostAddr(view.0 + (page - self.first_page) * PAGE_SIZE))
     }
 }
 
@@ -268,8 +294,8 @@ impl Pager {
     ///
     /// # Safety
     ///
-    /// If `config.register`, as [`Userfaultfd::register`]. Local regions (`spec.local`) must
-    /// be mapped in this process for the pager's lifetime.
+    /// If `config.register`, as [`Userfaultfd::register`]. Every region's `view`, if any, must
+    /// be mapped readable in this process for the pager's lifetime.
     pub unsafe fn with_uffd(
         uffd: Userfaultfd,
         remove_events: bool,
@@ -425,7 +451,7 @@ fn check_regions(
                 region.range, region.image_offset
             )));
         }
-        if region.kind == RamKind::Memfd && region.local && region.memfd.is_none() {
+        if region.kind == RamKind::Memfd && region.view.is_some() && region.memfd.is_none() {
             return Err(PagerError::Regions(format!(
                 "memfd region {:?} comes without its memfd",
                 region.range

@@ -102,7 +102,7 @@ impl Ram {
             image_offset: 0,
             memfd: self.memfd.clone(),
             memfd_offset: 0,
-            local: true,
+            view: Some(HostAddr::from_ptr(self.ptr)),
         }
     }
 

@@ -412,3 +412,166 @@ fn server_kills_the_vm_rather_than_serve_a_corrupt_block() {
         1
     );
 }
+
+/// Guest RAM as one memfd, shared with the server through the project's own handshake.
+struct MemfdVm {
+    ptr: *mut u8,
+    len: usize,
+    memfd: std::fs::File,
+    uffd: Userfaultfd,
+}
+
+impl MemfdVm {
+    fn new(len: usize) -> Self {
+        use std::os::fd::FromRawFd;
+        // SAFETY: creating, sizing and mapping our own memfd; all checked.
+        let (ptr, memfd) = unsafe {
+            let fd = libc::memfd_create(c"guest-ram".as_ptr(), libc::MFD_CLOEXEC);
+            assert!(fd >= 0);
+            assert_eq!(libc::ftruncate(fd, libc::off_t::try_from(len).unwrap()), 0);
+            let ptr = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            );
+            assert_ne!(ptr, libc::MAP_FAILED);
+            (ptr.cast::<u8>(), std::fs::File::from_raw_fd(fd))
+        };
+        let uffd = Userfaultfd::create(
+            feature::EVENT_REMOVE | feature::MISSING_SHMEM | feature::MINOR_SHMEM,
+        )
+        .unwrap();
+        let range = HostRange::new(HostAddr::from_ptr(ptr), len as u64).unwrap();
+        // SAFETY: the mapping lives until the VM is dropped, after the server is done.
+        unsafe { uffd.register(range, Mode::MISSING_MINOR).unwrap() };
+        Self {
+            ptr,
+            len,
+            memfd,
+            uffd,
+        }
+    }
+
+    fn connect(&self, socket: &Path) -> std::io::BufReader<UnixStream> {
+        let stream = UnixStream::connect(socket).unwrap();
+        let hello = format!(
+            r#"{{"protocol":"pvisor-uffd/1","initial":"zero","regions":[{{"base_host_virt_addr":{},"size":{},"offset":0,"memfd":0}}]}}"#,
+            self.ptr as u64, self.len
+        );
+        let iov = [IoSlice::new(hello.as_bytes())];
+        let fds = [self.uffd.as_raw_fd(), self.memfd.as_raw_fd()];
+        sendmsg::<()>(
+            stream.as_raw_fd(),
+            &iov,
+            &[ControlMessage::ScmRights(&fds)],
+            MsgFlags::empty(),
+            None,
+        )
+        .unwrap();
+        std::io::BufReader::new(stream)
+    }
+
+    fn bytes(&mut self) -> &mut [u8] {
+        // SAFETY: a live mapping of `len` bytes, borrowed mutably.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for MemfdVm {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mapping.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+fn request(conn: &mut std::io::BufReader<UnixStream>, line: &str) -> serde_json::Value {
+    use std::io::{BufRead, Write};
+    conn.get_mut()
+        .write_all(format!("{line}\n").as_bytes())
+        .unwrap();
+    let mut reply = String::new();
+    conn.read_line(&mut reply).unwrap();
+    serde_json::from_str(&reply).unwrap()
+}
+
+#[test]
+fn server_offloads_and_loads_a_vm_through_its_own_protocol() {
+    if skip() {
+        return;
+    }
+    use std::io::BufRead;
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    // The server's restore image is irrelevant to a fresh VM (`initial: zero`).
+    let running = Running::start(
+        raw_file(dir.path(), &vec![0u8; 16 * MIB]),
+        BlockSize::default(),
+    );
+    let mut vm = MemfdVm::new(16 * MIB);
+    let mut conn = vm.connect(&running.socket);
+    let mut hello = String::new();
+    conn.read_line(&mut hello).unwrap();
+    let hello: serde_json::Value = serde_json::from_str(&hello).unwrap();
+    assert_eq!(hello["status"], "ok", "{hello}");
+    assert_eq!(hello["value"]["protocol"], "pvisor-uffd/1");
+
+    let data = image(16 * MIB, 9);
+    vm.bytes().copy_from_slice(&data);
+    assert!(vm.memfd.metadata().unwrap().blocks() * 512 >= 12 * MIB as u64);
+
+    let store = dir.path().join("vm-ram");
+    let reply = request(
+        &mut conn,
+        &format!(
+            r#"{{"request_id":1,"op":"offload","dir":"{}","codec":"lz4"}}"#,
+            store.display()
+        ),
+    );
+    assert_eq!(reply["status"], "ok", "{reply}");
+    assert_eq!(reply["request_id"], 1);
+    assert_eq!(
+        reply["value"]["pages_dropped"],
+        (16 * MIB) as u64 / PAGE_SIZE
+    );
+    assert_eq!(
+        vm.memfd.metadata().unwrap().blocks(),
+        0,
+        "the memfd still holds RAM"
+    );
+
+    // Faults bring it back from the store, byte for byte.
+    assert!(vm.bytes()[..8 * MIB] == data[..8 * MIB]);
+    let reply = request(&mut conn, r#"{"request_id":2,"op":"load","mode":"eager"}"#);
+    assert_eq!(reply["status"], "ok", "{reply}");
+    assert!(vm.bytes() == &data[..]);
+    let stats = request(&mut conn, r#"{"request_id":3,"op":"stats"}"#);
+    assert_eq!(
+        stats["value"]["pages"]["resident"],
+        (16 * MIB) as u64 / PAGE_SIZE,
+        "{stats}"
+    );
+    assert!(
+        stats["value"]["metrics"]["bytes_decompressed"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+
+    // Bad requests get an error reply, not a closed connection.
+    let reply = request(
+        &mut conn,
+        r#"{"request_id":4,"op":"offload","dir":"/x","codec":"gzip"}"#,
+    );
+    assert_eq!(reply["status"], "error");
+    assert!(
+        reply["error"].as_str().unwrap().contains("unknown codec"),
+        "{reply}"
+    );
+    let reply = request(&mut conn, "not json");
+    assert_eq!(reply["status"], "error");
+    let reply = request(&mut conn, r#"{"request_id":5,"op":"stats"}"#);
+    assert_eq!(reply["status"], "ok");
+}

@@ -13,6 +13,8 @@ use crate::addr::{HostAddr, HostRange, PAGE_SIZE};
 
 /// Largest handshake accepted (a VM has a handful of regions; this is generous).
 pub const MAX_HANDSHAKE_BYTES: usize = 64 << 10;
+/// Most descriptors accepted with a handshake: the userfaultfd and up to 32 memfds.
+pub const MAX_FDS: usize = 33;
 
 /// One region as Firecracker describes it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
@@ -55,11 +57,11 @@ pub enum HandshakeError {
     /// No descriptor came with the message.
     #[error("the handshake carries no userfaultfd (expected one SCM_RIGHTS descriptor)")]
     NoFd,
-    /// More than one descriptor came with the message.
-    #[error("the handshake carries {0} descriptors, expected one")]
+    /// More descriptors than the handshake uses.
+    #[error("the handshake carries {0} descriptors, expected one per its userfaultfd and memfds")]
     TooManyFds(usize),
     /// The JSON is malformed.
-    #[error("the handshake is not a JSON array of regions")]
+    #[error("the handshake is not a JSON array of regions (nor a pvisor-uffd object)")]
     Json(#[source] serde_json::Error),
     /// A region is invalid on its own or against the others or the image.
     #[error("region {index}: {reason}")]
@@ -72,21 +74,66 @@ pub enum HandshakeError {
     /// The array is empty.
     #[error("the handshake lists no regions")]
     Empty,
+    /// The project's handshake names a version this server does not speak.
+    #[error("unsupported protocol `{0}` (this server speaks {PVISOR_PROTOCOL})")]
+    Protocol(String),
 }
 
-/// A received handshake: the userfaultfd and the regions.
+/// The project's own handshake: a JSON object instead of Firecracker's bare array. The
+/// descriptors are the userfaultfd, then one memfd per region that names one (`memfd`: its
+/// index among the memfds), so that the server can read and drop that RAM itself.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+pub struct PvisorHandshake {
+    /// Protocol name and version: `pvisor-uffd/1`.
+    pub protocol: String,
+    /// The regions.
+    pub regions: Vec<PvisorRegion>,
+    /// `zero` for a fresh VM, `source` (default) for one restored from the server's image.
+    #[serde(default)]
+    pub initial: Option<String>,
+}
+
+/// One region of the project's handshake.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+pub struct PvisorRegion {
+    /// The region as Firecracker would describe it.
+    #[serde(flatten)]
+    pub region: GuestRegion,
+    /// Index of the region's memfd among the descriptors after the userfaultfd.
+    #[serde(default)]
+    pub memfd: Option<usize>,
+    /// Offset of the region in its memfd.
+    #[serde(default)]
+    pub memfd_offset: u64,
+}
+
+/// The version this server speaks.
+pub const PVISOR_PROTOCOL: &str = "pvisor-uffd/1";
+
+/// What was received.
+#[derive(Debug)]
+pub enum Message {
+    /// Firecracker's: regions and the userfaultfd.
+    Firecracker(Vec<GuestRegion>),
+    /// The project's own: regions, memfds, then requests on the same connection.
+    Pvisor(PvisorHandshake),
+}
+
+/// A received handshake: the descriptors and the message.
 #[derive(Debug)]
 pub struct Handshake {
     /// The VMM's userfaultfd.
     pub uffd: OwnedFd,
-    /// The raw regions, as sent.
-    pub raw: Vec<GuestRegion>,
+    /// Further descriptors (memfds; only in the project's handshake).
+    pub memfds: Vec<OwnedFd>,
+    /// The message.
+    pub message: Message,
 }
 
 /// Receives the handshake message from `stream`.
 pub fn receive(stream: &UnixStream) -> Result<Handshake, HandshakeError> {
     let mut buf = vec![0u8; MAX_HANDSHAKE_BYTES];
-    let mut cmsg = nix::cmsg_space!([RawFd; 4]);
+    let mut cmsg = nix::cmsg_space!([RawFd; MAX_FDS]);
     let (len, fds, truncated) = {
         let mut iov = [IoSliceMut::new(&mut buf)];
         let msg = recvmsg::<()>(
@@ -121,13 +168,26 @@ pub fn receive(stream: &UnixStream) -> Result<Handshake, HandshakeError> {
     }
     let mut fds = fds.into_iter();
     let uffd = fds.next().ok_or(HandshakeError::NoFd)?;
-    let extra = fds.count();
-    if extra > 0 {
-        return Err(HandshakeError::TooManyFds(extra + 1));
-    }
-    let raw: Vec<GuestRegion> =
-        serde_json::from_slice(&buf[..len]).map_err(HandshakeError::Json)?;
-    Ok(Handshake { uffd, raw })
+    let memfds: Vec<OwnedFd> = fds.collect();
+    let body = &buf[..len];
+    let message = if body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{') {
+        let handshake: PvisorHandshake =
+            serde_json::from_slice(body).map_err(HandshakeError::Json)?;
+        if handshake.protocol != PVISOR_PROTOCOL {
+            return Err(HandshakeError::Protocol(handshake.protocol));
+        }
+        Message::Pvisor(handshake)
+    } else {
+        if !memfds.is_empty() {
+            return Err(HandshakeError::TooManyFds(memfds.len() + 1));
+        }
+        Message::Firecracker(serde_json::from_slice(body).map_err(HandshakeError::Json)?)
+    };
+    Ok(Handshake {
+        uffd,
+        memfds,
+        message,
+    })
 }
 
 /// Validates regions: page size 4 KiB (huge pages are not served), page-aligned, no overlap

@@ -9,9 +9,11 @@
 //! frozen on a fault forever is worse.
 
 pub mod handshake;
+pub mod protocol;
 
-use std::io::Read;
-use std::os::fd::AsRawFd;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -133,6 +135,8 @@ impl Server {
             std::fs::remove_file(path)?;
         }
         let listener = UnixListener::bind(path)?;
+        // Only the owner may hand the server its memory.
+        std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
         listener.set_nonblocking(true)?;
         Ok(Self {
             listener,
@@ -215,8 +219,8 @@ impl Connection {
         let pid = getsockopt(&self.stream, PeerCredentials)
             .map(|c| c.pid())
             .unwrap_or(0);
-        let pager = match self.start(pid) {
-            Ok(pager) => pager,
+        let (pager, session) = match self.start(pid) {
+            Ok(started) => started,
             Err(e) => {
                 self.stats.bad_handshakes.fetch_add(1, Ordering::Relaxed);
                 if self.log_limit.allow() {
@@ -228,46 +232,106 @@ impl Connection {
         self.stats.vms.fetch_add(1, Ordering::Relaxed);
         self.stats.active.fetch_add(1, Ordering::Relaxed);
         tracing::info!(peer_pid = pid, bytes = pager.image_size(), "serving a VM");
-        // Firecracker keeps the socket open and sends nothing more: its end of file (or the
-        // end of its address space) ends the service.
-        let mut stream = &self.stream;
-        let mut byte = [0u8; 256];
-        while !pager.owner_gone() {
-            if !wait_readable(self.stream.as_raw_fd(), 200) {
-                continue;
-            }
-            match stream.read(&mut byte) {
-                Ok(0) | Err(_) => break,
-                Ok(_) => {}
-            }
+        match &session {
+            // Firecracker keeps the socket open and sends nothing more: its end of file (or the
+            // end of its address space) ends the service.
+            Session::Firecracker => self.wait_for_end(&pager),
+            Session::Pvisor { .. } => self.answer_requests(&pager),
         }
         let metrics = pager.metrics().snapshot();
         drop(pager);
+        drop(session);
         self.stats.active.fetch_sub(1, Ordering::Relaxed);
         tracing::info!(
             peer_pid = pid,
-            faults = metrics.faults_copy + metrics.faults_zero,
+            faults = metrics.faults_copy + metrics.faults_zero + metrics.faults_minor,
             errors = metrics.fault_errors,
             "VM gone"
         );
     }
 
-    fn start(&self, pid: i32) -> Result<Pager, Box<dyn std::error::Error>> {
+    fn wait_for_end(&self, pager: &Pager) {
+        let mut stream = &self.stream;
+        let mut discard = [0u8; 256];
+        while !pager.owner_gone() {
+            if !wait_readable(self.stream.as_raw_fd(), 200) {
+                continue;
+            }
+            match stream.read(&mut discard) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    }
+
+    /// One JSON request per line, one JSON reply per line, until the peer leaves.
+    fn answer_requests(&self, pager: &Pager) {
+        let mut stream = &self.stream;
+        let mut pending = Vec::new();
+        let mut chunk = [0u8; 4096];
+        while !pager.owner_gone() {
+            if !wait_readable(self.stream.as_raw_fd(), 200) {
+                continue;
+            }
+            let n = match stream.read(&mut chunk) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            pending.extend_from_slice(&chunk[..n]);
+            if pending.len() > handshake::MAX_HANDSHAKE_BYTES {
+                if self.log_limit.allow() {
+                    tracing::warn!("request line too long: closing the connection");
+                }
+                return;
+            }
+            while let Some(end) = pending.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = pending.drain(..=end).collect();
+                let line = String::from_utf8_lossy(&line[..end]);
+                if line.trim().is_empty() {
+                    continue;
+                }
+                let mut reply = protocol::handle(pager, &line);
+                reply.push('\n');
+                if stream.write_all(reply.as_bytes()).is_err() {
+                    return;
+                }
+            }
+        }
+    }
+
+    fn start(&self, pid: i32) -> Result<(Pager, Session), Box<dyn std::error::Error>> {
         self.stream
             .set_read_timeout(Some(Duration::from_secs(10)))?;
         let received = handshake::receive(&self.stream)?;
-        let regions = handshake::validate(&received.raw, self.source.image_size())?;
-        let specs = regions
-            .iter()
-            .map(|r| RegionSpec {
-                kind: RamKind::Anon,
-                range: r.range,
-                image_offset: r.offset,
-                memfd: None,
-                memfd_offset: 0,
-                local: false,
-            })
-            .collect();
+        let image_size = self.source.image_size();
+        let (specs, session, initial) = match received.message {
+            handshake::Message::Firecracker(raw) => {
+                let regions = handshake::validate(&raw, image_size)?;
+                let specs = regions
+                    .iter()
+                    .map(|r| RegionSpec {
+                        kind: RamKind::Anon,
+                        range: r.range,
+                        image_offset: r.offset,
+                        memfd: None,
+                        memfd_offset: 0,
+                        view: None,
+                    })
+                    .collect();
+                (specs, Session::Firecracker, PageState::Source)
+            }
+            handshake::Message::Pvisor(hello) => {
+                let initial = match hello.initial.as_deref() {
+                    None | Some("source") => PageState::Source,
+                    Some("zero") => PageState::Zero,
+                    Some(other) => {
+                        return Err(format!("unknown initial state `{other}`").into());
+                    }
+                };
+                let (specs, views) = memfd_regions(&hello, received.memfds, image_size)?;
+                (specs, Session::Pvisor { _views: views }, initial)
+            }
+        };
         let killed = AtomicBool::new(false);
         let stats = Arc::clone(&self.stats);
         let log_limit = Arc::clone(&self.log_limit);
@@ -289,8 +353,9 @@ impl Connection {
             }
         });
         let uffd = Userfaultfd::from_fd(received.uffd);
-        // SAFETY: the regions belong to the peer's address space (`local: false`) and were
-        // registered by the peer; the pager only resolves faults on them through the uffd.
+        // SAFETY: the regions belong to the peer's address space and were registered by the
+        // peer; the pager only resolves faults on them through the uffd. Their views are the
+        // server's own memfd mappings, which `session` keeps alive as long as the pager.
         let pager = unsafe {
             Pager::with_uffd(
                 uffd,
@@ -299,7 +364,7 @@ impl Connection {
                 PagerConfig {
                     threads: self.config.threads,
                     block_size: self.config.block_size,
-                    initial: PageState::Source,
+                    initial,
                     register: false,
                 },
                 Some(Arc::clone(&self.source)),
@@ -307,6 +372,121 @@ impl Connection {
             )?
         };
         self.stream.set_read_timeout(None)?;
-        Ok(pager)
+        if let Session::Pvisor { .. } = session {
+            let hello = serde_json::json!({
+                "status": "ok",
+                "value": {
+                    "protocol": handshake::PVISOR_PROTOCOL,
+                    "image_bytes": pager.image_size(),
+                    "block_bytes": pager.block_size().bytes_u64(),
+                },
+            });
+            (&self.stream).write_all(format!("{hello}\n").as_bytes())?;
+        }
+        Ok((pager, session))
     }
+}
+
+/// What a connection speaks after its handshake.
+enum Session {
+    /// Firecracker's: nothing more.
+    Firecracker,
+    /// The project's: requests; the memfd views must outlive the pager.
+    Pvisor { _views: Vec<MemfdView> },
+}
+
+/// The server's own read-only mapping of a VM's memfd, to read its RAM for offload.
+struct MemfdView {
+    ptr: *mut libc::c_void,
+    len: usize,
+}
+
+// SAFETY: a read-only shared mapping; it is only read, by the pager, under its own rules.
+unsafe impl Send for MemfdView {}
+
+impl MemfdView {
+    fn map(file: &File, offset: u64, len: u64) -> std::io::Result<Self> {
+        let (Ok(len), Ok(offset)) = (usize::try_from(len), libc::off_t::try_from(offset)) else {
+            return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+        };
+        // SAFETY: a new shared read-only mapping of a descriptor we hold; checked below.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                offset,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Self { ptr, len })
+    }
+}
+
+impl Drop for MemfdView {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mapping, once.
+        unsafe { libc::munmap(self.ptr, self.len) };
+    }
+}
+
+/// Builds the regions of a `pvisor-uffd/1` handshake, mapping the memfds it brought.
+fn memfd_regions(
+    hello: &handshake::PvisorHandshake,
+    memfds: Vec<OwnedFd>,
+    image_size: u64,
+) -> Result<(Vec<RegionSpec>, Vec<MemfdView>), Box<dyn std::error::Error>> {
+    let raw: Vec<handshake::GuestRegion> = hello.regions.iter().map(|r| r.region.clone()).collect();
+    let regions = handshake::validate(&raw, image_size)?;
+    let files: Vec<Arc<File>> = memfds
+        .into_iter()
+        .map(|fd| Arc::new(File::from(fd)))
+        .collect();
+    let mut used = vec![false; files.len()];
+    let mut specs = Vec::with_capacity(regions.len());
+    let mut views = Vec::new();
+    for (index, (region, wire)) in regions.iter().zip(&hello.regions).enumerate() {
+        let spec = match wire.memfd {
+            None => RegionSpec {
+                kind: RamKind::Anon,
+                range: region.range,
+                image_offset: region.offset,
+                memfd: None,
+                memfd_offset: 0,
+                view: None,
+            },
+            Some(fd) => {
+                let file = files.get(fd).ok_or_else(|| {
+                    format!("region {index} names memfd {fd}, but {} came", files.len())
+                })?;
+                if std::mem::replace(&mut used[fd], true) {
+                    return Err(format!("region {index} reuses memfd {fd}").into());
+                }
+                if wire.memfd_offset % crate::addr::PAGE_SIZE != 0 {
+                    return Err(format!("region {index}: memfd_offset is not page-aligned").into());
+                }
+                let view = MemfdView::map(file, wire.memfd_offset, region.range.len())
+                    .map_err(|e| format!("region {index}: cannot map its memfd: {e}"))?;
+                let spec = RegionSpec {
+                    kind: RamKind::Memfd,
+                    range: region.range,
+                    image_offset: region.offset,
+                    memfd: Some(Arc::clone(file)),
+                    memfd_offset: wire.memfd_offset,
+                    view: Some(crate::addr::HostAddr::from_ptr(view.ptr)),
+                };
+                views.push(view);
+                spec
+            }
+        };
+        specs.push(spec);
+    }
+    if let Some(unused) = used.iter().position(|&u| !u) {
+        return Err(format!("memfd {unused} is named by no region").into());
+    }
+    Ok((specs, views))
 }

@@ -1,0 +1,159 @@
+//! The project's own protocol on a server connection, for VMMs that want offload and load
+//! through the server: after a `pvisor-uffd/1` handshake (regions, the userfaultfd and the
+//! memfds of their RAM), the VMM sends one JSON request per line and gets one JSON reply per
+//! line, matched by `request_id`:
+//!
+//! ```text
+//! {"request_id":1,"op":"stats"}
+//! {"request_id":2,"op":"offload","dir":"/run/vm1/ram","codec":"lz4"}   (vCPUs paused)
+//! {"request_id":3,"op":"load","mode":"lazy"}
+//! {"request_id":4,"op":"wait_prefetch"}
+//! → {"request_id":2,"status":"ok","value":{...}}  or  {"request_id":2,"status":"error","error":"..."}
+//! ```
+
+use std::path::PathBuf;
+
+use compressed_backing::bulk::BulkOptions;
+use compressed_backing::{Codec, CodecConfig};
+
+use super::error_text;
+use crate::load::LoadMode;
+use crate::offload::OffloadConfig;
+use crate::pager::Pager;
+
+/// One request line.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+pub struct Request {
+    /// Echoed in the reply.
+    pub request_id: u64,
+    /// What to do.
+    #[serde(flatten)]
+    pub op: Op,
+}
+
+/// The operations.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Op {
+    /// Metrics and page-state counts.
+    Stats,
+    /// Offload the VM's resident RAM to the store in `dir` (the VM must be paused).
+    Offload {
+        /// The store directory.
+        dir: PathBuf,
+        /// `none`, `lz4` (default) or `zstd[:LEVEL]`.
+        #[serde(default)]
+        codec: Option<String>,
+        /// Compression threads (default: all cores).
+        #[serde(default)]
+        threads: Option<usize>,
+    },
+    /// Bring offloaded RAM back.
+    Load {
+        /// `lazy` or `eager`.
+        mode: LoadMode,
+        /// Threads for an eager load (default 2).
+        #[serde(default)]
+        threads: Option<usize>,
+    },
+    /// Wait until the prefetcher of a lazy load is done.
+    WaitPrefetch,
+}
+
+/// Handles one request line; returns the reply line.
+pub fn handle(pager: &Pager, line: &str) -> String {
+    let request: Request = match serde_json::from_str(line) {
+        Ok(request) => request,
+        Err(e) => {
+            return serde_json::json!({
+                "request_id": null,
+                "status": "error",
+                "error": format!("not a request: {e}"),
+            })
+            .to_string()
+        }
+    };
+    let result = run(pager, &request.op);
+    let reply = match result {
+        Ok(value) => serde_json::json!({
+            "request_id": request.request_id,
+            "status": "ok",
+            "value": value,
+        }),
+        Err(error) => serde_json::json!({
+            "request_id": request.request_id,
+            "status": "error",
+            "error": error,
+        }),
+    };
+    reply.to_string()
+}
+
+fn run(pager: &Pager, op: &Op) -> Result<serde_json::Value, String> {
+    let json =
+        |value: Result<serde_json::Value, serde_json::Error>| value.map_err(|e| e.to_string());
+    match op {
+        Op::Stats => json(Ok(serde_json::json!({
+            "metrics": pager.metrics().snapshot(),
+            "pages": pager.state_counts(),
+            "image_bytes": pager.image_size(),
+        }))),
+        Op::Offload {
+            dir,
+            codec,
+            threads,
+        } => {
+            let codec: Codec = codec
+                .as_deref()
+                .unwrap_or("lz4")
+                .parse()
+                .map_err(|e| error_text(&e))?;
+            let config = OffloadConfig {
+                dir: dir.clone(),
+                codec: CodecConfig::new(codec),
+                bulk: threads.map_or_else(BulkOptions::default, BulkOptions::with_threads),
+            };
+            let report = pager.offload(&config).map_err(|e| error_text(&e))?;
+            json(serde_json::to_value(report))
+        }
+        Op::Load { mode, threads } => {
+            let report = pager
+                .load(*mode, threads.unwrap_or(2))
+                .map_err(|e| error_text(&e))?;
+            json(serde_json::to_value(report))
+        }
+        Op::WaitPrefetch => {
+            pager.wait_prefetch();
+            Ok(serde_json::Value::Null)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn protocol_requests_parse_with_defaults() {
+        let r: Request =
+            serde_json::from_str(r#"{"request_id":7,"op":"offload","dir":"/x"}"#).unwrap();
+        assert_eq!(
+            r.op,
+            Op::Offload {
+                dir: "/x".into(),
+                codec: None,
+                threads: None
+            }
+        );
+        let r: Request =
+            serde_json::from_str(r#"{"request_id":8,"op":"load","mode":"eager"}"#).unwrap();
+        assert_eq!(
+            r.op,
+            Op::Load {
+                mode: LoadMode::Eager,
+                threads: None
+            }
+        );
+        assert!(serde_json::from_str::<Request>(r#"{"request_id":9,"op":"explode"}"#).is_err());
+    }
+}
