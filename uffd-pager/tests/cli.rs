@@ -354,3 +354,90 @@ fn cli_demo_packs_verifies_and_serves_a_small_image() {
     }
     assert!(stdout.contains("same bytes as the image"), "{stdout}");
 }
+
+#[test]
+fn cli_serve_listens_refuses_garbage_and_stops_on_sigterm() {
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixStream;
+    let dir = tempfile::tempdir().unwrap();
+    let mem = dir.path().join("mem");
+    fs::write(&mem, vec![7u8; 1 << 20]).unwrap();
+    let socket = dir.path().join("uffd.sock");
+    let mut child = bin()
+        .args([
+            "serve",
+            "--socket",
+            socket.to_str().unwrap(),
+            "--mem-file",
+            mem.to_str().unwrap(),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert_eq!(first.trim(), socket.to_str().unwrap());
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        fs::metadata(&socket).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+
+    // A handshake without a descriptor is refused and the connection closed.
+    let mut stream = UnixStream::connect(&socket).unwrap();
+    stream.write_all(b"[]").unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut buf = [0u8; 8];
+    assert_eq!(stream.read(&mut buf).unwrap(), 0);
+
+    // SAFETY: sending a signal to our own child process.
+    let rc = unsafe { libc::kill(child.id().cast_signed(), libc::SIGTERM) };
+    assert_eq!(rc, 0);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "serve did not stop on SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status}");
+    let mut log = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut log)
+        .unwrap();
+    assert!(log.contains("connection refused"), "{log}");
+    assert!(!socket.exists(), "the socket file was left behind");
+}
+
+#[test]
+fn cli_serve_needs_a_memory_file_or_a_store() {
+    let out = run(&["serve", "--socket", "/tmp/x.sock"]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("--mem-file"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = run(&[
+        "serve",
+        "--socket",
+        "/tmp/x.sock",
+        "--mem-file",
+        "/nonexistent/mem",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("/nonexistent/mem"),
+        "{}",
+        text(&out.stderr)
+    );
+}
