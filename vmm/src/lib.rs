@@ -1,1 +1,12 @@
-//! vmm
+//! The KVM VMM: one VM per process, guest RAM delegated to the in-process pager, the built-in
+//! workload guest, and the `pvisor` command line.
+//!
+//! - [`guest`]: the workload guest's binary, layout, mailbox and digest.
+//! - [`machine`]: one VM: RAM, pager, vCPU, block device; runs commands.
+//! - [`memory`]: guest RAM (anon or memfd).
+//! - [`script`]: workload scripts.
+
+pub mod guest;
+pub mod machine;
+pub mod memory;
+pub mod script;

@@ -1,0 +1,218 @@
+/*
+ * The workload guest: a tiny x86-64 program that the VMM starts directly in 64-bit mode at
+ * CPL3 (identity-mapped 2 MiB user pages, IOPL=3). It has no kernel, no interrupts and no
+ * timers: it waits for a command in the mailbox page, runs it over the application-data
+ * region, writes the result back and tells the VMM with `out`. Everything else (script
+ * parsing, sleeping, idling) is done by the VMM between commands.
+ *
+ * The mailbox layout, opcodes and ports are mirrored in vmm/src/guest.rs.
+ */
+#include <stdint.h>
+
+#define MAILBOX_GPA 0x8000ull
+#define BLK_GPA 0x9000ull
+
+#define PORT_DONE 0x10   /* a command finished (or the guest started); next, please */
+#define PORT_BLK 0x20    /* the block request at BLK_GPA is ready */
+#define PORT_FREE 0x30   /* the range in the mailbox's report fields is free */
+#define PORT_PANIC 0x3f  /* something impossible happened; see status */
+
+enum op { OP_NONE = 0, OP_FILL = 1, OP_DIGEST = 2, OP_TOUCH = 3, OP_REWRITE = 4,
+          OP_RELEASE = 5, OP_TASK = 6 };
+enum fill { FILL_REPEATED = 0, FILL_RANDOM = 1, FILL_ZERO = 2 };
+enum blk_op { BLK_READ = 1, BLK_WRITE = 2, BLK_FLUSH = 3 };
+enum status { ST_OK = 0, ST_BAD_OP = 1, ST_TOO_LARGE = 2, ST_IO = 3, ST_MISMATCH = 4 };
+
+struct mailbox {
+    volatile uint64_t op;
+    volatile uint64_t arg[6];
+    volatile uint64_t status;
+    volatile uint64_t result[6];
+    /* Set by the VMM at boot. */
+    volatile uint64_t app_base;
+    volatile uint64_t app_size;
+    volatile uint64_t io_buf;
+    volatile uint64_t io_buf_size;
+    /* The guest's free-page report for PORT_FREE. */
+    volatile uint64_t free_gpa;
+    volatile uint64_t free_len;
+};
+
+struct blk_request {
+    volatile uint64_t op;
+    volatile uint64_t offset;   /* bytes into the disk */
+    volatile uint64_t len;      /* bytes */
+    volatile uint64_t buf_gpa;  /* guest buffer */
+    volatile uint64_t status;   /* 0 ok, else an errno */
+};
+
+#define MB ((struct mailbox *)MAILBOX_GPA)
+#define BLK ((struct blk_request *)BLK_GPA)
+
+static inline void out(uint16_t port) {
+    __asm__ volatile("outb %%al, %w0" : : "Nd"(port), "a"(0) : "memory");
+}
+
+static uint64_t filled;          /* bytes of app data written so far */
+
+static inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+
+/* The same digest as vmm/src/guest.rs `digest`: four interleaved lanes of a multiply-rotate
+ * mix over little-endian u64 words, then folded with the length. */
+static uint64_t digest(const uint64_t *p, uint64_t bytes) {
+    const uint64_t k1 = 0x9E3779B185EBCA87ull, k2 = 0xC2B2AE3D27D4EB4Full;
+    uint64_t h0 = 1, h1 = 2, h2 = 3, h3 = 4;
+    uint64_t words = bytes / 8, i = 0;
+    for (; i + 4 <= words; i += 4) {
+        h0 = rotl(h0 ^ (p[i] * k1), 31) * k2;
+        h1 = rotl(h1 ^ (p[i + 1] * k1), 31) * k2;
+        h2 = rotl(h2 ^ (p[i + 2] * k1), 31) * k2;
+        h3 = rotl(h3 ^ (p[i + 3] * k1), 31) * k2;
+    }
+    for (; i < words; i++) h0 = rotl(h0 ^ (p[i] * k1), 31) * k2;
+    uint64_t h = rotl(h0, 1) + rotl(h1, 7) + rotl(h2, 12) + rotl(h3, 18);
+    h ^= bytes * k1;
+    h ^= h >> 33; h *= k2; h ^= h >> 29;
+    return h;
+}
+
+/* xorshift64*: the same generator as vmm/src/guest.rs. */
+static inline uint64_t next_random(uint64_t *s) {
+    uint64_t x = *s;
+    x ^= x >> 12; x ^= x << 25; x ^= x >> 27;
+    *s = x;
+    return x * 0x2545F4914F6CDD1Dull;
+}
+
+static inline uint64_t seed_state(uint64_t seed, uint64_t salt) {
+    uint64_t s = (seed + 1) * 0x9E3779B97F4A7C15ull ^ salt;
+    return s ? s : 1;
+}
+
+/* The repeated pattern: a fixed 64-byte motif (eight words). */
+static const uint64_t motif[8] = {
+    0x5A7F2A3C1E0D4B69ull, 0x0123456789ABCDEFull, 0xF0E1D2C3B4A59687ull, 0x1122334455667788ull,
+    0x8899AABBCCDDEEFFull, 0x0F1E2D3C4B5A6978ull, 0xDEADBEEFCAFEF00Dull, 0x6A09E667F3BCC908ull,
+};
+
+static void fill_page(uint64_t *p, uint64_t words, uint64_t kind, uint64_t *state) {
+    uint64_t i;
+    switch (kind) {
+    case FILL_REPEATED:
+        for (i = 0; i < words; i++) p[i] = motif[i & 7];
+        break;
+    case FILL_RANDOM:
+        for (i = 0; i < words; i++) p[i] = next_random(state);
+        break;
+    default:
+        for (i = 0; i < words; i++) p[i] = 0;
+        break;
+    }
+}
+
+static uint64_t op_fill(uint64_t bytes, uint64_t kind, uint64_t seed) {
+    if (bytes > MB->app_size) return ST_TOO_LARGE;
+    uint64_t state = seed_state(seed, 0);
+    fill_page((uint64_t *)MB->app_base, bytes / 8, kind, &state);
+    filled = bytes;
+    return ST_OK;
+}
+
+static uint64_t op_touch(uint64_t bytes, uint64_t *sum) {
+    if (bytes > MB->app_size) return ST_TOO_LARGE;
+    const volatile uint64_t *p = (const volatile uint64_t *)MB->app_base;
+    uint64_t acc = 0;
+    for (uint64_t i = 0; i < bytes / 8; i++) acc += p[i];
+    *sum = acc;
+    return ST_OK;
+}
+
+/* Overwrites `percent` of the filled pages (chosen by a hash of page index and seed) with
+ * seeded random bytes; returns how many pages it rewrote. */
+static uint64_t op_rewrite(uint64_t percent, uint64_t seed, uint64_t *pages) {
+    uint64_t count = 0, total = filled / 4096;
+    for (uint64_t page = 0; page < total; page++) {
+        uint64_t pick = seed_state(seed, page * 0xD6E8FEB86659FD93ull);
+        pick ^= pick >> 32; pick *= 0xD6E8FEB86659FD93ull; pick ^= pick >> 32;
+        if (pick % 100 >= percent) continue;
+        uint64_t state = seed_state(seed ^ 0xA5A5A5A5ull, page);
+        fill_page((uint64_t *)(MB->app_base + page * 4096), 512, FILL_RANDOM, &state);
+        count++;
+    }
+    *pages = count;
+    return ST_OK;
+}
+
+static uint64_t blk(uint64_t op, uint64_t offset, uint64_t len, uint64_t buf) {
+    BLK->op = op; BLK->offset = offset; BLK->len = len; BLK->buf_gpa = buf; BLK->status = 0;
+    out(PORT_BLK);
+    return BLK->status;
+}
+
+/* The seed's test task: digest the app data, write it to the disk, flush, read it back and
+ * verify it against the data. Results: digest, bytes written. */
+static uint64_t op_task(uint64_t *digest_out) {
+    uint64_t bytes = filled, chunk = MB->io_buf_size;
+    *digest_out = digest((const uint64_t *)MB->app_base, bytes);
+    for (uint64_t off = 0; off < bytes; off += chunk) {
+        uint64_t n = bytes - off < chunk ? bytes - off : chunk;
+        if (blk(BLK_WRITE, off, n, MB->app_base + off)) return ST_IO;
+    }
+    if (blk(BLK_FLUSH, 0, 0, 0)) return ST_IO;
+    for (uint64_t off = 0; off < bytes; off += chunk) {
+        uint64_t n = bytes - off < chunk ? bytes - off : chunk;
+        if (blk(BLK_READ, off, n, MB->io_buf)) return ST_IO;
+        const uint64_t *a = (const uint64_t *)(MB->app_base + off);
+        const uint64_t *b = (const uint64_t *)MB->io_buf;
+        for (uint64_t i = 0; i < n / 8; i++)
+            if (a[i] != b[i]) return ST_MISMATCH;
+    }
+    return ST_OK;
+}
+
+__attribute__((noreturn, section(".text.start"))) void _start(void) {
+    for (;;) {
+        out(PORT_DONE);
+        uint64_t op = MB->op, st = ST_OK;
+        MB->result[0] = MB->result[1] = 0;
+        switch (op) {
+        case OP_FILL:
+            st = op_fill(MB->arg[0], MB->arg[1], MB->arg[2]);
+            break;
+        case OP_DIGEST:
+            if (MB->arg[0] > MB->app_size) { st = ST_TOO_LARGE; break; }
+            MB->result[0] = digest((const uint64_t *)MB->app_base, MB->arg[0]);
+            break;
+        case OP_TOUCH: {
+            uint64_t sum = 0;
+            st = op_touch(MB->arg[0], &sum);
+            MB->result[0] = sum;
+            break;
+        }
+        case OP_REWRITE: {
+            uint64_t pages = 0;
+            st = op_rewrite(MB->arg[0], MB->arg[1], &pages);
+            MB->result[0] = pages;
+            break;
+        }
+        case OP_RELEASE:
+            MB->free_gpa = MB->app_base;
+            MB->free_len = (filled + 4095) & ~4095ull;
+            if (MB->free_len) out(PORT_FREE);
+            MB->result[0] = MB->free_len;
+            filled = 0;
+            break;
+        case OP_TASK: {
+            uint64_t d = 0;
+            st = op_task(&d);
+            MB->result[0] = d;
+            MB->result[1] = filled;
+            break;
+        }
+        default:
+            st = ST_BAD_OP;
+        }
+        MB->result[2] = filled;
+        MB->status = st;
+    }
+}

@@ -1,0 +1,250 @@
+//! The workload guest's side of the contract: its binary, the guest-physical layout, the
+//! mailbox, opcodes and ports (mirroring guest/guest.c), and the digest and fill functions it
+//! computes, so that the host can check its results.
+
+/// The guest program, built from guest/guest.c by build.rs.
+pub const BINARY: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/guest.bin"));
+
+/// PML4 of the identity map.
+pub const PML4_GPA: u64 = 0x1000;
+/// PDPT (one entry per GiB).
+pub const PDPT_GPA: u64 = 0x2000;
+/// First page directory (one per GiB, consecutive).
+pub const PD_GPA: u64 = 0x3000;
+/// Most guest RAM the identity map covers (4 page directories).
+pub const MAX_RAM: u64 = 4 << 30;
+/// The command mailbox.
+pub const MAILBOX_GPA: u64 = 0x8000;
+/// The block request.
+pub const BLK_GPA: u64 = 0x9000;
+/// Where the program is loaded and starts.
+pub const CODE_GPA: u64 = 0x10000;
+/// Initial stack pointer (≡ 8 mod 16, as after a call).
+pub const STACK_TOP: u64 = 0xF_FFF8;
+/// Disk I/O bounce buffer.
+pub const IO_BUF_GPA: u64 = 0x10_0000;
+/// Its size.
+pub const IO_BUF_SIZE: u64 = 0x10_0000;
+/// Start of the application-data region (everything above the first 2 MiB).
+pub const APP_BASE: u64 = 0x20_0000;
+/// Smallest RAM that leaves room for some application data.
+pub const MIN_RAM: u64 = 4 << 20;
+
+/// A command finished (or the guest started).
+pub const PORT_DONE: u16 = 0x10;
+/// The block request is ready.
+pub const PORT_BLK: u16 = 0x20;
+/// The range in the mailbox's free report is free.
+pub const PORT_FREE: u16 = 0x30;
+
+/// Command opcodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u64)]
+pub enum Op {
+    /// Fill application data: size, kind, seed.
+    Fill = 1,
+    /// Digest the first `size` bytes.
+    Digest = 2,
+    /// Read the first `size` bytes.
+    Touch = 3,
+    /// Rewrite a share of the filled pages: percent, seed.
+    Rewrite = 4,
+    /// Free the application data and report it.
+    Release = 5,
+    /// Digest, write to disk, flush, read back, verify.
+    Task = 6,
+}
+
+/// How `fill` writes data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+#[repr(u64)]
+pub enum FillKind {
+    /// A fixed 64-byte motif, repeated.
+    Repeated = 0,
+    /// Seeded pseudo-random bytes.
+    Random = 1,
+    /// Zeros.
+    Zero = 2,
+}
+
+/// Block request operations.
+pub mod blk {
+    /// Read into the guest buffer.
+    pub const READ: u64 = 1;
+    /// Write from the guest buffer.
+    pub const WRITE: u64 = 2;
+    /// Make written data durable.
+    pub const FLUSH: u64 = 3;
+}
+
+/// Guest status codes.
+pub mod status {
+    /// Done.
+    pub const OK: u64 = 0;
+    /// Unknown opcode.
+    pub const BAD_OP: u64 = 1;
+    /// Size beyond the application-data region.
+    pub const TOO_LARGE: u64 = 2;
+    /// A disk request failed.
+    pub const IO: u64 = 3;
+    /// Data read back differs from what was written.
+    pub const MISMATCH: u64 = 4;
+}
+
+/// The mailbox page, as laid out by guest/guest.c.
+#[derive(Debug, Clone, Copy, Default)]
+#[repr(C)]
+pub struct Mailbox {
+    /// Opcode of the pending command.
+    pub op: u64,
+    /// Its arguments.
+    pub arg: [u64; 6],
+    /// Status of the last command.
+    pub status: u64,
+    /// Its results.
+    pub result: [u64; 6],
+    /// Application data start (set at boot).
+    pub app_base: u64,
+    /// Application data size (set at boot).
+    pub app_size: u64,
+    /// Bounce buffer (set at boot).
+    pub io_buf: u64,
+    /// Its size (set at boot).
+    pub io_buf_size: u64,
+    /// Free report: start.
+    pub free_gpa: u64,
+    /// Free report: length.
+    pub free_len: u64,
+}
+
+/// The block request, as laid out by guest/guest.c.
+#[derive(Debug, Clone, Copy, Default)]
+#[repr(C)]
+pub struct BlkRequest {
+    /// `blk::*`.
+    pub op: u64,
+    /// Byte offset on the disk.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Guest buffer.
+    pub buf_gpa: u64,
+    /// 0, or an errno.
+    pub status: u64,
+}
+
+const K1: u64 = 0x9E37_79B1_85EB_CA87;
+const K2: u64 = 0xC2B2_AE3D_27D4_EB4F;
+
+/// The guest's digest of `bytes` (a multiple of 8): four interleaved multiply-rotate lanes
+/// over little-endian words, folded with the length.
+pub fn digest(bytes: &[u8]) -> u64 {
+    let words: Vec<u64> = bytes
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().expect("chunks of 8")))
+        .collect();
+    let mix = |h: u64, w: u64| (h ^ w.wrapping_mul(K1)).rotate_left(31).wrapping_mul(K2);
+    let (mut h0, mut h1, mut h2, mut h3) = (1u64, 2u64, 3u64, 4u64);
+    let mut i = 0;
+    while i + 4 <= words.len() {
+        h0 = mix(h0, words[i]);
+        h1 = mix(h1, words[i + 1]);
+        h2 = mix(h2, words[i + 2]);
+        h3 = mix(h3, words[i + 3]);
+        i += 4;
+    }
+    while i < words.len() {
+        h0 = mix(h0, words[i]);
+        i += 1;
+    }
+    let mut h = h0
+        .rotate_left(1)
+        .wrapping_add(h1.rotate_left(7))
+        .wrapping_add(h2.rotate_left(12))
+        .wrapping_add(h3.rotate_left(18));
+    h ^= (bytes.len() as u64).wrapping_mul(K1);
+    h ^= h >> 33;
+    h = h.wrapping_mul(K2);
+    h ^= h >> 29;
+    h
+}
+
+const MOTIF: [u64; 8] = [
+    0x5A7F_2A3C_1E0D_4B69,
+    0x0123_4567_89AB_CDEF,
+    0xF0E1_D2C3_B4A5_9687,
+    0x1122_3344_5566_7788,
+    0x8899_AABB_CCDD_EEFF,
+    0x0F1E_2D3C_4B5A_6978,
+    0xDEAD_BEEF_CAFE_F00D,
+    0x6A09_E667_F3BC_C908,
+];
+
+fn seed_state(seed: u64, salt: u64) -> u64 {
+    let s = seed.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ salt;
+    if s == 0 {
+        1
+    } else {
+        s
+    }
+}
+
+/// The bytes the guest's `fill SIZE KIND seed=SEED` writes.
+pub fn fill_bytes(size: u64, kind: FillKind, seed: u64) -> Vec<u8> {
+    let words = size / 8;
+    let mut out = Vec::with_capacity(size as usize);
+    let mut state = seed_state(seed, 0);
+    for i in 0..words {
+        let word = match kind {
+            FillKind::Repeated => MOTIF[(i & 7) as usize],
+            FillKind::Random => {
+                let mut x = state;
+                x ^= x >> 12;
+                x ^= x << 25;
+                x ^= x >> 27;
+                state = x;
+                x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+            }
+            FillKind::Zero => 0,
+        };
+        out.extend_from_slice(&word.to_le_bytes());
+    }
+    out.resize(size as usize, 0);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mailbox_layout_matches_the_guest() {
+        assert_eq!(std::mem::size_of::<Mailbox>(), 160);
+        assert_eq!(std::mem::offset_of!(Mailbox, status), 56);
+        assert_eq!(std::mem::offset_of!(Mailbox, app_base), 112);
+        assert_eq!(std::mem::offset_of!(Mailbox, free_len), 152);
+        assert_eq!(std::mem::size_of::<BlkRequest>(), 40);
+    }
+
+    #[test]
+    fn guest_binary_is_small_and_fits_below_the_stack() {
+        assert!(!BINARY.is_empty());
+        assert!(
+            CODE_GPA + (BINARY.len() as u64) < 0x8_0000,
+            "{}",
+            BINARY.len()
+        );
+    }
+
+    #[test]
+    fn digest_depends_on_every_word_and_the_length() {
+        let a = fill_bytes(4096, FillKind::Random, 1);
+        let mut b = a.clone();
+        b[4000] ^= 1;
+        assert_ne!(digest(&a), digest(&b));
+        assert_ne!(digest(&a[..4088]), digest(&a));
+        assert_eq!(digest(&a), digest(&a.clone()));
+        assert_ne!(digest(&[0u8; 64]), digest(&[0u8; 72]));
+    }
+}

@@ -1,0 +1,583 @@
+//! One VM: guest RAM served by the in-process pager, one KVM vCPU running the workload guest
+//! at CPL3, and a paravirtual port-I/O block device over a host file.
+//!
+//! The vCPU runs only while a command runs: the VMM writes the command into the mailbox,
+//! runs the vCPU until the guest says it is done (`out` to `PORT_DONE`), serving the block
+//! device and free-page reports on the way, and reads the results. Between commands the vCPU
+//! does not run, so the VM is paused whenever no command is in flight.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use compressed_backing::BlockSize;
+use kvm_bindings::{kvm_segment, kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES};
+use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
+use uffd_pager::pager::{FaultError, Pager, PagerConfig, RamKind};
+use uffd_pager::state::PageState;
+use vm_memory::{Bytes, GuestAddress};
+
+use crate::guest::{self, blk, status, BlkRequest, Mailbox, Op};
+use crate::memory::{GuestRam, MemoryError};
+use crate::script::Command;
+
+/// How to build a VM.
+#[derive(Debug, Clone)]
+pub struct MachineConfig {
+    /// Bytes of guest RAM.
+    pub memory: u64,
+    /// vCPUs (the workload guest runs on the first; the others are created and stay idle).
+    pub vcpus: u32,
+    /// How guest RAM is mapped.
+    pub ram_kind: RamKind,
+    /// The virtual disk's host file (created if missing).
+    pub disk: PathBuf,
+    /// Fault-serving threads of the pager.
+    pub pager_threads: usize,
+    /// The pager's block size.
+    pub block_size: BlockSize,
+}
+
+/// Errors of a VM.
+#[derive(Debug, thiserror::Error)]
+pub enum MachineError {
+    /// The configuration cannot work.
+    #[error("invalid VM configuration: {0}")]
+    Config(String),
+    /// Guest RAM could not be mapped.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// The pager could not start.
+    #[error("cannot start the pager")]
+    Pager(#[source] uffd_pager::pager::PagerError),
+    /// A KVM ioctl failed.
+    #[error("KVM: {op}")]
+    Kvm {
+        /// What was being done.
+        op: &'static str,
+        /// The error.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    /// Guest memory could not be read or written by the VMM.
+    #[error("guest memory access at {gpa:#x} failed: {reason}")]
+    GuestMemory {
+        /// Guest-physical address.
+        gpa: u64,
+        /// vm-memory's complaint.
+        reason: String,
+    },
+    /// The virtual disk's file failed.
+    #[error("virtual disk {path}")]
+    Disk {
+        /// The file.
+        path: PathBuf,
+        /// The system error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The guest stopped in a way it never should (triple fault, unexpected exit).
+    #[error("the guest crashed: {0}")]
+    GuestCrashed(String),
+    /// The guest reported a failed command.
+    #[error("`{command}` failed in the guest: {reason}")]
+    Command {
+        /// The command.
+        command: String,
+        /// Why.
+        reason: String,
+    },
+    /// Dropping released pages failed.
+    #[error("cannot drop {len} released bytes at {gpa:#x}")]
+    Release {
+        /// Start.
+        gpa: u64,
+        /// Length.
+        len: u64,
+        /// The system error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn kvm(op: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> MachineError {
+    move |source| MachineError::Kvm { op, source }
+}
+
+/// What one command produced.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct CommandOutput {
+    /// The command as run.
+    pub command: String,
+    /// Wall time, milliseconds.
+    pub elapsed_ms: f64,
+    /// `digest` and `task`: the digest of the application data, hex.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    /// `touch`: sum of the words read (keeps the reads honest).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sum: Option<String>,
+    /// `rewrite`: pages rewritten.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pages: Option<u64>,
+    /// `release`: bytes reported free and dropped.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub released_bytes: Option<u64>,
+    /// `task`: bytes written to disk and verified.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk_bytes: Option<u64>,
+    /// Application data filled after the command.
+    pub app_bytes: u64,
+}
+
+/// A running VM. Fields drop in order: the vCPU and VM before the pager, the pager before
+/// the RAM it serves.
+pub struct Machine {
+    vcpu: VcpuFd,
+    _idle_vcpus: Vec<VcpuFd>,
+    _vm: VmFd,
+    _kvm: Kvm,
+    pager: Pager,
+    ram: GuestRam,
+    disk: File,
+    disk_path: PathBuf,
+    filled: u64,
+    io_buf: Vec<u8>,
+}
+
+impl std::fmt::Debug for Machine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Machine")
+            .field("ram", &self.ram)
+            .field("disk", &self.disk_path)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A user code segment (selector with RPL 3).
+fn segment(selector: u16, type_: u8, long: bool) -> kvm_segment {
+    kvm_segment {
+        base: 0,
+        limit: 0xFFFF_FFFF,
+        selector,
+        type_,
+        present: 1,
+        dpl: 3,
+        db: u8::from(!long),
+        s: 1,
+        l: u8::from(long),
+        g: 1,
+        avl: 0,
+        unusable: 0,
+        padding: 0,
+    }
+}
+
+impl Machine {
+    /// Maps RAM, starts the pager, loads the guest, creates the VM and runs the guest to its
+    /// first `PORT_DONE` (ready for commands). `on_fault_error` is told of faults the pager
+    /// cannot serve.
+    pub fn boot(
+        config: &MachineConfig,
+        on_fault_error: Box<dyn Fn(&FaultError) + Send + Sync>,
+    ) -> Result<Self, MachineError> {
+        if config.memory < guest::MIN_RAM || config.memory > guest::MAX_RAM {
+            return Err(MachineError::Config(format!(
+                "memory must be between {} MiB and {} GiB, not {} bytes",
+                guest::MIN_RAM >> 20,
+                guest::MAX_RAM >> 30,
+                config.memory
+            )));
+        }
+        if !config.memory.is_multiple_of(2 << 20) {
+            return Err(MachineError::Config(format!(
+                "memory must be a multiple of 2 MiB, not {} bytes",
+                config.memory
+            )));
+        }
+        if config.vcpus == 0 || config.vcpus > 64 {
+            return Err(MachineError::Config(format!(
+                "vcpus must be 1 to 64, not {}",
+                config.vcpus
+            )));
+        }
+        let ram = GuestRam::new(config.memory, config.ram_kind)?;
+        // SAFETY: the RAM mapping outlives the pager (field order of `Machine`), and every
+        // access to it goes through KVM, the pager or vm-memory, all of which tolerate the
+        // pager filling pages at any time.
+        let pager = unsafe {
+            Pager::new(
+                vec![ram.region_spec()],
+                PagerConfig {
+                    threads: config.pager_threads.max(1),
+                    block_size: config.block_size,
+                    initial: PageState::Zero,
+                    register: true,
+                },
+                None,
+                on_fault_error,
+            )
+        }
+        .map_err(MachineError::Pager)?;
+        let disk = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&config.disk)
+            .map_err(|source| MachineError::Disk {
+                path: config.disk.clone(),
+                source,
+            })?;
+
+        write_boot_structures(&ram)?;
+
+        let kvm_fd = Kvm::new().map_err(kvm("open /dev/kvm"))?;
+        let vm = kvm_fd.create_vm().map_err(kvm("create VM"))?;
+        let region = kvm_userspace_memory_region {
+            slot: 0,
+            flags: 0,
+            guest_phys_addr: 0,
+            memory_size: ram.size(),
+            userspace_addr: ram.host_base().0,
+        };
+        // SAFETY: the region is our own RAM mapping, which outlives the VM (field order).
+        unsafe { vm.set_user_memory_region(region) }.map_err(kvm("set memory region"))?;
+        let cpuid = kvm_fd
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(kvm("get supported CPUID"))?;
+        let mut vcpus = Vec::new();
+        for id in 0..config.vcpus {
+            let vcpu = vm.create_vcpu(u64::from(id)).map_err(kvm("create vCPU"))?;
+            vcpu.set_cpuid2(&cpuid).map_err(kvm("set CPUID"))?;
+            vcpus.push(vcpu);
+        }
+        let vcpu = vcpus.remove(0);
+        let mut sregs = vcpu.get_sregs().map_err(kvm("get sregs"))?;
+        sregs.cr3 = guest::PML4_GPA;
+        sregs.cr4 = 1 << 5; // PAE
+        sregs.cr0 = 0x8000_0001 | (1 << 16); // PG | PE | WP
+        sregs.efer = 0x500; // LME | LMA
+        sregs.cs = segment(0x1b, 11, true);
+        let data = segment(0x23, 3, false);
+        (sregs.ds, sregs.es, sregs.fs, sregs.gs, sregs.ss) = (data, data, data, data, data);
+        vcpu.set_sregs(&sregs).map_err(kvm("set sregs"))?;
+        let regs = kvm_bindings::kvm_regs {
+            rip: guest::CODE_GPA,
+            rsp: guest::STACK_TOP,
+            rflags: 0x3002, // IOPL 3, reserved bit 1
+            ..Default::default()
+        };
+        vcpu.set_regs(&regs).map_err(kvm("set regs"))?;
+
+        let mut machine = Self {
+            vcpu,
+            _idle_vcpus: vcpus,
+            _vm: vm,
+            _kvm: kvm_fd,
+            pager,
+            ram,
+            disk,
+            disk_path: config.disk.clone(),
+            filled: 0,
+            io_buf: Vec::new(),
+        };
+        machine.run_until_done()?;
+        Ok(machine)
+    }
+
+    /// The pager serving this VM's RAM.
+    pub fn pager(&self) -> &Pager {
+        &self.pager
+    }
+
+    /// Guest RAM.
+    pub fn ram(&self) -> &GuestRam {
+        &self.ram
+    }
+
+    /// The virtual disk's file.
+    pub fn disk_path(&self) -> &Path {
+        &self.disk_path
+    }
+
+    /// Bytes of application data filled.
+    pub fn app_bytes(&self) -> u64 {
+        self.filled
+    }
+
+    /// Runs one command (host-side `sleep` and `idle` included).
+    pub fn run(&mut self, command: &Command) -> Result<CommandOutput, MachineError> {
+        let started = Instant::now();
+        let mut output = CommandOutput {
+            command: command.to_string(),
+            ..CommandOutput::default()
+        };
+        let app_size = self.ram.size() - guest::APP_BASE;
+        let too_large = |size: u64| {
+            (size > app_size).then(|| MachineError::Command {
+                command: command.to_string(),
+                reason: format!(
+                    "{size} bytes is more than the {app_size} bytes of application memory"
+                ),
+            })
+        };
+        match *command {
+            Command::Fill { size, kind, seed } => {
+                if let Some(e) = too_large(size) {
+                    return Err(e);
+                }
+                self.guest(command, Op::Fill, [size, kind as u64, seed])?;
+            }
+            Command::Digest => {
+                let result = self.guest(command, Op::Digest, [self.filled, 0, 0])?;
+                output.digest = Some(format!("{:016x}", result[0]));
+            }
+            Command::Touch { size } => {
+                if let Some(e) = too_large(size) {
+                    return Err(e);
+                }
+                let result = self.guest(command, Op::Touch, [size, 0, 0])?;
+                output.sum = Some(format!("{:016x}", result[0]));
+            }
+            Command::Rewrite { percent, seed } => {
+                let result = self.guest(command, Op::Rewrite, [percent, seed, 0])?;
+                output.pages = Some(result[0]);
+            }
+            Command::Release => {
+                let result = self.guest(command, Op::Release, [0, 0, 0])?;
+                output.released_bytes = Some(result[0]);
+            }
+            Command::Task => {
+                let result = self.guest(command, Op::Task, [0, 0, 0])?;
+                output.digest = Some(format!("{:016x}", result[0]));
+                output.disk_bytes = Some(result[1]);
+            }
+            Command::Sleep { ms } => std::thread::sleep(std::time::Duration::from_millis(ms)),
+            Command::Idle => {}
+        }
+        output.app_bytes = self.filled;
+        output.elapsed_ms = started.elapsed().as_secs_f64() * 1e3;
+        Ok(output)
+    }
+
+    /// Runs one guest command; returns its results.
+    fn guest(
+        &mut self,
+        command: &Command,
+        op: Op,
+        args: [u64; 3],
+    ) -> Result<[u64; 6], MachineError> {
+        let mut mailbox: Mailbox = self.read(guest::MAILBOX_GPA)?;
+        mailbox.op = op as u64;
+        mailbox.arg[..3].copy_from_slice(&args);
+        self.write(guest::MAILBOX_GPA, mailbox)?;
+        self.run_until_done()?;
+        let mailbox: Mailbox = self.read(guest::MAILBOX_GPA)?;
+        self.filled = mailbox.result[2];
+        let reason = match mailbox.status {
+            status::OK => return Ok(mailbox.result),
+            status::BAD_OP => "unknown operation".to_owned(),
+            status::TOO_LARGE => "size beyond the application memory".to_owned(),
+            status::IO => "a disk request failed".to_owned(),
+            status::MISMATCH => "data read back from the disk differs".to_owned(),
+            other => format!("status {other}"),
+        };
+        Err(MachineError::Command {
+            command: command.to_string(),
+            reason,
+        })
+    }
+
+    /// Runs the vCPU until the guest writes `PORT_DONE`.
+    fn run_until_done(&mut self) -> Result<(), MachineError> {
+        loop {
+            let exit = match self.vcpu.run() {
+                Ok(VcpuExit::IoOut(port, _)) => Ok(port),
+                Ok(exit) => Err(format!("{exit:?}")),
+                Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => continue,
+                Err(e) => return Err(kvm("run vCPU")(e)),
+            };
+            let port = match exit {
+                Ok(port) => port,
+                Err(exit) => {
+                    let rip = self.vcpu.get_regs().map(|r| r.rip).unwrap_or(0);
+                    return Err(MachineError::GuestCrashed(format!(
+                        "{exit} at rip {rip:#x}"
+                    )));
+                }
+            };
+            match port {
+                guest::PORT_DONE => return Ok(()),
+                guest::PORT_BLK => self.block_request()?,
+                guest::PORT_FREE => self.free_report()?,
+                other => {
+                    return Err(MachineError::GuestCrashed(format!(
+                        "write to unknown port {other:#x}"
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Serves the block request in the mailbox's neighbour page.
+    fn block_request(&mut self) -> Result<(), MachineError> {
+        let mut request: BlkRequest = self.read(guest::BLK_GPA)?;
+        let disk_err = |source| MachineError::Disk {
+            path: self.disk_path.clone(),
+            source,
+        };
+        let len = usize::try_from(request.len).unwrap_or(usize::MAX);
+        let valid = request
+            .buf_gpa
+            .checked_add(request.len)
+            .is_some_and(|end| end <= self.ram.size());
+        let result: std::io::Result<()> = match request.op {
+            _ if request.op != blk::FLUSH && !valid => {
+                Err(std::io::Error::from_raw_os_error(libc::EFAULT))
+            }
+            blk::WRITE => {
+                self.io_buf.resize(len, 0);
+                self.ram
+                    .memory()
+                    .read_slice(&mut self.io_buf, GuestAddress(request.buf_gpa))
+                    .map_err(std::io::Error::other)
+                    .and_then(|()| self.disk.write_all_at(&self.io_buf, request.offset))
+            }
+            blk::READ => {
+                self.io_buf.resize(len, 0);
+                self.disk
+                    .read_exact_at(&mut self.io_buf, request.offset)
+                    .and_then(|()| {
+                        self.ram
+                            .memory()
+                            .write_slice(&self.io_buf, GuestAddress(request.buf_gpa))
+                            .map_err(std::io::Error::other)
+                    })
+            }
+            blk::FLUSH => self.disk.sync_data(),
+            _ => Err(std::io::Error::from_raw_os_error(libc::EINVAL)),
+        };
+        request.status = match result {
+            Ok(()) => 0,
+            Err(e) => {
+                let errno = e.raw_os_error().unwrap_or(libc::EIO);
+                if errno == libc::ENOSPC || errno == libc::EIO {
+                    // The guest sees the failure; the host's record names the file.
+                    let _ = disk_err(e);
+                }
+                u64::try_from(errno).unwrap_or(5)
+            }
+        };
+        self.write(guest::BLK_GPA, request)
+    }
+
+    /// Drops the range the guest reported free: it reads as zeros afterwards.
+    fn free_report(&mut self) -> Result<(), MachineError> {
+        let mailbox: Mailbox = self.read(guest::MAILBOX_GPA)?;
+        let (gpa, len) = (mailbox.free_gpa, mailbox.free_len);
+        let range = self.ram.host_range(gpa, len).ok_or_else(|| {
+            MachineError::GuestCrashed(format!(
+                "free report of {len} bytes at {gpa:#x} is outside RAM"
+            ))
+        })?;
+        let fail = |source| MachineError::Release { gpa, len, source };
+        match self.ram.kind() {
+            // The pager sees the discard as a REMOVE event: the pages read as zeros.
+            RamKind::Anon => {
+                // SAFETY: discarding part of our own guest RAM, which the guest freed.
+                let rc = unsafe {
+                    libc::madvise(range.start().as_ptr(), len as usize, libc::MADV_DONTNEED)
+                };
+                if rc != 0 {
+                    return Err(fail(std::io::Error::last_os_error()));
+                }
+            }
+            RamKind::Memfd => {
+                use std::os::fd::AsRawFd;
+                let memfd = self.ram.memfd().expect("memfd RAM has its memfd");
+                let (Ok(offset), Ok(length)) = (i64::try_from(gpa), i64::try_from(len)) else {
+                    return Err(fail(std::io::Error::from_raw_os_error(libc::EINVAL)));
+                };
+                // SAFETY: punching a hole in our own memfd.
+                let rc = unsafe {
+                    libc::fallocate(
+                        memfd.as_raw_fd(),
+                        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                        offset,
+                        length,
+                    )
+                };
+                if rc != 0 {
+                    return Err(fail(std::io::Error::last_os_error()));
+                }
+                // Holes raise no userfaultfd event: tell the pager.
+                self.pager.discarded(range);
+            }
+        }
+        Ok(())
+    }
+
+    fn read<T: vm_memory::ByteValued>(&self, gpa: u64) -> Result<T, MachineError> {
+        self.ram
+            .memory()
+            .read_obj(GuestAddress(gpa))
+            .map_err(|e| MachineError::GuestMemory {
+                gpa,
+                reason: e.to_string(),
+            })
+    }
+
+    fn write<T: vm_memory::ByteValued>(&self, gpa: u64, value: T) -> Result<(), MachineError> {
+        self.ram
+            .memory()
+            .write_obj(value, GuestAddress(gpa))
+            .map_err(|e| MachineError::GuestMemory {
+                gpa,
+                reason: e.to_string(),
+            })
+    }
+}
+
+// SAFETY: plain-old-data structures of u64 fields, valid for any bit pattern.
+unsafe impl vm_memory::ByteValued for Mailbox {}
+// SAFETY: as above.
+unsafe impl vm_memory::ByteValued for BlkRequest {}
+
+/// Writes the identity map (2 MiB user pages), the program and the mailbox.
+fn write_boot_structures(ram: &GuestRam) -> Result<(), MachineError> {
+    let mem = ram.memory();
+    let fail = |gpa: u64| {
+        move |e: vm_memory::GuestMemoryError| MachineError::GuestMemory {
+            gpa,
+            reason: e.to_string(),
+        }
+    };
+    mem.write_obj(guest::PDPT_GPA | 7, GuestAddress(guest::PML4_GPA))
+        .map_err(fail(guest::PML4_GPA))?;
+    let pages = ram.size() / (2 << 20);
+    for gib in 0..pages.div_ceil(512) {
+        let pd = guest::PD_GPA + gib * 0x1000;
+        mem.write_obj(pd | 7, GuestAddress(guest::PDPT_GPA + gib * 8))
+            .map_err(fail(guest::PDPT_GPA))?;
+    }
+    for page in 0..pages {
+        // Present, writable, user, 2 MiB.
+        let entry = (page * (2 << 20)) | 0x87;
+        let gpa = guest::PD_GPA + page * 8;
+        mem.write_obj(entry, GuestAddress(gpa)).map_err(fail(gpa))?;
+    }
+    mem.write_slice(guest::BINARY, GuestAddress(guest::CODE_GPA))
+        .map_err(fail(guest::CODE_GPA))?;
+    let mailbox = Mailbox {
+        app_base: guest::APP_BASE,
+        app_size: ram.size() - guest::APP_BASE,
+        io_buf: guest::IO_BUF_GPA,
+        io_buf_size: guest::IO_BUF_SIZE,
+        ..Mailbox::default()
+    };
+    mem.write_obj(mailbox, GuestAddress(guest::MAILBOX_GPA))
+        .map_err(fail(guest::MAILBOX_GPA))?;
+    Ok(())
+}

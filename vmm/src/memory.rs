@@ -1,0 +1,145 @@
+//! Guest RAM: one mapping of the configured size, private anonymous (`anon`, the default) or
+//! a shared memfd (`memfd`), through vm-memory.
+
+use std::fs::File;
+use std::sync::Arc;
+
+use uffd_pager::addr::{HostAddr, HostRange};
+use uffd_pager::pager::{RamKind, RegionSpec};
+use vm_memory::{
+    FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestRegionMmap, MmapRegion,
+};
+
+/// Errors creating guest RAM.
+#[derive(Debug, thiserror::Error)]
+pub enum MemoryError {
+    /// The memfd could not be created or sized.
+    #[error("cannot create a {size}-byte memfd for guest RAM")]
+    Memfd {
+        /// Bytes.
+        size: u64,
+        /// The system error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The mapping failed.
+    #[error("cannot map {size} bytes of guest RAM")]
+    Map {
+        /// Bytes.
+        size: u64,
+        /// The cause, as vm-memory reports it.
+        reason: String,
+    },
+}
+
+/// The guest's RAM, guest-physical address 0 up to its size.
+#[derive(Debug)]
+pub struct GuestRam {
+    memory: GuestMemoryMmap,
+    size: u64,
+    kind: RamKind,
+    memfd: Option<Arc<File>>,
+}
+
+impl GuestRam {
+    /// Maps `size` bytes of `kind` RAM (nothing is allocated until touched).
+    pub fn new(size: u64, kind: RamKind) -> Result<Self, MemoryError> {
+        let len = usize::try_from(size).map_err(|_| MemoryError::Map {
+            size,
+            reason: "too large for this machine".into(),
+        })?;
+        let map_err = |e: &dyn std::fmt::Display| MemoryError::Map {
+            size,
+            reason: e.to_string(),
+        };
+        let (memory, memfd) = match kind {
+            RamKind::Anon => (
+                GuestMemoryMmap::from_ranges(&[(GuestAddress(0), len)]).map_err(|e| map_err(&e))?,
+                None,
+            ),
+            RamKind::Memfd => {
+                let file = memfd(size)?;
+                let file = Arc::new(file);
+                let region = MmapRegion::from_file(FileOffset::from_arc(Arc::clone(&file), 0), len)
+                    .map_err(|e| map_err(&e))?;
+                let region = GuestRegionMmap::new(region, GuestAddress(0))
+                    .ok_or_else(|| map_err(&"the region does not fit the address space"))?;
+                (
+                    GuestMemoryMmap::from_regions(vec![region]).map_err(|e| map_err(&e))?,
+                    Some(file),
+                )
+            }
+        };
+        Ok(Self {
+            memory,
+            size,
+            kind,
+            memfd,
+        })
+    }
+
+    /// The vm-memory view, for reads and writes by guest-physical address.
+    pub fn memory(&self) -> &GuestMemoryMmap {
+        &self.memory
+    }
+
+    /// Bytes of RAM.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// How it is mapped.
+    pub fn kind(&self) -> RamKind {
+        self.kind
+    }
+
+    /// The memfd, for memfd RAM.
+    pub fn memfd(&self) -> Option<&Arc<File>> {
+        self.memfd.as_ref()
+    }
+
+    /// Host address of guest-physical address 0.
+    pub fn host_base(&self) -> HostAddr {
+        let ptr = self
+            .memory
+            .get_host_address(GuestAddress(0))
+            .expect("guest RAM starts at address 0");
+        HostAddr::from_ptr(ptr)
+    }
+
+    /// The host range of `[gpa, gpa + len)`, if inside RAM and page-aligned.
+    pub fn host_range(&self, gpa: u64, len: u64) -> Option<HostRange> {
+        let end = gpa.checked_add(len)?;
+        if end > self.size {
+            return None;
+        }
+        HostRange::new(HostAddr(self.host_base().0 + gpa), len).ok()
+    }
+
+    /// The region the pager serves: all of RAM, read by the pager where it is mapped.
+    pub fn region_spec(&self) -> RegionSpec {
+        let range = self.host_range(0, self.size).expect("RAM is page-aligned");
+        RegionSpec {
+            kind: self.kind,
+            range,
+            image_offset: 0,
+            memfd: self.memfd.clone(),
+            memfd_offset: 0,
+            view: Some(range.start()),
+        }
+    }
+}
+
+fn memfd(size: u64) -> Result<File, MemoryError> {
+    use std::os::fd::FromRawFd;
+    let fail = |source| MemoryError::Memfd { size, source };
+    // SAFETY: memfd_create with a valid name; the result is checked.
+    let fd = unsafe { libc::memfd_create(c"pvisor-guest-ram".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(fail(std::io::Error::last_os_error()));
+    }
+    // SAFETY: a fresh descriptor that nobody else owns.
+    let file = unsafe { File::from_raw_fd(fd) };
+    file.set_len(size).map_err(fail)?;
+    Ok(file)
+}

@@ -1,0 +1,267 @@
+//! Workload scripts: commands separated by `;`, run one by one by the workload guest (memory
+//! and disk commands) or the VMM (`sleep`, `idle`).
+
+use std::fmt;
+
+use compressed_backing::layout::parse_size;
+
+use crate::guest::FillKind;
+
+/// One command of a script.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(tag = "command", rename_all = "lowercase")]
+pub enum Command {
+    /// Write `size` bytes of application data.
+    Fill {
+        /// Bytes.
+        size: u64,
+        /// Content.
+        kind: FillKind,
+        /// Seed for `random`.
+        seed: u64,
+    },
+    /// Digest the application data.
+    Digest,
+    /// Read the first `size` bytes.
+    Touch {
+        /// Bytes.
+        size: u64,
+    },
+    /// Overwrite `percent` of the application-data pages.
+    Rewrite {
+        /// Share of pages, 0..=100.
+        percent: u64,
+        /// Seed.
+        seed: u64,
+    },
+    /// Free the application data and report it to the host.
+    Release,
+    /// The seed's test task: digest, write to disk, fsync, read back, verify.
+    Task,
+    /// Wait on the host side.
+    Sleep {
+        /// Milliseconds.
+        ms: u64,
+    },
+    /// Report idle and wait for the next command.
+    Idle,
+}
+
+impl fmt::Display for Command {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Command::Fill { size, kind, seed } => {
+                let kind = match kind {
+                    FillKind::Repeated => "repeated",
+                    FillKind::Random => "random",
+                    FillKind::Zero => "zero",
+                };
+                write!(f, "fill {size} {kind} seed={seed}")
+            }
+            Command::Digest => f.write_str("digest"),
+            Command::Touch { size } => write!(f, "touch {size}"),
+            Command::Rewrite { percent, seed } => write!(f, "rewrite {percent} seed={seed}"),
+            Command::Release => f.write_str("release"),
+            Command::Task => f.write_str("task"),
+            Command::Sleep { ms } => write!(f, "sleep {ms}"),
+            Command::Idle => f.write_str("idle"),
+        }
+    }
+}
+
+/// A script that does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("command {position} (`{text}`): {reason}")]
+pub struct ScriptError {
+    /// 1-based position of the command in the script.
+    pub position: usize,
+    /// The command as written.
+    pub text: String,
+    /// What is wrong.
+    pub reason: String,
+}
+
+const COMMANDS: &str = "fill, digest, touch, rewrite, release, task, sleep, idle";
+
+/// Parses a script: commands separated by `;`, blank ones ignored.
+pub fn parse(script: &str) -> Result<Vec<Command>, ScriptError> {
+    let mut commands = Vec::new();
+    for (index, text) in script.split(';').enumerate() {
+        let text = text.trim();
+        if text.is_empty() {
+            continue;
+        }
+        let fail = |reason: String| ScriptError {
+            position: index + 1,
+            text: text.to_owned(),
+            reason,
+        };
+        commands.push(parse_one(text).map_err(fail)?);
+    }
+    Ok(commands)
+}
+
+fn parse_one(text: &str) -> Result<Command, String> {
+    let mut words = text.split_whitespace();
+    let name = words.next().unwrap_or_default();
+    let mut positional = Vec::new();
+    let mut seed = None;
+    for word in words {
+        match word.strip_prefix("seed=") {
+            Some(value) => {
+                seed = Some(
+                    value
+                        .parse::<u64>()
+                        .map_err(|_| format!("bad seed `{value}`"))?,
+                )
+            }
+            None => positional.push(word),
+        }
+    }
+    let size = |i: usize| -> Result<u64, String> {
+        let text = positional
+            .get(i)
+            .ok_or_else(|| format!("`{name}` needs a size (e.g. 64MiB)"))?;
+        parse_size(text).map_err(|e| e.to_string())
+    };
+    let no_more = |count: usize| -> Result<(), String> {
+        match positional.get(count) {
+            Some(extra) => Err(format!("unexpected argument `{extra}`")),
+            None => Ok(()),
+        }
+    };
+    let no_seed = || match seed {
+        Some(_) => Err(format!("`{name}` takes no seed")),
+        None => Ok(()),
+    };
+    let command = match name {
+        "fill" => {
+            let kind = match positional.get(1).copied() {
+                Some("repeated") => FillKind::Repeated,
+                Some("random") => FillKind::Random,
+                Some("zero") => FillKind::Zero,
+                Some(other) => {
+                    return Err(format!(
+                        "unknown content `{other}` (repeated, random or zero)"
+                    ))
+                }
+                None => return Err("`fill` needs a content: repeated, random or zero".into()),
+            };
+            no_more(2)?;
+            let size = size(0)?;
+            if !size.is_multiple_of(4096) {
+                return Err(format!("size {size} is not a multiple of 4 KiB"));
+            }
+            Command::Fill {
+                size,
+                kind,
+                seed: seed.unwrap_or(0),
+            }
+        }
+        "digest" | "release" | "task" | "idle" => {
+            no_more(0)?;
+            no_seed()?;
+            match name {
+                "digest" => Command::Digest,
+                "release" => Command::Release,
+                "task" => Command::Task,
+                _ => Command::Idle,
+            }
+        }
+        "touch" => {
+            no_more(1)?;
+            no_seed()?;
+            let size = size(0)?;
+            if !size.is_multiple_of(8) {
+                return Err(format!("size {size} is not a multiple of 8 bytes"));
+            }
+            Command::Touch { size }
+        }
+        "rewrite" => {
+            no_more(1)?;
+            let percent = positional
+                .first()
+                .ok_or("`rewrite` needs a percentage")?
+                .trim_end_matches('%');
+            let percent: u64 = percent
+                .parse()
+                .map_err(|_| format!("bad percentage `{percent}`"))?;
+            if percent > 100 {
+                return Err(format!("percentage {percent} is above 100"));
+            }
+            Command::Rewrite {
+                percent,
+                seed: seed.unwrap_or(1),
+            }
+        }
+        "sleep" => {
+            no_more(1)?;
+            no_seed()?;
+            let ms = positional.first().ok_or("`sleep` needs milliseconds")?;
+            let ms = ms
+                .trim_end_matches("ms")
+                .parse()
+                .map_err(|_| format!("bad duration `{ms}` (milliseconds)"))?;
+            Command::Sleep { ms }
+        }
+        other => return Err(format!("unknown command `{other}` (commands: {COMMANDS})")),
+    };
+    Ok(command)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn script_every_command_parses() {
+        let script = "fill 64MiB random seed=7; digest; touch 16MiB; rewrite 25% seed=3; \
+                      release; task; sleep 50; idle; fill 1GiB repeated;";
+        let commands = parse(script).unwrap();
+        assert_eq!(commands.len(), 9);
+        assert_eq!(
+            commands[0],
+            Command::Fill {
+                size: 64 << 20,
+                kind: FillKind::Random,
+                seed: 7
+            }
+        );
+        assert_eq!(
+            commands[3],
+            Command::Rewrite {
+                percent: 25,
+                seed: 3
+            }
+        );
+        assert_eq!(commands[6], Command::Sleep { ms: 50 });
+    }
+
+    #[test]
+    fn script_errors_name_the_command_and_its_position() {
+        let err = parse("fill 1MiB zero; explode now; digest").unwrap_err();
+        assert_eq!(err.position, 2);
+        assert!(
+            err.to_string().contains("unknown command `explode`"),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("command 2 (`explode now`)"),
+            "{err}"
+        );
+        for (bad, expect) in [
+            ("fill 512XB random", "512XB"),
+            ("fill 64MiB", "needs a content"),
+            ("fill 64MiB purple", "unknown content"),
+            ("fill 1000 zero", "multiple of 4 KiB"),
+            ("rewrite 150", "above 100"),
+            ("digest 5", "unexpected argument"),
+            ("sleep soon", "bad duration"),
+            ("touch", "needs a size"),
+            ("fill 1MiB random seed=x", "bad seed"),
+        ] {
+            let err = parse(bad).unwrap_err();
+            assert!(err.to_string().contains(expect), "{bad}: {err}");
+        }
+    }
+}

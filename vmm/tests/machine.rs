@@ -1,0 +1,105 @@
+//! A real vCPU (KVM) running the workload guest over pager-managed RAM.
+
+// Test code: a failed setup step should stop the test on the spot.
+#![allow(clippy::unwrap_used)]
+
+use std::time::Instant;
+
+use compressed_backing::BlockSize;
+use uffd_pager::pager::RamKind;
+use vmm::guest::{self, FillKind};
+use vmm::machine::{Machine, MachineConfig};
+use vmm::script::{self, Command};
+
+fn skip() -> bool {
+    let skip = std::env::var_os("PVISOR_SKIP_DEVICE_TESTS").is_some_and(|v| v == "1");
+    if skip {
+        eprintln!("skipped: PVISOR_SKIP_DEVICE_TESTS=1");
+    } else {
+        for dev in ["/dev/kvm", "/dev/userfaultfd"] {
+            assert!(
+                std::path::Path::new(dev).exists(),
+                "{dev} is missing (PVISOR_SKIP_DEVICE_TESTS=1 skips device tests)"
+            );
+        }
+    }
+    skip
+}
+
+fn boot(dir: &std::path::Path, memory: u64, kind: RamKind) -> Machine {
+    Machine::boot(
+        &MachineConfig {
+            memory,
+            vcpus: 1,
+            ram_kind: kind,
+            disk: dir.join("disk"),
+            pager_threads: 1,
+            block_size: BlockSize::default(),
+        },
+        Box::new(|e| panic!("fault error: {e}")),
+    )
+    .unwrap()
+}
+
+fn run(machine: &mut Machine, script: &str) -> Vec<vmm::machine::CommandOutput> {
+    script::parse(script)
+        .unwrap()
+        .iter()
+        .map(|c| machine.run(c).unwrap())
+        .collect()
+}
+
+#[test]
+fn machine_guest_fills_and_digests_like_the_host_computes() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    for kind in [RamKind::Anon, RamKind::Memfd] {
+        let mut machine = boot(dir.path(), 128 << 20, kind);
+        let started = Instant::now();
+        let out = run(
+            &mut machine,
+            "fill 16MiB random seed=7; digest; fill 8MiB repeated; digest; task",
+        );
+        let expect = guest::digest(&guest::fill_bytes(16 << 20, FillKind::Random, 7));
+        assert_eq!(
+            out[1].digest.as_deref(),
+            Some(format!("{expect:016x}").as_str())
+        );
+        let expect = guest::digest(&guest::fill_bytes(8 << 20, FillKind::Repeated, 0));
+        assert_eq!(
+            out[3].digest.as_deref(),
+            Some(format!("{expect:016x}").as_str())
+        );
+        assert_eq!(out[4].digest, out[3].digest);
+        assert_eq!(out[4].disk_bytes, Some(8 << 20));
+        assert_eq!(
+            std::fs::metadata(dir.path().join("disk")).unwrap().len(),
+            8 << 20
+        );
+        eprintln!(
+            "{kind:?}: {:.1} ms for the script",
+            started.elapsed().as_secs_f64() * 1e3
+        );
+    }
+}
+
+#[test]
+fn machine_too_large_fill_is_refused_by_the_host() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut machine = boot(dir.path(), 16 << 20, RamKind::Anon);
+    let err = machine
+        .run(&Command::Fill {
+            size: 64 << 20,
+            kind: FillKind::Zero,
+            seed: 0,
+        })
+        .unwrap_err();
+    assert!(err.to_string().contains("application memory"), "{err}");
+    // The VM still works.
+    run(&mut machine, "fill 4MiB zero; digest");
+}
