@@ -5,8 +5,12 @@
 //! - [`machine`]: one VM: RAM, pager, vCPU, block device; runs commands.
 //! - [`memory`]: guest RAM (anon or memfd).
 //! - [`script`]: workload scripts.
+//! - [`stats`]: PSS and memory-cgroup readings.
+//! - [`vm`]: a VM's lifecycle (running, paused, offloaded) and operations.
 
 pub mod guest;
 pub mod machine;
 pub mod memory;
 pub mod script;
+pub mod stats;
+pub mod vm;

@@ -312,7 +312,7 @@ pub struct CompactionReport {
 /// A batch of encoded blocks, payloads laid end to end, written with one append.
 #[derive(Debug, Default)]
 pub(crate) struct EncodedBatch {
-    pub data: Vec<u8>,
+    pub data: BatchBuf,
     pub items: Vec<BatchItem>,
 }
 
@@ -327,20 +327,87 @@ pub(crate) struct BatchItem {
     pub len: usize,
 }
 
+/// The payload bytes of a batch: on the heap for one-off puts, or in a mapping of its own
+/// for bulk transfers, so that several MiB of buffers are given straight back to the kernel
+/// when dropped instead of lingering in the allocator's per-thread arenas (an offloaded VM
+/// must cost what it holds, not what it once used).
+#[derive(Debug)]
+pub(crate) enum BatchBuf {
+    Heap(Vec<u8>),
+    Mapped { map: memmap2::MmapMut, len: usize },
+}
+
+impl Default for BatchBuf {
+    fn default() -> Self {
+        Self::Heap(Vec::new())
+    }
+}
+
+impl BatchBuf {
+    /// A mapping of `capacity` bytes, touched now so that reusing it never faults; on the
+    /// heap if the mapping fails.
+    fn mapped(capacity: usize) -> Self {
+        match memmap2::MmapMut::map_anon(capacity.max(1)) {
+            Ok(mut map) => {
+                map.fill(0);
+                Self::Mapped { map, len: 0 }
+            }
+            Err(_) => Self::Heap(Vec::with_capacity(capacity)),
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Self::Heap(vec) => vec.len(),
+            Self::Mapped { len, .. } => *len,
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn clear(&mut self) {
+        match self {
+            Self::Heap(vec) => vec.clear(),
+            Self::Mapped { len, .. } => *len = 0,
+        }
+    }
+
+    fn extend_from_slice(&mut self, bytes: &[u8]) {
+        match self {
+            Self::Heap(vec) => vec.extend_from_slice(bytes),
+            Self::Mapped { map, len } if *len + bytes.len() <= map.len() => {
+                map[*len..*len + bytes.len()].copy_from_slice(bytes);
+                *len += bytes.len();
+            }
+            Self::Mapped { map, len } => {
+                // Never happens for a batch sized for its blocks; stay correct regardless.
+                let mut vec = map[..*len].to_vec();
+                vec.extend_from_slice(bytes);
+                *self = Self::Heap(vec);
+            }
+        }
+    }
+}
+
+impl std::ops::Deref for BatchBuf {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Self::Heap(vec) => vec,
+            Self::Mapped { map, len } => &map[..*len],
+        }
+    }
+}
+
 impl EncodedBatch {
-    /// An empty batch with room for `blocks` blocks of `block_bytes` each, allocated (and
-    /// touched) up front so that reusing it never faults in fresh pages.
+    /// An empty batch with room for `blocks` blocks of `block_bytes` each, in a mapping of
+    /// its own, touched up front.
     pub(crate) fn with_capacity(blocks: usize, block_bytes: usize) -> Self {
-        // `resize` writes every byte (unlike `vec![0; n]`, which may map untouched zero pages).
-        #[allow(
-            clippy::slow_vector_initialization,
-            reason = "the pages must be touched now"
-        )]
-        let mut data = Vec::with_capacity(blocks * block_bytes);
-        data.resize(blocks * block_bytes, 0);
-        data.clear();
         Self {
-            data,
+            data: BatchBuf::mapped(blocks * block_bytes),
             items: Vec::with_capacity(blocks),
         }
     }

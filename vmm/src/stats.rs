@@ -1,0 +1,175 @@
+//! What a VM costs the host: PSS of the whole process and of the guest-RAM mapping
+//! (`/proc/self/smaps_rollup`, `/proc/self/smaps`), and its memory cgroup's usage.
+
+use std::path::{Path, PathBuf};
+
+/// PSS of the whole process, bytes.
+pub fn process_pss() -> std::io::Result<u64> {
+    let text = std::fs::read_to_string("/proc/self/smaps_rollup")?;
+    Ok(field_kib(&text, "Pss:") * 1024)
+}
+
+/// PSS of the mapping that starts at `start`, bytes (0 if there is none).
+pub fn mapping_pss(start: u64) -> std::io::Result<u64> {
+    let text = std::fs::read_to_string("/proc/self/smaps")?;
+    let mut inside = false;
+    for line in text.lines() {
+        if let Some((range, _)) = line.split_once(' ') {
+            if let Some((lo, hi)) = range.split_once('-') {
+                if let (Ok(lo), Ok(_)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16))
+                {
+                    inside = lo == start;
+                    continue;
+                }
+            }
+        }
+        if inside {
+            if let Some(rest) = line.strip_prefix("Pss:") {
+                return Ok(parse_kib(rest) * 1024);
+            }
+        }
+    }
+    Ok(0)
+}
+
+fn field_kib(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name))
+        .map_or(0, parse_kib)
+}
+
+fn parse_kib(rest: &str) -> u64 {
+    rest.split_whitespace()
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A memory cgroup the VM runs in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryCgroup {
+    dir: PathBuf,
+    v2: bool,
+}
+
+/// Errors joining a cgroup.
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    /// Neither a v2 memory controller nor a v1 memory hierarchy is mounted.
+    #[error("no memory cgroup controller is available (looked for cgroup v2 with `memory` and v1 at /sys/fs/cgroup/memory)")]
+    NoController,
+    /// Creating or joining failed.
+    #[error("cannot {op} {path}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// The file or directory.
+        path: PathBuf,
+        /// The system error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl MemoryCgroup {
+    /// Creates `name` (a relative path) under this process's own memory cgroup — v2 where the
+    /// host has its memory controller, else v1 — and moves this process into it. Call it
+    /// before allocating guest RAM: v1 does not move charges made earlier.
+    pub fn join(name: &Path) -> Result<Self, CgroupError> {
+        let own =
+            std::fs::read_to_string("/proc/self/cgroup").map_err(|source| CgroupError::Io {
+                op: "read",
+                path: "/proc/self/cgroup".into(),
+                source,
+            })?;
+        let v2_root = Path::new("/sys/fs/cgroup");
+        let v2_has_memory = std::fs::read_to_string(v2_root.join("cgroup.controllers"))
+            .map(|c| c.split_whitespace().any(|c| c == "memory"))
+            .unwrap_or(false);
+        let (base, v2) = if v2_has_memory {
+            let own = own
+                .lines()
+                .find_map(|l| l.strip_prefix("0::"))
+                .unwrap_or("/");
+            (v2_root.join(own.trim_start_matches('/')), true)
+        } else {
+            let v1_root = v2_root.join("memory");
+            if !v1_root.join("memory.usage_in_bytes").exists() {
+                return Err(CgroupError::NoController);
+            }
+            let own = own
+                .lines()
+                .find_map(|l| {
+                    let mut parts = l.splitn(3, ':');
+                    let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+                    controllers
+                        .split(',')
+                        .any(|c| c == "memory")
+                        .then_some(path)
+                })
+                .unwrap_or("/");
+            (v1_root.join(own.trim_start_matches('/')), false)
+        };
+        let dir = base.join(name);
+        std::fs::create_dir_all(&dir).map_err(|source| CgroupError::Io {
+            op: "create",
+            path: dir.clone(),
+            source,
+        })?;
+        let procs = dir.join("cgroup.procs");
+        std::fs::write(&procs, std::process::id().to_string()).map_err(|source| {
+            CgroupError::Io {
+                op: "join",
+                path: procs,
+                source,
+            }
+        })?;
+        Ok(Self { dir, v2 })
+    }
+
+    /// The cgroup's directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Memory charged to the cgroup, bytes (page cache included).
+    pub fn usage(&self) -> std::io::Result<u64> {
+        let file = if self.v2 {
+            "memory.current"
+        } else {
+            "memory.usage_in_bytes"
+        };
+        let text = std::fs::read_to_string(self.dir.join(file))?;
+        text.trim()
+            .parse()
+            .map_err(|_| std::io::Error::other(format!("unreadable {file}: {text}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_process_pss_is_positive_and_mapping_pss_finds_a_mapping() {
+        assert!(process_pss().unwrap() > 0);
+        let data = vec![1u8; 8 << 20];
+        let start = data.as_ptr() as u64;
+        // The vector's mapping may start below its pointer (malloc header); look it up.
+        let text = std::fs::read_to_string("/proc/self/maps").unwrap();
+        let mapping = text
+            .lines()
+            .filter_map(|l| {
+                let (lo, hi) = l.split_whitespace().next()?.split_once('-')?;
+                Some((
+                    u64::from_str_radix(lo, 16).ok()?,
+                    u64::from_str_radix(hi, 16).ok()?,
+                ))
+            })
+            .find(|&(lo, hi)| lo <= start && start < hi)
+            .unwrap();
+        assert!(mapping_pss(mapping.0).unwrap() >= 7 << 20);
+        assert_eq!(mapping_pss(1).unwrap(), 0);
+        drop(data);
+    }
+}

@@ -1,0 +1,318 @@
+//! A VM with its lifecycle: running, paused, or offloaded (paused with its RAM in the store),
+//! and the operations the control API offers on it.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use compressed_backing::bulk::BulkOptions;
+use compressed_backing::{BlockSize, Codec, CodecConfig};
+use uffd_pager::load::{LoadMode, LoadReport};
+use uffd_pager::metrics::MetricsSnapshot;
+use uffd_pager::offload::{OffloadConfig, OffloadError, OffloadReport};
+use uffd_pager::pager::RamKind;
+use uffd_pager::state::StateCounts;
+
+use crate::machine::{CommandOutput, Machine, MachineConfig, MachineError};
+use crate::script::Command;
+use crate::stats::{self, CgroupError, MemoryCgroup};
+
+/// Everything a VM is started with.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct VmOptions {
+    /// Bytes of guest RAM.
+    pub memory: u64,
+    /// vCPUs.
+    pub vcpus: u32,
+    /// How guest RAM is mapped.
+    pub ram_backing: RamKind,
+    /// Offload writes a compressed store (else raw).
+    pub ram_compression: bool,
+    /// Codec of a compressed offload.
+    pub ram_codec: String,
+    /// The virtual disk's file.
+    pub disk: PathBuf,
+    /// Where offloaded RAM goes.
+    pub store_dir: PathBuf,
+    /// A memory cgroup to run in (relative to this process's own).
+    pub cgroup: Option<PathBuf>,
+    /// Fault-serving threads.
+    pub pager_threads: usize,
+    /// Threads for offload and eager load.
+    pub io_threads: usize,
+}
+
+/// The lifecycle state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VmState {
+    /// Takes commands.
+    Running,
+    /// Stopped by `suspend --vm-pause`; RAM resident.
+    Paused,
+    /// Stopped by `suspend --vm-offload`; RAM in the store.
+    Offloaded,
+}
+
+/// Errors of VM operations.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    /// The machine failed.
+    #[error(transparent)]
+    Machine(#[from] MachineError),
+    /// The cgroup could not be joined.
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    /// The operation does not fit the VM's state.
+    #[error("{0}")]
+    State(String),
+    /// Offload failed; the VM keeps its memory and runs on.
+    #[error("offload failed; the VM keeps its memory and goes on running")]
+    Offload(#[source] OffloadError),
+    /// Load failed.
+    #[error("loading the VM's RAM back failed")]
+    Load(#[source] uffd_pager::load::LoadError),
+    /// The codec name is unknown.
+    #[error(transparent)]
+    Codec(#[from] compressed_backing::codec::UnknownCodec),
+}
+
+/// What `stats` reports.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct VmStats {
+    /// Lifecycle state.
+    pub state: VmState,
+    /// Configured guest RAM.
+    pub memory_bytes: u64,
+    /// PSS of the whole VM process (`smaps_rollup`).
+    pub process_pss_bytes: u64,
+    /// PSS of the guest-RAM mapping alone.
+    pub guest_ram_pss_bytes: u64,
+    /// Bytes held by the in-memory compressed pool (cold compression; 0 without it).
+    pub pool_bytes: u64,
+    /// Bytes allocated on disk by the offload store.
+    pub backing_disk_bytes: u64,
+    /// Bytes allocated on disk by the virtual disk.
+    pub disk_bytes: u64,
+    /// The memory cgroup's usage, when the VM runs in one.
+    pub cgroup_memory_bytes: Option<u64>,
+    /// Application data filled in the guest.
+    pub app_bytes: u64,
+    /// Pages per state.
+    pub pages: StateCounts,
+    /// Pager counters.
+    pub pager: MetricsSnapshot,
+    /// Faults that could not be served.
+    pub fault_errors: u64,
+}
+
+/// What `suspend` did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SuspendReport {
+    /// The state now.
+    pub state: VmState,
+    /// The offload, when there was one (absent for a pause or an already offloaded VM).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub offload: Option<OffloadReport>,
+    /// Wall time of the operation, milliseconds.
+    pub elapsed_ms: f64,
+}
+
+/// What `resume` did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ResumeReport {
+    /// The state now.
+    pub state: VmState,
+    /// The load, for an offloaded VM.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub load: Option<LoadReport>,
+    /// Wall time of the operation, milliseconds.
+    pub elapsed_ms: f64,
+}
+
+/// A VM and its state.
+#[derive(Debug)]
+pub struct Vm {
+    machine: Machine,
+    options: VmOptions,
+    state: VmState,
+    cgroup: Option<MemoryCgroup>,
+    fault_errors: Arc<AtomicU64>,
+}
+
+impl Vm {
+    /// Joins the cgroup (before any guest RAM exists), then boots.
+    pub fn start(options: VmOptions) -> Result<Self, VmError> {
+        let cgroup = options
+            .cgroup
+            .as_deref()
+            .map(MemoryCgroup::join)
+            .transpose()?;
+        let fault_errors = Arc::new(AtomicU64::new(0));
+        let counter = Arc::clone(&fault_errors);
+        let machine = Machine::boot(
+            &MachineConfig {
+                memory: options.memory,
+                vcpus: options.vcpus,
+                ram_kind: options.ram_backing,
+                disk: options.disk.clone(),
+                pager_threads: options.pager_threads,
+                block_size: BlockSize::default(),
+            },
+            Box::new(move |e| {
+                counter.fetch_add(1, Ordering::Relaxed);
+                eprintln!("pvisor: guest memory fault cannot be served: {e}");
+            }),
+        )?;
+        Ok(Self {
+            machine,
+            options,
+            state: VmState::Running,
+            cgroup,
+            fault_errors,
+        })
+    }
+
+    /// The lifecycle state.
+    pub fn state(&self) -> VmState {
+        self.state
+    }
+
+    /// The options it was started with.
+    pub fn options(&self) -> &VmOptions {
+        &self.options
+    }
+
+    /// The machine.
+    pub fn machine(&self) -> &Machine {
+        &self.machine
+    }
+
+    /// Runs commands; refused unless running.
+    pub fn exec(&mut self, commands: &[Command]) -> Result<Vec<CommandOutput>, VmError> {
+        if self.state != VmState::Running {
+            return Err(VmError::State(format!(
+                "the VM is {}: resume it before running commands",
+                state_name(self.state)
+            )));
+        }
+        commands
+            .iter()
+            .map(|c| self.machine.run(c).map_err(VmError::from))
+            .collect()
+    }
+
+    /// Pauses; with `offload`, also moves resident RAM to the store (idempotent: an
+    /// offloaded VM stays as it is). A failed offload leaves the VM running with its memory.
+    pub fn suspend(&mut self, offload: bool) -> Result<SuspendReport, VmError> {
+        let started = Instant::now();
+        let report = |state, offload| SuspendReport {
+            state,
+            offload,
+            elapsed_ms: started.elapsed().as_secs_f64() * 1e3,
+        };
+        if !offload || self.state == VmState::Offloaded {
+            if self.state == VmState::Running {
+                self.state = VmState::Paused;
+            }
+            return Ok(report(self.state, None));
+        }
+        let previous = self.state;
+        self.state = VmState::Paused;
+        let codec = if self.options.ram_compression {
+            self.options.ram_codec.parse::<Codec>()?
+        } else {
+            Codec::None
+        };
+        let config = OffloadConfig {
+            dir: self.options.store_dir.clone(),
+            codec: CodecConfig::new(codec),
+            bulk: BulkOptions::with_threads(self.options.io_threads.max(1)),
+        };
+        let result = self.machine.pager().offload(&config);
+        // The offload's batch buffers are freed by now; hand the heap's free pages back too,
+        // so that an offloaded VM costs what it holds, not what it once used.
+        // SAFETY: malloc_trim only releases free memory of the allocator.
+        unsafe { libc::malloc_trim(0) };
+        match result {
+            Ok(done) => {
+                self.state = VmState::Offloaded;
+                Ok(report(self.state, Some(done)))
+            }
+            Err(e) => {
+                self.state = previous;
+                Err(VmError::Offload(e))
+            }
+        }
+    }
+
+    /// Resumes a paused or offloaded VM; an offloaded one loads its RAM back lazily
+    /// (faults plus prefetch) or, with `eager`, completely before returning.
+    pub fn resume(&mut self, eager: bool) -> Result<ResumeReport, VmError> {
+        let started = Instant::now();
+        let load = match self.state {
+            VmState::Running => {
+                return Err(VmError::State(
+                    "the VM is running: there is nothing to resume".into(),
+                ))
+            }
+            VmState::Paused => None,
+            VmState::Offloaded => {
+                let mode = if eager {
+                    LoadMode::Eager
+                } else {
+                    LoadMode::Lazy
+                };
+                Some(
+                    self.machine
+                        .pager()
+                        .load(mode, self.options.io_threads.max(1))
+                        .map_err(VmError::Load)?,
+                )
+            }
+        };
+        self.state = VmState::Running;
+        Ok(ResumeReport {
+            state: self.state,
+            load,
+            elapsed_ms: started.elapsed().as_secs_f64() * 1e3,
+        })
+    }
+
+    /// What the VM costs and how its pager is doing.
+    pub fn stats(&self) -> VmStats {
+        let pager = self.machine.pager();
+        let store_dir = &self.options.store_dir;
+        let backing_disk_bytes = std::fs::read_dir(store_dir)
+            .map(|entries| {
+                entries
+                    .filter_map(Result::ok)
+                    .map(|e| compressed_backing::store::allocated_bytes(&e.path()))
+                    .sum()
+            })
+            .unwrap_or(0);
+        VmStats {
+            state: self.state,
+            memory_bytes: self.options.memory,
+            process_pss_bytes: stats::process_pss().unwrap_or(0),
+            guest_ram_pss_bytes: stats::mapping_pss(self.machine.ram().host_base().0).unwrap_or(0),
+            pool_bytes: 0,
+            backing_disk_bytes,
+            disk_bytes: compressed_backing::store::allocated_bytes(self.machine.disk_path()),
+            cgroup_memory_bytes: self.cgroup.as_ref().and_then(|c| c.usage().ok()),
+            app_bytes: self.machine.app_bytes(),
+            pages: pager.state_counts(),
+            pager: pager.metrics().snapshot(),
+            fault_errors: self.fault_errors.load(Ordering::Relaxed),
+        }
+    }
+}
+
+fn state_name(state: VmState) -> &'static str {
+    match state {
+        VmState::Running => "running",
+        VmState::Paused => "paused",
+        VmState::Offloaded => "offloaded",
+    }
+}

@@ -1,0 +1,117 @@
+//! The VM lifecycle with a real vCPU: offload and resume keep every byte, and offload gives
+//! the memory back.
+
+// Test code: a failed setup step should stop the test on the spot.
+#![allow(clippy::unwrap_used)]
+
+use uffd_pager::pager::RamKind;
+use vmm::script;
+use vmm::vm::{Vm, VmOptions, VmState};
+
+fn skip() -> bool {
+    let skip = std::env::var_os("PVISOR_SKIP_DEVICE_TESTS").is_some_and(|v| v == "1");
+    if skip {
+        eprintln!("skipped: PVISOR_SKIP_DEVICE_TESTS=1");
+    } else {
+        for dev in ["/dev/kvm", "/dev/userfaultfd"] {
+            assert!(
+                std::path::Path::new(dev).exists(),
+                "{dev} is missing (PVISOR_SKIP_DEVICE_TESTS=1 skips device tests)"
+            );
+        }
+    }
+    skip
+}
+
+/// Process-wide PSS is measured: one VM at a time in this test binary.
+static ONE_VM: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn options(dir: &std::path::Path, kind: RamKind, compression: bool) -> VmOptions {
+    VmOptions {
+        memory: 512 << 20,
+        vcpus: 1,
+        ram_backing: kind,
+        ram_compression: compression,
+        ram_codec: "lz4".into(),
+        disk: dir.join("disk"),
+        store_dir: dir.join("ram"),
+        cgroup: None,
+        pager_threads: 1,
+        io_threads: 2,
+    }
+}
+
+fn digest(vm: &mut Vm) -> String {
+    let out = vm.exec(&script::parse("digest").unwrap()).unwrap();
+    out[0].digest.clone().unwrap()
+}
+
+#[test]
+fn vm_offload_and_resume_keep_every_byte_and_give_memory_back() {
+    if skip() {
+        return;
+    }
+    let _one = ONE_VM.lock().unwrap_or_else(|p| p.into_inner());
+    for (kind, compression, content, eager) in [
+        (RamKind::Anon, false, "random", false),
+        (RamKind::Anon, true, "repeated", true),
+        (RamKind::Memfd, true, "random", false),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut vm = Vm::start(options(dir.path(), kind, compression)).unwrap();
+        vm.exec(&script::parse(&format!("fill 64MiB {content} seed=5")).unwrap())
+            .unwrap();
+        let before = digest(&mut vm);
+        let resident = vm.stats();
+        assert!(resident.guest_ram_pss_bytes >= 64 << 20, "{resident:?}");
+
+        let report = vm.suspend(true).unwrap();
+        assert_eq!(report.state, VmState::Offloaded);
+        let offloaded = vm.stats();
+        eprintln!(
+            "{kind:?} {content} compression={compression}: PSS {} -> {} KiB (guest RAM {} KiB), store {} KiB",
+            resident.process_pss_bytes >> 10,
+            offloaded.process_pss_bytes >> 10,
+            offloaded.guest_ram_pss_bytes >> 10,
+            offloaded.backing_disk_bytes >> 10
+        );
+        assert!(offloaded.guest_ram_pss_bytes < 1 << 20, "{offloaded:?}");
+        assert!(
+            offloaded.process_pss_bytes + (60 << 20) < resident.process_pss_bytes,
+            "{offloaded:?}"
+        );
+        // Offloading twice is a no-op.
+        assert!(vm.suspend(true).unwrap().offload.is_none());
+        // Commands wait for a resume.
+        assert!(vm.exec(&script::parse("digest").unwrap()).is_err());
+
+        vm.resume(eager).unwrap();
+        assert_eq!(digest(&mut vm), before, "{kind:?} {content}");
+        assert!(
+            vm.resume(false).is_err(),
+            "resuming a running VM must be refused"
+        );
+    }
+}
+
+#[test]
+fn vm_release_gives_the_application_memory_back() {
+    if skip() {
+        return;
+    }
+    let _one = ONE_VM.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    for kind in [RamKind::Anon, RamKind::Memfd] {
+        let mut vm = Vm::start(options(dir.path(), kind, false)).unwrap();
+        vm.exec(&script::parse("fill 64MiB random").unwrap())
+            .unwrap();
+        let before = vm.stats().guest_ram_pss_bytes;
+        let out = vm.exec(&script::parse("release; digest").unwrap()).unwrap();
+        assert_eq!(out[0].released_bytes, Some(64 << 20));
+        let after = vm.stats().guest_ram_pss_bytes;
+        assert!(after + (60 << 20) < before, "{kind:?}: {before} -> {after}");
+        // The released memory reads as zeros; it can be filled again.
+        vm.exec(&script::parse("fill 16MiB repeated; digest").unwrap())
+            .unwrap();
+    }
+}
