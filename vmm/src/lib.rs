@@ -1,16 +1,20 @@
 //! The KVM VMM: one VM per process, guest RAM delegated to the in-process pager, the built-in
 //! workload guest, and the `pvisor` command line.
 //!
+//! - [`control`]: the control socket's protocol, server and client.
 //! - [`guest`]: the workload guest's binary, layout, mailbox and digest.
 //! - [`machine`]: one VM: RAM, pager, vCPU, block device; runs commands.
 //! - [`memory`]: guest RAM (anon or memfd).
+//! - [`runtime`]: the runtime directory, job ids and identities.
 //! - [`script`]: workload scripts.
 //! - [`stats`]: PSS and memory-cgroup readings.
 //! - [`vm`]: a VM's lifecycle (running, paused, offloaded) and operations.
 
+pub mod control;
 pub mod guest;
 pub mod machine;
 pub mod memory;
+pub mod runtime;
 pub mod script;
 pub mod stats;
 pub mod vm;

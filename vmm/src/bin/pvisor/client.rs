@@ -1,0 +1,76 @@
+//! The control commands: status, stats, stop, exec, suspend, resume.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use vmm::control::{self, Method};
+use vmm::runtime;
+
+use crate::{CliResult, Target};
+
+/// Resolves a target to (socket, job, attempt).
+fn resolve(target: &Target) -> Result<(PathBuf, String, String), Box<dyn std::error::Error>> {
+    runtime::check_job_id(&target.job)?;
+    if let Some(job_id) = &target.job_id {
+        if job_id != &target.job {
+            return Err(
+                format!("--vm-job-id {job_id} does not match the job {}", target.job).into(),
+            );
+        }
+    }
+    match (&target.socket, &target.attempt) {
+        (Some(socket), Some(attempt)) => Ok((socket.clone(), target.job.clone(), attempt.clone())),
+        (socket, attempt) => {
+            let identity = runtime::read_identity(&target.job)?;
+            Ok((
+                socket.clone().unwrap_or(identity.socket),
+                target.job.clone(),
+                attempt.clone().unwrap_or(identity.attempt),
+            ))
+        }
+    }
+}
+
+fn call(target: &Target, method: Method) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
+    let (socket, job, attempt) = resolve(target)?;
+    Ok(control::call(&socket, &job, &attempt, method)?)
+}
+
+fn print(value: &serde_json::Value) {
+    println!("{value}");
+}
+
+pub fn simple(target: &Target, method: Method) -> CliResult {
+    print(&call(target, method)?);
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn exec(target: &Target, script: &str) -> CliResult {
+    // Parse here too, so that a typo is reported before anything runs.
+    vmm::script::parse(script)?;
+    print(&call(
+        target,
+        Method::Exec {
+            script: script.to_owned(),
+        },
+    )?);
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn suspend(target: &Target, offload: bool, ram_file: Option<&Path>) -> CliResult {
+    if let Some(path) = ram_file {
+        return Err(format!(
+            "--vm-ram-file {}: exposing offloaded RAM as a file is not available yet \
+             (the store's FUSE view can serve a packed image: `uffd-pager mount`)",
+            path.display()
+        )
+        .into());
+    }
+    print(&call(target, Method::Suspend { offload })?);
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn resume(target: &Target, eager: bool) -> CliResult {
+    print(&call(target, Method::Resume { eager })?);
+    Ok(ExitCode::SUCCESS)
+}

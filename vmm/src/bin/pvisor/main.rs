@@ -1,0 +1,142 @@
+//! `pvisor`: run agent VMs whose idle memory goes back to the host.
+
+mod client;
+mod demo;
+mod options;
+mod run;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+
+/// Run microVMs with the built-in workload guest; suspend them to give their memory back
+/// while they idle, and resume them fast.
+#[derive(Debug, Parser)]
+#[command(name = "pvisor", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// How to find a running VM: the job id alone (socket and attempt come from the runtime
+/// directory), or the seed's long form with all three.
+#[derive(Debug, Clone, Args)]
+struct Target {
+    /// The job id printed by `pvisor run`.
+    job: String,
+    /// The VM's control socket.
+    #[arg(long = "vm-socket", value_name = "S")]
+    socket: Option<PathBuf>,
+    /// The job id again (long form; must match JOB).
+    #[arg(long = "vm-job-id", value_name = "J")]
+    job_id: Option<String>,
+    /// The attempt id printed by `pvisor run`.
+    #[arg(long = "vm-attempt-id", value_name = "A")]
+    attempt: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Boot a VM and run a workload script in it (commands separated by `;`: fill SIZE
+    /// repeated|random|zero [seed=N], digest, touch SIZE, rewrite PERCENT [seed=N], release,
+    /// task, sleep MS, idle). The first line on stdout is the VM's identity as JSON. A script
+    /// ending in `idle` keeps the VM alive until `pvisor stop`.
+    Run(options::RunArgs),
+    /// Show a VM's state.
+    Status(Target),
+    /// Show what a VM costs (PSS, guest-RAM PSS, store and cgroup bytes) and its pager's counters.
+    Stats(Target),
+    /// Stop a VM.
+    Stop(Target),
+    /// Run a workload script in a running VM; prints the results as JSON.
+    Exec {
+        #[command(flatten)]
+        target: Target,
+        /// The script.
+        #[arg(last = true, required = true, value_name = "SCRIPT")]
+        script: Vec<String>,
+    },
+    /// Pause a VM (RAM stays resident) or offload it (RAM moves to the store and is dropped).
+    Suspend {
+        #[command(flatten)]
+        target: Target,
+        /// Pause only.
+        #[arg(
+            long = "vm-pause",
+            conflicts_with = "offload",
+            required_unless_present = "offload"
+        )]
+        pause: bool,
+        /// Pause and offload RAM (raw, or compressed if the VM runs with --vm-ram-compression).
+        #[arg(long = "vm-offload")]
+        offload: bool,
+        /// Expose the offloaded RAM as a plain file at P (not available yet).
+        #[arg(long = "vm-ram-file", value_name = "P", requires = "offload")]
+        ram_file: Option<PathBuf>,
+    },
+    /// Resume a paused or offloaded VM. An offloaded VM's RAM comes back lazily (faults
+    /// plus background prefetch, the recorded working set first) unless --eager.
+    Resume {
+        #[command(flatten)]
+        target: Target,
+        /// Resume without bringing RAM back first (the default; the seed's flag).
+        #[arg(long = "vm-load", conflicts_with = "eager")]
+        load: bool,
+        /// Bring all RAM back before returning.
+        #[arg(long)]
+        eager: bool,
+    },
+    /// Boot a 512 MiB VM, fill 64 MiB, and print its resident memory as it is, after an
+    /// offload and after a compressed offload, with the digest checked after each resume.
+    Demo(demo::DemoArgs),
+    /// The VM process itself (started by `run --detach`).
+    #[command(name = "__vm", hide = true)]
+    VmProcess {
+        /// The VM's full specification, JSON.
+        #[arg(long)]
+        spec: String,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(args) => run::run(args),
+        Command::VmProcess { spec } => run::vm_process(&spec),
+        Command::Status(target) => client::simple(&target, vmm::control::Method::Status),
+        Command::Stats(target) => client::simple(&target, vmm::control::Method::Stats),
+        Command::Stop(target) => client::simple(&target, vmm::control::Method::Stop),
+        Command::Exec { target, script } => client::exec(&target, &script.join(" ")),
+        Command::Suspend {
+            target,
+            offload,
+            ram_file,
+            ..
+        } => client::suspend(&target, offload, ram_file.as_deref()),
+        Command::Resume { target, eager, .. } => client::resume(&target, eager),
+        Command::Demo(args) => demo::demo(&args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("pvisor: {}", error_chain(&*err));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// An error and its causes, `a: b: c`.
+fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut cause = err.source();
+    while let Some(next) = cause {
+        text.push_str(": ");
+        text.push_str(&next.to_string());
+        cause = next.source();
+    }
+    text
+}
+
+/// What a command returns.
+type CliResult = Result<ExitCode, Box<dyn std::error::Error>>;

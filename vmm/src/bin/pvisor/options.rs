@@ -1,0 +1,208 @@
+//! `pvisor run`'s options: flags, a TOML config (`[vm]` keys), merged with flags winning,
+//! then checked as a whole.
+
+use std::path::{Path, PathBuf};
+
+use clap::Args;
+use compressed_backing::layout::{format_bytes, parse_size};
+use uffd_pager::pager::RamKind;
+
+/// Options of `pvisor run`.
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    /// The executor; only `vm` exists.
+    #[arg(long, value_name = "KIND")]
+    pub executor: Option<String>,
+    /// Guest RAM (e.g. 512MiB; a multiple of 2 MiB). Default 512MiB.
+    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    pub memory: Option<u64>,
+    /// vCPUs (the workload guest runs on the first). Default 1.
+    #[arg(long, value_name = "N")]
+    pub vcpus: Option<u32>,
+    /// Offload to a compressed store (lz4 by default, see --vm-ram-codec) instead of raw.
+    #[arg(long = "vm-ram-compression", num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub ram_compression: Option<bool>,
+    /// Compress cold RAM of the running VM in memory (not available yet).
+    #[arg(long = "vm-cold-ram-compression", num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub cold_ram_compression: Option<bool>,
+    /// Let KSM merge identical pages across VMs (not available yet).
+    #[arg(long = "vm-ram-dedup", num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub ram_dedup: Option<bool>,
+    /// Guest RAM mapping: anon (private anonymous, default) or memfd (shared memfd).
+    #[arg(long = "vm-ram-backing", value_name = "KIND")]
+    pub ram_backing: Option<String>,
+    /// Codec of a compressed offload: lz4 (default) or zstd[:LEVEL].
+    #[arg(long = "vm-ram-codec", value_name = "CODEC")]
+    pub ram_codec: Option<String>,
+    /// A TOML file whose `[vm]` table sets any of these options (flags win).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Run the VM in the background; return after the identity line.
+    #[arg(long)]
+    pub detach: bool,
+    /// Job id (default: a fresh one).
+    #[arg(long, value_name = "ID")]
+    pub job: Option<String>,
+    /// The virtual disk's host file (default: a fresh file in the VM's runtime directory).
+    #[arg(long, value_name = "FILE")]
+    pub disk: Option<PathBuf>,
+    /// Run in this memory cgroup (created under pvisor's own; v2, else v1).
+    #[arg(long, value_name = "PATH")]
+    pub cgroup: Option<PathBuf>,
+    /// Fault-serving threads of the pager.
+    #[arg(long, value_name = "N")]
+    pub pager_threads: Option<usize>,
+    /// The workload script.
+    #[arg(last = true, required = true, value_name = "SCRIPT")]
+    pub script: Vec<String>,
+}
+
+/// The `[vm]` table of a config file.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct ConfigVm {
+    executor: Option<String>,
+    memory: Option<toml::Value>,
+    vcpus: Option<u32>,
+    ram_compression: Option<bool>,
+    cold_ram_compression: Option<bool>,
+    ram_dedup: Option<bool>,
+    ram_backing: Option<String>,
+    ram_codec: Option<String>,
+    disk: Option<PathBuf>,
+    cgroup: Option<PathBuf>,
+    pager_threads: Option<usize>,
+}
+
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConfigFile {
+    #[serde(default)]
+    vm: ConfigVm,
+}
+
+/// The merged, checked options.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    pub memory: u64,
+    pub vcpus: u32,
+    pub ram_backing: RamKind,
+    pub ram_compression: bool,
+    pub ram_codec: String,
+    pub disk: Option<PathBuf>,
+    pub cgroup: Option<PathBuf>,
+    pub pager_threads: usize,
+}
+
+fn read_config(path: &Path) -> Result<ConfigVm, String> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| format!("config {}: {e}", path.display()))?;
+    let file: ConfigFile =
+        toml::from_str(&text).map_err(|e| format!("config {}: {e}", path.display()))?;
+    Ok(file.vm)
+}
+
+/// Host RAM in bytes (`MemTotal`).
+fn host_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}
+
+/// Merges the config file under the flags and checks the result.
+pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
+    let config = match &args.config {
+        Some(path) => read_config(path)?,
+        None => ConfigVm::default(),
+    };
+    let executor = args
+        .executor
+        .clone()
+        .or(config.executor)
+        .unwrap_or_else(|| "vm".into());
+    if executor != "vm" {
+        return Err(format!(
+            "executor `{executor}` is not available; only `vm` is"
+        ));
+    }
+    let memory = match (args.memory, config.memory) {
+        (Some(bytes), _) => bytes,
+        (None, Some(toml::Value::String(text))) => {
+            parse_size(&text).map_err(|e| format!("config memory: {e}"))?
+        }
+        (None, Some(toml::Value::Integer(bytes))) => {
+            u64::try_from(bytes).map_err(|_| format!("config memory: {bytes} is negative"))?
+        }
+        (None, Some(other)) => return Err(format!("config memory: `{other}` is not a size")),
+        (None, None) => 512 << 20,
+    };
+    let ram_backing = match args
+        .ram_backing
+        .clone()
+        .or(config.ram_backing)
+        .as_deref()
+        .unwrap_or("anon")
+    {
+        "anon" => RamKind::Anon,
+        "memfd" => RamKind::Memfd,
+        other => {
+            return Err(format!(
+                "--vm-ram-backing `{other}`: expected anon or memfd"
+            ))
+        }
+    };
+    let cold = args
+        .cold_ram_compression
+        .or(config.cold_ram_compression)
+        .unwrap_or(false);
+    let dedup = args.ram_dedup.or(config.ram_dedup).unwrap_or(false);
+    if dedup && ram_backing == RamKind::Memfd {
+        return Err(
+            "--vm-ram-dedup needs private anonymous RAM, but --vm-ram-backing is memfd \
+             (shared writable memory cannot be merged by KSM)"
+                .into(),
+        );
+    }
+    if cold {
+        return Err("--vm-cold-ram-compression is not available yet".into());
+    }
+    if dedup {
+        return Err("--vm-ram-dedup is not available yet".into());
+    }
+    let ram_codec = args
+        .ram_codec
+        .clone()
+        .or(config.ram_codec)
+        .unwrap_or_else(|| "lz4".into());
+    ram_codec
+        .parse::<compressed_backing::Codec>()
+        .map_err(|e| format!("--vm-ram-codec: {e}"))?;
+    if let Some(host) = host_memory() {
+        if memory > host {
+            return Err(format!(
+                "--memory {} is more than this host has ({})",
+                format_bytes(memory),
+                format_bytes(host)
+            ));
+        }
+    }
+    Ok(Resolved {
+        memory,
+        vcpus: args.vcpus.or(config.vcpus).unwrap_or(1),
+        ram_backing,
+        ram_compression: args
+            .ram_compression
+            .or(config.ram_compression)
+            .unwrap_or(false),
+        ram_codec,
+        disk: args.disk.clone().or(config.disk),
+        cgroup: args.cgroup.clone().or(config.cgroup),
+        pager_threads: args.pager_threads.or(config.pager_threads).unwrap_or(1),
+    })
+}

@@ -1,0 +1,259 @@
+//! `pvisor run` and the VM process: boot, serve the control socket, run the script, and
+//! stay up (for `--detach` or a script ending in `idle`) until stopped.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{ExitCode, Stdio};
+use std::sync::mpsc;
+use std::time::Instant;
+
+use nix::sys::signal::{SigSet, Signal};
+use vmm::control::{self, Method};
+use vmm::runtime::{self, Identity};
+use vmm::script::{self, Command};
+use vmm::vm::{Vm, VmOptions};
+
+use crate::options::{self, RunArgs};
+use crate::CliResult;
+
+/// Everything the VM process needs.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct Spec {
+    job: String,
+    attempt: String,
+    options: VmOptions,
+    script: String,
+    detached: bool,
+    /// The disk was made for this VM and goes with it.
+    temporary_disk: bool,
+}
+
+pub fn run(args: RunArgs) -> CliResult {
+    let resolved = options::resolve(&args)?;
+    let script = args.script.join(" ");
+    script::parse(&script)?;
+    let job = match &args.job {
+        Some(job) => job.clone(),
+        None => runtime::new_id("vm-"),
+    };
+    runtime::check_job_id(&job)?;
+    if let Ok(identity) = runtime::read_identity(&job) {
+        // SAFETY: kill with signal 0 only checks that the process exists.
+        if unsafe { libc::kill(identity.pid.cast_signed(), 0) } == 0 {
+            return Err(format!("job `{job}` is already running (pid {})", identity.pid).into());
+        }
+    }
+    let dir = runtime::job_dir(&job);
+    runtime::create_private_dir(&dir)?;
+    let spec = Spec {
+        attempt: runtime::new_id(""),
+        options: VmOptions {
+            memory: resolved.memory,
+            vcpus: resolved.vcpus,
+            ram_backing: resolved.ram_backing,
+            ram_compression: resolved.ram_compression,
+            ram_codec: resolved.ram_codec,
+            disk: resolved
+                .disk
+                .clone()
+                .unwrap_or_else(|| dir.join("disk.img")),
+            store_dir: dir.join("ram"),
+            cgroup: resolved.cgroup,
+            pager_threads: resolved.pager_threads,
+            io_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
+        },
+        temporary_disk: resolved.disk.is_none(),
+        job,
+        script,
+        detached: args.detach,
+    };
+    if args.detach {
+        detach(&spec)
+    } else {
+        vm_main(spec)
+    }
+}
+
+/// Starts the VM process in the background and passes on its identity line.
+fn detach(spec: &Spec) -> CliResult {
+    let log_path = runtime::job_dir(&spec.job).join("vm.log");
+    let log = std::fs::File::create(&log_path)?;
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .args(["__vm", "--spec", &serde_json::to_string(spec)?])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(log)
+        // Its own process group: a Ctrl-C meant for this terminal does not reach the VM.
+        .process_group(0)
+        .spawn()?;
+    let mut line = String::new();
+    let stdout = child.stdout.take().ok_or("the VM process has no stdout")?;
+    BufReader::new(stdout).read_line(&mut line)?;
+    if serde_json::from_str::<Identity>(&line).is_ok() {
+        print!("{line}");
+        std::io::stdout().flush()?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let status = child.wait()?;
+    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+    let _ = std::fs::remove_dir_all(runtime::job_dir(&spec.job));
+    Err(format!("the VM did not start ({status}): {}", log.trim()).into())
+}
+
+/// The hidden `__vm` command: the detached VM process.
+pub fn vm_process(spec: &str) -> CliResult {
+    let spec: Spec = serde_json::from_str(spec)?;
+    vm_main(spec)
+}
+
+fn vm_main(spec: Spec) -> CliResult {
+    // Only the signal thread below receives the stop signals.
+    let mut signals = SigSet::empty();
+    signals.add(Signal::SIGINT);
+    signals.add(Signal::SIGTERM);
+    signals.thread_block()?;
+
+    let dir = runtime::job_dir(&spec.job);
+    runtime::create_private_dir(&dir)?;
+    let mut cleanup = Cleanup {
+        dir: dir.clone(),
+        disk: spec.temporary_disk.then(|| spec.options.disk.clone()),
+        keep_log: true,
+    };
+    let mut vm = Vm::start(spec.options.clone())?;
+    let started = Instant::now();
+    let socket = runtime::socket_path(&spec.job);
+    let (tx, rx) = mpsc::channel::<control::Job>();
+    control::serve(&socket, spec.job.clone(), spec.attempt.clone(), tx.clone())?;
+    let signal_tx = tx.clone();
+    std::thread::Builder::new()
+        .name("pvisor-signals".into())
+        .spawn(move || {
+            if signals.wait().is_ok() {
+                let (reply, _ignored) = mpsc::channel();
+                let _ = signal_tx.send((Method::Stop, reply));
+            }
+        })?;
+    drop(tx);
+
+    let identity = Identity {
+        job: spec.job.clone(),
+        socket,
+        attempt: spec.attempt.clone(),
+        pid: std::process::id(),
+    };
+    std::fs::write(
+        runtime::identity_path(&spec.job),
+        serde_json::to_vec(&identity)?,
+    )?;
+    println!("{}", serde_json::to_string(&identity)?);
+    std::io::stdout().flush()?;
+    if spec.detached {
+        redirect_stdout_to_log(&dir.join("vm.log"))?;
+    }
+
+    let commands = script::parse(&spec.script)?;
+    let mut failed = false;
+    if !commands.is_empty() {
+        match vm.exec(&commands) {
+            Ok(results) => println!("{}", serde_json::json!({ "results": results })),
+            Err(e) => {
+                println!("{}", serde_json::json!({ "error": crate::error_chain(&e) }));
+                failed = true;
+            }
+        }
+        std::io::stdout().flush()?;
+    }
+    let stay = spec.detached || commands.last() == Some(&Command::Idle);
+    if stay && !failed {
+        while let Ok((method, reply)) = rx.recv() {
+            let stop = method == Method::Stop;
+            let _ = reply.send(handle(&mut vm, &identity, started, method));
+            if stop {
+                break;
+            }
+        }
+    }
+    drop(vm);
+    cleanup.keep_log = failed;
+    drop(cleanup);
+    Ok(if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+fn handle(
+    vm: &mut Vm,
+    identity: &Identity,
+    started: Instant,
+    method: Method,
+) -> Result<serde_json::Value, String> {
+    let json = |v: Result<serde_json::Value, serde_json::Error>| v.map_err(|e| e.to_string());
+    match method {
+        Method::Status => Ok(serde_json::json!({
+            "job": identity.job,
+            "attempt": identity.attempt,
+            "pid": identity.pid,
+            "socket": identity.socket,
+            "state": vm.state(),
+            "memory_bytes": vm.options().memory,
+            "app_bytes": vm.machine().app_bytes(),
+            "uptime_s": started.elapsed().as_secs_f64(),
+        })),
+        Method::Stats => json(serde_json::to_value(vm.stats())),
+        Method::Exec { script } => {
+            let commands = script::parse(&script).map_err(|e| e.to_string())?;
+            let results = vm.exec(&commands).map_err(|e| crate::error_chain(&e))?;
+            Ok(serde_json::json!({ "results": results }))
+        }
+        Method::Suspend { offload } => json(serde_json::to_value(
+            vm.suspend(offload).map_err(|e| crate::error_chain(&e))?,
+        )),
+        Method::Resume { eager } => json(serde_json::to_value(
+            vm.resume(eager).map_err(|e| crate::error_chain(&e))?,
+        )),
+        Method::Stop => Ok(serde_json::json!({ "stopped": true })),
+    }
+}
+
+/// Sends everything printed from now on to the log (the parent stopped reading).
+fn redirect_stdout_to_log(path: &std::path::Path) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let log = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)?;
+    // SAFETY: dup2 onto our own stdout; both descriptors are valid.
+    if unsafe { libc::dup2(log.as_raw_fd(), libc::STDOUT_FILENO) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Removes the VM's runtime files when the VM process ends.
+struct Cleanup {
+    dir: PathBuf,
+    disk: Option<PathBuf>,
+    /// Keep a detached VM's log (and so its directory) when it failed.
+    keep_log: bool,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        if let Some(disk) = &self.disk {
+            let _ = std::fs::remove_file(disk);
+        }
+        for name in ["control.sock", "vm.json", "ram"] {
+            let path = self.dir.join(name);
+            let _ = std::fs::remove_file(&path);
+            let _ = std::fs::remove_dir_all(&path);
+        }
+        if !self.keep_log {
+            let _ = std::fs::remove_file(self.dir.join("vm.log"));
+        }
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
