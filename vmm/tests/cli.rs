@@ -1,0 +1,420 @@
+//! `pvisor` end to end, with real /dev/kvm and /dev/userfaultfd: the commands of the seed
+//! documents, as a user runs them.
+
+// Test code: a failed setup step should stop the test on the spot.
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn skip() -> bool {
+    let skip = std::env::var_os("PVISOR_SKIP_DEVICE_TESTS").is_some_and(|v| v == "1");
+    if skip {
+        eprintln!("skipped: PVISOR_SKIP_DEVICE_TESTS=1");
+    } else {
+        for dev in ["/dev/kvm", "/dev/userfaultfd"] {
+            assert!(
+                Path::new(dev).exists(),
+                "{dev} is missing (PVISOR_SKIP_DEVICE_TESTS=1 skips device tests)"
+            );
+        }
+    }
+    skip
+}
+
+/// Runs `pvisor` with its runtime directory in `runtime`.
+fn pvisor(runtime: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_pvisor"))
+        .args(args)
+        .env("PVISOR_RUNTIME_DIR", runtime)
+        .output()
+        .unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Runs and expects success; returns stdout's JSON lines.
+fn ok(runtime: &Path, args: &[&str]) -> Vec<Value> {
+    let out = pvisor(runtime, args);
+    assert!(
+        out.status.success(),
+        "pvisor {args:?} failed: {}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    text(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
+        .collect()
+}
+
+/// Runs and expects failure; returns stderr.
+fn fails(runtime: &Path, args: &[&str]) -> String {
+    let out = pvisor(runtime, args);
+    assert!(
+        !out.status.success(),
+        "pvisor {args:?} should fail: {}",
+        text(&out.stdout)
+    );
+    text(&out.stderr)
+}
+
+/// A detached VM, stopped on drop.
+struct Detached {
+    runtime: std::path::PathBuf,
+    identity: Value,
+}
+
+impl Detached {
+    fn start(runtime: &Path, extra: &[&str], script: &str) -> Self {
+        let mut args = vec!["run", "--executor", "vm", "--memory", "512MiB", "--detach"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--", script]);
+        let lines = ok(runtime, &args);
+        let identity = lines[0].clone();
+        for key in ["job", "socket", "attempt", "pid"] {
+            assert!(identity.get(key).is_some(), "{identity}");
+        }
+        Self {
+            runtime: runtime.to_path_buf(),
+            identity,
+        }
+    }
+
+    fn job(&self) -> &str {
+        self.identity["job"].as_str().unwrap()
+    }
+
+    fn long_form(&self) -> Vec<String> {
+        vec![
+            self.job().to_owned(),
+            "--vm-socket".into(),
+            self.identity["socket"].as_str().unwrap().to_owned(),
+            "--vm-job-id".into(),
+            self.job().to_owned(),
+            "--vm-attempt-id".into(),
+            self.identity["attempt"].as_str().unwrap().to_owned(),
+        ]
+    }
+
+    fn call(&self, command: &str, extra: &[&str]) -> Value {
+        let mut args = vec![command, self.job()];
+        args.extend_from_slice(extra);
+        ok(&self.runtime, &args).remove(0)
+    }
+
+    fn exec(&self, script: &str) -> Vec<Value> {
+        let value = self.call("exec", &["--", script]);
+        value["results"].as_array().unwrap().clone()
+    }
+
+    fn digest(&self) -> String {
+        self.exec("digest")[0]["digest"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    }
+
+    fn stats(&self) -> Value {
+        self.call("stats", &[])
+    }
+}
+
+impl Drop for Detached {
+    fn drop(&mut self) {
+        let _ = pvisor(&self.runtime, &["stop", self.job()]);
+    }
+}
+
+#[test]
+fn cli_offload_and_resume_keep_the_digest_and_give_memory_back() {
+    if skip() {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    let vm = Detached::start(runtime.path(), &[], "fill 64MiB random seed=3; idle");
+    let digest = vm.digest();
+    let before = vm.stats();
+    assert!(
+        before["guest_ram_pss_bytes"].as_u64().unwrap() >= 64 << 20,
+        "{before}"
+    );
+
+    // The seed's long form.
+    let long = vm.long_form();
+    let mut args: Vec<&str> = vec!["suspend"];
+    args.extend(long.iter().map(String::as_str));
+    args.push("--vm-offload");
+    let report = ok(runtime.path(), &args).remove(0);
+    assert_eq!(report["state"], "offloaded", "{report}");
+    let after = vm.stats();
+    let (pss_before, pss_after) = (
+        before["process_pss_bytes"].as_u64().unwrap(),
+        after["process_pss_bytes"].as_u64().unwrap(),
+    );
+    assert!(
+        pss_after + (60 << 20) < pss_before,
+        "{pss_before} -> {pss_after}"
+    );
+    assert!(
+        after["backing_disk_bytes"].as_u64().unwrap() >= 64 << 20,
+        "{after}"
+    );
+    // Offloading twice is harmless.
+    vm.call("suspend", &["--vm-offload"]);
+    // Commands wait for a resume.
+    assert!(fails(runtime.path(), &["exec", vm.job(), "--", "digest"]).contains("resume"));
+
+    let mut args: Vec<&str> = vec!["resume"];
+    args.extend(long.iter().map(String::as_str));
+    args.push("--vm-load");
+    ok(runtime.path(), &args);
+    assert_eq!(vm.digest(), digest);
+    let task = vm.exec("task");
+    assert_eq!(task[0]["digest"], digest.as_str());
+    assert!(task[0]["elapsed_ms"].as_f64().is_some());
+
+    // Eager resume of a compressed offload of repeated content.
+    vm.exec("fill 64MiB repeated");
+    let digest = vm.digest();
+    vm.call("suspend", &["--vm-offload"]);
+    vm.call("resume", &["--eager"]);
+    assert_eq!(vm.digest(), digest);
+    let stopped = vm.call("stop", &[]);
+    assert_eq!(stopped["stopped"], true);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(
+        !runtime.path().join(vm.job()).exists(),
+        "the runtime directory was left behind"
+    );
+}
+
+#[test]
+fn cli_compressed_offload_of_repeated_content_takes_little_disk() {
+    if skip() {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    let config = runtime.path().join("vm.toml");
+    std::fs::write(
+        &config,
+        "[vm]\nmemory = \"512MiB\"\nram-compression = true\n",
+    )
+    .unwrap();
+    let vm = Detached::start(
+        runtime.path(),
+        &["--config", config.to_str().unwrap()],
+        "fill 64MiB repeated; idle",
+    );
+    let digest = vm.digest();
+    vm.call("suspend", &["--vm-offload"]);
+    let stats = vm.stats();
+    let backing = stats["backing_disk_bytes"].as_u64().unwrap();
+    assert!(
+        backing <= 1 << 20,
+        "repeated content took {backing} bytes on disk"
+    );
+    assert!(
+        stats["process_pss_bytes"].as_u64().unwrap() < 16 << 20,
+        "{stats}"
+    );
+    vm.call("resume", &[]);
+    assert_eq!(vm.digest(), digest);
+}
+
+#[test]
+fn cli_release_shrinks_the_vm_and_two_vms_run_at_once() {
+    if skip() {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    let a = Detached::start(runtime.path(), &[], "fill 64MiB random seed=1; idle");
+    let b = Detached::start(
+        runtime.path(),
+        &["--vm-ram-backing", "memfd"],
+        "fill 32MiB random seed=2; idle",
+    );
+    assert_ne!(a.job(), b.job());
+    assert_ne!(a.digest(), b.digest());
+    let before = a.stats()["guest_ram_pss_bytes"].as_u64().unwrap();
+    let released = a.exec("release");
+    assert_eq!(released[0]["released_bytes"], 64 << 20);
+    let after = a.stats()["guest_ram_pss_bytes"].as_u64().unwrap();
+    assert!(after + (60 << 20) < before, "{before} -> {after}");
+    // The other VM is untouched.
+    let status = b.call("status", &[]);
+    assert_eq!(status["state"], "running");
+    assert_eq!(status["app_bytes"], 32 << 20);
+}
+
+#[test]
+fn cli_foreground_run_prints_identity_then_results() {
+    if skip() {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    let lines = ok(
+        runtime.path(),
+        &[
+            "run",
+            "--memory",
+            "64MiB",
+            "--",
+            "fill 8MiB zero; digest; task",
+        ],
+    );
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert!(lines[0]["job"].is_string());
+    let results = lines[1]["results"].as_array().unwrap();
+    assert_eq!(results.len(), 3);
+    assert_eq!(results[1]["digest"], results[2]["digest"]);
+    // The VM is gone with its runtime files.
+    assert_eq!(std::fs::read_dir(runtime.path()).unwrap().count(), 0);
+}
+
+#[test]
+fn cli_bad_input_gets_clear_messages() {
+    if skip() {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    let r = runtime.path();
+    assert!(fails(r, &["run", "--memory", "512XB", "--", "idle"]).contains("512XB"));
+    let err = fails(r, &["run", "--memory", "64TiB", "--", "idle"]);
+    assert!(err.contains("more than this host has"), "{err}");
+    let err = fails(r, &["run", "--", "fill 1MiB zero; explode"]);
+    assert!(
+        err.contains("command 2") && err.contains("unknown command `explode`"),
+        "{err}"
+    );
+    let err = fails(
+        r,
+        &[
+            "run",
+            "--vm-ram-dedup",
+            "--vm-ram-backing",
+            "memfd",
+            "--",
+            "idle",
+        ],
+    );
+    assert!(err.contains("needs private anonymous RAM"), "{err}");
+    let config = r.join("bad.toml");
+    std::fs::write(&config, "[vm]\nmemroy = \"1GiB\"\n").unwrap();
+    let err = fails(
+        r,
+        &["run", "--config", config.to_str().unwrap(), "--", "idle"],
+    );
+    assert!(err.contains("memroy"), "{err}");
+    let err = fails(r, &["status", "no-such-vm"]);
+    assert!(err.contains("no VM with job id `no-such-vm`"), "{err}");
+
+    let vm = Detached::start(r, &[], "fill 4MiB zero; idle");
+    let err = fails(r, &["resume", vm.job()]);
+    assert!(err.contains("nothing to resume"), "{err}");
+    let err = fails(
+        r,
+        &[
+            "status",
+            vm.job(),
+            "--vm-socket",
+            vm.identity["socket"].as_str().unwrap(),
+            "--vm-attempt-id",
+            "not-the-attempt",
+        ],
+    );
+    assert!(
+        err.contains("refused") && err.contains("not-the-attempt"),
+        "{err}"
+    );
+    let err = fails(r, &["exec", vm.job(), "--", "fill 4GiB zero"]);
+    assert!(err.contains("application memory"), "{err}");
+    // Another user cannot reach the socket.
+    let out = Command::new(env!("CARGO_BIN_EXE_pvisor"))
+        .args([
+            "status",
+            vm.job(),
+            "--vm-socket",
+            vm.identity["socket"].as_str().unwrap(),
+            "--vm-attempt-id",
+            vm.identity["attempt"].as_str().unwrap(),
+        ])
+        .env("PVISOR_RUNTIME_DIR", r)
+        .uid(65534)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("cannot reach the VM"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+use std::os::unix::process::CommandExt;
+
+/// A tmpfs of `size` for the runtime directory, unmounted on drop.
+struct Tmpfs(tempfile::TempDir);
+
+impl Tmpfs {
+    fn mount(size: &str) -> Self {
+        use std::ffi::CString;
+        use std::os::unix::ffi::OsStrExt;
+        let dir = tempfile::tempdir().unwrap();
+        let target = CString::new(dir.path().as_os_str().as_bytes()).unwrap();
+        let options = CString::new(format!("size={size},mode=0700")).unwrap();
+        // SAFETY: valid NUL-terminated strings that outlive the call.
+        let rc = unsafe {
+            libc::mount(
+                c"tmpfs".as_ptr(),
+                target.as_ptr(),
+                c"tmpfs".as_ptr(),
+                0,
+                options.as_ptr().cast(),
+            )
+        };
+        assert_eq!(
+            rc,
+            0,
+            "mounting a tmpfs needs root: {}",
+            std::io::Error::last_os_error()
+        );
+        Self(dir)
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        use std::ffi::CString;
+        use std::os::unix::ffi::OsStrExt;
+        let target = CString::new(self.0.path().as_os_str().as_bytes()).unwrap();
+        // SAFETY: a valid path.
+        unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+    }
+}
+
+#[test]
+fn cli_offload_that_runs_out_of_disk_keeps_the_vm_running() {
+    if skip() {
+        return;
+    }
+    let small = Tmpfs::mount("16m");
+    let runtime = small.0.path();
+    let disk = tempfile::NamedTempFile::new().unwrap();
+    let vm = Detached::start(
+        runtime,
+        &["--disk", disk.path().to_str().unwrap()],
+        "fill 64MiB random seed=9; idle",
+    );
+    let digest = vm.digest();
+    let err = fails(runtime, &["suspend", vm.job(), "--vm-offload"]);
+    assert!(err.contains("No space left"), "{err}");
+    let status = vm.call("status", &[]);
+    assert_eq!(status["state"], "running", "{status}");
+    assert_eq!(vm.digest(), digest);
+    assert!(vm.stats()["guest_ram_pss_bytes"].as_u64().unwrap() >= 64 << 20);
+}
