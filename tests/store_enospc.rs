@@ -5,75 +5,16 @@
 // Test code: a failed setup step should stop the test on the spot.
 #![allow(clippy::unwrap_used)]
 
-use std::ffi::CString;
 use std::fs::{self, OpenOptions};
 use std::io::Write;
-use std::os::unix::ffi::OsStrExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use compressed_backing::bulk::{self, BulkOptions, SliceSource};
 use compressed_backing::{BlockSize, Codec, CodecConfig, DiskStore, StoreConfig};
 
 const BS: usize = 64 << 10;
 
-/// A tmpfs of a fixed size, unmounted on drop.
-struct Tmpfs {
-    dir: tempfile::TempDir,
-}
-
-impl Tmpfs {
-    /// Mounts, or returns `None` when device tests are skipped by the environment.
-    fn mount(size: &str) -> Option<Self> {
-        if std::env::var_os("PVISOR_SKIP_DEVICE_TESTS").is_some_and(|v| v == "1") {
-            eprintln!("skipped: PVISOR_SKIP_DEVICE_TESTS=1");
-            return None;
-        }
-        let dir = tempfile::tempdir().expect("tempdir");
-        let target = CString::new(dir.path().as_os_str().as_bytes()).expect("path");
-        let options = CString::new(format!("size={size},mode=0700")).expect("options");
-        // SAFETY: all pointers are valid NUL-terminated strings that outlive the call.
-        let rc = unsafe {
-            libc::mount(
-                c"tmpfs".as_ptr(),
-                target.as_ptr(),
-                c"tmpfs".as_ptr(),
-                0,
-                options.as_ptr().cast(),
-            )
-        };
-        assert_eq!(
-            rc,
-            0,
-            "mounting a tmpfs needs root (set PVISOR_SKIP_DEVICE_TESTS=1 to skip): {}",
-            std::io::Error::last_os_error()
-        );
-        Some(Self { dir })
-    }
-
-    fn path(&self) -> &Path {
-        self.dir.path()
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let target = CString::new(self.dir.path().as_os_str().as_bytes()).expect("path");
-        // SAFETY: a valid NUL-terminated path.
-        unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
-    }
-}
-
-fn random(seed: u64, len: usize) -> Vec<u8> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 29) as u8
-        })
-        .collect()
-}
+use testkit::random_bytes as random;
 
 fn config(blocks: u64) -> StoreConfig {
     StoreConfig {
@@ -95,7 +36,10 @@ fn assert_image(store: &DiskStore, image: &[u8]) {
 
 #[test]
 fn enospc_during_bulk_write_keeps_the_committed_image() {
-    let Some(fs) = Tmpfs::mount("4m") else { return };
+    if testkit::skip_unless(&[]) {
+        return;
+    }
+    let fs = testkit::Tmpfs::mount("4m");
     let dir: PathBuf = fs.path().join("store");
     let blocks = 256; // a 16 MiB image on a 4 MiB file system
     let mut committed = vec![0u8; blocks as usize * BS];
@@ -137,7 +81,10 @@ fn enospc_during_bulk_write_keeps_the_committed_image() {
 
 #[test]
 fn enospc_during_commit_keeps_the_committed_image() {
-    let Some(fs) = Tmpfs::mount("2m") else { return };
+    if testkit::skip_unless(&[]) {
+        return;
+    }
+    let fs = testkit::Tmpfs::mount("2m");
     let dir = fs.path().join("store");
     let old = random(4, 4 * BS);
     let mut store = DiskStore::create(&dir, config(4)).unwrap();

@@ -22,16 +22,7 @@ fn text(bytes: &[u8]) -> String {
 }
 
 fn device_tests_skipped() -> bool {
-    let skip = std::env::var_os("PVISOR_SKIP_DEVICE_TESTS").is_some_and(|v| v == "1");
-    if skip {
-        eprintln!("skipped: PVISOR_SKIP_DEVICE_TESTS=1");
-    } else {
-        assert!(
-            Path::new("/dev/fuse").exists(),
-            "/dev/fuse is missing: FUSE tests need it (PVISOR_SKIP_DEVICE_TESTS=1 skips them)"
-        );
-    }
-    skip
+    testkit::skip_unless(&["/dev/fuse"])
 }
 
 /// An 8 MiB image: zero, repeated, random and same-byte stretches.

@@ -5,10 +5,8 @@
 // Test code: a failed setup step should stop the test on the spot.
 #![allow(clippy::unwrap_used)]
 
-use std::ffi::CString;
 use std::fs::File;
 use std::os::fd::FromRawFd;
-use std::os::unix::ffi::OsStrExt;
 use std::sync::Arc;
 
 use compressed_backing::bulk::BulkOptions;
@@ -23,16 +21,7 @@ use uffd_pager::state::PageState;
 const MIB: usize = 1 << 20;
 
 fn skip() -> bool {
-    let skip = std::env::var_os("PVISOR_SKIP_DEVICE_TESTS").is_some_and(|v| v == "1");
-    if skip {
-        eprintln!("skipped: PVISOR_SKIP_DEVICE_TESTS=1");
-    } else {
-        assert!(
-            std::path::Path::new("/dev/userfaultfd").exists(),
-            "/dev/userfaultfd is missing (PVISOR_SKIP_DEVICE_TESTS=1 skips device tests)"
-        );
-    }
-    skip
+    testkit::skip_unless(&["/dev/userfaultfd"])
 }
 
 /// Guest RAM for a test: an anonymous or memfd mapping, unmapped on drop (after the pager).
@@ -347,55 +336,19 @@ fn pager_concurrent_faults_from_eight_threads_get_the_right_bytes() {
     assert_eq!(pager.metrics().snapshot().fault_errors, 0);
 }
 
-/// A tmpfs of `size`, unmounted on drop.
-struct Tmpfs(tempfile::TempDir);
-
-impl Tmpfs {
-    fn mount(size: &str) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let target = CString::new(dir.path().as_os_str().as_bytes()).unwrap();
-        let options = CString::new(format!("size={size}")).unwrap();
-        // SAFETY: valid NUL-terminated strings that outlive the call.
-        let rc = unsafe {
-            libc::mount(
-                c"tmpfs".as_ptr(),
-                target.as_ptr(),
-                c"tmpfs".as_ptr(),
-                0,
-                options.as_ptr().cast(),
-            )
-        };
-        assert_eq!(
-            rc,
-            0,
-            "mounting a tmpfs needs root: {}",
-            std::io::Error::last_os_error()
-        );
-        Self(dir)
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let target = CString::new(self.0.path().as_os_str().as_bytes()).unwrap();
-        // SAFETY: a valid path.
-        unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
-    }
-}
-
 #[test]
 fn pager_offload_that_fails_half_way_leaves_memory_intact() {
     if skip() {
         return;
     }
-    let small = Tmpfs::mount("2m");
+    let small = testkit::Tmpfs::mount("2m");
     let mut ram = Ram::anon(16 * MIB);
     let pager = pager(&ram, PagerConfig::default());
     fill(ram.bytes_mut(), 13);
     let digest = ram.digest();
     // Random-ish content does not fit in 2 MiB: the write fails with ENOSPC part-way.
     let err = pager
-        .offload(&offload_config(&small.0.path().join("store"), Codec::None))
+        .offload(&offload_config(&small.path().join("store"), Codec::None))
         .unwrap_err();
     assert!(
         matches!(err, OffloadError::Store(ref e) if e.is_no_space()),

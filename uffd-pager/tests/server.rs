@@ -24,16 +24,7 @@ use uffd_pager::uffd::{feature, Mode, Userfaultfd};
 const MIB: usize = 1 << 20;
 
 fn skip() -> bool {
-    let skip = std::env::var_os("PVISOR_SKIP_DEVICE_TESTS").is_some_and(|v| v == "1");
-    if skip {
-        eprintln!("skipped: PVISOR_SKIP_DEVICE_TESTS=1");
-    } else {
-        assert!(
-            Path::new("/dev/userfaultfd").exists(),
-            "/dev/userfaultfd is missing (PVISOR_SKIP_DEVICE_TESTS=1 skips device tests)"
-        );
-    }
-    skip
+    testkit::skip_unless(&["/dev/userfaultfd"])
 }
 
 /// A memory image with zero pages, repeated and random-looking stretches.

@@ -12,16 +12,7 @@ use uffd_pager::addr::{HostAddr, HostRange, PAGE_SIZE};
 use uffd_pager::uffd::{feature, Event, Mode, Resolved, UffdError, Userfaultfd};
 
 fn skip() -> bool {
-    let skip = std::env::var_os("PVISOR_SKIP_DEVICE_TESTS").is_some_and(|v| v == "1");
-    if skip {
-        eprintln!("skipped: PVISOR_SKIP_DEVICE_TESTS=1");
-    } else {
-        assert!(
-            std::path::Path::new("/dev/userfaultfd").exists(),
-            "/dev/userfaultfd is missing (PVISOR_SKIP_DEVICE_TESTS=1 skips device tests)"
-        );
-    }
-    skip
+    testkit::skip_unless(&["/dev/userfaultfd"])
 }
 
 /// An anonymous private mapping, unmapped on drop.

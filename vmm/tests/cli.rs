@@ -10,18 +10,7 @@ use std::process::{Command, Output};
 use serde_json::Value;
 
 fn skip() -> bool {
-    let skip = std::env::var_os("PVISOR_SKIP_DEVICE_TESTS").is_some_and(|v| v == "1");
-    if skip {
-        eprintln!("skipped: PVISOR_SKIP_DEVICE_TESTS=1");
-    } else {
-        for dev in ["/dev/kvm", "/dev/userfaultfd"] {
-            assert!(
-                Path::new(dev).exists(),
-                "{dev} is missing (PVISOR_SKIP_DEVICE_TESTS=1 skips device tests)"
-            );
-        }
-    }
-    skip
+    testkit::skip_unless(&["/dev/kvm", "/dev/userfaultfd"])
 }
 
 /// Runs `pvisor` with its runtime directory in `runtime`.
@@ -357,53 +346,13 @@ fn cli_bad_input_gets_clear_messages() {
 
 use std::os::unix::process::CommandExt;
 
-/// A tmpfs of `size` for the runtime directory, unmounted on drop.
-struct Tmpfs(tempfile::TempDir);
-
-impl Tmpfs {
-    fn mount(size: &str) -> Self {
-        use std::ffi::CString;
-        use std::os::unix::ffi::OsStrExt;
-        let dir = tempfile::tempdir().unwrap();
-        let target = CString::new(dir.path().as_os_str().as_bytes()).unwrap();
-        let options = CString::new(format!("size={size},mode=0700")).unwrap();
-        // SAFETY: valid NUL-terminated strings that outlive the call.
-        let rc = unsafe {
-            libc::mount(
-                c"tmpfs".as_ptr(),
-                target.as_ptr(),
-                c"tmpfs".as_ptr(),
-                0,
-                options.as_ptr().cast(),
-            )
-        };
-        assert_eq!(
-            rc,
-            0,
-            "mounting a tmpfs needs root: {}",
-            std::io::Error::last_os_error()
-        );
-        Self(dir)
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        use std::ffi::CString;
-        use std::os::unix::ffi::OsStrExt;
-        let target = CString::new(self.0.path().as_os_str().as_bytes()).unwrap();
-        // SAFETY: a valid path.
-        unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
-    }
-}
-
 #[test]
 fn cli_offload_that_runs_out_of_disk_keeps_the_vm_running() {
     if skip() {
         return;
     }
-    let small = Tmpfs::mount("16m");
-    let runtime = small.0.path();
+    let small = testkit::Tmpfs::mount("16m");
+    let runtime = small.path();
     let disk = tempfile::NamedTempFile::new().unwrap();
     let vm = Detached::start(
         runtime,

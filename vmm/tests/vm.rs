@@ -9,18 +9,7 @@ use vmm::script;
 use vmm::vm::{Vm, VmOptions, VmState};
 
 fn skip() -> bool {
-    let skip = std::env::var_os("PVISOR_SKIP_DEVICE_TESTS").is_some_and(|v| v == "1");
-    if skip {
-        eprintln!("skipped: PVISOR_SKIP_DEVICE_TESTS=1");
-    } else {
-        for dev in ["/dev/kvm", "/dev/userfaultfd"] {
-            assert!(
-                std::path::Path::new(dev).exists(),
-                "{dev} is missing (PVISOR_SKIP_DEVICE_TESTS=1 skips device tests)"
-            );
-        }
-    }
-    skip
+    testkit::skip_unless(&["/dev/kvm", "/dev/userfaultfd"])
 }
 
 /// Process-wide PSS is measured: one VM at a time in this test binary.

@@ -30,17 +30,7 @@ use crate::source::PageSource;
 use crate::state::PageState;
 use crate::uffd::Userfaultfd;
 
-/// Formats an error with its causes, `a: b: c`.
-pub fn error_text(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut cause = err.source();
-    while let Some(next) = cause {
-        text.push_str(": ");
-        text.push_str(&next.to_string());
-        cause = next.source();
-    }
-    text
-}
+pub use compressed_backing::store::error_chain;
 
 /// Server parameters.
 #[derive(Debug, Clone)]
@@ -224,7 +214,7 @@ impl Connection {
             Err(e) => {
                 self.stats.bad_handshakes.fetch_add(1, Ordering::Relaxed);
                 if self.log_limit.allow() {
-                    tracing::warn!(peer_pid = pid, "connection refused: {}", error_text(&*e));
+                    tracing::warn!(peer_pid = pid, "connection refused: {}", error_chain(&*e));
                 }
                 return;
             }
@@ -337,7 +327,7 @@ impl Connection {
         let log_limit = Arc::clone(&self.log_limit);
         let on_error = Box::new(move |e: &crate::pager::FaultError| {
             if log_limit.allow() {
-                tracing::error!(peer_pid = pid, "fault cannot be served: {}", error_text(e));
+                tracing::error!(peer_pid = pid, "fault cannot be served: {}", error_chain(e));
             }
             // Never feed the guest wrong bytes; a VM frozen forever is worse than a dead one.
             if pid > 0

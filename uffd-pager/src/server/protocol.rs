@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use compressed_backing::bulk::BulkOptions;
 use compressed_backing::{Codec, CodecConfig};
 
-use super::error_text;
+use super::error_chain;
 use crate::load::LoadMode;
 use crate::offload::OffloadConfig;
 use crate::pager::Pager;
@@ -107,19 +107,19 @@ fn run(pager: &Pager, op: &Op) -> Result<serde_json::Value, String> {
                 .as_deref()
                 .unwrap_or("lz4")
                 .parse()
-                .map_err(|e| error_text(&e))?;
+                .map_err(|e| error_chain(&e))?;
             let config = OffloadConfig {
                 dir: dir.clone(),
                 codec: CodecConfig::new(codec),
                 bulk: threads.map_or_else(BulkOptions::default, BulkOptions::with_threads),
             };
-            let report = pager.offload(&config).map_err(|e| error_text(&e))?;
+            let report = pager.offload(&config).map_err(|e| error_chain(&e))?;
             json(serde_json::to_value(report))
         }
         Op::Load { mode, threads } => {
             let report = pager
                 .load(*mode, threads.unwrap_or(2))
-                .map_err(|e| error_text(&e))?;
+                .map_err(|e| error_chain(&e))?;
             json(serde_json::to_value(report))
         }
         Op::WaitPrefetch => {

@@ -126,17 +126,7 @@ fn main() -> ExitCode {
     }
 }
 
-/// An error and its causes, `a: b: c`.
-fn error_chain(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut cause = err.source();
-    while let Some(next) = cause {
-        text.push_str(": ");
-        text.push_str(&next.to_string());
-        cause = next.source();
-    }
-    text
-}
+use compressed_backing::store::error_chain;
 
 /// What a command returns.
 type CliResult = Result<ExitCode, Box<dyn std::error::Error>>;
