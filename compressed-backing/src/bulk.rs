@@ -19,9 +19,11 @@ use crate::store::{DiskStore, EncodedBatch, StoreError};
 
 /// Where a bulk write reads blocks from. Called from several threads at once.
 pub trait BlockSource: Sync {
-    /// The bytes of block `block` (exactly `scratch.len()`, the block's length): a slice of
-    /// the source's own memory, or `scratch` filled.
-    fn block<'a>(&'a self, block: u64, scratch: &'a mut [u8]) -> io::Result<&'a [u8]>;
+    /// The bytes of block `block` (exactly `scratch.len()` of them, the block's length):
+    /// `Some` slice of the source's own memory, which must stay valid and unchanged for the
+    /// whole transfer (a block stored raw is then written from it without a copy), or `None`
+    /// after filling `scratch`.
+    fn block<'s>(&'s self, block: u64, scratch: &mut [u8]) -> io::Result<Option<&'s [u8]>>;
 }
 
 /// A RAM image in a file.
@@ -39,9 +41,9 @@ impl<'a> FileSource<'a> {
 }
 
 impl BlockSource for FileSource<'_> {
-    fn block<'a>(&'a self, block: u64, scratch: &'a mut [u8]) -> io::Result<&'a [u8]> {
+    fn block<'s>(&'s self, block: u64, scratch: &mut [u8]) -> io::Result<Option<&'s [u8]>> {
         self.file.read_exact_at(scratch, block * self.block_size)?;
-        Ok(scratch)
+        Ok(None)
     }
 }
 
@@ -60,13 +62,13 @@ impl<'a> SliceSource<'a> {
 }
 
 impl BlockSource for SliceSource<'_> {
-    fn block<'a>(&'a self, block: u64, scratch: &'a mut [u8]) -> io::Result<&'a [u8]> {
+    fn block<'s>(&'s self, block: u64, scratch: &mut [u8]) -> io::Result<Option<&'s [u8]>> {
         let start = usize::try_from(block)
             .ok()
             .and_then(|b| b.checked_mul(self.block_size))
             .filter(|&start| start + scratch.len() <= self.bytes.len())
             .ok_or_else(|| io::Error::from(io::ErrorKind::UnexpectedEof))?;
-        Ok(&self.bytes[start..start + scratch.len()])
+        Ok(Some(&self.bytes[start..start + scratch.len()]))
     }
 }
 
@@ -160,9 +162,9 @@ pub fn all_blocks(store: &DiskStore) -> Vec<u64> {
 /// Reads `blocks` from `source`, encodes them in parallel and writes them to `store`.
 /// Nothing is committed: the caller commits, or rolls back on error. `progress` receives the
 /// logical bytes of each batch as it lands.
-pub fn write_blocks(
+pub fn write_blocks<'s>(
     store: &mut DiskStore,
-    source: &dyn BlockSource,
+    source: &'s (dyn BlockSource + 's),
     blocks: &[u64],
     options: &BulkOptions,
     progress: &(dyn Fn(u64) + Sync),
@@ -194,7 +196,8 @@ pub fn write_blocks(
                     Err(e) => return fail(StoreError::Codec(e)),
                 };
                 let mut scratch = vec![0u8; block_size.bytes()];
-                let mut batch = EncodedBatch::with_capacity(batch_blocks, block_size.bytes());
+                let mut batch: EncodedBatch<'s> =
+                    EncodedBatch::with_capacity(batch_blocks, block_size.bytes());
                 let mut report = BulkReport::default();
                 while !abort.load(Ordering::Relaxed) {
                     let start = next.fetch_add(batch_blocks, Ordering::Relaxed);
@@ -205,18 +208,24 @@ pub fn write_blocks(
                     let mut bytes = 0;
                     for &block in &blocks[start..(start + batch_blocks).min(blocks.len())] {
                         let len = block_size.len_in_image(block, image_size);
-                        let data = match source.block(block, &mut scratch[..len]) {
-                            Ok(data) => data,
+                        let shared = match source.block(block, &mut scratch[..len]) {
+                            Ok(shared) => shared,
                             Err(source) => return fail(StoreError::Source { block, source }),
                         };
-                        let encoded = encoder.encode(data);
+                        let encoded = encoder.encode(shared.unwrap_or(&scratch[..len]));
                         let stored = if encoded.kind.has_data() {
                             encoded.payload.len()
                         } else {
                             0
                         };
                         report.count(Some(encoded.kind), len, stored);
-                        batch.push(block, encoded);
+                        match shared {
+                            // Raw bytes of the source's own memory: written from there.
+                            Some(bytes) if encoded.kind == BlockKind::Raw => {
+                                batch.push_shared(block, bytes)
+                            }
+                            _ => batch.push(block, encoded),
+                        }
                         bytes += len as u64;
                     }
                     if let Err(e) = lock(&store).put_batch(&batch) {
@@ -381,12 +390,12 @@ mod tests {
 
     struct FailingSource;
     impl BlockSource for FailingSource {
-        fn block<'a>(&'a self, block: u64, scratch: &'a mut [u8]) -> io::Result<&'a [u8]> {
+        fn block<'s>(&'s self, block: u64, scratch: &mut [u8]) -> io::Result<Option<&'s [u8]>> {
             if block == 20 {
                 return Err(io::Error::other("injected read failure"));
             }
             scratch.fill(block as u8);
-            Ok(scratch)
+            Ok(None)
         }
     }
 

@@ -110,7 +110,7 @@ struct Composer<'a> {
 }
 
 impl BlockSource for Composer<'_> {
-    fn block<'a>(&'a self, block: u64, buf: &'a mut [u8]) -> std::io::Result<&'a [u8]> {
+    fn block<'s>(&'s self, block: u64, buf: &mut [u8]) -> std::io::Result<Option<&'s [u8]>> {
         let shared = self.shared;
         let first = block * shared.block_size.pages() as u64;
         let len = buf.len();
@@ -123,9 +123,11 @@ impl BlockSource for Composer<'_> {
                 let view = region.view_of(first).expect("checked before the offload");
                 let start = view.as_ptr().cast::<u8>().cast_const();
                 // SAFETY: the region's view is mapped for the pager's lifetime (checked before
-                // the offload); the pages are resident, so reading them does not fault into the
-                // pager; the VM is paused, so nothing writes them while the slice lives.
-                return Ok(unsafe { std::slice::from_raw_parts(start, len) });
+                // the offload), which outlives `self`; the pages are resident, so reading them
+                // does not fault into the pager, and they stay resident until the offload's
+                // write is done (drops come after); the VM is paused, so nothing writes them
+                // while the slice lives.
+                return Ok(Some(unsafe { std::slice::from_raw_parts(start, len) }));
             }
         }
         COMPOSE.with(|scratch| {
@@ -173,7 +175,7 @@ impl BlockSource for Composer<'_> {
             }
             Ok::<(), std::io::Error>(())
         })?;
-        Ok(buf)
+        Ok(None)
     }
 }
 

@@ -309,22 +309,32 @@ pub struct CompactionReport {
     pub bytes_freed: u64,
 }
 
-/// A batch of encoded blocks, payloads laid end to end, written with one append.
+/// A batch of encoded blocks, written with one (vectored) append: payloads are copied into
+/// `data`, or for raw blocks of a source's own memory, referenced where they are (`'s`).
 #[derive(Debug, Default)]
-pub(crate) struct EncodedBatch {
+pub(crate) struct EncodedBatch<'s> {
     pub data: BatchBuf,
-    pub items: Vec<BatchItem>,
+    pub items: Vec<BatchItem<'s>>,
 }
 
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct BatchItem {
+pub(crate) struct BatchItem<'s> {
     pub block: u64,
     pub kind: BlockKind,
     /// Fill byte for `Fill`.
     pub fill: u8,
-    /// Payload offset within `data`.
-    pub offset: usize,
-    pub len: usize,
+    pub payload: Payload<'s>,
+}
+
+/// Where a batch item's payload is.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Payload<'s> {
+    /// A tag: nothing to write.
+    None,
+    /// In the batch's buffer.
+    Buf { offset: usize, len: usize },
+    /// In the source's memory.
+    Shared(&'s [u8]),
 }
 
 /// The payload bytes of a batch: on the heap for one-off puts, or in a mapping of its own
@@ -363,10 +373,6 @@ impl BatchBuf {
         }
     }
 
-    pub(crate) fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     fn clear(&mut self) {
         match self {
             Self::Heap(vec) => vec.clear(),
@@ -402,7 +408,7 @@ impl std::ops::Deref for BatchBuf {
     }
 }
 
-impl EncodedBatch {
+impl<'s> EncodedBatch<'s> {
     /// An empty batch with room for `blocks` blocks of `block_bytes` each, in a mapping of
     /// its own, touched up front.
     pub(crate) fn with_capacity(blocks: usize, block_bytes: usize) -> Self {
@@ -418,23 +424,47 @@ impl EncodedBatch {
         self.items.clear();
     }
 
-    /// Adds one encoded block.
+    /// Adds one encoded block, copying its payload.
     pub(crate) fn push(&mut self, block: u64, encoded: Encoded<'_>) {
-        let offset = self.data.len();
         let fill = match encoded.kind {
             BlockKind::Fill => encoded.payload[0],
             _ => 0,
         };
-        if encoded.kind.has_data() {
+        let payload = if encoded.kind.has_data() {
+            let offset = self.data.len();
             self.data.extend_from_slice(encoded.payload);
-        }
+            Payload::Buf {
+                offset,
+                len: encoded.payload.len(),
+            }
+        } else {
+            Payload::None
+        };
         self.items.push(BatchItem {
             block,
             kind: encoded.kind,
             fill,
-            offset,
-            len: self.data.len() - offset,
+            payload,
         });
+    }
+
+    /// Adds one raw block whose bytes stay where they are until the batch is written.
+    pub(crate) fn push_shared(&mut self, block: u64, bytes: &'s [u8]) {
+        self.items.push(BatchItem {
+            block,
+            kind: BlockKind::Raw,
+            fill: 0,
+            payload: Payload::Shared(bytes),
+        });
+    }
+
+    /// The payload bytes of `item`.
+    fn bytes<'a>(&'a self, item: &BatchItem<'a>) -> Option<&'a [u8]> {
+        match item.payload {
+            Payload::None => None,
+            Payload::Buf { offset, len } => Some(&self.data[offset..offset + len]),
+            Payload::Shared(bytes) => Some(bytes),
+        }
     }
 }
 
@@ -712,27 +742,31 @@ impl DiskStore {
     }
 
     /// Writes a batch of encoded blocks with one append.
-    pub(crate) fn put_batch(&mut self, batch: &EncodedBatch) -> Result<(), StoreError> {
-        let location = if batch.data.is_empty() {
+    pub(crate) fn put_batch(&mut self, batch: &EncodedBatch<'_>) -> Result<(), StoreError> {
+        let pieces: Vec<&[u8]> = batch.items.iter().filter_map(|i| batch.bytes(i)).collect();
+        let location = if pieces.is_empty() {
             None
         } else {
-            Some(self.append(&batch.data)?)
+            Some(self.append(&pieces)?)
         };
+        let mut at = location.map_or(0, |(_, base)| base);
         for item in &batch.items {
-            let slot = match item.kind {
-                BlockKind::Zero => Slot::Zero,
-                BlockKind::Fill => Slot::Fill(item.fill),
-                kind => {
-                    let (segment, base) = location.expect("data blocks make the batch non-empty");
-                    let payload = &batch.data[item.offset..item.offset + item.len];
+            let slot = match (item.kind, batch.bytes(item)) {
+                (BlockKind::Zero, _) => Slot::Zero,
+                (BlockKind::Fill, _) => Slot::Fill(item.fill),
+                (kind, Some(payload)) => {
+                    let (segment, _) = location.expect("data blocks make the batch non-empty");
+                    let offset = at;
+                    at += payload.len() as u64;
                     Slot::Data(DataRef {
                         kind,
                         segment,
-                        len: item.len as u32,
-                        offset: base + item.offset as u64,
+                        len: payload.len() as u32,
+                        offset,
                         checksum: xxh3_64(payload),
                     })
                 }
+                (kind, None) => unreachable!("a {kind:?} block always has a payload"),
             };
             self.set_slot(item.block, slot);
         }
@@ -901,7 +935,7 @@ impl DiskStore {
                 continue;
             }
             self.read_payload(block, &data, &mut payload)?;
-            let (segment, offset) = self.append(&payload)?;
+            let (segment, offset) = self.append(&[&payload])?;
             report.bytes_moved += payload.len() as u64;
             self.set_slot(
                 block,
@@ -1057,13 +1091,12 @@ impl DiskStore {
         reader::read_payload(&self.dir, block, data, buf, &|id| self.segment_file(id))
     }
 
-    /// Appends bytes to the active segment, starting a new one when needed.
-    fn append(&mut self, bytes: &[u8]) -> Result<(u32, u64), StoreError> {
+    /// Appends `pieces`, end to end, to the active segment, starting a new one when needed.
+    fn append(&mut self, pieces: &[&[u8]]) -> Result<(u32, u64), StoreError> {
+        let len: u64 = pieces.iter().map(|p| p.len() as u64).sum();
         let need_new = match self.active.and_then(|id| self.segments.get(&id)) {
             None => true,
-            Some(seg) => {
-                seg.len > 0 && seg.len + bytes.len() as u64 > self.options.segment_max_bytes
-            }
+            Some(seg) => seg.len > 0 && seg.len + len > self.options.segment_max_bytes,
         };
         if need_new {
             let id = self.next_segment;
@@ -1076,7 +1109,7 @@ impl DiskStore {
         let id = self.active.expect("set above");
         let seg = self.segments.get_mut(&id).expect("active segment is open");
         let offset = seg
-            .append(bytes)
+            .append(pieces)
             .map_err(StoreError::io("write segment", seg.path.clone()))?;
         self.dirty.insert(id);
         Ok((id, offset))
