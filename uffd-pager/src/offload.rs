@@ -257,6 +257,9 @@ impl Pager {
                 return Err(e.into());
             }
         };
+        // The image is durable: its page cache would only hold on to the memory the offload
+        // is meant to give back. (Best effort: the offload has succeeded either way.)
+        let _ = store.drop_cache();
         let stats = store.stats();
         drop(slot);
         let write_ms = started.elapsed().as_secs_f64() * 1e3;

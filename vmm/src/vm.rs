@@ -231,6 +231,11 @@ impl Vm {
             bulk: BulkOptions::with_threads(self.options.io_threads.max(1)),
         };
         let result = self.machine.pager().offload(&config);
+        if result.is_ok() {
+            // The disk's page cache is part of what the VM costs; it is durable once synced.
+            // (Best effort: the offload has succeeded either way.)
+            let _ = self.machine.drop_disk_cache();
+        }
         // The offload's batch buffers are freed by now; hand the heap's free pages back too,
         // so that an offloaded VM costs what it holds, not what it once used.
         // SAFETY: malloc_trim only releases free memory of the allocator.

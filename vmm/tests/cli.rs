@@ -367,3 +367,33 @@ fn cli_offload_that_runs_out_of_disk_keeps_the_vm_running() {
     assert_eq!(vm.digest(), digest);
     assert!(vm.stats()["guest_ram_pss_bytes"].as_u64().unwrap() >= 64 << 20);
 }
+
+#[test]
+fn cli_cgroup_accounts_the_vm_and_its_offload() {
+    if skip() {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    let name = format!("pvisor-test/{}", std::process::id());
+    let vm = Detached::start(
+        runtime.path(),
+        &["--cgroup", &name],
+        "fill 64MiB random seed=4; task; idle",
+    );
+    let running = vm.stats()["cgroup_memory_bytes"].as_u64().unwrap();
+    // Guest RAM plus the disk's page cache of the task's 64 MiB.
+    assert!(running >= 64 << 20, "{running}");
+    vm.call("suspend", &["--vm-offload"]);
+    let offloaded = vm.stats()["cgroup_memory_bytes"].as_u64().unwrap();
+    assert!(offloaded + (48 << 20) < running, "{running} -> {offloaded}");
+    drop(vm);
+    // Leave no cgroups behind (they are empty once the VM process is gone).
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    for dir in ["/sys/fs/cgroup/memory", "/sys/fs/cgroup"] {
+        let own = Path::new(dir).join(&name);
+        let _ = std::fs::remove_dir(&own);
+        if let Some(parent) = own.parent() {
+            let _ = std::fs::remove_dir(parent);
+        }
+    }
+}
