@@ -1,17 +1,19 @@
 //! The FUSE view of a compressed store through the real `/dev/fuse`: plain reads, `pwrite`,
-//! `MAP_SHARED` and `MAP_PRIVATE` mappings, unmount, and the store's contents afterwards.
+//! `MAP_SHARED` and `MAP_PRIVATE` mappings, unmount, and the store's contents afterwards; and
+//! the read-only view of a `StoreReader` while the store's owner goes on writing it.
 //!
 //! Needs `/dev/fuse` and the right to call `mount(2)` (root); set
 //! `PVISOR_SKIP_DEVICE_TESTS=1` to skip where FUSE is not available.
 
+use std::collections::BTreeSet;
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use compressed_backing::fuse::{self, FuseOptions, MountedStore};
-use compressed_backing::{BlockSize, Codec, CodecConfig, DiskStore, StoreConfig};
-use memmap2::{MmapMut, MmapOptions};
+use compressed_backing::{BlockSize, Codec, CodecConfig, DiskStore, StoreConfig, StoreOptions};
+use memmap2::{Mmap, MmapMut, MmapOptions};
 
 const IMAGE_SIZE: u64 = 16 << 20;
 const BS: usize = 64 << 10;
@@ -56,13 +58,19 @@ fn noise(seed: u64, len: usize) -> Vec<u8> {
 /// Creates a 16 MiB store of 64 KiB lz4 blocks holding absent, zero, same-byte, compressible
 /// and incompressible blocks; returns the image it holds.
 fn create_store(dir: &Path) -> Vec<u8> {
-    let mut store = DiskStore::create(
+    create_store_with(dir, StoreOptions::default()).1
+}
+
+/// `create_store` with explicit options, keeping the store open.
+fn create_store_with(dir: &Path, options: StoreOptions) -> (DiskStore, Vec<u8>) {
+    let mut store = DiskStore::create_with(
         dir,
         StoreConfig {
             block_size: BlockSize::new(BS as u64).expect("64 KiB is a valid block size"),
             codec: CodecConfig::new(Codec::Lz4),
             image_size: IMAGE_SIZE,
         },
+        options,
     )
     .expect("create store");
     let mut image = vec![0u8; IMAGE_SIZE as usize];
@@ -78,7 +86,7 @@ fn create_store(dir: &Path) -> Vec<u8> {
         image[block * BS..(block + 1) * BS].copy_from_slice(&data);
     }
     store.commit().expect("commit");
-    image
+    (store, image)
 }
 
 fn mount_store(store_dir: &Path, mnt: &Path, cache_blocks: usize) -> MountedStore {
@@ -118,6 +126,55 @@ fn assert_unmounted(mnt: &Path) {
 
 fn errno(err: &std::io::Error) -> i32 {
     err.raw_os_error().unwrap_or(0)
+}
+
+/// Names of the store's segment files.
+fn segment_files(dir: &Path) -> BTreeSet<std::ffi::OsString> {
+    fs::read_dir(dir)
+        .expect("list store")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "dat"))
+        .map(|p| p.file_name().expect("a listed file has a name").to_owned())
+        .collect()
+}
+
+/// Flips a byte in the middle of a segment file of the store at `dir`.
+fn flip_a_segment_byte(dir: &Path) {
+    let segment = fs::read_dir(dir)
+        .expect("list store")
+        .map(|e| e.expect("entry").path())
+        .find(|p| p.extension().is_some_and(|e| e == "dat"))
+        .expect("a segment file");
+    let seg = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&segment)
+        .expect("open segment");
+    let at = seg.metadata().expect("stat segment").len() / 2;
+    let mut byte = [0u8];
+    seg.read_exact_at(&mut byte, at).expect("read segment");
+    seg.write_all_at(&[byte[0] ^ 0x40], at)
+        .expect("write segment");
+}
+
+/// The one block of `store` that fails verification.
+fn broken_block(store: &DiskStore) -> usize {
+    let bad: Vec<u64> = store.verify().problems.iter().map(|p| p.block).collect();
+    assert_eq!(bad.len(), 1, "flipping one byte breaks one block: {bad:?}");
+    bad[0] as usize
+}
+
+/// Overwrites every block of `store` with bytes unlike `create_store`'s and commits.
+fn overwrite_and_commit(store: &mut DiskStore, seed: u64) {
+    for block in 0..BLOCKS as u64 {
+        let data = if block % 3 == 0 {
+            noise(block + seed, BS)
+        } else {
+            structured(block + seed, BS)
+        };
+        store.put(block, &data).expect("put");
+    }
+    store.commit().expect("commit");
 }
 
 #[test]
@@ -275,32 +332,8 @@ fn fuse_view_corrupt_block_reads_fail_with_eio() {
     let store_dir = tempfile::tempdir().expect("tempdir");
     let mnt = tempfile::tempdir().expect("tempdir");
     let image = create_store(store_dir.path());
-    // Flip a byte in the middle of the segment file.
-    let segment = fs::read_dir(store_dir.path())
-        .expect("list store")
-        .map(|e| e.expect("entry").path())
-        .find(|p| p.extension().is_some_and(|e| e == "dat"))
-        .expect("a segment file");
-    let seg = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&segment)
-        .expect("open segment");
-    let at = seg.metadata().expect("stat segment").len() / 2;
-    let mut byte = [0u8];
-    seg.read_exact_at(&mut byte, at).expect("read segment");
-    seg.write_all_at(&[byte[0] ^ 0x40], at)
-        .expect("write segment");
-    drop(seg);
-    let bad: Vec<u64> = DiskStore::open_read_only(store_dir.path())
-        .expect("open store")
-        .verify()
-        .problems
-        .iter()
-        .map(|p| p.block)
-        .collect();
-    assert_eq!(bad.len(), 1, "flipping one byte breaks one block: {bad:?}");
-    let bad = bad[0] as usize;
+    flip_a_segment_byte(store_dir.path());
+    let bad = broken_block(&DiskStore::open_read_only(store_dir.path()).expect("open store"));
     let good = (0..BLOCKS)
         .find(|&b| b != bad && b % 5 == 4)
         .expect("another data block");
@@ -430,4 +463,162 @@ fn fuse_view_concurrent_mapped_writers_all_land() {
     let stats = mounted.unmount().expect("unmount");
     assert_eq!(stats.writeback_errors, 0, "{stats:?}");
     assert_store_holds(store_dir.path(), &image);
+}
+
+#[test]
+fn fuse_view_reader_mount_is_read_only_and_keeps_the_image_of_the_reader() {
+    if !fuse_available() {
+        return;
+    }
+    let store_dir = tempfile::tempdir().expect("tempdir");
+    let mnt = tempfile::tempdir().expect("tempdir");
+    // Small segments, so overwriting the image leaves whole segments dead for compaction.
+    let options = StoreOptions {
+        segment_max_bytes: 1 << 20,
+        ..StoreOptions::default()
+    };
+    let (mut store, image) = create_store_with(store_dir.path(), options);
+    let reader = store.reader();
+    let segments_of_reader = segment_files(store_dir.path());
+    // The owner goes on writing: every block changes, commit compacts and unlinks segments.
+    overwrite_and_commit(&mut store, 1000);
+    let remaining = segment_files(store_dir.path());
+    assert!(
+        segments_of_reader.iter().any(|s| !remaining.contains(s)),
+        "compaction removed none of {segments_of_reader:?}"
+    );
+
+    let mounted = fuse::mount_reader(reader, mnt.path(), &FuseOptions::default())
+        .expect("mount the reader (needs root and /dev/fuse)");
+    let path = mounted.file_path();
+    // And while it is mounted.
+    overwrite_and_commit(&mut store, 2000);
+
+    let names: Vec<_> = fs::read_dir(mnt.path())
+        .expect("readdir")
+        .map(|e| e.expect("entry").file_name())
+        .collect();
+    assert_eq!(names, ["ram"]);
+    let meta = fs::metadata(&path).expect("stat");
+    assert!(meta.is_file());
+    assert_eq!(meta.len(), IMAGE_SIZE);
+    assert_eq!(meta.permissions().mode() & 0o777, 0o400);
+    assert!(
+        fs::read(&path).expect("read") == image,
+        "file differs from the image of the reader"
+    );
+
+    let file = File::open(&path).expect("open ro");
+    // MAP_PRIVATE: the image, and copy-on-write that does not reach the file.
+    {
+        // SAFETY: the file is read-only and never changes size while the mapping lives.
+        let mut map = unsafe { MmapOptions::new().map_copy(&file) }.expect("mmap private");
+        assert_eq!(map.len(), IMAGE_SIZE as usize);
+        assert!(
+            map[..] == image[..],
+            "private mapping differs from the image"
+        );
+        map[7 * BS - 10..7 * BS + 10].fill(0xEE);
+        assert_eq!(map[7 * BS], 0xEE);
+    }
+    // MAP_SHARED read-only works; writable fails on the read-only descriptor.
+    {
+        // SAFETY: as above.
+        let map = unsafe { Mmap::map(&file) }.expect("mmap shared read-only");
+        assert!(
+            map[..] == image[..],
+            "shared mapping differs from the image"
+        );
+    }
+    // SAFETY: as above; the call is expected to fail.
+    let shared_rw = unsafe { MmapMut::map_mut(&file) }.expect_err("MAP_SHARED|PROT_WRITE fails");
+    assert!(
+        [libc::EACCES, libc::EROFS].contains(&errno(&shared_rw)),
+        "{shared_rw}"
+    );
+    let mut check = vec![0u8; 30];
+    file.read_exact_at(&mut check, (7 * BS - 10) as u64)
+        .expect("pread");
+    assert!(check == image[7 * BS - 10..7 * BS + 20]);
+    let write = file
+        .write_at(&[1], 0)
+        .expect_err("a read-only descriptor does not write");
+    assert_eq!(errno(&write), libc::EBADF, "{write}");
+
+    // Opening for writing, truncating and chmod are refused.
+    for open in [
+        OpenOptions::new().write(true).open(&path),
+        OpenOptions::new().read(true).write(true).open(&path),
+        OpenOptions::new().write(true).truncate(true).open(&path),
+    ] {
+        let err = open.expect_err("opening for writing is refused");
+        assert!([libc::EROFS, libc::EACCES].contains(&errno(&err)), "{err}");
+    }
+    let chmod = fs::set_permissions(&path, fs::Permissions::from_mode(0o644))
+        .expect_err("chmod is refused");
+    assert_eq!(errno(&chmod), libc::EROFS, "{chmod}");
+    let create = File::create(mnt.path().join("other")).expect_err("create is refused");
+    assert!(
+        [libc::EROFS, libc::EPERM].contains(&errno(&create)),
+        "{create}"
+    );
+    assert!(
+        fs::read(&path).expect("read") == image,
+        "file changed after refused writes"
+    );
+    drop(file);
+
+    let stats = mounted.unmount().expect("unmount");
+    assert_unmounted(mnt.path());
+    assert!(stats.bytes_read >= IMAGE_SIZE, "{stats:?}");
+    assert_eq!(
+        (
+            stats.writes,
+            stats.blocks_written_back,
+            stats.commits,
+            stats.read_errors,
+            stats.writeback_errors
+        ),
+        (0, 0, 0, 0, 0),
+        "{stats:?}"
+    );
+    // The owner's store is untouched by the view and holds its own last writes.
+    let mut block = vec![0u8; BS];
+    store.get(3, &mut block).expect("get");
+    assert!(block == noise(3 + 2000, BS));
+    let report = store.verify();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+}
+
+#[test]
+fn fuse_view_reader_corrupt_block_reads_fail_with_eio() {
+    if !fuse_available() {
+        return;
+    }
+    let store_dir = tempfile::tempdir().expect("tempdir");
+    let mnt = tempfile::tempdir().expect("tempdir");
+    let (store, image) = create_store_with(store_dir.path(), StoreOptions::default());
+    let reader = store.reader();
+    flip_a_segment_byte(store_dir.path());
+    let bad = broken_block(&store);
+    let good = (0..BLOCKS)
+        .find(|&b| b != bad && b % 5 == 4)
+        .expect("another data block");
+
+    let mounted =
+        fuse::mount_reader(reader, mnt.path(), &FuseOptions::default()).expect("mount the reader");
+    let file = File::open(mounted.file_path()).expect("open");
+    let mut buf = vec![0u8; 4096];
+    let err = file
+        .read_at(&mut buf, (bad * BS + 1000) as u64)
+        .expect_err("a corrupt block must not read");
+    assert_eq!(errno(&err), libc::EIO, "{err}");
+    file.read_exact_at(&mut buf, (good * BS) as u64)
+        .expect("an intact block reads");
+    assert!(buf == image[good * BS..good * BS + 4096]);
+    drop(file);
+
+    let stats = mounted.unmount().expect("unmount");
+    assert_unmounted(mnt.path());
+    assert!(stats.read_errors > 0, "{stats:?}");
 }

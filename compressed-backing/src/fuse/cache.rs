@@ -1,9 +1,10 @@
-//! The decompressed-block cache between the kernel's requests and the store.
+//! The decompressed-block cache between the kernel's requests and the store (or reader).
 
 use std::sync::Arc;
 
-use crate::store::{DiskStore, StoreError};
+use crate::store::StoreError;
 
+use super::backing::Backing;
 use super::{bump, Counters, FuseError};
 
 /// `entry_of` value of a block that is not cached.
@@ -31,10 +32,11 @@ enum Fill {
     Overwrite,
 }
 
-/// A bounded clock cache of decompressed blocks in front of a store, with dirty flags.
+/// A bounded clock cache of decompressed blocks in front of a store, with dirty flags. In
+/// front of a reader it only reads: writes are refused and no entry is ever dirty.
 #[derive(Debug)]
 pub(super) struct BlockCache {
-    store: DiskStore,
+    store: Backing,
     counters: Arc<Counters>,
     capacity: usize,
     /// Per block of the image: its index in `entries`, or `NOT_CACHED`.
@@ -46,14 +48,14 @@ pub(super) struct BlockCache {
     uncommitted: bool,
 }
 
-/// Index of a block in per-block arrays; blocks are below `DiskStore::blocks()`, the length
-/// of the store's own slot array.
+/// Index of a block in per-block arrays; blocks are below `Backing::blocks()`, the length
+/// of the store's (or reader's) own slot array.
 fn block_index(block: u64) -> usize {
     usize::try_from(block).expect("block numbers index an in-memory array")
 }
 
 impl BlockCache {
-    pub(super) fn new(store: DiskStore, cache_blocks: usize, counters: Arc<Counters>) -> Self {
+    pub(super) fn new(store: Backing, cache_blocks: usize, counters: Arc<Counters>) -> Self {
         let blocks = block_index(store.blocks());
         let max_entries = usize::try_from(NOT_CACHED).unwrap_or(usize::MAX);
         let capacity = cache_blocks.min(blocks).clamp(1, max_entries);
@@ -85,8 +87,12 @@ impl BlockCache {
     }
 
     /// Writes `data` at `offset`, clipped to the image; returns the bytes written. Fails only
-    /// if nothing was written; a failure after some blocks gives a short count.
+    /// if nothing was written; a failure after some blocks gives a short count. Always fails
+    /// in front of a reader.
     pub(super) fn write(&mut self, offset: u64, data: &[u8]) -> Result<usize, FuseError> {
+        if self.store.is_read_only() {
+            return Err(FuseError::ReadOnly);
+        }
         let image_size = self.store.image_size();
         let end = offset.saturating_add(data.len() as u64).min(image_size);
         let mut pos = offset;
@@ -191,7 +197,11 @@ impl BlockCache {
             return Ok(());
         };
         let len = self.store.block_len(block);
-        match self.store.put(block, &entry.data[..len]) {
+        // A reader's cache refuses writes, so it never has a dirty entry.
+        let Some(store) = self.store.writable() else {
+            return Err(FuseError::ReadOnly);
+        };
+        match store.put(block, &entry.data[..len]) {
             Ok(_) => {
                 entry.dirty = false;
                 self.uncommitted = true;
@@ -234,7 +244,11 @@ impl BlockCache {
         if !self.uncommitted {
             return Ok(());
         }
-        match self.store.commit() {
+        // Only a put sets `uncommitted`, and a reader's cache never puts.
+        let Some(store) = self.store.writable() else {
+            return Err(FuseError::ReadOnly);
+        };
+        match store.commit() {
             Ok(_) => {}
             // The new generation is durable; only reclaiming space failed.
             Err(StoreError::CompactionFailed { .. }) => {
@@ -261,6 +275,7 @@ impl BlockCache {
 mod tests {
     use super::*;
     use crate::fuse::tests::{pattern, store_with_image, BS};
+    use crate::store::{DiskStore, StoreReader};
     use fuser::Errno;
     use proptest::prelude::*;
     use std::fs;
@@ -270,9 +285,29 @@ mod tests {
     fn cache(store: DiskStore, blocks: usize) -> (BlockCache, Arc<Counters>) {
         let counters = Arc::new(Counters::default());
         (
-            BlockCache::new(store, blocks, Arc::clone(&counters)),
+            BlockCache::new(
+                Backing::Store(Box::new(store)),
+                blocks,
+                Arc::clone(&counters),
+            ),
             counters,
         )
+    }
+
+    fn reader_cache(reader: StoreReader, blocks: usize) -> (BlockCache, Arc<Counters>) {
+        let counters = Arc::new(Counters::default());
+        (
+            BlockCache::new(Backing::Reader(reader), blocks, Arc::clone(&counters)),
+            counters,
+        )
+    }
+
+    /// The store behind a writable cache.
+    fn disk(cache: &BlockCache) -> &DiskStore {
+        match &cache.store {
+            Backing::Store(store) => store,
+            Backing::Reader(_) => panic!("a writable cache is backed by a store"),
+        }
     }
 
     fn store_image(store: &DiskStore) -> Vec<u8> {
@@ -324,7 +359,7 @@ mod tests {
 
         assert_eq!(written, 10);
         assert_eq!(cache.read(3 * BS as u64, 4096).unwrap(), image[3 * BS..]);
-        assert_eq!(store_image(&cache.store), image);
+        assert_eq!(store_image(disk(&cache)), image);
     }
 
     #[test]
@@ -342,7 +377,7 @@ mod tests {
         assert_eq!(cache.dirty_blocks(), 3);
         assert_eq!(counters.blocks_written_back.load(Ordering::Relaxed), 0);
         // Not in the store until written back.
-        assert_ne!(store_image(&cache.store), image);
+        assert_ne!(store_image(disk(&cache)), image);
     }
 
     #[test]
@@ -375,7 +410,7 @@ mod tests {
 
         cache.write_back().unwrap();
 
-        assert_eq!(cache.store.generation(), generation);
+        assert_eq!(disk(&cache).generation(), generation);
         assert_eq!(counters.commits.load(Ordering::Relaxed), 0);
     }
 
@@ -505,6 +540,111 @@ mod tests {
         let (cache, _) = cache(store, 1000);
 
         assert_eq!(cache.capacity, 3);
+    }
+
+    #[test]
+    fn cache_reader_reads_the_image_as_of_the_reader_after_later_writes() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut store, image) = store_with_image(dir.path(), 6 * BS as u64 + 300);
+        let reader = store.reader();
+        for block in 0..store.blocks() {
+            let data = pattern(block + 1000, store.block_len(block));
+            store.put(block, &data).unwrap();
+        }
+        store.commit().unwrap();
+        let (mut cache, counters) = reader_cache(reader, 3);
+
+        let whole = cache.read(0, 8 * BS as u32).unwrap();
+        let unaligned = cache.read(2 * BS as u64 - 7, BS as u32 + 20).unwrap();
+
+        assert_eq!(whole, image);
+        assert_eq!(unaligned, image[2 * BS - 7..3 * BS + 13]);
+        assert_ne!(store_image(&store), image);
+        assert!(counters.blocks_decompressed.load(Ordering::Relaxed) >= 7);
+        assert!(cache.entries.len() <= 3);
+    }
+
+    #[test]
+    fn cache_reader_write_is_refused_with_erofs_and_caches_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, image) = store_with_image(dir.path(), 4 * BS as u64);
+        let (mut cache, counters) = reader_cache(store.reader(), 4);
+
+        let partial = cache.write(10, &[1; 10]).unwrap_err();
+        let whole = cache.write(BS as u64, &[2; BS]).unwrap_err();
+        let past_end = cache.write(4 * BS as u64, &[3]).unwrap_err();
+
+        for err in [&partial, &whole, &past_end] {
+            assert!(matches!(err, FuseError::ReadOnly), "{err:?}");
+            assert_eq!(err.errno(), Errno::EROFS);
+        }
+        assert!(cache.entries.is_empty());
+        assert_eq!(counters.cache_misses.load(Ordering::Relaxed), 0);
+        assert_eq!(cache.read(0, 4 * BS as u32).unwrap(), image);
+    }
+
+    #[test]
+    fn cache_reader_write_back_neither_puts_nor_commits() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, _) = store_with_image(dir.path(), 4 * BS as u64);
+        let generation = store.generation();
+        let (mut cache, counters) = reader_cache(store.reader(), 2);
+        cache.read(0, 4 * BS as u32).unwrap();
+        let _ = cache.write(0, &[1]);
+
+        cache.write_back().unwrap();
+
+        assert_eq!(cache.dirty_blocks(), 0);
+        assert_eq!(store.generation(), generation);
+        assert_eq!(counters.blocks_written_back.load(Ordering::Relaxed), 0);
+        assert_eq!(counters.commits.load(Ordering::Relaxed), 0);
+        assert_eq!(counters.writeback_errors.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn cache_reader_eviction_reads_every_block_through_one_entry() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, image) = store_with_image(dir.path(), 5 * BS as u64 + 1);
+        let (mut cache, counters) = reader_cache(store.reader(), 1);
+
+        let mut read = Vec::new();
+        for offset in (0..image.len() as u64).step_by(1000) {
+            read.extend(cache.read(offset, 1000).unwrap());
+        }
+
+        assert_eq!(read, image);
+        assert_eq!(cache.entries.len(), 1);
+        assert_eq!(counters.blocks_decompressed.load(Ordering::Relaxed), 6);
+    }
+
+    #[test]
+    fn cache_reader_corrupt_block_read_fails_instead_of_returning_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, image) = store_with_image(dir.path(), 4 * BS as u64);
+        let reader = store.reader();
+        drop(store);
+        let segment = fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| p.to_string_lossy().ends_with(".dat"))
+            .unwrap();
+        let file = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&segment)
+            .unwrap();
+        let mut byte = [0u8];
+        file.read_exact_at(&mut byte, 10).unwrap();
+        file.write_all_at(&[byte[0] ^ 0xFF], 10).unwrap();
+        let (mut cache, _) = reader_cache(reader, 4);
+
+        let err = cache.read(0, 100).unwrap_err();
+        let after = cache.read(BS as u64, BS as u32).unwrap();
+
+        assert!(matches!(err, FuseError::Read { block: 0, .. }), "{err:?}");
+        assert_eq!(err.errno(), Errno::EIO);
+        assert_eq!(after, image[BS..2 * BS]);
+        assert!(cache.entries.iter().all(|e| e.block != Some(0)));
     }
 
     #[derive(Debug, Clone)]

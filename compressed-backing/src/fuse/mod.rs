@@ -13,7 +13,14 @@
 //! handle and on unmount, followed by [`DiskStore::commit`]. A block whose `put` fails stays
 //! dirty and the caller of `fsync`/`flush`/`close` gets `EIO`; a store error during a read is
 //! `EIO`, never zeros. Nothing is logged per request: failures are counted in [`FuseStats`].
+//!
+//! [`mount_reader`] serves a [`StoreReader`] the same way, read-only: the image as it was when
+//! the reader was taken, while the store's owner goes on writing it. The mount is `ro` and the
+//! file mode 0400, so opening for writing, truncating and `chmod` fail with `EROFS` and a
+//! writable `MAP_SHARED` mapping of the read-only descriptor with `EACCES`; `MAP_PRIVATE`
+//! mappings work. Reads go through the same cache (never dirty here).
 
+mod backing;
 mod cache;
 mod view;
 
@@ -26,8 +33,9 @@ use std::sync::Arc;
 
 use fuser::{BackgroundSession, Config, Errno, MountOption, Session, SessionACL};
 
-use crate::store::{DiskStore, StoreError};
+use crate::store::{DiskStore, StoreError, StoreReader};
 
+use self::backing::Backing;
 use self::view::{Shared, View};
 
 /// Errors of the FUSE view.
@@ -111,6 +119,9 @@ pub enum FuseError {
         #[source]
         source: StoreError,
     },
+    /// A write to a read-only view (see [`mount_reader`]).
+    #[error("cannot write to a read-only view of a store reader")]
+    ReadOnly,
 }
 
 impl FuseError {
@@ -126,6 +137,7 @@ impl FuseError {
                     Errno::EIO
                 }
             }
+            Self::ReadOnly => Errno::EROFS,
             _ => Errno::EIO,
         }
     }
@@ -254,8 +266,8 @@ impl Counters {
     }
 }
 
-/// A store mounted as a file. Unmount with [`MountedStore::unmount`]; dropping the handle
-/// unmounts the same way and ignores errors.
+/// A store (or store reader) mounted as a file. Unmount with [`MountedStore::unmount`];
+/// dropping the handle unmounts the same way and ignores errors.
 #[derive(Debug)]
 pub struct MountedStore {
     /// `None` once unmounted.
@@ -275,6 +287,27 @@ pub fn mount(
     mountpoint: &Path,
     options: &FuseOptions,
 ) -> Result<MountedStore, FuseError> {
+    mount_backing(Backing::Store(Box::new(store)), mountpoint, options)
+}
+
+/// Mounts `reader` read-only on `mountpoint` (an existing directory), as [`mount`] does a
+/// store: the file shows the image as it was when the reader was taken, whatever the store's
+/// owner writes, commits or compacts afterwards. Writes fail with `EROFS`; unmounting has
+/// nothing to write back. Take the reader right after a commit: blocks written but not
+/// committed when it was taken must not be read once the owner rolls back.
+pub fn mount_reader(
+    reader: StoreReader,
+    mountpoint: &Path,
+    options: &FuseOptions,
+) -> Result<MountedStore, FuseError> {
+    mount_backing(Backing::Reader(reader), mountpoint, options)
+}
+
+fn mount_backing(
+    backing: Backing,
+    mountpoint: &Path,
+    options: &FuseOptions,
+) -> Result<MountedStore, FuseError> {
     options.validate()?;
     let mountpoint = mountpoint
         .canonicalize()
@@ -282,14 +315,19 @@ pub fn mount(
             mountpoint: mountpoint.to_path_buf(),
             source,
         })?;
-    let shared = Arc::new(Shared::new(store, options));
+    let access = if backing.is_read_only() {
+        MountOption::RO
+    } else {
+        MountOption::RW
+    };
+    let shared = Arc::new(Shared::new(backing, options));
     let view = View::new(Arc::clone(&shared));
     let mut config = Config::default();
     config.mount_options = vec![
         MountOption::FSName("pvisor-store".to_owned()),
         MountOption::Subtype("pvisor-ram".to_owned()),
         MountOption::DefaultPermissions,
-        MountOption::RW,
+        access,
         MountOption::NoAtime,
     ];
     config.acl = if options.allow_other {
@@ -332,7 +370,8 @@ impl MountedStore {
     }
 
     /// Writes back dirty blocks, commits the store, unmounts and waits for the serving
-    /// threads; the store is closed when this returns.
+    /// threads; the store (or reader) is closed when this returns. A read-only view has
+    /// nothing to write back.
     ///
     /// If the file is still open or mapped (`EBUSY`), the mount is detached lazily: the
     /// mountpoint is free at once, the remaining users keep working, and this returns after
@@ -476,5 +515,45 @@ mod tests {
 
         assert!(matches!(err, FuseError::Mountpoint { .. }), "{err:?}");
         assert!(err.to_string().contains("no-such-dir"), "{err}");
+    }
+
+    #[test]
+    fn mount_reader_missing_mountpoint_is_named_in_the_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, _) = store_with_image(dir.path(), 4 * BS as u64);
+        let missing = dir.path().join("no-such-dir");
+
+        let err = mount_reader(store.reader(), &missing, &FuseOptions::default()).unwrap_err();
+
+        assert!(matches!(err, FuseError::Mountpoint { .. }), "{err:?}");
+        assert!(err.to_string().contains("no-such-dir"), "{err}");
+    }
+
+    #[test]
+    fn mount_reader_bad_options_are_rejected_before_mounting() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, _) = store_with_image(dir.path(), 4 * BS as u64);
+        let options = FuseOptions {
+            cache_blocks: 0,
+            ..FuseOptions::default()
+        };
+
+        let err = mount_reader(store.reader(), dir.path(), &options).unwrap_err();
+
+        assert!(
+            matches!(
+                err,
+                FuseError::InvalidOption {
+                    option: "cache_blocks",
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn error_read_only_maps_to_erofs() {
+        assert_eq!(FuseError::ReadOnly.errno(), Errno::EROFS);
     }
 }

@@ -9,14 +9,13 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuser::{
     CopyFileRangeFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation,
-    INodeNo, IoctlFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate,
-    ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyIoctl, ReplyLseek, ReplyOpen,
-    ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+    INodeNo, IoctlFlags, KernelConfig, LockOwner, OpenAccMode, OpenFlags, RenameFlags, ReplyAttr,
+    ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyIoctl, ReplyLseek,
+    ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 use parking_lot::Mutex;
 
-use crate::store::DiskStore;
-
+use super::backing::Backing;
 use super::cache::BlockCache;
 use super::{bump, Counters, FuseOptions};
 
@@ -30,6 +29,8 @@ const ATTR_TTL: Duration = Duration::from_secs(1);
 const MAX_REQUEST_BYTES: u32 = 1 << 20;
 /// Permissions of the image file: it holds guest RAM.
 const FILE_PERM: u16 = 0o600;
+/// Permissions of the image file of a read-only view.
+const READ_ONLY_FILE_PERM: u16 = 0o400;
 /// Permissions of the root directory.
 const DIR_PERM: u16 = 0o755;
 
@@ -39,6 +40,8 @@ pub(super) struct Shared {
     pub(super) cache: Mutex<BlockCache>,
     pub(super) counters: Arc<Counters>,
     pub(super) file_name: OsString,
+    /// A view of a store reader: every change is refused with `EROFS`.
+    read_only: bool,
     image_size: u64,
     block_size: u32,
     uid: u32,
@@ -58,11 +61,12 @@ fn nanos_since_epoch(time: SystemTime) -> u64 {
 
 impl Shared {
     /// The state of a mount of `store` with `options`, as of now.
-    pub(super) fn new(store: DiskStore, options: &FuseOptions) -> Self {
+    pub(super) fn new(store: Backing, options: &FuseOptions) -> Self {
         let counters = Arc::new(Counters::default());
         let now = SystemTime::now();
         Self {
             file_name: OsString::from(&options.file_name),
+            read_only: store.is_read_only(),
             image_size: store.image_size(),
             block_size: u32::try_from(store.block_size().bytes_u64())
                 .expect("blocks are at most 2 MiB"),
@@ -92,7 +96,11 @@ impl Shared {
             ctime: modified,
             crtime: self.mounted_at,
             kind: FileType::RegularFile,
-            perm: FILE_PERM,
+            perm: if self.read_only {
+                READ_ONLY_FILE_PERM
+            } else {
+                FILE_PERM
+            },
             nlink: 1,
             uid: self.uid,
             gid: self.gid,
@@ -216,7 +224,7 @@ impl Filesystem for View {
         uid: Option<u32>,
         gid: Option<u32>,
         size: Option<u64>,
-        _atime: Option<TimeOrNow>,
+        atime: Option<TimeOrNow>,
         mtime: Option<TimeOrNow>,
         _ctime: Option<SystemTime>,
         _fh: Option<FileHandle>,
@@ -230,6 +238,15 @@ impl Filesystem for View {
             reply.error(Errno::ENOENT);
             return;
         };
+        // The `ro` mount makes the kernel refuse these first; this holds without it.
+        let changes = [mode, uid, gid].iter().any(Option::is_some)
+            || size.is_some()
+            || atime.is_some()
+            || mtime.is_some();
+        if self.shared.read_only && changes {
+            reply.error(Errno::EROFS);
+            return;
+        }
         let mode_changes = mode.is_some_and(|m| m & 0o7777 != u32::from(attr.perm));
         let owner_changes =
             uid.is_some_and(|u| u != attr.uid) || gid.is_some_and(|g| g != attr.gid);
@@ -266,9 +283,14 @@ impl Filesystem for View {
         }
     }
 
-    fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         if ino != FILE_INO {
             reply.error(not_the_file(ino));
+            return;
+        }
+        let writes = flags.acc_mode() != OpenAccMode::O_RDONLY || flags.0 & libc::O_TRUNC != 0;
+        if self.shared.read_only && writes {
+            reply.error(Errno::EROFS);
             return;
         }
         self.shared.open_files.fetch_add(1, Ordering::SeqCst);
@@ -325,6 +347,10 @@ impl Filesystem for View {
         }
         let counters = &self.shared.counters;
         bump(&counters.writes, 1);
+        if self.shared.read_only {
+            reply.error(Errno::EROFS);
+            return;
+        }
         if data.is_empty() {
             reply.written(0);
             return;
@@ -469,5 +495,38 @@ impl Filesystem for View {
         ) -> ReplyWrite = Errno::ENOSYS;
         ioctl(&Request, INodeNo, FileHandle, IoctlFlags, u32, &[u8], u32) -> ReplyIoctl =
             Errno::ENOTTY;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fuse::tests::{store_with_image, BS};
+
+    #[test]
+    fn shared_reader_file_is_read_only_and_sized_as_the_image() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, _) = store_with_image(dir.path(), 3 * BS as u64 + 5);
+        let shared = Shared::new(Backing::Reader(store.reader()), &FuseOptions::default());
+
+        let attr = shared.file_attr();
+
+        assert!(shared.read_only);
+        assert_eq!(attr.perm, READ_ONLY_FILE_PERM);
+        assert_eq!(attr.size, 3 * BS as u64 + 5);
+        assert_eq!(attr.blksize, BS as u32);
+    }
+
+    #[test]
+    fn shared_store_file_is_owner_read_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, _) = store_with_image(dir.path(), 2 * BS as u64);
+        let shared = Shared::new(Backing::Store(Box::new(store)), &FuseOptions::default());
+
+        let attr = shared.file_attr();
+
+        assert!(!shared.read_only);
+        assert_eq!(attr.perm, FILE_PERM);
+        assert_eq!(attr.size, 2 * BS as u64);
     }
 }
