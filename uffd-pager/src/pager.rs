@@ -395,6 +395,12 @@ impl Pager {
         self.shared.block_size
     }
 
+    /// A read-only view of the offload store's image as it is now, if anything was offloaded
+    /// (see `compressed_backing::StoreReader`).
+    pub fn store_reader(&self) -> Option<compressed_backing::StoreReader> {
+        self.shared.store.slot().read().as_ref().map(|s| s.reader())
+    }
+
     /// True once the process owning the memory has exited.
     pub fn owner_gone(&self) -> bool {
         self.shared.owner_gone.load(Ordering::Relaxed)

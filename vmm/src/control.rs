@@ -36,6 +36,9 @@ pub enum Method {
     Suspend {
         /// Also move RAM to the store.
         offload: bool,
+        /// After an offload, expose the stored image read-only as a plain file here.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ram_file: Option<PathBuf>,
     },
     /// Resume (loading RAM back if offloaded).
     Resume {

@@ -1,12 +1,13 @@
 //! A VM with its lifecycle: running, paused, or offloaded (paused with its RAM in the store),
 //! and the operations the control API offers on it.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use compressed_backing::bulk::BulkOptions;
+use compressed_backing::fuse::{self, FuseOptions, MountedStore};
 use compressed_backing::{BlockSize, Codec, CodecConfig};
 use uffd_pager::load::{LoadMode, LoadReport};
 use uffd_pager::metrics::MetricsSnapshot;
@@ -70,6 +71,14 @@ pub enum VmError {
     /// Offload failed; the VM keeps its memory and runs on.
     #[error("offload failed; the VM keeps its memory and goes on running")]
     Offload(#[source] OffloadError),
+    /// The offloaded image could not be shown as a file (the offload itself stands).
+    #[error("the VM is offloaded, but its RAM cannot be shown at {path}: {reason}")]
+    RamFile {
+        /// The requested path.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
     /// Load failed.
     #[error("loading the VM's RAM back failed")]
     Load(#[source] uffd_pager::load::LoadError),
@@ -131,9 +140,26 @@ pub struct ResumeReport {
     pub elapsed_ms: f64,
 }
 
+/// The offloaded image shown as a plain file: a read-only FUSE mount and a link to its file.
+#[derive(Debug)]
+struct RamView {
+    mounted: MountedStore,
+    link: PathBuf,
+}
+
+impl RamView {
+    fn close(self) {
+        let _ = std::fs::remove_file(&self.link);
+        let mountpoint = self.mounted.mountpoint().to_path_buf();
+        let _ = self.mounted.unmount();
+        let _ = std::fs::remove_dir(mountpoint);
+    }
+}
+
 /// A VM and its state.
 #[derive(Debug)]
 pub struct Vm {
+    ram_view: Option<RamView>,
     machine: Machine,
     options: VmOptions,
     state: VmState,
@@ -166,6 +192,7 @@ impl Vm {
             }),
         )?;
         Ok(Self {
+            ram_view: None,
             machine,
             options,
             state: VmState::Running,
@@ -205,7 +232,64 @@ impl Vm {
 
     /// Pauses; with `offload`, also moves resident RAM to the store (idempotent: an
     /// offloaded VM stays as it is). A failed offload leaves the VM running with its memory.
-    pub fn suspend(&mut self, offload: bool) -> Result<SuspendReport, VmError> {
+    /// With `ram_file`, the offloaded image is then shown read-only as a plain file there
+    /// (until the VM resumes).
+    pub fn suspend(
+        &mut self,
+        offload: bool,
+        ram_file: Option<&Path>,
+    ) -> Result<SuspendReport, VmError> {
+        if let Some(path) = ram_file {
+            let ours = self.ram_view.as_ref().is_some_and(|v| v.link == path);
+            if !offload {
+                return Err(VmError::State("a RAM file needs --vm-offload".into()));
+            }
+            if !ours && std::fs::symlink_metadata(path).is_ok() {
+                return Err(VmError::RamFile {
+                    path: path.to_path_buf(),
+                    reason: "it exists already".into(),
+                });
+            }
+        }
+        let report = self.suspend_inner(offload)?;
+        if let Some(path) = ram_file {
+            if self.ram_view.as_ref().is_none_or(|v| v.link != path) {
+                self.show_ram(path)?;
+            }
+        }
+        Ok(report)
+    }
+
+    /// Mounts the store's image read-only and links `path` to its file.
+    fn show_ram(&mut self, path: &Path) -> Result<(), VmError> {
+        let fail = |reason: String| VmError::RamFile {
+            path: path.to_path_buf(),
+            reason,
+        };
+        if let Some(view) = self.ram_view.take() {
+            view.close();
+        }
+        let reader = self
+            .machine
+            .pager()
+            .store_reader()
+            .ok_or_else(|| fail("nothing was offloaded".into()))?;
+        let mountpoint = self.options.store_dir.with_extension("view");
+        std::fs::create_dir_all(&mountpoint).map_err(|e| fail(e.to_string()))?;
+        let mounted = fuse::mount_reader(reader, &mountpoint, &FuseOptions::default())
+            .map_err(|e| fail(compressed_backing::store::error_chain(&e)))?;
+        if let Err(e) = std::os::unix::fs::symlink(mounted.file_path(), path) {
+            let _ = mounted.unmount();
+            return Err(fail(e.to_string()));
+        }
+        self.ram_view = Some(RamView {
+            mounted,
+            link: path.to_path_buf(),
+        });
+        Ok(())
+    }
+
+    fn suspend_inner(&mut self, offload: bool) -> Result<SuspendReport, VmError> {
         let started = Instant::now();
         let report = |state, offload| SuspendReport {
             state,
@@ -256,6 +340,12 @@ impl Vm {
     /// (faults plus prefetch) or, with `eager`, completely before returning.
     pub fn resume(&mut self, eager: bool) -> Result<ResumeReport, VmError> {
         let started = Instant::now();
+        if self.state != VmState::Running {
+            // The file showed the offloaded image; the VM is about to change it.
+            if let Some(view) = self.ram_view.take() {
+                view.close();
+            }
+        }
         let load = match self.state {
             VmState::Running => {
                 return Err(VmError::State(
@@ -310,6 +400,14 @@ impl Vm {
             pages: pager.state_counts(),
             pager: pager.metrics().snapshot(),
             fault_errors: self.fault_errors.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        if let Some(view) = self.ram_view.take() {
+            view.close();
         }
     }
 }

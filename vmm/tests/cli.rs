@@ -397,3 +397,51 @@ fn cli_cgroup_accounts_the_vm_and_its_offload() {
         }
     }
 }
+
+#[test]
+fn cli_offloaded_ram_is_shown_as_a_plain_file() {
+    if skip() || testkit::skip_unless(&["/dev/fuse"]) {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    let vm = Detached::start(
+        runtime.path(),
+        &["--vm-ram-compression"],
+        "fill 8MiB random seed=12; idle",
+    );
+    let ram_file = runtime.path().join("vm.ram");
+    vm.call(
+        "suspend",
+        &["--vm-offload", "--vm-ram-file", ram_file.to_str().unwrap()],
+    );
+    let image = std::fs::read(&ram_file).unwrap();
+    assert_eq!(image.len(), 512 << 20);
+    let base = vmm::guest::APP_BASE as usize;
+    let expect = vmm::guest::fill_bytes(8 << 20, vmm::guest::FillKind::Random, 12);
+    assert!(
+        image[base..base + (8 << 20)] == expect[..],
+        "the file is not the VM's RAM"
+    );
+    assert!(image[base + (8 << 20)..].iter().all(|&b| b == 0));
+    // A second request for another path while one is shown, and a path that exists, fail
+    // cleanly; the VM stays offloaded.
+    let err = fails(
+        runtime.path(),
+        &[
+            "suspend",
+            vm.job(),
+            "--vm-offload",
+            "--vm-ram-file",
+            runtime.path().to_str().unwrap(),
+        ],
+    );
+    assert!(err.contains("exists already"), "{err}");
+    vm.call("resume", &[]);
+    assert!(
+        std::fs::symlink_metadata(&ram_file).is_err(),
+        "the file outlived the offload"
+    );
+    let digest = vm.digest();
+    let expect = format!("{:016x}", vmm::guest::digest(&expect));
+    assert_eq!(digest, expect);
+}

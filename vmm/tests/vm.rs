@@ -54,7 +54,7 @@ fn vm_offload_and_resume_keep_every_byte_and_give_memory_back() {
         let resident = vm.stats();
         assert!(resident.guest_ram_pss_bytes >= 64 << 20, "{resident:?}");
 
-        let report = vm.suspend(true).unwrap();
+        let report = vm.suspend(true, None).unwrap();
         assert_eq!(report.state, VmState::Offloaded);
         let offloaded = vm.stats();
         eprintln!(
@@ -70,7 +70,7 @@ fn vm_offload_and_resume_keep_every_byte_and_give_memory_back() {
             "{offloaded:?}"
         );
         // Offloading twice is a no-op.
-        assert!(vm.suspend(true).unwrap().offload.is_none());
+        assert!(vm.suspend(true, None).unwrap().offload.is_none());
         // Commands wait for a resume.
         assert!(vm.exec(&script::parse("digest").unwrap()).is_err());
 

@@ -58,15 +58,9 @@ pub fn exec(target: &Target, script: &str) -> CliResult {
 }
 
 pub fn suspend(target: &Target, offload: bool, ram_file: Option<&Path>) -> CliResult {
-    if let Some(path) = ram_file {
-        return Err(format!(
-            "--vm-ram-file {}: exposing offloaded RAM as a file is not available yet \
-             (the store's FUSE view can serve a packed image: `uffd-pager mount`)",
-            path.display()
-        )
-        .into());
-    }
-    print(&call(target, Method::Suspend { offload })?);
+    // The VM process resolves the path: make it absolute here, where it was meant.
+    let ram_file = ram_file.map(|p| std::path::absolute(p)).transpose()?;
+    print(&call(target, Method::Suspend { offload, ram_file })?);
     Ok(ExitCode::SUCCESS)
 }
 

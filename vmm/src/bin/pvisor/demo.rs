@@ -101,7 +101,7 @@ fn rows(args: &DemoArgs, dir: &std::path::Path) -> Result<Vec<Row>, Box<dyn std:
                     check: format!("task {task:.0} ms"),
                 });
             }
-            let suspend = vm.suspend(true)?;
+            let suspend = vm.suspend(true, None)?;
             let offloaded = vm.stats();
             let started = Instant::now();
             vm.resume(false)?;

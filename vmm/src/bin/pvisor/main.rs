@@ -71,7 +71,8 @@ enum Command {
         /// Pause and offload RAM (raw, or compressed if the VM runs with --vm-ram-compression).
         #[arg(long = "vm-offload")]
         offload: bool,
-        /// Expose the offloaded RAM as a plain file at P (not available yet).
+        /// After the offload, show the stored RAM image read-only as a plain file at P (through
+        /// the store's FUSE view) until the VM resumes.
         #[arg(long = "vm-ram-file", value_name = "P", requires = "offload")]
         ram_file: Option<PathBuf>,
     },

@@ -209,8 +209,9 @@ fn handle(
             let results = vm.exec(&commands).map_err(|e| crate::error_chain(&e))?;
             Ok(serde_json::json!({ "results": results }))
         }
-        Method::Suspend { offload } => json(serde_json::to_value(
-            vm.suspend(offload).map_err(|e| crate::error_chain(&e))?,
+        Method::Suspend { offload, ram_file } => json(serde_json::to_value(
+            vm.suspend(offload, ram_file.as_deref())
+                .map_err(|e| crate::error_chain(&e))?,
         )),
         Method::Resume { eager } => json(serde_json::to_value(
             vm.resume(eager).map_err(|e| crate::error_chain(&e))?,
