@@ -59,7 +59,7 @@ pub fn exec(target: &Target, script: &str) -> CliResult {
 
 pub fn suspend(target: &Target, offload: bool, ram_file: Option<&Path>) -> CliResult {
     // The VM process resolves the path: make it absolute here, where it was meant.
-    let ram_file = ram_file.map(|p| std::path::absolute(p)).transpose()?;
+    let ram_file = ram_file.map(std::path::absolute).transpose()?;
     print(&call(target, Method::Suspend { offload, ram_file })?);
     Ok(ExitCode::SUCCESS)
 }
