@@ -5,7 +5,7 @@
 // Test code: a failed setup step should stop the test on the spot.
 #![allow(clippy::unwrap_used)]
 
-use std::fs::{self, OpenOptions};
+use std::fs;
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -99,11 +99,7 @@ fn enospc_during_commit_keeps_the_committed_image() {
 
     // Fill the file system so that the new index cannot be written.
     let filler_path = fs.path().join("filler");
-    let mut filler = OpenOptions::new()
-        .create(true)
-        .write(true)
-        .open(&filler_path)
-        .unwrap();
+    let mut filler = std::fs::File::create(&filler_path).unwrap();
     let chunk = vec![0xAAu8; 4096];
     while filler.write_all(&chunk).is_ok() {}
     drop(filler);

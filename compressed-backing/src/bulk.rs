@@ -4,8 +4,8 @@
 //! encode them straight from the source's memory where it has any, and append each batch to
 //! the store with one write, taking turns on the store's lock: while one appends, the others
 //! encode. Each worker keeps one batch buffer for the whole run, so memory stays at one batch
-//! per thread whatever the image size. (Appends of 4 MiB, not 1 MiB: on the project's VMs,
-//! page-cache writes of 1 MiB hit a slow kernel path; see docs/bench/store.md.) Reading:
+//! per thread whatever the image size. (Appends of 4 MiB rather than 1 MiB: fewer system
+//! calls and lock handovers; docs/bench/store.md measures both.) Reading:
 //! worker threads decode blocks in parallel and give each to a sink (a file, guest memory).
 
 use std::io;

@@ -324,6 +324,8 @@ pub(crate) struct BatchItem<'s> {
     /// Fill byte for `Fill`.
     pub fill: u8,
     pub payload: Payload<'s>,
+    /// xxh3-64 of the payload, computed by whoever builds the batch (outside the store lock).
+    pub checksum: u64,
 }
 
 /// Where a batch item's payload is.
@@ -430,21 +432,23 @@ impl<'s> EncodedBatch<'s> {
             BlockKind::Fill => encoded.payload[0],
             _ => 0,
         };
-        let payload = if encoded.kind.has_data() {
+        let (payload, checksum) = if encoded.kind.has_data() {
             let offset = self.data.len();
             self.data.extend_from_slice(encoded.payload);
-            Payload::Buf {
+            let payload = Payload::Buf {
                 offset,
                 len: encoded.payload.len(),
-            }
+            };
+            (payload, xxh3_64(encoded.payload))
         } else {
-            Payload::None
+            (Payload::None, 0)
         };
         self.items.push(BatchItem {
             block,
             kind: encoded.kind,
             fill,
             payload,
+            checksum,
         });
     }
 
@@ -455,6 +459,7 @@ impl<'s> EncodedBatch<'s> {
             kind: BlockKind::Raw,
             fill: 0,
             payload: Payload::Shared(bytes),
+            checksum: xxh3_64(bytes),
         });
     }
 
@@ -763,7 +768,7 @@ impl DiskStore {
                         segment,
                         len: payload.len() as u32,
                         offset,
-                        checksum: xxh3_64(payload),
+                        checksum: item.checksum,
                     })
                 }
                 (kind, None) => unreachable!("a {kind:?} block always has a payload"),

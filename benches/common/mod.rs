@@ -1,0 +1,207 @@
+//! What the store benches share: the four kinds of content, the realistic sample and where it
+//! comes from.
+//!
+//! Contents, all deterministic:
+//! - `zero`: all zeros (never-touched guest memory).
+//! - `repeated`: one 64-byte motif repeated, the same motif as the `uffd-pager demo` image's
+//!   repeated application data (`motif[i] = (i * 37) ^ 0x5A`).
+//! - `random`: xorshift64 from a fixed seed (encrypted or already compressed data).
+//! - `realistic`: real ELF code and data: the first bytes of the active Rust toolchain's
+//!   `lib/librustc_driver-*.so` (about 150 MiB of x86-64 ELF), then, if that is missing or
+//!   short, the ELF files of `/usr/bin` in name order. `STORE_BENCH_SAMPLE=FILE` puts FILE
+//!   first instead. The source actually used is reported with an FNV-1a hash of the bytes.
+
+// Each bench uses a part of this module.
+#![allow(dead_code)]
+
+use std::fs::{self, File};
+use std::io::{self, Read};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Block size of every bench: the store's default.
+pub const BLOCK: usize = 64 << 10;
+/// Image size of the scenario bench and of the realistic sample.
+pub const IMAGE: usize = 64 << 20;
+
+/// A kind of content.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Content {
+    Zero,
+    Repeated,
+    Random,
+    Realistic,
+}
+
+impl Content {
+    pub const ALL: [Content; 4] = [
+        Content::Zero,
+        Content::Repeated,
+        Content::Random,
+        Content::Realistic,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Content::Zero => "zero",
+            Content::Repeated => "repeated",
+            Content::Random => "random",
+            Content::Realistic => "realistic",
+        }
+    }
+}
+
+/// The 64-byte motif of `repeated` content.
+pub fn motif() -> [u8; 64] {
+    let mut motif = [0u8; 64];
+    for (i, byte) in (0u8..).zip(motif.iter_mut()) {
+        *byte = i.wrapping_mul(37) ^ 0x5A;
+    }
+    motif
+}
+
+/// `len` bytes of the motif repeated.
+pub fn repeated(len: usize) -> Vec<u8> {
+    let motif = motif();
+    (0..len).map(|i| motif[i % motif.len()]).collect()
+}
+
+/// `len` bytes of xorshift64 output from `seed`, eight bytes per step.
+pub fn random(len: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed | 1;
+    let mut bytes = Vec::with_capacity(len + 8);
+    while bytes.len() < len {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        bytes.extend_from_slice(&state.to_le_bytes());
+    }
+    bytes.truncate(len);
+    bytes
+}
+
+/// Seed of the `random` content.
+pub const RANDOM_SEED: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// The realistic sample and a description of where it came from.
+#[derive(Debug)]
+pub struct Sample {
+    pub bytes: Vec<u8>,
+    /// `path (N bytes from offset 0)` for each file used, in order.
+    pub sources: Vec<String>,
+    /// FNV-1a 64 of the bytes.
+    pub fnv: u64,
+}
+
+/// Reads the realistic sample: `len` bytes of real ELF files (see the module documentation).
+pub fn realistic(len: usize) -> io::Result<Sample> {
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Some(path) = std::env::var_os("STORE_BENCH_SAMPLE") {
+        candidates.push(PathBuf::from(path));
+    }
+    if let Some(driver) = rustc_driver_library() {
+        candidates.push(driver);
+    }
+    candidates.extend(elf_files_in(Path::new("/usr/bin")));
+    let mut bytes = Vec::with_capacity(len);
+    let mut sources = Vec::new();
+    for path in candidates {
+        if bytes.len() == len {
+            break;
+        }
+        let Ok(file) = File::open(&path) else {
+            continue;
+        };
+        let before = bytes.len();
+        let want = (len - before) as u64;
+        file.take(want).read_to_end(&mut bytes)?;
+        let got = bytes.len() - before;
+        if got > 0 {
+            sources.push(format!("{} ({got} bytes from offset 0)", path.display()));
+        }
+    }
+    if bytes.len() < len {
+        return Err(io::Error::other(format!(
+            "found only {} of the {len} bytes of ELF files wanted for the realistic sample; \
+             set STORE_BENCH_SAMPLE to a large binary",
+            bytes.len()
+        )));
+    }
+    let fnv = fnv1a64(&bytes);
+    Ok(Sample {
+        bytes,
+        sources,
+        fnv,
+    })
+}
+
+/// `lib/librustc_driver-*.so` of the toolchain that `rustc` (or `$RUSTC`) runs.
+fn rustc_driver_library() -> Option<PathBuf> {
+    let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
+    let output = Command::new(rustc)
+        .args(["--print", "sysroot"])
+        .output()
+        .ok()?;
+    if !output.status.success() {
+        return None;
+    }
+    let sysroot = PathBuf::from(String::from_utf8(output.stdout).ok()?.trim());
+    let mut found: Vec<PathBuf> = fs::read_dir(sysroot.join("lib"))
+        .ok()?
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .filter(|path| {
+            path.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("librustc_driver-") && n.ends_with(".so"))
+        })
+        .collect();
+    found.sort();
+    found.into_iter().next()
+}
+
+/// Regular ELF files directly in `dir`, in name order.
+fn elf_files_in(dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .filter(|path| {
+            let regular = fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_file());
+            let mut magic = [0u8; 4];
+            regular
+                && File::open(path)
+                    .and_then(|mut f| f.read_exact(&mut magic))
+                    .is_ok()
+                && magic == *b"\x7fELF"
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+/// The content of kind `content`, `len` bytes (`realistic` must be the loaded sample).
+pub fn content(content: Content, len: usize, realistic: &Sample) -> Vec<u8> {
+    match content {
+        Content::Zero => vec![0u8; len],
+        Content::Repeated => repeated(len),
+        Content::Random => random(len, RANDOM_SEED),
+        Content::Realistic => realistic.bytes[..len].to_vec(),
+    }
+}
+
+/// FNV-1a, 64 bits: identifies the sample in the report.
+pub fn fnv1a64(bytes: &[u8]) -> u64 {
+    let mut hash = 0xcbf2_9ce4_8422_2325_u64;
+    for &byte in bytes {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    hash
+}
+
+/// True when the bench binary runs as a bench (`cargo bench` passes `--bench`); false when
+/// `cargo test --benches` runs it as a smoke test.
+pub fn is_bench_run() -> bool {
+    std::env::args().any(|arg| arg == "--bench")
+}

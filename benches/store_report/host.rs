@@ -1,0 +1,215 @@
+//! Where the bench writes its temporary files, and the facts about the machine that the
+//! report states.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::Res;
+
+pub fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map_or_else(
+        || Path::new(env!("CARGO_MANIFEST_DIR")).join("target"),
+        PathBuf::from,
+    )
+}
+
+/// `target/bench-tmp/store-report-PID`, removed on drop.
+pub struct TempRoot {
+    pub path: PathBuf,
+    pub filesystem: String,
+}
+
+impl TempRoot {
+    pub fn create() -> Res<Self> {
+        let path = target_dir()
+            .join("bench-tmp")
+            .join(format!("store-report-{}", std::process::id()));
+        if path.exists() {
+            fs::remove_dir_all(&path)?;
+        }
+        fs::create_dir_all(&path)?;
+        let root = Self {
+            filesystem: filesystem_of(&path)?,
+            path,
+        };
+        if root.filesystem.starts_with("tmpfs") || root.filesystem.starts_with("ramfs") {
+            return Err(format!(
+                "{} is on {}: the bench must write to a real disk (set CARGO_TARGET_DIR)",
+                root.path.display(),
+                root.filesystem
+            )
+            .into());
+        }
+        Ok(root)
+    }
+}
+
+impl Drop for TempRoot {
+    fn drop(&mut self) {
+        if let Err(err) = fs::remove_dir_all(&self.path) {
+            eprintln!("store_report: cannot remove {}: {err}", self.path.display());
+        }
+        if let Some(parent) = self.path.parent() {
+            // Only if empty: another run may be using it.
+            let _ = fs::remove_dir(parent);
+        }
+    }
+}
+
+/// `TYPE on DEVICE` of the mount that holds `path`, from /proc/mounts.
+pub fn filesystem_of(path: &Path) -> Res<String> {
+    let path = fs::canonicalize(path)?;
+    let mounts = fs::read_to_string("/proc/mounts")?;
+    let mut best: Option<(usize, String)> = None;
+    for line in mounts.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let [device, mount_point, fs_type, ..] = fields[..] else {
+            continue;
+        };
+        if path.starts_with(mount_point)
+            && best
+                .as_ref()
+                .is_none_or(|(len, _)| mount_point.len() >= *len)
+        {
+            best = Some((mount_point.len(), format!("{fs_type} on {device}")));
+        }
+    }
+    Ok(best.map_or_else(|| "unknown file system".to_owned(), |(_, text)| text))
+}
+
+fn command_output(program: &str, args: &[&str]) -> Option<String> {
+    let output = Command::new(program).args(args).output().ok()?;
+    output
+        .status
+        .success()
+        .then(|| String::from_utf8_lossy(&output.stdout).trim().to_owned())
+}
+
+/// The value after `prefix` and a colon on the first line of `file` that starts with `prefix`.
+fn proc_field(file: &str, prefix: &str) -> Option<String> {
+    fs::read_to_string(file)
+        .ok()?
+        .lines()
+        .find_map(|line| line.strip_prefix(prefix))
+        .and_then(|rest| rest.split_once(':'))
+        .map(|(_, value)| value.trim().to_owned())
+}
+
+pub struct Machine {
+    pub cpu: String,
+    pub nproc: usize,
+    pub kernel: String,
+    pub memory: String,
+    pub rustc: String,
+    pub commit: String,
+}
+
+pub fn machine() -> Machine {
+    let unknown = || "unknown".to_owned();
+    let memory = proc_field("/proc/meminfo", "MemTotal")
+        .and_then(|kib| kib.trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or_else(unknown, |kib| {
+            format!("{:.1} GiB", kib as f64 / (1u64 << 20) as f64)
+        });
+    let manifest = env!("CARGO_MANIFEST_DIR");
+    let commit = command_output("git", &["-C", manifest, "rev-parse", "--short", "HEAD"])
+        .map_or_else(unknown, |hash| {
+            let dirty = command_output("git", &["-C", manifest, "status", "--porcelain"])
+                .is_some_and(|s| !s.is_empty());
+            if dirty {
+                format!("{hash} (with uncommitted changes in the work tree)")
+            } else {
+                hash
+            }
+        });
+    Machine {
+        cpu: proc_field("/proc/cpuinfo", "model name").unwrap_or_else(unknown),
+        nproc: std::thread::available_parallelism().map_or(0, |n| n.get()),
+        kernel: fs::read_to_string("/proc/sys/kernel/osrelease")
+            .map_or_else(|_| unknown(), |s| s.trim().to_owned()),
+        memory,
+        rustc: command_output("rustc", &["--version"]).unwrap_or_else(unknown),
+        commit,
+    }
+}
+
+/// The current UTC date and time, `YYYY-MM-DD HH:MM UTC`.
+pub fn utc_now() -> String {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm, non-negative days).
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02} UTC",
+        rem / 3600,
+        rem % 3600 / 60
+    )
+}
+
+/// CPU time (clock ticks) of the whole machine and of this process: what other processes and
+/// the host took from the bench.
+#[derive(Clone, Copy)]
+pub struct CpuTimes {
+    /// All CPUs, busy (user, nice, system, irq, softirq).
+    busy: u64,
+    /// All CPUs, stolen by the host.
+    steal: u64,
+    /// This process, user and system.
+    own: u64,
+}
+
+pub fn cpu_times() -> Option<CpuTimes> {
+    let stat = fs::read_to_string("/proc/stat").ok()?;
+    let cpu: Vec<u64> = stat
+        .lines()
+        .next()?
+        .strip_prefix("cpu ")?
+        .split_whitespace()
+        .map(|n| n.parse().ok())
+        .collect::<Option<_>>()?;
+    let [user, nice, system, _idle, _iowait, irq, softirq, steal, ..] = cpu[..] else {
+        return None;
+    };
+    // Fields 14 and 15 (utime, stime) of /proc/self/stat, counted after the command name.
+    let own = fs::read_to_string("/proc/self/stat").ok()?;
+    let fields: Vec<&str> = own.rsplit_once(')')?.1.split_whitespace().collect();
+    let own = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(CpuTimes {
+        busy: user + nice + system + irq + softirq,
+        steal,
+        own,
+    })
+}
+
+/// How busy other processes and the host kept the CPUs between `start` and `end`, a sentence.
+pub fn disturbance(start: Option<CpuTimes>, end: Option<CpuTimes>, wall_s: f64) -> String {
+    let (Some(start), Some(end)) = (start, end) else {
+        return "unknown (no /proc/stat)".to_owned();
+    };
+    // SAFETY: sysconf has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let others = end.busy.saturating_sub(start.busy) as f64 - (end.own - start.own) as f64;
+    let others = others.max(0.0) / ticks;
+    let steal = end.steal.saturating_sub(start.steal) as f64 / ticks;
+    let share = |s: f64| 100.0 * s / (wall_s * cpus);
+    format!(
+        "other processes and kernel threads (the bench's own writeback included): \
+         {others:.1} s of CPU, {:.0}% of the {cpus:.0} CPUs over the bench's {wall_s:.0} s; the \
+         host's steal time: {steal:.1} s ({:.0}%)",
+        share(others),
+        share(steal)
+    )
+}
