@@ -134,8 +134,12 @@ impl Shared {
                     while page < hi && self.states.get(page) == PageState::Stored {
                         page += 1;
                     }
+                    if page == start {
+                        // A fault thread installed it between the two reads.
+                        continue;
+                    }
                     match self
-                        .install_run(region, start..page, PageState::Stored, data, false)
+                        .install_run(region, start..page, PageState::Stored, data, None)
                         .map_err(|source| LoadError::Install { block, source })?
                     {
                         Some(n) => filled += n,
@@ -161,8 +165,10 @@ impl Pager {
         let shared = self.shared();
         let stored = shared.stored_blocks();
         let saved = shared.saved_working_set();
-        // Recording starts afresh for this resume.
-        shared.working_set.take();
+        // Recording starts afresh for this resume, on top of what the last ones recorded:
+        // blocks the prefetcher installs raise no fault, so a set recorded from faults alone
+        // would lose them and shrink with every resume.
+        shared.working_set.restart(&saved);
         let mut report = LoadReport {
             blocks: stored.len() as u64,
             ..LoadReport::default()
@@ -254,47 +260,73 @@ fn eager(shared: &Shared, blocks: &[u64], threads: usize) -> Result<u64, LoadErr
 }
 
 /// The prefetcher: installs `order` in chunks that start at 64 KiB and double while no fault
-/// arrives (up to 4 MiB), yielding while faults are pending so they never wait behind it.
+/// arrives (up to 4 MiB). While faults are pending it yields to them; when it goes on, it
+/// skips ahead past the block of the latest fault if that block is further along its order
+/// (the faulting thread is reading there: installing what comes next helps it, installing
+/// behind it does not), and comes back for the skipped blocks at the end.
 fn prefetch(shared: &Shared, order: &[u64], hot: usize) {
     let block_bytes = shared.block_size.bytes_u64();
     let min_chunk = (MIN_CHUNK_BYTES / block_bytes).max(1) as usize;
     let max_chunk = (MAX_CHUNK_BYTES / block_bytes).max(1) as usize;
+    // Where each block sits in `order`, to find the latest fault's place.
+    let mut position = vec![usize::MAX; shared.block_size.blocks_for(shared.image_size) as usize];
+    for (i, &block) in order.iter().enumerate() {
+        if let Some(slot) = position.get_mut(block as usize) {
+            *slot = i;
+        }
+    }
     let mut chunk = min_chunk;
     let mut buf = vec![0u8; shared.block_size.bytes()];
     let mut at = 0;
+    let mut skipped: Vec<std::ops::Range<usize>> = Vec::new();
     let mut faults = shared.faults_seen.load(Ordering::Relaxed);
+    let fill = |i: usize, buf: &mut [u8]| match shared.fill_block(order[i], buf) {
+        Ok(0) => {}
+        Ok(pages) => {
+            shared
+                .metrics
+                .prefetch_pages
+                .fetch_add(pages, Ordering::Relaxed);
+            if i < hot {
+                shared.metrics.prefetch_hits.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        // A block that cannot be read is left to faults, which report the error.
+        Err(_) => {}
+    };
     while at < order.len() {
         if shared.prefetch_stop.load(Ordering::Relaxed) {
             return;
         }
         if shared.faults_in_flight.load(Ordering::Relaxed) > 0 {
-            std::thread::sleep(Duration::from_micros(20));
+            std::thread::yield_now();
             continue;
         }
-        let end = (at + chunk).min(order.len());
-        for (i, &block) in order[at..end].iter().enumerate() {
-            match shared.fill_block(block, &mut buf) {
-                Ok(0) => {}
-                Ok(pages) => {
-                    shared
-                        .metrics
-                        .prefetch_pages
-                        .fetch_add(pages, Ordering::Relaxed);
-                    if at + i < hot {
-                        shared.metrics.prefetch_hits.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-                // A block that cannot be read is left to faults, which report the error.
-                Err(_) => {}
+        let now = shared.faults_seen.load(Ordering::Relaxed);
+        if now != faults {
+            let latest = shared.latest_fault_block.load(Ordering::Relaxed);
+            let place = position.get(latest as usize).copied().unwrap_or(usize::MAX);
+            if place != usize::MAX && place >= at {
+                skipped.push(at..place);
+                at = place + 1;
             }
+            chunk = min_chunk;
+        } else {
+            chunk = (chunk * 2).min(max_chunk);
+        }
+        faults = now;
+        let end = (at + chunk).min(order.len());
+        for i in at..end {
+            fill(i, &mut buf);
         }
         at = end;
-        let now = shared.faults_seen.load(Ordering::Relaxed);
-        chunk = if now == faults {
-            (chunk * 2).min(max_chunk)
-        } else {
-            min_chunk
-        };
-        faults = now;
+    }
+    for range in skipped {
+        for i in range {
+            if shared.prefetch_stop.load(Ordering::Relaxed) {
+                return;
+            }
+            fill(i, &mut buf);
+        }
     }
 }

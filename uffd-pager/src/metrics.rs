@@ -157,6 +157,9 @@ macro_rules! counters {
 counters! {
     /// Counters of one pager (shared by its fault threads, prefetcher and offload).
     Metrics, MetricsSnapshot {
+        /// Page-fault events read: every time a thread waited on the pager (synchronous
+        /// faults), however they were resolved.
+        fault_events,
         /// MISSING faults resolved by copying data (`UFFDIO_COPY`).
         faults_copy,
         /// MISSING faults resolved with the zero page (`UFFDIO_ZEROPAGE`).
@@ -180,8 +183,8 @@ counters! {
         bytes_decompressed,
         /// Pages installed by the prefetcher.
         prefetch_pages,
-        /// Faults on pages the prefetcher had already installed (the fault never happened:
-        /// counted when a page the prefetcher installed is later found mapped).
+        /// Blocks of the recorded working set the prefetcher installed before a fault asked
+        /// for them.
         prefetch_hits,
         /// Faults that could not be served (the faulting process is reported, never fed
         /// wrong data).

@@ -208,6 +208,8 @@ pub(crate) struct Shared {
     pub faults_in_flight: AtomicU64,
     /// Faults ever read (the prefetcher grows its chunks while this does not move).
     pub faults_seen: AtomicU64,
+    /// The block of the latest fault read (the prefetcher skips ahead of it).
+    pub latest_fault_block: AtomicU64,
     /// Blocks fetched by faults, in order, since the last `reset`.
     pub working_set: WorkingSet,
     /// The owner of the memory has exited.
@@ -246,6 +248,15 @@ impl WorkingSet {
             seen.store(false, Ordering::Relaxed);
         }
         std::mem::take(&mut *self.order.lock())
+    }
+
+    /// Starts recording afresh from `base` (the set saved by earlier resumes), so that the
+    /// next saved set is `base` followed by the blocks that fault this time.
+    pub fn restart(&self, base: &[u64]) {
+        self.take();
+        for &block in base {
+            self.record(block);
+        }
     }
 }
 
@@ -337,6 +348,7 @@ impl Pager {
             metrics: Metrics::default(),
             faults_in_flight: AtomicU64::new(0),
             faults_seen: AtomicU64::new(0),
+            latest_fault_block: AtomicU64::new(u64::MAX),
             working_set: WorkingSet::new(blocks),
             owner_gone: AtomicBool::new(false),
             prefetch_stop: AtomicBool::new(false),
@@ -541,6 +553,15 @@ impl Shared {
                         Event::Pagefault { addr, minor, .. } => {
                             self.faults_seen.fetch_add(1, Ordering::Relaxed);
                             self.faults_in_flight.fetch_add(1, Ordering::Relaxed);
+                            self.metrics.fault_events.fetch_add(1, Ordering::Relaxed);
+                            if let Some(region) = self.locate(addr) {
+                                let page = region.first_page
+                                    + region.spec.range.page_index(addr).expect("located");
+                                self.latest_fault_block.store(
+                                    self.block_size.index_of(page * PAGE_SIZE),
+                                    Ordering::Relaxed,
+                                );
+                            }
                             pending.push(Pending {
                                 addr,
                                 minor,
@@ -565,11 +586,10 @@ impl Shared {
                 let result = if repeat.1 > 10_000 {
                     Err(FaultError::Lost { addr: fault.addr })
                 } else {
-                    self.resolve(fault.addr, fault.minor, &mut buf)
+                    self.resolve(fault.addr, fault.minor, fault.since, &mut buf)
                 };
                 match result {
                     Ok(Attempt::Resolved) => {
-                        self.metrics.fault_latency.record(fault.since.elapsed());
                         self.faults_in_flight.fetch_sub(1, Ordering::Relaxed);
                     }
                     Ok(Attempt::Retry) => {
@@ -632,7 +652,14 @@ impl Shared {
     }
 
     /// Resolves one fault.
-    fn resolve(&self, addr: HostAddr, minor: bool, buf: &mut [u8]) -> Result<Attempt, FaultError> {
+    /// Resolves one fault read at `since` (its latency is recorded just before the wake).
+    fn resolve(
+        &self,
+        addr: HostAddr,
+        minor: bool,
+        since: Instant,
+        buf: &mut [u8],
+    ) -> Result<Attempt, FaultError> {
         let region = self.locate(addr).ok_or(FaultError::Outside { addr })?;
         let page = region.first_page + region.spec.range.page_index(addr).expect("located");
         let install = |source| FaultError::Install { addr, source };
@@ -646,6 +673,7 @@ impl Shared {
             }
             self.states.set(page, PageState::Resident);
             self.metrics.faults_minor.fetch_add(1, Ordering::Relaxed);
+            self.metrics.fault_latency.record(since.elapsed());
             self.uffd.wake(one).map_err(install)?;
             return Ok(Attempt::Resolved);
         }
@@ -654,6 +682,7 @@ impl Shared {
             match state {
                 PageState::Resident | PageState::Dropping => {
                     let one = HostRange::new(region.addr_of(page), PAGE_SIZE).expect("one page");
+                    self.metrics.fault_latency.record(since.elapsed());
                     self.uffd.wake(one).map_err(install)?;
                     self.metrics.eexist_races.fetch_add(1, Ordering::Relaxed);
                     return Ok(Attempt::Resolved);
@@ -663,7 +692,9 @@ impl Shared {
                     if self.states.get(page) != state {
                         continue;
                     }
-                    return self.install(region, page, state, None).map_err(install);
+                    return self
+                        .install(region, page, state, None, since)
+                        .map_err(install);
                 }
                 PageState::Source | PageState::Stored => {
                     let span = self.block_span(region, page);
@@ -698,7 +729,9 @@ impl Shared {
                     // Recorded before the install wakes the faulting thread, so that an
                     // offload right after sees it.
                     self.working_set.record(block);
-                    return self.install(region, page, state, data).map_err(install);
+                    return self
+                        .install(region, page, state, data, since)
+                        .map_err(install);
                 }
             }
         }
@@ -713,6 +746,7 @@ impl Shared {
         page: u64,
         state: PageState,
         data: Option<(u64, &[u8])>,
+        since: Instant,
     ) -> Result<Attempt, UffdError> {
         let span = self.block_span(region, page);
         let pages = if self.states.all(span.clone(), state) {
@@ -720,24 +754,26 @@ impl Shared {
         } else {
             page..page + 1
         };
-        Ok(match self.install_run(region, pages, state, data, true)? {
-            Some(_) => Attempt::Resolved,
-            None => Attempt::Retry,
-        })
+        Ok(
+            match self.install_run(region, pages, state, data, Some(since))? {
+                Some(_) => Attempt::Resolved,
+                None => Attempt::Retry,
+            },
+        )
     }
 
     /// Installs the pages `pages` of `region` (all in `state`, not mapped) from `data` (first
     /// image page of the buffer, bytes) or as zero pages, marks them resident and counts them
-    /// (as one fault if `fault`), then wakes waiters. Returns the pages it filled
-    /// (already-mapped ones are skipped), or `None` on EAGAIN (read events, then retry).
-    /// Called under the read lock.
+    /// (as one fault read at `fault`, if it is one), then wakes waiters. Returns the pages it
+    /// filled (already-mapped ones are skipped), or `None` on EAGAIN (read events, then
+    /// retry). Called under the read lock.
     pub(crate) fn install_run(
         &self,
         region: &Region,
         pages: std::ops::Range<u64>,
         state: PageState,
         data: Option<(u64, &[u8])>,
-        fault: bool,
+        fault: Option<Instant>,
     ) -> Result<Option<u64>, UffdError> {
         let count = pages.end - pages.start;
         let range = HostRange::new(region.addr_of(pages.start), count * PAGE_SIZE)
@@ -766,7 +802,8 @@ impl Shared {
             Some(_) => (&m.pages_copied, &m.faults_copy),
         };
         pages_counter.fetch_add(filled, Ordering::Relaxed);
-        if fault {
+        if let Some(since) = fault {
+            m.fault_latency.record(since.elapsed());
             faults_counter.fetch_add(1, Ordering::Relaxed);
             if filled < count {
                 m.eexist_races.fetch_add(1, Ordering::Relaxed);

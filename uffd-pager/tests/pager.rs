@@ -451,9 +451,9 @@ fn pager_second_resume_prefetches_the_recorded_working_set() {
 
     pager.offload(&config).unwrap();
     // First resume without prefetch: every touched block is a synchronous fault, recorded.
-    let before = pager.metrics().snapshot().faults_copy;
+    let before = pager.metrics().snapshot().fault_events;
     let first_sum = touch(&ram);
-    let first_faults = pager.metrics().snapshot().faults_copy - before;
+    let first_faults = pager.metrics().snapshot().fault_events - before;
     assert_eq!(first_faults, 64);
 
     pager.offload(&config).unwrap();
@@ -461,9 +461,9 @@ fn pager_second_resume_prefetches_the_recorded_working_set() {
     assert_eq!(report.working_set_blocks, 64);
     // Give the prefetcher the head start a real resume has (the VM's first instructions).
     std::thread::sleep(std::time::Duration::from_millis(200));
-    let before = pager.metrics().snapshot().faults_copy;
+    let before = pager.metrics().snapshot().fault_events;
     assert_eq!(touch(&ram), first_sum);
-    let second_faults = pager.metrics().snapshot().faults_copy - before;
+    let second_faults = pager.metrics().snapshot().fault_events - before;
     assert!(
         second_faults * 2 <= first_faults,
         "{second_faults} vs {first_faults}"
