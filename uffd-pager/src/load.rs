@@ -192,7 +192,7 @@ impl Pager {
                 report.working_set_blocks = order.len() as u64;
                 let hot = order.len();
                 order.extend(stored.iter().filter(|&&b| !in_set[b as usize]));
-                self.start_prefetch(order, hot)?;
+                self.start_prefetch(order, hot, threads)?;
             }
         }
         report.elapsed_ms = started.elapsed().as_secs_f64() * 1e3;
@@ -200,14 +200,14 @@ impl Pager {
     }
 
     /// Starts the background prefetcher over `order` (the first `hot` blocks are the
-    /// recorded working set), replacing one that is still running.
-    fn start_prefetch(&self, order: Vec<u64>, hot: usize) -> Result<(), LoadError> {
+    /// recorded working set, prefetched by `threads` threads), replacing one still running.
+    fn start_prefetch(&self, order: Vec<u64>, hot: usize, threads: usize) -> Result<(), LoadError> {
         self.stop_prefetch();
         let shared = std::sync::Arc::clone(self.shared());
         shared.prefetch_stop.store(false, Ordering::Relaxed);
         let handle = std::thread::Builder::new()
             .name("uffd-prefetch".into())
-            .spawn(move || prefetch(&shared, &order, hot))
+            .spawn(move || prefetch(&shared, &order, hot, threads))
             .map_err(LoadError::Thread)?;
         *self.prefetcher().lock() = Some(handle);
         Ok(())
@@ -259,12 +259,14 @@ fn eager(shared: &Shared, blocks: &[u64], threads: usize) -> Result<u64, LoadErr
     Ok(total)
 }
 
-/// The prefetcher: installs `order` in chunks that start at 64 KiB and double while no fault
-/// arrives (up to 4 MiB). While faults are pending it yields to them; when it goes on, it
+/// The prefetcher. The recorded working set (`order[..hot]`) goes first, installed by
+/// `threads` threads at once: it is what the VM needs soonest. The rest goes in chunks that
+/// start at 64 KiB and double while no fault arrives (up to 4 MiB). While faults are pending
+/// every prefetch thread yields to them; when the single one of the second phase goes on, it
 /// skips ahead past the block of the latest fault if that block is further along its order
 /// (the faulting thread is reading there: installing what comes next helps it, installing
 /// behind it does not), and comes back for the skipped blocks at the end.
-fn prefetch(shared: &Shared, order: &[u64], hot: usize) {
+fn prefetch(shared: &Shared, order: &[u64], hot: usize, threads: usize) {
     let block_bytes = shared.block_size.bytes_u64();
     let min_chunk = (MIN_CHUNK_BYTES / block_bytes).max(1) as usize;
     let max_chunk = (MAX_CHUNK_BYTES / block_bytes).max(1) as usize;
@@ -277,7 +279,6 @@ fn prefetch(shared: &Shared, order: &[u64], hot: usize) {
     }
     let mut chunk = min_chunk;
     let mut buf = vec![0u8; shared.block_size.bytes()];
-    let mut at = 0;
     let mut skipped: Vec<std::ops::Range<usize>> = Vec::new();
     let mut faults = shared.faults_seen.load(Ordering::Relaxed);
     let fill = |i: usize, buf: &mut [u8]| match shared.fill_block(order[i], buf) {
@@ -294,6 +295,30 @@ fn prefetch(shared: &Shared, order: &[u64], hot: usize) {
         // A block that cannot be read is left to faults, which report the error.
         Err(_) => {}
     };
+    // Phase one: the working set, in parallel.
+    let next = AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        for _ in 0..threads.max(1) {
+            scope.spawn(|| {
+                let mut buf = vec![0u8; shared.block_size.bytes()];
+                loop {
+                    if shared.prefetch_stop.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    if shared.faults_in_flight.load(Ordering::Relaxed) > 0 {
+                        std::thread::yield_now();
+                        continue;
+                    }
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= hot {
+                        return;
+                    }
+                    fill(i, &mut buf);
+                }
+            });
+        }
+    });
+    let mut at = hot;
     while at < order.len() {
         if shared.prefetch_stop.load(Ordering::Relaxed) {
             return;
