@@ -1,0 +1,183 @@
+//! The baseline: a handler written the way Firecracker's `examples/uffd/valid_handler.rs`
+//! serves a snapshot (its `uffd_utils.rs` `Runtime` and `UffdHandler`).
+//!
+//! One thread accepts one connection, maps the memory file `PROT_READ`/`MAP_PRIVATE`, receives
+//! the handshake (JSON regions + the uffd), then polls the socket and the uffd; for every
+//! page fault it answers with one `UFFDIO_COPY` (waking) of the faulting 4 KiB page straight
+//! from the file mapping, or `UFFDIO_ZEROPAGE` for a page a `REMOVE` event discarded (kept in a
+//! `HashSet` of page numbers, as the example does). It stops when the socket closes.
+//! Deviations, none of which the bench exercises: events are read with the pager's wrapper
+//! (up to 64 per `read`, where the example reads one; with one touching thread there is only
+//! ever one pending), and a copy failing with `EAGAIN` is retried after the next read of events
+//! instead of being dropped.
+
+use std::collections::HashSet;
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
+
+use uffd_pager::addr::{HostAddr, HostRange, PAGE_SIZE};
+use uffd_pager::uffd::{Event, UffdError, Userfaultfd};
+
+use crate::ram::{Mapping, PAGE};
+use crate::Res;
+
+/// A handler waiting for its one VM.
+pub struct Handler {
+    thread: JoinHandle<Result<u64, String>>,
+}
+
+impl Handler {
+    /// Listens on `socket` (bound before returning) and serves one VM from `mem_file`.
+    pub fn spawn(socket: &Path, mem_file: &Path) -> Res<Self> {
+        let _ = std::fs::remove_file(socket);
+        let listener = UnixListener::bind(socket)?;
+        let mem_file: PathBuf = mem_file.to_path_buf();
+        let thread = std::thread::Builder::new()
+            .name("fc-uffd-handler".into())
+            .spawn(move || serve(&listener, &mem_file).map_err(|e| e.to_string()))?;
+        Ok(Self { thread })
+    }
+
+    /// Waits until the VM has left; returns the page faults served.
+    pub fn join(self) -> Res<u64> {
+        Ok(self
+            .thread
+            .join()
+            .map_err(|_| "the Firecracker-style handler panicked")??)
+    }
+}
+
+/// One region of the handshake (`GuestRegionUffdMapping`).
+struct Region {
+    base: u64,
+    size: u64,
+    offset: u64,
+}
+
+fn serve(listener: &UnixListener, mem_file: &Path) -> Res<u64> {
+    let (stream, _) = listener.accept()?;
+    let file = File::open(mem_file)?;
+    let backing = Mapping::file(&file, usize::try_from(file.metadata()?.len())?)?;
+    let (json, uffd) = receive(&stream)?;
+    let regions = parse_regions(&json)?;
+    let uffd = Userfaultfd::from_fd(uffd);
+    let mut removed: HashSet<u64> = HashSet::new();
+    let mut events = Vec::with_capacity(64);
+    let mut pending: Vec<HostAddr> = Vec::new();
+    let mut served = 0u64;
+    let mut discard = [0u8; 256];
+    loop {
+        let (uffd_ready, stream_ready) = uffd.poll(Some(stream.as_raw_fd()), -1)?;
+        if stream_ready {
+            // Firecracker sends nothing after the handshake: readable means it left.
+            // SAFETY: reading into our own buffer.
+            let n = unsafe {
+                libc::read(
+                    stream.as_raw_fd(),
+                    discard.as_mut_ptr().cast(),
+                    discard.len(),
+                )
+            };
+            if n <= 0 {
+                return Ok(served);
+            }
+        }
+        if !uffd_ready && pending.is_empty() {
+            continue;
+        }
+        uffd.read_events(&mut events)?;
+        for event in events.drain(..) {
+            match event {
+                Event::Pagefault { addr, .. } => pending.push(addr),
+                Event::Remove { start, end } => {
+                    removed.extend(start.0 / PAGE_SIZE..end.0 / PAGE_SIZE);
+                }
+                _ => {}
+            }
+        }
+        let mut retry = Vec::new();
+        for addr in pending.drain(..) {
+            let page = addr.page_down();
+            let result = if removed.contains(&(page.0 / PAGE_SIZE)) {
+                let range = HostRange::new(page, PAGE_SIZE).expect("one page");
+                uffd.zeropage(range, true).map(|_| ())
+            } else {
+                let region = regions
+                    .iter()
+                    .find(|r| page.0 >= r.base && page.0 < r.base + r.size)
+                    .ok_or_else(|| format!("fault at {addr} outside every region"))?;
+                let at = usize::try_from(region.offset + page.0 - region.base)?;
+                uffd.copy(page, &backing.bytes()[at..at + PAGE], true)
+                    .map(|_| ())
+            };
+            match result {
+                Ok(()) => served += 1,
+                Err(UffdError::Retry { .. }) => retry.push(addr),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        pending = retry;
+    }
+}
+
+/// Receives the handshake: the JSON text and the one descriptor.
+fn receive(stream: &UnixStream) -> Res<(String, OwnedFd)> {
+    let mut buf = vec![0u8; 4096];
+    let mut control = [0u64; 8];
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: an all-zero msghdr is valid; the fields are set below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&control) as _;
+    // SAFETY: `msg` describes our own buffers.
+    let n = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    let len = usize::try_from(n).map_err(|_| std::io::Error::last_os_error())?;
+    // SAFETY: the kernel filled the control buffer that `msg` describes.
+    let cmsg = unsafe { libc::CMSG_FIRSTHDR(&msg) };
+    // SAFETY: a non-null header points into `control`.
+    if cmsg.is_null() || unsafe { (*cmsg).cmsg_type } != libc::SCM_RIGHTS {
+        return Err("the handshake carries no descriptor".into());
+    }
+    // SAFETY: an SCM_RIGHTS message carries at least one descriptor, which is now ours.
+    let fd = unsafe {
+        OwnedFd::from_raw_fd(std::ptr::read_unaligned(
+            libc::CMSG_DATA(cmsg).cast::<i32>(),
+        ))
+    };
+    Ok((String::from_utf8(buf[..len].to_vec())?, fd))
+}
+
+/// The regions of a bare JSON array of `{base_host_virt_addr, size, offset, ...}` (the bench
+/// sends it; numbers only, no nesting).
+fn parse_regions(json: &str) -> Res<Vec<Region>> {
+    let field = |object: &str, key: &str| -> Res<u64> {
+        let pattern = format!("\"{key}\":");
+        let at = object
+            .find(&pattern)
+            .ok_or_else(|| format!("no {key} in {object}"))?;
+        let digits: String = object[at + pattern.len()..]
+            .trim_start()
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect();
+        Ok(digits.parse()?)
+    };
+    json.split('{')
+        .skip(1)
+        .map(|object| {
+            Ok(Region {
+                base: field(object, "base_host_virt_addr")?,
+                size: field(object, "size")?,
+                offset: field(object, "offset")?,
+            })
+        })
+        .collect()
+}

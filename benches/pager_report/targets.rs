@@ -1,0 +1,160 @@
+//! The ratios derived run by run, and the verdict on each target of issue 3.
+
+use crate::results::{fmt, Results};
+use crate::resume::{self, RESUMES};
+use crate::Settings;
+
+/// Adds the per-run ratios the targets and the report use.
+pub fn derive(results: &mut Results, settings: &Settings) {
+    for source in ["lz4", "zstd", "zero"] {
+        for what in ["touch_p50_us", "pager_p50_us", "touch_p99_us"] {
+            results.ratio(
+                &format!("ratio.latency.{source}_over_raw.{what}"),
+                &format!("latency.{source}.t1.c1.{what}"),
+                &format!("latency.raw.t1.c1.{what}"),
+            );
+        }
+    }
+    for touch in ["lazy", "full"] {
+        for ours in ["ours_raw", "ours_lz4"] {
+            results.ratio(
+                &format!("ratio.restore.{touch}.firecracker_over_{ours}"),
+                &format!("restore.{touch}.firecracker.ms"),
+                &format!("restore.{touch}.{ours}.ms"),
+            );
+        }
+    }
+    for content in ["mixed", "full"] {
+        results.ratio(
+            &format!("ratio.offload.{content}.lz4_over_none"),
+            &format!("offload.{content}.lz4.ms"),
+            &format!("offload.{content}.none.ms"),
+        );
+    }
+    for head in [0, settings.head_start_ms] {
+        for later in 2..=RESUMES {
+            results.ratio(
+                &format!("ratio.resume.h{head}.first_over_r{later}"),
+                &format!("{}.sync_faults", resume::key(head, 1)),
+                &format!("{}.sync_faults", resume::key(head, later)),
+            );
+            results.ratio(
+                &format!("ratio.resume.h{head}.first_over_r{later}.thread_faults"),
+                &format!("{}.thread_faults", resume::key(head, 1)),
+                &format!("{}.thread_faults", resume::key(head, later)),
+            );
+        }
+    }
+}
+
+pub struct Verdict {
+    pub target: String,
+    pub figure: String,
+    pub result: &'static str,
+}
+
+/// "1.23× (median of 5; min 1.1, max 1.4; 4 of 5 runs meet it)".
+fn ratio_figure(results: &Results, key: &str, ok: &dyn Fn(f64) -> bool) -> String {
+    let s = results.summary(key);
+    format!(
+        "{}× (median of {}; min {}, max {}; {} of {} runs meet it)",
+        fmt(s.median),
+        s.n,
+        fmt(s.min),
+        fmt(s.max),
+        results.count(key, ok),
+        s.n
+    )
+}
+
+fn verdict(
+    results: &Results,
+    target: String,
+    key: &str,
+    ok: &dyn Fn(f64) -> bool,
+    extra: String,
+) -> Verdict {
+    let median = results.summary(key).median;
+    Verdict {
+        target,
+        figure: format!("{}{extra}", ratio_figure(results, key, ok)),
+        result: if median.is_nan() {
+            "NOT MEASURED"
+        } else if ok(median) {
+            "PASS"
+        } else {
+            "FAIL"
+        },
+    }
+}
+
+pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
+    let mut out = Vec::new();
+    let le = |limit: f64| move |v: f64| v <= limit;
+    let ge = |limit: f64| move |v: f64| v >= limit;
+    let pager = results.summary("ratio.latency.lz4_over_raw.pager_p50_us");
+    out.push(verdict(
+        results,
+        "lz4-compressed fault p50 ≤ 1.3× raw-file fault p50 (touching thread)".into(),
+        "ratio.latency.lz4_over_raw.touch_p50_us",
+        &le(1.3),
+        format!(
+            ", lz4 p50 / raw p50; by the pager's histogram {}× (min {}, max {})",
+            fmt(pager.median),
+            fmt(pager.min),
+            fmt(pager.max)
+        ),
+    ));
+    for (ours, what) in [
+        ("ours_raw", "raw file, like for like"),
+        ("ours_lz4", "lz4 store"),
+    ] {
+        out.push(verdict(
+            results,
+            format!(
+                "full restore of {} MiB ≥ 3× faster than the Firecracker-style handler (ours from the {what})",
+                settings.image >> 20
+            ),
+            &format!("ratio.restore.full.firecracker_over_{ours}"),
+            &ge(3.0),
+            ", Firecracker-style time / our time".into(),
+        ));
+    }
+    let mixed = format!(
+        "{} MiB repeated + {} MiB random in {} MiB",
+        settings.repeated >> 20,
+        settings.random >> 20,
+        settings.image >> 20
+    );
+    let full = format!("{} MiB fully written", settings.image >> 20);
+    for (content, what) in [("mixed", mixed.as_str()), ("full", full.as_str())] {
+        out.push(verdict(
+            results,
+            format!("compressed (lz4) offload time ≤ 1.5× raw offload time ({what})"),
+            &format!("ratio.offload.{content}.lz4_over_none"),
+            &le(1.5),
+            ", lz4 time / raw time, write + commit + drop".into(),
+        ));
+    }
+    for head in [settings.head_start_ms, 0] {
+        let first = results.summary(&format!("{}.sync_faults", resume::key(head, 1)));
+        let second = results.summary(&format!("{}.sync_faults", resume::key(head, 2)));
+        out.push(verdict(
+            results,
+            format!("second resume takes ≥ 2× fewer synchronous faults than the first ({head} ms head start)"),
+            &format!("ratio.resume.h{head}.first_over_r2"),
+            &ge(2.0),
+            format!(
+                ", first / second `faults_copy + faults_zero`; median {} vs {} faults. Counting every \
+                 fault the touching thread waited for (also those the prefetcher resolved while it \
+                 waited): {}×",
+                fmt(first.median),
+                fmt(second.median),
+                fmt(results
+                    .summary(&format!("ratio.resume.h{head}.first_over_r2.thread_faults"))
+                    .median),
+            ),
+        ));
+    }
+    out
+}

@@ -1,0 +1,356 @@
+//! The VMs this bench process runs itself through `vmm::vm::Vm`, one at a time (PSS is
+//! process-wide: the bench process is the VM process, like `pvisor run`).
+//!
+//! Every case is a fresh 512 MiB VM with a fresh disk file and store directory:
+//! - `base`: fill, digest, then `task` (the never-offloaded baseline), then `touch` of the
+//!   application data on the warm VM;
+//! - `CODEC-lazy|eager`: fill, digest, offload, then resume and `task`, timed from the resume
+//!   call to the end of the task;
+//! - `touch-CODEC-lazy|eager`: the same offload and resume, then `touch` of the application
+//!   data (timed from the resume call), then `task` on the now resident VM.
+
+use std::fs;
+use std::path::Path;
+use std::time::Instant;
+
+use uffd_pager::metrics::MetricsSnapshot;
+use uffd_pager::pager::RamKind;
+use vmm::script;
+use vmm::vm::{Vm, VmOptions};
+
+use crate::results::Results;
+use crate::{Codec, Content, Res, Settings, MIB};
+
+/// A kind of VM run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Case {
+    Base,
+    Resume { codec: Codec, eager: bool },
+    Touch { codec: Codec, eager: bool },
+}
+
+impl Case {
+    pub fn name(self) -> String {
+        let mode = |eager: bool| if eager { "eager" } else { "lazy" };
+        match self {
+            Case::Base => "base".into(),
+            Case::Resume { codec, eager } => format!("{}-{}", codec.name(), mode(eager)),
+            Case::Touch { codec, eager } => format!("touch-{}-{}", codec.name(), mode(eager)),
+        }
+    }
+}
+
+/// Every case of one content, in the order of run 0.
+pub const CASES: [Case; 10] = [
+    Case::Base,
+    Case::Resume {
+        codec: Codec::Raw,
+        eager: false,
+    },
+    Case::Resume {
+        codec: Codec::Lz4,
+        eager: false,
+    },
+    Case::Touch {
+        codec: Codec::Raw,
+        eager: false,
+    },
+    Case::Resume {
+        codec: Codec::Raw,
+        eager: true,
+    },
+    Case::Resume {
+        codec: Codec::Zstd,
+        eager: false,
+    },
+    Case::Touch {
+        codec: Codec::Lz4,
+        eager: false,
+    },
+    Case::Resume {
+        codec: Codec::Lz4,
+        eager: true,
+    },
+    Case::Touch {
+        codec: Codec::Raw,
+        eager: true,
+    },
+    Case::Touch {
+        codec: Codec::Lz4,
+        eager: true,
+    },
+];
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / MIB as f64
+}
+
+fn ms(started: Instant) -> f64 {
+    started.elapsed().as_secs_f64() * 1e3
+}
+
+/// Runs one case and records its figures under `vm.CONTENT.CASE.*`.
+pub fn run_case(
+    settings: &Settings,
+    dir: &Path,
+    content: Content,
+    case: Case,
+    run: usize,
+    results: &mut Results,
+) -> Res<()> {
+    let name = case.name();
+    let key = |quantity: &str| format!("vm.{}.{name}.{quantity}", content.name());
+    let codec = match case {
+        Case::Base => Codec::Raw,
+        Case::Resume { codec, .. } | Case::Touch { codec, .. } => codec,
+    };
+    let store_dir = dir.join(format!("store-{}-{name}", content.name()));
+    let disk = dir.join(format!("disk-{}-{name}.img", content.name()));
+    let _ = fs::remove_dir_all(&store_dir);
+    let _ = fs::remove_file(&disk);
+    let mut vm = Vm::start(VmOptions {
+        memory: settings.memory,
+        vcpus: 1,
+        ram_backing: RamKind::Anon,
+        ram_compression: codec != Codec::Raw,
+        ram_codec: codec.codec_name().into(),
+        disk: disk.clone(),
+        store_dir: store_dir.clone(),
+        cgroup: None,
+        // What `pvisor run` uses by default.
+        pager_threads: 1,
+        io_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
+    })?;
+    let fill = format!(
+        "fill {} {} seed={}; digest",
+        settings.app,
+        content.name(),
+        settings.seed
+    );
+    let out = vm.exec(&script::parse(&fill)?)?;
+    let digest = out[1].digest.clone().ok_or("digest gave no digest")?;
+    let running = vm.stats();
+    results.put(
+        &key("pss_running_mib"),
+        "MiB",
+        run,
+        mib(running.process_pss_bytes),
+    );
+    results.put(
+        &key("guest_pss_running_mib"),
+        "MiB",
+        run,
+        mib(running.guest_ram_pss_bytes),
+    );
+    let task = script::parse("task")?;
+    let touch = script::parse(&format!("touch {}", settings.app))?;
+    let check = |out: &[vmm::machine::CommandOutput], what: &str| -> Res<()> {
+        match out.first().and_then(|o| o.digest.as_deref()) {
+            Some(d) if d == digest => Ok(()),
+            other => Err(format!(
+                "{}/{name}: {what}: digest {other:?}, expected {digest}: the data changed",
+                content.name()
+            )
+            .into()),
+        }
+    };
+
+    let (eager, touch_first) = match case {
+        Case::Base => {
+            crate::settle();
+            let started = Instant::now();
+            let out = vm.exec(&task)?;
+            results.put(&key("task_ms"), "ms", run, ms(started));
+            check(&out, "task")?;
+            let started = Instant::now();
+            let out = vm.exec(&touch)?;
+            results.put(&key("touch_ms"), "ms", run, ms(started));
+            results.put(&key("touch_cmd_ms"), "ms", run, out[0].elapsed_ms);
+            drop(vm);
+            let _ = fs::remove_file(&disk);
+            return Ok(());
+        }
+        Case::Resume { eager, .. } => (eager, false),
+        Case::Touch { eager, .. } => (eager, true),
+    };
+
+    crate::settle();
+    let suspend = vm.suspend(true, None)?;
+    let offload = suspend.offload.ok_or("suspend --offload did no offload")?;
+    results.put(&key("offload_ms"), "ms", run, suspend.elapsed_ms);
+    results.put(&key("offload_write_ms"), "ms", run, offload.write_ms);
+    results.put(&key("offload_drop_ms"), "ms", run, offload.drop_ms);
+    results.put(
+        &key("offload_pages"),
+        "pages",
+        run,
+        offload.pages_dropped as f64,
+    );
+    let offloaded = vm.stats();
+    results.put(
+        &key("pss_offloaded_mib"),
+        "MiB",
+        run,
+        mib(offloaded.process_pss_bytes),
+    );
+    results.put(
+        &key("guest_pss_offloaded_mib"),
+        "MiB",
+        run,
+        mib(offloaded.guest_ram_pss_bytes),
+    );
+    results.put(
+        &key("backing_mib"),
+        "MiB",
+        run,
+        mib(offloaded.backing_disk_bytes),
+    );
+    results.put(
+        &key("store_cached_mib"),
+        "MiB",
+        run,
+        mib(cached_bytes(&store_dir)),
+    );
+    let before = offloaded.pager;
+
+    crate::settle();
+    let started = Instant::now();
+    let resume = vm.resume(eager)?;
+    results.put(&key("resume_ms"), "ms", run, resume.elapsed_ms);
+    if let Some(load) = &resume.load {
+        results.put(&key("load_blocks"), "blocks", run, load.blocks as f64);
+    }
+    if touch_first {
+        let out = vm.exec(&touch)?;
+        results.put(&key("resume_touch_ms"), "ms", run, ms(started));
+        results.put(&key("touch_cmd_ms"), "ms", run, out[0].elapsed_ms);
+        faults(&key, &before, &vm.stats().pager, run, results);
+        let started = Instant::now();
+        let out = vm.exec(&task)?;
+        results.put(&key("task_after_touch_ms"), "ms", run, ms(started));
+        check(&out, "task after touch")?;
+    } else {
+        let out = vm.exec(&task)?;
+        results.put(&key("resume_task_ms"), "ms", run, ms(started));
+        results.put(&key("task_cmd_ms"), "ms", run, out[0].elapsed_ms);
+        check(&out, "task after resume")?;
+        faults(&key, &before, &vm.stats().pager, run, results);
+    }
+    // The prefetcher of a lazy load may still be running; let it finish before the VM goes.
+    vm.machine().pager().wait_prefetch();
+    let after = vm.stats();
+    results.put(
+        &key("pss_resumed_mib"),
+        "MiB",
+        run,
+        mib(after.process_pss_bytes),
+    );
+    if after.fault_errors > 0 {
+        return Err(format!(
+            "{}/{name}: {} fault errors",
+            content.name(),
+            after.fault_errors
+        )
+        .into());
+    }
+    drop(vm);
+    let _ = fs::remove_dir_all(&store_dir);
+    let _ = fs::remove_file(&disk);
+    Ok(())
+}
+
+/// Pager counters between two snapshots.
+fn faults(
+    key: &dyn Fn(&str) -> String,
+    before: &MetricsSnapshot,
+    after: &MetricsSnapshot,
+    run: usize,
+    results: &mut Results,
+) {
+    let delta = |a: u64, b: u64| a.saturating_sub(b) as f64;
+    results.put(
+        &key("faults_copy"),
+        "faults",
+        run,
+        delta(after.faults_copy, before.faults_copy),
+    );
+    results.put(
+        &key("faults_zero"),
+        "faults",
+        run,
+        delta(after.faults_zero, before.faults_zero),
+    );
+    results.put(
+        &key("block_copies"),
+        "blocks",
+        run,
+        delta(after.block_copies, before.block_copies),
+    );
+    results.put(
+        &key("pages_copied"),
+        "pages",
+        run,
+        delta(after.pages_copied, before.pages_copied),
+    );
+    results.put(
+        &key("prefetch_pages"),
+        "pages",
+        run,
+        delta(after.prefetch_pages, before.prefetch_pages),
+    );
+    results.put(
+        &key("eexist_races"),
+        "faults",
+        run,
+        delta(after.eexist_races, before.eexist_races),
+    );
+    // The histogram is cumulative: the mean of the faults in between, from counts and means.
+    let (n0, n1) = (before.fault_latency.count, after.fault_latency.count);
+    if n1 > n0 {
+        let total =
+            after.fault_latency.mean_us * n1 as f64 - before.fault_latency.mean_us * n0 as f64;
+        results.put(&key("fault_mean_us"), "µs", run, total / (n1 - n0) as f64);
+    }
+}
+
+/// Bytes of the files in `dir` that are in the page cache (`mincore` of a mapping that is
+/// never read).
+fn cached_bytes(dir: &Path) -> u64 {
+    use std::os::fd::AsRawFd;
+    let mut total = 0;
+    let Ok(entries) = fs::read_dir(dir) else {
+        return 0;
+    };
+    for entry in entries.filter_map(Result::ok) {
+        let Ok(file) = fs::File::open(entry.path()) else {
+            continue;
+        };
+        let len = file.metadata().map_or(0, |m| m.len()) as usize;
+        if len == 0 || !entry.path().is_file() {
+            continue;
+        }
+        // SAFETY: a new read-only shared mapping of a file we hold open; never dereferenced,
+        // unmapped below.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            continue;
+        }
+        let mut resident = vec![0u8; len.div_ceil(4096)];
+        // SAFETY: `resident` has one byte per page of the mapping.
+        if unsafe { libc::mincore(addr, len, resident.as_mut_ptr()) } == 0 {
+            total += resident.iter().filter(|&&b| b & 1 == 1).count() as u64 * 4096;
+        }
+        // SAFETY: unmapping the mapping made above.
+        unsafe { libc::munmap(addr, len) };
+    }
+    total
+}

@@ -1,0 +1,407 @@
+//! Scenario bench of the VMM (issue 4): a 512 MiB VM with 64 MiB of application data, as in
+//! the seed's single-VM table. Regenerates `docs/bench/vm.md`, `docs/bench/vm.csv` and
+//! `docs/bench/vm.svg`.
+//!
+//! `cargo bench --bench vm_report` runs `VM_BENCH_RUNS` (default 5) interleaved runs. Each run
+//! measures, for repeated and random content:
+//! - in this process, through `vmm::vm::Vm`, one VM at a time (`inproc`): resident memory
+//!   (process PSS, guest-RAM PSS) running, after a raw, lz4 and zstd offload; the offload's
+//!   time and write/drop split; the store's allocated blocks; the time from the resume call to
+//!   the end of `task` (lazy and eager) beside `task` on a never-offloaded VM; and a breakdown
+//!   (`touch` of the data right after resume vs on the warm VM, the pager's fault counters);
+//! - in the real `pvisor` process (`process`): `pvisor run --detach`, `pvisor stats` running
+//!   and after `pvisor suspend --vm-offload` (the headline PSS), and resume + task beside task
+//!   on a never-offloaded `pvisor` VM.
+//!
+//! Run `r` does the two parts in the order in-process → pvisor for even `r` and reversed for
+//! odd `r`, swaps the order of the contents likewise, and rotates the order of the cases by
+//! `r`. Ratios are computed within a run, then summarised (min/median/max). Temporary files
+//! live under `target/bench-tmp/vm/pPID/` (the real disk) and are removed.
+//!
+//! Needs root, `/dev/kvm` and `/dev/userfaultfd`, and `target/release/pvisor` built from the
+//! current sources (`cargo build --release -p vmm --bin pvisor`). Run without `--bench` (as
+//! `cargo test --benches` does), it is a quick smoke run of a 32 MiB VM with 4 MiB of data
+//! that writes no report (and skips the pvisor part if the binary is missing or stale;
+//! `PVISOR_SKIP_DEVICE_TESTS=1` skips it altogether).
+
+#![allow(clippy::cast_possible_truncation, clippy::cast_precision_loss)]
+
+use std::error::Error;
+use std::fmt::Write as _;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+mod breakdown;
+mod host;
+mod inproc;
+mod process;
+mod report;
+mod results;
+mod svg;
+mod targets;
+
+use results::Results;
+
+type Res<T> = Result<T, Box<dyn Error>>;
+
+const MIB: u64 = 1 << 20;
+
+/// Application data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Content {
+    Repeated,
+    Random,
+}
+
+impl Content {
+    pub const ALL: [Content; 2] = [Content::Repeated, Content::Random];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Content::Repeated => "repeated",
+            Content::Random => "random",
+        }
+    }
+}
+
+/// How an offload stores RAM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Codec {
+    Raw,
+    Lz4,
+    Zstd,
+}
+
+impl Codec {
+    pub fn name(self) -> &'static str {
+        match self {
+            Codec::Raw => "raw",
+            Codec::Lz4 => "lz4",
+            Codec::Zstd => "zstd",
+        }
+    }
+
+    /// The name `--vm-ram-codec` takes.
+    pub fn codec_name(self) -> &'static str {
+        match self {
+            Codec::Raw => "none",
+            Codec::Lz4 => "lz4",
+            Codec::Zstd => "zstd",
+        }
+    }
+}
+
+/// Sizes of one bench (full or smoke).
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub runs: usize,
+    pub write_docs: bool,
+    pub memory: u64,
+    pub app: u64,
+    pub seed: u64,
+    /// The `pvisor` binary, or why the pvisor part is skipped (smoke run only).
+    pub pvisor: Result<PathBuf, String>,
+    pub root: PathBuf,
+    pub tmp: PathBuf,
+}
+
+impl Settings {
+    pub fn app_pages(&self) -> f64 {
+        (self.app / 4096) as f64
+    }
+}
+
+fn main() {
+    if let Err(err) = run() {
+        let mut text = err.to_string();
+        let mut cause = err.source();
+        while let Some(next) = cause {
+            let _ = write!(text, ": {next}");
+            cause = next.source();
+        }
+        eprintln!("vm_report: {text}");
+        std::process::exit(1);
+    }
+}
+
+fn settings() -> Res<Settings> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let target = match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => root.join(dir),
+        None => root.join("target"),
+    };
+    // One directory per bench process, so that a smoke run cannot clear a running bench's files.
+    let tmp = target
+        .join("bench-tmp")
+        .join("vm")
+        .join(format!("p{}", std::process::id()));
+    let pvisor = process::find_binary(&root, &target);
+    if !std::env::args().any(|arg| arg == "--bench") {
+        return Ok(Settings {
+            runs: 1,
+            write_docs: false,
+            memory: 32 * MIB,
+            app: 4 * MIB,
+            seed: 1,
+            pvisor,
+            root,
+            tmp,
+        });
+    }
+    let runs = match std::env::var("VM_BENCH_RUNS") {
+        Ok(text) => text
+            .trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|&n| n >= 1)
+            .ok_or_else(|| format!("VM_BENCH_RUNS={text}: expected a whole number >= 1"))?,
+        Err(_) => 5,
+    };
+    Ok(Settings {
+        runs,
+        write_docs: true,
+        memory: 512 * MIB,
+        app: 64 * MIB,
+        seed: 1,
+        pvisor: Ok(pvisor?),
+        root,
+        tmp,
+    })
+}
+
+/// The temporary directory; removed when dropped.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+        // Remove `bench-tmp/vm` and `bench-tmp` too if nothing else is in them.
+        let vm = self.0.parent();
+        for dir in [vm, vm.and_then(Path::parent)].into_iter().flatten() {
+            let _ = fs::remove_dir(dir);
+        }
+    }
+}
+
+fn check_devices() -> Res<()> {
+    for device in ["/dev/kvm", "/dev/userfaultfd"] {
+        fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(device)
+            .map_err(|e| format!("{device}: {e} (the bench needs root, KVM and userfaultfd)"))?;
+    }
+    Ok(())
+}
+
+fn run() -> Res<()> {
+    let started = Instant::now();
+    let settings = settings()?;
+    if !settings.write_docs
+        && std::env::var_os("PVISOR_SKIP_DEVICE_TESTS").is_some_and(|v| v == "1")
+    {
+        eprintln!("vm_report: smoke run skipped (PVISOR_SKIP_DEVICE_TESTS=1)");
+        return Ok(());
+    }
+    check_devices()?;
+    let _ = fs::remove_dir_all(&settings.tmp);
+    fs::create_dir_all(&settings.tmp)?;
+    let tmp = TempDir(settings.tmp.clone());
+    let run_dir = tmp.0.join("run");
+    fs::create_dir_all(&run_dir)?;
+    // Read by `vmm::runtime` here and inherited by every `pvisor` started; set before any
+    // thread exists.
+    std::env::set_var("PVISOR_RUNTIME_DIR", &run_dir);
+    let pvisor_text = match &settings.pvisor {
+        Ok(bin) => bin.display().to_string(),
+        Err(why) => format!("skipped: {why}"),
+    };
+    let machine = host::machine(&settings.root, &tmp.0, &pvisor_text);
+    eprintln!(
+        "vm_report: {} run(s) of a {} MiB VM with {} MiB of data; temporary files in {} ({}); pvisor: {}",
+        settings.runs,
+        settings.memory / MIB,
+        settings.app / MIB,
+        tmp.0.display(),
+        machine.filesystem,
+        pvisor_text
+    );
+
+    let cpu = host::CpuSample::now();
+    let mut results = Results::default();
+    for run in 0..settings.runs {
+        let round = Instant::now();
+        let mut contents = Content::ALL;
+        let mut parts = [false, true];
+        if run % 2 == 1 {
+            contents.reverse();
+            parts.reverse();
+        }
+        for pvisor_part in parts {
+            let t = Instant::now();
+            for content in contents {
+                if pvisor_part {
+                    let Ok(bin) = &settings.pvisor else { continue };
+                    let mut cases = process::CASES;
+                    let n = cases.len();
+                    cases.rotate_left(run % n);
+                    for case in cases {
+                        process::run_case(&settings, bin, content, case, run, &mut results)?;
+                    }
+                } else {
+                    let mut cases = inproc::CASES;
+                    let n = cases.len();
+                    cases.rotate_left(run % n);
+                    for case in cases {
+                        inproc::run_case(&settings, &tmp.0, content, case, run, &mut results)?;
+                    }
+                }
+            }
+            let part = if pvisor_part { "pvisor" } else { "vm" };
+            results.put(
+                &format!("bench.{part}_part_s"),
+                "s",
+                run,
+                t.elapsed().as_secs_f64(),
+            );
+        }
+        results.put("bench.run_s", "s", run, round.elapsed().as_secs_f64());
+        eprintln!(
+            "vm_report: run {}/{} done in {:.1} s",
+            run + 1,
+            settings.runs,
+            round.elapsed().as_secs_f64()
+        );
+    }
+    let (busy_s, own_s, steal_s) = cpu.since();
+    drop(tmp);
+    derive(&mut results, &settings);
+
+    let elapsed_s = started.elapsed().as_secs_f64();
+    let context = report::Context {
+        settings: &settings,
+        machine: &machine,
+        elapsed_s,
+        busy_s,
+        own_s,
+        steal_s,
+    };
+    let verdicts = targets::verdicts(&results, &settings);
+    for v in &verdicts {
+        eprintln!("vm_report: {}: {} ({})", v.target, v.result, v.figure);
+    }
+    if !settings.write_docs {
+        eprintln!("vm_report: smoke run passed in {elapsed_s:.1} s (no report written; run with `cargo bench` for one)");
+        return Ok(());
+    }
+    let docs = settings.root.join("docs").join("bench");
+    fs::create_dir_all(&docs)?;
+    write(&docs.join("vm.csv"), &results.csv())?;
+    write(&docs.join("vm.svg"), &svg::svg(&results, &settings))?;
+    write(
+        &docs.join("vm.md"),
+        &report::markdown(&results, &verdicts, &context),
+    )?;
+    eprintln!(
+        "vm_report: wrote docs/bench/vm.md, vm.csv, vm.svg in {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Untimed, before every timed section: writes back whatever is dirty on the machine (the
+/// previous case's files, other processes'), so that no timed fsync pays for it.
+pub fn settle() {
+    // SAFETY: sync has no preconditions.
+    unsafe { libc::sync() };
+}
+
+fn write(path: &Path, text: &str) -> Res<()> {
+    fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()).into())
+}
+
+/// Ratios and differences, computed within each run.
+fn derive(results: &mut Results, settings: &Settings) {
+    let runs = settings.runs;
+    let pages = settings.app_pages();
+    for content in Content::ALL {
+        let c = content.name();
+        let base_task = format!("vm.{c}.base.task_ms");
+        let base_touch = format!("vm.{c}.base.touch_ms");
+        for case in inproc::CASES {
+            let name = case.name();
+            let k = |q: &str| format!("vm.{c}.{name}.{q}");
+            match case {
+                inproc::Case::Base => {}
+                inproc::Case::Resume { .. } => {
+                    results.ratio(&k("ratio"), &k("resume_task_ms"), &base_task, runs);
+                    results.difference(
+                        &k("extra_ms"),
+                        &k("resume_task_ms"),
+                        &base_task,
+                        "ms",
+                        runs,
+                    );
+                    results.difference(
+                        &k("task_extra_ms"),
+                        &k("task_cmd_ms"),
+                        &base_task,
+                        "ms",
+                        runs,
+                    );
+                }
+                inproc::Case::Touch { .. } => {
+                    results.difference(
+                        &k("touch_extra_ms"),
+                        &k("touch_cmd_ms"),
+                        &base_touch,
+                        "ms",
+                        runs,
+                    );
+                    results.difference(
+                        &k("task_extra_ms"),
+                        &k("task_after_touch_ms"),
+                        &base_task,
+                        "ms",
+                        runs,
+                    );
+                    for run in 0..runs {
+                        if let Some(extra) = results.value(&k("touch_extra_ms"), run) {
+                            results.put(
+                                &k("touch_extra_us_per_page"),
+                                "µs",
+                                run,
+                                extra * 1e3 / pages,
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        // Eager resume + task minus its parts: the load, the re-entry (from the touch case of
+        // the same run) and the never-offloaded task.
+        for codec in [Codec::Raw, Codec::Lz4] {
+            let n = codec.name();
+            let eager = |q: &str| format!("vm.{c}.{n}-eager.{q}");
+            let reentry = format!("vm.{c}.touch-{n}-eager.touch_extra_ms");
+            for run in 0..runs {
+                let parts = [
+                    results.value(&eager("resume_task_ms"), run),
+                    results.value(&eager("resume_ms"), run),
+                    results.value(&reentry, run),
+                    results.value(&base_task, run),
+                ];
+                if let [Some(total), Some(load), Some(reentry), Some(task)] = parts {
+                    results.put(&eager("rest_ms"), "ms", run, total - load - reentry - task);
+                }
+            }
+        }
+        let base = format!("pvisor.{c}.base.task_ms");
+        for case in process::CASES.iter().flatten() {
+            let k = |q: &str| format!("pvisor.{c}.{}.{q}", case.name());
+            results.ratio(&k("ratio"), &k("resume_task_ms"), &base, runs);
+            results.difference(&k("extra_ms"), &k("resume_task_ms"), &base, "ms", runs);
+        }
+    }
+}

@@ -1,0 +1,126 @@
+//! Samples per metric and run, their summaries and the CSV.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+/// One metric: its unit and one value per run that measured it.
+#[derive(Debug, Clone)]
+pub struct Metric {
+    pub unit: &'static str,
+    pub values: Vec<(usize, f64)>,
+}
+
+/// Every sample of the bench, keyed `scope.content.case.quantity`.
+#[derive(Debug, Default)]
+pub struct Results {
+    metrics: BTreeMap<String, Metric>,
+}
+
+/// min / median / max of a metric's values.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Summary {
+    pub min: f64,
+    pub median: f64,
+    pub max: f64,
+    pub n: usize,
+}
+
+impl Summary {
+    pub fn of(values: &[f64]) -> Option<Self> {
+        let mut sorted: Vec<f64> = values.iter().copied().filter(|v| v.is_finite()).collect();
+        if sorted.is_empty() {
+            return None;
+        }
+        sorted.sort_by(f64::total_cmp);
+        let n = sorted.len();
+        let median = if n % 2 == 1 {
+            sorted[n / 2]
+        } else {
+            (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0
+        };
+        Some(Self {
+            min: sorted[0],
+            median,
+            max: sorted[n - 1],
+            n,
+        })
+    }
+}
+
+impl Results {
+    pub fn put(&mut self, key: &str, unit: &'static str, run: usize, value: f64) {
+        self.metrics
+            .entry(key.to_owned())
+            .or_insert_with(|| Metric {
+                unit,
+                values: Vec::new(),
+            })
+            .values
+            .push((run, value));
+    }
+
+    pub fn value(&self, key: &str, run: usize) -> Option<f64> {
+        self.metrics
+            .get(key)?
+            .values
+            .iter()
+            .find(|&&(r, _)| r == run)
+            .map(|&(_, v)| v)
+    }
+
+    pub fn values(&self, key: &str) -> Vec<f64> {
+        self.metrics
+            .get(key)
+            .map(|m| m.values.iter().map(|&(_, v)| v).collect())
+            .unwrap_or_default()
+    }
+
+    pub fn summary(&self, key: &str) -> Option<Summary> {
+        Summary::of(&self.values(key))
+    }
+
+    /// How many runs have a value of `key` satisfying `pred`.
+    pub fn count(&self, key: &str, pred: impl Fn(f64) -> bool) -> usize {
+        self.values(key).into_iter().filter(|&v| pred(v)).count()
+    }
+
+    /// For every run that has both, puts `numerator / denominator` as `key`.
+    pub fn ratio(&mut self, key: &str, numerator: &str, denominator: &str, runs: usize) {
+        for run in 0..runs {
+            if let (Some(a), Some(b)) = (self.value(numerator, run), self.value(denominator, run)) {
+                if b > 0.0 {
+                    self.put(key, "×", run, a / b);
+                }
+            }
+        }
+    }
+
+    /// For every run that has both, puts `a - b` as `key`.
+    pub fn difference(&mut self, key: &str, a: &str, b: &str, unit: &'static str, runs: usize) {
+        for run in 0..runs {
+            if let (Some(x), Some(y)) = (self.value(a, run), self.value(b, run)) {
+                self.put(key, unit, run, x - y);
+            }
+        }
+    }
+
+    /// Long-form CSV: one line per metric and run, then one per metric's summary.
+    pub fn csv(&self) -> String {
+        let mut text = String::from("metric,unit,run,value\n");
+        for (key, metric) in &self.metrics {
+            for &(run, value) in &metric.values {
+                let _ = writeln!(text, "{key},{},{run},{value:.6}", metric.unit);
+            }
+        }
+        for (key, metric) in &self.metrics {
+            let values: Vec<f64> = metric.values.iter().map(|&(_, v)| v).collect();
+            if let Some(s) = Summary::of(&values) {
+                let unit = metric.unit;
+                let _ = writeln!(text, "{key},{unit},min,{:.6}", s.min);
+                let _ = writeln!(text, "{key},{unit},median,{:.6}", s.median);
+                let _ = writeln!(text, "{key},{unit},max,{:.6}", s.max);
+            }
+        }
+        text
+    }
+}

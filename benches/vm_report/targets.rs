@@ -1,0 +1,151 @@
+//! The targets of issue 4 and their verdicts.
+
+use crate::report::fig;
+use crate::results::Results;
+use crate::{Codec, Content, Settings};
+
+pub struct Verdict {
+    pub target: String,
+    pub figure: String,
+    pub result: &'static str,
+}
+
+pub const RATIO_TARGET: f64 = 1.3;
+pub const PSS_TARGET_MIB: f64 = 4.0;
+pub const BACKING_TARGET_MIB: f64 = 1.0;
+
+fn verdict(ok: bool) -> &'static str {
+    if ok {
+        "**PASS**"
+    } else {
+        "**FAIL**"
+    }
+}
+
+pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
+    let mut out = Vec::new();
+    let has_pvisor = settings.pvisor.is_ok();
+    for codec in [Codec::Raw, Codec::Lz4] {
+        let n = codec.name();
+        let mut worst: f64 = 0.0;
+        let mut parts = Vec::new();
+        for content in Content::ALL {
+            let c = content.name();
+            let scope_key = if has_pvisor {
+                format!("pvisor.{c}.{n}.pss_offloaded_mib")
+            } else {
+                format!("vm.{c}.{n}-lazy.pss_offloaded_mib")
+            };
+            worst = worst.max(results.summary(&scope_key).map_or(f64::INFINITY, |s| s.max));
+            parts.push(format!(
+                "{c} {} MiB; the bench process (its own code and data included) {} MiB",
+                fig(results, &scope_key, 2),
+                fig(results, &format!("vm.{c}.{n}-lazy.pss_offloaded_mib"), 2)
+            ));
+        }
+        let scope = if has_pvisor {
+            "`pvisor` process"
+        } else {
+            "bench process (pvisor part skipped)"
+        };
+        out.push(Verdict {
+            target: format!("whole-process PSS after a {n} offload ≤ {PSS_TARGET_MIB} MiB"),
+            figure: format!("{scope}: {}; largest {worst:.2} MiB", parts.join("; ")),
+            result: verdict(worst <= PSS_TARGET_MIB),
+        });
+    }
+    for codec in [Codec::Lz4, Codec::Zstd] {
+        let n = codec.name();
+        let keys = [
+            format!("vm.repeated.{n}-lazy.backing_mib"),
+            format!("pvisor.repeated.{n}.backing_mib"),
+        ];
+        let worst = keys
+            .iter()
+            .filter_map(|k| results.summary(k).map(|s| s.max))
+            .fold(0.0, f64::max);
+        let info = if codec == Codec::Zstd {
+            " (for information)"
+        } else {
+            ""
+        };
+        out.push(Verdict {
+            target: format!("backing of repeated content after a {n} offload ≤ {BACKING_TARGET_MIB} MiB{info}"),
+            figure: format!(
+                "in process {} MiB, pvisor process {} MiB; largest {:.2} MiB (random content: {} MiB)",
+                fig(results, &keys[0], 2),
+                fig(results, &keys[1], 2),
+                worst,
+                fig(results, &format!("vm.random.{n}-lazy.backing_mib"), 1)
+            ),
+            result: verdict(worst <= BACKING_TARGET_MIB),
+        });
+    }
+    let ratio_rows: [(&str, String, &str); 7] = [
+        (
+            "vm",
+            "raw-lazy".into(),
+            "in process, raw offload, lazy resume",
+        ),
+        (
+            "vm",
+            "lz4-lazy".into(),
+            "in process, lz4 offload, lazy resume",
+        ),
+        (
+            "vm",
+            "raw-eager".into(),
+            "in process, raw offload, eager resume",
+        ),
+        (
+            "vm",
+            "lz4-eager".into(),
+            "in process, lz4 offload, eager resume",
+        ),
+        (
+            "pvisor",
+            "raw".into(),
+            "`pvisor` process, raw offload, lazy resume",
+        ),
+        (
+            "pvisor",
+            "lz4".into(),
+            "`pvisor` process, lz4 offload, lazy resume",
+        ),
+        (
+            "vm",
+            "zstd-lazy".into(),
+            "in process, zstd offload, lazy resume (for information)",
+        ),
+    ];
+    for (scope, case, what) in ratio_rows {
+        if scope == "pvisor" && !has_pvisor {
+            continue;
+        }
+        let mut ok = true;
+        let mut parts = Vec::new();
+        for content in Content::ALL {
+            let key = format!("{scope}.{}.{case}.ratio", content.name());
+            let Some(s) = results.summary(&key) else {
+                ok = false;
+                continue;
+            };
+            ok &= s.median <= RATIO_TARGET;
+            parts.push(format!(
+                "{} {:.2}× (min {:.2}, max {:.2}; {} of {} runs meet it)",
+                content.name(),
+                s.median,
+                s.min,
+                s.max,
+                results.count(&key, |v| v <= RATIO_TARGET),
+                s.n
+            ));
+        }
+        out.push(Verdict {
+            target: format!("resume + task ≤ {RATIO_TARGET}× the never-offloaded task, {what}"),
+            figure: parts.join("; "),
+            result: verdict(ok),
+        });
+    }
+    out
+}
