@@ -120,6 +120,7 @@ pub fn run_case(
         // What `pvisor run` uses by default.
         pager_threads: 1,
         io_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
+        cold: None,
     })?;
     let fill = format!(
         "fill {} {} seed={}; digest",

@@ -78,6 +78,19 @@ impl fmt::Display for Codec {
     }
 }
 
+impl serde::Serialize for Codec {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Codec {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 /// A codec name that is not `none`, `lz4`, `zstd` or `zstd:LEVEL`.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("unknown codec `{text}`: expected none, lz4, zstd or zstd:LEVEL (LEVEL from -7 to 22)")]

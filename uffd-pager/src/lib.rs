@@ -6,12 +6,14 @@
 //! - [`metrics`]: counters and the fault-latency histogram.
 //! - [`state`]: the flat per-page state table.
 //! - [`pager`]: [`Pager`](pager::Pager): regions, fault threads, fault resolution.
+//! - [`cold`]: live cold-RAM compression into the memory pool.
 //! - [`load`]: bringing offloaded RAM back, lazily with prefetch or eagerly.
 //! - [`offload`]: offload of a paused VM's RAM to a store.
 //! - [`server`]: the standalone server (Firecracker's UFFD handshake).
 //! - [`source`]: where non-resident pages come from (raw memory file, store).
 
 pub mod addr;
+pub mod cold;
 pub mod load;
 pub mod metrics;
 pub mod offload;

@@ -98,8 +98,10 @@ pub enum OffloadError {
 }
 
 thread_local! {
-    /// Per-thread buffers for the old stored block and the restore block of a mixed block.
-    static COMPOSE: RefCell<(Vec<u8>, Vec<u8>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    /// Per-thread buffers for the old stored block, the restore block and the pooled block of
+    /// a mixed block.
+    static COMPOSE: RefCell<(Vec<u8>, Vec<u8>, Vec<u8>)> =
+        const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
 
 /// Builds each block to write from its pages' current homes: resident pages from memory,
@@ -131,8 +133,8 @@ impl BlockSource for Composer<'_> {
             }
         }
         COMPOSE.with(|scratch| {
-            let (old, restore) = &mut *scratch.borrow_mut();
-            let (mut have_old, mut have_restore) = (false, false);
+            let (old, restore, pooled) = &mut *scratch.borrow_mut();
+            let (mut have_old, mut have_restore, mut have_pooled) = (false, false, false);
             for page in first..first + pages {
                 let at = ((page - first) * PAGE_SIZE) as usize;
                 let dst = &mut buf[at..at + PAGE_SIZE as usize];
@@ -169,6 +171,25 @@ impl BlockSource for Composer<'_> {
                             have_restore = true;
                         }
                         dst.copy_from_slice(&restore[at..at + PAGE_SIZE as usize]);
+                    }
+                    PageState::Pooled => {
+                        if !have_pooled {
+                            let cold = shared.cold.get().ok_or_else(|| {
+                                std::io::Error::other("a pooled page without a pool")
+                            })?;
+                            pooled.resize(len, 0);
+                            match cold.pool.get(block, pooled) {
+                                Ok(Some(_)) => {}
+                                Ok(None) => {
+                                    return Err(std::io::Error::other(format!(
+                                        "block {block} is pooled but not in the pool"
+                                    )))
+                                }
+                                Err(e) => return Err(std::io::Error::other(e)),
+                            }
+                            have_pooled = true;
+                        }
+                        dst.copy_from_slice(&pooled[at..at + PAGE_SIZE as usize]);
                     }
                     PageState::Zero => dst.fill(0),
                 }
@@ -226,14 +247,41 @@ impl Pager {
         }
         let store = slot.as_mut().expect("opened above");
         store.set_codec(config.codec);
+        // Cold compression holds still while the VM's RAM moves.
+        let _paused = shared.cold.get().map(|cold| cold.pause());
         let per_block = shared.block_size.pages() as u64;
         let total_pages = shared.states.len();
-        let blocks: Vec<u64> = (0..shared.block_size.blocks_for(shared.image_size))
+        let pages_of = |b: u64| b * per_block..((b + 1) * per_block).min(total_pages);
+        let mut blocks: Vec<u64> = (0..shared.block_size.blocks_for(shared.image_size))
             .filter(|&b| {
-                let pages = b * per_block..((b + 1) * per_block).min(total_pages);
-                shared.states.any(pages, PageState::Resident)
+                shared.states.any(pages_of(b), PageState::Resident)
+                    || shared.states.any(pages_of(b), PageState::Pooled)
             })
             .collect();
+        // Blocks compressed whole in the pool with the store's codec go as they are.
+        if let Some(cold) = shared.cold.get() {
+            if cold.pool.config().codec.codec == config.codec.codec {
+                let mut passed = Vec::new();
+                for &b in &blocks {
+                    if !shared.states.all(pages_of(b), PageState::Pooled) {
+                        continue;
+                    }
+                    match cold
+                        .pool
+                        .with_encoded(b, |encoded| store.put_encoded(b, encoded))
+                    {
+                        Ok(Some(Ok(()))) => passed.push(b),
+                        Ok(Some(Err(e))) => {
+                            let _ = store.rollback();
+                            return Err(e.into());
+                        }
+                        // Not passed through: composed like any other block.
+                        Ok(None) | Err(_) => {}
+                    }
+                }
+                blocks.retain(|b| passed.binary_search(b).is_err());
+            }
+        }
         let reader = store.reader();
         let composer = Composer {
             shared,
@@ -265,7 +313,8 @@ impl Pager {
         let write_ms = started.elapsed().as_secs_f64() * 1e3;
 
         let dropping = Instant::now();
-        let dropped = self.drop_resident()?;
+        let mut dropped = self.drop_resident()?;
+        dropped += self.retire_pooled();
         shared
             .metrics
             .pages_offloaded
@@ -283,6 +332,29 @@ impl Pager {
             drop_ms: dropping.elapsed().as_secs_f64() * 1e3,
             store: stats,
         })
+    }
+
+    /// Pooled pages are in the store now: they become stored and leave the pool.
+    fn retire_pooled(&self) -> u64 {
+        let shared = self.shared().as_ref();
+        let Some(cold) = shared.cold.get() else {
+            return 0;
+        };
+        let _write = shared.layout.write();
+        let per_block = shared.block_size.pages() as u64;
+        let mut retired = 0;
+        for page in 0..shared.states.len() {
+            if shared
+                .states
+                .transition(page, PageState::Pooled, PageState::Stored)
+            {
+                retired += 1;
+                if (page + 1) % per_block == 0 || page + 1 == shared.states.len() {
+                    let _ = cold.pool.remove(page / per_block);
+                }
+            }
+        }
+        retired
     }
 
     /// Drops every resident page (all durable in the store by now): marks each run
@@ -369,7 +441,8 @@ impl Pager {
     }
 }
 
-fn punch_hole(file: &std::fs::File, offset: u64, len: u64) -> std::io::Result<()> {
+/// Frees `len` bytes of `file` at `offset` (memfd RAM, a store's file); the size stays.
+pub fn punch_hole(file: &std::fs::File, offset: u64, len: u64) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     let (Ok(offset), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
         return Err(std::io::Error::from_raw_os_error(libc::EINVAL));

@@ -16,7 +16,7 @@
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -24,6 +24,7 @@ use compressed_backing::BlockSize;
 use parking_lot::{Mutex, RwLock};
 
 use crate::addr::{HostAddr, HostRange, PAGE_SIZE};
+use crate::cold::{Cold, ColdConfig, ColdError, ColdStats};
 use crate::metrics::Metrics;
 use crate::source::{Content, PageSource, SourceError, StoreSource};
 use crate::state::{PageState, PageStates, StateCounts};
@@ -115,6 +116,10 @@ pub struct PagerConfig {
     /// Register the regions on the userfaultfd (false when the owner registered them, as
     /// Firecracker does before handing the descriptor over).
     pub register: bool,
+    /// Ask for `REMOVE` events (a VMM that discards memory without telling the pager needs
+    /// them; one that calls [`Pager::discarded`] first does not, and cold compression, which
+    /// zaps page-table entries itself, needs them off).
+    pub remove_events: bool,
 }
 
 impl Default for PagerConfig {
@@ -124,6 +129,7 @@ impl Default for PagerConfig {
             block_size: BlockSize::default(),
             initial: PageState::Zero,
             register: true,
+            remove_events: true,
         }
     }
 }
@@ -169,6 +175,15 @@ pub enum FaultError {
     NoSource {
         /// The address.
         addr: HostAddr,
+    },
+    /// The memory pool could not give the block back.
+    #[error("fault at {addr}: the memory pool cannot give its block back")]
+    Pool {
+        /// The address.
+        addr: HostAddr,
+        /// Why.
+        #[source]
+        source: compressed_backing::PoolError,
     },
     /// Installing the page failed.
     #[error("fault at {addr}: cannot install it")]
@@ -216,6 +231,8 @@ pub(crate) struct Shared {
     pub owner_gone: AtomicBool,
     /// Asks the prefetcher to stop.
     pub prefetch_stop: AtomicBool,
+    /// Cold compression, once started.
+    pub cold: OnceLock<Cold>,
     pub on_error: ErrorHandler,
 }
 
@@ -267,6 +284,7 @@ pub struct Pager {
     threads: Vec<JoinHandle<()>>,
     stop: OwnedFd,
     prefetcher: Mutex<Option<JoinHandle<()>>>,
+    cold_scanner: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for Pager {
@@ -295,9 +313,15 @@ impl Pager {
         restore: Option<Arc<dyn PageSource>>,
         on_error: ErrorHandler,
     ) -> Result<Self, PagerError> {
-        let uffd = Userfaultfd::create(FEATURES)?;
+        let features = if config.remove_events {
+            FEATURES
+        } else {
+            FEATURES & !feature::EVENT_REMOVE
+        };
+        let uffd = Userfaultfd::create(features)?;
+        let remove_events = config.remove_events;
         // SAFETY: forwarded from the caller.
-        unsafe { Self::with_uffd(uffd, true, regions, config, restore, on_error) }
+        unsafe { Self::with_uffd(uffd, remove_events, regions, config, restore, on_error) }
     }
 
     /// Serves faults of `regions` on an existing userfaultfd (`remove_events`: it reports
@@ -352,6 +376,7 @@ impl Pager {
             working_set: WorkingSet::new(blocks),
             owner_gone: AtomicBool::new(false),
             prefetch_stop: AtomicBool::new(false),
+            cold: OnceLock::new(),
             on_error,
         });
         // SAFETY: eventfd with valid flags; the result is checked.
@@ -376,6 +401,7 @@ impl Pager {
             threads,
             stop,
             prefetcher: Mutex::new(None),
+            cold_scanner: Mutex::new(None),
         })
     }
 
@@ -426,6 +452,42 @@ impl Pager {
         &self.prefetcher
     }
 
+    /// Starts live cold-RAM compression (see [`crate::cold`]). Needs memfd RAM mapped in this
+    /// process and a pager without `REMOVE` events.
+    pub fn start_cold(&self, config: ColdConfig) -> Result<(), ColdError> {
+        if self.shared.remove_events {
+            return Err(ColdError::Config(
+                "the pager must be created with remove_events off (the VMM reports discards)"
+                    .into(),
+            ));
+        }
+        let cold = Cold::new(&self.shared, config)?;
+        self.shared.cold.set(cold).map_err(|_| ColdError::Running)?;
+        let shared = Arc::clone(&self.shared);
+        let handle = std::thread::Builder::new()
+            .name("uffd-cold".into())
+            .spawn(move || {
+                let cold = shared.cold.get().expect("set before the thread starts");
+                crate::cold::run(&shared, cold);
+            })
+            .map_err(ColdError::Thread)?;
+        *self.cold_scanner.lock() = Some(handle);
+        Ok(())
+    }
+
+    /// What cold compression has done and costs, if it runs.
+    pub fn cold_stats(&self) -> Option<ColdStats> {
+        let cold = self.shared.cold.get()?;
+        Some(cold.stats(self.shared.states.counts().pooled))
+    }
+
+    /// The guest reports idle (`true`: cold compression scans harder) or busy.
+    pub fn set_idle(&self, idle: bool) {
+        if let Some(cold) = self.shared.cold.get() {
+            cold.set_idle(idle);
+        }
+    }
+
     /// Tells the pager that the VMM discarded `range` itself without a `REMOVE` event (for
     /// userfaultfds without that feature): its pages read as zeros from now on.
     pub fn discarded(&self, range: HostRange) {
@@ -437,6 +499,12 @@ impl Pager {
 impl Drop for Pager {
     fn drop(&mut self) {
         self.stop_prefetch();
+        if let Some(cold) = self.shared.cold.get() {
+            cold.stop.store(true, Ordering::Relaxed);
+        }
+        if let Some(scanner) = self.cold_scanner.lock().take() {
+            let _ = scanner.join();
+        }
         let one: u64 = 1;
         // SAFETY: writing 8 bytes from a valid u64 to our own eventfd.
         unsafe {
@@ -663,19 +731,10 @@ impl Shared {
         let region = self.locate(addr).ok_or(FaultError::Outside { addr })?;
         let page = region.first_page + region.spec.range.page_index(addr).expect("located");
         let install = |source| FaultError::Install { addr, source };
-        if minor {
-            let _read = self.layout.read();
-            let one = HostRange::new(region.addr_of(page), PAGE_SIZE).expect("one page");
-            match self.uffd.continue_range(one, false) {
-                Ok(_) => {}
-                Err(UffdError::Retry { .. }) => return Ok(Attempt::Retry),
-                Err(e) => return Err(install(e)),
-            }
-            self.states.set(page, PageState::Resident);
-            self.metrics.faults_minor.fetch_add(1, Ordering::Relaxed);
-            self.metrics.fault_latency.record(since.elapsed());
-            self.uffd.wake(one).map_err(install)?;
-            return Ok(Attempt::Resolved);
+        // A MINOR fault still pending when cold compression dropped its block finds the
+        // block pooled: it is served from the pool like a missing page.
+        if minor && self.states.get(page) != PageState::Pooled {
+            return self.resolve_minor(region, page, since).map_err(install);
         }
         loop {
             let state = self.states.get(page);
@@ -695,6 +754,40 @@ impl Shared {
                     return self
                         .install(region, page, state, None, since)
                         .map_err(install);
+                }
+                PageState::Pooled => {
+                    let cold = self.cold.get().ok_or(FaultError::NoSource { addr })?;
+                    let span = self.block_span(region, page);
+                    let block = self.block_size.index_of(span.start * PAGE_SIZE);
+                    let first = block * self.block_size.pages() as u64;
+                    let len = self.block_size.bytes();
+                    let kind = cold
+                        .pool
+                        .get(block, &mut buf[..len])
+                        .map_err(|source| FaultError::Pool { addr, source })?;
+                    let _read = self.layout.read();
+                    if self.states.get(page) != state {
+                        continue;
+                    }
+                    let Some(kind) = kind else {
+                        // Pooled pages without a pool entry: the bytes are gone. Never zeros.
+                        return Err(FaultError::Lost { addr });
+                    };
+                    if kind.is_compressed() {
+                        self.metrics
+                            .bytes_decompressed
+                            .fetch_add(len as u64, Ordering::Relaxed);
+                    }
+                    let data =
+                        (kind != compressed_backing::BlockKind::Zero).then(|| (first, &buf[..len]));
+                    let attempt = self
+                        .install(region, page, state, data, since)
+                        .map_err(install)?;
+                    if matches!(attempt, Attempt::Resolved) && !self.states.any(span, state) {
+                        let _ = cold.pool.remove(block);
+                        cold.promoted(block);
+                    }
+                    return Ok(attempt);
                 }
                 PageState::Source | PageState::Stored => {
                     let span = self.block_span(region, page);
@@ -735,6 +828,41 @@ impl Shared {
                 }
             }
         }
+    }
+
+    /// Resolves a MINOR fault (memfd RAM: the page is in the page cache, its mapping is not).
+    /// With cold compression on, the block was probed: it is marked accessed and all its
+    /// resident pages are mapped at once, so a probe costs one fault per block.
+    fn resolve_minor(
+        &self,
+        region: &Region,
+        page: u64,
+        since: Instant,
+    ) -> Result<Attempt, UffdError> {
+        let _read = self.layout.read();
+        let span = self.block_span(region, page);
+        let pages = match self.cold.get() {
+            Some(cold) if self.states.all(span.clone(), PageState::Resident) => {
+                cold.touched(self.block_size.index_of(span.start * PAGE_SIZE));
+                span
+            }
+            _ => page..page + 1,
+        };
+        let range = HostRange::new(
+            region.addr_of(pages.start),
+            (pages.end - pages.start) * PAGE_SIZE,
+        )
+        .expect("pages of a region");
+        match self.uffd.continue_missing(range, false) {
+            Ok(_) => {}
+            Err(UffdError::Retry { .. }) => return Ok(Attempt::Retry),
+            Err(e) => return Err(e),
+        }
+        self.states.set(page, PageState::Resident);
+        self.metrics.faults_minor.fetch_add(1, Ordering::Relaxed);
+        self.metrics.fault_latency.record(since.elapsed());
+        self.uffd.wake(range)?;
+        Ok(Attempt::Resolved)
     }
 
     /// Installs the block span of `page` if all its pages are in `state`, else the page alone:

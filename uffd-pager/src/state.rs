@@ -18,6 +18,8 @@ pub enum PageState {
     /// Being dropped after a durable offload: resident until the drop completes, then
     /// `Stored`. A discard event for it is the pager's own drop, not a guest discard.
     Dropping = 4,
+    /// Not resident; its block is compressed in the memory pool (cold compression).
+    Pooled = 5,
 }
 
 impl PageState {
@@ -27,7 +29,8 @@ impl PageState {
             1 => Self::Source,
             2 => Self::Stored,
             3 => Self::Resident,
-            _ => Self::Dropping,
+            4 => Self::Dropping,
+            _ => Self::Pooled,
         }
     }
 
@@ -50,6 +53,8 @@ pub struct StateCounts {
     pub resident: u64,
     /// Pages being dropped.
     pub dropping: u64,
+    /// Pages compressed in the memory pool.
+    pub pooled: u64,
 }
 
 /// One state byte per page.
@@ -120,6 +125,7 @@ impl PageStates {
                 PageState::Stored => counts.stored += 1,
                 PageState::Resident => counts.resident += 1,
                 PageState::Dropping => counts.dropping += 1,
+                PageState::Pooled => counts.pooled += 1,
             }
         }
         counts

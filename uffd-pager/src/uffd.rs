@@ -447,6 +447,17 @@ impl Userfaultfd {
         })
     }
 
+    /// Maps the page-cache pages of `range` (MINOR faults), skipping pages already mapped,
+    /// then wakes the waiters of the whole range if `wake`. Returns the bytes mapped; errors as
+    /// for [`Userfaultfd::copy_missing`].
+    pub fn continue_missing(&self, range: HostRange, wake: bool) -> Result<u64, UffdError> {
+        self.settle_missing(range.start(), range.len(), wake, |offset| {
+            let rest = HostRange::new(HostAddr(range.start().0 + offset), range.len() - offset)
+                .expect("a page-aligned tail of a valid range");
+            self.continue_range(rest, false)
+        })
+    }
+
     /// Runs `step(offset)` (one DONTWAKE ioctl on `dst + offset ..`) until `len` bytes are
     /// settled: an already-mapped page is skipped, partial progress continues, no progress on
     /// EAGAIN stops with `Retry`. Then wakes the whole range if `wake`.

@@ -19,7 +19,7 @@
 
 enum op { OP_NONE = 0, OP_FILL = 1, OP_DIGEST = 2, OP_TOUCH = 3, OP_REWRITE = 4,
           OP_RELEASE = 5, OP_TASK = 6 };
-enum fill { FILL_REPEATED = 0, FILL_RANDOM = 1, FILL_ZERO = 2 };
+enum fill { FILL_REPEATED = 0, FILL_RANDOM = 1, FILL_ZERO = 2, FILL_DISTINCT = 3 };
 enum blk_op { BLK_READ = 1, BLK_WRITE = 2, BLK_FLUSH = 3 };
 enum status { ST_OK = 0, ST_BAD_OP = 1, ST_TOO_LARGE = 2, ST_IO = 3, ST_MISMATCH = 4 };
 
@@ -98,6 +98,12 @@ static const uint64_t motif[8] = {
 static void fill_page(uint64_t *p, uint64_t words, uint64_t kind, uint64_t *state) {
     uint64_t i;
     switch (kind) {
+    case FILL_DISTINCT:
+        /* Every 64-byte line differs (a counter and one random word), the rest repeats: no two
+         * pages are alike, yet each compresses well. */
+        for (i = 0; i < words; i++)
+            p[i] = (i & 7) == 0 ? next_random(state) : (i & 7) == 1 ? i : motif[i & 7];
+        break;
     case FILL_REPEATED:
         for (i = 0; i < words; i++) p[i] = motif[i & 7];
         break;

@@ -66,6 +66,9 @@ pub enum FillKind {
     Random = 1,
     /// Zeros.
     Zero = 2,
+    /// Distinct pages that still compress: in every 64-byte line a random word and a counter,
+    /// the rest the repeated motif.
+    Distinct = 3,
 }
 
 /// Block request operations.
@@ -190,6 +193,39 @@ fn seed_state(seed: u64, salt: u64) -> u64 {
     }
 }
 
+/// The guest's generator (xorshift64*): the next word of `state`'s sequence.
+fn xorshift_star(state: &mut u64) -> u64 {
+    let mut x = *state;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    *state = x;
+    x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+}
+
+/// What the guest's `rewrite PERCENT seed=SEED` does to `bytes` (the filled application
+/// data): the pages it picks get new random bytes. Returns how many it rewrote.
+pub fn rewrite_bytes(bytes: &mut [u8], percent: u64, seed: u64) -> u64 {
+    const PICK: u64 = 0xD6E8_FEB8_6659_FD93;
+    let mut count = 0;
+    for (page, chunk) in bytes.chunks_exact_mut(4096).enumerate() {
+        let page = page as u64;
+        let mut pick = seed_state(seed, page.wrapping_mul(PICK));
+        pick ^= pick >> 32;
+        pick = pick.wrapping_mul(PICK);
+        pick ^= pick >> 32;
+        if pick % 100 >= percent {
+            continue;
+        }
+        let mut state = seed_state(seed ^ 0xA5A5_A5A5, page);
+        for word in chunk.chunks_exact_mut(8) {
+            word.copy_from_slice(&xorshift_star(&mut state).to_le_bytes());
+        }
+        count += 1;
+    }
+    count
+}
+
 /// The bytes the guest's `fill SIZE KIND seed=SEED` writes.
 pub fn fill_bytes(size: u64, kind: FillKind, seed: u64) -> Vec<u8> {
     let words = size / 8;
@@ -198,15 +234,13 @@ pub fn fill_bytes(size: u64, kind: FillKind, seed: u64) -> Vec<u8> {
     for i in 0..words {
         let word = match kind {
             FillKind::Repeated => MOTIF[(i & 7) as usize],
-            FillKind::Random => {
-                let mut x = state;
-                x ^= x >> 12;
-                x ^= x << 25;
-                x ^= x >> 27;
-                state = x;
-                x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-            }
+            FillKind::Random => xorshift_star(&mut state),
             FillKind::Zero => 0,
+            FillKind::Distinct => match i & 7 {
+                0 => xorshift_star(&mut state),
+                1 => i,
+                _ => MOTIF[(i & 7) as usize],
+            },
         };
         out.extend_from_slice(&word.to_le_bytes());
     }
@@ -235,6 +269,17 @@ mod tests {
             "{}",
             BINARY.len()
         );
+    }
+
+    #[test]
+    fn rewrite_changes_about_the_share_of_pages_asked() {
+        let mut bytes = fill_bytes(4 << 20, FillKind::Repeated, 0);
+        let pages = rewrite_bytes(&mut bytes, 25, 3);
+        assert!((200..=320).contains(&pages), "{pages} of 1024 pages");
+        assert_ne!(bytes, fill_bytes(4 << 20, FillKind::Repeated, 0));
+        let mut again = fill_bytes(4 << 20, FillKind::Repeated, 0);
+        rewrite_bytes(&mut again, 25, 3);
+        assert_eq!(bytes, again);
     }
 
     #[test]

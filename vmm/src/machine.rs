@@ -214,6 +214,9 @@ impl Machine {
                     block_size: config.block_size,
                     initial: PageState::Zero,
                     register: true,
+                    // The VMM tells the pager of every discard itself (before making it), and
+                    // cold compression zaps page-table entries, which must not read as discards.
+                    remove_events: false,
                 },
                 None,
                 on_fault_error,
@@ -373,7 +376,10 @@ impl Machine {
                 output.disk_bytes = Some(result[1]);
             }
             Command::Sleep { ms } => std::thread::sleep(std::time::Duration::from_millis(ms)),
-            Command::Idle => {}
+            Command::Idle => self.pager.set_idle(true),
+        }
+        if *command != Command::Idle {
+            self.pager.set_idle(false);
         }
         output.app_bytes = self.filled;
         output.elapsed_ms = started.elapsed().as_secs_f64() * 1e3;
@@ -501,8 +507,10 @@ impl Machine {
             ))
         })?;
         let fail = |source| MachineError::Release { gpa, len, source };
+        // The pager learns of the discard first, so that nothing it installs meanwhile
+        // survives it: the pages read as zeros from now on.
+        self.pager.discarded(range);
         match self.ram.kind() {
-            // The pager sees the discard as a REMOVE event: the pages read as zeros.
             RamKind::Anon => {
                 // SAFETY: discarding part of our own guest RAM, which the guest freed.
                 let rc = unsafe {
@@ -513,25 +521,8 @@ impl Machine {
                 }
             }
             RamKind::Memfd => {
-                use std::os::fd::AsRawFd;
                 let memfd = self.ram.memfd().expect("memfd RAM has its memfd");
-                let (Ok(offset), Ok(length)) = (i64::try_from(gpa), i64::try_from(len)) else {
-                    return Err(fail(std::io::Error::from_raw_os_error(libc::EINVAL)));
-                };
-                // SAFETY: punching a hole in our own memfd.
-                let rc = unsafe {
-                    libc::fallocate(
-                        memfd.as_raw_fd(),
-                        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                        offset,
-                        length,
-                    )
-                };
-                if rc != 0 {
-                    return Err(fail(std::io::Error::last_os_error()));
-                }
-                // Holes raise no userfaultfd event: tell the pager.
-                self.pager.discarded(range);
+                uffd_pager::offload::punch_hole(memfd, gpa, len).map_err(fail)?;
             }
         }
         Ok(())

@@ -55,6 +55,7 @@ impl fmt::Display for Command {
                     FillKind::Repeated => "repeated",
                     FillKind::Random => "random",
                     FillKind::Zero => "zero",
+                    FillKind::Distinct => "distinct",
                 };
                 write!(f, "fill {size} {kind} seed={seed}")
             }
@@ -140,12 +141,15 @@ fn parse_one(text: &str) -> Result<Command, String> {
                 Some("repeated") => FillKind::Repeated,
                 Some("random") => FillKind::Random,
                 Some("zero") => FillKind::Zero,
+                Some("distinct") => FillKind::Distinct,
                 Some(other) => {
                     return Err(format!(
-                        "unknown content `{other}` (repeated, random or zero)"
+                        "unknown content `{other}` (repeated, random, distinct or zero)"
                     ))
                 }
-                None => return Err("`fill` needs a content: repeated, random or zero".into()),
+                None => {
+                    return Err("`fill` needs a content: repeated, random, distinct or zero".into())
+                }
             };
             no_more(2)?;
             let size = size(0)?;

@@ -9,6 +9,7 @@ use std::time::Instant;
 use compressed_backing::bulk::BulkOptions;
 use compressed_backing::fuse::{self, FuseOptions, MountedStore};
 use compressed_backing::{BlockSize, Codec, CodecConfig};
+use uffd_pager::cold::{ColdConfig, ColdStats};
 use uffd_pager::load::{LoadMode, LoadReport};
 use uffd_pager::metrics::MetricsSnapshot;
 use uffd_pager::offload::{OffloadConfig, OffloadError, OffloadReport};
@@ -42,6 +43,9 @@ pub struct VmOptions {
     pub pager_threads: usize,
     /// Threads for offload and eager load.
     pub io_threads: usize,
+    /// Live cold-RAM compression and its knobs (memfd RAM only).
+    #[serde(default)]
+    pub cold: Option<ColdConfig>,
 }
 
 /// The lifecycle state.
@@ -85,6 +89,9 @@ pub enum VmError {
     /// The codec name is unknown.
     #[error(transparent)]
     Codec(#[from] compressed_backing::codec::UnknownCodec),
+    /// Cold compression could not start.
+    #[error("cannot start cold-RAM compression")]
+    Cold(#[source] uffd_pager::cold::ColdError),
 }
 
 /// What `stats` reports.
@@ -96,10 +103,21 @@ pub struct VmStats {
     pub memory_bytes: u64,
     /// PSS of the whole VM process (`smaps_rollup`).
     pub process_pss_bytes: u64,
-    /// PSS of the guest-RAM mapping alone.
+    /// PSS of the guest-RAM mapping alone. For memfd RAM this misses pages that are in the
+    /// memfd but not mapped (cold compression unmaps blocks it watches): see
+    /// `guest_ram_resident_bytes`.
     pub guest_ram_pss_bytes: u64,
-    /// Bytes held by the in-memory compressed pool (cold compression; 0 without it).
+    /// Guest RAM the host really holds: the mapping's PSS for anon RAM, the memfd's allocated
+    /// bytes for memfd RAM.
+    pub guest_ram_resident_bytes: u64,
+    /// What the VM process really holds: its PSS with guest RAM counted as
+    /// `guest_ram_resident_bytes` (the figure to compare across RAM kinds).
+    pub process_memory_bytes: u64,
+    /// Bytes held by cold compression: the pool's memory plus its tracking (0 without it).
     pub pool_bytes: u64,
+    /// Cold compression's counters and costs, when it runs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cold: Option<ColdStats>,
     /// Bytes allocated on disk by the offload store.
     pub backing_disk_bytes: u64,
     /// Bytes allocated on disk by the virtual disk.
@@ -191,6 +209,9 @@ impl Vm {
                 eprintln!("pvisor: guest memory fault cannot be served: {e}");
             }),
         )?;
+        if let Some(config) = options.cold {
+            machine.pager().start_cold(config).map_err(VmError::Cold)?;
+        }
         Ok(Self {
             ram_view: None,
             machine,
@@ -387,12 +408,26 @@ impl Vm {
                     .sum()
             })
             .unwrap_or(0);
+        let cold = pager.cold_stats();
+        let process_pss_bytes = stats::process_pss().unwrap_or(0);
+        let guest_ram_pss_bytes = stats::mapping_pss(self.machine.ram().host_base().0).unwrap_or(0);
+        let guest_ram_resident_bytes = match self.machine.ram().memfd() {
+            Some(memfd) => memfd
+                .metadata()
+                .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
+                .unwrap_or(0),
+            None => guest_ram_pss_bytes,
+        };
         VmStats {
+            process_pss_bytes,
+            guest_ram_pss_bytes,
+            guest_ram_resident_bytes,
+            process_memory_bytes: (process_pss_bytes - guest_ram_pss_bytes.min(process_pss_bytes))
+                + guest_ram_resident_bytes,
+            pool_bytes: cold.as_ref().map_or(0, |c| c.overhead_bytes),
+            cold,
             state: self.state,
             memory_bytes: self.options.memory,
-            process_pss_bytes: stats::process_pss().unwrap_or(0),
-            guest_ram_pss_bytes: stats::mapping_pss(self.machine.ram().host_base().0).unwrap_or(0),
-            pool_bytes: 0,
             backing_disk_bytes,
             disk_bytes: compressed_backing::store::allocated_bytes(self.machine.disk_path()),
             cgroup_memory_bytes: self.cgroup.as_ref().and_then(|c| c.usage().ok()),

@@ -27,6 +27,7 @@ fn options(dir: &std::path::Path, kind: RamKind, compression: bool) -> VmOptions
         cgroup: None,
         pager_threads: 1,
         io_threads: 2,
+        cold: None,
     }
 }
 

@@ -356,6 +356,8 @@ impl Connection {
                     block_size: self.config.block_size,
                     initial,
                     register: false,
+                    // Firecracker asks for them; the pager never discards remote memory itself.
+                    remove_events: true,
                 },
                 Some(Arc::clone(&self.source)),
                 on_error,

@@ -84,6 +84,7 @@ fn rows(args: &DemoArgs, dir: &std::path::Path) -> Result<Vec<Row>, Box<dyn std:
                 cgroup: None,
                 pager_threads: 1,
                 io_threads: 2,
+                cold: None,
             })?;
             let fill = format!("fill {} {content} seed=1; digest", args.app);
             let out = vm.exec(&script::parse(&fill)?)?;

@@ -22,9 +22,22 @@ pub struct RunArgs {
     /// Offload to a compressed store (lz4 by default, see --vm-ram-codec) instead of raw.
     #[arg(long = "vm-ram-compression", num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub ram_compression: Option<bool>,
-    /// Compress cold RAM of the running VM in memory (not available yet).
+    /// Compress RAM the running VM has not touched for a while into an in-memory pool and
+    /// drop it; a touch brings it back (needs memfd RAM, the default with this option).
     #[arg(long = "vm-cold-ram-compression", num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub cold_ram_compression: Option<bool>,
+    /// Cold compression: milliseconds without an access before a block is compressed (2000).
+    #[arg(long = "vm-cold-age-ms", value_name = "MS")]
+    pub cold_age_ms: Option<u64>,
+    /// Cold compression: milliseconds between scans (500).
+    #[arg(long = "vm-cold-scan-ms", value_name = "MS")]
+    pub cold_scan_ms: Option<u64>,
+    /// Cold compression: share of one core the scanner may use (0.05; four times that idle).
+    #[arg(long = "vm-cold-cpu-budget", value_name = "SHARE")]
+    pub cold_cpu_budget: Option<f64>,
+    /// Cold compression: most memory the pool may hold, as a share of guest RAM (0.5).
+    #[arg(long = "vm-cold-pool-cap", value_name = "SHARE")]
+    pub cold_pool_cap: Option<f64>,
     /// Let KSM merge identical pages across VMs (not available yet).
     #[arg(long = "vm-ram-dedup", num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub ram_dedup: Option<bool>,
@@ -66,6 +79,10 @@ struct ConfigVm {
     vcpus: Option<u32>,
     ram_compression: Option<bool>,
     cold_ram_compression: Option<bool>,
+    cold_age_ms: Option<u64>,
+    cold_scan_ms: Option<u64>,
+    cold_cpu_budget: Option<f64>,
+    cold_pool_cap: Option<f64>,
     ram_dedup: Option<bool>,
     ram_backing: Option<String>,
     ram_codec: Option<String>,
@@ -92,6 +109,7 @@ pub struct Resolved {
     pub disk: Option<PathBuf>,
     pub cgroup: Option<PathBuf>,
     pub pager_threads: usize,
+    pub cold: Option<uffd_pager::cold::ColdConfig>,
 }
 
 fn read_config(path: &Path) -> Result<ConfigVm, String> {
@@ -169,9 +187,6 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
                 .into(),
         );
     }
-    if cold {
-        return Err("--vm-cold-ram-compression is not available yet".into());
-    }
     if dedup {
         return Err("--vm-ram-dedup is not available yet".into());
     }
@@ -192,7 +207,40 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
             ));
         }
     }
+    let cold = cold.then(|| {
+        let default = uffd_pager::cold::ColdConfig::default();
+        uffd_pager::cold::ColdConfig {
+            cold_age: args
+                .cold_age_ms
+                .or(config.cold_age_ms)
+                .map_or(default.cold_age, std::time::Duration::from_millis),
+            scan_period: args
+                .cold_scan_ms
+                .or(config.cold_scan_ms)
+                .map_or(default.scan_period, std::time::Duration::from_millis),
+            cpu_budget: args
+                .cold_cpu_budget
+                .or(config.cold_cpu_budget)
+                .unwrap_or(default.cpu_budget),
+            pool_cap_share: args
+                .cold_pool_cap
+                .or(config.cold_pool_cap)
+                .unwrap_or(default.pool_cap_share),
+            ..default
+        }
+    });
+    if let Some(cold) = &cold {
+        if cold.scan_period.is_zero() || !(cold.cpu_budget > 0.0 && cold.cpu_budget <= 1.0) {
+            return Err(
+                "--vm-cold-scan-ms must be positive and --vm-cold-cpu-budget in (0, 1]".into(),
+            );
+        }
+        if !(0.0..=1.0).contains(&cold.pool_cap_share) {
+            return Err("--vm-cold-pool-cap is a share of guest RAM, 0 to 1".into());
+        }
+    }
     Ok(Resolved {
+        cold,
         memory,
         vcpus: args.vcpus.or(config.vcpus).unwrap_or(1),
         ram_backing,

@@ -62,6 +62,7 @@ pub fn run(args: RunArgs) -> CliResult {
             cgroup: resolved.cgroup,
             pager_threads: resolved.pager_threads,
             io_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            cold: resolved.cold,
         },
         temporary_disk: resolved.disk.is_none(),
         job,

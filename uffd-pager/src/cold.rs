@@ -1,0 +1,507 @@
+//! Live cold-RAM compression: while the VM runs, blocks it has not touched for a while are
+//! compressed into the in-memory pool and dropped; a touch brings them back.
+//!
+//! Access tracking (memfd RAM): the compressor zaps the page-table entries of a block
+//! (`MADV_DONTNEED` on a shared mapping keeps the page cache), which makes the next guest
+//! access a MINOR fault; the fault thread marks the block accessed and maps the whole block
+//! back with `UFFDIO_CONTINUE` (nothing is copied). A block probed for at least the cold age
+//! without an access is cold: its bytes are read from the memfd (not through the mapping, which
+//! would fault), compressed into the pool, and — under the write side of the pager's lock,
+//! only if no access completed since the probe, so no write can be lost — its pages become
+//! `Pooled` and its hole is punched. A fault on a pooled block decompresses and installs it.
+//!
+//! Never worse than doing nothing: a block that does not compress is left resident and backs
+//! off exponentially before it is looked at again; a block that keeps coming back soon after
+//! being compressed is marked hot and left alone for a long while; the pool has a cap and
+//! says when it is full; the pool's memory, the tracking table and the scanner's buffers are
+//! all in `stats`, and the scanner keeps within a CPU budget.
+
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::time::{Duration, Instant};
+
+use compressed_backing::{Codec, CodecConfig, MemoryPool, PoolConfig, PoolStats, PutOutcome};
+
+use crate::addr::{HostRange, PAGE_SIZE};
+use crate::pager::{RamKind, Shared};
+use crate::state::PageState;
+
+/// The policy's knobs.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ColdConfig {
+    /// A block probed this long without an access is compressed.
+    pub cold_age: Duration,
+    /// Time between scans.
+    pub scan_period: Duration,
+    /// Share of one core the scanner may use while the VM runs.
+    pub cpu_budget: f64,
+    /// Share of one core it may use while the guest reports idle (it scans four times as
+    /// often then).
+    pub idle_cpu_budget: f64,
+    /// Most memory the pool may hold, as a share of guest RAM.
+    pub pool_cap_share: f64,
+    /// A block is kept compressed only if it shrinks to at most `num/den` of its size.
+    pub max_ratio: (u32, u32),
+    /// The pool's codec.
+    pub codec: Codec,
+}
+
+impl Default for ColdConfig {
+    fn default() -> Self {
+        Self {
+            cold_age: Duration::from_secs(2),
+            scan_period: Duration::from_millis(500),
+            cpu_budget: 0.05,
+            idle_cpu_budget: 0.2,
+            pool_cap_share: 0.5,
+            max_ratio: (7, 8),
+            codec: Codec::Lz4,
+        }
+    }
+}
+
+/// Block flags.
+const PROBING: u8 = 1;
+const ACCESSED: u8 = 2;
+
+/// Hot blocks rest this many cold ages; a block coming back within this many cold ages of
+/// being compressed counts towards hot.
+const HOT_REST_COLD_AGES: u32 = 60;
+const THRASH_WINDOW_COLD_AGES: u32 = 5;
+/// Promotions within the window that make a block hot.
+const HOT_PROMOTIONS: u8 = 3;
+/// Longest back-off of an incompressible block, in cold ages (2^6).
+const MAX_BACKOFF_LEVEL: u8 = 6;
+
+/// Tracking of one block.
+#[derive(Debug, Default)]
+struct BlockInfo {
+    flags: AtomicU8,
+    probed_at: AtomicU32,
+    compressed_at: AtomicU32,
+    backoff_until: AtomicU32,
+    backoff_level: AtomicU8,
+    promotions: AtomicU8,
+}
+
+/// What cold compression has done and costs.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct ColdStats {
+    /// Scans so far.
+    pub scans: u64,
+    /// Blocks whose entries were zapped to watch for access.
+    pub blocks_probed: u64,
+    /// Blocks compressed into the pool and dropped.
+    pub blocks_compressed: u64,
+    /// Compression attempts refused as incompressible (then backed off).
+    pub incompressible: u64,
+    /// Blocks that were touched after a probe (found hot by the probe).
+    pub touched_after_probe: u64,
+    /// Compressions abandoned because the block was touched meanwhile.
+    pub raced: u64,
+    /// Blocks brought back from the pool by a fault.
+    pub promotions: u64,
+    /// Blocks brought back soon enough after compression to count as thrashing.
+    pub thrash_promotions: u64,
+    /// Blocks marked hot (left resident for a long while).
+    pub hot_blocks: u64,
+    /// Times the pool was at its cap and refused a block.
+    pub pool_full_refusals: u64,
+    /// The pool is at its cap now.
+    pub pool_full: bool,
+    /// Pages pooled now.
+    pub pooled_pages: u64,
+    /// CPU time of the scanner, seconds.
+    pub scanner_cpu_seconds: f64,
+    /// Bytes of the tracking table and the scanner's buffers.
+    pub tracking_bytes: u64,
+    /// The pool.
+    pub pool: PoolStats,
+    /// Memory the pool and the tracking cost, bytes (`pool.held_bytes + tracking_bytes`).
+    pub overhead_bytes: u64,
+    /// Memory it gave back, bytes (pooled pages) minus what it costs; negative when it costs.
+    pub net_saving_bytes: i64,
+}
+
+/// Why cold compression cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum ColdError {
+    /// A region is not memfd RAM of this process.
+    #[error(
+        "cold compression needs memfd RAM mapped in this process (region {range:?} is {kind:?}); \
+         use --vm-ram-backing memfd"
+    )]
+    Unsupported {
+        /// The region.
+        range: HostRange,
+        /// Its kind.
+        kind: RamKind,
+    },
+    /// The pool could not be created.
+    #[error("cannot create the memory pool")]
+    Pool(#[source] compressed_backing::PoolError),
+    /// Cold compression runs already.
+    #[error("cold compression runs already")]
+    Running,
+    /// The scanner thread could not start.
+    #[error("cannot start the scanner thread")]
+    Thread(#[source] std::io::Error),
+    /// The knobs are out of range.
+    #[error("invalid cold compression setting: {0}")]
+    Config(String),
+}
+
+/// Cold compression's shared state: the pool, the tracking table, counters.
+#[derive(Debug)]
+pub(crate) struct Cold {
+    pub config: ColdConfig,
+    pub pool: MemoryPool,
+    blocks: Box<[BlockInfo]>,
+    /// Time is kept in ticks of a quarter scan period since `started` (the epoch).
+    started: Instant,
+    tick: Duration,
+    cold_age_ticks: u32,
+    pub stop: AtomicBool,
+    idle: AtomicBool,
+    /// Pauses (offloads in progress); scanning waits while non-zero.
+    paused: AtomicU32,
+    scans: AtomicU64,
+    probed: AtomicU64,
+    compressed: AtomicU64,
+    incompressible: AtomicU64,
+    touched: AtomicU64,
+    raced: AtomicU64,
+    promotions: AtomicU64,
+    thrash: AtomicU64,
+    hot: AtomicU64,
+    full_refusals: AtomicU64,
+    full: AtomicBool,
+    cpu_ns: AtomicU64,
+}
+
+impl Cold {
+    pub(crate) fn new(shared: &Shared, config: ColdConfig) -> Result<Self, ColdError> {
+        if !(config.cpu_budget > 0.0 && config.idle_cpu_budget > 0.0) {
+            return Err(ColdError::Config("CPU budgets must be positive".into()));
+        }
+        if !(0.0..=1.0).contains(&config.pool_cap_share) {
+            return Err(ColdError::Config(
+                "the pool cap is a share of RAM, 0 to 1".into(),
+            ));
+        }
+        if config.scan_period.is_zero() {
+            return Err(ColdError::Config("the scan period must not be zero".into()));
+        }
+        let max_ratio = compressed_backing::MaxRatio::new(config.max_ratio.0, config.max_ratio.1)
+            .ok_or_else(|| ColdError::Config("the ratio must be in (0, 1]".into()))?;
+        for region in &shared.regions {
+            if region.spec.kind != RamKind::Memfd
+                || !region.spec.in_process()
+                || region.spec.memfd.is_none()
+            {
+                return Err(ColdError::Unsupported {
+                    range: region.spec.range,
+                    kind: region.spec.kind,
+                });
+            }
+        }
+        let blocks = shared.block_size.blocks_for(shared.image_size);
+        let tick = (config.scan_period / 4).max(Duration::from_millis(1));
+        let cold_age_ticks = u32::try_from(config.cold_age.as_nanos().div_ceil(tick.as_nanos()))
+            .map_err(|_| ColdError::Config("the cold age is too long".into()))?
+            .max(1);
+        #[allow(
+            clippy::cast_sign_loss,
+            reason = "the share was checked to be in [0, 1]: a non-negative size"
+        )]
+        let cap_bytes = (shared.image_size as f64 * config.pool_cap_share) as u64;
+        let pool = MemoryPool::new(PoolConfig {
+            block_size: shared.block_size,
+            codec: CodecConfig {
+                codec: config.codec,
+                max_ratio,
+            },
+            blocks,
+            cap_bytes,
+        })
+        .map_err(ColdError::Pool)?;
+        Ok(Self {
+            config,
+            pool,
+            blocks: (0..blocks).map(|_| BlockInfo::default()).collect(),
+            started: Instant::now(),
+            tick,
+            cold_age_ticks,
+            stop: AtomicBool::new(false),
+            idle: AtomicBool::new(false),
+            paused: AtomicU32::new(0),
+            scans: AtomicU64::new(0),
+            probed: AtomicU64::new(0),
+            compressed: AtomicU64::new(0),
+            incompressible: AtomicU64::new(0),
+            touched: AtomicU64::new(0),
+            raced: AtomicU64::new(0),
+            promotions: AtomicU64::new(0),
+            thrash: AtomicU64::new(0),
+            hot: AtomicU64::new(0),
+            full_refusals: AtomicU64::new(0),
+            full: AtomicBool::new(false),
+            cpu_ns: AtomicU64::new(0),
+        })
+    }
+
+    /// Ticks since the start, from 1.
+    fn epoch(&self) -> u32 {
+        let ticks = self.started.elapsed().as_nanos() / self.tick.as_nanos();
+        u32::try_from(ticks).unwrap_or(u32::MAX - 1) + 1
+    }
+
+    /// Holds scanning still until the guard is dropped (an offload is moving RAM).
+    pub(crate) fn pause(&self) -> PauseGuard<'_> {
+        self.paused.fetch_add(1, Ordering::AcqRel);
+        PauseGuard(self)
+    }
+
+    /// The guest reports idle (scan harder) or busy.
+    pub(crate) fn set_idle(&self, idle: bool) {
+        self.idle.store(idle, Ordering::Relaxed);
+    }
+
+    /// A fault thread saw an access to `block` (a MINOR fault after a probe).
+    pub(crate) fn touched(&self, block: u64) {
+        if let Some(info) = self.blocks.get(block as usize) {
+            let before = info.flags.fetch_or(ACCESSED, Ordering::AcqRel);
+            if before & PROBING != 0 && before & ACCESSED == 0 {
+                self.touched.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// A fault brought `block` back from the pool.
+    pub(crate) fn promoted(&self, block: u64) {
+        self.promotions.fetch_add(1, Ordering::Relaxed);
+        let Some(info) = self.blocks.get(block as usize) else {
+            return;
+        };
+        info.flags.store(0, Ordering::Release);
+        let epoch = self.epoch();
+        let window = self.cold_age_ticks.saturating_mul(THRASH_WINDOW_COLD_AGES);
+        if epoch.saturating_sub(info.compressed_at.load(Ordering::Relaxed)) <= window {
+            self.thrash.fetch_add(1, Ordering::Relaxed);
+            if info.promotions.fetch_add(1, Ordering::Relaxed) + 1 >= HOT_PROMOTIONS {
+                info.promotions.store(0, Ordering::Relaxed);
+                let rest = self.cold_age_ticks.saturating_mul(HOT_REST_COLD_AGES);
+                info.backoff_until
+                    .store(epoch.saturating_add(rest), Ordering::Relaxed);
+                self.hot.fetch_add(1, Ordering::Relaxed);
+            }
+        } else {
+            info.promotions.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Counters, the pool's stats and what it all costs.
+    pub(crate) fn stats(&self, pooled_pages: u64) -> ColdStats {
+        let pool = self.pool.stats();
+        let tracking_bytes = (self.blocks.len() * std::mem::size_of::<BlockInfo>()
+            + self.config_scratch_bytes()) as u64;
+        let overhead = pool.held_bytes + tracking_bytes;
+        ColdStats {
+            scans: self.scans.load(Ordering::Relaxed),
+            blocks_probed: self.probed.load(Ordering::Relaxed),
+            blocks_compressed: self.compressed.load(Ordering::Relaxed),
+            incompressible: self.incompressible.load(Ordering::Relaxed),
+            touched_after_probe: self.touched.load(Ordering::Relaxed),
+            raced: self.raced.load(Ordering::Relaxed),
+            promotions: self.promotions.load(Ordering::Relaxed),
+            thrash_promotions: self.thrash.load(Ordering::Relaxed),
+            hot_blocks: self.hot.load(Ordering::Relaxed),
+            pool_full_refusals: self.full_refusals.load(Ordering::Relaxed),
+            pool_full: self.full.load(Ordering::Relaxed),
+            pooled_pages,
+            scanner_cpu_seconds: self.cpu_ns.load(Ordering::Relaxed) as f64 / 1e9,
+            tracking_bytes,
+            overhead_bytes: overhead,
+            net_saving_bytes: i64::try_from(pooled_pages * PAGE_SIZE).unwrap_or(i64::MAX)
+                - i64::try_from(overhead).unwrap_or(i64::MAX),
+            pool,
+        }
+    }
+
+    /// The scanner's block buffer.
+    fn config_scratch_bytes(&self) -> usize {
+        self.pool.config().block_size.bytes()
+    }
+}
+
+/// Scanning resumes when this is dropped.
+pub(crate) struct PauseGuard<'a>(&'a Cold);
+
+impl Drop for PauseGuard<'_> {
+    fn drop(&mut self) {
+        self.0.paused.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// CPU time of the calling thread.
+fn thread_cpu() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    Duration::new(
+        u64::try_from(ts.tv_sec).unwrap_or(0),
+        u32::try_from(ts.tv_nsec).unwrap_or(0),
+    )
+}
+
+/// The scanner thread: a scan every period (a quarter of it while the guest is idle), then a
+/// sleep long enough to keep its CPU time within the budget.
+pub(crate) fn run(shared: &Shared, cold: &Cold) {
+    let mut buf = vec![0u8; shared.block_size.bytes()];
+    while !cold.stop.load(Ordering::Relaxed) {
+        let started = Instant::now();
+        let cpu = thread_cpu();
+        scan(shared, cold, &mut buf);
+        let used = thread_cpu().saturating_sub(cpu);
+        cold.cpu_ns.fetch_add(
+            u64::try_from(used.as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        cold.scans.fetch_add(1, Ordering::Relaxed);
+        let idle = cold.idle.load(Ordering::Relaxed);
+        let (period, budget) = if idle {
+            (cold.config.scan_period / 4, cold.config.idle_cpu_budget)
+        } else {
+            (cold.config.scan_period, cold.config.cpu_budget)
+        };
+        // Stay within the budget: the scan's CPU time over the whole cycle.
+        let cycle = period.max(used.div_f64(budget));
+        let mut left = cycle.saturating_sub(started.elapsed());
+        while !left.is_zero() && !cold.stop.load(Ordering::Relaxed) {
+            let nap = left.min(Duration::from_millis(20));
+            std::thread::sleep(nap);
+            left = left.saturating_sub(nap);
+        }
+    }
+}
+
+fn scan(shared: &Shared, cold: &Cold, buf: &mut [u8]) {
+    let per_block = shared.block_size.pages() as u64;
+    let epoch = cold.epoch();
+    let block_len = shared.block_size.bytes();
+    for (block, info) in cold.blocks.iter().enumerate() {
+        if cold.stop.load(Ordering::Relaxed) || cold.paused.load(Ordering::Acquire) > 0 {
+            return;
+        }
+        let first = block as u64 * per_block;
+        let pages = first..(first + per_block).min(shared.states.len());
+        // Whole blocks of one region only (the pool keeps whole blocks).
+        let Some(region) = shared.region_of_page(first) else {
+            continue;
+        };
+        if pages.end - pages.start != per_block
+            || !region.pages().contains(&(pages.end - 1))
+            || info.backoff_until.load(Ordering::Relaxed) > epoch
+            || !shared.states.all(pages.clone(), PageState::Resident)
+        {
+            continue;
+        }
+        let flags = info.flags.load(Ordering::Acquire);
+        if flags & PROBING == 0 || flags & ACCESSED != 0 {
+            // Watch it (again): the next access to it faults.
+            info.flags.store(PROBING, Ordering::Release);
+            info.probed_at.store(epoch, Ordering::Relaxed);
+            let range = HostRange::new(region.addr_of(first), per_block * PAGE_SIZE)
+                .expect("pages of a region");
+            // SAFETY: our own shared memfd mapping: the page cache keeps every byte; only
+            // the page-table entries go, and the next access is a MINOR fault to the pager.
+            unsafe {
+                libc::madvise(
+                    range.start().as_ptr(),
+                    range.len() as usize,
+                    libc::MADV_DONTNEED,
+                )
+            };
+            cold.probed.fetch_add(1, Ordering::Relaxed);
+            continue;
+        }
+        if epoch.saturating_sub(info.probed_at.load(Ordering::Relaxed)) < cold.cold_age_ticks {
+            continue;
+        }
+        compress(
+            shared,
+            cold,
+            region,
+            block as u64,
+            pages,
+            &mut buf[..block_len],
+        );
+    }
+}
+
+fn compress(
+    shared: &Shared,
+    cold: &Cold,
+    region: &crate::pager::Region,
+    block: u64,
+    pages: std::ops::Range<u64>,
+    buf: &mut [u8],
+) {
+    let info = &cold.blocks[block as usize];
+    let memfd = region.spec.memfd.as_ref().expect("checked at start");
+    let offset = region.spec.memfd_offset + (pages.start - region.first_page) * PAGE_SIZE;
+    // Through the file, not the mapping: reading the mapping would fault to ourselves.
+    if memfd.read_exact_at(buf, offset).is_err() {
+        return;
+    }
+    match cold.pool.put(block, buf) {
+        Ok(PutOutcome::Stored { .. } | PutOutcome::Zero | PutOutcome::Fill) => {}
+        Ok(PutOutcome::Incompressible) => {
+            cold.incompressible.fetch_add(1, Ordering::Relaxed);
+            let level = info
+                .backoff_level
+                .load(Ordering::Relaxed)
+                .min(MAX_BACKOFF_LEVEL);
+            info.backoff_level.store(level + 1, Ordering::Relaxed);
+            let wait = cold.cold_age_ticks.saturating_mul(1 << level);
+            info.backoff_until
+                .store(cold.epoch().saturating_add(wait), Ordering::Relaxed);
+            return;
+        }
+        Ok(PutOutcome::Full) => {
+            cold.full_refusals.fetch_add(1, Ordering::Relaxed);
+            cold.full.store(true, Ordering::Relaxed);
+            return;
+        }
+        Err(_) => return,
+    }
+    cold.full.store(false, Ordering::Relaxed);
+    let _write = shared.layout.write();
+    if cold.paused.load(Ordering::Acquire) > 0 {
+        let _ = cold.pool.remove(block);
+        return;
+    }
+    // No access may have completed since the probe (each one faults and marks the block
+    // first), and every page must still be resident: otherwise the pool holds stale bytes.
+    if info.flags.load(Ordering::Acquire) != PROBING
+        || !shared.states.all(pages.clone(), PageState::Resident)
+    {
+        let _ = cold.pool.remove(block);
+        cold.raced.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    shared.states.set_range(pages.clone(), PageState::Pooled);
+    if crate::offload::punch_hole(memfd, offset, buf.len() as u64).is_err() {
+        // Still in the page cache: the block stays resident, the pool entry goes.
+        shared.states.set_range(pages, PageState::Resident);
+        let _ = cold.pool.remove(block);
+        return;
+    }
+    info.flags.store(0, Ordering::Release);
+    info.backoff_level.store(0, Ordering::Relaxed);
+    info.compressed_at.store(cold.epoch(), Ordering::Relaxed);
+    cold.compressed.fetch_add(1, Ordering::Relaxed);
+}
