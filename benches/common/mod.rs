@@ -1,5 +1,11 @@
-//! What the store benches share: the four kinds of content, the realistic sample and where it
-//! comes from.
+//! What the benches share. Here: the four kinds of content, the realistic sample and where it
+//! comes from, and the run helpers of the scenario benches (`main`, `env_number`,
+//! `is_bench_run`). Beside it, for the scenario benches (`store_report`, `pager_report`,
+//! `vm_report`):
+//! - `host`: the temporary directory under `target/bench-tmp/`, the machine facts the reports
+//!   state, CPU time from `/proc/stat`;
+//! - `results`: one value per run under a key, min/median/max summaries, the CSV;
+//! - `svg`: the pieces of the charts (log axis, 1-2-5 grid, panels of labelled rows).
 //!
 //! Contents, all deterministic:
 //! - `zero`: all zeros (never-touched guest memory).
@@ -14,10 +20,42 @@
 // Each bench uses a part of this module.
 #![allow(dead_code)]
 
+pub mod host;
+pub mod results;
+pub mod svg;
+
+use std::error::Error;
 use std::fs::{self, File};
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+
+use compressed_backing::store::error_chain;
+
+/// What the fallible parts of a scenario bench return.
+pub type Res<T> = Result<T, Box<dyn Error>>;
+
+/// The `main` of a scenario bench: runs `run`; on failure prints `NAME: ` and the whole error
+/// chain, and exits with status 1.
+pub fn main(name: &str, run: fn() -> Res<()>) {
+    if let Err(err) = run() {
+        eprintln!("{name}: {}", error_chain(&*err));
+        std::process::exit(1);
+    }
+}
+
+/// The whole number in the environment variable `name`, at least `min`; `default` when unset.
+pub fn env_number(name: &str, default: u64, min: u64) -> Res<u64> {
+    match std::env::var(name) {
+        Ok(text) => text
+            .trim()
+            .parse::<u64>()
+            .ok()
+            .filter(|&n| n >= min)
+            .ok_or_else(|| format!("{name}={text}: expected a whole number >= {min}").into()),
+        Err(_) => Ok(default),
+    }
+}
 
 /// Block size of every bench: the store's default.
 pub const BLOCK: usize = 64 << 10;
@@ -95,8 +133,14 @@ pub struct Sample {
 
 /// Reads the realistic sample: `len` bytes of real ELF files (see the module documentation).
 pub fn realistic(len: usize) -> io::Result<Sample> {
+    elf_sample(len, "STORE_BENCH_SAMPLE")
+}
+
+/// `len` bytes of real ELF files: the file named by the environment variable `env_var` first,
+/// then the toolchain's `librustc_driver-*.so`, then the ELF files of `/usr/bin`.
+pub fn elf_sample(len: usize, env_var: &str) -> io::Result<Sample> {
     let mut candidates: Vec<PathBuf> = Vec::new();
-    if let Some(path) = std::env::var_os("STORE_BENCH_SAMPLE") {
+    if let Some(path) = std::env::var_os(env_var) {
         candidates.push(PathBuf::from(path));
     }
     if let Some(driver) = rustc_driver_library() {
@@ -123,7 +167,7 @@ pub fn realistic(len: usize) -> io::Result<Sample> {
     if bytes.len() < len {
         return Err(io::Error::other(format!(
             "found only {} of the {len} bytes of ELF files wanted for the realistic sample; \
-             set STORE_BENCH_SAMPLE to a large binary",
+             set {env_var} to a large binary",
             bytes.len()
         )));
     }

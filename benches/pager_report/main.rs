@@ -19,8 +19,6 @@
 //! Run without `--bench` (as `cargo test --benches` does), it is a quick smoke run on 16 MiB
 //! images that writes no report.
 
-use std::error::Error;
-use std::fmt::Write as _;
 use std::fs;
 use std::path::Path;
 use std::sync::Arc;
@@ -29,6 +27,8 @@ use std::time::Instant;
 use compressed_backing::{pack_file, BlockSize, Codec, CodecConfig, DiskStore, PackOptions};
 use uffd_pager::source::{PageSource, RawFileSource, StoreSource};
 
+#[path = "../common/mod.rs"]
+mod common;
 mod findings;
 mod firecracker;
 mod host;
@@ -42,21 +42,13 @@ mod resume;
 mod svg;
 mod targets;
 
-type Res<T> = Result<T, Box<dyn Error>>;
+use common::host::TempRoot;
+use common::{env_number, Res};
 
 const MIB: usize = 1 << 20;
 
 fn main() {
-    if let Err(err) = run() {
-        let mut text = err.to_string();
-        let mut cause = err.source();
-        while let Some(next) = cause {
-            let _ = write!(text, ": {next}");
-            cause = next.source();
-        }
-        eprintln!("pager_report: {text}");
-        std::process::exit(1);
-    }
+    common::main("pager_report", run);
 }
 
 /// Sizes of one bench (full or smoke).
@@ -85,18 +77,6 @@ pub struct Settings {
     pub random: usize,
 }
 
-fn env_number(name: &str, default: u64, min: u64) -> Res<u64> {
-    match std::env::var(name) {
-        Ok(text) => text
-            .trim()
-            .parse::<u64>()
-            .ok()
-            .filter(|&n| n >= min)
-            .ok_or_else(|| format!("{name}={text}: expected a whole number >= {min}").into()),
-        Err(_) => Ok(default),
-    }
-}
-
 fn settings() -> Res<Settings> {
     let head_start_ms = env_number("PAGER_BENCH_HEAD_START_MS", 20, 1)?;
     let parts: Vec<u32> = match std::env::var("PAGER_BENCH_PARTS") {
@@ -119,7 +99,7 @@ fn settings() -> Res<Settings> {
             .ok_or_else(|| format!("PAGER_BENCH_NICE={text}: expected -20 to 19"))?,
         Err(_) => -10,
     };
-    if !std::env::args().any(|arg| arg == "--bench") {
+    if !common::is_bench_run() {
         return Ok(Settings {
             runs: 1,
             nice,
@@ -188,7 +168,7 @@ fn run() -> Res<()> {
             .into());
         }
     }
-    let tmp = host::TempRoot::create()?;
+    let tmp = TempRoot::create("pager_report", Path::new("pager"))?;
     eprintln!(
         "pager_report: {} run(s), {} MiB image; temporary files in {} ({})",
         settings.runs,
@@ -330,10 +310,10 @@ fn run() -> Res<()> {
         image: &image,
         prepared: &prepared,
         elapsed_s: started.elapsed().as_secs_f64(),
-        filesystem: host::filesystem_of(&host::target_dir())?,
+        filesystem: common::host::filesystem_of(&common::host::target_dir())?,
     };
     let markdown = report::markdown(&results, &verdicts, &context);
-    let (csv, chart) = (results.csv(), svg::svg(&results, &settings));
+    let (csv, chart) = (results.csv(&results::CSV), svg::svg(&results, &settings));
     if settings.write_docs {
         let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/bench");
         fs::create_dir_all(&docs)?;

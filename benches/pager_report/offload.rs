@@ -12,7 +12,7 @@ use compressed_backing::{Codec, CodecConfig};
 use uffd_pager::offload::OffloadConfig;
 use uffd_pager::pager::PagerConfig;
 
-use crate::host;
+use crate::common;
 use crate::ram::{self, Mapping, PAGE};
 use crate::results::Results;
 use crate::Res;
@@ -166,7 +166,7 @@ fn measure(
 /// The mixed content's two parts.
 pub fn mixed_data(repeated: usize, random: usize) -> (Vec<u8>, Vec<u8>) {
     (
-        host::repeated(repeated),
-        host::random(random, 0x9E37_79B9_7F4A_7C15),
+        common::repeated(repeated),
+        common::random(random, common::RANDOM_SEED),
     )
 }

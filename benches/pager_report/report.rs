@@ -2,7 +2,8 @@
 
 use std::fmt::Write as _;
 
-use crate::host::{self, Image};
+use crate::common::host;
+use crate::host::Image;
 use crate::latency::{self, Source};
 use crate::restore::Who;
 use crate::results::{fmt, Results};

@@ -3,6 +3,7 @@
 
 use std::fmt::Write as _;
 
+use crate::common::svg::{document, line, text, LogAxis, Panel};
 use crate::latency::Source;
 use crate::restore::Who;
 use crate::results::{fmt, Results};
@@ -11,7 +12,6 @@ use crate::Settings;
 const WIDTH: f64 = 980.0;
 const PLOT_X: f64 = 430.0;
 const PLOT_W: f64 = 470.0;
-const ROW_H: f64 = 22.0;
 
 struct Bar {
     label: String,
@@ -27,87 +27,22 @@ fn bar(label: impl Into<String>, key: impl Into<String>, target: Option<f64>) ->
     }
 }
 
-fn esc(text: &str) -> String {
-    text.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-}
-
-fn text(out: &mut String, x: f64, y: f64, attributes: &str, content: &str) {
-    let _ = writeln!(
-        out,
-        r#"<text x="{x:.1}" y="{y:.1}" {attributes}>{}</text>"#,
-        esc(content)
-    );
-}
-
-fn line(out: &mut String, (x1, y1): (f64, f64), (x2, y2): (f64, f64), style: &str) {
-    let _ = writeln!(
-        out,
-        r#"<line x1="{x1:.1}" y1="{y1:.1}" x2="{x2:.1}" y2="{y2:.1}" {style}/>"#
-    );
-}
-
-/// Decades that hold every finite positive whisker and target of `bars`.
-fn axis(results: &Results, bars: &[Bar]) -> (f64, f64) {
-    let (mut lo, mut hi) = (f64::INFINITY, 0.0f64);
-    for b in bars {
-        let s = results.summary(&b.key);
-        for v in [s.min, s.max].into_iter().chain(b.target) {
-            if v.is_finite() && v > 0.0 {
-                lo = lo.min(v);
-                hi = hi.max(v);
-            }
-        }
-    }
-    if !lo.is_finite() {
-        return (0.1, 10.0);
-    }
-    let lo = 10f64.powf(lo.log10().floor());
-    (lo, 10f64.powf(hi.log10().ceil()).max(lo * 10.0))
-}
-
-/// One panel; returns the y below it.
+/// One panel, on decades that hold every finite positive whisker and target of `bars`;
+/// returns the y below it.
 fn panel(out: &mut String, results: &Results, y0: f64, title: &str, bars: &[Bar]) -> f64 {
-    let (lo, hi) = axis(results, bars);
-    let x = |v: f64| PLOT_X + (v.clamp(lo, hi).ln() - lo.ln()) / (hi.ln() - lo.ln()) * PLOT_W;
-    text(
-        out,
-        10.0,
-        y0 + 16.0,
-        r#"font-weight="bold" font-size="14""#,
-        title,
+    let values = bars.iter().flat_map(|b| {
+        let s = results.summary(&b.key);
+        [s.min, s.max].into_iter().chain(b.target)
+    });
+    let axis = LogAxis::covering(values, PLOT_X, PLOT_W).clamped();
+    let ticks = (
+        r#"font-size="10" text-anchor="middle""#,
+        fmt as fn(f64) -> String,
     );
-    let top = y0 + 28.0;
-    let bottom = top + ROW_H * bars.len() as f64;
-    let mut decade = lo;
-    while decade <= hi * 1.0001 {
-        for step in [1.0, 2.0, 5.0] {
-            let v = decade * step;
-            if v > hi * 1.0001 {
-                break;
-            }
-            let gx = x(v);
-            line(out, (gx, top), (gx, bottom), r##"stroke="#ddd""##);
-            text(
-                out,
-                gx,
-                bottom + 14.0,
-                r#"font-size="10" text-anchor="middle""#,
-                &fmt(v),
-            );
-        }
-        decade *= 10.0;
-    }
+    let panel = Panel::begin(out, y0, title, axis, bars.len(), ticks);
+    let x = |v: f64| axis.x(v);
     for (i, b) in bars.iter().enumerate() {
-        let cy = top + ROW_H * (i as f64 + 0.5);
-        text(
-            out,
-            PLOT_X - 8.0,
-            cy + 4.0,
-            r#"font-size="12" text-anchor="end""#,
-            &b.label,
-        );
+        let cy = panel.row(out, i, &b.label);
         let s = results.summary(&b.key);
         if let Some(target) = b.target {
             let tx = x(target);
@@ -147,7 +82,7 @@ fn panel(out: &mut String, results: &Results, y0: f64, title: &str, bars: &[Bar]
             &fmt(s.median),
         );
     }
-    bottom + 30.0
+    panel.bottom + 30.0
 }
 
 pub fn svg(results: &Results, settings: &Settings) -> String {
@@ -242,12 +177,6 @@ pub fn svg(results: &Results, settings: &Settings) -> String {
         &ratios,
     );
     let mut out = String::new();
-    let _ = writeln!(
-        out,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{:.0}" font-family="sans-serif">"#,
-        y + 10.0
-    );
-    let _ = writeln!(out, r#"<rect width="100%" height="100%" fill="white"/>"#);
     text(
         &mut out,
         10.0,
@@ -259,6 +188,5 @@ pub fn svg(results: &Results, settings: &Settings) -> String {
         ),
     );
     out.push_str(&body);
-    out.push_str("</svg>\n");
-    out
+    document(WIDTH, y + 10.0, false, &out)
 }

@@ -12,6 +12,7 @@ pub fn derive(results: &mut Results, settings: &Settings) {
                 &format!("ratio.latency.{source}_over_raw.{what}"),
                 &format!("latency.{source}.t1.c1.{what}"),
                 &format!("latency.raw.t1.c1.{what}"),
+                "×",
             );
         }
     }
@@ -21,6 +22,7 @@ pub fn derive(results: &mut Results, settings: &Settings) {
                 &format!("ratio.restore.{touch}.firecracker_over_{ours}"),
                 &format!("restore.{touch}.firecracker.ms"),
                 &format!("restore.{touch}.{ours}.ms"),
+                "×",
             );
         }
     }
@@ -29,6 +31,7 @@ pub fn derive(results: &mut Results, settings: &Settings) {
             &format!("ratio.offload.{content}.lz4_over_none"),
             &format!("offload.{content}.lz4.ms"),
             &format!("offload.{content}.none.ms"),
+            "×",
         );
     }
     for head in [0, settings.head_start_ms] {
@@ -37,11 +40,13 @@ pub fn derive(results: &mut Results, settings: &Settings) {
                 &format!("ratio.resume.h{head}.first_over_r{later}"),
                 &format!("{}.sync_faults", resume::key(head, 1)),
                 &format!("{}.sync_faults", resume::key(head, later)),
+                "×",
             );
             results.ratio(
                 &format!("ratio.resume.h{head}.first_over_r{later}.thread_faults"),
                 &format!("{}.thread_faults", resume::key(head, 1)),
                 &format!("{}.thread_faults", resume::key(head, later)),
+                "×",
             );
         }
     }

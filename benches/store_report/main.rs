@@ -28,19 +28,18 @@
 //! images that writes no report.
 //!
 //! Modules: `plan` (what is measured, and the keys), `measure` (the three phases),
-//! `pagecache` (ballast, drop, residency), `host` (temporary directory, machine facts),
-//! `results` (series and derived ratios, CSV), `targets` (verdicts), `report` (Markdown),
-//! `svg` (chart).
+//! `pagecache` (ballast, drop, residency), `results` (derived ratios, CSV format), `targets`
+//! (verdicts), `report` (Markdown), `svg` (chart); from `common`: content, `host` (temporary
+//! directory, machine facts, CPU time), `results` (series, summaries, CSV), `svg` (chart
+//! pieces).
 
 use std::collections::BTreeMap;
-use std::error::Error;
 use std::fs;
 use std::path::Path;
 use std::time::Instant;
 
 #[path = "../common/mod.rs"]
 mod common;
-mod host;
 mod measure;
 mod pagecache;
 mod plan;
@@ -49,17 +48,12 @@ mod results;
 mod svg;
 mod targets;
 
-use common::{Content, IMAGE};
-use compressed_backing::store::error_chain;
+use common::host::{self, CpuTimes, TempRoot};
+use common::{Content, Res, IMAGE};
 use plan::{DECODERS, DISK_CONTENTS, MEMORY_CONTENTS};
 
-type Res<T> = Result<T, Box<dyn Error>>;
-
 fn main() {
-    if let Err(err) = run() {
-        eprintln!("store_report: {}", error_chain(&*err));
-        std::process::exit(1);
-    }
+    common::main("store_report", run);
 }
 
 /// How much to run, and whether to write the report.
@@ -78,17 +72,8 @@ fn settings() -> Res<Settings> {
             write_docs: false,
         });
     }
-    let runs = match std::env::var("STORE_BENCH_RUNS") {
-        Ok(text) => text
-            .trim()
-            .parse::<usize>()
-            .ok()
-            .filter(|&n| n >= 1)
-            .ok_or_else(|| format!("STORE_BENCH_RUNS={text}: expected a count of runs >= 1"))?,
-        Err(_) => 7,
-    };
     Ok(Settings {
-        runs,
+        runs: common::env_number("STORE_BENCH_RUNS", 7, 1)? as usize,
         image: IMAGE,
         write_docs: true,
     })
@@ -96,10 +81,11 @@ fn settings() -> Res<Settings> {
 
 fn run() -> Res<()> {
     let started = Instant::now();
-    let cpu_at_start = host::cpu_times();
+    let cpu_at_start = CpuTimes::now();
     let settings = settings()?;
     let image = settings.image;
-    let tmp = host::TempRoot::create()?;
+    let relative = format!("store-report-{}", std::process::id());
+    let tmp = TempRoot::create("store_report", Path::new(&relative))?;
     eprintln!(
         "store_report: {} run(s) of {} MiB images; temporary files in {} ({})",
         settings.runs,
@@ -146,7 +132,7 @@ fn run() -> Res<()> {
     }
     drop(tmp);
 
-    results.derive(image);
+    results::derive(&mut results, image);
     let verdicts = targets::verdicts(&results, image);
     for verdict in &verdicts {
         eprintln!(
@@ -155,7 +141,7 @@ fn run() -> Res<()> {
         );
     }
     let elapsed_s = started.elapsed().as_secs_f64();
-    let disturbance = host::disturbance(cpu_at_start, host::cpu_times(), elapsed_s);
+    let disturbance = report::disturbance(cpu_at_start, CpuTimes::now(), elapsed_s);
     eprintln!("store_report: CPU used meanwhile: {disturbance}");
     let context = report::Context {
         settings: &settings,
@@ -171,7 +157,7 @@ fn run() -> Res<()> {
             docs.join("store.md"),
             report::markdown(&results, &verdicts, &context),
         )?;
-        fs::write(docs.join("store.csv"), results.csv())?;
+        fs::write(docs.join("store.csv"), results.csv(&results::CSV))?;
         fs::write(docs.join("store.svg"), svg::svg(&results))?;
         eprintln!(
             "store_report: wrote {}/store.{{md,csv,svg}}",
@@ -180,7 +166,7 @@ fn run() -> Res<()> {
     } else {
         // Renders everything anyway, so the smoke test covers the report code.
         let _ = report::markdown(&results, &verdicts, &context);
-        let _ = (results.csv(), svg::svg(&results));
+        let _ = (results.csv(&results::CSV), svg::svg(&results));
         eprintln!("store_report: smoke run (no --bench): report not written");
     }
     eprintln!(

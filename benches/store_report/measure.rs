@@ -18,7 +18,7 @@ use compressed_backing::{
 use crate::common::{Content, BLOCK};
 use crate::pagecache;
 use crate::plan::{self, MemOp, Op, Side, StoreCase};
-use crate::results::Results;
+use crate::results::{record_timed, Results};
 use crate::Res;
 
 /// An image encoded block by block: kind and payload of each block.
@@ -122,7 +122,7 @@ pub fn memory_round(
         };
         black_box(&mut dest);
         check_same(&op.key("mem", content), &dest, source)?;
-        results.record_timed(run, |prefix| op.key(prefix, content), measured);
+        record_timed(results, run, |prefix| op.key(prefix, content), measured);
     }
     Ok(())
 }
@@ -158,7 +158,7 @@ pub fn write_round(
                 drop(file?);
                 let disk = pagecache::allocated(&path)?;
                 let size_key = plan::key(&["size.disk.raw", content.name()]);
-                results.record(run, &size_key, "B", disk as f64);
+                results.put(&size_key, "B", run, disk as f64);
                 written.raw.insert(content, path);
                 measured
             }
@@ -172,7 +172,12 @@ pub fn write_round(
                 measured
             }
         };
-        results.record_timed(run, |prefix| Op::Write.key(prefix, side, content), measured);
+        record_timed(
+            results,
+            run,
+            |prefix| Op::Write.key(prefix, side, content),
+            measured,
+        );
     }
     Ok(written)
 }
@@ -224,7 +229,7 @@ fn record_store_stats(
         ("blocks.compressed", "blocks", stats.compressed_blocks),
     ];
     for (name, unit, value) in series {
-        results.record(run, &plan::key(&[name, store]), unit, value as f64);
+        results.put(&plan::key(&[name, store]), unit, run, value as f64);
     }
     Ok(())
 }
@@ -249,7 +254,7 @@ pub fn read_round(
         pagecache::recycle(ballast)?;
         let resident = pagecache::drop_cached(&files)?;
         let cache_key = Op::Read.key("cache.resident", side, content);
-        results.record(run, &cache_key, "share", resident);
+        results.put(&cache_key, "share", run, resident);
         let measured = match side {
             Side::Raw => timed_ok(|| Ok(File::open(&files[0])?.read_exact_at(&mut dest, 0)?))?,
             Side::Store(case) => {
@@ -260,7 +265,12 @@ pub fn read_round(
             }
         };
         check_same(&Op::Read.key("read", side, content), &dest, expected)?;
-        results.record_timed(run, |prefix| Op::Read.key(prefix, side, content), measured);
+        record_timed(
+            results,
+            run,
+            |prefix| Op::Read.key(prefix, side, content),
+            measured,
+        );
     }
     Ok(())
 }

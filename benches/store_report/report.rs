@@ -3,8 +3,8 @@
 
 use std::fmt::Write as _;
 
+use crate::common::host::{self, CpuTimes};
 use crate::common::{Content, Sample};
-use crate::host;
 use crate::plan::{
     self, MemOp, Op, Side, DECODERS, DISK_CONTENTS, LZ4, MEMCPY, MEMORY_CONTENTS, MIB, SIZE_STORES,
 };
@@ -177,6 +177,26 @@ fn targets(out: &mut String, results: &Results, verdicts: &[Verdict]) {
         median(&plan::decode_ratio_key(LZ4, MemOp::MemcpyBlocks, realistic)),
         median(&plan::decode_ratio_key(LZ4, MemOp::MemcpyWhole, realistic)),
     );
+}
+
+/// How busy other processes and the host kept the CPUs between `start` and `end`, a sentence.
+pub fn disturbance(start: Option<CpuTimes>, end: Option<CpuTimes>, wall_s: f64) -> String {
+    let (Some(start), Some(end)) = (start, end) else {
+        return "unknown (no /proc/stat)".to_owned();
+    };
+    let ticks = host::ticks_per_second();
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let others = end.busy.saturating_sub(start.busy) as f64 - (end.own - start.own) as f64;
+    let others = others.max(0.0) / ticks;
+    let steal = end.steal.saturating_sub(start.steal) as f64 / ticks;
+    let share = |s: f64| 100.0 * s / (wall_s * cpus);
+    format!(
+        "other processes and kernel threads (the bench's own writeback included): \
+         {others:.1} s of CPU, {:.0}% of the {cpus:.0} CPUs over the bench's {wall_s:.0} s; the \
+         host's steal time: {steal:.1} s ({:.0}%)",
+        share(others),
+        share(steal)
+    )
 }
 
 fn machine(out: &mut String, context: &Context<'_>) {
@@ -417,7 +437,7 @@ fn slow_writes(out: &mut String, results: &Results) {
         .into_iter()
         .map(|case| {
             let key = Op::Write.cost_key(case, Content::Random);
-            let slow = results.runs_where(&key, |v| v > 2.0);
+            let slow = results.count(&key, |v| v > 2.0);
             format!("{}: {slow} of {runs}", case.label())
         })
         .collect();

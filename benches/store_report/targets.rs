@@ -30,7 +30,7 @@ fn pass(ok: bool) -> &'static str {
 fn ratio_figure(results: &Results, key: &str, what: &str, goal: Goal) -> (String, bool) {
     let s = results.summary(key);
     let runs = results.runs;
-    let meeting = results.runs_where(key, |v| goal.met(v));
+    let meeting = results.count(key, |v| goal.met(v));
     let text = format!(
         "{:.2}× {what} (median of {runs}; min {:.2}, max {:.2}; {meeting} of {runs} runs meet it)",
         s.median, s.min, s.max

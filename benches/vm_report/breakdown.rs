@@ -230,7 +230,7 @@ pub fn breakdown(t: &mut String, results: &Results, cx: &Context<'_>) {
         r0("touch-{n}-lazy.task_extra_ms"),
         r0("{n}-lazy.resume_task_ms"),
         r0("{n}-eager.resume_task_ms"),
-        cx.machine.cpus
+        cx.machine.host.nproc
     );
     let base: Vec<String> = Content::ALL
         .iter()

@@ -1,18 +1,18 @@
-//! The machine the bench runs on, and the CPU time used beside it.
+//! The machine the bench runs on (`common::host`'s facts and KVM's), and the CPU time used
+//! beside it.
 
 use std::path::Path;
-use std::process::Command;
+
+use crate::common::host;
 
 /// What the report says about the machine.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Machine {
-    pub cpu: String,
-    pub cpus: usize,
-    pub kernel: String,
-    pub memory_gib: f64,
+    /// CPU, memory, kernel, toolchain and commit.
+    pub host: host::Machine,
+    /// When the bench started.
     pub date: String,
-    pub rustc: String,
-    pub commit: String,
+    /// `TYPE on DEVICE` of the temporary directory.
     pub filesystem: String,
     pub pvisor: String,
     /// The KVM backend module and its two-dimensional paging parameters.
@@ -65,54 +65,11 @@ fn pre_fault() -> i32 {
     }
 }
 
-fn command(program: &str, args: &[&str]) -> Option<String> {
-    let out = Command::new(program).args(args).output().ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
-}
-
-pub fn machine(root: &Path, tmp: &Path, pvisor: &str) -> Machine {
-    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let cpu = cpuinfo
-        .lines()
-        .find_map(|l| l.strip_prefix("model name"))
-        .and_then(|l| l.split_once(':'))
-        .map_or_else(|| "unknown".into(), |(_, m)| m.trim().to_owned());
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let mem_kib: f64 = meminfo
-        .lines()
-        .find_map(|l| l.strip_prefix("MemTotal:"))
-        .and_then(|l| l.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0.0);
-    let root_text = root.to_string_lossy();
-    let commit = command("git", &["-C", &root_text, "rev-parse", "--short", "HEAD"])
-        .map(|c| {
-            let dirty = command("git", &["-C", &root_text, "status", "--porcelain"])
-                .is_some_and(|s| !s.is_empty());
-            if dirty {
-                format!("{c} (with uncommitted changes in the work tree)")
-            } else {
-                c
-            }
-        })
-        .unwrap_or_else(|| "unknown".into());
-    let tmp_text = tmp.to_string_lossy();
+pub fn machine(filesystem: &str, pvisor: &str) -> Machine {
     Machine {
-        cpu,
-        cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
-        kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
-            .map_or_else(|_| "unknown".into(), |s| s.trim().to_owned()),
-        memory_gib: mem_kib / (1024.0 * 1024.0),
-        date: command("date", &["-u", "+%Y-%m-%d %H:%M UTC"]).unwrap_or_default(),
-        rustc: command("rustc", &["-V"]).unwrap_or_else(|| "unknown".into()),
-        commit,
-        filesystem: command(
-            "findmnt",
-            &["-n", "-o", "FSTYPE,SOURCE", "--target", &tmp_text],
-        )
-        .map(|s| s.split_whitespace().collect::<Vec<_>>().join(" on "))
-        .unwrap_or_else(|| "unknown".into()),
+        host: host::machine(),
+        date: host::utc_now(),
+        filesystem: filesystem.to_owned(),
         pvisor: pvisor.to_owned(),
         paging: paging(),
         pre_fault: pre_fault(),
@@ -157,9 +114,10 @@ impl CpuSample {
             .and_then(|s| {
                 let rest = s.rsplit_once(") ")?.1.to_owned();
                 let f: Vec<&str> = rest.split_whitespace().collect();
-                // utime, stime, cutime, cstime are fields 14..=17 (1-based), 12..=15 here.
+                // utime, stime, cutime, cstime are fields 14..=17 (1-based); the first field
+                // after the command name is field 3, so they are 11..=14 here.
                 Some(
-                    (12..=15)
+                    (11..=14)
                         .filter_map(|i| f.get(i)?.parse::<f64>().ok())
                         .sum(),
                 )

@@ -26,13 +26,13 @@
 
 #![allow(clippy::cast_possible_truncation, clippy::cast_precision_loss)]
 
-use std::error::Error;
-use std::fmt::Write as _;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 mod breakdown;
+#[path = "../common/mod.rs"]
+mod common;
 mod host;
 mod inproc;
 mod process;
@@ -41,9 +41,9 @@ mod results;
 mod svg;
 mod targets;
 
+use common::host::TempRoot;
+use common::Res;
 use results::Results;
-
-type Res<T> = Result<T, Box<dyn Error>>;
 
 const MIB: u64 = 1 << 20;
 
@@ -103,7 +103,6 @@ pub struct Settings {
     /// The `pvisor` binary, or why the pvisor part is skipped (smoke run only).
     pub pvisor: Result<PathBuf, String>,
     pub root: PathBuf,
-    pub tmp: PathBuf,
 }
 
 impl Settings {
@@ -113,31 +112,13 @@ impl Settings {
 }
 
 fn main() {
-    if let Err(err) = run() {
-        let mut text = err.to_string();
-        let mut cause = err.source();
-        while let Some(next) = cause {
-            let _ = write!(text, ": {next}");
-            cause = next.source();
-        }
-        eprintln!("vm_report: {text}");
-        std::process::exit(1);
-    }
+    common::main("vm_report", run);
 }
 
 fn settings() -> Res<Settings> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let target = match std::env::var_os("CARGO_TARGET_DIR") {
-        Some(dir) => root.join(dir),
-        None => root.join("target"),
-    };
-    // One directory per bench process, so that a smoke run cannot clear a running bench's files.
-    let tmp = target
-        .join("bench-tmp")
-        .join("vm")
-        .join(format!("p{}", std::process::id()));
-    let pvisor = process::find_binary(&root, &target);
-    if !std::env::args().any(|arg| arg == "--bench") {
+    let pvisor = process::find_binary(&root, &common::host::target_dir());
+    if !common::is_bench_run() {
         return Ok(Settings {
             runs: 1,
             write_docs: false,
@@ -146,42 +127,17 @@ fn settings() -> Res<Settings> {
             seed: 1,
             pvisor,
             root,
-            tmp,
         });
     }
-    let runs = match std::env::var("VM_BENCH_RUNS") {
-        Ok(text) => text
-            .trim()
-            .parse::<usize>()
-            .ok()
-            .filter(|&n| n >= 1)
-            .ok_or_else(|| format!("VM_BENCH_RUNS={text}: expected a whole number >= 1"))?,
-        Err(_) => 5,
-    };
     Ok(Settings {
-        runs,
+        runs: common::env_number("VM_BENCH_RUNS", 5, 1)? as usize,
         write_docs: true,
         memory: 512 * MIB,
         app: 64 * MIB,
         seed: 1,
         pvisor: Ok(pvisor?),
         root,
-        tmp,
     })
-}
-
-/// The temporary directory; removed when dropped.
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.0);
-        // Remove `bench-tmp/vm` and `bench-tmp` too if nothing else is in them.
-        let vm = self.0.parent();
-        for dir in [vm, vm.and_then(Path::parent)].into_iter().flatten() {
-            let _ = fs::remove_dir(dir);
-        }
-    }
 }
 
 fn check_devices() -> Res<()> {
@@ -205,10 +161,10 @@ fn run() -> Res<()> {
         return Ok(());
     }
     check_devices()?;
-    let _ = fs::remove_dir_all(&settings.tmp);
-    fs::create_dir_all(&settings.tmp)?;
-    let tmp = TempDir(settings.tmp.clone());
-    let run_dir = tmp.0.join("run");
+    // One directory per bench process, so that a smoke run cannot clear a running bench's files.
+    let relative = Path::new("vm").join(format!("p{}", std::process::id()));
+    let tmp = TempRoot::create("vm_report", &relative)?;
+    let run_dir = tmp.path.join("run");
     fs::create_dir_all(&run_dir)?;
     // Read by `vmm::runtime` here and inherited by every `pvisor` started; set before any
     // thread exists.
@@ -217,13 +173,13 @@ fn run() -> Res<()> {
         Ok(bin) => bin.display().to_string(),
         Err(why) => format!("skipped: {why}"),
     };
-    let machine = host::machine(&settings.root, &tmp.0, &pvisor_text);
+    let machine = host::machine(&tmp.filesystem, &pvisor_text);
     eprintln!(
         "vm_report: {} run(s) of a {} MiB VM with {} MiB of data; temporary files in {} ({}); pvisor: {}",
         settings.runs,
         settings.memory / MIB,
         settings.app / MIB,
-        tmp.0.display(),
+        tmp.path.display(),
         machine.filesystem,
         pvisor_text
     );
@@ -254,7 +210,7 @@ fn run() -> Res<()> {
                     let n = cases.len();
                     cases.rotate_left(run % n);
                     for case in cases {
-                        inproc::run_case(&settings, &tmp.0, content, case, run, &mut results)?;
+                        inproc::run_case(&settings, &tmp.path, content, case, run, &mut results)?;
                     }
                 }
             }

@@ -210,27 +210,27 @@ fn seed_table(t: &mut String, results: &Results) {
 fn machine(t: &mut String, cx: &Context<'_>) {
     let m = cx.machine;
     let _ = writeln!(t, "## Machine\n");
-    let _ = writeln!(t, "- CPU: {} (`nproc`: {})", m.cpu, m.cpus);
+    let _ = writeln!(t, "- CPU: {} (`nproc`: {})", m.host.cpu, m.host.nproc);
     let _ = writeln!(
         t,
         "- kernel: {}; KVM: `{}`, `KVM_CAP_PRE_FAULT_MEMORY` = {}",
-        m.kernel, m.paging, m.pre_fault
+        m.host.kernel, m.paging, m.pre_fault
     );
-    let _ = writeln!(t, "- memory: {:.1} GiB", m.memory_gib);
+    let _ = writeln!(t, "- memory: {}", m.host.memory);
     let _ = writeln!(
         t,
         "- temporary files: `target/bench-tmp/vm/` ({})",
         m.filesystem
     );
-    let _ = writeln!(t, "- toolchain: {}; commit {}", m.rustc, m.commit);
+    let _ = writeln!(t, "- toolchain: {}; commit {}", m.host.rustc, m.host.commit);
     let _ = writeln!(t, "- `pvisor`: {}", m.pvisor);
-    let wall = cx.elapsed_s * m.cpus as f64;
+    let wall = cx.elapsed_s * m.host.nproc as f64;
     let _ = writeln!(
         t,
         "- CPU used, from `/proc/stat`: the whole machine {:.1} s of the {:.0} s the {} CPUs had during the runs, \
          of which this bench process {:.1} s (the detached `pvisor` processes are not its children and count \
          as others); the host's steal time {:.1} s",
-        cx.busy_s, wall, m.cpus, cx.own_s, cx.steal_s
+        cx.busy_s, wall, m.host.nproc, cx.own_s, cx.steal_s
     );
     t.push_str(
         "- the machine is a shared VM with KVM nested inside it: guest code at CPL3 runs natively, every \

@@ -1,7 +1,10 @@
-//! Samples per metric and run, their summaries and the CSV.
+//! Samples per metric and run (sparse: a run that did not measure a metric has no entry),
+//! their summaries (`common::results::Summary`, of the finite values) and the long-form CSV.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+
+pub use crate::common::results::Summary;
 
 /// One metric: its unit and one value per run that measured it.
 #[derive(Debug, Clone)]
@@ -14,37 +17,6 @@ pub struct Metric {
 #[derive(Debug, Default)]
 pub struct Results {
     metrics: BTreeMap<String, Metric>,
-}
-
-/// min / median / max of a metric's values.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Summary {
-    pub min: f64,
-    pub median: f64,
-    pub max: f64,
-    pub n: usize,
-}
-
-impl Summary {
-    pub fn of(values: &[f64]) -> Option<Self> {
-        let mut sorted: Vec<f64> = values.iter().copied().filter(|v| v.is_finite()).collect();
-        if sorted.is_empty() {
-            return None;
-        }
-        sorted.sort_by(f64::total_cmp);
-        let n = sorted.len();
-        let median = if n % 2 == 1 {
-            sorted[n / 2]
-        } else {
-            (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0
-        };
-        Some(Self {
-            min: sorted[0],
-            median,
-            max: sorted[n - 1],
-            n,
-        })
-    }
 }
 
 impl Results {
@@ -75,8 +47,9 @@ impl Results {
             .unwrap_or_default()
     }
 
+    /// The summary of the finite values of `key`.
     pub fn summary(&self, key: &str) -> Option<Summary> {
-        Summary::of(&self.values(key))
+        Summary::of(self.values(key).into_iter().filter(|v| v.is_finite()))
     }
 
     /// How many runs have a value of `key` satisfying `pred`.
@@ -113,8 +86,8 @@ impl Results {
             }
         }
         for (key, metric) in &self.metrics {
-            let values: Vec<f64> = metric.values.iter().map(|&(_, v)| v).collect();
-            if let Some(s) = Summary::of(&values) {
+            let values = metric.values.iter().map(|&(_, v)| v);
+            if let Some(s) = Summary::of(values.filter(|v| v.is_finite())) {
                 let unit = metric.unit;
                 let _ = writeln!(text, "{key},{unit},min,{:.6}", s.min);
                 let _ = writeln!(text, "{key},{unit},median,{:.6}", s.median);

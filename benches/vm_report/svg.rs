@@ -4,6 +4,7 @@
 
 use std::fmt::Write as _;
 
+use crate::common::svg::document;
 use crate::results::{Results, Summary};
 use crate::{Codec, Content, Settings};
 
@@ -308,11 +309,6 @@ pub fn svg(results: &Results, settings: &Settings) -> String {
     let mut svg = String::new();
     let _ = writeln!(
         svg,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height:.0}" viewBox="0 0 {WIDTH} {height:.0}" font-family="sans-serif">"#
-    );
-    let _ = writeln!(svg, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = writeln!(
-        svg,
         r#"<text x="10" y="22" font-size="15">{} MiB VM, {} MiB of data, {} runs. Dot: median, whiskers: min–max, diamond: the seed (N=1), dashed: target.</text>"#,
         settings.memory >> 20,
         settings.app >> 20,
@@ -323,6 +319,5 @@ pub fn svg(results: &Results, settings: &Settings) -> String {
         panel(&mut svg, &mut y, p);
     }
     stacked(&mut svg, &mut y, results);
-    svg.push_str("</svg>\n");
-    svg
+    document(WIDTH, height, true, &svg)
 }

@@ -1,31 +1,37 @@
-//! Where the bench writes its temporary files, and the facts about the machine that the
-//! report states.
+//! The machine side of the scenario benches: the temporary directory under
+//! `target/bench-tmp/` (on the real disk, never tmpfs), the facts about the machine that the
+//! reports state, and the CPU time of the whole machine and of the bench from `/proc/stat`.
 
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::Res;
+use super::Res;
 
+/// `$CARGO_TARGET_DIR` (relative to the workspace root), or the workspace's `target/`.
 pub fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR").map_or_else(
-        || Path::new(env!("CARGO_MANIFEST_DIR")).join("target"),
-        PathBuf::from,
-    )
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), |dir| root.join(dir))
 }
 
-/// `target/bench-tmp/store-report-PID`, removed on drop.
+/// `target/bench-tmp/RELATIVE`, emptied when created and removed on drop, with those of its
+/// parents up to `bench-tmp` that are left empty.
+#[derive(Debug)]
 pub struct TempRoot {
     pub path: PathBuf,
+    /// `TYPE on DEVICE` of the file system that holds it.
     pub filesystem: String,
+    /// The bench, for the message when the directory cannot be removed.
+    bench: &'static str,
+    /// How many directories below `bench-tmp` it is.
+    depth: usize,
 }
 
 impl TempRoot {
-    pub fn create() -> Res<Self> {
-        let path = target_dir()
-            .join("bench-tmp")
-            .join(format!("store-report-{}", std::process::id()));
+    /// Creates `target/bench-tmp/RELATIVE` for the bench named `bench`; refuses tmpfs and ramfs.
+    pub fn create(bench: &'static str, relative: &Path) -> Res<Self> {
+        let path = target_dir().join("bench-tmp").join(relative);
         if path.exists() {
             fs::remove_dir_all(&path)?;
         }
@@ -33,6 +39,8 @@ impl TempRoot {
         let root = Self {
             filesystem: filesystem_of(&path)?,
             path,
+            bench,
+            depth: relative.components().count(),
         };
         if root.filesystem.starts_with("tmpfs") || root.filesystem.starts_with("ramfs") {
             return Err(format!(
@@ -49,10 +57,14 @@ impl TempRoot {
 impl Drop for TempRoot {
     fn drop(&mut self) {
         if let Err(err) = fs::remove_dir_all(&self.path) {
-            eprintln!("store_report: cannot remove {}: {err}", self.path.display());
+            eprintln!(
+                "{}: cannot remove {}: {err}",
+                self.bench,
+                self.path.display()
+            );
         }
-        if let Some(parent) = self.path.parent() {
-            // Only if empty: another run may be using it.
+        for parent in self.path.ancestors().skip(1).take(self.depth) {
+            // Only if empty: another bench may be using it.
             let _ = fs::remove_dir(parent);
         }
     }
@@ -97,13 +109,23 @@ fn proc_field(file: &str, prefix: &str) -> Option<String> {
         .map(|(_, value)| value.trim().to_owned())
 }
 
+/// What the reports say about the machine; `unknown` where a fact cannot be read.
+#[derive(Debug, Clone)]
 pub struct Machine {
+    /// `model name` of `/proc/cpuinfo`.
     pub cpu: String,
+    /// CPUs this process may run on (`nproc`); 1 if that cannot be read.
     pub nproc: usize,
+    /// `uname -r`.
     pub kernel: String,
+    /// `MemTotal`, as `N.N GiB`.
     pub memory: String,
+    /// `rustc --version`.
     pub rustc: String,
+    /// The short hash of `HEAD`, and whether the work tree has uncommitted changes.
     pub commit: String,
+    /// The kernel's current clock source.
+    pub clocksource: String,
 }
 
 pub fn machine() -> Machine {
@@ -124,14 +146,16 @@ pub fn machine() -> Machine {
                 hash
             }
         });
+    let read =
+        |path: &str| fs::read_to_string(path).map_or_else(|_| unknown(), |s| s.trim().to_owned());
     Machine {
         cpu: proc_field("/proc/cpuinfo", "model name").unwrap_or_else(unknown),
-        nproc: std::thread::available_parallelism().map_or(0, |n| n.get()),
-        kernel: fs::read_to_string("/proc/sys/kernel/osrelease")
-            .map_or_else(|_| unknown(), |s| s.trim().to_owned()),
+        nproc: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        kernel: read("/proc/sys/kernel/osrelease"),
         memory,
         rustc: command_output("rustc", &["--version"]).unwrap_or_else(unknown),
         commit,
+        clocksource: read("/sys/devices/system/clocksource/clocksource0/current_clocksource"),
     }
 }
 
@@ -158,58 +182,47 @@ pub fn utc_now() -> String {
     )
 }
 
-/// CPU time (clock ticks) of the whole machine and of this process: what other processes and
-/// the host took from the bench.
-#[derive(Clone, Copy)]
+/// CPU time, in clock ticks (`ticks_per_second`), of the whole machine and of this process:
+/// what other processes and the host took while the bench ran.
+#[derive(Debug, Clone, Copy)]
 pub struct CpuTimes {
-    /// All CPUs, busy (user, nice, system, irq, softirq).
-    busy: u64,
+    /// All CPUs, busy: user, nice, system, irq, softirq (not steal).
+    pub busy: u64,
     /// All CPUs, stolen by the host.
-    steal: u64,
-    /// This process, user and system.
-    own: u64,
+    pub steal: u64,
+    /// This process, all threads, user and system.
+    pub own: u64,
 }
 
-pub fn cpu_times() -> Option<CpuTimes> {
-    let stat = fs::read_to_string("/proc/stat").ok()?;
-    let cpu: Vec<u64> = stat
-        .lines()
-        .next()?
-        .strip_prefix("cpu ")?
-        .split_whitespace()
-        .map(|n| n.parse().ok())
-        .collect::<Option<_>>()?;
-    let [user, nice, system, _idle, _iowait, irq, softirq, steal, ..] = cpu[..] else {
-        return None;
-    };
-    // Fields 14 and 15 (utime, stime) of /proc/self/stat, counted after the command name.
-    let own = fs::read_to_string("/proc/self/stat").ok()?;
-    let fields: Vec<&str> = own.rsplit_once(')')?.1.split_whitespace().collect();
-    let own = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-    Some(CpuTimes {
-        busy: user + nice + system + irq + softirq,
-        steal,
-        own,
-    })
+impl CpuTimes {
+    /// Reads `/proc/stat` and `/proc/self/stat`; `None` if either cannot be read.
+    pub fn now() -> Option<Self> {
+        let stat = fs::read_to_string("/proc/stat").ok()?;
+        let cpu: Vec<u64> = stat
+            .lines()
+            .next()?
+            .strip_prefix("cpu ")?
+            .split_whitespace()
+            .map(|n| n.parse().ok())
+            .collect::<Option<_>>()?;
+        let [user, nice, system, _idle, _iowait, irq, softirq, steal, ..] = cpu[..] else {
+            return None;
+        };
+        // Fields 14 and 15 (utime, stime) of /proc/self/stat, counted after the command name
+        // (which may hold spaces).
+        let own = fs::read_to_string("/proc/self/stat").ok()?;
+        let fields: Vec<&str> = own.rsplit_once(')')?.1.split_whitespace().collect();
+        let own = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+        Some(Self {
+            busy: user + nice + system + irq + softirq,
+            steal,
+            own,
+        })
+    }
 }
 
-/// How busy other processes and the host kept the CPUs between `start` and `end`, a sentence.
-pub fn disturbance(start: Option<CpuTimes>, end: Option<CpuTimes>, wall_s: f64) -> String {
-    let (Some(start), Some(end)) = (start, end) else {
-        return "unknown (no /proc/stat)".to_owned();
-    };
-    // SAFETY: sysconf has no preconditions.
-    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-    let others = end.busy.saturating_sub(start.busy) as f64 - (end.own - start.own) as f64;
-    let others = others.max(0.0) / ticks;
-    let steal = end.steal.saturating_sub(start.steal) as f64 / ticks;
-    let share = |s: f64| 100.0 * s / (wall_s * cpus);
-    format!(
-        "other processes and kernel threads (the bench's own writeback included): \
-         {others:.1} s of CPU, {:.0}% of the {cpus:.0} CPUs over the bench's {wall_s:.0} s; the \
-         host's steal time: {steal:.1} s ({:.0}%)",
-        share(others),
-        share(steal)
-    )
+/// Clock ticks per second of `/proc/stat`.
+pub fn ticks_per_second() -> f64 {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64
 }
