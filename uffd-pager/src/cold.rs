@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use compressed_backing::{Codec, CodecConfig, MemoryPool, PoolConfig, PoolStats, PutOutcome};
 
 use crate::addr::{HostRange, PAGE_SIZE};
+use crate::pagemap::WrittenPages;
 use crate::pager::{RamKind, Shared};
 use crate::state::PageState;
 
@@ -99,6 +100,10 @@ pub struct ColdStats {
     pub touched_after_probe: u64,
     /// Compressions abandoned because the block was touched meanwhile.
     pub raced: u64,
+    /// Anon blocks the kernel would not move out (e.g. pages merged by KSM): left resident.
+    pub unmovable: u64,
+    /// Runs of written anon pages reported by `PAGEMAP_SCAN` (each restarts a cold age).
+    pub written_runs: u64,
     /// Blocks brought back from the pool by a fault.
     pub promotions: u64,
     /// Blocks brought back soon enough after compression to count as thrashing.
@@ -126,10 +131,10 @@ pub struct ColdStats {
 /// Why cold compression cannot start.
 #[derive(Debug, thiserror::Error)]
 pub enum ColdError {
-    /// A region is not memfd RAM of this process.
+    /// A region is neither memfd RAM of this process nor anon RAM with write tracking.
     #[error(
-        "cold compression needs memfd RAM mapped in this process (region {range:?} is {kind:?}); \
-         use --vm-ram-backing memfd"
+        "cold compression needs RAM mapped in this process: memfd RAM, or anon RAM with write \
+         tracking (PagerConfig::track_writes); region {range:?} is {kind:?}"
     )]
     Unsupported {
         /// The region.
@@ -143,6 +148,15 @@ pub enum ColdError {
     /// Cold compression runs already.
     #[error("cold compression runs already")]
     Running,
+    /// The scratch block for anon RAM could not be mapped.
+    #[error("cannot map the scratch block")]
+    Scratch(#[source] std::io::Error),
+    /// The scratch block could not be registered.
+    #[error("cannot register the scratch block")]
+    Register(#[source] crate::uffd::UffdError),
+    /// `/proc/self/pagemap` could not be opened.
+    #[error("cannot open /proc/self/pagemap for write tracking")]
+    Pagemap(#[source] std::io::Error),
     /// The scanner thread could not start.
     #[error("cannot start the scanner thread")]
     Thread(#[source] std::io::Error),
@@ -171,6 +185,11 @@ pub(crate) struct Cold {
     incompressible: AtomicU64,
     touched: AtomicU64,
     raced: AtomicU64,
+    unmovable: AtomicU64,
+    written_runs: AtomicU64,
+    /// Anon RAM: its written pages, and where its blocks are checked before they drop.
+    written: parking_lot::Mutex<Option<WrittenPages>>,
+    scratch: Option<Scratch>,
     promotions: AtomicU64,
     thrash: AtomicU64,
     hot: AtomicU64,
@@ -195,16 +214,27 @@ impl Cold {
         let max_ratio = compressed_backing::MaxRatio::new(config.max_ratio.0, config.max_ratio.1)
             .ok_or_else(|| ColdError::Config("the ratio must be in (0, 1]".into()))?;
         for region in &shared.regions {
-            if region.spec.kind != RamKind::Memfd
-                || !region.spec.in_process()
-                || region.spec.memfd.is_none()
-            {
+            let supported = region.spec.in_process()
+                && match region.spec.kind {
+                    RamKind::Memfd => region.spec.memfd.is_some(),
+                    RamKind::Anon => shared.track_writes,
+                };
+            if !supported {
                 return Err(ColdError::Unsupported {
                     range: region.spec.range,
                     kind: region.spec.kind,
                 });
             }
         }
+        let anon = shared.regions.iter().any(|r| r.spec.kind == RamKind::Anon);
+        let (written, scratch) = if anon {
+            (
+                Some(WrittenPages::open().map_err(ColdError::Pagemap)?),
+                Some(Scratch::new(shared)?),
+            )
+        } else {
+            (None, None)
+        };
         let blocks = shared.block_size.blocks_for(shared.image_size);
         let tick = (config.scan_period / 4).max(Duration::from_millis(1));
         let cold_age_ticks = u32::try_from(config.cold_age.as_nanos().div_ceil(tick.as_nanos()))
@@ -241,6 +271,10 @@ impl Cold {
             incompressible: AtomicU64::new(0),
             touched: AtomicU64::new(0),
             raced: AtomicU64::new(0),
+            unmovable: AtomicU64::new(0),
+            written_runs: AtomicU64::new(0),
+            written: parking_lot::Mutex::new(written),
+            scratch,
             promotions: AtomicU64::new(0),
             thrash: AtomicU64::new(0),
             hot: AtomicU64::new(0),
@@ -313,6 +347,8 @@ impl Cold {
             incompressible: self.incompressible.load(Ordering::Relaxed),
             touched_after_probe: self.touched.load(Ordering::Relaxed),
             raced: self.raced.load(Ordering::Relaxed),
+            unmovable: self.unmovable.load(Ordering::Relaxed),
+            written_runs: self.written_runs.load(Ordering::Relaxed),
             promotions: self.promotions.load(Ordering::Relaxed),
             thrash_promotions: self.thrash.load(Ordering::Relaxed),
             hot_blocks: self.hot.load(Ordering::Relaxed),
@@ -392,6 +428,34 @@ fn scan(shared: &Shared, cold: &Cold, buf: &mut [u8]) {
     let per_block = shared.block_size.pages() as u64;
     let epoch = cold.epoch();
     let block_len = shared.block_size.bytes();
+    if let Some(written) = cold.written.lock().as_mut() {
+        // Anon RAM: blocks written since the last scan start their cold age again.
+        for region in shared
+            .regions
+            .iter()
+            .filter(|r| r.spec.kind == RamKind::Anon)
+        {
+            let taken = written.take(region.spec.range, |run| {
+                let first =
+                    region.first_page + region.spec.range.page_index(run.start()).expect("inside");
+                let last = first + run.len() / PAGE_SIZE - 1;
+                for info in &cold.blocks[(first / per_block) as usize..=(last / per_block) as usize]
+                {
+                    info.flags.store(PROBING, Ordering::Release);
+                    info.probed_at.store(epoch, Ordering::Relaxed);
+                }
+                cold.written_runs.fetch_add(1, Ordering::Relaxed);
+            });
+            if let Err(e) = taken {
+                tracing::warn!(
+                    "cold compression: PAGEMAP_SCAN failed, anon RAM is left alone: {e}"
+                );
+                cold.written.lock().take();
+                return;
+            }
+        }
+    }
+    let tracking_anon = cold.written.lock().is_some();
     for (block, info) in cold.blocks.iter().enumerate() {
         if cold.stop.load(Ordering::Relaxed) || cold.paused.load(Ordering::Acquire) > 0 {
             return;
@@ -409,22 +473,27 @@ fn scan(shared: &Shared, cold: &Cold, buf: &mut [u8]) {
         {
             continue;
         }
+        if region.spec.kind == RamKind::Anon && !tracking_anon {
+            continue;
+        }
         let flags = info.flags.load(Ordering::Acquire);
         if flags & PROBING == 0 || flags & ACCESSED != 0 {
-            // Watch it (again): the next access to it faults.
+            // Watch it (again). Anon RAM: its writes show in the next scans.
             info.flags.store(PROBING, Ordering::Release);
             info.probed_at.store(epoch, Ordering::Relaxed);
-            let range = HostRange::new(region.addr_of(first), per_block * PAGE_SIZE)
-                .expect("pages of a region");
-            // SAFETY: our own shared memfd mapping: the page cache keeps every byte; only
-            // the page-table entries go, and the next access is a MINOR fault to the pager.
-            unsafe {
-                libc::madvise(
-                    range.start().as_ptr(),
-                    range.len() as usize,
-                    libc::MADV_DONTNEED,
-                )
-            };
+            if region.spec.kind == RamKind::Memfd {
+                let range = HostRange::new(region.addr_of(first), per_block * PAGE_SIZE)
+                    .expect("pages of a region");
+                // SAFETY: our own shared memfd mapping: the page cache keeps every byte; only
+                // the page-table entries go, and the next access is a MINOR fault to the pager.
+                unsafe {
+                    libc::madvise(
+                        range.start().as_ptr(),
+                        range.len() as usize,
+                        libc::MADV_DONTNEED,
+                    )
+                };
+            }
             cold.probed.fetch_add(1, Ordering::Relaxed);
             continue;
         }
@@ -451,24 +520,27 @@ fn compress(
     buf: &mut [u8],
 ) {
     let info = &cold.blocks[block as usize];
-    let memfd = region.spec.memfd.as_ref().expect("checked at start");
-    let offset = region.spec.memfd_offset + (pages.start - region.first_page) * PAGE_SIZE;
-    // Through the file, not the mapping: reading the mapping would fault to ourselves.
-    if memfd.read_exact_at(buf, offset).is_err() {
-        return;
+    let at = region.addr_of(pages.start);
+    match &region.spec.memfd {
+        Some(memfd) => {
+            let offset = region.spec.memfd_offset + (pages.start - region.first_page) * PAGE_SIZE;
+            // Through the file, not the mapping: reading the mapping would fault to ourselves.
+            if memfd.read_exact_at(buf, offset).is_err() {
+                return;
+            }
+        }
+        // SAFETY: the block's pages are resident (checked by the caller; only the pager drops
+        // them), so reading them faults nowhere. The vCPU may write meanwhile: the copy may be
+        // torn, which `drop_anon` detects by comparing it with the bytes it moved out.
+        None => unsafe {
+            std::ptr::copy_nonoverlapping(at.as_ptr().cast::<u8>(), buf.as_mut_ptr(), buf.len());
+        },
     }
     match cold.pool.put(block, buf) {
         Ok(PutOutcome::Stored { .. } | PutOutcome::Zero | PutOutcome::Fill) => {}
         Ok(PutOutcome::Incompressible) => {
             cold.incompressible.fetch_add(1, Ordering::Relaxed);
-            let level = info
-                .backoff_level
-                .load(Ordering::Relaxed)
-                .min(MAX_BACKOFF_LEVEL);
-            info.backoff_level.store(level + 1, Ordering::Relaxed);
-            let wait = cold.cold_age_ticks.saturating_mul(1 << level);
-            info.backoff_until
-                .store(cold.epoch().saturating_add(wait), Ordering::Relaxed);
+            back_off(cold, info);
             return;
         }
         Ok(PutOutcome::Full) => {
@@ -493,10 +565,20 @@ fn compress(
         cold.raced.fetch_add(1, Ordering::Relaxed);
         return;
     }
-    shared.states.set_range(pages.clone(), PageState::Pooled);
-    if crate::offload::punch_hole(memfd, offset, buf.len() as u64).is_err() {
-        // Still in the page cache: the block stays resident, the pool entry goes.
-        shared.states.set_range(pages, PageState::Resident);
+    let dropped = match &region.spec.memfd {
+        Some(memfd) => {
+            let offset = region.spec.memfd_offset + (pages.start - region.first_page) * PAGE_SIZE;
+            shared.states.set_range(pages.clone(), PageState::Pooled);
+            // On failure the block is still in the page cache: it stays resident.
+            let punched = crate::offload::punch_hole(memfd, offset, buf.len() as u64).is_ok();
+            if !punched {
+                shared.states.set_range(pages, PageState::Resident);
+            }
+            punched
+        }
+        None => drop_anon(shared, cold, info, at, pages, buf),
+    };
+    if !dropped {
         let _ = cold.pool.remove(block);
         return;
     }
@@ -504,4 +586,128 @@ fn compress(
     info.backoff_level.store(0, Ordering::Relaxed);
     info.compressed_at.store(cold.epoch(), Ordering::Relaxed);
     cold.compressed.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Leaves `info`'s block alone for a cold age, twice as long each time in a row (up to
+/// 2^MAX_BACKOFF_LEVEL cold ages).
+fn back_off(cold: &Cold, info: &BlockInfo) {
+    let level = info
+        .backoff_level
+        .load(Ordering::Relaxed)
+        .min(MAX_BACKOFF_LEVEL);
+    info.backoff_level.store(level + 1, Ordering::Relaxed);
+    let wait = cold.cold_age_ticks.saturating_mul(1 << level);
+    info.backoff_until
+        .store(cold.epoch().saturating_add(wait), Ordering::Relaxed);
+}
+
+/// Drops a block of anon RAM whose bytes the pool holds as `copy` (read while the guest ran),
+/// under the write side of the layout lock. The block's pages are moved out of guest RAM
+/// (`UFFDIO_MOVE`: from here on a guest access faults, and the fault waits for the lock), then
+/// compared with `copy`: equal means no write slipped in, so the pages become `Pooled` and
+/// the moved-out ones are freed; different means the guest wrote meanwhile, and the pages go
+/// back where they were, untouched. Returns whether the block was dropped.
+fn drop_anon(
+    shared: &Shared,
+    cold: &Cold,
+    info: &BlockInfo,
+    at: crate::addr::HostAddr,
+    pages: std::ops::Range<u64>,
+    copy: &[u8],
+) -> bool {
+    let scratch = cold
+        .scratch
+        .as_ref()
+        .expect("anon cold compression has its scratch");
+    let len = copy.len() as u64;
+    // SAFETY: both ranges are private anon mappings registered on the pager's userfaultfd
+    // (guest RAM and our scratch, which is empty); nothing holds a reference into either: the
+    // guest reaches its RAM only through KVM and the pager, and the scratch is ours alone.
+    if let Err(e) = unsafe { shared.uffd.move_pages(scratch.start(), at, len, false) } {
+        // E.g. pages shared with another process or merged by KSM: leave the block alone.
+        cold.unmovable.fetch_add(1, Ordering::Relaxed);
+        let done = match &e {
+            crate::uffd::UffdError::MovePartial { done, .. } => *done,
+            _ => 0,
+        };
+        if done > 0 {
+            scratch.put_back(shared, at, done);
+        }
+        back_off(cold, info);
+        return false;
+    }
+    if scratch.bytes() == copy {
+        shared.states.set_range(pages, PageState::Pooled);
+        scratch.clear();
+        true
+    } else {
+        scratch.put_back(shared, at, len);
+        cold.raced.fetch_add(1, Ordering::Relaxed);
+        false
+    }
+}
+
+/// One block of private anon memory registered on the pager's userfaultfd, where blocks of
+/// anon guest RAM are moved to be checked before they are dropped. Empty between uses.
+#[derive(Debug)]
+pub(crate) struct Scratch {
+    map: memmap2::MmapMut,
+}
+
+impl Scratch {
+    fn new(shared: &Shared) -> Result<Self, ColdError> {
+        let len = shared.block_size.bytes();
+        let map = memmap2::MmapMut::map_anon(len).map_err(ColdError::Scratch)?;
+        let range = HostRange::new(crate::addr::HostAddr(map.as_ptr() as u64), len as u64)
+            .expect("an anon mapping is page-aligned");
+        // SAFETY: the mapping lives as long as `Cold`, which the pager drops before its
+        // userfaultfd; only `drop_anon` fills it (with moved pages) and it empties it again.
+        // MISSING and WP like guest RAM, so that both have the same page protection, which
+        // UFFDIO_MOVE requires.
+        unsafe { shared.uffd.register(range, crate::uffd::Mode::MISSING_WP) }
+            .map_err(ColdError::Register)?;
+        Ok(Self { map })
+    }
+
+    fn start(&self) -> crate::addr::HostAddr {
+        crate::addr::HostAddr(self.map.as_ptr() as u64)
+    }
+
+    /// The moved-in bytes (every page is present after a full move).
+    fn bytes(&self) -> &[u8] {
+        &self.map
+    }
+
+    /// Frees the moved-in pages.
+    fn clear(&self) {
+        // SAFETY: our own scratch mapping; nothing refers to its contents.
+        unsafe {
+            libc::madvise(
+                self.map.as_ptr() as *mut libc::c_void,
+                self.map.len(),
+                libc::MADV_DONTNEED,
+            )
+        };
+    }
+
+    /// Moves the first `len` bytes (all present here) back to `at` in guest RAM, where they
+    /// are missing, and wakes whoever faulted there; what the kernel will not move is copied
+    /// instead. Either way the guest's bytes are where they were.
+    fn put_back(&self, shared: &Shared, at: crate::addr::HostAddr, len: u64) {
+        // SAFETY: as in `drop_anon`; the guest range is empty (moved out under the lock).
+        let moved = match unsafe { shared.uffd.move_pages(at, self.start(), len, true) } {
+            Ok(_) => len,
+            Err(crate::uffd::UffdError::MovePartial { done, .. }) => done,
+            Err(_) => 0,
+        };
+        if moved < len {
+            // Only the pages that did not move are still here to read.
+            let rest = crate::addr::HostAddr(at.0 + moved);
+            let bytes = &self.bytes()[moved as usize..len as usize];
+            if let Err(e) = shared.uffd.copy_missing(rest, bytes, true) {
+                tracing::error!("cold compression: cannot put a block back at {rest}: {e}");
+            }
+        }
+        self.clear();
+    }
 }

@@ -9,6 +9,7 @@
 //! - [`cold`]: live cold-RAM compression into the memory pool.
 //! - [`load`]: bringing offloaded RAM back, lazily with prefetch or eagerly.
 //! - [`offload`]: offload of a paused VM's RAM to a store.
+//! - [`pagemap`]: which pages were written (`PAGEMAP_SCAN`).
 //! - [`server`]: the standalone server (Firecracker's UFFD handshake).
 //! - [`source`]: where non-resident pages come from (raw memory file, store).
 
@@ -17,6 +18,7 @@ pub mod cold;
 pub mod load;
 pub mod metrics;
 pub mod offload;
+pub mod pagemap;
 pub mod pager;
 pub mod server;
 pub mod source;

@@ -120,6 +120,10 @@ pub struct PagerConfig {
     /// them; one that calls [`Pager::discarded`] first does not, and cold compression, which
     /// zaps page-table entries itself, needs them off).
     pub remove_events: bool,
+    /// Track writes to anonymous RAM and allow moving its pages out (`WP_ASYNC` and `MOVE`
+    /// features, anon regions registered write-protect too): what cold compression of anon
+    /// RAM needs. Linux 6.8 or later.
+    pub track_writes: bool,
 }
 
 impl Default for PagerConfig {
@@ -130,6 +134,7 @@ impl Default for PagerConfig {
             initial: PageState::Zero,
             register: true,
             remove_events: true,
+            track_writes: false,
         }
     }
 }
@@ -210,6 +215,8 @@ pub(crate) struct Shared {
     pub uffd: Userfaultfd,
     /// The userfaultfd reports `REMOVE` events (so the pager's own drops produce them too).
     pub remove_events: bool,
+    /// Anon regions are registered write-protect with `WP_ASYNC` and `MOVE` is on.
+    pub track_writes: bool,
     pub regions: Vec<Region>,
     pub states: PageStates,
     pub block_size: BlockSize,
@@ -313,11 +320,14 @@ impl Pager {
         restore: Option<Arc<dyn PageSource>>,
         on_error: ErrorHandler,
     ) -> Result<Self, PagerError> {
-        let features = if config.remove_events {
+        let mut features = if config.remove_events {
             FEATURES
         } else {
             FEATURES & !feature::EVENT_REMOVE
         };
+        if config.track_writes {
+            features |= feature::WP_ASYNC | feature::MOVE;
+        }
         let uffd = Userfaultfd::create(features)?;
         let remove_events = config.remove_events;
         // SAFETY: forwarded from the caller.
@@ -344,6 +354,7 @@ impl Pager {
         if config.register {
             for region in &regions {
                 let mode = match region.kind {
+                    RamKind::Anon if config.track_writes => Mode::MISSING_WP,
                     RamKind::Anon => Mode::MISSING,
                     RamKind::Memfd => Mode::MISSING_MINOR,
                 };
@@ -356,6 +367,7 @@ impl Pager {
         let shared = Arc::new(Shared {
             uffd,
             remove_events,
+            track_writes: config.track_writes,
             regions: regions
                 .into_iter()
                 .map(|spec| Region {
@@ -690,12 +702,23 @@ impl Shared {
             let Some((lo, hi)) = region.spec.range.clip(start, end) else {
                 continue;
             };
-            for page in region.first_page + lo..region.first_page + hi {
+            let pages = region.first_page + lo..region.first_page + hi;
+            for page in pages.clone() {
                 if !self
                     .states
                     .transition(page, PageState::Dropping, PageState::Stored)
                 {
                     self.states.set(page, PageState::Zero);
+                }
+            }
+            // Released pooled blocks leave the pool at once.
+            if let (Some(cold), false) = (self.cold.get(), pages.is_empty()) {
+                let per_block = self.block_size.pages() as u64;
+                for block in pages.start / per_block..=(pages.end - 1) / per_block {
+                    let span = self.block_span(region, block * per_block);
+                    if !self.states.any(span, PageState::Pooled) {
+                        let _ = cold.pool.remove(block);
+                    }
                 }
             }
         }

@@ -22,6 +22,15 @@ use crate::addr::{HostAddr, HostRange, PAGE_SIZE};
 const USERFAULTFD_IOC_NEW: libc::c_ulong = 0xAA00;
 /// `UFFDIO_CONTINUE_MODE_DONTWAKE` (missing from the generated bindings).
 const UFFDIO_CONTINUE_MODE_DONTWAKE: u64 = 1;
+/// `UFFDIO_MOVE`: `_IOWR(0xAA, 0x05, struct uffdio_move)` (missing from the generated ioctls).
+const UFFDIO_MOVE: u32 = iowr(0xAA, 0x05, std::mem::size_of::<sys::uffdio_move>());
+/// `UFFDIO_MOVE_MODE_DONTWAKE`.
+const UFFDIO_MOVE_MODE_DONTWAKE: u64 = 1;
+
+/// `_IOWR(ty, nr, size)` of the kernel's ioctl encoding.
+pub(crate) const fn iowr(ty: u32, nr: u32, size: usize) -> u32 {
+    (3 << 30) | ((size as u32) << 16) | (ty << 8) | nr
+}
 
 /// `UFFD_FEATURE_*` bits the pager may ask for.
 pub mod feature {
@@ -35,6 +44,8 @@ pub mod feature {
     pub const WP_UNPOPULATED: u64 = 1 << 13;
     /// Resolve write-protect faults in the kernel, recording dirtiness (for PAGEMAP_SCAN).
     pub const WP_ASYNC: u64 = 1 << 15;
+    /// `UFFDIO_MOVE`: move anonymous pages between registered ranges without copying.
+    pub const MOVE: u64 = 1 << 16;
 }
 
 /// One event read from a userfaultfd.
@@ -157,6 +168,19 @@ pub enum UffdError {
         #[source]
         source: std::io::Error,
     },
+    /// `UFFDIO_MOVE` failed after moving `done` bytes.
+    #[error("UFFDIO_MOVE from {src} to {dst} failed after {done} bytes")]
+    MovePartial {
+        /// Source start.
+        src: HostAddr,
+        /// Destination start.
+        dst: HostAddr,
+        /// Bytes moved before the failure.
+        done: u64,
+        /// The system error.
+        #[source]
+        source: std::io::Error,
+    },
     /// Reading events failed.
     #[error("cannot read userfaultfd events")]
     Read(#[source] std::io::Error),
@@ -195,6 +219,12 @@ impl Mode {
         missing: true,
         minor: false,
         write_protect: false,
+    };
+    /// MISSING and write-protect, for anonymous RAM whose writes are tracked.
+    pub const MISSING_WP: Mode = Mode {
+        missing: true,
+        minor: false,
+        write_protect: true,
     };
     /// MISSING and MINOR, for memfd-backed RAM.
     pub const MISSING_MINOR: Mode = Mode {
@@ -423,6 +453,44 @@ impl Userfaultfd {
             rc,
             arg.mapped,
         )
+    }
+
+    /// Moves the anonymous pages of `src .. src + len` to the unmapped `dst .. dst + len`:
+    /// their page-table entries move, nothing is copied; `src` is left missing (its next
+    /// access faults to this userfaultfd if registered). Wakes `dst`'s waiters if `wake`. An
+    /// error reports the bytes moved before it in [`UffdError::MovePartial`].
+    ///
+    /// # Safety
+    ///
+    /// Both ranges must be private anonymous mappings of this process registered on this
+    /// userfaultfd, and nothing may hold a reference into `src` (its contents vanish) or `dst`.
+    pub unsafe fn move_pages(
+        &self,
+        dst: HostAddr,
+        src: HostAddr,
+        len: u64,
+        wake: bool,
+    ) -> Result<u64, UffdError> {
+        let mut arg = sys::uffdio_move {
+            dst: dst.0,
+            src: src.0,
+            len,
+            mode: if wake { 0 } else { UFFDIO_MOVE_MODE_DONTWAKE },
+            move_: 0,
+        };
+        // SAFETY: `arg` is a valid uffdio_move; the caller vouches for both ranges.
+        let rc = unsafe { ioctl(self.fd(), UFFDIO_MOVE, &mut arg) };
+        if rc == 0 {
+            return Ok(len);
+        }
+        let err = std::io::Error::last_os_error();
+        let done = u64::try_from(arg.move_).unwrap_or(0);
+        Err(UffdError::MovePartial {
+            src,
+            dst,
+            done,
+            source: err,
+        })
     }
 
     /// Fills every missing page of `dst .. dst + src.len()` from `src` (a page multiple),

@@ -304,3 +304,85 @@ fn uffd_minor_fault_on_memfd_is_resolved_by_continue() {
         libc::close(fd);
     }
 }
+
+/// Whether `addr`'s page is present, and whether it carries the uffd-wp bit, by
+/// `/proc/self/pagemap`.
+fn pagemap_entry(addr: HostAddr) -> (bool, bool) {
+    use std::os::unix::fs::FileExt;
+    let pagemap = std::fs::File::open("/proc/self/pagemap").unwrap();
+    let mut entry = [0u8; 8];
+    pagemap
+        .read_exact_at(&mut entry, addr.0 / PAGE_SIZE * 8)
+        .unwrap();
+    let entry = u64::from_le_bytes(entry);
+    (entry >> 63 != 0, (entry >> 57) & 1 != 0)
+}
+
+#[test]
+fn uffd_written_pages_and_move_on_write_tracked_anon() {
+    if skip() {
+        return;
+    }
+    const BLOCK: usize = 64 << 10;
+    let uffd = Userfaultfd::create(feature::WP_ASYNC | feature::MOVE).unwrap();
+    let guest = Anon::new(16 * BLOCK);
+    let scratch = Anon::new(BLOCK);
+    // SAFETY: both mappings outlive the userfaultfd and are only touched through it here.
+    unsafe {
+        uffd.register(guest.range(), Mode::MISSING_WP).unwrap();
+        uffd.register(scratch.range(), Mode::MISSING_WP).unwrap();
+    }
+    let pattern: Vec<u8> = (0..guest.len)
+        .map(|i| (i / 4096 * 7 + i % 251) as u8)
+        .collect();
+    assert_eq!(
+        uffd.copy_missing(guest.range().start(), &pattern, true)
+            .unwrap(),
+        guest.len as u64
+    );
+    let mut written = uffd_pager::pagemap::WrittenPages::open().unwrap();
+    let mut take = || {
+        let mut runs = Vec::new();
+        written.take(guest.range(), |run| runs.push(run)).unwrap();
+        runs
+    };
+    // Installed pages count as written once; then only what is written in between.
+    assert_eq!(take(), vec![guest.range()]);
+    assert_eq!(take(), vec![]);
+    // SAFETY: in bounds of the live, fully mapped guest mapping.
+    unsafe { guest.ptr.add(5 * 4096 + 9).write_volatile(0xEE) };
+    let page5 = HostRange::new(guest.range().page_addr(5), PAGE_SIZE).unwrap();
+    assert_eq!(take(), vec![page5]);
+    assert_eq!(guest.read(5 * 4096 + 9), 0xEE);
+    // A discarded page is not reported and keeps no marker: the zero page still fills it.
+    let page40 = HostRange::new(guest.range().page_addr(40), PAGE_SIZE).unwrap();
+    // SAFETY: discarding one page of our own mapping.
+    let rc = unsafe { libc::madvise(page40.start().as_ptr(), 4096, libc::MADV_DONTNEED) };
+    assert_eq!(rc, 0);
+    assert_eq!(take(), vec![]);
+    assert_eq!(pagemap_entry(page40.start()), (false, false));
+    assert_eq!(uffd.zeropage(page40, true).unwrap(), Resolved::Done);
+    assert_eq!(guest.read(40 * 4096), 0);
+    // A block moves out (the guest's pages are gone, no marker left) and back, intact.
+    let block = guest.range().page_addr(16);
+    // SAFETY: both ranges are registered anon mappings of this test, nothing refers into them.
+    unsafe { uffd.move_pages(scratch.range().start(), block, BLOCK as u64, false) }.unwrap();
+    assert_eq!(pagemap_entry(block), (false, false));
+    assert_eq!(
+        pagemap_entry(scratch.range().start()),
+        (true, pagemap_entry(scratch.range().start()).1)
+    );
+    // SAFETY: the scratch is fully mapped after the move.
+    let moved = unsafe { std::slice::from_raw_parts(scratch.ptr, BLOCK) };
+    let first_diff = moved
+        .iter()
+        .zip(&pattern[16 * 4096..])
+        .position(|(a, b)| a != b);
+    assert_eq!(first_diff, None);
+    // SAFETY: as above.
+    unsafe { uffd.move_pages(block, scratch.range().start(), BLOCK as u64, true) }.unwrap();
+    assert_eq!(pagemap_entry(scratch.range().start()), (false, false));
+    assert_eq!(guest.read(16 * 4096 + 3), pattern[16 * 4096 + 3]);
+    // Discarding the scratch after a move leaves it empty for the next one.
+    scratch.discard(BLOCK);
+}

@@ -37,6 +37,8 @@ pub struct MachineConfig {
     pub pager_threads: usize,
     /// The pager's block size.
     pub block_size: BlockSize,
+    /// Track writes to anon RAM (cold compression of anon RAM needs it).
+    pub track_writes: bool,
 }
 
 /// Errors of a VM.
@@ -217,6 +219,7 @@ impl Machine {
                     // The VMM tells the pager of every discard itself (before making it), and
                     // cold compression zaps page-table entries, which must not read as discards.
                     remove_events: false,
+                    track_writes: config.track_writes,
                 },
                 None,
                 on_fault_error,

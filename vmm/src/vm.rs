@@ -203,6 +203,7 @@ impl Vm {
                 disk: options.disk.clone(),
                 pager_threads: options.pager_threads,
                 block_size: BlockSize::default(),
+                track_writes: options.cold.is_some() && options.ram_backing == RamKind::Anon,
             },
             Box::new(move |e| {
                 counter.fetch_add(1, Ordering::Relaxed);

@@ -30,10 +30,14 @@ fn fast(pool_cap_share: f64) -> ColdConfig {
 }
 
 fn start(dir: &std::path::Path, cold: ColdConfig) -> Vm {
+    start_kind(dir, cold, RamKind::Memfd)
+}
+
+fn start_kind(dir: &std::path::Path, cold: ColdConfig, kind: RamKind) -> Vm {
     Vm::start(VmOptions {
         memory: 256 << 20,
         vcpus: 1,
-        ram_backing: RamKind::Memfd,
+        ram_backing: kind,
         ram_compression: true,
         ram_codec: "lz4".into(),
         disk: dir.join("disk"),
@@ -71,21 +75,28 @@ fn hex(digest: u64) -> String {
 
 #[test]
 fn cold_repeated_content_goes_to_the_pool_and_comes_back_intact() {
+    cold_repeated_content_goes_to_the_pool_and_comes_back_intact_on(RamKind::Memfd);
+}
+
+#[test]
+fn anon_cold_repeated_content_goes_to_the_pool_and_comes_back_intact() {
+    cold_repeated_content_goes_to_the_pool_and_comes_back_intact_on(RamKind::Anon);
+}
+
+fn cold_repeated_content_goes_to_the_pool_and_comes_back_intact_on(kind: RamKind) {
     if skip() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let mut vm = start(dir.path(), fast(0.5));
+    let mut vm = start_kind(dir.path(), fast(0.5), kind);
     exec(&mut vm, "fill 32MiB repeated seed=1; idle");
-    let resident = vm.stats().guest_ram_resident_bytes;
     let stats = wait_for(&vm, "the data to turn cold", 20, |s| {
         s.cold.as_ref().is_some_and(|c| c.blocks_compressed >= 512)
     });
     let cold = stats.cold.as_ref().unwrap();
-    assert!(
-        stats.guest_ram_resident_bytes + (28 << 20) < resident,
-        "{stats:?}"
-    );
+    // Of 32 MiB of data (and the guest's own few MiB), under 6 MiB stay resident. (Blocks
+    // may turn cold while the fill still runs, so this is not measured against the peak.)
+    assert!(stats.guest_ram_resident_bytes < 6 << 20, "{stats:?}");
     assert!(cold.net_saving_bytes > 28 << 20, "{cold:?}");
     assert!(cold.pool.held_bytes < 1 << 20, "{cold:?}");
     let expect = guest::digest(&guest::fill_bytes(32 << 20, FillKind::Repeated, 1));
@@ -98,11 +109,20 @@ fn cold_repeated_content_goes_to_the_pool_and_comes_back_intact() {
 
 #[test]
 fn cold_random_content_is_left_alone_and_costs_nothing() {
+    cold_random_content_is_left_alone_and_costs_nothing_on(RamKind::Memfd);
+}
+
+#[test]
+fn anon_cold_random_content_is_left_alone_and_costs_nothing() {
+    cold_random_content_is_left_alone_and_costs_nothing_on(RamKind::Anon);
+}
+
+fn cold_random_content_is_left_alone_and_costs_nothing_on(kind: RamKind) {
     if skip() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let mut vm = start(dir.path(), fast(0.5));
+    let mut vm = start_kind(dir.path(), fast(0.5), kind);
     exec(&mut vm, "fill 32MiB random seed=2; idle");
     // Three rounds of attempts: the third backs each block off for four cold ages.
     let stats = wait_for(&vm, "every block to be tried three times", 20, |s| {
@@ -134,11 +154,20 @@ fn cold_random_content_is_left_alone_and_costs_nothing() {
 
 #[test]
 fn cold_writes_during_compression_are_never_lost() {
+    cold_writes_during_compression_are_never_lost_on(RamKind::Memfd);
+}
+
+#[test]
+fn anon_cold_writes_during_compression_are_never_lost() {
+    cold_writes_during_compression_are_never_lost_on(RamKind::Anon);
+}
+
+fn cold_writes_during_compression_are_never_lost_on(kind: RamKind) {
     if skip() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let mut vm = start(
+    let mut vm = start_kind(
         dir.path(),
         ColdConfig {
             cold_age: Duration::from_millis(20),
@@ -147,6 +176,7 @@ fn cold_writes_during_compression_are_never_lost() {
             idle_cpu_budget: 0.9,
             ..fast(0.5)
         },
+        kind,
     );
     let mut model = guest::fill_bytes(16 << 20, FillKind::Distinct, 3);
     exec(&mut vm, "fill 16MiB distinct seed=3");

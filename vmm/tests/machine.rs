@@ -24,6 +24,7 @@ fn boot(dir: &std::path::Path, memory: u64, kind: RamKind) -> Machine {
             disk: dir.join("disk"),
             pager_threads: 1,
             block_size: BlockSize::default(),
+            track_writes: false,
         },
         Box::new(|e| panic!("fault error: {e}")),
     )

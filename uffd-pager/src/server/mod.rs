@@ -358,6 +358,7 @@ impl Connection {
                     register: false,
                     // Firecracker asks for them; the pager never discards remote memory itself.
                     remove_events: true,
+                    track_writes: false,
                 },
                 Some(Arc::clone(&self.source)),
                 on_error,
