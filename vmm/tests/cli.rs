@@ -292,6 +292,30 @@ fn cli_bad_input_gets_clear_messages() {
         ],
     );
     assert!(err.contains("needs private anonymous RAM"), "{err}");
+    let err = fails(
+        r,
+        &[
+            "run",
+            "--vm-cold-ram-compression",
+            "--vm-cold-cpu-budget",
+            "0",
+            "--",
+            "idle",
+        ],
+    );
+    assert!(err.contains("--vm-cold-cpu-budget"), "{err}");
+    let err = fails(
+        r,
+        &[
+            "run",
+            "--vm-cold-ram-compression",
+            "--vm-cold-pool-cap",
+            "2",
+            "--",
+            "idle",
+        ],
+    );
+    assert!(err.contains("--vm-cold-pool-cap"), "{err}");
     let config = r.join("bad.toml");
     std::fs::write(&config, "[vm]\nmemroy = \"1GiB\"\n").unwrap();
     let err = fails(
@@ -444,4 +468,58 @@ fn cli_offloaded_ram_is_shown_as_a_plain_file() {
     let digest = vm.digest();
     let expect = format!("{:016x}", vmm::guest::digest(&expect));
     assert_eq!(digest, expect);
+}
+
+#[test]
+fn cli_cold_compression_shrinks_an_idle_vm_on_both_ram_kinds() {
+    if skip() {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    let fast = ["--vm-cold-age-ms", "200", "--vm-cold-scan-ms", "50"];
+    let mut memfd_args = vec!["--vm-cold-ram-compression"];
+    memfd_args.extend_from_slice(&fast);
+    let mut anon_args = vec!["--vm-cold-ram-compression=true", "--vm-ram-backing", "anon"];
+    anon_args.extend_from_slice(&fast);
+    for args in [memfd_args, anon_args] {
+        let vm = Detached::start(runtime.path(), &args, "fill 64MiB repeated seed=5; idle");
+        let digest = vm.digest();
+        let cold_enough = |vm: &Detached| {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+            loop {
+                let stats = vm.stats();
+                if stats["cold"]["blocks_compressed"].as_u64().unwrap() >= 1024
+                    && stats["cold"]["pooled_pages"].as_u64().unwrap() >= 16384
+                {
+                    return stats;
+                }
+                assert!(std::time::Instant::now() < deadline, "{args:?}: {stats}");
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        };
+        let stats = cold_enough(&vm);
+        // 64 MiB of data: nearly all of it given back, what it costs included.
+        assert!(
+            stats["cold"]["net_saving_bytes"].as_i64().unwrap() > 60 << 20,
+            "{args:?}: {stats}"
+        );
+        assert!(
+            stats["guest_ram_resident_bytes"].as_u64().unwrap() < 8 << 20,
+            "{stats}"
+        );
+        // Touched again, it comes back intact; left alone, it goes back to the pool.
+        assert_eq!(vm.digest(), digest, "{args:?}");
+        cold_enough(&vm);
+        // Released, it leaves the pool at once.
+        vm.exec("release");
+        let stats = vm.stats();
+        assert!(
+            stats["cold"]["pooled_pages"].as_u64().unwrap() < 1024,
+            "{stats}"
+        );
+        assert!(
+            stats["cold"]["pool"]["blocks"].as_u64().unwrap() < 64,
+            "{stats}"
+        );
+    }
 }
