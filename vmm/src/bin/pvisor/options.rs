@@ -214,6 +214,10 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
     }
     let cold = cold.then(|| {
         let default = uffd_pager::cold::ColdConfig::default();
+        let cpu_budget = args
+            .cold_cpu_budget
+            .or(config.cold_cpu_budget)
+            .unwrap_or(default.cpu_budget);
         uffd_pager::cold::ColdConfig {
             cold_age: args
                 .cold_age_ms
@@ -223,10 +227,9 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
                 .cold_scan_ms
                 .or(config.cold_scan_ms)
                 .map_or(default.scan_period, std::time::Duration::from_millis),
-            cpu_budget: args
-                .cold_cpu_budget
-                .or(config.cold_cpu_budget)
-                .unwrap_or(default.cpu_budget),
+            cpu_budget,
+            // While the guest reports idle the scanner may use four times its budget.
+            idle_cpu_budget: (cpu_budget * 4.0).min(1.0),
             pool_cap_share: args
                 .cold_pool_cap
                 .or(config.cold_pool_cap)
