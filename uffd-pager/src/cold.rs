@@ -307,6 +307,9 @@ impl Cold {
             let before = info.flags.fetch_or(ACCESSED, Ordering::AcqRel);
             if before & PROBING != 0 && before & ACCESSED == 0 {
                 self.touched.fetch_add(1, Ordering::Relaxed);
+                // From now on `probed_at` is when it was touched: it is probed again one cold
+                // age later, so a block in use pays one fault per cold age, not one per scan.
+                info.probed_at.store(self.epoch(), Ordering::Relaxed);
             }
         }
     }
@@ -477,6 +480,11 @@ fn scan(shared: &Shared, cold: &Cold, buf: &mut [u8]) {
             continue;
         }
         let flags = info.flags.load(Ordering::Acquire);
+        let since = epoch.saturating_sub(info.probed_at.load(Ordering::Relaxed));
+        if flags & ACCESSED != 0 && since < cold.cold_age_ticks {
+            // Touched lately: in use; look again later.
+            continue;
+        }
         if flags & PROBING == 0 || flags & ACCESSED != 0 {
             // Watch it (again). Anon RAM: its writes show in the next scans.
             info.flags.store(PROBING, Ordering::Release);
@@ -497,7 +505,7 @@ fn scan(shared: &Shared, cold: &Cold, buf: &mut [u8]) {
             cold.probed.fetch_add(1, Ordering::Relaxed);
             continue;
         }
-        if epoch.saturating_sub(info.probed_at.load(Ordering::Relaxed)) < cold.cold_age_ticks {
+        if since < cold.cold_age_ticks {
             continue;
         }
         compress(

@@ -247,3 +247,26 @@ fn cold_offload_takes_pooled_blocks_as_they_are() {
         Some(hex(expect).as_str())
     );
 }
+
+#[test]
+fn cold_blocks_in_use_stay_resident_and_are_probed_once_per_cold_age() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut vm = start(dir.path(), fast(0.5));
+    exec(&mut vm, "fill 16MiB distinct seed=6");
+    let before = vm.stats().cold.unwrap();
+    // Read all of it every 50 ms for 1.5 s: ten cold ages, fifty scans.
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_millis(1500) {
+        exec(&mut vm, "touch 16MiB");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let cold = vm.stats().cold.unwrap();
+    // 256 blocks in use: probed about once per cold age (ten times each), not at every scan.
+    let probed = cold.blocks_probed - before.blocks_probed;
+    assert!(probed < 256 * 16, "{probed} probes: {cold:?}");
+    // And never compressed: data in use stays resident.
+    assert!(cold.pooled_pages < 1024, "{cold:?}");
+}
