@@ -226,3 +226,15 @@ pub fn ticks_per_second() -> f64 {
     // SAFETY: sysconf has no memory-safety preconditions.
     unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64
 }
+
+/// Fails with a clear message unless `/dev/kvm` and `/dev/userfaultfd` open read-write.
+pub fn check_vm_devices() -> Res<()> {
+    for device in ["/dev/kvm", "/dev/userfaultfd"] {
+        fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(device)
+            .map_err(|e| format!("{device}: {e} (the bench needs root, KVM and userfaultfd)"))?;
+    }
+    Ok(())
+}

@@ -68,6 +68,25 @@ pub struct CsvStyle {
     pub number: fn(f64) -> String,
 }
 
+/// `key,unit,min,median,max,run1..runN`, whole numbers without decimals, others with four.
+pub const KEY_RUN_CSV: CsvStyle = CsvStyle {
+    key: "key",
+    run: "run",
+    number: csv_number,
+};
+
+fn csv_number(v: f64) -> String {
+    if v.is_nan() {
+        String::new()
+    } else if v.is_infinite() {
+        "inf".to_owned()
+    } else if v.fract() == 0.0 && v.abs() < 1e15 {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.4}")
+    }
+}
+
 impl Results {
     pub fn new(runs: usize) -> Self {
         Self {

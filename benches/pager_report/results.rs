@@ -3,26 +3,8 @@
 
 pub use crate::common::results::Results;
 
-use crate::common::results::CsvStyle;
-
 /// `key,unit,min,median,max,run1..runN`.
-pub const CSV: CsvStyle = CsvStyle {
-    key: "key",
-    run: "run",
-    number: num,
-};
-
-fn num(v: f64) -> String {
-    if v.is_nan() {
-        String::new()
-    } else if v.is_infinite() {
-        "inf".to_owned()
-    } else if v.fract() == 0.0 && v.abs() < 1e15 {
-        format!("{v:.0}")
-    } else {
-        format!("{v:.4}")
-    }
-}
+pub use crate::common::results::KEY_RUN_CSV as CSV;
 
 /// A figure for a table: 3 significant digits, `∞` for an infinite ratio.
 pub fn fmt(v: f64) -> String {

@@ -140,17 +140,6 @@ fn settings() -> Res<Settings> {
     })
 }
 
-fn check_devices() -> Res<()> {
-    for device in ["/dev/kvm", "/dev/userfaultfd"] {
-        fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(device)
-            .map_err(|e| format!("{device}: {e} (the bench needs root, KVM and userfaultfd)"))?;
-    }
-    Ok(())
-}
-
 fn run() -> Res<()> {
     let started = Instant::now();
     let settings = settings()?;
@@ -160,7 +149,7 @@ fn run() -> Res<()> {
         eprintln!("vm_report: smoke run skipped (PVISOR_SKIP_DEVICE_TESTS=1)");
         return Ok(());
     }
-    check_devices()?;
+    common::host::check_vm_devices()?;
     // One directory per bench process, so that a smoke run cannot clear a running bench's files.
     let relative = Path::new("vm").join(format!("p{}", std::process::id()));
     let tmp = TempRoot::create("vm_report", &relative)?;

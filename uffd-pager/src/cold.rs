@@ -399,14 +399,17 @@ fn thread_cpu() -> Duration {
 /// The scanner thread: a scan every period (a quarter of it while the guest is idle), then a
 /// sleep long enough to keep its CPU time within the budget.
 pub(crate) fn run(shared: &Shared, cold: &Cold) {
+    let born = thread_cpu();
     let mut buf = vec![0u8; shared.block_size.bytes()];
     while !cold.stop.load(Ordering::Relaxed) {
         let started = Instant::now();
         let cpu = thread_cpu();
         scan(shared, cold, &mut buf);
         let used = thread_cpu().saturating_sub(cpu);
-        cold.cpu_ns.fetch_add(
-            u64::try_from(used.as_nanos()).unwrap_or(u64::MAX),
+        // All of the thread's CPU time, its wake-ups between scans included.
+        let total = thread_cpu().saturating_sub(born);
+        cold.cpu_ns.store(
+            u64::try_from(total.as_nanos()).unwrap_or(u64::MAX),
             Ordering::Relaxed,
         );
         cold.scans.fetch_add(1, Ordering::Relaxed);
@@ -418,11 +421,14 @@ pub(crate) fn run(shared: &Shared, cold: &Cold) {
         };
         // Stay within the budget: the scan's CPU time over the whole cycle.
         let cycle = period.max(used.div_f64(budget));
-        let mut left = cycle.saturating_sub(started.elapsed());
-        while !left.is_zero() && !cold.stop.load(Ordering::Relaxed) {
-            let nap = left.min(Duration::from_millis(20));
-            std::thread::sleep(nap);
-            left = left.saturating_sub(nap);
+        // Dropping the pager sets `stop` and unparks this thread.
+        let wake = started + cycle;
+        while !cold.stop.load(Ordering::Relaxed) {
+            let left = wake.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            std::thread::park_timeout(left);
         }
     }
 }

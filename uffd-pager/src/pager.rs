@@ -515,6 +515,7 @@ impl Drop for Pager {
             cold.stop.store(true, Ordering::Relaxed);
         }
         if let Some(scanner) = self.cold_scanner.lock().take() {
+            scanner.thread().unpark();
             let _ = scanner.join();
         }
         let one: u64 = 1;
