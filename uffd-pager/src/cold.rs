@@ -69,8 +69,11 @@ const ACCESSED: u8 = 2;
 /// being compressed counts towards hot.
 const HOT_REST_COLD_AGES: u32 = 60;
 const THRASH_WINDOW_COLD_AGES: u32 = 5;
-/// Promotions within the window that make a block hot.
+/// Promotions within the window that make a block hot, where reads are seen (memfd RAM).
 const HOT_PROMOTIONS: u8 = 3;
+/// The same for anon RAM, whose reads are not seen: a block read soon after it was compressed
+/// is taken as in use at once (else each read-hot block would thrash a few times first).
+const HOT_PROMOTIONS_BLIND: u8 = 1;
 /// Longest back-off of an incompressible block, in cold ages (2^6).
 const MAX_BACKOFF_LEVEL: u8 = 6;
 
@@ -190,6 +193,8 @@ pub(crate) struct Cold {
     /// Anon RAM: its written pages, and where its blocks are checked before they drop.
     written: parking_lot::Mutex<Option<WrittenPages>>,
     scratch: Option<Scratch>,
+    /// Promotions within the thrash window that make a block hot.
+    hot_promotions: u8,
     promotions: AtomicU64,
     thrash: AtomicU64,
     hot: AtomicU64,
@@ -275,6 +280,11 @@ impl Cold {
             written_runs: AtomicU64::new(0),
             written: parking_lot::Mutex::new(written),
             scratch,
+            hot_promotions: if anon {
+                HOT_PROMOTIONS_BLIND
+            } else {
+                HOT_PROMOTIONS
+            },
             promotions: AtomicU64::new(0),
             thrash: AtomicU64::new(0),
             hot: AtomicU64::new(0),
@@ -325,7 +335,7 @@ impl Cold {
         let window = self.cold_age_ticks.saturating_mul(THRASH_WINDOW_COLD_AGES);
         if epoch.saturating_sub(info.compressed_at.load(Ordering::Relaxed)) <= window {
             self.thrash.fetch_add(1, Ordering::Relaxed);
-            if info.promotions.fetch_add(1, Ordering::Relaxed) + 1 >= HOT_PROMOTIONS {
+            if info.promotions.fetch_add(1, Ordering::Relaxed) + 1 >= self.hot_promotions {
                 info.promotions.store(0, Ordering::Relaxed);
                 let rest = self.cold_age_ticks.saturating_mul(HOT_REST_COLD_AGES);
                 info.backoff_until
