@@ -69,11 +69,10 @@ const ACCESSED: u8 = 2;
 /// being compressed counts towards hot.
 const HOT_REST_COLD_AGES: u32 = 60;
 const THRASH_WINDOW_COLD_AGES: u32 = 5;
-/// Promotions within the window that make a block hot, where reads are seen (memfd RAM).
+/// Promotions within the window that make a block hot.
 const HOT_PROMOTIONS: u8 = 3;
-/// The same for anon RAM, whose reads are not seen: a block read soon after it was compressed
-/// is taken as in use at once (else each read-hot block would thrash a few times first).
-const HOT_PROMOTIONS_BLIND: u8 = 1;
+/// The window of `promotion_rate_per_s`.
+const RATE_WINDOW: Duration = Duration::from_secs(5);
 /// Longest back-off of an incompressible block, in cold ages (2^6).
 const MAX_BACKOFF_LEVEL: u8 = 6;
 
@@ -111,6 +110,8 @@ pub struct ColdStats {
     pub promotions: u64,
     /// Blocks brought back soon enough after compression to count as thrashing.
     pub thrash_promotions: u64,
+    /// Promotions per second over the latest window of at least 5 s.
+    pub promotion_rate_per_s: f64,
     /// Blocks marked hot (left resident for a long while).
     pub hot_blocks: u64,
     /// Times the pool was at its cap and refused a block.
@@ -193,9 +194,13 @@ pub(crate) struct Cold {
     /// Anon RAM: its written pages, and where its blocks are checked before they drop.
     written: parking_lot::Mutex<Option<WrittenPages>>,
     scratch: Option<Scratch>,
-    /// Promotions within the thrash window that make a block hot.
-    hot_promotions: u8,
+    /// Reads are not seen (anon RAM): a block brought back within one cold age of being
+    /// compressed is taken as in use at once, else each read-hot block would thrash a few
+    /// times first. (One brought back later, after an idle spell, is not.)
+    blind_reads: bool,
     promotions: AtomicU64,
+    /// `promotion_rate_per_s`, as f64 bits.
+    promotion_rate: AtomicU64,
     thrash: AtomicU64,
     hot: AtomicU64,
     full_refusals: AtomicU64,
@@ -280,12 +285,9 @@ impl Cold {
             written_runs: AtomicU64::new(0),
             written: parking_lot::Mutex::new(written),
             scratch,
-            hot_promotions: if anon {
-                HOT_PROMOTIONS_BLIND
-            } else {
-                HOT_PROMOTIONS
-            },
+            blind_reads: anon,
             promotions: AtomicU64::new(0),
+            promotion_rate: AtomicU64::new(0),
             thrash: AtomicU64::new(0),
             hot: AtomicU64::new(0),
             full_refusals: AtomicU64::new(0),
@@ -333,9 +335,11 @@ impl Cold {
         info.flags.store(0, Ordering::Release);
         let epoch = self.epoch();
         let window = self.cold_age_ticks.saturating_mul(THRASH_WINDOW_COLD_AGES);
-        if epoch.saturating_sub(info.compressed_at.load(Ordering::Relaxed)) <= window {
+        let since = epoch.saturating_sub(info.compressed_at.load(Ordering::Relaxed));
+        if since <= window {
             self.thrash.fetch_add(1, Ordering::Relaxed);
-            if info.promotions.fetch_add(1, Ordering::Relaxed) + 1 >= self.hot_promotions {
+            let promotions = info.promotions.fetch_add(1, Ordering::Relaxed) + 1;
+            if promotions >= HOT_PROMOTIONS || (self.blind_reads && since <= self.cold_age_ticks) {
                 info.promotions.store(0, Ordering::Relaxed);
                 let rest = self.cold_age_ticks.saturating_mul(HOT_REST_COLD_AGES);
                 info.backoff_until
@@ -364,6 +368,7 @@ impl Cold {
             written_runs: self.written_runs.load(Ordering::Relaxed),
             promotions: self.promotions.load(Ordering::Relaxed),
             thrash_promotions: self.thrash.load(Ordering::Relaxed),
+            promotion_rate_per_s: f64::from_bits(self.promotion_rate.load(Ordering::Relaxed)),
             hot_blocks: self.hot.load(Ordering::Relaxed),
             pool_full_refusals: self.full_refusals.load(Ordering::Relaxed),
             pool_full: self.full.load(Ordering::Relaxed),
@@ -411,8 +416,16 @@ fn thread_cpu() -> Duration {
 pub(crate) fn run(shared: &Shared, cold: &Cold) {
     let born = thread_cpu();
     let mut buf = vec![0u8; shared.block_size.bytes()];
+    let mut window = (Instant::now(), 0u64);
     while !cold.stop.load(Ordering::Relaxed) {
         let started = Instant::now();
+        let elapsed = started.duration_since(window.0);
+        if elapsed >= RATE_WINDOW {
+            let promotions = cold.promotions.load(Ordering::Relaxed);
+            let rate = (promotions - window.1) as f64 / elapsed.as_secs_f64();
+            cold.promotion_rate.store(rate.to_bits(), Ordering::Relaxed);
+            window = (started, promotions);
+        }
         let cpu = thread_cpu();
         scan(shared, cold, &mut buf);
         let used = thread_cpu().saturating_sub(cpu);
@@ -443,38 +456,49 @@ pub(crate) fn run(shared: &Shared, cold: &Cold) {
     }
 }
 
+/// Anon RAM: blocks written since the last scan start their cold age again.
+fn take_written(
+    shared: &Shared,
+    cold: &Cold,
+    written: &mut WrittenPages,
+    epoch: u32,
+) -> std::io::Result<()> {
+    let per_block = shared.block_size.pages() as u64;
+    for region in shared
+        .regions
+        .iter()
+        .filter(|r| r.spec.kind == RamKind::Anon)
+    {
+        written.take(&shared.uffd, region.spec.range, |run| {
+            let first =
+                region.first_page + region.spec.range.page_index(run.start()).expect("inside");
+            let last = first + run.len() / PAGE_SIZE - 1;
+            for info in &cold.blocks[(first / per_block) as usize..=(last / per_block) as usize] {
+                info.flags.store(PROBING, Ordering::Release);
+                info.probed_at.store(epoch, Ordering::Relaxed);
+            }
+            cold.written_runs.fetch_add(1, Ordering::Relaxed);
+        })?;
+    }
+    Ok(())
+}
+
 fn scan(shared: &Shared, cold: &Cold, buf: &mut [u8]) {
     let per_block = shared.block_size.pages() as u64;
     let epoch = cold.epoch();
     let block_len = shared.block_size.bytes();
-    if let Some(written) = cold.written.lock().as_mut() {
-        // Anon RAM: blocks written since the last scan start their cold age again.
-        for region in shared
-            .regions
-            .iter()
-            .filter(|r| r.spec.kind == RamKind::Anon)
-        {
-            let taken = written.take(region.spec.range, |run| {
-                let first =
-                    region.first_page + region.spec.range.page_index(run.start()).expect("inside");
-                let last = first + run.len() / PAGE_SIZE - 1;
-                for info in &cold.blocks[(first / per_block) as usize..=(last / per_block) as usize]
-                {
-                    info.flags.store(PROBING, Ordering::Release);
-                    info.probed_at.store(epoch, Ordering::Relaxed);
-                }
-                cold.written_runs.fetch_add(1, Ordering::Relaxed);
-            });
-            if let Err(e) = taken {
+    let tracking_anon = {
+        let mut guard = cold.written.lock();
+        if let Some(written) = guard.as_mut() {
+            if let Err(e) = take_written(shared, cold, written, epoch) {
                 tracing::warn!(
-                    "cold compression: PAGEMAP_SCAN failed, anon RAM is left alone: {e}"
+                    "cold compression: write tracking failed, anon RAM is left alone: {e}"
                 );
-                cold.written.lock().take();
-                return;
+                *guard = None;
             }
         }
-    }
-    let tracking_anon = cold.written.lock().is_some();
+        guard.is_some()
+    };
     for (block, info) in cold.blocks.iter().enumerate() {
         if cold.stop.load(Ordering::Relaxed) || cold.paused.load(Ordering::Acquire) > 0 {
             return;

@@ -24,6 +24,8 @@ const USERFAULTFD_IOC_NEW: libc::c_ulong = 0xAA00;
 const UFFDIO_CONTINUE_MODE_DONTWAKE: u64 = 1;
 /// `UFFDIO_MOVE`: `_IOWR(0xAA, 0x05, struct uffdio_move)` (missing from the generated ioctls).
 const UFFDIO_MOVE: u32 = iowr(0xAA, 0x05, std::mem::size_of::<sys::uffdio_move>());
+/// `UFFDIO_WRITEPROTECT_MODE_WP` (missing from the generated bindings).
+const UFFDIO_WRITEPROTECT_MODE_WP: u64 = 1;
 /// `UFFDIO_MOVE_MODE_DONTWAKE`.
 const UFFDIO_MOVE_MODE_DONTWAKE: u64 = 1;
 
@@ -453,6 +455,23 @@ impl Userfaultfd {
             rc,
             arg.mapped,
         )
+    }
+
+    /// Write-protects the present pages of `range` (registered write-protect). With
+    /// `WP_ASYNC` the kernel resolves the next write itself and marks the page written (see
+    /// [`crate::pagemap`]); only `range` loses its mappings in KVM and other secondary MMUs.
+    pub fn write_protect(&self, range: HostRange) -> Result<(), UffdError> {
+        let mut arg = sys::uffdio_writeprotect {
+            range: sys::uffdio_range {
+                start: range.start().0,
+                len: range.len(),
+            },
+            mode: UFFDIO_WRITEPROTECT_MODE_WP,
+        };
+        // SAFETY: `arg` is a valid uffdio_writeprotect; the kernel only changes protection of
+        // ranges registered on this fd.
+        let rc = unsafe { ioctl(self.fd(), nr::UFFDIO_WRITEPROTECT, &mut arg) };
+        resolve("UFFDIO_WRITEPROTECT", range.start(), range.len(), rc, 0).map(|_| ())
     }
 
     /// Moves the anonymous pages of `src .. src + len` to the unmapped `dst .. dst + len`:

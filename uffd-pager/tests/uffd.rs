@@ -343,7 +343,9 @@ fn uffd_written_pages_and_move_on_write_tracked_anon() {
     let mut written = uffd_pager::pagemap::WrittenPages::open().unwrap();
     let mut take = || {
         let mut runs = Vec::new();
-        written.take(guest.range(), |run| runs.push(run)).unwrap();
+        written
+            .take(&uffd, guest.range(), |run| runs.push(run))
+            .unwrap();
         runs
     };
     // Installed pages count as written once; then only what is written in between.

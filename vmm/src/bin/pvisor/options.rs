@@ -43,6 +43,10 @@ pub struct RunArgs {
     /// Cold compression: most memory the pool may hold, as a share of guest RAM (0.5).
     #[arg(long = "vm-cold-pool-cap", value_name = "SHARE")]
     pub cold_pool_cap: Option<f64>,
+    /// Cold compression: a block stays compressed only if that saves at least this percentage
+    /// of it (12.5); others stay resident and are tried again later, less and less often.
+    #[arg(long = "vm-cold-min-saving", value_name = "PERCENT")]
+    pub cold_min_saving: Option<f64>,
     /// Let KSM merge identical pages across VMs (not available yet).
     #[arg(long = "vm-ram-dedup", num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub ram_dedup: Option<bool>,
@@ -88,6 +92,7 @@ struct ConfigVm {
     cold_scan_ms: Option<u64>,
     cold_cpu_budget: Option<f64>,
     cold_pool_cap: Option<f64>,
+    cold_min_saving: Option<f64>,
     ram_dedup: Option<bool>,
     ram_backing: Option<String>,
     ram_codec: Option<String>,
@@ -212,6 +217,10 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
             ));
         }
     }
+    let min_saving = args.cold_min_saving.or(config.cold_min_saving);
+    if min_saving.is_some_and(|p| !(0.0..100.0).contains(&p)) {
+        return Err("--vm-cold-min-saving is a percentage, at least 0 and below 100".into());
+    }
     let cold = cold.then(|| {
         let default = uffd_pager::cold::ColdConfig::default();
         let cpu_budget = args
@@ -234,6 +243,16 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
                 .cold_pool_cap
                 .or(config.cold_pool_cap)
                 .unwrap_or(default.pool_cap_share),
+            // Kept if compressed size ≤ (1000 - saving‰) / 1000 of the block.
+            max_ratio: min_saving.map_or(default.max_ratio, |p| {
+                #[allow(
+                    clippy::cast_sign_loss,
+                    clippy::cast_possible_truncation,
+                    reason = "checked above: 0 ≤ p < 100, so 0 ≤ p × 10 < 1000"
+                )]
+                let saving = (p * 10.0).round() as u32;
+                (1000 - saving.min(999), 1000)
+            }),
             ..default
         }
     });
