@@ -123,6 +123,7 @@ pub fn run_vm(
         pager_threads: 1,
         io_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
         cold: variant.cold.then_some(settings.cold),
+        dedup: None,
     });
     let mut vm = match started {
         Ok(vm) => vm,

@@ -121,6 +121,7 @@ pub fn run_case(
         pager_threads: 1,
         io_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
         cold: None,
+        dedup: None,
     })?;
     let fill = format!(
         "fill {} {} seed={}; digest",

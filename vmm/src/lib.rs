@@ -2,6 +2,7 @@
 //! workload guest, and the `pvisor` command line.
 //!
 //! - [`control`]: the control socket's protocol, server and client.
+//! - [`dedup`]: KSM dedup of guest RAM (`--vm-ram-dedup`).
 //! - [`guest`]: the workload guest's binary, layout, mailbox and digest.
 //! - [`machine`]: one VM: RAM, pager, vCPU, block device; runs commands.
 //! - [`memory`]: guest RAM (anon or memfd).
@@ -11,6 +12,7 @@
 //! - [`vm`]: a VM's lifecycle (running, paused, offloaded) and operations.
 
 pub mod control;
+pub mod dedup;
 pub mod guest;
 pub mod machine;
 pub mod memory;

@@ -16,6 +16,7 @@ use uffd_pager::offload::{OffloadConfig, OffloadError, OffloadReport};
 use uffd_pager::pager::RamKind;
 use uffd_pager::state::StateCounts;
 
+use crate::dedup::{Dedup, DedupError, DedupOptions, DedupStats};
 use crate::machine::{CommandOutput, Machine, MachineConfig, MachineError};
 use crate::script::Command;
 use crate::stats::{self, CgroupError, MemoryCgroup};
@@ -46,6 +47,9 @@ pub struct VmOptions {
     /// Live cold-RAM compression and its knobs (memfd RAM only).
     #[serde(default)]
     pub cold: Option<ColdConfig>,
+    /// KSM dedup of guest RAM (anon RAM only).
+    #[serde(default)]
+    pub dedup: Option<DedupOptions>,
 }
 
 /// The lifecycle state.
@@ -92,6 +96,9 @@ pub enum VmError {
     /// Cold compression could not start.
     #[error("cannot start cold-RAM compression")]
     Cold(#[source] uffd_pager::cold::ColdError),
+    /// KSM dedup could not start.
+    #[error("cannot start KSM dedup (--vm-ram-dedup)")]
+    Dedup(#[from] DedupError),
 }
 
 /// What `stats` reports.
@@ -118,6 +125,9 @@ pub struct VmStats {
     /// Cold compression's counters and costs, when it runs.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cold: Option<ColdStats>,
+    /// What KSM merged, with `--vm-ram-dedup`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dedup: Option<DedupStats>,
     /// Bytes allocated on disk by the offload store.
     pub backing_disk_bytes: u64,
     /// Bytes allocated on disk by the virtual disk.
@@ -183,6 +193,7 @@ pub struct Vm {
     state: VmState,
     cgroup: Option<MemoryCgroup>,
     fault_errors: Arc<AtomicU64>,
+    dedup: Option<Dedup>,
 }
 
 impl Vm {
@@ -213,7 +224,13 @@ impl Vm {
         if let Some(config) = options.cold {
             machine.pager().start_cold(config).map_err(VmError::Cold)?;
         }
+        let dedup = options
+            .dedup
+            .as_ref()
+            .map(|d| Dedup::start(machine.ram(), d))
+            .transpose()?;
         Ok(Self {
+            dedup,
             ram_view: None,
             machine,
             options,
@@ -427,6 +444,7 @@ impl Vm {
                 + guest_ram_resident_bytes,
             pool_bytes: cold.as_ref().map_or(0, |c| c.overhead_bytes),
             cold,
+            dedup: self.dedup.as_ref().map(Dedup::stats),
             state: self.state,
             memory_bytes: self.options.memory,
             backing_disk_bytes,

@@ -296,6 +296,18 @@ fn cli_bad_input_gets_clear_messages() {
         r,
         &[
             "run",
+            "--vm-ram-dedup",
+            "--vm-dedup-cpu-budget",
+            "2",
+            "--",
+            "idle",
+        ],
+    );
+    assert!(err.contains("--vm-dedup-cpu-budget"), "{err}");
+    let err = fails(
+        r,
+        &[
+            "run",
             "--vm-cold-ram-compression",
             "--vm-cold-cpu-budget",
             "0",
@@ -537,4 +549,142 @@ fn cli_cold_compression_shrinks_an_idle_vm_on_both_ram_kinds() {
             "{stats}"
         );
     }
+}
+
+/// Dedup tests share KSM's global settings: one at a time, so that the last VM of a test is
+/// the last holder of the tuning.
+static KSM: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Stops the VMs and waits until their processes are gone.
+fn stop_and_wait(vms: Vec<Detached>) {
+    let pids: Vec<u64> = vms
+        .iter()
+        .map(|vm| vm.identity["pid"].as_u64().unwrap())
+        .collect();
+    drop(vms);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while pids
+        .iter()
+        .any(|pid| Path::new(&format!("/proc/{pid}")).exists())
+    {
+        assert!(std::time::Instant::now() < deadline, "the VMs did not exit");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+fn ksm_knob(name: &str) -> String {
+    let text = std::fs::read_to_string(Path::new("/sys/kernel/mm/ksm").join(name)).unwrap();
+    text.trim().to_owned()
+}
+
+#[test]
+fn cli_dedup_merges_identical_vms_keeps_them_apart_and_restores_ksm() {
+    if skip() {
+        return;
+    }
+    let _ksm = KSM
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let before: Vec<String> = ["run", "pages_to_scan", "sleep_millisecs"]
+        .iter()
+        .map(|k| ksm_knob(k))
+        .collect();
+    let runtime = tempfile::tempdir().unwrap();
+    // The same random content in four VMs: only merging across VMs can save anything.
+    let vms: Vec<Detached> = (0..4)
+        .map(|_| {
+            Detached::start(
+                runtime.path(),
+                &["--vm-ram-dedup"],
+                "fill 64MiB random seed=11; idle",
+            )
+        })
+        .collect();
+    let digest = vms[0].digest();
+    assert_eq!(ksm_knob("run"), "1");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    for vm in &vms {
+        loop {
+            let stats = vm.stats();
+            assert_eq!(
+                stats["dedup"]["advised_bytes"].as_u64().unwrap(),
+                512 << 20,
+                "{stats}"
+            );
+            // 16384 pages of data, shared by four: each VM pays about a quarter of them.
+            if stats["dedup"]["merging_pages"].as_u64().unwrap() >= 15_000
+                && stats["guest_ram_pss_bytes"].as_u64().unwrap() < 40 << 20
+            {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "{stats}");
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+    }
+    // A write in one VM gets its own copy: the others keep their bytes.
+    vms[0].exec("rewrite 25 seed=3");
+    assert_ne!(vms[0].digest(), digest);
+    for vm in &vms[1..] {
+        assert_eq!(vm.digest(), digest);
+    }
+    // Merged RAM offloads and comes back like any other.
+    vms[1].call("suspend", &["--vm-offload"]);
+    let stats = vms[1].stats();
+    assert!(
+        stats["guest_ram_pss_bytes"].as_u64().unwrap() < 4 << 20,
+        "{stats}"
+    );
+    vms[1].call("resume", &[]);
+    assert_eq!(vms[1].digest(), digest);
+    stop_and_wait(vms);
+    // The last VM gave the host its KSM settings back.
+    let after: Vec<String> = ["run", "pages_to_scan", "sleep_millisecs"]
+        .iter()
+        .map(|k| ksm_knob(k))
+        .collect();
+    assert_eq!(after, before);
+}
+
+#[test]
+fn cli_dedup_with_cold_compression_merges_and_compresses() {
+    if skip() {
+        return;
+    }
+    let _ksm = KSM
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let runtime = tempfile::tempdir().unwrap();
+    // Dedup picks anon RAM; cold compression works on it too.
+    let args = [
+        "--vm-ram-dedup",
+        "--vm-cold-ram-compression",
+        "--vm-cold-age-ms",
+        "300",
+        "--vm-cold-scan-ms",
+        "100",
+    ];
+    let vms: Vec<Detached> = (0..2)
+        .map(|_| Detached::start(runtime.path(), &args, "fill 64MiB repeated seed=3; idle"))
+        .collect();
+    let digest = vms[0].digest();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    for vm in &vms {
+        loop {
+            let stats = vm.stats();
+            let merged = stats["dedup"]["merging_pages"].as_u64().unwrap();
+            let pooled = stats["cold"]["pooled_pages"].as_u64().unwrap();
+            // Each of the 16384 pages of data is either merged or compressed.
+            if merged > 0 && merged + pooled >= 16_000 {
+                assert!(
+                    stats["process_memory_bytes"].as_u64().unwrap() < 12 << 20,
+                    "{stats}"
+                );
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "{stats}");
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+        assert_eq!(vm.digest(), digest);
+    }
+    stop_and_wait(vms);
 }

@@ -46,6 +46,7 @@ fn start_kind(dir: &std::path::Path, cold: ColdConfig, kind: RamKind) -> Vm {
         pager_threads: 1,
         io_threads: 2,
         cold: Some(cold),
+        dedup: None,
     })
     .unwrap()
 }

@@ -28,6 +28,7 @@ fn options(dir: &std::path::Path, kind: RamKind, compression: bool) -> VmOptions
         pager_threads: 1,
         io_threads: 2,
         cold: None,
+        dedup: None,
     }
 }
 

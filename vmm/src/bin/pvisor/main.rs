@@ -42,10 +42,11 @@ enum Command {
     /// repeated|random|zero [seed=N], digest, touch SIZE, rewrite PERCENT [seed=N], release,
     /// task, sleep MS, idle). The first line on stdout is the VM's identity as JSON. A script
     /// ending in `idle` keeps the VM alive until `pvisor stop`.
-    Run(options::RunArgs),
+    Run(Box<options::RunArgs>),
     /// Show a VM's state.
     Status(Target),
-    /// Show what a VM costs (PSS, guest-RAM PSS, store and cgroup bytes) and its pager's counters.
+    /// Show what a VM costs (PSS, guest-RAM PSS, store and cgroup bytes), its pager's counters,
+    /// and what cold compression and KSM dedup did.
     Stats(Target),
     /// Stop a VM.
     Stop(Target),
@@ -103,7 +104,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Run(args) => run::run(args),
+        Command::Run(args) => run::run(*args),
         Command::VmProcess { spec } => run::vm_process(&spec),
         Command::Status(target) => client::simple(&target, vmm::control::Method::Status),
         Command::Stats(target) => client::simple(&target, vmm::control::Method::Stats),

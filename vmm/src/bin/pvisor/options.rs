@@ -47,9 +47,14 @@ pub struct RunArgs {
     /// of it (12.5); others stay resident and are tried again later, less and less often.
     #[arg(long = "vm-cold-min-saving", value_name = "PERCENT")]
     pub cold_min_saving: Option<f64>,
-    /// Let KSM merge identical pages across VMs (not available yet).
+    /// Let KSM merge identical pages within and across VMs: guest RAM is marked mergeable
+    /// (anon RAM only) and KSM is tuned for fast merging while any such VM runs; the host's
+    /// KSM settings come back when the last one exits. `stats` shows what was merged.
     #[arg(long = "vm-ram-dedup", num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub ram_dedup: Option<bool>,
+    /// Dedup: share of one core ksmd may use while it merges (0.5).
+    #[arg(long = "vm-dedup-cpu-budget", value_name = "SHARE")]
+    pub dedup_cpu_budget: Option<f64>,
     /// Guest RAM mapping: anon (private anonymous, default) or memfd (shared memfd).
     #[arg(long = "vm-ram-backing", value_name = "KIND")]
     pub ram_backing: Option<String>,
@@ -94,6 +99,7 @@ struct ConfigVm {
     cold_pool_cap: Option<f64>,
     cold_min_saving: Option<f64>,
     ram_dedup: Option<bool>,
+    dedup_cpu_budget: Option<f64>,
     ram_backing: Option<String>,
     ram_codec: Option<String>,
     disk: Option<PathBuf>,
@@ -120,6 +126,7 @@ pub struct Resolved {
     pub cgroup: Option<PathBuf>,
     pub pager_threads: usize,
     pub cold: Option<uffd_pager::cold::ColdConfig>,
+    pub dedup: Option<vmm::dedup::DedupOptions>,
 }
 
 fn read_config(path: &Path) -> Result<ConfigVm, String> {
@@ -174,12 +181,19 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
         .cold_ram_compression
         .or(config.cold_ram_compression)
         .unwrap_or(false);
+    let dedup = args.ram_dedup.or(config.ram_dedup).unwrap_or(false);
+    // Dedup needs private anonymous RAM, so with both it decides the default kind.
+    let default_backing = if cold && !dedup {
+        COLD_RAM_BACKING
+    } else {
+        "anon"
+    };
     let ram_backing = match args
         .ram_backing
         .clone()
         .or(config.ram_backing)
         .as_deref()
-        .unwrap_or(if cold { COLD_RAM_BACKING } else { "anon" })
+        .unwrap_or(default_backing)
     {
         "anon" => RamKind::Anon,
         "memfd" => RamKind::Memfd,
@@ -189,7 +203,6 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
             ))
         }
     };
-    let dedup = args.ram_dedup.or(config.ram_dedup).unwrap_or(false);
     if dedup && ram_backing == RamKind::Memfd {
         return Err(
             "--vm-ram-dedup needs private anonymous RAM, but --vm-ram-backing is memfd \
@@ -197,9 +210,17 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
                 .into(),
         );
     }
-    if dedup {
-        return Err("--vm-ram-dedup is not available yet".into());
+    let dedup_cpu_budget = args.dedup_cpu_budget.or(config.dedup_cpu_budget);
+    if dedup_cpu_budget.is_some_and(|s| !(s > 0.0 && s <= 1.0)) {
+        return Err("--vm-dedup-cpu-budget is a share of one core, above 0 and at most 1".into());
     }
+    let dedup = dedup.then(|| {
+        let default = vmm::dedup::DedupOptions::default();
+        vmm::dedup::DedupOptions {
+            cpu_budget: dedup_cpu_budget.unwrap_or(default.cpu_budget),
+            ..default
+        }
+    });
     let ram_codec = args
         .ram_codec
         .clone()
@@ -268,6 +289,7 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
     }
     Ok(Resolved {
         cold,
+        dedup,
         memory,
         vcpus: args.vcpus.or(config.vcpus).unwrap_or(1),
         ram_backing,

@@ -63,6 +63,7 @@ pub fn run(args: RunArgs) -> CliResult {
             pager_threads: resolved.pager_threads,
             io_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
             cold: resolved.cold,
+            dedup: resolved.dedup,
         },
         temporary_disk: resolved.disk.is_none(),
         job,
