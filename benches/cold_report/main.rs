@@ -114,6 +114,7 @@ impl Variant {
         match self.ram {
             RamKind::Anon => "anon",
             RamKind::Memfd => "memfd",
+            RamKind::Snapshot => "snapshot",
         }
     }
 

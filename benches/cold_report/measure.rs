@@ -124,6 +124,7 @@ pub fn run_vm(
         io_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
         cold: variant.cold.then_some(settings.cold),
         dedup: None,
+        restore: None,
     });
     let mut vm = match started {
         Ok(vm) => vm,

@@ -122,6 +122,7 @@ pub fn run_case(
         io_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
         cold: None,
         dedup: None,
+        restore: None,
     })?;
     let fill = format!(
         "fill {} {} seed={}; digest",

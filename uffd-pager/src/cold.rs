@@ -228,6 +228,7 @@ impl Cold {
                 && match region.spec.kind {
                     RamKind::Memfd => region.spec.memfd.is_some(),
                     RamKind::Anon => shared.track_writes,
+                    RamKind::Snapshot => false,
                 };
             if !supported {
                 return Err(ColdError::Unsupported {

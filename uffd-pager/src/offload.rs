@@ -65,6 +65,14 @@ pub enum OffloadError {
         /// The region.
         range: HostRange,
     },
+    /// A region is a private mapping of a snapshot image, which the pager does not serve.
+    #[error(
+        "region {range:?} maps a snapshot image privately: its owner offloads its private pages"
+    )]
+    Snapshot {
+        /// The region.
+        range: HostRange,
+    },
     /// The store could not be opened, written or committed; nothing was dropped.
     #[error("offload to the store failed; the VM's memory is untouched")]
     Store(#[from] StoreError),
@@ -233,6 +241,11 @@ impl Pager {
     pub fn offload(&self, config: &OffloadConfig) -> Result<OffloadReport, OffloadError> {
         let shared = self.shared().as_ref();
         for region in &shared.regions {
+            if region.spec.kind == RamKind::Snapshot {
+                return Err(OffloadError::Snapshot {
+                    range: region.spec.range,
+                });
+            }
             if !region.spec.can_offload() && shared.states.any(region.pages(), PageState::Resident)
             {
                 return Err(OffloadError::Remote {
@@ -402,6 +415,7 @@ impl Pager {
                             region.spec.memfd_offset + (start - region.first_page) * PAGE_SIZE;
                         punch_hole(memfd, offset, run.len())
                     }
+                    RamKind::Snapshot => unreachable!("refused at the start of the offload"),
                 };
                 if let Err(source) = result {
                     shared.states.set_range(start..page, PageState::Resident);

@@ -38,6 +38,11 @@ pub enum RamKind {
     Anon,
     /// A shared memfd mapping: dropped by punching holes; MINOR faults map the page cache.
     Memfd,
+    /// A private mapping of a sealed RAM image (a restored snapshot): the image's page cache
+    /// serves reads, a write makes a private copy. The kernel cannot register a private file
+    /// mapping for MISSING or MINOR faults, so the pager leaves it alone: it is not
+    /// registered and not offloaded by the pager (the VMM offloads its private pages).
+    Snapshot,
 }
 
 /// One range of guest RAM handed to the pager.
@@ -72,6 +77,7 @@ impl RegionSpec {
         match self.kind {
             RamKind::Anon => self.in_process(),
             RamKind::Memfd => self.view.is_some() && self.memfd.is_some(),
+            RamKind::Snapshot => false,
         }
     }
 }
@@ -357,6 +363,7 @@ impl Pager {
                     RamKind::Anon if config.track_writes => Mode::MISSING_WP,
                     RamKind::Anon => Mode::MISSING,
                     RamKind::Memfd => Mode::MISSING_MINOR,
+                    RamKind::Snapshot => continue,
                 };
                 // SAFETY: forwarded from the caller.
                 unsafe { uffd.register(region.range, mode)? };

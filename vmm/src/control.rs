@@ -45,6 +45,11 @@ pub enum Method {
         /// Load everything before returning.
         eager: bool,
     },
+    /// Write a sealed snapshot of the VM.
+    Snapshot {
+        /// The snapshot's directory (must not exist).
+        out: PathBuf,
+    },
     /// Stop the VM.
     Stop,
 }

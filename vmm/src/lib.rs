@@ -5,9 +5,10 @@
 //! - [`dedup`]: KSM dedup of guest RAM (`--vm-ram-dedup`).
 //! - [`guest`]: the workload guest's binary, layout, mailbox and digest.
 //! - [`machine`]: one VM: RAM, pager, vCPU, block device; runs commands.
-//! - [`memory`]: guest RAM (anon or memfd).
+//! - [`memory`]: guest RAM (anon, memfd, or a snapshot image mapped privately).
 //! - [`runtime`]: the runtime directory, job ids and identities.
 //! - [`script`]: workload scripts.
+//! - [`snapshot`]: sealed snapshots, their copy-on-write restore and private-page offload.
 //! - [`stats`]: PSS and memory-cgroup readings.
 //! - [`vm`]: a VM's lifecycle (running, paused, offloaded) and operations.
 
@@ -18,5 +19,6 @@ pub mod machine;
 pub mod memory;
 pub mod runtime;
 pub mod script;
+pub mod snapshot;
 pub mod stats;
 pub mod vm;

@@ -39,6 +39,30 @@ pub struct MachineConfig {
     pub block_size: BlockSize,
     /// Track writes to anon RAM (cold compression of anon RAM needs it).
     pub track_writes: bool,
+    /// Continue a snapshot instead of booting: RAM maps its image privately (`ram_kind` is
+    /// then `Snapshot`) and the vCPU resumes from its saved registers.
+    pub restore: Option<Restore>,
+}
+
+/// The vCPU's registers at a command boundary (the workload guest is built with general
+/// registers only, so these are all of its state).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct VcpuState {
+    /// General registers.
+    pub regs: kvm_bindings::kvm_regs,
+    /// Segment and control registers.
+    pub sregs: kvm_bindings::kvm_sregs,
+}
+
+/// What a restored machine starts from.
+#[derive(Debug, Clone)]
+pub struct Restore {
+    /// The sealed RAM image, opened read-only.
+    pub image: std::sync::Arc<File>,
+    /// The vCPU's registers.
+    pub vcpu: VcpuState,
+    /// Application data the guest had filled.
+    pub filled: u64,
 }
 
 /// Errors of a VM.
@@ -204,7 +228,19 @@ impl Machine {
                 config.vcpus
             )));
         }
-        let ram = GuestRam::new(config.memory, config.ram_kind)?;
+        let ram = match &config.restore {
+            Some(restore) => {
+                GuestRam::from_image(std::sync::Arc::clone(&restore.image), config.memory)?
+            }
+            None => GuestRam::new(config.memory, config.ram_kind)?,
+        };
+        // Snapshot RAM is served by its image's page cache, not by the pager: every page
+        // counts as resident.
+        let initial = if ram.kind() == RamKind::Snapshot {
+            PageState::Resident
+        } else {
+            PageState::Zero
+        };
         // SAFETY: the RAM mapping outlives the pager (field order of `Machine`), and every
         // access to it goes through KVM, the pager or vm-memory, all of which tolerate the
         // pager filling pages at any time.
@@ -214,7 +250,7 @@ impl Machine {
                 PagerConfig {
                     threads: config.pager_threads.max(1),
                     block_size: config.block_size,
-                    initial: PageState::Zero,
+                    initial,
                     register: true,
                     // The VMM tells the pager of every discard itself (before making it), and
                     // cold compression zaps page-table entries, which must not read as discards.
@@ -237,7 +273,9 @@ impl Machine {
                 source,
             })?;
 
-        write_boot_structures(&ram)?;
+        if config.restore.is_none() {
+            write_boot_structures(&ram)?;
+        }
 
         let kvm_fd = Kvm::new().map_err(kvm("open /dev/kvm"))?;
         let vm = kvm_fd.create_vm().map_err(kvm("create VM"))?;
@@ -268,13 +306,17 @@ impl Machine {
         sregs.cs = segment(0x1b, 11, true);
         let data = segment(0x23, 3, false);
         (sregs.ds, sregs.es, sregs.fs, sregs.gs, sregs.ss) = (data, data, data, data, data);
-        vcpu.set_sregs(&sregs).map_err(kvm("set sregs"))?;
         let regs = kvm_bindings::kvm_regs {
             rip: guest::CODE_GPA,
             rsp: guest::STACK_TOP,
             rflags: 0x3002, // IOPL 3, reserved bit 1
             ..Default::default()
         };
+        let (sregs, regs) = match &config.restore {
+            Some(restore) => (restore.vcpu.sregs, restore.vcpu.regs),
+            None => (sregs, regs),
+        };
+        vcpu.set_sregs(&sregs).map_err(kvm("set sregs"))?;
         vcpu.set_regs(&regs).map_err(kvm("set regs"))?;
 
         let mut machine = Self {
@@ -286,10 +328,12 @@ impl Machine {
             ram,
             disk,
             disk_path: config.disk.clone(),
-            filled: 0,
+            filled: config.restore.as_ref().map_or(0, |r| r.filled),
             io_buf: Vec::new(),
         };
-        machine.run_until_done()?;
+        if config.restore.is_none() {
+            machine.run_until_done()?;
+        }
         Ok(machine)
     }
 
@@ -329,6 +373,19 @@ impl Machine {
     /// Bytes of application data filled.
     pub fn app_bytes(&self) -> u64 {
         self.filled
+    }
+
+    /// The vCPU's registers (between commands: the guest waits for the next one).
+    pub fn vcpu_state(&self) -> Result<VcpuState, MachineError> {
+        Ok(VcpuState {
+            regs: self.vcpu.get_regs().map_err(kvm("get regs"))?,
+            sregs: self.vcpu.get_sregs().map_err(kvm("get sregs"))?,
+        })
+    }
+
+    /// The virtual disk's file.
+    pub fn disk(&self) -> &File {
+        &self.disk
     }
 
     /// Runs one command (host-side `sleep` and `idle` included).
@@ -526,6 +583,17 @@ impl Machine {
             RamKind::Memfd => {
                 let memfd = self.ram.memfd().expect("memfd RAM has its memfd");
                 uffd_pager::offload::punch_hole(memfd, gpa, len).map_err(fail)?;
+            }
+            RamKind::Snapshot => {
+                // SAFETY: discarding part of our own guest RAM, which the guest freed. Its
+                // private copies go; the range reads as the snapshot's bytes again (free
+                // memory has no contents the guest relies on).
+                let rc = unsafe {
+                    libc::madvise(range.start().as_ptr(), len as usize, libc::MADV_DONTNEED)
+                };
+                if rc != 0 {
+                    return Err(fail(std::io::Error::last_os_error()));
+                }
             }
         }
         Ok(())

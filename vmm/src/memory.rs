@@ -1,5 +1,7 @@
-//! Guest RAM: one mapping of the configured size, private anonymous (`anon`, the default) or
-//! a shared memfd (`memfd`), through vm-memory.
+//! Guest RAM: one mapping of the configured size, private anonymous (`anon`, the default), a
+//! shared memfd (`memfd`), or a private mapping of a sealed snapshot image (`snapshot`: the
+//! image's page cache is shared by every VM restored from it; a write makes a private copy),
+//! through vm-memory.
 
 use std::fs::File;
 use std::sync::Arc;
@@ -39,9 +41,36 @@ pub struct GuestRam {
     size: u64,
     kind: RamKind,
     memfd: Option<Arc<File>>,
+    image: Option<Arc<File>>,
 }
 
 impl GuestRam {
+    /// Maps `image` (a RAM image of exactly `size` bytes) privately: reads come from its page
+    /// cache, shared with every other mapping of it; writes stay in this process.
+    pub fn from_image(image: Arc<File>, size: u64) -> Result<Self, MemoryError> {
+        let map_err = |e: &dyn std::fmt::Display| MemoryError::Map {
+            size,
+            reason: e.to_string(),
+        };
+        let len = usize::try_from(size).map_err(|_| map_err(&"too large for this machine"))?;
+        let region = MmapRegion::build(
+            Some(FileOffset::from_arc(Arc::clone(&image), 0)),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_NORESERVE,
+        )
+        .map_err(|e| map_err(&e))?;
+        let region = GuestRegionMmap::new(region, GuestAddress(0))
+            .ok_or_else(|| map_err(&"the region does not fit the address space"))?;
+        Ok(Self {
+            memory: GuestMemoryMmap::from_regions(vec![region]).map_err(|e| map_err(&e))?,
+            size,
+            kind: RamKind::Snapshot,
+            memfd: None,
+            image: Some(image),
+        })
+    }
+
     /// Maps `size` bytes of `kind` RAM (nothing is allocated until touched).
     pub fn new(size: u64, kind: RamKind) -> Result<Self, MemoryError> {
         let len = usize::try_from(size).map_err(|_| MemoryError::Map {
@@ -57,6 +86,11 @@ impl GuestRam {
                 GuestMemoryMmap::from_ranges(&[(GuestAddress(0), len)]).map_err(|e| map_err(&e))?,
                 None,
             ),
+            RamKind::Snapshot => {
+                return Err(map_err(
+                    &"snapshot RAM is mapped from an image (GuestRam::from_image)",
+                ))
+            }
             RamKind::Memfd => {
                 let file = memfd(size)?;
                 let file = Arc::new(file);
@@ -75,6 +109,7 @@ impl GuestRam {
             size,
             kind,
             memfd,
+            image: None,
         })
     }
 
@@ -96,6 +131,11 @@ impl GuestRam {
     /// The memfd, for memfd RAM.
     pub fn memfd(&self) -> Option<&Arc<File>> {
         self.memfd.as_ref()
+    }
+
+    /// The image, for snapshot RAM.
+    pub fn image(&self) -> Option<&Arc<File>> {
+        self.image.as_ref()
     }
 
     /// Host address of guest-physical address 0.

@@ -19,6 +19,9 @@ use uffd_pager::state::StateCounts;
 use crate::dedup::{Dedup, DedupError, DedupOptions, DedupStats};
 use crate::machine::{CommandOutput, Machine, MachineConfig, MachineError};
 use crate::script::Command;
+use crate::snapshot::{
+    self, PrivateLoadReport, PrivateOffloadReport, Snapshot, SnapshotError, SnapshotReport,
+};
 use crate::stats::{self, CgroupError, MemoryCgroup};
 
 /// Everything a VM is started with.
@@ -50,6 +53,10 @@ pub struct VmOptions {
     /// KSM dedup of guest RAM (anon RAM only).
     #[serde(default)]
     pub dedup: Option<DedupOptions>,
+    /// Continue this sealed snapshot (its directory) instead of booting: RAM maps the
+    /// snapshot's image privately and `ram_backing` must be `snapshot`.
+    #[serde(default)]
+    pub restore: Option<PathBuf>,
 }
 
 /// The lifecycle state.
@@ -99,6 +106,9 @@ pub enum VmError {
     /// KSM dedup could not start.
     #[error("cannot start KSM dedup (--vm-ram-dedup)")]
     Dedup(#[from] DedupError),
+    /// A snapshot could not be written, opened, or its private pages moved.
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
 }
 
 /// What `stats` reports.
@@ -152,6 +162,9 @@ pub struct SuspendReport {
     /// The offload, when there was one (absent for a pause or an already offloaded VM).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub offload: Option<OffloadReport>,
+    /// For a VM restored from a snapshot: the offload of the pages it wrote.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub private_offload: Option<PrivateOffloadReport>,
     /// Wall time of the operation, milliseconds.
     pub elapsed_ms: f64,
 }
@@ -164,6 +177,9 @@ pub struct ResumeReport {
     /// The load, for an offloaded VM.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub load: Option<LoadReport>,
+    /// For a VM restored from a snapshot: the pages it wrote, put back.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub private_load: Option<PrivateLoadReport>,
     /// Wall time of the operation, milliseconds.
     pub elapsed_ms: f64,
 }
@@ -204,6 +220,26 @@ impl Vm {
             .as_deref()
             .map(MemoryCgroup::join)
             .transpose()?;
+        let restore = match &options.restore {
+            Some(dir) => {
+                // The cheap checks first, then every byte against the seal.
+                let memory = snapshot::read_manifest(dir)?.memory;
+                if memory != options.memory || options.ram_backing != RamKind::Snapshot {
+                    return Err(VmError::State(format!(
+                        "the snapshot at {} has {memory} bytes of RAM: restore it with that \
+                         size and snapshot RAM",
+                        dir.display()
+                    )));
+                }
+                Some(Snapshot::open(dir)?.restore(&options.disk)?)
+            }
+            None if options.ram_backing == RamKind::Snapshot => {
+                return Err(VmError::State(
+                    "snapshot RAM needs a snapshot to restore".into(),
+                ))
+            }
+            None => None,
+        };
         let fault_errors = Arc::new(AtomicU64::new(0));
         let counter = Arc::clone(&fault_errors);
         let machine = Machine::boot(
@@ -215,6 +251,7 @@ impl Vm {
                 pager_threads: options.pager_threads,
                 block_size: BlockSize::default(),
                 track_writes: options.cold.is_some() && options.ram_backing == RamKind::Anon,
+                restore,
             },
             Box::new(move |e| {
                 counter.fetch_add(1, Ordering::Relaxed);
@@ -333,6 +370,7 @@ impl Vm {
         let report = |state, offload| SuspendReport {
             state,
             offload,
+            private_offload: None,
             elapsed_ms: started.elapsed().as_secs_f64() * 1e3,
         };
         if !offload || self.state == VmState::Offloaded {
@@ -348,6 +386,26 @@ impl Vm {
         } else {
             Codec::None
         };
+        if self.options.ram_backing == RamKind::Snapshot {
+            let result = snapshot::offload_private(
+                self.machine.ram(),
+                &self.options.store_dir,
+                CodecConfig::new(codec),
+            );
+            return match result {
+                Ok(done) => {
+                    let _ = self.machine.drop_disk_cache();
+                    self.state = VmState::Offloaded;
+                    let mut out = report(self.state, None);
+                    out.private_offload = Some(done);
+                    Ok(out)
+                }
+                Err(e) => {
+                    self.state = previous;
+                    Err(e.into())
+                }
+            };
+        }
         let config = OffloadConfig {
             dir: self.options.store_dir.clone(),
             codec: CodecConfig::new(codec),
@@ -385,6 +443,7 @@ impl Vm {
                 view.close();
             }
         }
+        let mut private_load = None;
         let load = match self.state {
             VmState::Running => {
                 return Err(VmError::State(
@@ -392,6 +451,15 @@ impl Vm {
                 ))
             }
             VmState::Paused => None,
+            // The pages a restored VM wrote come back before its vCPU runs (userfaultfd cannot
+            // serve a private file mapping lazily).
+            VmState::Offloaded if self.options.ram_backing == RamKind::Snapshot => {
+                private_load = Some(snapshot::load_private(
+                    self.machine.ram(),
+                    &self.options.store_dir,
+                )?);
+                None
+            }
             VmState::Offloaded => {
                 let mode = if eager {
                     LoadMode::Eager
@@ -410,8 +478,20 @@ impl Vm {
         Ok(ResumeReport {
             state: self.state,
             load,
+            private_load,
             elapsed_ms: started.elapsed().as_secs_f64() * 1e3,
         })
+    }
+
+    /// Writes a sealed snapshot of the VM to `out` (which must not exist). The VM must not be
+    /// offloaded; it goes on as it was.
+    pub fn snapshot(&self, out: &Path) -> Result<SnapshotReport, VmError> {
+        if self.state == VmState::Offloaded {
+            return Err(VmError::State(
+                "the VM is offloaded: resume it before taking a snapshot".into(),
+            ));
+        }
+        Ok(snapshot::write(&self.machine, self.options.vcpus, out)?)
     }
 
     /// What the VM costs and how its pager is doing.

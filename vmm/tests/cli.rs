@@ -688,3 +688,91 @@ fn cli_dedup_with_cold_compression_merges_and_compresses() {
     }
     stop_and_wait(vms);
 }
+
+#[test]
+fn cli_snapshot_restores_continue_share_and_offload() {
+    if skip() {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    let r = runtime.path();
+    let origin = Detached::start(r, &[], "fill 64MiB random seed=31; idle");
+    let digest = origin.digest();
+    let snap = r.join("snap");
+    let snap_arg = snap.to_str().unwrap();
+    let report = origin.call("snapshot", &["--out", snap_arg]);
+    assert!(
+        report["ram_data_bytes"].as_u64().unwrap() >= 64 << 20,
+        "{report}"
+    );
+    drop(origin);
+    let restored: Vec<Detached> = (0..2)
+        .map(|_| Detached::start(r, &["--restore", snap_arg], "idle"))
+        .collect();
+    for vm in &restored {
+        assert_eq!(vm.digest(), digest);
+    }
+    for vm in &restored {
+        let stats = vm.stats();
+        // Two mappings of the image: each pays about half of the 64 MiB.
+        assert!(
+            stats["guest_ram_pss_bytes"].as_u64().unwrap() < 48 << 20,
+            "{stats}"
+        );
+    }
+    restored[0].exec("rewrite 50 seed=4");
+    let written = restored[0].digest();
+    assert_ne!(written, digest);
+    assert_eq!(restored[1].digest(), digest);
+    let suspended = restored[0].call("suspend", &["--vm-offload"]);
+    assert!(
+        suspended["private_offload"]["private_pages"]
+            .as_u64()
+            .unwrap()
+            >= 8000,
+        "{suspended}"
+    );
+    restored[0].call("resume", &[]);
+    assert_eq!(restored[0].digest(), written);
+    // What a restore refuses.
+    let err = fails(
+        r,
+        &[
+            "run",
+            "--restore",
+            snap_arg,
+            "--memory",
+            "256MiB",
+            "--",
+            "idle",
+        ],
+    );
+    assert!(err.contains("keeps its RAM size"), "{err}");
+    let err = fails(
+        r,
+        &[
+            "run",
+            "--restore",
+            snap_arg,
+            "--vm-ram-backing",
+            "anon",
+            "--",
+            "idle",
+        ],
+    );
+    assert!(err.contains("cannot be used with --restore"), "{err}");
+    let err = fails(r, &["run", "--restore", r.to_str().unwrap(), "--", "idle"]);
+    assert!(err.contains("not a snapshot"), "{err}");
+    let err = fails(
+        r,
+        &[
+            "run",
+            "--restore",
+            snap_arg,
+            "--vm-cold-ram-compression",
+            "--",
+            "idle",
+        ],
+    );
+    assert!(err.contains("not on a restored"), "{err}");
+}

@@ -47,6 +47,7 @@ fn start_kind(dir: &std::path::Path, cold: ColdConfig, kind: RamKind) -> Vm {
         io_threads: 2,
         cold: Some(cold),
         dedup: None,
+        restore: None,
     })
     .unwrap()
 }

@@ -25,6 +25,7 @@ fn boot(dir: &std::path::Path, memory: u64, kind: RamKind) -> Machine {
             pager_threads: 1,
             block_size: BlockSize::default(),
             track_writes: false,
+            restore: None,
         },
         Box::new(|e| panic!("fault error: {e}")),
     )

@@ -29,6 +29,7 @@ fn options(dir: &std::path::Path, kind: RamKind, compression: bool) -> VmOptions
         io_threads: 2,
         cold: None,
         dedup: None,
+        restore: None,
     }
 }
 

@@ -1,4 +1,4 @@
-//! The control commands: status, stats, stop, exec, suspend, resume.
+//! The control commands: status, stats, stop, exec, suspend, resume, snapshot.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -66,5 +66,12 @@ pub fn suspend(target: &Target, offload: bool, ram_file: Option<&Path>) -> CliRe
 
 pub fn resume(target: &Target, eager: bool) -> CliResult {
     print(&call(target, Method::Resume { eager })?);
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn snapshot(target: &Target, out: &Path) -> CliResult {
+    // The VM process resolves the path: make it absolute here, where it was meant.
+    let out = std::path::absolute(out)?;
+    print(&call(target, Method::Snapshot { out })?);
     Ok(ExitCode::SUCCESS)
 }

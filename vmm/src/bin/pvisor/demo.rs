@@ -86,6 +86,7 @@ fn rows(args: &DemoArgs, dir: &std::path::Path) -> Result<Vec<Row>, Box<dyn std:
                 io_threads: 2,
                 cold: None,
                 dedup: None,
+                restore: None,
             })?;
             let fill = format!("fill {} {content} seed=1; digest", args.app);
             let out = vm.exec(&script::parse(&fill)?)?;

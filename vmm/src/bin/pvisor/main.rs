@@ -89,6 +89,16 @@ enum Command {
         #[arg(long)]
         eager: bool,
     },
+    /// Write a sealed snapshot of a VM (RAM image, vCPU and disk; read-only, checksummed) to
+    /// a new directory; the VM goes on. `pvisor run --restore DIR` continues it, as many times
+    /// as wanted, sharing the image's memory copy-on-write.
+    Snapshot {
+        #[command(flatten)]
+        target: Target,
+        /// The snapshot's directory (must not exist).
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+    },
     /// Boot a 512 MiB VM, fill 64 MiB, and print its resident memory as it is, after an
     /// offload and after a compressed offload, with the digest checked after each resume.
     Demo(demo::DemoArgs),
@@ -117,6 +127,7 @@ fn main() -> ExitCode {
             ..
         } => client::suspend(&target, offload, ram_file.as_deref()),
         Command::Resume { target, eager, .. } => client::resume(&target, eager),
+        Command::Snapshot { target, out } => client::snapshot(&target, &out),
         Command::Demo(args) => demo::demo(&args),
     };
     match result {

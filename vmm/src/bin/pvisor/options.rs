@@ -55,6 +55,12 @@ pub struct RunArgs {
     /// Dedup: share of one core ksmd may use while it merges (0.5).
     #[arg(long = "vm-dedup-cpu-budget", value_name = "SHARE")]
     pub dedup_cpu_budget: Option<f64>,
+    /// Continue a sealed snapshot (`pvisor snapshot JOB --out DIR`) instead of booting: guest
+    /// RAM maps the snapshot's image privately, so every VM restored from it shares the
+    /// image's page cache and pays only for the pages it writes. RAM size and contents, the
+    /// vCPU and the disk come from the snapshot; the script runs after it.
+    #[arg(long, value_name = "DIR")]
+    pub restore: Option<PathBuf>,
     /// Guest RAM mapping: anon (private anonymous, default) or memfd (shared memfd).
     #[arg(long = "vm-ram-backing", value_name = "KIND")]
     pub ram_backing: Option<String>,
@@ -102,6 +108,7 @@ struct ConfigVm {
     dedup_cpu_budget: Option<f64>,
     ram_backing: Option<String>,
     ram_codec: Option<String>,
+    restore: Option<PathBuf>,
     disk: Option<PathBuf>,
     cgroup: Option<PathBuf>,
     pager_threads: Option<usize>,
@@ -127,6 +134,7 @@ pub struct Resolved {
     pub pager_threads: usize,
     pub cold: Option<uffd_pager::cold::ColdConfig>,
     pub dedup: Option<vmm::dedup::DedupOptions>,
+    pub restore: Option<PathBuf>,
 }
 
 fn read_config(path: &Path) -> Result<ConfigVm, String> {
@@ -166,6 +174,18 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
             "executor `{executor}` is not available; only `vm` is"
         ));
     }
+    let restore = args
+        .restore
+        .clone()
+        .or(config.restore)
+        .map(std::path::absolute)
+        .transpose()
+        .map_err(|e| format!("--restore: {e}"))?;
+    let snapshot = restore
+        .as_deref()
+        .map(vmm::snapshot::read_manifest)
+        .transpose()
+        .map_err(|e| format!("--restore: {}", compressed_backing::store::error_chain(&e)))?;
     let memory = match (args.memory, config.memory) {
         (Some(bytes), _) => bytes,
         (None, Some(toml::Value::String(text))) => {
@@ -175,8 +195,17 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
             u64::try_from(bytes).map_err(|_| format!("config memory: {bytes} is negative"))?
         }
         (None, Some(other)) => return Err(format!("config memory: `{other}` is not a size")),
-        (None, None) => 512 << 20,
+        (None, None) => snapshot.as_ref().map_or(512 << 20, |s| s.memory),
     };
+    if let Some(manifest) = &snapshot {
+        if memory != manifest.memory {
+            return Err(format!(
+                "--memory {} differs from the snapshot's {}: a restored VM keeps its RAM size",
+                format_bytes(memory),
+                format_bytes(manifest.memory)
+            ));
+        }
+    }
     let cold = args
         .cold_ram_compression
         .or(config.cold_ram_compression)
@@ -188,21 +217,44 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
     } else {
         "anon"
     };
-    let ram_backing = match args
-        .ram_backing
-        .clone()
-        .or(config.ram_backing)
-        .as_deref()
-        .unwrap_or(default_backing)
-    {
-        "anon" => RamKind::Anon,
-        "memfd" => RamKind::Memfd,
-        other => {
+    let backing = args.ram_backing.clone().or(config.ram_backing);
+    let ram_backing = match (backing.as_deref(), &restore) {
+        (None, Some(_)) => RamKind::Snapshot,
+        (Some(other), Some(_)) => {
+            return Err(format!(
+                "--vm-ram-backing {other} cannot be used with --restore: a restored VM maps the \
+                 snapshot's image privately"
+            ))
+        }
+        (Some("anon"), None) => RamKind::Anon,
+        (Some("memfd"), None) => RamKind::Memfd,
+        (None, None) => match default_backing {
+            "memfd" => RamKind::Memfd,
+            _ => RamKind::Anon,
+        },
+        (Some(other), None) => {
             return Err(format!(
                 "--vm-ram-backing `{other}`: expected anon or memfd"
             ))
         }
     };
+    let disk = args.disk.clone().or(config.disk);
+    if let (Some(disk), Some(_)) = (&disk, &restore) {
+        if disk.exists() {
+            return Err(format!(
+                "--disk {} exists: a restored VM gets its own copy of the snapshot's disk, \
+                 written to a new file",
+                disk.display()
+            ));
+        }
+    }
+    if cold && restore.is_some() {
+        return Err(
+            "--vm-cold-ram-compression works on anon and memfd RAM, not on a restored \
+             snapshot's RAM"
+                .into(),
+        );
+    }
     if dedup && ram_backing == RamKind::Memfd {
         return Err(
             "--vm-ram-dedup needs private anonymous RAM, but --vm-ram-backing is memfd \
@@ -290,6 +342,7 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
     Ok(Resolved {
         cold,
         dedup,
+        restore,
         memory,
         vcpus: args.vcpus.or(config.vcpus).unwrap_or(1),
         ram_backing,
@@ -298,7 +351,7 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
             .or(config.ram_compression)
             .unwrap_or(false),
         ram_codec,
-        disk: args.disk.clone().or(config.disk),
+        disk,
         cgroup: args.cgroup.clone().or(config.cgroup),
         pager_threads: args.pager_threads.or(config.pager_threads).unwrap_or(1),
     })

@@ -64,6 +64,7 @@ pub fn run(args: RunArgs) -> CliResult {
             io_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
             cold: resolved.cold,
             dedup: resolved.dedup,
+            restore: resolved.restore.clone(),
         },
         temporary_disk: resolved.disk.is_none(),
         job,
@@ -217,6 +218,9 @@ fn handle(
         )),
         Method::Resume { eager } => json(serde_json::to_value(
             vm.resume(eager).map_err(|e| crate::error_chain(&e))?,
+        )),
+        Method::Snapshot { out } => json(serde_json::to_value(
+            vm.snapshot(&out).map_err(|e| crate::error_chain(&e))?,
         )),
         Method::Stop => Ok(serde_json::json!({ "stopped": true })),
     }

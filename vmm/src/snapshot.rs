@@ -1,0 +1,524 @@
+//! Sealed snapshots and their copy-on-write restore.
+//!
+//! `pvisor snapshot JOB --out DIR` writes, between two commands of the VM:
+//! - `ram.img`: guest RAM as a raw sparse file (zero blocks are holes), the image that restored
+//!   VMs map `MAP_PRIVATE`: N VMs share its page cache and pay only for the pages they write;
+//! - `disk.img`: a copy of the virtual disk (each restored VM gets its own copy);
+//! - `manifest.json`: the format, RAM size, the vCPU's registers, the guest's application
+//!   bytes, and an xxh3-128 digest and size of each file.
+//!
+//! It is built in `DIR.partial-PID` and renamed into place once every file is written and
+//! synced; then the files are made read-only (0444) and the directory 0555: sealed. A restore
+//! checks every digest before it maps anything, so a changed or truncated image is refused
+//! rather than run.
+//!
+//! A restored VM's RAM is a private file mapping, which userfaultfd cannot register; so its
+//! offload is done here: the pages it has written (present and not file-backed, from
+//! `/proc/self/pagemap`) go to a store of 4 KiB blocks, then are dropped, which shows the
+//! image's bytes again; resume writes them back before the vCPU runs.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::unix::fs::{FileExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use compressed_backing::store::{DiskStore, StoreConfig, StoreError};
+use compressed_backing::{BlockSize, CodecConfig};
+use uffd_pager::state::PageState;
+use vm_memory::{Bytes, GuestAddress};
+
+use crate::machine::{Machine, MachineError, Restore, VcpuState};
+use crate::memory::GuestRam;
+
+/// The manifest format this build writes and reads.
+pub const FORMAT: u32 = 1;
+const RAM: &str = "ram.img";
+const DISK: &str = "disk.img";
+const MANIFEST: &str = "manifest.json";
+/// Bytes read or written at a time.
+const CHUNK: usize = 1 << 20;
+const PAGE: u64 = 4096;
+
+/// Errors of snapshots.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    /// The output exists already.
+    #[error("{0} exists already: a snapshot is never written over")]
+    Exists(PathBuf),
+    /// A file operation failed.
+    #[error("cannot {op} {path}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The system error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The VM's state could not be read.
+    #[error("cannot read the VM's state")]
+    Machine(#[from] MachineError),
+    /// Guest memory could not be read or written.
+    #[error("guest memory at {gpa:#x}: {reason}")]
+    GuestMemory {
+        /// Guest-physical address.
+        gpa: u64,
+        /// vm-memory's complaint.
+        reason: String,
+    },
+    /// The manifest is missing, unreadable or of another format.
+    #[error("{path} is not a snapshot this build can restore: {reason}")]
+    Manifest {
+        /// The manifest.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// A file's bytes are not what the manifest sealed.
+    #[error("{path} does not match its seal ({what}): the snapshot was changed or damaged")]
+    Seal {
+        /// The file.
+        path: PathBuf,
+        /// What differs.
+        what: String,
+    },
+    /// The private pages' store failed.
+    #[error("the store of the VM's private pages")]
+    Store(#[from] StoreError),
+}
+
+fn io(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> SnapshotError {
+    let path = path.to_path_buf();
+    move |source| SnapshotError::Io { op, path, source }
+}
+
+/// A file of the snapshot as sealed.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SealedFile {
+    /// Its name in the directory.
+    pub name: String,
+    /// Its size, bytes.
+    pub bytes: u64,
+    /// xxh3-128 of its bytes, hex.
+    pub xxh3_128: String,
+}
+
+/// `manifest.json`.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Manifest {
+    /// [`FORMAT`].
+    pub format: u32,
+    /// Bytes of guest RAM.
+    pub memory: u64,
+    /// vCPUs.
+    pub vcpus: u32,
+    /// Application data the guest had filled.
+    pub app_bytes: u64,
+    /// The vCPU's registers.
+    pub vcpu: VcpuState,
+    /// The RAM image.
+    pub ram: SealedFile,
+    /// The virtual disk.
+    pub disk: SealedFile,
+    /// Seconds since the epoch when it was taken.
+    pub created_unix_s: u64,
+}
+
+/// What `snapshot` wrote.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SnapshotReport {
+    /// The snapshot's directory.
+    pub dir: PathBuf,
+    /// Bytes of RAM written (non-zero blocks).
+    pub ram_data_bytes: u64,
+    /// Bytes of the disk copy.
+    pub disk_bytes: u64,
+    /// Wall time, milliseconds.
+    pub elapsed_ms: f64,
+}
+
+/// Streams bytes into an xxh3-128 digest and counts them.
+struct Digest {
+    hasher: xxhash_rust::xxh3::Xxh3,
+    bytes: u64,
+}
+
+impl Digest {
+    fn new() -> Self {
+        Self {
+            hasher: xxhash_rust::xxh3::Xxh3::new(),
+            bytes: 0,
+        }
+    }
+
+    fn update(&mut self, data: &[u8]) {
+        self.hasher.update(data);
+        self.bytes += data.len() as u64;
+    }
+
+    fn seal(self, name: &str) -> SealedFile {
+        SealedFile {
+            name: name.to_owned(),
+            bytes: self.bytes,
+            xxh3_128: format!("{:032x}", self.hasher.digest128()),
+        }
+    }
+}
+
+/// Writes a sealed snapshot of `machine` (between commands) to `out`, which must not exist.
+pub fn write(machine: &Machine, vcpus: u32, out: &Path) -> Result<SnapshotReport, SnapshotError> {
+    let started = Instant::now();
+    if std::fs::symlink_metadata(out).is_ok() {
+        return Err(SnapshotError::Exists(out.to_path_buf()));
+    }
+    let partial = out.with_extension(format!("partial-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&partial);
+    std::fs::create_dir_all(&partial).map_err(io("create", &partial))?;
+    let result = write_into(machine, vcpus, &partial).and_then(|(ram_data_bytes, disk_bytes)| {
+        seal(&partial)?;
+        std::fs::rename(&partial, out).map_err(io("rename into place", out))?;
+        if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
+            File::open(parent)
+                .and_then(|d| d.sync_all())
+                .map_err(io("sync", parent))?;
+        }
+        Ok((ram_data_bytes, disk_bytes))
+    });
+    match result {
+        Ok((ram_data_bytes, disk_bytes)) => Ok(SnapshotReport {
+            dir: out.to_path_buf(),
+            ram_data_bytes,
+            disk_bytes,
+            elapsed_ms: started.elapsed().as_secs_f64() * 1e3,
+        }),
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&partial);
+            Err(e)
+        }
+    }
+}
+
+/// Writes the three files into `dir`; returns the RAM data bytes and the disk bytes.
+fn write_into(machine: &Machine, vcpus: u32, dir: &Path) -> Result<(u64, u64), SnapshotError> {
+    let ram = machine.ram();
+    let (ram_seal, ram_data_bytes) = write_ram(machine, &dir.join(RAM))?;
+    machine
+        .disk()
+        .sync_data()
+        .map_err(io("sync", machine.disk_path()))?;
+    let disk_seal = copy_sealed(machine.disk_path(), &dir.join(DISK))?;
+    let manifest = Manifest {
+        format: FORMAT,
+        memory: ram.size(),
+        vcpus,
+        app_bytes: machine.app_bytes(),
+        vcpu: machine.vcpu_state()?,
+        disk: disk_seal.clone(),
+        ram: ram_seal,
+        created_unix_s: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+    };
+    let path = dir.join(MANIFEST);
+    let text = serde_json::to_vec_pretty(&manifest).expect("the manifest serializes");
+    let mut file = File::create(&path).map_err(io("create", &path))?;
+    file.write_all(&text).map_err(io("write", &path))?;
+    file.sync_all().map_err(io("sync", &path))?;
+    Ok((ram_data_bytes, disk_seal.bytes))
+}
+
+/// Guest RAM into a sparse file: blocks the pager knows to be zero, and blocks whose bytes
+/// are all zero, stay holes.
+fn write_ram(machine: &Machine, path: &Path) -> Result<(SealedFile, u64), SnapshotError> {
+    let ram = machine.ram();
+    let file = File::create(path).map_err(io("create", path))?;
+    file.set_len(ram.size()).map_err(io("size", path))?;
+    let mut digest = Digest::new();
+    let mut buf = vec![0u8; CHUNK];
+    let zeros = vec![0u8; CHUNK];
+    let mut data_bytes = 0;
+    let mut gpa = 0;
+    while gpa < ram.size() {
+        let len = (ram.size() - gpa).min(CHUNK as u64);
+        let chunk = &mut buf[..usize::try_from(len).expect("a chunk")];
+        let untouched = (gpa / PAGE..(gpa + len) / PAGE)
+            .all(|p| machine.pager().page_state(p * PAGE) == PageState::Zero);
+        if untouched {
+            digest.update(&zeros[..chunk.len()]);
+        } else {
+            ram.memory()
+                .read_slice(chunk, GuestAddress(gpa))
+                .map_err(|e| SnapshotError::GuestMemory {
+                    gpa,
+                    reason: e.to_string(),
+                })?;
+            digest.update(chunk);
+            // Only pages with data are written; the rest stay holes.
+            for (i, page) in chunk.chunks(PAGE as usize).enumerate() {
+                if page.iter().any(|&b| b != 0) {
+                    let at = gpa + i as u64 * PAGE;
+                    file.write_all_at(page, at).map_err(io("write", path))?;
+                    data_bytes += PAGE;
+                }
+            }
+        }
+        gpa += len;
+    }
+    file.sync_all().map_err(io("sync", path))?;
+    Ok((digest.seal(RAM), data_bytes))
+}
+
+/// Copies `from` to `to` (holes stay holes where the file system allows), with its seal.
+fn copy_sealed(from: &Path, to: &Path) -> Result<SealedFile, SnapshotError> {
+    std::fs::copy(from, to).map_err(io("copy", from))?;
+    File::open(to)
+        .and_then(|f| f.sync_all())
+        .map_err(io("sync", to))?;
+    digest_file(to, DISK)
+}
+
+fn digest_file(path: &Path, name: &str) -> Result<SealedFile, SnapshotError> {
+    let mut file = File::open(path).map_err(io("open", path))?;
+    let mut digest = Digest::new();
+    let mut buf = vec![0u8; CHUNK];
+    loop {
+        let n = file.read(&mut buf).map_err(io("read", path))?;
+        if n == 0 {
+            break;
+        }
+        digest.update(&buf[..n]);
+    }
+    Ok(digest.seal(name))
+}
+
+/// Makes the files read-only and the directory unwritable.
+fn seal(dir: &Path) -> Result<(), SnapshotError> {
+    for name in [RAM, DISK, MANIFEST] {
+        let path = dir.join(name);
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o444))
+            .map_err(io("seal", &path))?;
+    }
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io("sync", dir))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o555)).map_err(io("seal", dir))
+}
+
+/// Reads a snapshot's manifest without checking its files (see [`Snapshot::open`]).
+pub fn read_manifest(dir: &Path) -> Result<Manifest, SnapshotError> {
+    let path = dir.join(MANIFEST);
+    let bad = |reason: String| SnapshotError::Manifest {
+        path: path.clone(),
+        reason,
+    };
+    let text = std::fs::read(&path).map_err(|e| bad(e.to_string()))?;
+    let manifest: Manifest = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
+    if manifest.format != FORMAT {
+        return Err(bad(format!(
+            "format {} (this build reads {FORMAT})",
+            manifest.format
+        )));
+    }
+    if manifest.ram.bytes != manifest.memory {
+        return Err(bad("the RAM image's size is not the RAM size".into()));
+    }
+    Ok(manifest)
+}
+
+/// A snapshot whose seal has been checked.
+#[derive(Debug)]
+pub struct Snapshot {
+    dir: PathBuf,
+    manifest: Manifest,
+    image: Arc<File>,
+}
+
+impl Snapshot {
+    /// Opens `dir` and checks every file against the manifest's digests.
+    pub fn open(dir: &Path) -> Result<Self, SnapshotError> {
+        let manifest = read_manifest(dir)?;
+        for sealed in [&manifest.ram, &manifest.disk] {
+            let file = dir.join(&sealed.name);
+            let found = digest_file(&file, &sealed.name)?;
+            if found.bytes != sealed.bytes {
+                return Err(SnapshotError::Seal {
+                    path: file,
+                    what: format!("{} bytes, sealed with {}", found.bytes, sealed.bytes),
+                });
+            }
+            if found.xxh3_128 != sealed.xxh3_128 {
+                return Err(SnapshotError::Seal {
+                    path: file,
+                    what: format!("xxh3-128 {}, sealed as {}", found.xxh3_128, sealed.xxh3_128),
+                });
+            }
+        }
+        let ram_path = dir.join(RAM);
+        let image = File::open(&ram_path).map_err(io("open", &ram_path))?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            manifest,
+            image: Arc::new(image),
+        })
+    }
+
+    /// The manifest.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// Gives a VM its own copy of the disk at `disk` and what its machine restores from.
+    pub fn restore(&self, disk: &Path) -> Result<Restore, SnapshotError> {
+        let from = self.dir.join(DISK);
+        std::fs::copy(&from, disk).map_err(io("copy", &from))?;
+        std::fs::set_permissions(disk, std::fs::Permissions::from_mode(0o600))
+            .map_err(io("make writable", disk))?;
+        Ok(Restore {
+            image: Arc::clone(&self.image),
+            vcpu: self.manifest.vcpu.clone(),
+            filled: self.manifest.app_bytes,
+        })
+    }
+}
+
+/// What offloading a restored VM's private pages did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PrivateOffloadReport {
+    /// Pages the VM had written since the restore (its private copies).
+    pub private_pages: u64,
+    /// Bytes the store holds for them.
+    pub stored_bytes: u64,
+    /// Wall time, milliseconds.
+    pub elapsed_ms: f64,
+}
+
+/// What bringing them back did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PrivateLoadReport {
+    /// Pages written back.
+    pub pages: u64,
+    /// Wall time, milliseconds.
+    pub elapsed_ms: f64,
+}
+
+/// The guest-RAM pages this process has written since the restore: present in the mapping
+/// and not backed by the image's page cache (`/proc/self/pagemap`: bit 63 present, bit 61
+/// file or shared).
+pub fn private_pages(ram: &GuestRam) -> Result<Vec<u64>, SnapshotError> {
+    let path = Path::new("/proc/self/pagemap");
+    let pagemap = File::open(path).map_err(io("open", path))?;
+    let pages = ram.size() / PAGE;
+    let first = ram.host_base().0 / PAGE;
+    let mut entries = vec![0u8; 8 * 4096];
+    let mut out = Vec::new();
+    let mut page = 0;
+    while page < pages {
+        let count = (pages - page).min(4096);
+        let want = usize::try_from(count * 8).expect("a batch");
+        pagemap
+            .read_exact_at(&mut entries[..want], (first + page) * 8)
+            .map_err(io("read", path))?;
+        for (i, entry) in entries[..want].chunks_exact(8).enumerate() {
+            let entry = u64::from_le_bytes(entry.try_into().expect("8 bytes"));
+            if entry >> 63 == 1 && (entry >> 61) & 1 == 0 {
+                out.push(page + i as u64);
+            }
+        }
+        page += count;
+    }
+    Ok(out)
+}
+
+/// Writes the private pages of a paused restored VM to a fresh store in `dir`, makes it
+/// durable, then drops them (the image's bytes show again until [`load_private`]).
+pub fn offload_private(
+    ram: &GuestRam,
+    dir: &Path,
+    codec: CodecConfig,
+) -> Result<PrivateOffloadReport, SnapshotError> {
+    let started = Instant::now();
+    let pages = private_pages(ram)?;
+    let _ = std::fs::remove_dir_all(dir);
+    let mut store = DiskStore::create(
+        dir,
+        StoreConfig {
+            block_size: BlockSize::new(PAGE).expect("4 KiB is a block size"),
+            codec,
+            image_size: ram.size(),
+        },
+    )?;
+    let mut buf = vec![0u8; PAGE as usize];
+    for &page in &pages {
+        let gpa = page * PAGE;
+        ram.memory()
+            .read_slice(&mut buf, GuestAddress(gpa))
+            .map_err(|e| SnapshotError::GuestMemory {
+                gpa,
+                reason: e.to_string(),
+            })?;
+        store.put(page, &buf)?;
+    }
+    store.commit()?;
+    let stored_bytes = store.stats().stored_bytes;
+    // Durable: now the private copies can go, a run at a time.
+    let mut i = 0;
+    while i < pages.len() {
+        let start = pages[i];
+        let mut end = start + 1;
+        while i + 1 < pages.len() && pages[i + 1] == end {
+            i += 1;
+            end += 1;
+        }
+        i += 1;
+        let range = ram
+            .host_range(start * PAGE, (end - start) * PAGE)
+            .expect("pages of RAM");
+        // SAFETY: our own guest RAM, paused; its private bytes are durable in the store and
+        // `load_private` writes them back before the vCPU runs again.
+        let rc = unsafe {
+            libc::madvise(
+                range.start().as_ptr(),
+                usize::try_from(range.len()).expect("a RAM range"),
+                libc::MADV_DONTNEED,
+            )
+        };
+        if rc != 0 {
+            return Err(io("drop", dir)(std::io::Error::last_os_error()));
+        }
+    }
+    Ok(PrivateOffloadReport {
+        private_pages: pages.len() as u64,
+        stored_bytes,
+        elapsed_ms: started.elapsed().as_secs_f64() * 1e3,
+    })
+}
+
+/// Writes the pages [`offload_private`] stored back into RAM, then removes the store.
+pub fn load_private(ram: &GuestRam, dir: &Path) -> Result<PrivateLoadReport, SnapshotError> {
+    let started = Instant::now();
+    let store = DiskStore::open(dir)?;
+    let mut buf = vec![0u8; PAGE as usize];
+    let mut pages = 0;
+    for block in 0..store.blocks() {
+        if store.get(block, &mut buf)?.is_none() {
+            continue;
+        }
+        let gpa = block * PAGE;
+        ram.memory()
+            .write_slice(&buf, GuestAddress(gpa))
+            .map_err(|e| SnapshotError::GuestMemory {
+                gpa,
+                reason: e.to_string(),
+            })?;
+        pages += 1;
+    }
+    drop(store);
+    std::fs::remove_dir_all(dir).map_err(io("remove", dir))?;
+    Ok(PrivateLoadReport {
+        pages,
+        elapsed_ms: started.elapsed().as_secs_f64() * 1e3,
+    })
+}

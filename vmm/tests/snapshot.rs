@@ -1,0 +1,218 @@
+//! Sealed snapshots with a real vCPU: restores continue exactly where the snapshot was taken,
+//! share the image's memory and keep their writes apart; a restored VM offloads only what it
+//! wrote; a changed snapshot is refused.
+
+// Test code: a failed setup step should stop the test on the spot.
+#![allow(clippy::unwrap_used)]
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::time::Duration;
+
+use uffd_pager::cold::ColdConfig;
+use uffd_pager::pager::RamKind;
+use vmm::script;
+use vmm::vm::{Vm, VmError, VmOptions};
+
+const MEMORY: u64 = 256 << 20;
+const MIB: u64 = 1 << 20;
+
+fn skip() -> bool {
+    testkit::skip_unless(&["/dev/kvm", "/dev/userfaultfd"])
+}
+
+fn options(dir: &Path, name: &str, kind: RamKind, restore: Option<&Path>) -> VmOptions {
+    VmOptions {
+        memory: MEMORY,
+        vcpus: 1,
+        ram_backing: kind,
+        ram_compression: true,
+        ram_codec: "lz4".into(),
+        disk: dir.join(format!("{name}.disk")),
+        store_dir: dir.join(format!("{name}.ram")),
+        cgroup: None,
+        pager_threads: 1,
+        io_threads: 2,
+        cold: None,
+        dedup: None,
+        restore: restore.map(Path::to_path_buf),
+    }
+}
+
+fn restore(dir: &Path, name: &str, snapshot: &Path) -> Vm {
+    Vm::start(options(dir, name, RamKind::Snapshot, Some(snapshot))).unwrap()
+}
+
+fn exec(vm: &mut Vm, text: &str) -> Vec<vmm::machine::CommandOutput> {
+    vm.exec(&script::parse(text).unwrap()).unwrap()
+}
+
+fn digest(vm: &mut Vm) -> String {
+    exec(vm, "digest")[0].digest.clone().unwrap()
+}
+
+#[test]
+fn snapshot_restores_continue_share_the_image_and_keep_writes_apart() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut origin = Vm::start(options(dir.path(), "origin", RamKind::Anon, None)).unwrap();
+    exec(&mut origin, "fill 64MiB random seed=21; task");
+    let sealed_digest = digest(&mut origin);
+    let snap = dir.path().join("snap");
+    let report = origin.snapshot(&snap).unwrap();
+    assert!(report.ram_data_bytes >= 64 * MIB, "{report:?}");
+    // Sealed: read-only files in a read-only directory; never written over.
+    for name in ["ram.img", "disk.img", "manifest.json"] {
+        let mode = std::fs::metadata(snap.join(name))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o444, "{name}");
+    }
+    assert_eq!(
+        std::fs::metadata(&snap).unwrap().permissions().mode() & 0o777,
+        0o555
+    );
+    assert!(matches!(
+        origin.snapshot(&snap),
+        Err(VmError::Snapshot(vmm::snapshot::SnapshotError::Exists(_)))
+    ));
+
+    let mut restored: Vec<Vm> = (0..4)
+        .map(|i| restore(dir.path(), &format!("r{i}"), &snap))
+        .collect();
+    for vm in &mut restored {
+        // The guest goes on from the snapshot: its data, and its disk for the task.
+        assert_eq!(vm.machine().app_bytes(), 64 * MIB);
+        assert_eq!(digest(vm), sealed_digest);
+    }
+    for vm in &mut restored {
+        let task = exec(vm, "task");
+        assert_eq!(task[0].digest.as_deref(), Some(sealed_digest.as_str()));
+    }
+    // Four mappings of one image: each pays about a quarter of the 64 MiB it reads.
+    for vm in &restored {
+        let pss = vm.stats().guest_ram_pss_bytes;
+        assert!(pss < 24 * MIB, "guest RAM PSS {pss}");
+    }
+    // A write stays in the VM that made it.
+    exec(&mut restored[0], "rewrite 25 seed=5");
+    let written = digest(&mut restored[0]);
+    assert_ne!(written, sealed_digest);
+    for vm in &mut restored[1..] {
+        assert_eq!(digest(vm), sealed_digest);
+    }
+    assert_eq!(digest(&mut origin), sealed_digest);
+    // A restored VM can be snapshotted in turn.
+    let again = dir.path().join("again");
+    restored[0].snapshot(&again).unwrap();
+    let mut second = restore(dir.path(), "second", &again);
+    assert_eq!(digest(&mut second), written);
+}
+
+#[test]
+fn snapshot_restored_vm_offloads_only_the_pages_it_wrote() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut origin = Vm::start(options(dir.path(), "origin", RamKind::Anon, None)).unwrap();
+    exec(&mut origin, "fill 64MiB random seed=22");
+    let snap = dir.path().join("snap");
+    origin.snapshot(&snap).unwrap();
+    drop(origin);
+    let mut vm = restore(dir.path(), "vm", &snap);
+    let rewritten = exec(&mut vm, "rewrite 10 seed=9")[0].pages.unwrap();
+    let expected = digest(&mut vm);
+    let before = vm.stats().guest_ram_pss_bytes;
+    let report = vm.suspend(true, None).unwrap();
+    let private = report.private_offload.unwrap();
+    // The rewritten pages and a few of the guest's own (stack, mailbox), nothing else.
+    assert!(
+        private.private_pages >= rewritten && private.private_pages < rewritten + 64,
+        "{} private pages for {rewritten} rewritten",
+        private.private_pages
+    );
+    let after = vm.stats().guest_ram_pss_bytes;
+    assert!(
+        after + rewritten * 4096 / 2 < before,
+        "guest RAM PSS {before} -> {after}"
+    );
+    let resumed = vm.resume(false).unwrap();
+    assert_eq!(resumed.private_load.unwrap().pages, private.private_pages);
+    assert_eq!(digest(&mut vm), expected);
+    // Offloaded twice, it still comes back whole.
+    vm.suspend(true, None).unwrap();
+    vm.resume(true).unwrap();
+    assert_eq!(digest(&mut vm), expected);
+}
+
+#[test]
+fn snapshot_of_cold_compressed_ram_restores_intact() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options(dir.path(), "cold", RamKind::Memfd, None);
+    opts.cold = Some(ColdConfig {
+        cold_age: Duration::from_millis(100),
+        scan_period: Duration::from_millis(25),
+        cpu_budget: 0.5,
+        idle_cpu_budget: 0.9,
+        ..ColdConfig::default()
+    });
+    let mut vm = Vm::start(opts).unwrap();
+    exec(&mut vm, "fill 32MiB repeated seed=3");
+    let expected = digest(&mut vm);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while vm.stats().cold.unwrap().pooled_pages < 4096 {
+        assert!(std::time::Instant::now() < deadline, "nothing was pooled");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let snap = dir.path().join("snap");
+    vm.snapshot(&snap).unwrap();
+    let mut restored = restore(dir.path(), "restored", &snap);
+    assert_eq!(digest(&mut restored), expected);
+}
+
+#[test]
+fn snapshot_changed_or_unusable_is_refused_with_the_reason() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut origin = Vm::start(options(dir.path(), "origin", RamKind::Anon, None)).unwrap();
+    exec(&mut origin, "fill 8MiB random seed=23");
+    let snap = dir.path().join("snap");
+    origin.snapshot(&snap).unwrap();
+    // One byte of the image changed (root may write a read-only file).
+    let image = snap.join("ram.img");
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&image)
+        .unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&file, &[0x5A], 2 << 20).unwrap();
+    drop(file);
+    let err = Vm::start(options(dir.path(), "bad", RamKind::Snapshot, Some(&snap))).unwrap_err();
+    assert!(err.to_string().contains("does not match its seal"), "{err}");
+    // Not a snapshot at all.
+    let err = Vm::start(options(
+        dir.path(),
+        "none",
+        RamKind::Snapshot,
+        Some(dir.path()),
+    ))
+    .unwrap_err();
+    assert!(err.to_string().contains("not a snapshot"), "{err}");
+    // The wrong RAM size.
+    let mut wrong = options(dir.path(), "size", RamKind::Snapshot, Some(&snap));
+    wrong.memory = 128 << 20;
+    let err = Vm::start(wrong).unwrap_err();
+    assert!(err.to_string().contains("bytes of RAM"), "{err}");
+    // An offloaded VM is resumed before a snapshot.
+    origin.suspend(true, None).unwrap();
+    let err = origin.snapshot(&dir.path().join("later")).unwrap_err();
+    assert!(err.to_string().contains("resume it"), "{err}");
+}
