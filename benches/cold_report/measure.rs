@@ -125,6 +125,7 @@ pub fn run_vm(
         cold: variant.cold.then_some(settings.cold),
         dedup: None,
         restore: None,
+        pool: None,
     });
     let mut vm = match started {
         Ok(vm) => vm,

@@ -1,11 +1,12 @@
 //! The machine side of the scenario benches: the temporary directory under
 //! `target/bench-tmp/` (on the real disk, never tmpfs), the facts about the machine that the
-//! reports state, and the CPU time of the whole machine and of the bench from `/proc/stat`.
+//! reports state, and the CPU time of the whole machine and of the bench from `/proc/stat`
+//! (`BenchRun` gathers them for a report).
 
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use super::Res;
 
@@ -237,4 +238,54 @@ pub fn check_vm_devices() -> Res<()> {
             .map_err(|e| format!("{device}: {e} (the bench needs root, KVM and userfaultfd)"))?;
     }
     Ok(())
+}
+
+/// One run of a scenario bench as its report tells it: the machine, the date it began, and
+/// what the run took of the machine's time and CPU since.
+#[derive(Debug, Clone)]
+pub struct BenchRun {
+    pub machine: Machine,
+    /// `YYYY-MM-DD HH:MM UTC` at `begin`.
+    pub date: String,
+    began: Instant,
+    cpu: Option<CpuTimes>,
+}
+
+impl BenchRun {
+    pub fn begin() -> Self {
+        Self {
+            machine: machine(),
+            date: utc_now(),
+            began: Instant::now(),
+            cpu: CpuTimes::now(),
+        }
+    }
+
+    /// Seconds since `begin`.
+    pub fn elapsed_s(&self) -> f64 {
+        self.began.elapsed().as_secs_f64()
+    }
+
+    /// Two Markdown list items: the machine's facts, and the CPU time spent since `begin` by
+    /// the whole machine, by this process and stolen by the host (when `/proc/stat` reads).
+    pub fn machine_markdown(&self) -> String {
+        let m = &self.machine;
+        let mut out = format!(
+            "- **Machine**: {} (`nproc`: {}), {}; kernel {} (clock source {}); {}; commit {}.\n",
+            m.cpu, m.nproc, m.memory, m.kernel, m.clocksource, m.rustc, m.commit
+        );
+        if let Some((then, now)) = self.cpu.zip(CpuTimes::now()) {
+            let s = |from: u64, to: u64| to.saturating_sub(from) as f64 / ticks_per_second();
+            out.push_str(&format!(
+                "- **CPU used** (`/proc/stat`): the whole machine {:.1} s of the {:.0} s its {} CPUs had while the \
+                 bench ran, this bench process {:.1} s, stolen by the host {:.1} s.\n",
+                s(then.busy, now.busy),
+                self.elapsed_s() * m.nproc as f64,
+                m.nproc,
+                s(then.own, now.own),
+                s(then.steal, now.steal),
+            ));
+        }
+        out
+    }
 }

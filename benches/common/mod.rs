@@ -1,11 +1,14 @@
 //! What the benches share. Here: the four kinds of content, the realistic sample and where it
 //! comes from, and the run helpers of the scenario benches (`main`, `env_number`,
-//! `is_bench_run`). Beside it, for the scenario benches (`store_report`, `pager_report`,
-//! `vm_report`):
+//! `is_bench_run`, `skip_smoke`, `finish`). Beside it, for the scenario benches (`store_report`, `pager_report`,
+//! `vm_report`, `cold_report`, `sharing_report`):
 //! - `host`: the temporary directory under `target/bench-tmp/`, the machine facts the reports
 //!   state, CPU time from `/proc/stat`;
 //! - `results`: one value per run under a key, min/median/max summaries, the CSV;
-//! - `svg`: the pieces of the charts (log axis, 1-2-5 grid, panels of labelled rows).
+//! - `svg`: the pieces of the charts (log axis, 1-2-5 grid, panels of labelled rows, a linear
+//!   axis from zero);
+//! - `vmproc`: the real `pvisor` VM process (start, control-socket requests, stop) and the
+//!   freshness check of `target/release/pvisor`.
 //!
 //! Contents, all deterministic:
 //! - `zero`: all zeros (never-touched guest memory).
@@ -23,6 +26,7 @@
 pub mod host;
 pub mod results;
 pub mod svg;
+pub mod vmproc;
 
 use std::error::Error;
 use std::fs::{self, File};
@@ -42,6 +46,50 @@ pub fn main(name: &str, run: fn() -> Res<()>) {
         eprintln!("{name}: {}", error_chain(&*err));
         std::process::exit(1);
     }
+}
+
+/// True, after saying so, when the smoke run of `bench` (not a bench run: `write_docs` false)
+/// is to be skipped: `PVISOR_SKIP_DEVICE_TESTS=1`.
+pub fn skip_smoke(bench: &str, write_docs: bool) -> bool {
+    let skip =
+        !write_docs && std::env::var_os("PVISOR_SKIP_DEVICE_TESTS").is_some_and(|v| v == "1");
+    if skip {
+        eprintln!("{bench}: smoke run skipped (PVISOR_SKIP_DEVICE_TESTS=1)");
+    }
+    skip
+}
+
+/// The end of a scenario bench that started at `started`: a bench run (`write_docs`) writes
+/// `docs/bench/STEM.EXT` for each `(EXT, text)` of `outputs`; a smoke run only says that it
+/// passed (its outputs were built all the same, so that the tests exercise the report code).
+pub fn finish(
+    bench: &str,
+    write_docs: bool,
+    stem: &str,
+    outputs: &[(&str, String)],
+    started: std::time::Instant,
+) -> Res<()> {
+    if !write_docs {
+        eprintln!(
+            "{bench}: smoke run passed in {:.1} s (no report written; run with `cargo bench` for one)",
+            started.elapsed().as_secs_f64()
+        );
+        return Ok(());
+    }
+    let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/bench");
+    fs::create_dir_all(&docs)?;
+    let mut written = Vec::new();
+    for (ext, text) in outputs {
+        let path = docs.join(format!("{stem}.{ext}"));
+        fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+        written.push(format!("docs/bench/{stem}.{ext}"));
+    }
+    eprintln!(
+        "{bench}: wrote {} in {:.0} s",
+        written.join(", "),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 /// The whole number in the environment variable `name`, at least `min`; `default` when unset.

@@ -1,5 +1,6 @@
 //! The pieces of the report charts: the document, text and lines, a log axis over whole decades
-//! with a grid at 1, 2 and 5 per decade, and panels of labelled rows on such an axis.
+//! with a grid at 1, 2 and 5 per decade, panels of labelled rows on such an axis, and a linear
+//! axis from zero with a 1-2-5 step.
 
 use std::fmt::Write as _;
 
@@ -115,24 +116,49 @@ impl LogAxis {
     }
 }
 
-/// A panel: a bold title, then one row per quantity, labelled left of a log axis with a grid.
+/// What a panel needs of its axis.
+pub trait Axis: Copy {
+    /// Where `v` is drawn.
+    fn x(&self, v: f64) -> f64;
+    /// The values of the grid lines.
+    fn ticks(&self) -> Vec<f64>;
+    /// Where the axis starts (row labels end left of it).
+    fn left(&self) -> f64;
+}
+
+impl Axis for LogAxis {
+    fn x(&self, v: f64) -> f64 {
+        LogAxis::x(self, v)
+    }
+
+    fn ticks(&self) -> Vec<f64> {
+        LogAxis::ticks(self)
+    }
+
+    fn left(&self) -> f64 {
+        self.left
+    }
+}
+
+/// A panel: a bold title, then one row per quantity, labelled left of an axis (a log axis
+/// unless told otherwise) with a grid.
 #[derive(Debug, Clone, Copy)]
-pub struct Panel {
-    pub axis: LogAxis,
+pub struct Panel<A: Axis = LogAxis> {
+    pub axis: A,
     /// The y of the first row's top.
     pub top: f64,
     /// The y below the last row.
     pub bottom: f64,
 }
 
-impl Panel {
+impl<A: Axis> Panel<A> {
     /// Draws the title at `y0` and the grid of `rows` rows, with the tick values written by
     /// `tick` (in `tick_attributes`) below it.
     pub fn begin(
         out: &mut String,
         y0: f64,
         title: &str,
-        axis: LogAxis,
+        axis: A,
         rows: usize,
         (tick_attributes, tick): (&str, fn(f64) -> String),
     ) -> Self {
@@ -157,7 +183,77 @@ impl Panel {
     pub fn row(&self, out: &mut String, i: usize, label: &str) -> f64 {
         let cy = self.top + ROW_H * (i as f64 + 0.5);
         let attributes = r#"font-size="12" text-anchor="end""#;
-        text(out, self.axis.left - 8.0, cy + 4.0, attributes, label);
+        text(out, self.axis.left() - 8.0, cy + 4.0, attributes, label);
         cy
+    }
+}
+
+/// A linear axis that starts at zero (or below, for negative values) and ends at a whole
+/// number of steps, drawn from `left` over `width`, with a grid line every step (1, 2 or 5
+/// times a power of ten, at most `MAX_STEPS` of them).
+#[derive(Debug, Clone, Copy)]
+pub struct LinearAxis {
+    pub lo: f64,
+    pub hi: f64,
+    pub step: f64,
+    left: f64,
+    width: f64,
+}
+
+impl LinearAxis {
+    const MAX_STEPS: f64 = 8.0;
+
+    /// The axis over zero and every finite one of `values`.
+    pub fn from_zero(values: impl IntoIterator<Item = f64>, left: f64, width: f64) -> Self {
+        let (lo, hi) = values
+            .into_iter()
+            .filter(|v| v.is_finite())
+            .fold((0.0f64, 0.0f64), |(lo, hi), v| (lo.min(v), hi.max(v)));
+        let span = if hi > lo { hi - lo } else { 1.0 };
+        // The smallest 1-2-5 step that covers the span in at most MAX_STEPS steps.
+        let mut decade = 10f64.powf((span / Self::MAX_STEPS).log10().floor());
+        let step = loop {
+            if let Some(step) = [1.0, 2.0, 5.0]
+                .iter()
+                .map(|m| m * decade)
+                .find(|s| span / s <= Self::MAX_STEPS)
+            {
+                break step;
+            }
+            decade *= 10.0;
+        };
+        Self {
+            lo: (lo / step).floor() * step,
+            hi: (hi / step).ceil().max(1.0) * step,
+            step,
+            left,
+            width,
+        }
+    }
+}
+
+impl Axis for LinearAxis {
+    /// Values beyond the axis are drawn at its ends.
+    fn x(&self, v: f64) -> f64 {
+        let v = v.clamp(self.lo, self.hi);
+        self.left + (v - self.lo) / (self.hi - self.lo) * self.width
+    }
+
+    /// Every step from `lo` to `hi`.
+    fn ticks(&self) -> Vec<f64> {
+        let mut ticks = vec![self.lo];
+        while let Some(&last) = ticks.last() {
+            let next = last + self.step;
+            if next > self.hi + self.step * 1e-6 {
+                break;
+            }
+            // Snap to the step, so that 0.1 + 0.2 reads as 0.3.
+            ticks.push((next / self.step).round() * self.step);
+        }
+        ticks
+    }
+
+    fn left(&self) -> f64 {
+        self.left
     }
 }

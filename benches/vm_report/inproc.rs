@@ -123,6 +123,7 @@ pub fn run_case(
         cold: None,
         dedup: None,
         restore: None,
+        pool: None,
     })?;
     let fill = format!(
         "fill {} {} seed={}; digest",

@@ -117,7 +117,7 @@ fn main() {
 
 fn settings() -> Res<Settings> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let pvisor = process::find_binary(&root, &common::host::target_dir());
+    let pvisor = common::vmproc::find_binary(&root, &common::host::target_dir());
     if !common::is_bench_run() {
         return Ok(Settings {
             runs: 1,

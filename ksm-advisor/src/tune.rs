@@ -99,13 +99,14 @@ impl AdvisorProfile {
 
 impl Profile {
     /// Fast settings for a share of one core (0 < share ≤ 1). Scanning is measured at
-    /// roughly 1 GiB/s of candidate memory per busy core on this project's machines, so ksmd
+    /// roughly 800 MiB/s of candidate memory per busy core on this project's machines, so ksmd
     /// scans `pages_to_scan` pages per wake-up and sleeps long enough that the busy part is
     /// `share` of each cycle.
     pub fn for_cpu_share(share: f64) -> Self {
         let share = share.clamp(0.01, 1.0);
-        // Pages one core scans per millisecond (≈ 1 GiB/s of 4 KiB pages).
-        const PAGES_PER_MS: f64 = 256.0;
+        // Pages one core scans per millisecond (≈ 800 MiB/s of 4 KiB pages: measured by
+        // benches/sharing_report, where 5000 pages every 20 ms kept ksmd 56% busy).
+        const PAGES_PER_MS: f64 = 200.0;
         const PAGES_TO_SCAN: u64 = 5000;
         #[allow(clippy::cast_precision_loss, reason = "a small constant")]
         let busy_ms = PAGES_TO_SCAN as f64 / PAGES_PER_MS;
@@ -149,6 +150,20 @@ impl Profile {
     }
 }
 
+impl Profile {
+    /// Settings for when nothing has been written for a while: ksmd looks at 1000 pages a
+    /// second (about half a percent of a core), enough to keep merged pages merged and to
+    /// find slow changes, without scanning unmergeable memory flat out.
+    pub fn idle() -> Self {
+        Self {
+            pages_to_scan: 500,
+            sleep_millisecs: 500,
+            smart_scan: true,
+            advisor: None,
+        }
+    }
+}
+
 impl Default for Profile {
     /// Half a core: 5000 pages per wake-up, which merges 4 × 64 MiB of identical memory in
     /// about a second.
@@ -163,6 +178,8 @@ pub struct Tuning {
     ksm: Ksm,
     dir: PathBuf,
     holder: Option<PathBuf>,
+    busy: Knobs,
+    idle: Knobs,
 }
 
 /// What a release did.
@@ -270,6 +287,7 @@ impl Locked {
             return Ok(None);
         };
         ksm.apply(&saved)?;
+        let _ = std::fs::remove_file(self.dir.join("boost-until-ms"));
         let path = self.saved_path();
         std::fs::remove_file(&path).map_err(|source| TuneError::State {
             op: "remove",
@@ -278,6 +296,12 @@ impl Locked {
         })?;
         Ok(Some(saved))
     }
+}
+
+fn now_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
 }
 
 fn parse_holder(name: &str) -> Option<(u32, u64)> {
@@ -329,7 +353,56 @@ impl Tuning {
             ksm: ksm.clone(),
             dir: state_dir.to_path_buf(),
             holder: Some(holder),
+            busy: knobs.clone(),
+            idle: knobs.clone(),
         })
+    }
+
+    /// Lets [`Tuning::govern`] drop to `idle` while no holder has written memory lately
+    /// (`boost`), instead of scanning at the acquired settings all the time.
+    pub fn with_idle(mut self, idle: Knobs) -> Self {
+        self.idle = idle;
+        self
+    }
+
+    fn boost_path(&self) -> PathBuf {
+        self.dir.join("boost-until-ms")
+    }
+
+    fn boosted_until(&self) -> u128 {
+        std::fs::read_to_string(self.boost_path())
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// This holder wrote memory: KSM scans at the acquired settings for `span` (shared with
+    /// every holder: the latest deadline wins).
+    pub fn boost(&self, span: std::time::Duration) -> Result<(), TuneError> {
+        let _locked = Locked::open(&self.dir)?;
+        let until = now_ms() + span.as_millis();
+        if until > self.boosted_until() {
+            let path = self.boost_path();
+            std::fs::write(&path, until.to_string()).map_err(|source| TuneError::State {
+                op: "write",
+                path,
+                source,
+            })?;
+        }
+        self.ksm.apply(&self.busy)?;
+        Ok(())
+    }
+
+    /// Applies the acquired settings while a boost lasts, the idle ones after; returns how
+    /// long the boost still lasts (zero: idle now).
+    pub fn govern(&self) -> Result<std::time::Duration, TuneError> {
+        let _locked = Locked::open(&self.dir)?;
+        let left = self.boosted_until().saturating_sub(now_ms());
+        let knobs = if left > 0 { &self.busy } else { &self.idle };
+        self.ksm.apply(knobs)?;
+        Ok(std::time::Duration::from_millis(
+            u64::try_from(left).unwrap_or(u64::MAX),
+        ))
     }
 
     /// Gives the claim up; the last holder restores the saved settings.
@@ -450,6 +523,28 @@ mod tests {
         };
         assert_eq!(knobs["run"], "0");
         assert_eq!(ksm.read("pages_to_scan").expect("pages"), "100");
+    }
+
+    #[test]
+    fn tuning_scans_fast_while_boosted_and_idles_after() {
+        let (dir, ksm) = fake();
+        let state = dir.path().join("state");
+        let busy = Profile::default().knobs(&ksm);
+        let tuning = Tuning::acquire(&ksm, &state, &busy)
+            .expect("acquire")
+            .with_idle(Profile::idle().knobs(&ksm));
+        tuning
+            .boost(std::time::Duration::from_secs(60))
+            .expect("boost");
+        assert!(tuning.govern().expect("govern") > std::time::Duration::from_secs(50));
+        assert_eq!(ksm.read("pages_to_scan").expect("pages"), "5000");
+        tuning
+            .boost(std::time::Duration::ZERO)
+            .expect("a shorter boost");
+        std::fs::write(state.join("boost-until-ms"), "1").expect("expire the boost");
+        assert_eq!(tuning.govern().expect("govern"), std::time::Duration::ZERO);
+        assert_eq!(ksm.read("pages_to_scan").expect("pages"), "500");
+        assert_eq!(ksm.read("run").expect("run"), "1");
     }
 
     #[test]

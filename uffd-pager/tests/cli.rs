@@ -432,3 +432,89 @@ fn cli_serve_needs_a_memory_file_or_a_store() {
         text(&out.stderr)
     );
 }
+
+#[test]
+fn cli_memory_pool_merges_identical_pages_and_stops_on_sigterm() {
+    use std::os::unix::fs::{FileExt, PermissionsExt};
+    use uffd_pager::pool::PoolClient;
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("pool.sock");
+    let mut child = bin()
+        .args([
+            "serve",
+            "--memory-pool",
+            "--socket",
+            socket.to_str().unwrap(),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert_eq!(first.trim(), socket.to_str().unwrap());
+    assert_eq!(
+        fs::metadata(&socket).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    // Two "VMs" of 16 pages in this process: pages 0..8 equal, 8..16 different.
+    let pages = 16u64;
+    let mut a = memmap2::MmapMut::map_anon(16 << 12).unwrap();
+    let mut b = memmap2::MmapMut::map_anon(16 << 12).unwrap();
+    for page in 0..pages as usize {
+        a[page << 12..(page + 1) << 12].fill(page as u8 + 1);
+        let other = if page < 8 {
+            page as u8 + 1
+        } else {
+            0xF0 - page as u8
+        };
+        b[page << 12..(page + 1) << 12].fill(other);
+    }
+    let offers = |m: &memmap2::MmapMut| -> Vec<(u64, u64)> {
+        (0..pages)
+            .map(|p| {
+                let page = &m[(p as usize) << 12..(p as usize + 1) << 12];
+                (p, xxhash_rust::xxh3::xxh3_64(page))
+            })
+            .collect()
+    };
+    let mut va = PoolClient::attach(&socket, a.as_ptr() as u64, pages << 12).unwrap();
+    let mut vb = PoolClient::attach(&socket, b.as_ptr() as u64, pages << 12).unwrap();
+    // The first offer only makes candidates; the second VM's equal pages enter the pool.
+    assert!(va.offer(offers(&a), vec![]).unwrap().merge.is_empty());
+    let reply = vb.offer(offers(&b), vec![]).unwrap();
+    assert_eq!(reply.merge, (0..8).collect::<Vec<u64>>());
+    let mut pooled = vec![0u8; 4096];
+    vb.pool().read_exact_at(&mut pooled, 3 << 12).unwrap();
+    assert_eq!(&pooled[..], &b[3 << 12..4 << 12]);
+    assert_eq!(vb.merged(reply.merge).unwrap().stats.references, 8);
+    // The first VM finds them on its next offer.
+    let reply = va.offer(offers(&a), vec![]).unwrap();
+    assert_eq!(reply.merge, (0..8).collect::<Vec<u64>>());
+    let stats = va.merged(reply.merge).unwrap().stats;
+    assert_eq!((stats.pool_pages, stats.references), (8, 16));
+    // A descriptor that cannot write the pool.
+    assert!(va.pool().write_all_at(&[1], 0).is_err());
+
+    // SAFETY: sending a signal to our own child process.
+    let rc = unsafe { libc::kill(child.id().cast_signed(), libc::SIGTERM) };
+    assert_eq!(rc, 0);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the pool did not stop on SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status}");
+    assert!(!socket.exists(), "the socket file was left behind");
+    // The pages outlive the daemon in the descriptors the VMs hold.
+    va.pool().read_exact_at(&mut pooled, 3 << 12).unwrap();
+    assert_eq!(&pooled[..], &a[3 << 12..4 << 12]);
+}

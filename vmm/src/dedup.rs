@@ -3,6 +3,7 @@
 //! reported in `stats`.
 
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 use ksm_advisor::process::{self, ProcessError};
 use ksm_advisor::sys::{self, SysError};
@@ -10,6 +11,11 @@ use ksm_advisor::tune::{Profile, TuneError, Tuning};
 use ksm_advisor::{GlobalStats, Ksm};
 
 use crate::memory::GuestRam;
+
+/// How long KSM scans at full speed after a VM ran a command (which may have written memory);
+/// after that, ksmd drops to its idle rate (`Profile::idle`). Four VMs × 64 MiB merge in
+/// about a second at full speed.
+pub const BOOST: Duration = Duration::from_secs(5);
 
 /// How a VM's RAM is deduplicated.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -66,7 +72,9 @@ pub struct Dedup {
     ksm: Ksm,
     start: u64,
     len: u64,
-    _tuning: Tuning,
+    tuning: Tuning,
+    /// When the boost this VM asked for ends (it governs KSM until then).
+    boosted_until: Option<Instant>,
 }
 
 impl Dedup {
@@ -77,13 +85,43 @@ impl Dedup {
         let start = ram.host_base().0;
         process::advise(start, ram.size())?;
         let profile = Profile::for_cpu_share(options.cpu_budget);
-        let tuning = Tuning::acquire(&ksm, &options.state_dir, &profile.knobs(&ksm))?;
-        Ok(Self {
+        let tuning = Tuning::acquire(&ksm, &options.state_dir, &profile.knobs(&ksm))?
+            .with_idle(Profile::idle().knobs(&ksm));
+        let mut dedup = Self {
             ksm,
             start,
             len: ram.size(),
-            _tuning: tuning,
-        })
+            tuning,
+            boosted_until: None,
+        };
+        dedup.wrote();
+        Ok(dedup)
+    }
+
+    /// The guest ran and may have written: KSM scans at full speed for [`BOOST`].
+    pub fn wrote(&mut self) {
+        // Best effort: KSM keeps its current settings if the state cannot be written.
+        if self.tuning.boost(BOOST).is_ok() {
+            self.boosted_until = Some(Instant::now() + BOOST);
+        }
+    }
+
+    /// How long until [`Dedup::govern`] is due (`None`: nothing to do until the next write).
+    pub fn wait(&self) -> Option<Duration> {
+        self.boosted_until
+            .map(|until| until.saturating_duration_since(Instant::now()))
+    }
+
+    /// Once this VM's boost is over, lets KSM drop to its idle rate unless another VM's boost
+    /// still runs (then it looks again when that one ends).
+    pub fn govern(&mut self) {
+        if self.wait() != Some(Duration::ZERO) {
+            return;
+        }
+        self.boosted_until = match self.tuning.govern() {
+            Ok(left) if left > Duration::ZERO => Some(Instant::now() + left),
+            _ => None,
+        };
     }
 
     /// The current counters (zeros where a file cannot be read).

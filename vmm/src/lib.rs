@@ -6,6 +6,7 @@
 //! - [`guest`]: the workload guest's binary, layout, mailbox and digest.
 //! - [`machine`]: one VM: RAM, pager, vCPU, block device; runs commands.
 //! - [`memory`]: guest RAM (anon, memfd, or a snapshot image mapped privately).
+//! - [`pool`]: this VM's side of the memory pool (`--vm-memory-pool`).
 //! - [`runtime`]: the runtime directory, job ids and identities.
 //! - [`script`]: workload scripts.
 //! - [`snapshot`]: sealed snapshots, their copy-on-write restore and private-page offload.
@@ -17,6 +18,7 @@ pub mod dedup;
 pub mod guest;
 pub mod machine;
 pub mod memory;
+pub mod pool;
 pub mod runtime;
 pub mod script;
 pub mod snapshot;

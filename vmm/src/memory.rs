@@ -156,6 +156,39 @@ impl GuestRam {
         HostRange::new(HostAddr(self.host_base().0 + gpa), len).ok()
     }
 
+    /// Guest pages (indices) present in the mapping: those this process holds privately
+    /// (anonymous, copied on write), and those mapped from a file's page cache (a snapshot
+    /// image, the memory pool), from `/proc/self/pagemap` (bit 63 present, bit 61 file or
+    /// shared).
+    pub fn resident_pages(&self) -> std::io::Result<(Vec<u64>, Vec<u64>)> {
+        use std::os::unix::fs::FileExt;
+        const PAGE: u64 = 4096;
+        const BATCH: u64 = 4096;
+        let pagemap = File::open("/proc/self/pagemap")?;
+        let first = self.host_base().0 / PAGE;
+        let total = self.size / PAGE;
+        let mut entries = vec![0u8; 8 * BATCH as usize];
+        let (mut private, mut file) = (Vec::new(), Vec::new());
+        let mut page = 0;
+        while page < total {
+            let count = (total - page).min(BATCH);
+            let want = usize::try_from(count * 8).expect("a batch");
+            pagemap.read_exact_at(&mut entries[..want], (first + page) * 8)?;
+            for (i, entry) in entries[..want].chunks_exact(8).enumerate() {
+                let entry = u64::from_le_bytes(entry.try_into().expect("8 bytes"));
+                if entry >> 63 == 1 {
+                    if (entry >> 61) & 1 == 0 {
+                        private.push(page + i as u64);
+                    } else {
+                        file.push(page + i as u64);
+                    }
+                }
+            }
+            page += count;
+        }
+        Ok((private, file))
+    }
+
     /// The region the pager serves: all of RAM, read by the pager where it is mapped.
     pub fn region_spec(&self) -> RegionSpec {
         let range = self.host_range(0, self.size).expect("RAM is page-aligned");
@@ -182,4 +215,30 @@ fn memfd(size: u64) -> Result<File, MemoryError> {
     let file = unsafe { File::from_raw_fd(fd) };
     file.set_len(size).map_err(fail)?;
     Ok(file)
+}
+
+/// Runs of consecutive page indices in sorted `pages`: `(first, one past the last)`.
+pub fn page_runs(pages: &[u64]) -> Vec<(u64, u64)> {
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for &page in pages {
+        match runs.last_mut() {
+            Some((_, end)) if *end == page => *end += 1,
+            _ => runs.push((page, page + 1)),
+        }
+    }
+    runs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn page_runs_groups_consecutive_pages() {
+        assert_eq!(page_runs(&[]), vec![]);
+        assert_eq!(
+            page_runs(&[3, 4, 5, 9, 11, 12]),
+            vec![(3, 6), (9, 10), (11, 13)]
+        );
+    }
 }

@@ -404,34 +404,6 @@ pub struct PrivateLoadReport {
     pub elapsed_ms: f64,
 }
 
-/// The guest-RAM pages this process has written since the restore: present in the mapping
-/// and not backed by the image's page cache (`/proc/self/pagemap`: bit 63 present, bit 61
-/// file or shared).
-pub fn private_pages(ram: &GuestRam) -> Result<Vec<u64>, SnapshotError> {
-    let path = Path::new("/proc/self/pagemap");
-    let pagemap = File::open(path).map_err(io("open", path))?;
-    let pages = ram.size() / PAGE;
-    let first = ram.host_base().0 / PAGE;
-    let mut entries = vec![0u8; 8 * 4096];
-    let mut out = Vec::new();
-    let mut page = 0;
-    while page < pages {
-        let count = (pages - page).min(4096);
-        let want = usize::try_from(count * 8).expect("a batch");
-        pagemap
-            .read_exact_at(&mut entries[..want], (first + page) * 8)
-            .map_err(io("read", path))?;
-        for (i, entry) in entries[..want].chunks_exact(8).enumerate() {
-            let entry = u64::from_le_bytes(entry.try_into().expect("8 bytes"));
-            if entry >> 63 == 1 && (entry >> 61) & 1 == 0 {
-                out.push(page + i as u64);
-            }
-        }
-        page += count;
-    }
-    Ok(out)
-}
-
 /// Writes the private pages of a paused restored VM to a fresh store in `dir`, makes it
 /// durable, then drops them (the image's bytes show again until [`load_private`]).
 pub fn offload_private(
@@ -440,7 +412,13 @@ pub fn offload_private(
     codec: CodecConfig,
 ) -> Result<PrivateOffloadReport, SnapshotError> {
     let started = Instant::now();
-    let pages = private_pages(ram)?;
+    let pages = ram
+        .resident_pages()
+        .map_err(io(
+            "read /proc/self/pagemap",
+            Path::new("/proc/self/pagemap"),
+        ))?
+        .0;
     let _ = std::fs::remove_dir_all(dir);
     let mut store = DiskStore::create(
         dir,
@@ -464,15 +442,7 @@ pub fn offload_private(
     store.commit()?;
     let stored_bytes = store.stats().stored_bytes;
     // Durable: now the private copies can go, a run at a time.
-    let mut i = 0;
-    while i < pages.len() {
-        let start = pages[i];
-        let mut end = start + 1;
-        while i + 1 < pages.len() && pages[i + 1] == end {
-            i += 1;
-            end += 1;
-        }
-        i += 1;
+    for (start, end) in crate::memory::page_runs(&pages) {
         let range = ram
             .host_range(start * PAGE, (end - start) * PAGE)
             .expect("pages of RAM");

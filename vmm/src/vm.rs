@@ -18,6 +18,7 @@ use uffd_pager::state::StateCounts;
 
 use crate::dedup::{Dedup, DedupError, DedupOptions, DedupStats};
 use crate::machine::{CommandOutput, Machine, MachineConfig, MachineError};
+use crate::pool::{PoolLink, PoolLinkStats};
 use crate::script::Command;
 use crate::snapshot::{
     self, PrivateLoadReport, PrivateOffloadReport, Snapshot, SnapshotError, SnapshotReport,
@@ -57,6 +58,10 @@ pub struct VmOptions {
     /// snapshot's image privately and `ram_backing` must be `snapshot`.
     #[serde(default)]
     pub restore: Option<PathBuf>,
+    /// Share pages in common with other VMs through the memory pool at this socket
+    /// (`uffd-pager serve --memory-pool`; anon RAM only).
+    #[serde(default)]
+    pub pool: Option<PathBuf>,
 }
 
 /// The lifecycle state.
@@ -106,6 +111,9 @@ pub enum VmError {
     /// KSM dedup could not start.
     #[error("cannot start KSM dedup (--vm-ram-dedup)")]
     Dedup(#[from] DedupError),
+    /// The memory pool could not be joined.
+    #[error("cannot join the memory pool (--vm-memory-pool)")]
+    Pool(#[from] uffd_pager::pool::PoolError),
     /// A snapshot could not be written, opened, or its private pages moved.
     #[error(transparent)]
     Snapshot(#[from] SnapshotError),
@@ -138,6 +146,9 @@ pub struct VmStats {
     /// What KSM merged, with `--vm-ram-dedup`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dedup: Option<DedupStats>,
+    /// What the memory pool did, with `--vm-memory-pool`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pool: Option<PoolLinkStats>,
     /// Bytes allocated on disk by the offload store.
     pub backing_disk_bytes: u64,
     /// Bytes allocated on disk by the virtual disk.
@@ -210,6 +221,7 @@ pub struct Vm {
     cgroup: Option<MemoryCgroup>,
     fault_errors: Arc<AtomicU64>,
     dedup: Option<Dedup>,
+    pool: Option<PoolLink>,
 }
 
 impl Vm {
@@ -266,8 +278,18 @@ impl Vm {
             .as_ref()
             .map(|d| Dedup::start(machine.ram(), d))
             .transpose()?;
+        let pool = match &options.pool {
+            Some(_) if options.ram_backing != RamKind::Anon || options.cold.is_some() => {
+                return Err(VmError::State(
+                    "the memory pool works on anon RAM without cold compression".into(),
+                ))
+            }
+            Some(socket) => Some(PoolLink::attach(socket, machine.ram())?),
+            None => None,
+        };
         Ok(Self {
             dedup,
+            pool,
             ram_view: None,
             machine,
             options,
@@ -300,10 +322,52 @@ impl Vm {
                 state_name(self.state)
             )));
         }
+        if let Some(pool) = &mut self.pool {
+            pool.wrote();
+        }
+        if let Some(dedup) = &mut self.dedup {
+            dedup.wrote();
+        }
         commands
             .iter()
             .map(|c| self.machine.run(c).map_err(VmError::from))
             .collect()
+    }
+
+    /// How long until the memory pool wants a tick (`None`: no pool, or it is gone).
+    pub fn pool_wait(&self) -> Option<std::time::Duration> {
+        self.pool.as_ref().and_then(PoolLink::wait)
+    }
+
+    /// How long until [`Vm::background_tick`] has something to do (`None`: nothing until
+    /// the next command).
+    pub fn background_wait(&self) -> Option<std::time::Duration> {
+        let dedup = self.dedup.as_ref().and_then(Dedup::wait);
+        match (self.pool_wait(), dedup) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Between commands: the memory pool's tick when due, and KSM's return to its idle rate
+    /// once no VM has written for a while.
+    pub fn background_tick(&mut self) {
+        if self.pool_wait() == Some(std::time::Duration::ZERO) {
+            self.pool_tick();
+        }
+        if let Some(dedup) = &mut self.dedup {
+            dedup.govern();
+        }
+    }
+
+    /// Lets the memory pool merge and release pages; between commands only (the vCPU must be
+    /// stopped). Nothing happens unless the VM is running (not paused or offloaded).
+    pub fn pool_tick(&mut self) {
+        if self.state == VmState::Running {
+            if let Some(pool) = &mut self.pool {
+                pool.tick(self.machine.ram());
+            }
+        }
     }
 
     /// Pauses; with `offload`, also moves resident RAM to the store (idempotent: an
@@ -378,6 +442,13 @@ impl Vm {
                 self.state = VmState::Paused;
             }
             return Ok(report(self.state, None));
+        }
+        if self.pool.is_some() {
+            return Err(VmError::State(
+                "a VM in the memory pool cannot be offloaded: its pool pages are shared with \
+                 other VMs (pause it instead)"
+                    .into(),
+            ));
         }
         let previous = self.state;
         self.state = VmState::Paused;
@@ -525,6 +596,7 @@ impl Vm {
             pool_bytes: cold.as_ref().map_or(0, |c| c.overhead_bytes),
             cold,
             dedup: self.dedup.as_ref().map(Dedup::stats),
+            pool: self.pool.as_ref().map(PoolLink::stats),
             state: self.state,
             memory_bytes: self.options.memory,
             backing_disk_bytes,

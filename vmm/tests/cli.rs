@@ -96,6 +96,12 @@ impl Detached {
         ok(&self.runtime, &args).remove(0)
     }
 
+    fn call_fails(&self, command: &str, extra: &[&str]) -> String {
+        let mut args = vec![command, self.job()];
+        args.extend_from_slice(extra);
+        fails(&self.runtime, &args)
+    }
+
     fn exec(&self, script: &str) -> Vec<Value> {
         let value = self.call("exec", &["--", script]);
         value["results"].as_array().unwrap().clone()
@@ -775,4 +781,69 @@ fn cli_snapshot_restores_continue_share_and_offload() {
         ],
     );
     assert!(err.contains("not on a restored"), "{err}");
+}
+
+#[test]
+fn cli_memory_pool_daemon_shares_identical_vms() {
+    use std::io::BufRead;
+    if skip() {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    let r = runtime.path();
+    let socket = r.join("pool.sock");
+    let socket_arg = socket.to_str().unwrap();
+    let mut daemon = Command::new(env!("CARGO_BIN_EXE_pvisor"))
+        .args(["serve", "--memory-pool", "--socket", socket_arg])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(daemon.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), socket_arg);
+    let vms: Vec<Detached> = (0..2)
+        .map(|_| {
+            Detached::start(
+                r,
+                &["--vm-memory-pool", socket_arg],
+                "fill 64MiB random seed=71; idle",
+            )
+        })
+        .collect();
+    let digest = vms[0].digest();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    for vm in &vms {
+        loop {
+            let stats = vm.stats();
+            if stats["pool"]["merged_pages"].as_u64().unwrap() >= 16384 {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "{stats}");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        assert_eq!(vm.digest(), digest);
+    }
+    // What it refuses.
+    let err = fails(
+        r,
+        &[
+            "run",
+            "--vm-memory-pool",
+            socket_arg,
+            "--vm-ram-backing",
+            "memfd",
+            "--",
+            "idle",
+        ],
+    );
+    assert!(err.contains("--vm-memory-pool works on anon RAM"), "{err}");
+    let err = vms[0].call_fails("suspend", &["--vm-offload"]);
+    assert!(err.contains("memory pool"), "{err}");
+    drop(vms);
+    // SAFETY: a signal to our own child.
+    unsafe { libc::kill(daemon.id().cast_signed(), libc::SIGTERM) };
+    assert!(daemon.wait().unwrap().success());
+    assert!(!socket.exists());
 }

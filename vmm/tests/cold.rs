@@ -48,6 +48,7 @@ fn start_kind(dir: &std::path::Path, cold: ColdConfig, kind: RamKind) -> Vm {
         cold: Some(cold),
         dedup: None,
         restore: None,
+        pool: None,
     })
     .unwrap()
 }

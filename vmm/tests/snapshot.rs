@@ -36,6 +36,7 @@ fn options(dir: &Path, name: &str, kind: RamKind, restore: Option<&Path>) -> VmO
         cold: None,
         dedup: None,
         restore: restore.map(Path::to_path_buf),
+        pool: None,
     }
 }
 

@@ -30,6 +30,7 @@ fn options(dir: &std::path::Path, kind: RamKind, compression: bool) -> VmOptions
         cold: None,
         dedup: None,
         restore: None,
+        pool: None,
     }
 }
 

@@ -92,7 +92,10 @@ enum Command {
     },
     /// Serve the guest memory of VMMs that hand over their userfaultfd with Firecracker's UFFD
     /// handshake (a JSON array of regions plus the uffd over SCM_RIGHTS), from a raw memory
-    /// file or a compressed store, any number of VMs at once. Runs until SIGINT or SIGTERM.
+    /// file or a compressed store, any number of VMs at once. With --memory-pool, serve the
+    /// memory pool instead: pages that `pvisor run --vm-memory-pool SOCKET` VMs have in
+    /// common are kept once and shared read-only (docs/sharing.md). Runs until SIGINT or
+    /// SIGTERM.
     Serve {
         /// The Unix socket to listen on (a stale one is replaced).
         #[arg(long, value_name = "PATH")]
@@ -101,10 +104,13 @@ enum Command {
         #[arg(
             long,
             value_name = "FILE",
-            conflicts_with = "store",
-            required_unless_present = "store"
+            conflicts_with_all = ["store", "memory_pool"],
+            required_unless_present_any = ["store", "memory_pool"]
         )]
         mem_file: Option<PathBuf>,
+        /// Run the memory pool for pvisor VMs instead of serving a memory image.
+        #[arg(long, conflicts_with = "store")]
+        memory_pool: bool,
         /// Serve from this store (made with `pack`).
         #[arg(long, value_name = "DIR")]
         store: Option<PathBuf>,
@@ -153,9 +159,15 @@ pub fn run(cli: Cli) -> CliResult {
         Command::Info { store, json } => store::info(&store, json),
         Command::Serve {
             socket,
+            memory_pool: true,
+            ..
+        } => serve::memory_pool(&socket),
+        Command::Serve {
+            socket,
             mem_file,
             store,
             threads,
+            ..
         } => serve::serve(&socket, mem_file.as_deref(), store.as_deref(), threads),
         Command::Demo { size, keep } => demo::demo(size, keep.as_deref()),
         Command::Mount {

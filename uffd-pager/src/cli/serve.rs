@@ -12,12 +12,16 @@ use uffd_pager::source::{PageSource, RawFileSource, StoreSource};
 
 use super::CliResult;
 
-pub fn serve(
-    socket: &Path,
-    mem_file: Option<&Path>,
-    store: Option<&Path>,
-    threads: usize,
-) -> CliResult {
+/// `serve --memory-pool`: the pool daemon until SIGINT or SIGTERM. VMs that mapped pool pages
+/// keep them after it stops (their mappings hold the memfd); they only stop merging.
+pub fn memory_pool(socket: &Path) -> CliResult {
+    init_logging();
+    let stats = uffd_pager::pool::run_daemon(socket)?;
+    tracing::info!(?stats, "memory pool stopped");
+    Ok(ExitCode::SUCCESS)
+}
+
+fn init_logging() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -25,6 +29,15 @@ pub fn serve(
         )
         .with_writer(std::io::stderr)
         .init();
+}
+
+pub fn serve(
+    socket: &Path,
+    mem_file: Option<&Path>,
+    store: Option<&Path>,
+    threads: usize,
+) -> CliResult {
+    init_logging();
     // Only the wait below receives the stop signals; every thread inherits the mask.
     let mut signals = SigSet::empty();
     signals.add(Signal::SIGINT);

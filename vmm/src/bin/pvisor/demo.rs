@@ -87,6 +87,7 @@ fn rows(args: &DemoArgs, dir: &std::path::Path) -> Result<Vec<Row>, Box<dyn std:
                 cold: None,
                 dedup: None,
                 restore: None,
+                pool: None,
             })?;
             let fill = format!("fill {} {content} seed=1; digest", args.app);
             let out = vm.exec(&script::parse(&fill)?)?;

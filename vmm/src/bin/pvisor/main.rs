@@ -99,6 +99,19 @@ enum Command {
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
     },
+    /// Run the memory pool: pages that `pvisor run --vm-memory-pool SOCKET` VMs have in common
+    /// are kept once and shared read-only, copied on write (docs/sharing.md). Prints the
+    /// socket's path once it listens; runs until SIGINT or SIGTERM. The same daemon as
+    /// `uffd-pager serve --memory-pool`; run from pvisor's binary, its code pages are shared
+    /// with the VMs'.
+    Serve {
+        /// Serve the memory pool (the only service of `pvisor serve`).
+        #[arg(long, required = true)]
+        memory_pool: bool,
+        /// The Unix socket to listen on (a stale one is replaced; mode 0600).
+        #[arg(long, value_name = "PATH")]
+        socket: PathBuf,
+    },
     /// Boot a 512 MiB VM, fill 64 MiB, and print its resident memory as it is, after an
     /// offload and after a compressed offload, with the digest checked after each resume.
     Demo(demo::DemoArgs),
@@ -128,6 +141,9 @@ fn main() -> ExitCode {
         } => client::suspend(&target, offload, ram_file.as_deref()),
         Command::Resume { target, eager, .. } => client::resume(&target, eager),
         Command::Snapshot { target, out } => client::snapshot(&target, &out),
+        Command::Serve { socket, .. } => uffd_pager::pool::run_daemon(&socket)
+            .map(|_| ExitCode::SUCCESS)
+            .map_err(Into::into),
         Command::Demo(args) => demo::demo(&args),
     };
     match result {

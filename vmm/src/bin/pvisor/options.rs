@@ -61,6 +61,12 @@ pub struct RunArgs {
     /// vCPU and the disk come from the snapshot; the script runs after it.
     #[arg(long, value_name = "DIR")]
     pub restore: Option<PathBuf>,
+    /// Share the pages this VM has in common with other VMs through the memory pool at
+    /// SOCKET (`uffd-pager serve --memory-pool --socket SOCKET`): between commands the VM
+    /// offers its pages' hashes and maps the pool's copy over identical ones (reads shared, a
+    /// write makes a private copy). Anon RAM only; not with cold compression or offload.
+    #[arg(long = "vm-memory-pool", value_name = "SOCKET")]
+    pub memory_pool: Option<PathBuf>,
     /// Guest RAM mapping: anon (private anonymous, default) or memfd (shared memfd).
     #[arg(long = "vm-ram-backing", value_name = "KIND")]
     pub ram_backing: Option<String>,
@@ -109,6 +115,7 @@ struct ConfigVm {
     ram_backing: Option<String>,
     ram_codec: Option<String>,
     restore: Option<PathBuf>,
+    memory_pool: Option<PathBuf>,
     disk: Option<PathBuf>,
     cgroup: Option<PathBuf>,
     pager_threads: Option<usize>,
@@ -135,6 +142,7 @@ pub struct Resolved {
     pub cold: Option<uffd_pager::cold::ColdConfig>,
     pub dedup: Option<vmm::dedup::DedupOptions>,
     pub restore: Option<PathBuf>,
+    pub pool: Option<PathBuf>,
 }
 
 fn read_config(path: &Path) -> Result<ConfigVm, String> {
@@ -248,6 +256,19 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
             ));
         }
     }
+    let pool = args
+        .memory_pool
+        .clone()
+        .or(config.memory_pool)
+        .map(std::path::absolute)
+        .transpose()
+        .map_err(|e| format!("--vm-memory-pool: {e}"))?;
+    if pool.is_some() && (cold || restore.is_some() || ram_backing != RamKind::Anon) {
+        return Err(
+            "--vm-memory-pool works on anon RAM, without --vm-cold-ram-compression or --restore"
+                .into(),
+        );
+    }
     if cold && restore.is_some() {
         return Err(
             "--vm-cold-ram-compression works on anon and memfd RAM, not on a restored \
@@ -343,6 +364,7 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
         cold,
         dedup,
         restore,
+        pool,
         memory,
         vcpus: args.vcpus.or(config.vcpus).unwrap_or(1),
         ram_backing,

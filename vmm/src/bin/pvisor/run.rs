@@ -65,6 +65,7 @@ pub fn run(args: RunArgs) -> CliResult {
             cold: resolved.cold,
             dedup: resolved.dedup,
             restore: resolved.restore.clone(),
+            pool: resolved.pool.clone(),
         },
         temporary_disk: resolved.disk.is_none(),
         job,
@@ -170,7 +171,20 @@ fn vm_main(spec: Spec) -> CliResult {
     }
     let stay = spec.detached || commands.last() == Some(&Command::Idle);
     if stay && !failed {
-        while let Ok((method, reply)) = rx.recv() {
+        loop {
+            // Between commands the memory pool and the KSM governor get their ticks.
+            let next = match vm.background_wait() {
+                Some(wait) => rx.recv_timeout(wait),
+                None => rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
+            };
+            let (method, reply) = match next {
+                Ok(job) => job,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    vm.background_tick();
+                    continue;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            };
             let stop = method == Method::Stop;
             let _ = reply.send(handle(&mut vm, &identity, started, method));
             if stop {

@@ -1,0 +1,731 @@
+//! The memory pool: one copy of the pages that independently started VMs have in common,
+//! shared read-only, copied on write.
+//!
+//! The pool is a daemon (`uffd-pager serve --memory-pool --socket S`) holding one sealed
+//! memfd laid out like guest RAM: page `i` of the memfd is a content some VMs hold at guest
+//! page `i`. A VM attaches, gets a read-only descriptor of the memfd, and from time to time,
+//! while its vCPU is stopped, offers the hashes of the pages it has written. When two VMs offer
+//! the same hash at the same page, the daemon reads the page from the VM that offered it
+//! (`process_vm_readv`), checks the hash, writes it into the memfd and tells the VM to merge:
+//! the VM compares its page with the pool's byte for byte and maps the pool over it
+//! (`MAP_PRIVATE | MAP_FIXED` of the memfd, a run of pages at a time). Reads then share the
+//! pool's page; a write gives the VM a private copy, which it reports on its next offer so
+//! that the daemon can drop pages nobody maps any more.
+//!
+//! A pool page is written once, into a hole, and never changed while any VM maps it: a VM can
+//! never read bytes other than its own. If the daemon dies, the memfd lives on in the VMs'
+//! mappings, so they keep running with the right data; they only stop merging.
+//!
+//! Unique pages never enter the pool: the daemon keeps one (hash, VM) candidate per page
+//! index, bounded by [`MAX_CANDIDATES`].
+
+use std::collections::{HashMap, HashSet};
+use std::fs::File;
+use std::io::{BufRead, BufReader, IoSlice, Write};
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::fs::FileExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nix::sys::socket::{
+    getsockopt, recvmsg, sendmsg, sockopt, ControlMessage, ControlMessageOwned, MsgFlags,
+};
+
+/// Bytes of the pool's memfd: the largest guest RAM.
+pub const POOL_SIZE: u64 = 4 << 30;
+/// Candidates (page index → one VM's hash) the daemon remembers at most.
+pub const MAX_CANDIDATES: usize = 4 << 20;
+const PAGE: u64 = 4096;
+
+/// Errors of the pool.
+#[derive(Debug, thiserror::Error)]
+pub enum PoolError {
+    /// A system call failed.
+    #[error("memory pool: cannot {op}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// The system error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The other side broke the protocol or refused.
+    #[error("memory pool: {0}")]
+    Protocol(String),
+}
+
+fn io(op: &'static str) -> impl FnOnce(std::io::Error) -> PoolError {
+    move |source| PoolError::Io { op, source }
+}
+
+fn errno(op: &'static str) -> impl FnOnce(nix::errno::Errno) -> PoolError {
+    move |e| PoolError::Io {
+        op,
+        source: std::io::Error::from(e),
+    }
+}
+
+/// A request, one JSON line.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    /// Join the pool; the reply carries the memfd, read-only.
+    Attach {
+        /// Where the VM's guest RAM starts in its address space.
+        ram_base: u64,
+        /// Bytes of guest RAM.
+        memory: u64,
+    },
+    /// Pages the VM holds privately, `(page index, xxh3-64 of its bytes)`, and pages it
+    /// mapped from the pool but no longer does (written since).
+    Offer {
+        /// Private pages.
+        pages: Vec<(u64, u64)>,
+        /// Pool pages it stopped using.
+        released: Vec<u64>,
+    },
+    /// The pages of the last reply's `merge` the VM now maps from the pool.
+    Merged {
+        /// Page indices.
+        pages: Vec<u64>,
+    },
+}
+
+/// A reply, one JSON line.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub struct Reply {
+    /// The request failed: why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// Pages whose content the pool holds with the offered hash: compare, then map.
+    #[serde(default)]
+    pub merge: Vec<u64>,
+    /// The pool's counters after the request.
+    #[serde(default)]
+    pub stats: PoolStats,
+}
+
+/// The daemon's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PoolStats {
+    /// VMs attached now.
+    pub vms: u64,
+    /// Pages in the pool.
+    pub pool_pages: u64,
+    /// Mappings of pool pages by VMs (what the pool saves is `references - pool_pages`).
+    pub references: u64,
+    /// Candidates remembered.
+    pub candidates: u64,
+    /// Pages read from VMs into the pool.
+    pub adopted: u64,
+    /// Pages whose bytes did not match the hash offered (changed while read): not pooled.
+    pub mismatched: u64,
+    /// Pool pages dropped after their last VM let go.
+    pub dropped: u64,
+}
+
+struct PoolPage {
+    hash: u64,
+    refs: u64,
+}
+
+#[derive(Default)]
+struct Conn {
+    pid: i32,
+    /// The process's start time, to tell a reused pid apart.
+    start: Option<u64>,
+    ram_base: u64,
+    pages: u64,
+    merged: HashSet<u64>,
+    pending: HashSet<u64>,
+}
+
+#[derive(Default)]
+struct State {
+    pages: HashMap<u64, PoolPage>,
+    candidates: HashMap<u64, (u64, u64)>,
+    conns: HashMap<u64, Conn>,
+    /// VMs whose connection closed while their process still runs: they may still map
+    /// their pool pages, so the references stay until the process is gone.
+    orphans: Vec<Conn>,
+    next_conn: u64,
+    stats: PoolStats,
+}
+
+/// The pool daemon.
+#[derive(Debug)]
+pub struct PoolServer {
+    listener: UnixListener,
+    socket: PathBuf,
+    inner: Arc<Inner>,
+}
+
+impl Drop for PoolServer {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+struct Inner {
+    memfd: File,
+    read_only: File,
+    state: Mutex<State>,
+    streams: Mutex<Vec<UnixStream>>,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inner").finish_non_exhaustive()
+    }
+}
+
+impl PoolServer {
+    /// Creates the pool's memfd and listens on `socket` (a stale socket file is replaced).
+    pub fn bind(socket: &Path) -> Result<Self, PoolError> {
+        // SAFETY: memfd_create with a valid name; the result is checked.
+        let fd = unsafe {
+            libc::memfd_create(
+                c"pvisor-memory-pool".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
+        if fd < 0 {
+            return Err(io("create the pool's memfd")(
+                std::io::Error::last_os_error(),
+            ));
+        }
+        // SAFETY: a fresh descriptor nobody else owns.
+        let memfd = unsafe { File::from_raw_fd(fd) };
+        memfd
+            .set_len(POOL_SIZE)
+            .map_err(io("size the pool's memfd"))?;
+        // Size-sealed: a VM's mapping can never lose its pages to a truncation.
+        // SAFETY: fcntl on our own descriptor with integer arguments.
+        let rc = unsafe {
+            libc::fcntl(
+                memfd.as_raw_fd(),
+                libc::F_ADD_SEALS,
+                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
+            )
+        };
+        if rc != 0 {
+            return Err(io("seal the pool's memfd")(std::io::Error::last_os_error()));
+        }
+        // VMs get a descriptor that cannot write the pool.
+        let read_only = File::open(format!("/proc/self/fd/{}", memfd.as_raw_fd()))
+            .map_err(io("reopen the pool's memfd read-only"))?;
+        if std::fs::symlink_metadata(socket).is_ok() {
+            let _ = std::fs::remove_file(socket);
+        }
+        let listener = UnixListener::bind(socket).map_err(io("listen on the socket"))?;
+        // Only this user's VMs may join (the daemon reads their memory).
+        std::fs::set_permissions(socket, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .map_err(io("restrict the socket to its owner"))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(io("make the socket non-blocking"))?;
+        Ok(Self {
+            listener,
+            socket: socket.to_path_buf(),
+            inner: Arc::new(Inner {
+                memfd,
+                read_only,
+                state: Mutex::new(State::default()),
+                streams: Mutex::new(Vec::new()),
+            }),
+        })
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> PoolStats {
+        self.inner.lock().stats
+    }
+
+    /// Bytes the pool's memfd holds.
+    pub fn allocated_bytes(&self) -> u64 {
+        self.inner
+            .memfd
+            .metadata()
+            .map_or(0, |m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
+    }
+
+    /// Accepts VMs until `stop`; each is served on its own thread.
+    pub fn run(&self, stop: &AtomicBool) {
+        while !stop.load(Ordering::Relaxed) {
+            match self.listener.accept() {
+                Ok((stream, _)) => {
+                    if let Ok(clone) = stream.try_clone() {
+                        self.inner
+                            .streams
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .push(clone);
+                    }
+                    let inner = Arc::clone(&self.inner);
+                    std::thread::spawn(move || inner.serve(stream));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => {
+                    tracing::warn!("memory pool: accept failed: {e}");
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        }
+    }
+}
+
+/// The daemon's main loop: listens on `socket`, prints its path on stdout once it does, and
+/// serves until SIGINT or SIGTERM (blocked here for the whole process, so call it before any
+/// other thread starts). VMs that mapped pool pages keep them after it returns.
+pub fn run_daemon(socket: &Path) -> Result<PoolStats, PoolError> {
+    use nix::sys::signal::{SigSet, Signal};
+    let mut signals = SigSet::empty();
+    signals.add(Signal::SIGINT);
+    signals.add(Signal::SIGTERM);
+    signals
+        .thread_block()
+        .map_err(errno("block SIGINT and SIGTERM"))?;
+    let server = PoolServer::bind(socket)?;
+    println!("{}", socket.display());
+    std::io::stdout().flush().map_err(io("write to stdout"))?;
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let accept = scope.spawn(|| server.run(&stop));
+        let waited = signals.wait();
+        stop.store(true, Ordering::Relaxed);
+        let _ = accept.join();
+        waited.map_err(errno("wait for a signal"))?;
+        Ok(server.stats())
+    })
+}
+
+impl PoolServer {
+    /// Closes every VM's connection (what the daemon's exit does): VMs keep the pages they
+    /// mapped and stop merging.
+    pub fn disconnect_all(&self) {
+        let streams = std::mem::take(
+            &mut *self
+                .inner
+                .streams
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        for stream in streams {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn serve(&self, stream: UnixStream) {
+        let Ok(peer) = getsockopt(&stream, sockopt::PeerCredentials) else {
+            return;
+        };
+        let id = {
+            let mut state = self.lock();
+            state.next_conn += 1;
+            let id = state.next_conn;
+            state.conns.insert(
+                id,
+                Conn {
+                    pid: peer.pid(),
+                    start: process_start(peer.pid()),
+                    ..Conn::default()
+                },
+            );
+            state.stats.vms += 1;
+            id
+        };
+        if let Err(e) = self.conversation(id, &stream) {
+            tracing::debug!("memory pool: VM {id} left: {e}");
+        }
+        self.detach(id);
+    }
+
+    fn conversation(&self, id: u64, stream: &UnixStream) -> Result<(), PoolError> {
+        let mut reader = BufReader::new(stream.try_clone().map_err(io("clone the socket"))?);
+        let mut writer = stream;
+        let mut line = String::new();
+        loop {
+            line.clear();
+            if reader.read_line(&mut line).map_err(io("read a request"))? == 0 {
+                return Ok(());
+            }
+            let request: Request = match serde_json::from_str(&line) {
+                Ok(r) => r,
+                Err(e) => {
+                    let reply = Reply {
+                        error: Some(format!("bad request: {e}")),
+                        ..Reply::default()
+                    };
+                    send_line(writer, &reply, None)?;
+                    continue;
+                }
+            };
+            match request {
+                Request::Attach { ram_base, memory } => {
+                    let reply = if memory > POOL_SIZE || memory % PAGE != 0 {
+                        Reply {
+                            error: Some(format!(
+                                "{memory} bytes of RAM: the pool serves page multiples up to {POOL_SIZE}"
+                            )),
+                            ..Reply::default()
+                        }
+                    } else {
+                        let mut state = self.lock();
+                        let conn = state.conns.get_mut(&id).expect("this connection");
+                        conn.ram_base = ram_base;
+                        conn.pages = memory / PAGE;
+                        Reply {
+                            stats: state.stats,
+                            ..Reply::default()
+                        }
+                    };
+                    let fd = reply.error.is_none().then(|| self.read_only.as_raw_fd());
+                    send_line(writer, &reply, fd)?;
+                }
+                Request::Offer { pages, released } => {
+                    let reply = self.offer(id, &pages, &released);
+                    send_line(writer, &reply, None)?;
+                }
+                Request::Merged { pages } => {
+                    let reply = self.merged(id, &pages);
+                    send_line(writer, &reply, None)?;
+                }
+            }
+            writer.flush().map_err(io("write a reply"))?;
+        }
+    }
+
+    fn offer(&self, id: u64, pages: &[(u64, u64)], released: &[u64]) -> Reply {
+        let mut state = self.lock();
+        let (pid, ram_base, limit) = match state.conns.get(&id) {
+            Some(c) if c.pages > 0 => (c.pid, c.ram_base, c.pages),
+            _ => {
+                return Reply {
+                    error: Some("attach first".into()),
+                    ..Reply::default()
+                }
+            }
+        };
+        self.collect_orphans(&mut state);
+        for &page in released {
+            let had = state
+                .conns
+                .get_mut(&id)
+                .is_some_and(|c| c.merged.remove(&page));
+            if had {
+                self.unref(&mut state, page);
+            }
+        }
+        let mut merge = Vec::new();
+        let mut buf = vec![0u8; PAGE as usize];
+        for &(page, hash) in pages {
+            if page >= limit {
+                continue;
+            }
+            if let Some(pooled) = state.pages.get(&page) {
+                if pooled.hash == hash {
+                    merge.push(page);
+                }
+                continue;
+            }
+            match state.candidates.get(&page).copied() {
+                Some((theirs, other)) if theirs == hash && other != id => {
+                    // A second VM holds the same bytes here: pool them, read from this VM
+                    // (stopped while it waits for this reply).
+                    if read_remote(pid, ram_base + page * PAGE, &mut buf).is_err()
+                        || xxhash_rust::xxh3::xxh3_64(&buf) != hash
+                    {
+                        state.stats.mismatched += 1;
+                        continue;
+                    }
+                    if self.memfd.write_all_at(&buf, page * PAGE).is_err() {
+                        continue;
+                    }
+                    state.candidates.remove(&page);
+                    state.pages.insert(page, PoolPage { hash, refs: 0 });
+                    state.stats.adopted += 1;
+                    merge.push(page);
+                }
+                Some(_) => {
+                    state.candidates.insert(page, (hash, id));
+                }
+                None if state.candidates.len() < MAX_CANDIDATES => {
+                    state.candidates.insert(page, (hash, id));
+                }
+                None => {}
+            }
+        }
+        if let Some(conn) = state.conns.get_mut(&id) {
+            conn.pending.extend(merge.iter().copied());
+        }
+        state.stats.pool_pages = state.pages.len() as u64;
+        state.stats.candidates = state.candidates.len() as u64;
+        Reply {
+            merge,
+            stats: state.stats,
+            ..Reply::default()
+        }
+    }
+
+    fn merged(&self, id: u64, pages: &[u64]) -> Reply {
+        let mut state = self.lock();
+        let Some(conn) = state.conns.get_mut(&id) else {
+            return Reply::default();
+        };
+        let pending = std::mem::take(&mut conn.pending);
+        let mut added = Vec::new();
+        for &page in pages {
+            if pending.contains(&page) && conn.merged.insert(page) {
+                added.push(page);
+            }
+        }
+        for page in &added {
+            if let Some(p) = state.pages.get_mut(page) {
+                p.refs += 1;
+                state.stats.references += 1;
+            }
+        }
+        // Adopted for this VM but not taken: nobody maps them.
+        let taken: HashSet<u64> = pages.iter().copied().collect();
+        for page in pending.difference(&taken) {
+            if state.pages.get(page).is_some_and(|p| p.refs == 0) {
+                self.drop_page(&mut state, *page);
+            }
+        }
+        Reply {
+            stats: state.stats,
+            ..Reply::default()
+        }
+    }
+
+    fn unref(&self, state: &mut State, page: u64) {
+        let Some(p) = state.pages.get_mut(&page) else {
+            return;
+        };
+        p.refs = p.refs.saturating_sub(1);
+        state.stats.references = state.stats.references.saturating_sub(1);
+        if p.refs == 0 {
+            self.drop_page(state, page);
+        }
+    }
+
+    fn drop_page(&self, state: &mut State, page: u64) {
+        state.pages.remove(&page);
+        let _ = crate::offload::punch_hole(&self.memfd, page * PAGE, PAGE);
+        state.stats.dropped += 1;
+        state.stats.pool_pages = state.pages.len() as u64;
+    }
+
+    fn detach(&self, id: u64) {
+        let mut state = self.lock();
+        let Some(conn) = state.conns.remove(&id) else {
+            return;
+        };
+        state.stats.vms -= 1;
+        state.candidates.retain(|_, (_, owner)| *owner != id);
+        state.stats.candidates = state.candidates.len() as u64;
+        // A page is dropped (its hole punched, which every mapping of it sees) only once no
+        // live process can map it: a VM whose connection broke may still run.
+        if conn.start.is_some() && process_start(conn.pid) == conn.start {
+            state.orphans.push(conn);
+        } else {
+            self.release_conn(&mut state, conn);
+        }
+        self.collect_orphans(&mut state);
+    }
+
+    fn release_conn(&self, state: &mut State, conn: Conn) {
+        for page in conn.merged {
+            self.unref(state, page);
+        }
+        for page in conn.pending {
+            if state.pages.get(&page).is_some_and(|p| p.refs == 0) {
+                self.drop_page(state, page);
+            }
+        }
+    }
+
+    /// Lets go of the references of orphaned VMs whose process has ended.
+    fn collect_orphans(&self, state: &mut State) {
+        let (gone, alive): (Vec<Conn>, Vec<Conn>) = std::mem::take(&mut state.orphans)
+            .into_iter()
+            .partition(|c| process_start(c.pid) != c.start);
+        state.orphans = alive;
+        for conn in gone {
+            self.release_conn(state, conn);
+        }
+    }
+}
+
+fn send_line(stream: &UnixStream, reply: &Reply, fd: Option<i32>) -> Result<(), PoolError> {
+    let mut text = serde_json::to_vec(reply).expect("a reply serializes");
+    text.push(b'\n');
+    let fds;
+    let control: &[ControlMessage<'_>] = match fd {
+        Some(fd) => {
+            fds = [fd];
+            &[ControlMessage::ScmRights(&fds)]
+        }
+        None => &[],
+    };
+    let mut sent = sendmsg::<()>(
+        stream.as_raw_fd(),
+        &[IoSlice::new(&text)],
+        control,
+        MsgFlags::empty(),
+        None,
+    )
+    .map_err(errno("send a reply"))?;
+    let mut stream = stream;
+    while sent < text.len() {
+        let n = stream.write(&text[sent..]).map_err(io("send a reply"))?;
+        sent += n;
+    }
+    Ok(())
+}
+
+/// The start time of a process (field 22 of `/proc/PID/stat`), `None` if it is gone.
+fn process_start(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Reads `buf.len()` bytes at `addr` of process `pid`.
+fn read_remote(pid: i32, addr: u64, buf: &mut [u8]) -> std::io::Result<()> {
+    let local = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let remote = libc::iovec {
+        iov_base: usize::try_from(addr).map_err(|_| std::io::ErrorKind::InvalidInput)?
+            as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
+    // SAFETY: the local iovec covers `buf`, alive across the call; the remote one is read by
+    // the kernel on the other process's behalf.
+    let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
+    if usize::try_from(n).ok() == Some(buf.len()) {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// A VM's connection to the pool.
+#[derive(Debug)]
+pub struct PoolClient {
+    socket: PathBuf,
+    stream: UnixStream,
+    reader: BufReader<UnixStream>,
+    pool: File,
+}
+
+impl PoolClient {
+    /// Attaches guest RAM at `ram_base` of `memory` bytes; gets the pool's memfd.
+    pub fn attach(socket: &Path, ram_base: u64, memory: u64) -> Result<Self, PoolError> {
+        let stream = UnixStream::connect(socket).map_err(io("connect to the pool daemon"))?;
+        let text = serde_json::to_vec(&Request::Attach { ram_base, memory })
+            .expect("a request serializes");
+        let mut writer = &stream;
+        writer
+            .write_all(&text)
+            .map_err(io("send to the pool daemon"))?;
+        writer
+            .write_all(b"\n")
+            .map_err(io("send to the pool daemon"))?;
+        // The reply line and the descriptor come in one message.
+        let mut buf = vec![0u8; 64 << 10];
+        let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+        let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+        let msg = recvmsg::<()>(
+            stream.as_raw_fd(),
+            &mut iov,
+            Some(&mut space),
+            MsgFlags::empty(),
+        )
+        .map_err(errno("read the pool daemon's reply"))?;
+        let mut fd = None;
+        for control in msg.cmsgs().map_err(errno("read the pool daemon's reply"))? {
+            if let ControlMessageOwned::ScmRights(received) = control {
+                fd = received.first().copied();
+            }
+        }
+        let len = msg.bytes;
+        let reply: Reply = serde_json::from_slice(&buf[..len])
+            .map_err(|e| PoolError::Protocol(format!("unreadable reply: {e}")))?;
+        if let Some(error) = reply.error {
+            return Err(PoolError::Protocol(error));
+        }
+        let fd = fd.ok_or_else(|| PoolError::Protocol("no memfd in the reply".into()))?;
+        // SAFETY: a descriptor just received, owned by nobody else in this process.
+        let pool = unsafe { File::from_raw_fd(fd) };
+        let reader = BufReader::new(stream.try_clone().map_err(io("clone the socket"))?);
+        Ok(Self {
+            socket: socket.to_path_buf(),
+            stream,
+            reader,
+            pool,
+        })
+    }
+
+    /// The socket it is connected to.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// The pool's memfd (read-only).
+    pub fn pool(&self) -> &File {
+        &self.pool
+    }
+
+    fn call(&mut self, request: &Request) -> Result<Reply, PoolError> {
+        let mut text = serde_json::to_vec(request).expect("a request serializes");
+        text.push(b'\n');
+        (&self.stream)
+            .write_all(&text)
+            .map_err(io("send to the pool daemon"))?;
+        let mut line = String::new();
+        if self
+            .reader
+            .read_line(&mut line)
+            .map_err(io("read the pool daemon's reply"))?
+            == 0
+        {
+            return Err(PoolError::Protocol("the pool daemon is gone".into()));
+        }
+        let reply: Reply = serde_json::from_str(&line)
+            .map_err(|e| PoolError::Protocol(format!("unreadable reply: {e}")))?;
+        match reply.error {
+            Some(error) => Err(PoolError::Protocol(error)),
+            None => Ok(reply),
+        }
+    }
+
+    /// Offers private pages and releases pool pages; returns the pages to merge.
+    pub fn offer(
+        &mut self,
+        pages: Vec<(u64, u64)>,
+        released: Vec<u64>,
+    ) -> Result<Reply, PoolError> {
+        self.call(&Request::Offer { pages, released })
+    }
+
+    /// Confirms the pages now mapped from the pool.
+    pub fn merged(&mut self, pages: Vec<u64>) -> Result<Reply, PoolError> {
+        self.call(&Request::Merged { pages })
+    }
+}
