@@ -9,27 +9,30 @@ pub fn process_pss() -> std::io::Result<u64> {
     Ok(field_kib(&text, "Pss:") * 1024)
 }
 
-/// PSS of the mapping that starts at `start`, bytes (0 if there is none).
-pub fn mapping_pss(start: u64) -> std::io::Result<u64> {
+/// PSS of the mappings inside `[start, start + len)`, bytes (guest RAM can be split into
+/// several: the memory pool maps runs of it from its memfd).
+pub fn range_pss(start: u64, len: u64) -> std::io::Result<u64> {
     let text = std::fs::read_to_string("/proc/self/smaps")?;
+    let end = start.saturating_add(len);
     let mut inside = false;
+    let mut total = 0;
     for line in text.lines() {
         if let Some((range, _)) = line.split_once(' ') {
             if let Some((lo, hi)) = range.split_once('-') {
-                if let (Ok(lo), Ok(_)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16))
+                if let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16))
                 {
-                    inside = lo == start;
+                    inside = start <= lo && hi <= end;
                     continue;
                 }
             }
         }
         if inside {
             if let Some(rest) = line.strip_prefix("Pss:") {
-                return Ok(parse_kib(rest) * 1024);
+                total += parse_kib(rest) * 1024;
             }
         }
     }
-    Ok(0)
+    Ok(total)
 }
 
 fn field_kib(text: &str, name: &str) -> u64 {
@@ -151,7 +154,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn stats_process_pss_is_positive_and_mapping_pss_finds_a_mapping() {
+    fn stats_process_pss_is_positive_and_range_pss_finds_a_mapping() {
         assert!(process_pss().unwrap() > 0);
         let data = vec![1u8; 8 << 20];
         let start = data.as_ptr() as u64;
@@ -168,8 +171,8 @@ mod tests {
             })
             .find(|&(lo, hi)| lo <= start && start < hi)
             .unwrap();
-        assert!(mapping_pss(mapping.0).unwrap() >= 7 << 20);
-        assert_eq!(mapping_pss(1).unwrap(), 0);
+        assert!(range_pss(mapping.0, mapping.1 - mapping.0).unwrap() >= 7 << 20);
+        assert_eq!(range_pss(1, 4096).unwrap(), 0);
         drop(data);
     }
 }

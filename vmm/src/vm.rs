@@ -579,7 +579,8 @@ impl Vm {
             .unwrap_or(0);
         let cold = pager.cold_stats();
         let process_pss_bytes = stats::process_pss().unwrap_or(0);
-        let guest_ram_pss_bytes = stats::mapping_pss(self.machine.ram().host_base().0).unwrap_or(0);
+        let ram = self.machine.ram();
+        let guest_ram_pss_bytes = stats::range_pss(ram.host_base().0, ram.size()).unwrap_or(0);
         let guest_ram_resident_bytes = match self.machine.ram().memfd() {
             Some(memfd) => memfd
                 .metadata()
