@@ -74,6 +74,7 @@ fn errno(op: &'static str) -> impl FnOnce(nix::errno::Errno) -> PoolError {
 #[derive(Debug, Clone, Default)]
 pub struct PageSet {
     words: Vec<u64>,
+    bound: u64,
     len: u64,
 }
 
@@ -82,13 +83,14 @@ impl PageSet {
     pub fn new(pages: u64) -> Self {
         Self {
             words: vec![0; usize::try_from(pages.div_ceil(64)).expect("a page count")],
+            bound: pages,
             len: 0,
         }
     }
 
     fn at(&self, page: u64) -> Option<(usize, u64)> {
         let word = usize::try_from(page / 64).ok()?;
-        (word < self.words.len()).then_some((word, 1 << (page % 64)))
+        (page < self.bound).then_some((word, 1 << (page % 64)))
     }
 
     /// Adds `page`; true if it was not there.
