@@ -152,7 +152,10 @@ impl Extra {
                     if content.identical() {
                         template.exec(&content.fill(settings.app, 0).to_string())?;
                     }
-                    template.call(Method::Snapshot { out: dir.clone() })?;
+                    template.call(Method::Snapshot {
+                        out: dir.clone(),
+                        codec: None,
+                    })?;
                     Ok(())
                 })();
                 vmproc::stop_all(vec![template])?;

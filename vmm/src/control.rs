@@ -49,6 +49,10 @@ pub enum Method {
     Snapshot {
         /// The snapshot's directory (must not exist).
         out: PathBuf,
+        /// Keep RAM in a compressed store with this codec (`lz4`, `zstd[:LEVEL]`) instead of a
+        /// raw image.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        codec: Option<String>,
     },
     /// Stop the VM.
     Stop,

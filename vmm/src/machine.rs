@@ -54,11 +54,20 @@ pub struct VcpuState {
     pub sregs: kvm_bindings::kvm_sregs,
 }
 
+/// Where a restored machine's RAM comes from.
+#[derive(Debug, Clone)]
+pub enum RestoreRam {
+    /// A raw image, opened read-only, mapped privately (snapshot RAM).
+    Image(std::sync::Arc<File>),
+    /// Pages the pager reads on faults (RAM of another kind, loaded lazily).
+    Source(std::sync::Arc<dyn uffd_pager::source::PageSource>),
+}
+
 /// What a restored machine starts from.
 #[derive(Debug, Clone)]
 pub struct Restore {
-    /// The sealed RAM image, opened read-only.
-    pub image: std::sync::Arc<File>,
+    /// The RAM image.
+    pub ram: RestoreRam,
     /// The vCPU's registers.
     pub vcpu: VcpuState,
     /// Application data the guest had filled.
@@ -228,18 +237,24 @@ impl Machine {
                 config.vcpus
             )));
         }
-        let ram = match &config.restore {
-            Some(restore) => {
-                GuestRam::from_image(std::sync::Arc::clone(&restore.image), config.memory)?
-            }
-            None => GuestRam::new(config.memory, config.ram_kind)?,
-        };
         // Snapshot RAM is served by its image's page cache, not by the pager: every page
-        // counts as resident.
-        let initial = if ram.kind() == RamKind::Snapshot {
-            PageState::Resident
-        } else {
-            PageState::Zero
+        // counts as resident. RAM restored from a store starts with every page in the store.
+        let (ram, initial, source) = match config.restore.as_ref().map(|r| &r.ram) {
+            Some(RestoreRam::Image(image)) => (
+                GuestRam::from_image(std::sync::Arc::clone(image), config.memory)?,
+                PageState::Resident,
+                None,
+            ),
+            Some(RestoreRam::Source(source)) => (
+                GuestRam::new(config.memory, config.ram_kind)?,
+                PageState::Source,
+                Some(std::sync::Arc::clone(source)),
+            ),
+            None => (
+                GuestRam::new(config.memory, config.ram_kind)?,
+                PageState::Zero,
+                None,
+            ),
         };
         // SAFETY: the RAM mapping outlives the pager (field order of `Machine`), and every
         // access to it goes through KVM, the pager or vm-memory, all of which tolerate the
@@ -257,7 +272,7 @@ impl Machine {
                     remove_events: false,
                     track_writes: config.track_writes,
                 },
-                None,
+                source,
                 on_fault_error,
             )
         }

@@ -3,6 +3,9 @@
 //! `pvisor snapshot JOB --out DIR` writes, between two commands of the VM:
 //! - `ram.img`: guest RAM as a raw sparse file (zero blocks are holes), the image that restored
 //!   VMs map `MAP_PRIVATE`: N VMs share its page cache and pay only for the pages they write;
+//!   or, with a codec, `ram.store/`: guest RAM in a compressed store (far smaller on disk),
+//!   which restored VMs load lazily through the pager (each VM then holds its own copy of
+//!   what it touches);
 //! - `disk.img`: a copy of the virtual disk (each restored VM gets its own copy);
 //! - `manifest.json`: the format, RAM size, the vCPU's registers, the guest's application
 //!   bytes, and an xxh3-128 digest and size of each file.
@@ -26,15 +29,17 @@ use std::time::Instant;
 
 use compressed_backing::store::{DiskStore, StoreConfig, StoreError};
 use compressed_backing::{BlockSize, CodecConfig};
+use uffd_pager::source::StoreSource;
 use uffd_pager::state::PageState;
 use vm_memory::{Bytes, GuestAddress};
 
-use crate::machine::{Machine, MachineError, Restore, VcpuState};
+use crate::machine::{Machine, MachineError, Restore, RestoreRam, VcpuState};
 use crate::memory::GuestRam;
 
 /// The manifest format this build writes and reads.
 pub const FORMAT: u32 = 1;
 const RAM: &str = "ram.img";
+const RAM_STORE: &str = "ram.store";
 const DISK: &str = "disk.img";
 const MANIFEST: &str = "manifest.json";
 /// Bytes read or written at a time.
@@ -106,6 +111,17 @@ pub struct SealedFile {
     pub xxh3_128: String,
 }
 
+/// How a snapshot keeps guest RAM.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RamFormat {
+    /// `ram.img`, raw and sparse, mapped copy-on-write by restored VMs.
+    #[default]
+    Raw,
+    /// `ram.store/`, a compressed store, loaded lazily by restored VMs' pagers.
+    Store,
+}
+
 /// `manifest.json`.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Manifest {
@@ -119,8 +135,11 @@ pub struct Manifest {
     pub app_bytes: u64,
     /// The vCPU's registers.
     pub vcpu: VcpuState,
-    /// The RAM image.
+    /// The RAM image (for a store, the digest is of the image it holds).
     pub ram: SealedFile,
+    /// How the RAM image is kept.
+    #[serde(default)]
+    pub ram_format: RamFormat,
     /// The virtual disk.
     pub disk: SealedFile,
     /// Seconds since the epoch when it was taken.
@@ -159,6 +178,15 @@ impl Digest {
         self.bytes += data.len() as u64;
     }
 
+    fn update_zeros(&mut self, mut len: usize) {
+        const ZEROS: [u8; 4096] = [0; 4096];
+        while len > 0 {
+            let n = len.min(ZEROS.len());
+            self.update(&ZEROS[..n]);
+            len -= n;
+        }
+    }
+
     fn seal(self, name: &str) -> SealedFile {
         SealedFile {
             name: name.to_owned(),
@@ -168,8 +196,14 @@ impl Digest {
     }
 }
 
-/// Writes a sealed snapshot of `machine` (between commands) to `out`, which must not exist.
-pub fn write(machine: &Machine, vcpus: u32, out: &Path) -> Result<SnapshotReport, SnapshotError> {
+/// Writes a sealed snapshot of `machine` (between commands) to `out`, which must not exist:
+/// RAM raw, or into a compressed store with `codec`.
+pub fn write(
+    machine: &Machine,
+    vcpus: u32,
+    out: &Path,
+    codec: Option<CodecConfig>,
+) -> Result<SnapshotReport, SnapshotError> {
     let started = Instant::now();
     if std::fs::symlink_metadata(out).is_ok() {
         return Err(SnapshotError::Exists(out.to_path_buf()));
@@ -177,16 +211,17 @@ pub fn write(machine: &Machine, vcpus: u32, out: &Path) -> Result<SnapshotReport
     let partial = out.with_extension(format!("partial-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&partial);
     std::fs::create_dir_all(&partial).map_err(io("create", &partial))?;
-    let result = write_into(machine, vcpus, &partial).and_then(|(ram_data_bytes, disk_bytes)| {
-        seal(&partial)?;
-        std::fs::rename(&partial, out).map_err(io("rename into place", out))?;
-        if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
-            File::open(parent)
-                .and_then(|d| d.sync_all())
-                .map_err(io("sync", parent))?;
-        }
-        Ok((ram_data_bytes, disk_bytes))
-    });
+    let result =
+        write_into(machine, vcpus, &partial, codec).and_then(|(ram_data_bytes, disk_bytes)| {
+            seal(&partial)?;
+            std::fs::rename(&partial, out).map_err(io("rename into place", out))?;
+            if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
+                File::open(parent)
+                    .and_then(|d| d.sync_all())
+                    .map_err(io("sync", parent))?;
+            }
+            Ok((ram_data_bytes, disk_bytes))
+        });
     match result {
         Ok((ram_data_bytes, disk_bytes)) => Ok(SnapshotReport {
             dir: out.to_path_buf(),
@@ -202,9 +237,17 @@ pub fn write(machine: &Machine, vcpus: u32, out: &Path) -> Result<SnapshotReport
 }
 
 /// Writes the three files into `dir`; returns the RAM data bytes and the disk bytes.
-fn write_into(machine: &Machine, vcpus: u32, dir: &Path) -> Result<(u64, u64), SnapshotError> {
+fn write_into(
+    machine: &Machine,
+    vcpus: u32,
+    dir: &Path,
+    codec: Option<CodecConfig>,
+) -> Result<(u64, u64), SnapshotError> {
     let ram = machine.ram();
-    let (ram_seal, ram_data_bytes) = write_ram(machine, &dir.join(RAM))?;
+    let (ram_seal, ram_data_bytes) = match codec {
+        Some(codec) => write_ram_store(machine, &dir.join(RAM_STORE), codec)?,
+        None => write_ram(machine, &dir.join(RAM))?,
+    };
     machine
         .disk()
         .sync_data()
@@ -218,6 +261,11 @@ fn write_into(machine: &Machine, vcpus: u32, dir: &Path) -> Result<(u64, u64), S
         vcpu: machine.vcpu_state()?,
         disk: disk_seal.clone(),
         ram: ram_seal,
+        ram_format: if codec.is_some() {
+            RamFormat::Store
+        } else {
+            RamFormat::Raw
+        },
         created_unix_s: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
@@ -238,24 +286,12 @@ fn write_ram(machine: &Machine, path: &Path) -> Result<(SealedFile, u64), Snapsh
     file.set_len(ram.size()).map_err(io("size", path))?;
     let mut digest = Digest::new();
     let mut buf = vec![0u8; CHUNK];
-    let zeros = vec![0u8; CHUNK];
     let mut data_bytes = 0;
     let mut gpa = 0;
     while gpa < ram.size() {
         let len = (ram.size() - gpa).min(CHUNK as u64);
         let chunk = &mut buf[..usize::try_from(len).expect("a chunk")];
-        let untouched = (gpa / PAGE..(gpa + len) / PAGE)
-            .all(|p| machine.pager().page_state(p * PAGE) == PageState::Zero);
-        if untouched {
-            digest.update(&zeros[..chunk.len()]);
-        } else {
-            ram.memory()
-                .read_slice(chunk, GuestAddress(gpa))
-                .map_err(|e| SnapshotError::GuestMemory {
-                    gpa,
-                    reason: e.to_string(),
-                })?;
-            digest.update(chunk);
+        if read_touched(machine, gpa, chunk, &mut digest)? {
             // Only pages with data are written; the rest stay holes.
             for (i, page) in chunk.chunks(PAGE as usize).enumerate() {
                 if page.iter().any(|&b| b != 0) {
@@ -269,6 +305,66 @@ fn write_ram(machine: &Machine, path: &Path) -> Result<(SealedFile, u64), Snapsh
     }
     file.sync_all().map_err(io("sync", path))?;
     Ok((digest.seal(RAM), data_bytes))
+}
+
+/// Guest RAM into a compressed store of 64 KiB blocks: blocks never touched or all zero are
+/// left out (they read as zeros).
+fn write_ram_store(
+    machine: &Machine,
+    dir: &Path,
+    codec: CodecConfig,
+) -> Result<(SealedFile, u64), SnapshotError> {
+    let ram = machine.ram();
+    let mut store = DiskStore::create(
+        dir,
+        StoreConfig {
+            block_size: BlockSize::default(),
+            codec,
+            image_size: ram.size(),
+        },
+    )?;
+    let mut buf = vec![0u8; BlockSize::default().bytes()];
+    let mut digest = Digest::new();
+    let mut data_bytes = 0;
+    for block in 0..store.blocks() {
+        let len = store.block_len(block);
+        let gpa = block * buf.len() as u64;
+        let chunk = &mut buf[..len];
+        if read_touched(machine, gpa, chunk, &mut digest)? && chunk.iter().any(|&b| b != 0) {
+            store.put(block, chunk)?;
+            data_bytes += len as u64;
+        }
+    }
+    store.commit()?;
+    Ok((digest.seal(RAM_STORE), data_bytes))
+}
+
+/// Reads the guest's bytes at `gpa` into `chunk` and adds them to `digest`, unless the pager
+/// knows every page there to be untouched: then zeros go into the digest, `chunk` is left as
+/// it is, and the answer is false.
+fn read_touched(
+    machine: &Machine,
+    gpa: u64,
+    chunk: &mut [u8],
+    digest: &mut Digest,
+) -> Result<bool, SnapshotError> {
+    let len = chunk.len() as u64;
+    let untouched = (gpa / PAGE..(gpa + len) / PAGE)
+        .all(|p| machine.pager().page_state(p * PAGE) == PageState::Zero);
+    if untouched {
+        digest.update_zeros(chunk.len());
+        return Ok(false);
+    }
+    machine
+        .ram()
+        .memory()
+        .read_slice(chunk, GuestAddress(gpa))
+        .map_err(|e| SnapshotError::GuestMemory {
+            gpa,
+            reason: e.to_string(),
+        })?;
+    digest.update(chunk);
+    Ok(true)
 }
 
 /// Copies `from` to `to` (holes stay holes where the file system allows), with its seal.
@@ -294,12 +390,22 @@ fn digest_file(path: &Path, name: &str) -> Result<SealedFile, SnapshotError> {
     Ok(digest.seal(name))
 }
 
-/// Makes the files read-only and the directory unwritable.
+/// Makes every file read-only and every directory unwritable. A store's lock file goes:
+/// readers of a store without one lock its index, which they can open read-only.
 fn seal(dir: &Path) -> Result<(), SnapshotError> {
-    for name in [RAM, DISK, MANIFEST] {
-        let path = dir.join(name);
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o444))
-            .map_err(io("seal", &path))?;
+    let _ = std::fs::remove_file(dir.join(RAM_STORE).join("lock"));
+    seal_tree(dir)
+}
+
+fn seal_tree(dir: &Path) -> Result<(), SnapshotError> {
+    for entry in std::fs::read_dir(dir).map_err(io("list", dir))? {
+        let path = entry.map_err(io("list", dir))?.path();
+        if path.is_dir() {
+            seal_tree(&path)?;
+        } else {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o444))
+                .map_err(io("seal", &path))?;
+        }
     }
     File::open(dir)
         .and_then(|d| d.sync_all())
@@ -333,35 +439,33 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, SnapshotError> {
 pub struct Snapshot {
     dir: PathBuf,
     manifest: Manifest,
-    image: Arc<File>,
+    ram: RestoreRam,
 }
 
 impl Snapshot {
     /// Opens `dir` and checks every file against the manifest's digests.
     pub fn open(dir: &Path) -> Result<Self, SnapshotError> {
         let manifest = read_manifest(dir)?;
-        for sealed in [&manifest.ram, &manifest.disk] {
-            let file = dir.join(&sealed.name);
-            let found = digest_file(&file, &sealed.name)?;
-            if found.bytes != sealed.bytes {
-                return Err(SnapshotError::Seal {
-                    path: file,
-                    what: format!("{} bytes, sealed with {}", found.bytes, sealed.bytes),
-                });
+        check_seal(&dir.join(&manifest.disk.name), &manifest.disk)?;
+        let ram_path = dir.join(&manifest.ram.name);
+        let ram = match manifest.ram_format {
+            RamFormat::Raw => {
+                check_seal(&ram_path, &manifest.ram)?;
+                RestoreRam::Image(Arc::new(
+                    File::open(&ram_path).map_err(io("open", &ram_path))?,
+                ))
             }
-            if found.xxh3_128 != sealed.xxh3_128 {
-                return Err(SnapshotError::Seal {
-                    path: file,
-                    what: format!("xxh3-128 {}, sealed as {}", found.xxh3_128, sealed.xxh3_128),
-                });
+            RamFormat::Store => {
+                let store = DiskStore::open_read_only(&ram_path)?;
+                let found = digest_store(&store)?;
+                compare_seal(&ram_path, &found, &manifest.ram)?;
+                RestoreRam::Source(Arc::new(StoreSource::new(store)))
             }
-        }
-        let ram_path = dir.join(RAM);
-        let image = File::open(&ram_path).map_err(io("open", &ram_path))?;
+        };
         Ok(Self {
             dir: dir.to_path_buf(),
             manifest,
-            image: Arc::new(image),
+            ram,
         })
     }
 
@@ -377,11 +481,44 @@ impl Snapshot {
         std::fs::set_permissions(disk, std::fs::Permissions::from_mode(0o600))
             .map_err(io("make writable", disk))?;
         Ok(Restore {
-            image: Arc::clone(&self.image),
+            ram: self.ram.clone(),
             vcpu: self.manifest.vcpu.clone(),
             filled: self.manifest.app_bytes,
         })
     }
+}
+
+/// Checks a file against its seal.
+fn check_seal(path: &Path, sealed: &SealedFile) -> Result<(), SnapshotError> {
+    compare_seal(path, &digest_file(path, &sealed.name)?, sealed)
+}
+
+fn compare_seal(path: &Path, found: &SealedFile, sealed: &SealedFile) -> Result<(), SnapshotError> {
+    if found.bytes != sealed.bytes {
+        return Err(SnapshotError::Seal {
+            path: path.to_path_buf(),
+            what: format!("{} bytes, sealed with {}", found.bytes, sealed.bytes),
+        });
+    }
+    if found.xxh3_128 != sealed.xxh3_128 {
+        return Err(SnapshotError::Seal {
+            path: path.to_path_buf(),
+            what: format!("xxh3-128 {}, sealed as {}", found.xxh3_128, sealed.xxh3_128),
+        });
+    }
+    Ok(())
+}
+
+/// The digest of the image a store holds (every block read, checked and decoded).
+fn digest_store(store: &DiskStore) -> Result<SealedFile, SnapshotError> {
+    let mut digest = Digest::new();
+    let mut buf = vec![0u8; store.block_size().bytes()];
+    for block in 0..store.blocks() {
+        let chunk = &mut buf[..store.block_len(block)];
+        store.get(block, chunk)?;
+        digest.update(chunk);
+    }
+    Ok(digest.seal(RAM_STORE))
 }
 
 /// What offloading a restored VM's private pages did.

@@ -235,12 +235,22 @@ impl Vm {
         let restore = match &options.restore {
             Some(dir) => {
                 // The cheap checks first, then every byte against the seal.
-                let memory = snapshot::read_manifest(dir)?.memory;
-                if memory != options.memory || options.ram_backing != RamKind::Snapshot {
+                let manifest = snapshot::read_manifest(dir)?;
+                let memory = manifest.memory;
+                // A raw image is mapped (snapshot RAM); a store is loaded into anon or memfd RAM.
+                let kind_fits = (manifest.ram_format == snapshot::RamFormat::Raw)
+                    == (options.ram_backing == RamKind::Snapshot);
+                if memory != options.memory || !kind_fits {
                     return Err(VmError::State(format!(
-                        "the snapshot at {} has {memory} bytes of RAM: restore it with that \
-                         size and snapshot RAM",
-                        dir.display()
+                        "the snapshot at {} has {memory} bytes of RAM, kept {:?}: restore it with \
+                         that size and {} RAM",
+                        dir.display(),
+                        manifest.ram_format,
+                        if manifest.ram_format == snapshot::RamFormat::Raw {
+                            "snapshot"
+                        } else {
+                            "anon or memfd"
+                        }
                     )));
                 }
                 Some(Snapshot::open(dir)?.restore(&options.disk)?)
@@ -554,15 +564,20 @@ impl Vm {
         })
     }
 
-    /// Writes a sealed snapshot of the VM to `out` (which must not exist). The VM must not be
-    /// offloaded; it goes on as it was.
-    pub fn snapshot(&self, out: &Path) -> Result<SnapshotReport, VmError> {
+    /// Writes a sealed snapshot of the VM to `out` (which must not exist), RAM raw or, with a
+    /// codec, compressed. The VM must not be offloaded; it goes on as it was.
+    pub fn snapshot(&self, out: &Path, codec: Option<Codec>) -> Result<SnapshotReport, VmError> {
         if self.state == VmState::Offloaded {
             return Err(VmError::State(
                 "the VM is offloaded: resume it before taking a snapshot".into(),
             ));
         }
-        Ok(snapshot::write(&self.machine, self.options.vcpus, out)?)
+        Ok(snapshot::write(
+            &self.machine,
+            self.options.vcpus,
+            out,
+            codec.map(CodecConfig::new),
+        )?)
     }
 
     /// What the VM costs and how its pager is doing.

@@ -740,6 +740,15 @@ fn cli_snapshot_restores_continue_share_and_offload() {
     );
     restored[0].call("resume", &[]);
     assert_eq!(restored[0].digest(), written);
+    // A compressed snapshot of a restored VM, restored in turn (into anon RAM, lazily).
+    let packed = r.join("packed");
+    let packed_arg = packed.to_str().unwrap();
+    let err = restored[1].call_fails("snapshot", &["--out", packed_arg, "--codec", "zip"]);
+    assert!(err.contains("--codec"), "{err}");
+    restored[1].call("snapshot", &["--out", packed_arg, "--codec", "zstd"]);
+    assert!(packed.join("ram.store").is_dir());
+    let again = Detached::start(r, &["--restore", packed_arg], "idle");
+    assert_eq!(again.digest(), digest);
     // What a restore refuses.
     let err = fails(
         r,

@@ -62,7 +62,7 @@ fn snapshot_restores_continue_share_the_image_and_keep_writes_apart() {
     exec(&mut origin, "fill 64MiB random seed=21; task");
     let sealed_digest = digest(&mut origin);
     let snap = dir.path().join("snap");
-    let report = origin.snapshot(&snap).unwrap();
+    let report = origin.snapshot(&snap, None).unwrap();
     assert!(report.ram_data_bytes >= 64 * MIB, "{report:?}");
     // Sealed: read-only files in a read-only directory; never written over.
     for name in ["ram.img", "disk.img", "manifest.json"] {
@@ -77,7 +77,7 @@ fn snapshot_restores_continue_share_the_image_and_keep_writes_apart() {
         0o555
     );
     assert!(matches!(
-        origin.snapshot(&snap),
+        origin.snapshot(&snap, None),
         Err(VmError::Snapshot(vmm::snapshot::SnapshotError::Exists(_)))
     ));
 
@@ -108,7 +108,7 @@ fn snapshot_restores_continue_share_the_image_and_keep_writes_apart() {
     assert_eq!(digest(&mut origin), sealed_digest);
     // A restored VM can be snapshotted in turn.
     let again = dir.path().join("again");
-    restored[0].snapshot(&again).unwrap();
+    restored[0].snapshot(&again, None).unwrap();
     let mut second = restore(dir.path(), "second", &again);
     assert_eq!(digest(&mut second), written);
 }
@@ -122,7 +122,7 @@ fn snapshot_restored_vm_offloads_only_the_pages_it_wrote() {
     let mut origin = Vm::start(options(dir.path(), "origin", RamKind::Anon, None)).unwrap();
     exec(&mut origin, "fill 64MiB random seed=22");
     let snap = dir.path().join("snap");
-    origin.snapshot(&snap).unwrap();
+    origin.snapshot(&snap, None).unwrap();
     drop(origin);
     let mut vm = restore(dir.path(), "vm", &snap);
     let rewritten = exec(&mut vm, "rewrite 10 seed=9")[0].pages.unwrap();
@@ -173,7 +173,7 @@ fn snapshot_of_cold_compressed_ram_restores_intact() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let snap = dir.path().join("snap");
-    vm.snapshot(&snap).unwrap();
+    vm.snapshot(&snap, None).unwrap();
     let mut restored = restore(dir.path(), "restored", &snap);
     assert_eq!(digest(&mut restored), expected);
 }
@@ -187,7 +187,7 @@ fn snapshot_changed_or_unusable_is_refused_with_the_reason() {
     let mut origin = Vm::start(options(dir.path(), "origin", RamKind::Anon, None)).unwrap();
     exec(&mut origin, "fill 8MiB random seed=23");
     let snap = dir.path().join("snap");
-    origin.snapshot(&snap).unwrap();
+    origin.snapshot(&snap, None).unwrap();
     // One byte of the image changed (root may write a read-only file).
     let image = snap.join("ram.img");
     let file = std::fs::OpenOptions::new()
@@ -214,6 +214,55 @@ fn snapshot_changed_or_unusable_is_refused_with_the_reason() {
     assert!(err.to_string().contains("bytes of RAM"), "{err}");
     // An offloaded VM is resumed before a snapshot.
     origin.suspend(true, None).unwrap();
-    let err = origin.snapshot(&dir.path().join("later")).unwrap_err();
+    let err = origin
+        .snapshot(&dir.path().join("later"), None)
+        .unwrap_err();
     assert!(err.to_string().contains("resume it"), "{err}");
+}
+
+#[test]
+fn snapshot_compressed_is_small_and_restores_lazily() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut origin = Vm::start(options(dir.path(), "origin", RamKind::Anon, None)).unwrap();
+    exec(&mut origin, "fill 64MiB repeated seed=24");
+    let expected = digest(&mut origin);
+    let snap = dir.path().join("snap");
+    origin
+        .snapshot(&snap, Some(compressed_backing::Codec::Lz4))
+        .unwrap();
+    let manifest = vmm::snapshot::read_manifest(&snap).unwrap();
+    assert_eq!(manifest.ram_format, vmm::snapshot::RamFormat::Store);
+    // 64 MiB of one motif: a few hundred KiB on disk.
+    let on_disk: u64 = std::fs::read_dir(snap.join("ram.store"))
+        .unwrap()
+        .map(|e| compressed_backing::store::allocated_bytes(&e.unwrap().path()))
+        .sum();
+    assert!(on_disk < 4 << 20, "{on_disk} bytes on disk");
+    // Loaded lazily into anon RAM, twice, and offloaded again like any anon VM.
+    let mut vms: Vec<Vm> = (0..2)
+        .map(|i| {
+            Vm::start(options(
+                dir.path(),
+                &format!("r{i}"),
+                RamKind::Anon,
+                Some(&snap),
+            ))
+            .unwrap()
+        })
+        .collect();
+    for vm in &mut vms {
+        assert_eq!(digest(vm), expected);
+    }
+    exec(&mut vms[0], "rewrite 10 seed=2");
+    let written = digest(&mut vms[0]);
+    vms[0].suspend(true, None).unwrap();
+    vms[0].resume(false).unwrap();
+    assert_eq!(digest(&mut vms[0]), written);
+    assert_eq!(digest(&mut vms[1]), expected);
+    // A raw snapshot needs snapshot RAM, a store does not take it.
+    let err = Vm::start(options(dir.path(), "bad", RamKind::Snapshot, Some(&snap))).unwrap_err();
+    assert!(err.to_string().contains("anon or memfd RAM"), "{err}");
 }

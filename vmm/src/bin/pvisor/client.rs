@@ -69,9 +69,15 @@ pub fn resume(target: &Target, eager: bool) -> CliResult {
     Ok(ExitCode::SUCCESS)
 }
 
-pub fn snapshot(target: &Target, out: &Path) -> CliResult {
+pub fn snapshot(target: &Target, out: &Path, codec: Option<String>) -> CliResult {
+    if let Some(codec) = &codec {
+        // Checked here, so that a typo is reported before the VM does anything.
+        codec
+            .parse::<compressed_backing::Codec>()
+            .map_err(|e| format!("--codec: {e}"))?;
+    }
     // The VM process resolves the path: make it absolute here, where it was meant.
     let out = std::path::absolute(out)?;
-    print(&call(target, Method::Snapshot { out })?);
+    print(&call(target, Method::Snapshot { out, codec })?);
     Ok(ExitCode::SUCCESS)
 }

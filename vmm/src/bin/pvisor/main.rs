@@ -98,6 +98,10 @@ enum Command {
         /// The snapshot's directory (must not exist).
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
+        /// Keep RAM compressed (lz4, zstd[:LEVEL]): far smaller on disk, but restored VMs load
+        /// it lazily into their own memory instead of sharing the image's page cache.
+        #[arg(long, value_name = "CODEC")]
+        codec: Option<String>,
     },
     /// Run the memory pool: pages that `pvisor run --vm-memory-pool SOCKET` VMs have in common
     /// are kept once and shared read-only, copied on write (docs/sharing.md). Prints the
@@ -140,7 +144,7 @@ fn main() -> ExitCode {
             ..
         } => client::suspend(&target, offload, ram_file.as_deref()),
         Command::Resume { target, eager, .. } => client::resume(&target, eager),
-        Command::Snapshot { target, out } => client::snapshot(&target, &out),
+        Command::Snapshot { target, out, codec } => client::snapshot(&target, &out, codec),
         Command::Serve { socket, .. } => uffd_pager::pool::run_daemon(&socket)
             .map(|_| ExitCode::SUCCESS)
             .map_err(Into::into),

@@ -226,7 +226,12 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
         "anon"
     };
     let backing = args.ram_backing.clone().or(config.ram_backing);
+    let restore_store = snapshot
+        .as_ref()
+        .is_some_and(|m| m.ram_format == vmm::snapshot::RamFormat::Store);
     let ram_backing = match (backing.as_deref(), &restore) {
+        // A compressed snapshot is loaded into anon RAM by the pager.
+        (None, Some(_)) if restore_store => RamKind::Anon,
         (None, Some(_)) => RamKind::Snapshot,
         (Some(other), Some(_)) => {
             return Err(format!(

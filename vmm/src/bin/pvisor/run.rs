@@ -233,9 +233,16 @@ fn handle(
         Method::Resume { eager } => json(serde_json::to_value(
             vm.resume(eager).map_err(|e| crate::error_chain(&e))?,
         )),
-        Method::Snapshot { out } => json(serde_json::to_value(
-            vm.snapshot(&out).map_err(|e| crate::error_chain(&e))?,
-        )),
+        Method::Snapshot { out, codec } => {
+            let codec = codec
+                .map(|c| c.parse::<compressed_backing::Codec>())
+                .transpose()
+                .map_err(|e| format!("--codec: {e}"))?;
+            json(serde_json::to_value(
+                vm.snapshot(&out, codec)
+                    .map_err(|e| crate::error_chain(&e))?,
+            ))
+        }
         Method::Stop => Ok(serde_json::json!({ "stopped": true })),
     }
 }
