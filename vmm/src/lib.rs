@@ -11,6 +11,7 @@
 //! - [`script`]: workload scripts.
 //! - [`snapshot`]: sealed snapshots, their copy-on-write restore and private-page offload.
 //! - [`stats`]: PSS and memory-cgroup readings.
+//! - [`wait`]: the wait coordinator's policy (pause, offload, resume around model waits).
 //! - [`vm`]: a VM's lifecycle (running, paused, offloaded) and operations.
 
 pub mod control;
@@ -24,3 +25,4 @@ pub mod script;
 pub mod snapshot;
 pub mod stats;
 pub mod vm;
+pub mod wait;

@@ -1,0 +1,679 @@
+//! The wait coordinator's policy (issue 7): when a VM's agent waits for the model, pause the
+//! VM, then offload it, and bring it back when the answer is there, a guest timer falls due, or
+//! something else needs it.
+//!
+//! This is the decision part only, a state machine over explicit time: it is fed events
+//! (`WaitEvent`: a request went out, its data is ready, the guest reported idle, a manual
+//! suspend or resume, an external event) and asked what is due (`tick`), and it answers with
+//! `Action`s for the VMM to carry out. Keeping it free of clocks, threads and I/O makes every
+//! rule testable with a fake clock; the sources of events (a model gateway, later downloads or
+//! file reads) sit behind [`EventSource`].
+//!
+//! Rules (all durations in [`WaitPolicy`]):
+//! - a request's wait starts at `WaitStart`; once some request has waited `pause_after` and the
+//!   guest has been idle as long, the VM is paused;
+//! - `offload_after` from that same moment (a wait with an idle guest), it is offloaded, if the
+//!   strategy allows,
+//!   if the guest's next timer is at least `min_timer_budget` away (or none is pending), and if
+//!   the last offload is at least `offload_cooldown` ago;
+//! - it is resumed when a waited-for request's data is ready (then the data is delivered),
+//!   when a guest timer falls due, or on an external event; a request may see several pause
+//!   and resume cycles;
+//! - a manual suspend owns the VM: the coordinator does nothing until the manual resume, and
+//!   data that arrives meanwhile is delivered after it, in order;
+//! - events of another VM epoch (the VM was restarted or restored since) and data for a request
+//!   that is not waiting (already delivered, or never sent) are ignored: each response is
+//!   delivered exactly once.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+/// The policy's knobs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct WaitPolicy {
+    /// Wait (with an idle guest) before pausing.
+    pub pause_after: Duration,
+    /// Wait before offloading a paused VM.
+    pub offload_after: Duration,
+    /// Offload only if the guest's next timer is at least this far away.
+    pub min_timer_budget: Duration,
+    /// Least time between two offloads.
+    pub offload_cooldown: Duration,
+    /// The strategy offloads at all (else it only pauses).
+    pub offload: bool,
+}
+
+impl Default for WaitPolicy {
+    fn default() -> Self {
+        Self {
+            pause_after: Duration::from_millis(20),
+            offload_after: Duration::from_millis(50),
+            min_timer_budget: Duration::from_secs(1),
+            offload_cooldown: Duration::from_secs(5),
+            offload: true,
+        }
+    }
+}
+
+/// What the coordinator learns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaitEvent {
+    /// The guest sent request `request` and now waits for it.
+    WaitStart {
+        /// The request's id.
+        request: u64,
+        /// The VM epoch it was sent in.
+        epoch: u64,
+    },
+    /// The data of `request` is ready to deliver.
+    DataReady {
+        /// The request's id.
+        request: u64,
+        /// The VM epoch it belongs to.
+        epoch: u64,
+    },
+    /// The guest reported idle; its next timer falls due at `timer_due`, if it has one.
+    GuestIdle {
+        /// The VM epoch.
+        epoch: u64,
+        /// When the guest's next timer fires.
+        timer_due: Option<Instant>,
+    },
+    /// The guest is running something (not idle).
+    GuestBusy {
+        /// The VM epoch.
+        epoch: u64,
+    },
+    /// An operator suspended the VM (`pvisor suspend`): it is theirs until they resume it.
+    ManualSuspend,
+    /// An operator resumed the VM.
+    ManualResume,
+    /// Something else needs the VM running (a signal, a host request).
+    External,
+}
+
+/// What the VMM is to do, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Stop the vCPUs; RAM stays.
+    Pause,
+    /// Offload the paused VM's RAM.
+    Offload,
+    /// Resume (loading RAM back if it was offloaded).
+    Resume,
+    /// Hand the data of `request` to the guest.
+    Deliver {
+        /// The request's id.
+        request: u64,
+    },
+}
+
+/// Where the coordinator believes the VM is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    /// Running.
+    Running,
+    /// Paused by the coordinator.
+    Paused,
+    /// Offloaded by the coordinator.
+    Offloaded,
+    /// Suspended by an operator: not the coordinator's to touch.
+    Manual,
+}
+
+/// Where wait events come from: the model gateway now, downloads and file reads later.
+pub trait EventSource: Send {
+    /// Events that arrived since the last call, oldest first.
+    fn poll(&mut self) -> Vec<WaitEvent>;
+}
+
+/// The coordinator's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct WaitStats {
+    /// Pauses it made.
+    pub pauses: u64,
+    /// Offloads it made.
+    pub offloads: u64,
+    /// Resumes it made.
+    pub resumes: u64,
+    /// Responses delivered.
+    pub delivered: u64,
+    /// Events ignored as stale (another epoch, or a request not waiting).
+    pub stale: u64,
+    /// Offloads skipped: the guest's timer was too close.
+    pub skipped_for_timer: u64,
+    /// Offloads skipped: the last one was too recent.
+    pub skipped_for_cooldown: u64,
+}
+
+/// One VM's coordinator.
+#[derive(Debug, Clone)]
+pub struct WaitCoordinator {
+    policy: WaitPolicy,
+    epoch: u64,
+    phase: Phase,
+    /// Requests waited for, by id, with when their wait began.
+    waiting: BTreeMap<u64, Instant>,
+    /// Data ready while an operator holds the VM, in arrival order.
+    held: Vec<u64>,
+    idle_since: Option<Instant>,
+    timer_due: Option<Instant>,
+    last_offload: Option<Instant>,
+    /// An offload was considered and skipped in this pause (counted once).
+    skipped: bool,
+    stats: WaitStats,
+}
+
+impl WaitCoordinator {
+    /// A coordinator for a running VM in `epoch`.
+    pub fn new(policy: WaitPolicy, epoch: u64) -> Self {
+        Self {
+            policy,
+            epoch,
+            phase: Phase::Running,
+            waiting: BTreeMap::new(),
+            held: Vec::new(),
+            idle_since: None,
+            timer_due: None,
+            last_offload: None,
+            skipped: false,
+            stats: WaitStats::default(),
+        }
+    }
+
+    /// Where it believes the VM is.
+    pub fn phase(&self) -> Phase {
+        self.phase
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> WaitStats {
+        self.stats
+    }
+
+    /// The VM was restarted or restored: a new epoch, nothing waited for.
+    pub fn new_epoch(&mut self, epoch: u64) {
+        self.epoch = epoch;
+        self.waiting.clear();
+        self.held.clear();
+        self.idle_since = None;
+        self.timer_due = None;
+    }
+
+    fn current(&mut self, epoch: u64) -> bool {
+        let current = epoch == self.epoch;
+        if !current {
+            self.stats.stale += 1;
+        }
+        current
+    }
+
+    fn resume(&mut self, out: &mut Vec<Action>) {
+        if matches!(self.phase, Phase::Paused | Phase::Offloaded) {
+            out.push(Action::Resume);
+            self.stats.resumes += 1;
+            self.phase = Phase::Running;
+            self.skipped = false;
+            // The guest runs again: its idleness is to be reported anew.
+            self.idle_since = None;
+        }
+    }
+
+    /// Takes an event at `now`; returns what to do at once.
+    pub fn handle(&mut self, now: Instant, event: WaitEvent) -> Vec<Action> {
+        let mut out = Vec::new();
+        match event {
+            WaitEvent::WaitStart { request, epoch } => {
+                if self.current(epoch) {
+                    self.waiting.entry(request).or_insert(now);
+                }
+            }
+            WaitEvent::DataReady { request, epoch } => {
+                if !self.current(epoch) || self.waiting.remove(&request).is_none() {
+                    if epoch == self.epoch {
+                        self.stats.stale += 1;
+                    }
+                    return out;
+                }
+                if self.phase == Phase::Manual {
+                    self.held.push(request);
+                    return out;
+                }
+                self.resume(&mut out);
+                out.push(Action::Deliver { request });
+                self.stats.delivered += 1;
+            }
+            WaitEvent::GuestIdle { epoch, timer_due } => {
+                if self.current(epoch) {
+                    self.idle_since.get_or_insert(now);
+                    self.timer_due = timer_due;
+                }
+            }
+            WaitEvent::GuestBusy { epoch } => {
+                if self.current(epoch) {
+                    self.idle_since = None;
+                }
+            }
+            WaitEvent::ManualSuspend => {
+                self.phase = Phase::Manual;
+            }
+            WaitEvent::ManualResume => {
+                if self.phase == Phase::Manual {
+                    self.phase = Phase::Running;
+                    self.idle_since = None;
+                    for request in std::mem::take(&mut self.held) {
+                        out.push(Action::Deliver { request });
+                        self.stats.delivered += 1;
+                    }
+                }
+            }
+            WaitEvent::External => self.resume(&mut out),
+        }
+        out.extend(self.tick(now));
+        out
+    }
+
+    /// Since when some request has been waited for with an idle guest: the moment the pause
+    /// and offload delays count from.
+    fn wait_began(&self) -> Option<Instant> {
+        let began = self.waiting.values().min().copied()?;
+        Some(began.max(self.idle_since?))
+    }
+
+    /// When a pause is due, if one is to come.
+    fn pause_due(&self) -> Option<Instant> {
+        if self.phase != Phase::Running {
+            return None;
+        }
+        Some(self.wait_began()? + self.policy.pause_after)
+    }
+
+    /// When an offload is due, if the rules allow one in this pause.
+    fn offload_due(&self) -> Option<Instant> {
+        if self.phase != Phase::Paused || !self.policy.offload {
+            return None;
+        }
+        let began = self.wait_began()?;
+        let mut due = began + self.policy.offload_after;
+        if let Some(last) = self.last_offload {
+            due = due.max(last + self.policy.offload_cooldown);
+        }
+        Some(due)
+    }
+
+    /// Does what has fallen due by `now`.
+    pub fn tick(&mut self, now: Instant) -> Vec<Action> {
+        let mut out = Vec::new();
+        if self.phase == Phase::Manual {
+            return out;
+        }
+        // A guest timer falling due needs the guest.
+        if let Some(due) = self.timer_due {
+            if due <= now && self.phase != Phase::Running {
+                self.timer_due = None;
+                self.resume(&mut out);
+                return out;
+            }
+        }
+        if self.pause_due().is_some_and(|due| due <= now) {
+            out.push(Action::Pause);
+            self.stats.pauses += 1;
+            self.phase = Phase::Paused;
+        }
+        if self.phase == Phase::Paused && self.policy.offload {
+            if let Some(began) = self.wait_began() {
+                if began + self.policy.offload_after <= now {
+                    let budget_ok = self
+                        .timer_due
+                        .is_none_or(|due| due >= now + self.policy.min_timer_budget);
+                    let cooled = self
+                        .last_offload
+                        .is_none_or(|last| last + self.policy.offload_cooldown <= now);
+                    if budget_ok && cooled {
+                        out.push(Action::Offload);
+                        self.stats.offloads += 1;
+                        self.phase = Phase::Offloaded;
+                        self.last_offload = Some(now);
+                    } else if !self.skipped {
+                        self.skipped = true;
+                        if budget_ok {
+                            self.stats.skipped_for_cooldown += 1;
+                        } else {
+                            self.stats.skipped_for_timer += 1;
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// When [`WaitCoordinator::tick`] next has something to do (`None`: only an event can
+    /// change anything).
+    pub fn next_deadline(&self) -> Option<Instant> {
+        if self.phase == Phase::Manual {
+            return None;
+        }
+        let timer = self.timer_due.filter(|_| self.phase != Phase::Running);
+        // An offload blocked by the timer budget waits for the timer itself.
+        let offload = self.offload_due().filter(|_| {
+            self.timer_due.is_none_or(|due| {
+                self.wait_began().is_some_and(|b| {
+                    due >= b + self.policy.offload_after + self.policy.min_timer_budget
+                })
+            })
+        });
+        [self.pause_due(), offload, timer]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(base: Instant, ms: u64) -> Instant {
+        base + Duration::from_millis(ms)
+    }
+
+    fn waiting_idle(base: Instant, policy: WaitPolicy, timer_ms: Option<u64>) -> WaitCoordinator {
+        let mut c = WaitCoordinator::new(policy, 1);
+        let timer_due = timer_ms.map(|t| at(base, t));
+        assert!(c
+            .handle(
+                base,
+                WaitEvent::GuestIdle {
+                    epoch: 1,
+                    timer_due
+                }
+            )
+            .is_empty());
+        assert!(c
+            .handle(
+                base,
+                WaitEvent::WaitStart {
+                    request: 7,
+                    epoch: 1
+                }
+            )
+            .is_empty());
+        c
+    }
+
+    #[test]
+    fn wait_pauses_after_20ms_then_offloads_after_50ms() {
+        let base = Instant::now();
+        let mut c = waiting_idle(base, WaitPolicy::default(), None);
+        assert_eq!(c.next_deadline(), Some(at(base, 20)));
+        assert!(c.tick(at(base, 19)).is_empty());
+        assert_eq!(c.tick(at(base, 20)), vec![Action::Pause]);
+        assert_eq!(c.next_deadline(), Some(at(base, 50)));
+        assert!(c.tick(at(base, 49)).is_empty());
+        assert_eq!(c.tick(at(base, 50)), vec![Action::Offload]);
+        assert_eq!(c.phase(), Phase::Offloaded);
+        // The answer: resume, then deliver, once.
+        let ready = WaitEvent::DataReady {
+            request: 7,
+            epoch: 1,
+        };
+        assert_eq!(
+            c.handle(at(base, 900), ready),
+            vec![Action::Resume, Action::Deliver { request: 7 }]
+        );
+        assert!(c.handle(at(base, 901), ready).is_empty());
+        assert_eq!(c.stats().delivered, 1);
+        assert_eq!(c.stats().stale, 1);
+    }
+
+    #[test]
+    fn wait_with_a_busy_guest_does_not_pause() {
+        let base = Instant::now();
+        let mut c = waiting_idle(base, WaitPolicy::default(), None);
+        c.handle(at(base, 5), WaitEvent::GuestBusy { epoch: 1 });
+        assert!(c.tick(at(base, 100)).is_empty());
+        assert_eq!(c.next_deadline(), None);
+        // Idle again: 20 ms from then.
+        c.handle(
+            at(base, 100),
+            WaitEvent::GuestIdle {
+                epoch: 1,
+                timer_due: None,
+            },
+        );
+        assert!(c.tick(at(base, 119)).is_empty());
+        assert_eq!(c.tick(at(base, 120)), vec![Action::Pause]);
+    }
+
+    #[test]
+    fn wait_near_a_guest_timer_pauses_but_does_not_offload_and_resumes_for_it() {
+        let base = Instant::now();
+        // The timer fires 600 ms in: less than 1 s of budget at 50 ms.
+        let mut c = waiting_idle(base, WaitPolicy::default(), Some(600));
+        assert_eq!(c.tick(at(base, 20)), vec![Action::Pause]);
+        assert!(c.tick(at(base, 50)).is_empty());
+        assert_eq!(c.stats().skipped_for_timer, 1);
+        assert_eq!(c.next_deadline(), Some(at(base, 600)));
+        assert_eq!(c.tick(at(base, 600)), vec![Action::Resume]);
+        // The request still waits: the guest idles again, so another cycle.
+        c.handle(
+            at(base, 610),
+            WaitEvent::GuestIdle {
+                epoch: 1,
+                timer_due: None,
+            },
+        );
+        assert_eq!(c.tick(at(base, 630)), vec![Action::Pause]);
+        assert_eq!(c.tick(at(base, 660)), vec![Action::Offload]);
+        assert_eq!(c.stats().pauses, 2);
+    }
+
+    #[test]
+    fn wait_offloads_at_most_once_per_cooldown() {
+        let base = Instant::now();
+        let mut c = waiting_idle(base, WaitPolicy::default(), None);
+        c.tick(at(base, 20));
+        assert_eq!(c.tick(at(base, 50)), vec![Action::Offload]);
+        c.handle(
+            at(base, 100),
+            WaitEvent::DataReady {
+                request: 7,
+                epoch: 1,
+            },
+        );
+        // A second request 1 s later: paused, but not offloaded until 5 s after the first.
+        c.handle(
+            at(base, 1000),
+            WaitEvent::GuestIdle {
+                epoch: 1,
+                timer_due: None,
+            },
+        );
+        c.handle(
+            at(base, 1000),
+            WaitEvent::WaitStart {
+                request: 8,
+                epoch: 1,
+            },
+        );
+        assert_eq!(c.tick(at(base, 1020)), vec![Action::Pause]);
+        assert!(c.tick(at(base, 1050)).is_empty());
+        assert_eq!(c.stats().skipped_for_cooldown, 1);
+        assert_eq!(c.next_deadline(), Some(at(base, 5050)));
+        assert_eq!(c.tick(at(base, 5050)), vec![Action::Offload]);
+    }
+
+    #[test]
+    fn wait_under_a_manual_suspend_is_never_resumed_by_the_coordinator() {
+        let base = Instant::now();
+        let mut c = waiting_idle(base, WaitPolicy::default(), Some(300));
+        c.handle(
+            at(base, 5),
+            WaitEvent::WaitStart {
+                request: 8,
+                epoch: 1,
+            },
+        );
+        c.handle(at(base, 10), WaitEvent::ManualSuspend);
+        assert!(c.tick(at(base, 5000)).is_empty(), "timer due, yet manual");
+        assert!(c
+            .handle(
+                at(base, 5001),
+                WaitEvent::DataReady {
+                    request: 8,
+                    epoch: 1
+                }
+            )
+            .is_empty());
+        assert!(c
+            .handle(
+                at(base, 5002),
+                WaitEvent::DataReady {
+                    request: 7,
+                    epoch: 1
+                }
+            )
+            .is_empty());
+        assert!(c.handle(at(base, 5003), WaitEvent::External).is_empty());
+        assert_eq!(c.next_deadline(), None);
+        // The operator's resume delivers what arrived, in order.
+        assert_eq!(
+            c.handle(at(base, 6000), WaitEvent::ManualResume),
+            vec![
+                Action::Deliver { request: 8 },
+                Action::Deliver { request: 7 }
+            ]
+        );
+        assert_eq!(c.phase(), Phase::Running);
+    }
+
+    #[test]
+    fn wait_events_of_another_epoch_or_request_are_ignored() {
+        let base = Instant::now();
+        let mut c = waiting_idle(base, WaitPolicy::default(), None);
+        c.tick(at(base, 20));
+        assert!(c
+            .handle(
+                at(base, 30),
+                WaitEvent::DataReady {
+                    request: 7,
+                    epoch: 0
+                }
+            )
+            .is_empty());
+        assert!(c
+            .handle(
+                at(base, 31),
+                WaitEvent::DataReady {
+                    request: 99,
+                    epoch: 1
+                }
+            )
+            .is_empty());
+        assert_eq!(c.stats().stale, 2);
+        assert_eq!(c.phase(), Phase::Paused);
+        // Restored: the old request is gone with its epoch.
+        c.new_epoch(2);
+        assert!(c
+            .handle(
+                at(base, 40),
+                WaitEvent::DataReady {
+                    request: 7,
+                    epoch: 2
+                }
+            )
+            .is_empty());
+        assert_eq!(c.stats().delivered, 0);
+    }
+
+    #[test]
+    fn wait_pause_only_strategy_never_offloads() {
+        let base = Instant::now();
+        let policy = WaitPolicy {
+            offload: false,
+            ..WaitPolicy::default()
+        };
+        let mut c = waiting_idle(base, policy, None);
+        assert_eq!(c.tick(at(base, 20)), vec![Action::Pause]);
+        assert!(c.tick(at(base, 10_000)).is_empty());
+        assert_eq!(c.next_deadline(), None);
+        assert_eq!(
+            c.handle(at(base, 10_001), WaitEvent::External),
+            vec![Action::Resume]
+        );
+    }
+
+    proptest::proptest! {
+        /// Whatever happens, in any order: a response is delivered once per wait, and only to
+        /// a request that waits; nothing but a delivery follows a manual suspend until the
+        /// manual resume; offloads are at least a cooldown apart.
+        #[test]
+        fn wait_any_event_sequence_keeps_the_rules(
+            steps in proptest::collection::vec((0u8..8, 0u64..4, 0u64..400), 1..80)
+        ) {
+            let base = Instant::now();
+            let policy = WaitPolicy::default();
+            let mut c = WaitCoordinator::new(policy, 1);
+            let mut now = base;
+            // Requests waiting, as the events say: a delivery must take one of them.
+            let mut waiting: std::collections::HashMap<u64, u32> = std::collections::HashMap::new();
+            let take = |waiting: &mut std::collections::HashMap<u64, u32>, request: u64| {
+                match waiting.get_mut(&request) {
+                    Some(n) if *n > 0 => { *n -= 1; true }
+                    _ => false,
+                }
+            };
+            let mut manual = false;
+            let mut last_offload: Option<Instant> = None;
+            for (kind, request, gap_ms) in steps {
+                now += Duration::from_millis(gap_ms);
+                let event = match kind {
+                    0 => {
+                        // A second start of a request already waited for is the same wait.
+                        if !c.waiting.contains_key(&request) {
+                            *waiting.entry(request).or_insert(0) += 1;
+                        }
+                        WaitEvent::WaitStart { request, epoch: 1 }
+                    }
+                    1 => WaitEvent::DataReady { request, epoch: 1 },
+                    2 => WaitEvent::GuestIdle { epoch: 1, timer_due: Some(now + Duration::from_millis(gap_ms * 5)) },
+                    3 => WaitEvent::GuestIdle { epoch: 1, timer_due: None },
+                    4 => WaitEvent::GuestBusy { epoch: 1 },
+                    5 => { manual = true; WaitEvent::ManualSuspend }
+                    6 => WaitEvent::External,
+                    _ => WaitEvent::DataReady { request, epoch: 0 },
+                };
+                let mut actions = c.handle(now, event);
+                actions.extend(c.tick(now));
+                for action in actions {
+                    match action {
+                        Action::Deliver { request } => {
+                            proptest::prop_assert!(take(&mut waiting, request), "delivered twice, or unasked");
+                        }
+                        Action::Offload => {
+                            proptest::prop_assert!(!manual);
+                            if let Some(last) = last_offload {
+                                proptest::prop_assert!(now >= last + policy.offload_cooldown);
+                            }
+                            last_offload = Some(now);
+                        }
+                        Action::Pause | Action::Resume => proptest::prop_assert!(!manual),
+                    }
+                }
+                if manual && kind == 6 {
+                    // An operator's resume ends the manual hold and hands over what was held.
+                    manual = false;
+                    for action in c.handle(now, WaitEvent::ManualResume) {
+                        let Action::Deliver { request } = action else {
+                            proptest::prop_assert!(false, "{action:?} on a manual resume");
+                            continue;
+                        };
+                        proptest::prop_assert!(take(&mut waiting, request), "delivered twice, or unasked");
+                    }
+                }
+            }
+        }
+    }
+}
