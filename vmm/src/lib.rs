@@ -8,6 +8,7 @@
 //! - [`memory`]: guest RAM (anon, memfd, or a snapshot image mapped privately).
 //! - [`pool`]: this VM's side of the memory pool (`--vm-memory-pool`).
 //! - [`runtime`]: the runtime directory, job ids and identities.
+//! - [`sampler`]: memory × time sampling with its own integrity check.
 //! - [`script`]: workload scripts.
 //! - [`snapshot`]: sealed snapshots, their copy-on-write restore and private-page offload.
 //! - [`stats`]: PSS and memory-cgroup readings.
@@ -21,6 +22,7 @@ pub mod machine;
 pub mod memory;
 pub mod pool;
 pub mod runtime;
+pub mod sampler;
 pub mod script;
 pub mod snapshot;
 pub mod stats;

@@ -12,7 +12,16 @@ pub fn process_pss() -> std::io::Result<u64> {
 /// PSS of the mappings inside `[start, start + len)`, bytes (guest RAM can be split into
 /// several: the memory pool maps runs of it from its memfd).
 pub fn range_pss(start: u64, len: u64) -> std::io::Result<u64> {
-    let text = std::fs::read_to_string("/proc/self/smaps")?;
+    range_pss_of(None, start, len)
+}
+
+/// [`range_pss`] of another process (`None`: this one).
+pub fn range_pss_of(pid: Option<u32>, start: u64, len: u64) -> std::io::Result<u64> {
+    let path = match pid {
+        Some(pid) => format!("/proc/{pid}/smaps"),
+        None => "/proc/self/smaps".to_owned(),
+    };
+    let text = std::fs::read_to_string(path)?;
     let end = start.saturating_add(len);
     let mut inside = false;
     let mut total = 0;
@@ -128,6 +137,15 @@ impl MemoryCgroup {
             }
         })?;
         Ok(Self { dir, v2 })
+    }
+
+    /// A cgroup that exists already (e.g. one a VM process joined), without joining it: v2 if
+    /// `dir` has `memory.current`, else v1.
+    pub fn at(dir: &Path) -> Self {
+        Self {
+            dir: dir.to_path_buf(),
+            v2: dir.join("memory.current").exists(),
+        }
     }
 
     /// The cgroup's directory.

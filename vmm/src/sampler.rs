@@ -1,0 +1,348 @@
+//! Honest memory × time (issue 7): a sampler that reads every VM's memory at a fixed period,
+//! keeps what it could not read and when it was late, and integrates memory over time.
+//!
+//! Samples are taken at absolute deadlines (`start + k × period`), so one slow reading does not
+//! shift the ones after it; a reading that comes late is kept with its real time, and the time
+//! between two samples is a gap. A reading that fails is counted as dropped, never filled in.
+//! [`Recording::integrity`] says whether the recording can be trusted: no gap over twice the
+//! period, nothing dropped. Integrals (GiB·s) use the trapezoid rule between samples.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::stats::{self, MemoryCgroup};
+
+/// One VM's memory at one moment, bytes (`None`: not measured for this VM).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Reading {
+    /// The VM's memory cgroup's usage.
+    pub cgroup_bytes: Option<u64>,
+    /// PSS of the VM's guest RAM.
+    pub guest_pss_bytes: Option<u64>,
+}
+
+/// What is measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Quantity {
+    /// `Reading::cgroup_bytes`.
+    Cgroup,
+    /// `Reading::guest_pss_bytes`.
+    GuestPss,
+}
+
+impl Reading {
+    fn get(&self, quantity: Quantity) -> Option<u64> {
+        match quantity {
+            Quantity::Cgroup => self.cgroup_bytes,
+            Quantity::GuestPss => self.guest_pss_bytes,
+        }
+    }
+}
+
+/// Reads one VM's memory.
+pub trait Probe: Send {
+    /// The memory now.
+    fn read(&mut self) -> std::io::Result<Reading>;
+}
+
+/// A `pvisor` VM process: its guest RAM's PSS (from `/proc/PID/smaps`, the mappings inside
+/// guest RAM) and its memory cgroup, when it has one.
+#[derive(Debug, Clone)]
+pub struct VmProbe {
+    /// The VM process.
+    pub pid: u32,
+    /// Where its guest RAM is mapped: start and length.
+    pub ram: (u64, u64),
+    /// Its memory cgroup's directory.
+    pub cgroup: Option<PathBuf>,
+}
+
+impl Probe for VmProbe {
+    fn read(&mut self) -> std::io::Result<Reading> {
+        let guest = stats::range_pss_of(Some(self.pid), self.ram.0, self.ram.1)?;
+        let cgroup = self
+            .cgroup
+            .as_deref()
+            .map(|dir| MemoryCgroup::at(dir).usage())
+            .transpose()?;
+        Ok(Reading {
+            cgroup_bytes: cgroup,
+            guest_pss_bytes: Some(guest),
+        })
+    }
+}
+
+/// One sample of every VM.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Sample {
+    /// Since the sampler started.
+    pub at: Duration,
+    /// Per VM (the order of the probes); `None`: the reading failed (dropped).
+    pub readings: Vec<Option<Reading>>,
+}
+
+/// A running sampler.
+#[derive(Debug)]
+pub struct Sampler {
+    stop: Arc<AtomicBool>,
+    samples: Arc<Mutex<Vec<Sample>>>,
+    thread: Option<JoinHandle<()>>,
+    period: Duration,
+}
+
+impl Sampler {
+    /// Starts sampling `probes` every `period` on a thread of its own.
+    pub fn start(period: Duration, mut probes: Vec<Box<dyn Probe>>) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let samples = Arc::new(Mutex::new(Vec::new()));
+        let thread = {
+            let (stop, samples) = (Arc::clone(&stop), Arc::clone(&samples));
+            std::thread::spawn(move || {
+                let start = Instant::now();
+                let mut k: u32 = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    let readings = probes.iter_mut().map(|p| p.read().ok()).collect();
+                    let at = start.elapsed();
+                    samples
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .push(Sample { at, readings });
+                    // The next deadline after now: a late sample does not shift the others.
+                    k += 1;
+                    let mut next = period * k;
+                    let now = start.elapsed();
+                    while next <= now {
+                        k += 1;
+                        next = period * k;
+                    }
+                    std::thread::sleep(next - now);
+                }
+            })
+        };
+        Self {
+            stop,
+            samples,
+            thread: Some(thread),
+            period,
+        }
+    }
+
+    /// Stops and returns what was recorded.
+    pub fn finish(mut self) -> Recording {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        let samples = std::mem::take(
+            &mut *self
+                .samples
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        Recording {
+            period: self.period,
+            samples,
+        }
+    }
+}
+
+impl Drop for Sampler {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// What a sampler recorded.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Recording {
+    /// The period asked for.
+    pub period: Duration,
+    /// Every sample, in time order.
+    pub samples: Vec<Sample>,
+}
+
+/// Whether a recording can be trusted, and why not.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Integrity {
+    /// No gap over twice the period and nothing dropped.
+    pub passed: bool,
+    /// Samples taken.
+    pub samples: usize,
+    /// The largest time between two samples, seconds.
+    pub largest_gap_s: f64,
+    /// Gaps over twice the period.
+    pub long_gaps: usize,
+    /// Readings that failed.
+    pub dropped: usize,
+}
+
+impl Recording {
+    /// Gaps and drops.
+    pub fn integrity(&self) -> Integrity {
+        let limit = self.period * 2;
+        let gaps: Vec<Duration> = self
+            .samples
+            .windows(2)
+            .map(|w| w[1].at.saturating_sub(w[0].at))
+            .collect();
+        let largest = gaps.iter().max().copied().unwrap_or(Duration::ZERO);
+        let long_gaps = gaps.iter().filter(|&&g| g > limit).count();
+        let dropped = self
+            .samples
+            .iter()
+            .map(|s| s.readings.iter().filter(|r| r.is_none()).count())
+            .sum();
+        Integrity {
+            passed: long_gaps == 0 && dropped == 0 && self.samples.len() >= 2,
+            samples: self.samples.len(),
+            largest_gap_s: largest.as_secs_f64(),
+            long_gaps,
+            dropped,
+        }
+    }
+
+    /// ∫ memory dt of VM `vm` over the recording, GiB·s (trapezoids between consecutive samples
+    /// that both measured it; a dropped reading leaves its trapezoids out, which
+    /// [`Recording::integrity`] reports).
+    pub fn integral_gib_s(&self, vm: usize, quantity: Quantity) -> f64 {
+        let value = |s: &Sample| {
+            s.readings
+                .get(vm)
+                .copied()
+                .flatten()
+                .and_then(|r| r.get(quantity))
+        };
+        #[allow(clippy::cast_precision_loss, reason = "bytes far below 2^52")]
+        let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+        self.samples
+            .windows(2)
+            .filter_map(|w| {
+                let (a, b) = (value(&w[0])?, value(&w[1])?);
+                let dt = w[1].at.saturating_sub(w[0].at).as_secs_f64();
+                Some((gib(a) + gib(b)) / 2.0 * dt)
+            })
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(ms: u64, bytes: &[Option<u64>]) -> Sample {
+        Sample {
+            at: Duration::from_millis(ms),
+            readings: bytes
+                .iter()
+                .map(|b| {
+                    b.map(|b| Reading {
+                        cgroup_bytes: Some(b),
+                        guest_pss_bytes: Some(b / 2),
+                    })
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn recording_integral_is_the_trapezoid_sum() {
+        let gib = 1u64 << 30;
+        let r = Recording {
+            period: Duration::from_millis(100),
+            samples: vec![
+                sample(0, &[Some(gib)]),
+                sample(100, &[Some(gib)]),
+                sample(200, &[Some(3 * gib)]),
+            ],
+        };
+        // 0.1 s × 1 GiB + 0.1 s × 2 GiB (mean of 1 and 3).
+        assert!((r.integral_gib_s(0, Quantity::Cgroup) - 0.3).abs() < 1e-9);
+        assert!((r.integral_gib_s(0, Quantity::GuestPss) - 0.15).abs() < 1e-9);
+        let i = r.integrity();
+        assert!(i.passed && i.long_gaps == 0 && i.dropped == 0);
+        assert!((i.largest_gap_s - 0.1).abs() < 1e-9);
+    }
+
+    #[test]
+    fn recording_with_a_long_gap_or_a_drop_fails_its_integrity() {
+        let r = Recording {
+            period: Duration::from_millis(100),
+            samples: vec![
+                sample(0, &[Some(1)]),
+                sample(100, &[Some(1)]),
+                sample(350, &[Some(1)]),
+            ],
+        };
+        let i = r.integrity();
+        assert!(!i.passed);
+        assert_eq!(i.long_gaps, 1);
+        assert!((i.largest_gap_s - 0.25).abs() < 1e-9);
+        let r = Recording {
+            period: Duration::from_millis(100),
+            samples: vec![
+                sample(0, &[Some(1), None]),
+                sample(100, &[Some(1), Some(1)]),
+            ],
+        };
+        assert_eq!(r.integrity().dropped, 1);
+        assert!(!r.integrity().passed);
+        // The dropped reading's trapezoid is left out, not filled in.
+        assert_eq!(r.integral_gib_s(1, Quantity::Cgroup), 0.0);
+    }
+
+    struct Fixed(u64);
+
+    impl Probe for Fixed {
+        fn read(&mut self) -> std::io::Result<Reading> {
+            Ok(Reading {
+                cgroup_bytes: Some(self.0),
+                guest_pss_bytes: None,
+            })
+        }
+    }
+
+    struct Failing;
+
+    impl Probe for Failing {
+        fn read(&mut self) -> std::io::Result<Reading> {
+            Err(std::io::Error::other("gone"))
+        }
+    }
+
+    #[test]
+    fn sampler_keeps_its_period_and_counts_failed_readings() {
+        let sampler = Sampler::start(
+            Duration::from_millis(10),
+            vec![Box::new(Fixed(1 << 30)), Box::new(Failing)],
+        );
+        std::thread::sleep(Duration::from_millis(200));
+        let r = sampler.finish();
+        let i = r.integrity();
+        // About 20 samples; fewer only if this machine starves the thread.
+        assert!(i.samples >= 3, "{i:?}");
+        assert_eq!(i.dropped, i.samples);
+        assert!(!i.passed);
+        // About 1 GiB over the time recorded.
+        let span = r.samples.last().unwrap().at - r.samples[0].at;
+        let integral = r.integral_gib_s(0, Quantity::Cgroup);
+        assert!((integral - span.as_secs_f64()).abs() < 1e-6, "{integral}");
+    }
+
+    #[test]
+    fn vm_probe_reads_this_process() {
+        let data = vec![1u8; 4 << 20];
+        let start = data.as_ptr() as u64;
+        let mut probe = VmProbe {
+            pid: std::process::id(),
+            ram: (start & !0xFFF, 64 << 20),
+            cgroup: None,
+        };
+        let reading = probe.read().unwrap();
+        assert!(reading.guest_pss_bytes.is_some());
+        assert!(reading.cgroup_bytes.is_none());
+        drop(data);
+    }
+}
