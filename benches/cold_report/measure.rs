@@ -126,6 +126,7 @@ pub fn run_vm(
         dedup: None,
         restore: None,
         pool: None,
+        model_upstream: None,
     });
     let mut vm = match started {
         Ok(vm) => vm,

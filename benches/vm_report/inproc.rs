@@ -124,6 +124,7 @@ pub fn run_case(
         dedup: None,
         restore: None,
         pool: None,
+        model_upstream: None,
     })?;
     let fill = format!(
         "fill {} {} seed={}; digest",

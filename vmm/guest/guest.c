@@ -15,13 +15,15 @@
 #define PORT_DONE 0x10   /* a command finished (or the guest started); next, please */
 #define PORT_BLK 0x20    /* the block request at BLK_GPA is ready */
 #define PORT_FREE 0x30   /* the range in the mailbox's report fields is free */
+#define PORT_MODEL 0x40  /* model request arg[0] is out; the answer is in io_buf when it returns */
 #define PORT_PANIC 0x3f  /* something impossible happened; see status */
 
 enum op { OP_NONE = 0, OP_FILL = 1, OP_DIGEST = 2, OP_TOUCH = 3, OP_REWRITE = 4,
-          OP_RELEASE = 5, OP_TASK = 6 };
+          OP_RELEASE = 5, OP_TASK = 6, OP_MODEL = 7 };
 enum fill { FILL_REPEATED = 0, FILL_RANDOM = 1, FILL_ZERO = 2, FILL_DISTINCT = 3 };
 enum blk_op { BLK_READ = 1, BLK_WRITE = 2, BLK_FLUSH = 3 };
-enum status { ST_OK = 0, ST_BAD_OP = 1, ST_TOO_LARGE = 2, ST_IO = 3, ST_MISMATCH = 4 };
+enum status { ST_OK = 0, ST_BAD_OP = 1, ST_TOO_LARGE = 2, ST_IO = 3, ST_MISMATCH = 4,
+              ST_MODEL = 5 };
 
 struct mailbox {
     volatile uint64_t op;
@@ -215,6 +217,15 @@ __attribute__((noreturn, section(".text.start"))) void _start(void) {
             MB->result[1] = filled;
             break;
         }
+        case OP_MODEL:
+            /* The VMM answers in io_buf: arg[1] bytes, arg[2] nonzero on an error. */
+            MB->arg[1] = 0;
+            MB->arg[2] = 0;
+            out(PORT_MODEL);
+            if (MB->arg[2]) { st = ST_MODEL; break; }
+            MB->result[0] = digest((const uint64_t *)MB->io_buf, MB->arg[1]);
+            MB->result[1] = MB->arg[1];
+            break;
         default:
             st = ST_BAD_OP;
         }

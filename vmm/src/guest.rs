@@ -36,6 +36,9 @@ pub const PORT_DONE: u16 = 0x10;
 pub const PORT_BLK: u16 = 0x20;
 /// The range in the mailbox's free report is free.
 pub const PORT_FREE: u16 = 0x30;
+/// A model request (mailbox `arg[0]`) is out; the VMM answers in the I/O buffer
+/// (`arg[1]` bytes, `arg[2]` nonzero on an error) before the guest goes on.
+pub const PORT_MODEL: u16 = 0x40;
 
 /// Command opcodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,6 +56,8 @@ pub enum Op {
     Release = 5,
     /// Digest, write to disk, flush, read back, verify.
     Task = 6,
+    /// Ask the model (request id); digest the answer.
+    Model = 7,
 }
 
 /// How `fill` writes data.
@@ -93,6 +98,8 @@ pub mod status {
     pub const IO: u64 = 3;
     /// Data read back differs from what was written.
     pub const MISMATCH: u64 = 4;
+    /// The model request got no answer (see the VMM's error).
+    pub const MODEL: u64 = 5;
 }
 
 /// The mailbox page, as laid out by guest/guest.c.

@@ -18,6 +18,7 @@ use uffd_pager::pager::{FaultError, Pager, PagerConfig, RamKind};
 use uffd_pager::state::PageState;
 use vm_memory::{Bytes, GuestAddress};
 
+use crate::gateway::Answer;
 use crate::guest::{self, blk, status, BlkRequest, Mailbox, Op};
 use crate::memory::{GuestRam, MemoryError};
 use crate::script::Command;
@@ -162,6 +163,9 @@ pub struct CommandOutput {
     /// `task`: bytes written to disk and verified.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub disk_bytes: Option<u64>,
+    /// `model`: bytes of the answer (its digest is in `digest`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub answer_bytes: Option<u64>,
     /// Application data filled after the command.
     pub app_bytes: u64,
 }
@@ -179,6 +183,9 @@ pub struct Machine {
     disk_path: PathBuf,
     filled: u64,
     io_buf: Vec<u8>,
+    model: Option<std::sync::Arc<dyn crate::gateway::ModelPort>>,
+    /// Why the last model request failed, for the command's error.
+    model_error: Option<String>,
 }
 
 impl std::fmt::Debug for Machine {
@@ -345,6 +352,8 @@ impl Machine {
             disk_path: config.disk.clone(),
             filled: config.restore.as_ref().map_or(0, |r| r.filled),
             io_buf: Vec::new(),
+            model: None,
+            model_error: None,
         };
         if config.restore.is_none() {
             machine.run_until_done()?;
@@ -396,6 +405,11 @@ impl Machine {
             regs: self.vcpu.get_regs().map_err(kvm("get regs"))?,
             sregs: self.vcpu.get_sregs().map_err(kvm("get sregs"))?,
         })
+    }
+
+    /// Where the guest's `model` requests go.
+    pub fn set_model_port(&mut self, port: std::sync::Arc<dyn crate::gateway::ModelPort>) {
+        self.model = Some(port);
     }
 
     /// The virtual disk's file.
@@ -450,6 +464,11 @@ impl Machine {
                 output.digest = Some(format!("{:016x}", result[0]));
                 output.disk_bytes = Some(result[1]);
             }
+            Command::Model { request } => {
+                let result = self.guest(command, Op::Model, [request, 0, 0])?;
+                output.digest = Some(format!("{:016x}", result[0]));
+                output.answer_bytes = Some(result[1]);
+            }
             Command::Sleep { ms } => std::thread::sleep(std::time::Duration::from_millis(ms)),
             Command::Idle => self.pager.set_idle(true),
         }
@@ -481,6 +500,10 @@ impl Machine {
             status::TOO_LARGE => "size beyond the application memory".to_owned(),
             status::IO => "a disk request failed".to_owned(),
             status::MISMATCH => "data read back from the disk differs".to_owned(),
+            status::MODEL => self
+                .model_error
+                .take()
+                .unwrap_or_else(|| "the model request got no answer".to_owned()),
             other => format!("status {other}"),
         };
         Err(MachineError::Command {
@@ -511,6 +534,7 @@ impl Machine {
                 guest::PORT_DONE => return Ok(()),
                 guest::PORT_BLK => self.block_request()?,
                 guest::PORT_FREE => self.free_report()?,
+                guest::PORT_MODEL => self.model_request()?,
                 other => {
                     return Err(MachineError::GuestCrashed(format!(
                         "write to unknown port {other:#x}"
@@ -570,6 +594,44 @@ impl Machine {
             }
         };
         self.write(guest::BLK_GPA, request)
+    }
+
+    /// Carries the guest's model request to the gateway and puts the answer in its I/O buffer.
+    fn model_request(&mut self) -> Result<(), MachineError> {
+        let mut mailbox: Mailbox = self.read(guest::MAILBOX_GPA)?;
+        let request = mailbox.arg[0];
+        let answer = match &self.model {
+            Some(port) => port.exchange(request),
+            None => Answer::Error(
+                "this VM has no model gateway (pvisor run --vm-model-upstream URL)".into(),
+            ),
+        };
+        match answer {
+            Answer::Data(bytes) if bytes.len() as u64 <= guest::IO_BUF_SIZE => {
+                self.ram
+                    .memory()
+                    .write_slice(&bytes, GuestAddress(guest::IO_BUF_GPA))
+                    .map_err(|e| MachineError::GuestMemory {
+                        gpa: guest::IO_BUF_GPA,
+                        reason: e.to_string(),
+                    })?;
+                mailbox.arg[1] = bytes.len() as u64;
+                mailbox.arg[2] = 0;
+            }
+            Answer::Data(bytes) => {
+                self.model_error = Some(format!(
+                    "the answer to request {request} has {} bytes, more than the guest's {} byte buffer",
+                    bytes.len(),
+                    guest::IO_BUF_SIZE
+                ));
+                mailbox.arg[2] = 1;
+            }
+            Answer::Error(why) => {
+                self.model_error = Some(why);
+                mailbox.arg[2] = 1;
+            }
+        }
+        self.write(guest::MAILBOX_GPA, mailbox)
     }
 
     /// Drops the range the guest reported free: it reads as zeros afterwards.

@@ -45,6 +45,11 @@ pub enum Command {
     },
     /// Report idle and wait for the next command.
     Idle,
+    /// Ask the model through the gateway and digest the answer.
+    Model {
+        /// The request's id.
+        request: u64,
+    },
 }
 
 impl fmt::Display for Command {
@@ -66,6 +71,7 @@ impl fmt::Display for Command {
             Command::Task => f.write_str("task"),
             Command::Sleep { ms } => write!(f, "sleep {ms}"),
             Command::Idle => f.write_str("idle"),
+            Command::Model { request } => write!(f, "model {request}"),
         }
     }
 }
@@ -171,6 +177,15 @@ fn parse_one(text: &str) -> Result<Command, String> {
                 "task" => Command::Task,
                 _ => Command::Idle,
             }
+        }
+        "model" => {
+            no_more(1)?;
+            no_seed()?;
+            let id = positional.first().ok_or("`model` needs a request id")?;
+            let request = id
+                .parse()
+                .map_err(|_| format!("bad request id `{id}` (a whole number)"))?;
+            Command::Model { request }
         }
         "touch" => {
             no_more(1)?;

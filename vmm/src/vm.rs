@@ -62,6 +62,9 @@ pub struct VmOptions {
     /// (`uffd-pager serve --memory-pool`; anon RAM only).
     #[serde(default)]
     pub pool: Option<PathBuf>,
+    /// The upstream model endpoint of the guest's `model` requests (`http://HOST:PORT[/PATH]`).
+    #[serde(default)]
+    pub model_upstream: Option<String>,
 }
 
 /// The lifecycle state.
@@ -111,6 +114,9 @@ pub enum VmError {
     /// KSM dedup could not start.
     #[error("cannot start KSM dedup (--vm-ram-dedup)")]
     Dedup(#[from] DedupError),
+    /// The model gateway could not start.
+    #[error("cannot start the model gateway (--vm-model-upstream)")]
+    Gateway(#[from] crate::gateway::GatewayError),
     /// The memory pool could not be joined.
     #[error("cannot join the memory pool (--vm-memory-pool)")]
     Pool(#[from] uffd_pager::pool::PoolError),
@@ -118,6 +124,9 @@ pub enum VmError {
     #[error(transparent)]
     Snapshot(#[from] SnapshotError),
 }
+
+/// How long a model request may take before the guest gets an error instead.
+pub const MODEL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// What `stats` reports.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -262,9 +271,21 @@ impl Vm {
             }
             None => None,
         };
+        let gateway = options
+            .model_upstream
+            .as_deref()
+            .map(|url| {
+                crate::gateway::Gateway::new(
+                    url,
+                    &format!("pid-{}", std::process::id()),
+                    0,
+                    MODEL_TIMEOUT,
+                )
+            })
+            .transpose()?;
         let fault_errors = Arc::new(AtomicU64::new(0));
         let counter = Arc::clone(&fault_errors);
-        let machine = Machine::boot(
+        let mut machine = Machine::boot(
             &MachineConfig {
                 memory: options.memory,
                 vcpus: options.vcpus,
@@ -282,6 +303,9 @@ impl Vm {
         )?;
         if let Some(config) = options.cold {
             machine.pager().start_cold(config).map_err(VmError::Cold)?;
+        }
+        if let Some(gateway) = gateway {
+            machine.set_model_port(Arc::new(gateway));
         }
         let dedup = options
             .dedup

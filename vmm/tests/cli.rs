@@ -314,6 +314,19 @@ fn cli_bad_input_gets_clear_messages() {
         r,
         &[
             "run",
+            "--vm-model-upstream",
+            "https://model:443",
+            "--",
+            "idle",
+        ],
+    );
+    assert!(err.contains("http://HOST:PORT"), "{err}");
+    let err = fails(r, &["run", "--", "model five"]);
+    assert!(err.contains("bad request id"), "{err}");
+    let err = fails(
+        r,
+        &[
+            "run",
             "--vm-cold-ram-compression",
             "--vm-cold-cpu-budget",
             "0",

@@ -49,6 +49,7 @@ fn start_kind(dir: &std::path::Path, cold: ColdConfig, kind: RamKind) -> Vm {
         dedup: None,
         restore: None,
         pool: None,
+        model_upstream: None,
     })
     .unwrap()
 }

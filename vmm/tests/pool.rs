@@ -75,6 +75,7 @@ fn start(dir: &Path, name: &str, pool: Option<&Path>) -> Vm {
         dedup: None,
         restore: None,
         pool: pool.map(Path::to_path_buf),
+        model_upstream: None,
     })
     .unwrap()
 }

@@ -37,6 +37,7 @@ fn options(dir: &Path, name: &str, kind: RamKind, restore: Option<&Path>) -> VmO
         dedup: None,
         restore: restore.map(Path::to_path_buf),
         pool: None,
+        model_upstream: None,
     }
 }
 

@@ -31,6 +31,7 @@ fn options(dir: &std::path::Path, kind: RamKind, compression: bool) -> VmOptions
         dedup: None,
         restore: None,
         pool: None,
+        model_upstream: None,
     }
 }
 

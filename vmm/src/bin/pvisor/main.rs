@@ -40,7 +40,7 @@ struct Target {
 enum Command {
     /// Boot a VM and run a workload script in it (commands separated by `;`: fill SIZE
     /// repeated|random|zero [seed=N], digest, touch SIZE, rewrite PERCENT [seed=N], release,
-    /// task, sleep MS, idle). The first line on stdout is the VM's identity as JSON. A script
+    /// task, sleep MS, idle, model ID). The first line on stdout is the VM's identity as JSON. A script
     /// ending in `idle` keeps the VM alive until `pvisor stop`.
     Run(Box<options::RunArgs>),
     /// Show a VM's state.

@@ -67,6 +67,11 @@ pub struct RunArgs {
     /// write makes a private copy). Anon RAM only; not with cold compression or offload.
     #[arg(long = "vm-memory-pool", value_name = "SOCKET")]
     pub memory_pool: Option<PathBuf>,
+    /// Where the guest's `model REQUEST_ID` commands go: an upstream model endpoint,
+    /// http://HOST:PORT[/PATH] (the gateway POSTs to PATH/requests/ID and hands the guest the
+    /// response body; an error status reaches the guest as an error).
+    #[arg(long = "vm-model-upstream", value_name = "URL")]
+    pub model_upstream: Option<String>,
     /// Guest RAM mapping: anon (private anonymous, default) or memfd (shared memfd).
     #[arg(long = "vm-ram-backing", value_name = "KIND")]
     pub ram_backing: Option<String>,
@@ -116,6 +121,7 @@ struct ConfigVm {
     ram_codec: Option<String>,
     restore: Option<PathBuf>,
     memory_pool: Option<PathBuf>,
+    model_upstream: Option<String>,
     disk: Option<PathBuf>,
     cgroup: Option<PathBuf>,
     pager_threads: Option<usize>,
@@ -143,6 +149,7 @@ pub struct Resolved {
     pub dedup: Option<vmm::dedup::DedupOptions>,
     pub restore: Option<PathBuf>,
     pub pool: Option<PathBuf>,
+    pub model_upstream: Option<String>,
 }
 
 fn read_config(path: &Path) -> Result<ConfigVm, String> {
@@ -365,11 +372,17 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
             return Err("--vm-cold-pool-cap is a share of guest RAM, 0 to 1".into());
         }
     }
+    let model_upstream = args.model_upstream.clone().or(config.model_upstream);
+    if let Some(url) = &model_upstream {
+        // The same check the gateway makes, before anything starts.
+        vmm::gateway::check_upstream(url).map_err(|e| e.to_string())?;
+    }
     Ok(Resolved {
         cold,
         dedup,
         restore,
         pool,
+        model_upstream,
         memory,
         vcpus: args.vcpus.or(config.vcpus).unwrap_or(1),
         ram_backing,

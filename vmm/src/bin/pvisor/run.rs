@@ -66,6 +66,7 @@ pub fn run(args: RunArgs) -> CliResult {
             dedup: resolved.dedup,
             restore: resolved.restore.clone(),
             pool: resolved.pool.clone(),
+            model_upstream: resolved.model_upstream.clone(),
         },
         temporary_disk: resolved.disk.is_none(),
         job,

@@ -1,0 +1,269 @@
+//! The model gateway (issue 7): carries one VM's model requests to an upstream model endpoint
+//! over real HTTP (hyper), knows when a request is in flight (wait start) and when its answer
+//! is ready (data ready), and keeps the answer until the VM takes it.
+//!
+//! The guest asks with its `model REQUEST_ID` command: it writes the id to the mailbox and
+//! stops at an `out` to the model port; the VMM hands the id to the gateway
+//! ([`ModelPort::exchange`]) and, once the answer is there, copies it into the guest's I/O
+//! buffer and lets the guest go on (it digests what it got). An upstream error or an answer
+//! that does not fit reaches the guest as an error, never as a hang.
+//!
+//! Upstream protocol: `POST {upstream}/requests/{id}` with a JSON body
+//! `{"request": id, "vm": LABEL}`; the answer is the response body (2xx), anything else is an
+//! error. The gateway is also an [`EventSource`] for the wait coordinator.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+
+use crate::wait::{EventSource, WaitEvent};
+
+/// What a request got.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    /// The response body.
+    Data(Vec<u8>),
+    /// Why there is none (the upstream's status, a connection error, a timeout).
+    Error(String),
+}
+
+/// Errors setting the gateway up.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    /// The upstream address is not `http://HOST:PORT[/PATH]`.
+    #[error("model upstream `{0}`: expected http://HOST:PORT[/PATH]")]
+    Upstream(String),
+    /// The HTTP runtime could not start.
+    #[error("cannot start the gateway's HTTP runtime")]
+    Runtime(#[source] std::io::Error),
+}
+
+/// Where the guest's model requests go (the VMM's side of the model port).
+pub trait ModelPort: Send + Sync {
+    /// Sends request `request` and waits for its answer.
+    fn exchange(&self, request: u64) -> Answer;
+}
+
+#[derive(Debug, Clone)]
+struct Upstream {
+    /// `host:port`, to connect to and for the `Host` header.
+    authority: String,
+    /// Path prefix without a trailing slash.
+    prefix: String,
+}
+
+impl Upstream {
+    fn parse(url: &str) -> Result<Self, GatewayError> {
+        let bad = || GatewayError::Upstream(url.to_owned());
+        let rest = url.strip_prefix("http://").ok_or_else(bad)?;
+        let (authority, path) = match rest.find('/') {
+            Some(i) => (&rest[..i], &rest[i..]),
+            None => (rest, ""),
+        };
+        let (host, port) = authority.rsplit_once(':').ok_or_else(bad)?;
+        if host.is_empty() || port.parse::<u16>().is_err() {
+            return Err(bad());
+        }
+        Ok(Self {
+            authority: authority.to_owned(),
+            prefix: path.trim_end_matches('/').to_owned(),
+        })
+    }
+}
+
+/// Checks an upstream address without starting anything.
+pub fn check_upstream(url: &str) -> Result<(), GatewayError> {
+    Upstream::parse(url).map(|_| ())
+}
+
+#[derive(Debug, Default)]
+struct State {
+    answers: HashMap<u64, Answer>,
+    events: VecDeque<WaitEvent>,
+}
+
+/// One VM's gateway.
+#[derive(Debug)]
+pub struct Gateway {
+    upstream: Upstream,
+    label: String,
+    epoch: u64,
+    timeout: Duration,
+    runtime: tokio::runtime::Runtime,
+    shared: Arc<(Mutex<State>, Condvar)>,
+}
+
+impl Gateway {
+    /// A gateway to `upstream` (`http://HOST:PORT[/PATH]`) for the VM called `label`, in VM
+    /// epoch `epoch`; a request unanswered after `timeout` is answered with an error.
+    pub fn new(
+        upstream: &str,
+        label: &str,
+        epoch: u64,
+        timeout: Duration,
+    ) -> Result<Self, GatewayError> {
+        let upstream = Upstream::parse(upstream)?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("pvisor-gateway")
+            .enable_all()
+            .build()
+            .map_err(GatewayError::Runtime)?;
+        Ok(Self {
+            upstream,
+            label: label.to_owned(),
+            epoch,
+            timeout,
+            runtime,
+            shared: Arc::new((Mutex::new(State::default()), Condvar::new())),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.shared
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Sends `request` upstream; its answer is kept until taken.
+    pub fn send(&self, request: u64) {
+        self.lock().events.push_back(WaitEvent::WaitStart {
+            request,
+            epoch: self.epoch,
+        });
+        let shared = Arc::clone(&self.shared);
+        let (upstream, label, epoch, timeout) = (
+            self.upstream.clone(),
+            self.label.clone(),
+            self.epoch,
+            self.timeout,
+        );
+        self.runtime.spawn(async move {
+            let answer = match tokio::time::timeout(timeout, post(&upstream, &label, request)).await
+            {
+                Ok(answer) => answer,
+                Err(_) => Answer::Error(format!("no answer within {} s", timeout.as_secs_f64())),
+            };
+            let (lock, ready) = &*shared;
+            let mut state = lock
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            state.answers.insert(request, answer);
+            state
+                .events
+                .push_back(WaitEvent::DataReady { request, epoch });
+            ready.notify_all();
+        });
+    }
+
+    /// The answer of `request` if it is there (taken: each answer is handed out once).
+    pub fn take(&self, request: u64) -> Option<Answer> {
+        self.lock().answers.remove(&request)
+    }
+
+    /// Waits for the answer of `request` and takes it.
+    pub fn wait(&self, request: u64) -> Answer {
+        let (lock, ready) = &*self.shared;
+        let mut state = lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let deadline = Instant::now() + self.timeout + Duration::from_secs(1);
+        loop {
+            if let Some(answer) = state.answers.remove(&request) {
+                return answer;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Answer::Error("the gateway lost the request".into());
+            }
+            state = ready
+                .wait_timeout(state, left)
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+        }
+    }
+}
+
+impl ModelPort for Gateway {
+    fn exchange(&self, request: u64) -> Answer {
+        self.send(request);
+        self.wait(request)
+    }
+}
+
+impl EventSource for Gateway {
+    fn poll(&mut self) -> Vec<WaitEvent> {
+        self.lock().events.drain(..).collect()
+    }
+}
+
+/// One HTTP/1.1 request on a fresh connection.
+async fn post(upstream: &Upstream, label: &str, request: u64) -> Answer {
+    let stream = match tokio::net::TcpStream::connect(&upstream.authority).await {
+        Ok(stream) => stream,
+        Err(e) => return Answer::Error(format!("cannot connect to {}: {e}", upstream.authority)),
+    };
+    let io = hyper_util::rt::TokioIo::new(stream);
+    let (mut sender, connection) = match hyper::client::conn::http1::handshake(io).await {
+        Ok(pair) => pair,
+        Err(e) => return Answer::Error(format!("HTTP handshake with {}: {e}", upstream.authority)),
+    };
+    tokio::spawn(connection);
+    let body = serde_json::json!({ "request": request, "vm": label }).to_string();
+    let built = hyper::Request::post(format!("{}/requests/{request}", upstream.prefix))
+        .header(hyper::header::HOST, &upstream.authority)
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(body)));
+    let built = match built {
+        Ok(r) => r,
+        Err(e) => return Answer::Error(format!("request {request}: {e}")),
+    };
+    let response = match sender.send_request(built).await {
+        Ok(response) => response,
+        Err(e) => {
+            return Answer::Error(format!("request {request} to {}: {e}", upstream.authority))
+        }
+    };
+    let status = response.status();
+    let bytes = match response.into_body().collect().await {
+        Ok(body) => body.to_bytes(),
+        Err(e) => return Answer::Error(format!("request {request}: reading the answer: {e}")),
+    };
+    if status.is_success() {
+        Answer::Data(bytes.to_vec())
+    } else {
+        Answer::Error(format!(
+            "request {request}: upstream answered {status}: {}",
+            String::from_utf8_lossy(&bytes[..bytes.len().min(200)]).trim()
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn upstream_parses_host_port_and_prefix() {
+        let u = Upstream::parse("http://127.0.0.1:8080/v1/").expect("valid");
+        assert_eq!(u.authority, "127.0.0.1:8080");
+        assert_eq!(u.prefix, "/v1");
+        assert_eq!(
+            Upstream::parse("http://localhost:9").expect("valid").prefix,
+            ""
+        );
+        for bad in [
+            "https://x:1",
+            "http://x",
+            "http://:80",
+            "http://x:port",
+            "x:1",
+        ] {
+            assert!(Upstream::parse(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,173 @@
+//! The model gateway with a real vCPU and real HTTP: the guest's `model` command reaches an
+//! upstream endpoint, gets its answer byte for byte, and gets an upstream error as an error,
+//! not a hang.
+
+// Test code: a failed setup step should stop the test on the spot.
+#![allow(clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::path::Path;
+use std::time::Duration;
+
+use uffd_pager::pager::RamKind;
+use vmm::gateway::{Answer, Gateway};
+use vmm::script;
+use vmm::vm::{Vm, VmOptions};
+use vmm::wait::{EventSource, WaitEvent};
+
+fn skip() -> bool {
+    testkit::skip_unless(&["/dev/kvm", "/dev/userfaultfd"])
+}
+
+/// What the test upstream answers to request `id`: 1000 + 37 × id bytes of a pattern; 13
+/// gets a 502.
+fn answer(id: u64) -> Vec<u8> {
+    (0..1000 + 37 * id).map(|i| (i * 7 + id) as u8).collect()
+}
+
+/// A small HTTP/1.1 upstream on a thread, answering after `delay`.
+fn upstream(delay: Duration) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                let mut line = String::new();
+                reader.read_line(&mut line).unwrap();
+                let path = line.split_whitespace().nth(1).unwrap_or("").to_owned();
+                let mut length = 0;
+                loop {
+                    let mut header = String::new();
+                    reader.read_line(&mut header).unwrap();
+                    if header.trim().is_empty() {
+                        break;
+                    }
+                    if let Some(v) = header.to_ascii_lowercase().strip_prefix("content-length:") {
+                        length = v.trim().parse().unwrap();
+                    }
+                }
+                let mut body = vec![0u8; length];
+                reader.read_exact(&mut body).unwrap();
+                let id: u64 = path.rsplit('/').next().unwrap().parse().unwrap();
+                std::thread::sleep(delay);
+                let (status, payload) = if id == 13 {
+                    ("502 Bad Gateway", b"model overloaded".to_vec())
+                } else {
+                    ("200 OK", answer(id))
+                };
+                let head = format!(
+                    "HTTP/1.1 {status}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                    payload.len()
+                );
+                stream.write_all(head.as_bytes()).unwrap();
+                stream.write_all(&payload).unwrap();
+            });
+        }
+    });
+    format!("http://{address}/v1")
+}
+
+fn start(dir: &Path, upstream: Option<String>) -> Vm {
+    Vm::start(VmOptions {
+        memory: 64 << 20,
+        vcpus: 1,
+        ram_backing: RamKind::Anon,
+        ram_compression: false,
+        ram_codec: "lz4".into(),
+        disk: dir.join("disk"),
+        store_dir: dir.join("ram"),
+        cgroup: None,
+        pager_threads: 1,
+        io_threads: 1,
+        cold: None,
+        dedup: None,
+        restore: None,
+        pool: None,
+        model_upstream: upstream,
+    })
+    .unwrap()
+}
+
+#[test]
+fn gateway_carries_the_guests_request_and_answer() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut vm = start(dir.path(), Some(upstream(Duration::from_millis(50))));
+    let out = vm
+        .exec(&script::parse("model 5; model 6").unwrap())
+        .unwrap();
+    for (output, id) in out.iter().zip([5u64, 6]) {
+        // The guest digested exactly the bytes the upstream sent.
+        let expected = answer(id);
+        assert_eq!(output.answer_bytes, Some(expected.len() as u64));
+        assert_eq!(
+            output.digest.as_deref(),
+            Some(format!("{:016x}", vmm::guest::digest(&expected)).as_str())
+        );
+    }
+}
+
+#[test]
+fn gateway_upstream_errors_reach_the_guest_as_errors() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut vm = start(dir.path(), Some(upstream(Duration::ZERO)));
+    let err = vm.exec(&script::parse("model 13").unwrap()).unwrap_err();
+    assert!(err.to_string().contains("502"), "{err}");
+    // The VM goes on.
+    assert!(vm.exec(&script::parse("model 2").unwrap()).is_ok());
+    // Nobody listening, and no gateway at all.
+    let closed = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let mut vm = start(dir.path(), Some(format!("http://{closed}")));
+    let err = vm.exec(&script::parse("model 1").unwrap()).unwrap_err();
+    assert!(err.to_string().contains("cannot connect"), "{err}");
+    let mut vm = start(dir.path(), None);
+    let err = vm.exec(&script::parse("model 1").unwrap()).unwrap_err();
+    assert!(err.to_string().contains("--vm-model-upstream"), "{err}");
+}
+
+#[test]
+fn gateway_reports_wait_start_and_data_ready_and_hands_answers_out_once() {
+    let url = upstream(Duration::from_millis(30));
+    let mut gateway = Gateway::new(&url, "test", 4, Duration::from_secs(10)).unwrap();
+    gateway.send(3);
+    assert_eq!(
+        gateway.poll(),
+        vec![WaitEvent::WaitStart {
+            request: 3,
+            epoch: 4
+        }]
+    );
+    assert_eq!(gateway.wait(3), Answer::Data(answer(3)));
+    assert_eq!(
+        gateway.poll(),
+        vec![WaitEvent::DataReady {
+            request: 3,
+            epoch: 4
+        }]
+    );
+    assert_eq!(gateway.take(3), None);
+    // A slow upstream: an error after the timeout, not a hang.
+    let slow = Gateway::new(
+        &upstream(Duration::from_secs(5)),
+        "test",
+        0,
+        Duration::from_millis(100),
+    )
+    .unwrap();
+    slow.send(1);
+    let Answer::Error(why) = slow.wait(1) else {
+        panic!("an answer from a slow upstream")
+    };
+    assert!(why.contains("no answer within"), "{why}");
+}
