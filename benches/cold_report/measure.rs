@@ -127,6 +127,7 @@ pub fn run_vm(
         restore: None,
         pool: None,
         model_upstream: None,
+        wait: None,
     });
     let mut vm = match started {
         Ok(vm) => vm,

@@ -125,6 +125,7 @@ pub fn run_case(
         restore: None,
         pool: None,
         model_upstream: None,
+        wait: None,
     })?;
     let fill = format!(
         "fill {} {} seed={}; digest",

@@ -43,6 +43,12 @@ pub enum GatewayError {
 
 /// Where the guest's model requests go (the VMM's side of the model port).
 pub trait ModelPort: Send + Sync {
+    /// Sends request `request` (its answer is kept until taken).
+    fn send(&self, request: u64);
+
+    /// The answer of `request`, waiting at most `timeout` for it (`None`: not yet).
+    fn wait_for(&self, request: u64, timeout: Duration) -> Option<Answer>;
+
     /// Sends request `request` and waits for its answer.
     fn exchange(&self, request: u64) -> Answer;
 }
@@ -165,20 +171,32 @@ impl Gateway {
         self.lock().answers.remove(&request)
     }
 
-    /// Waits for the answer of `request` and takes it.
+    /// Waits for the answer of `request` and takes it (an error once the timeout has passed
+    /// with some slack: the request task always answers by then).
     pub fn wait(&self, request: u64) -> Answer {
+        ModelPort::wait_for(self, request, self.timeout + Duration::from_secs(1))
+            .unwrap_or_else(|| Answer::Error("the gateway lost the request".into()))
+    }
+}
+
+impl ModelPort for Gateway {
+    fn send(&self, request: u64) {
+        Gateway::send(self, request);
+    }
+
+    fn wait_for(&self, request: u64, timeout: Duration) -> Option<Answer> {
         let (lock, ready) = &*self.shared;
         let mut state = lock
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let deadline = Instant::now() + self.timeout + Duration::from_secs(1);
+        let deadline = Instant::now() + timeout;
         loop {
             if let Some(answer) = state.answers.remove(&request) {
-                return answer;
+                return Some(answer);
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Answer::Error("the gateway lost the request".into());
+                return None;
             }
             state = ready
                 .wait_timeout(state, left)
@@ -186,11 +204,9 @@ impl Gateway {
                 .0;
         }
     }
-}
 
-impl ModelPort for Gateway {
     fn exchange(&self, request: u64) -> Answer {
-        self.send(request);
+        Gateway::send(self, request);
         self.wait(request)
     }
 }

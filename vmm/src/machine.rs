@@ -18,10 +18,14 @@ use uffd_pager::pager::{FaultError, Pager, PagerConfig, RamKind};
 use uffd_pager::state::PageState;
 use vm_memory::{Bytes, GuestAddress};
 
-use crate::gateway::Answer;
+use crate::gateway::{Answer, ModelPort};
 use crate::guest::{self, blk, status, BlkRequest, Mailbox, Op};
 use crate::memory::{GuestRam, MemoryError};
 use crate::script::Command;
+use crate::wait::{Action as WaitAction, WaitCoordinator, WaitEvent, WaitPolicy, WaitStats};
+use std::time::Duration;
+use uffd_pager::load::LoadMode;
+use uffd_pager::offload::OffloadConfig;
 
 /// How to build a VM.
 #[derive(Debug, Clone)]
@@ -186,6 +190,23 @@ pub struct Machine {
     model: Option<std::sync::Arc<dyn crate::gateway::ModelPort>>,
     /// Why the last model request failed, for the command's error.
     model_error: Option<String>,
+    /// Pause/offload while a model request is out; one coordinator for the machine's life, so
+    /// that its cooldown spans requests.
+    wait: Option<WaitManagement>,
+    coordinator: Option<WaitCoordinator>,
+    /// Offloads and loads that failed during waits.
+    wait_failures: (u64, u64),
+}
+
+/// How a machine spends its model waits (`--vm-wait-management`).
+#[derive(Debug, Clone)]
+pub struct WaitManagement {
+    /// When to pause and offload.
+    pub policy: WaitPolicy,
+    /// Where and how an offload writes.
+    pub offload: OffloadConfig,
+    /// Threads that load RAM back.
+    pub io_threads: usize,
 }
 
 impl std::fmt::Debug for Machine {
@@ -354,6 +375,9 @@ impl Machine {
             io_buf: Vec::new(),
             model: None,
             model_error: None,
+            wait: None,
+            coordinator: None,
+            wait_failures: (0, 0),
         };
         if config.restore.is_none() {
             machine.run_until_done()?;
@@ -404,6 +428,21 @@ impl Machine {
         Ok(VcpuState {
             regs: self.vcpu.get_regs().map_err(kvm("get regs"))?,
             sregs: self.vcpu.get_sregs().map_err(kvm("get sregs"))?,
+        })
+    }
+
+    /// Pause and offload while model requests are out.
+    pub fn set_wait_management(&mut self, wait: WaitManagement) {
+        self.coordinator = Some(WaitCoordinator::new(wait.policy, 0));
+        self.wait = Some(wait);
+    }
+
+    /// What wait management did so far (`None`: not on).
+    pub fn wait_stats(&self) -> Option<WaitStats> {
+        self.coordinator.as_ref().map(|c| WaitStats {
+            failed_offloads: self.wait_failures.0,
+            failed_loads: self.wait_failures.1,
+            ..c.stats()
         })
     }
 
@@ -600,9 +639,10 @@ impl Machine {
     fn model_request(&mut self) -> Result<(), MachineError> {
         let mut mailbox: Mailbox = self.read(guest::MAILBOX_GPA)?;
         let request = mailbox.arg[0];
-        let answer = match &self.model {
-            Some(port) => port.exchange(request),
-            None => Answer::Error(
+        let answer = match (self.model.clone(), self.wait.clone()) {
+            (Some(port), Some(wait)) => self.managed_wait(&*port, request, &wait),
+            (Some(port), None) => port.exchange(request),
+            (None, _) => Answer::Error(
                 "this VM has no model gateway (pvisor run --vm-model-upstream URL)".into(),
             ),
         };
@@ -632,6 +672,82 @@ impl Machine {
             }
         }
         self.write(guest::MAILBOX_GPA, mailbox)
+    }
+
+    /// Waits for the answer to `request` the way the wait policy says: the guest is stopped at
+    /// the model port (idle, no timer pending), so it is paused as it is, offloaded once the
+    /// wait is long enough, and loaded back (lazily) when the answer arrives.
+    fn managed_wait(
+        &mut self,
+        port: &dyn ModelPort,
+        request: u64,
+        wait: &WaitManagement,
+    ) -> Answer {
+        let mut coordinator = self
+            .coordinator
+            .take()
+            .unwrap_or_else(|| WaitCoordinator::new(wait.policy, 0));
+        let now = Instant::now();
+        port.send(request);
+        coordinator.handle(
+            now,
+            WaitEvent::GuestIdle {
+                epoch: 0,
+                timer_due: None,
+            },
+        );
+        let mut actions = coordinator.handle(now, WaitEvent::WaitStart { request, epoch: 0 });
+        let mut offloaded = false;
+        let answer = loop {
+            for action in actions.drain(..) {
+                self.carry_out(action, wait, &mut offloaded);
+            }
+            let until = coordinator
+                .next_deadline()
+                .map_or(Duration::from_secs(3600), |d| {
+                    d.saturating_duration_since(Instant::now())
+                });
+            if let Some(answer) = port.wait_for(request, until) {
+                let done =
+                    coordinator.handle(Instant::now(), WaitEvent::DataReady { request, epoch: 0 });
+                for action in done {
+                    self.carry_out(action, wait, &mut offloaded);
+                }
+                break answer;
+            }
+            actions = coordinator.tick(Instant::now());
+        };
+        // The guest runs on after the answer: its idleness is reported anew next time.
+        coordinator.handle(Instant::now(), WaitEvent::GuestBusy { epoch: 0 });
+        self.coordinator = Some(coordinator);
+        answer
+    }
+
+    /// One of the coordinator's actions. The vCPU is already stopped at the model port, so a
+    /// pause changes nothing; an offload that fails leaves RAM resident (counted).
+    fn carry_out(&mut self, action: WaitAction, wait: &WaitManagement, offloaded: &mut bool) {
+        match action {
+            WaitAction::Pause | WaitAction::Deliver { .. } => {}
+            WaitAction::Offload => {
+                if self.pager.offload(&wait.offload).is_ok() {
+                    let _ = self.drop_disk_cache();
+                    // SAFETY: malloc_trim only releases free memory of the allocator.
+                    unsafe { libc::malloc_trim(0) };
+                    *offloaded = true;
+                } else {
+                    self.wait_failures.0 += 1;
+                }
+            }
+            WaitAction::Resume => {
+                if *offloaded {
+                    // Lazily: the answer's copy and the guest's next steps fault pages back.
+                    if self.pager.load(LoadMode::Lazy, wait.io_threads).is_err() {
+                        self.wait_failures.1 += 1;
+                    }
+                    *offloaded = false;
+                }
+            }
+        }
     }
 
     /// Drops the range the guest reported free: it reads as zeros afterwards.

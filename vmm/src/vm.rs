@@ -65,6 +65,9 @@ pub struct VmOptions {
     /// The upstream model endpoint of the guest's `model` requests (`http://HOST:PORT[/PATH]`).
     #[serde(default)]
     pub model_upstream: Option<String>,
+    /// Pause, and offload if the policy says so, while a model request is out.
+    #[serde(default)]
+    pub wait: Option<crate::wait::WaitPolicy>,
 }
 
 /// The lifecycle state.
@@ -155,6 +158,9 @@ pub struct VmStats {
     /// What KSM merged, with `--vm-ram-dedup`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dedup: Option<DedupStats>,
+    /// What wait management did, with `--vm-wait-management`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wait: Option<crate::wait::WaitStats>,
     /// What the memory pool did, with `--vm-memory-pool`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pool: Option<PoolLinkStats>,
@@ -306,6 +312,31 @@ impl Vm {
         }
         if let Some(gateway) = gateway {
             machine.set_model_port(Arc::new(gateway));
+        }
+        if let Some(policy) = options.wait {
+            if policy.offload
+                && (options.pool.is_some() || options.ram_backing == RamKind::Snapshot)
+            {
+                return Err(VmError::State(
+                    "waits cannot offload a VM in the memory pool or on snapshot RAM: use the \
+                     pause strategy"
+                        .into(),
+                ));
+            }
+            let codec = if options.ram_compression {
+                options.ram_codec.parse::<Codec>()?
+            } else {
+                Codec::None
+            };
+            machine.set_wait_management(crate::machine::WaitManagement {
+                policy,
+                offload: OffloadConfig {
+                    dir: options.store_dir.clone(),
+                    codec: CodecConfig::new(codec),
+                    bulk: BulkOptions::with_threads(options.io_threads.max(1)),
+                },
+                io_threads: options.io_threads.max(1),
+            });
         }
         let dedup = options
             .dedup
@@ -637,6 +668,7 @@ impl Vm {
             cold,
             dedup: self.dedup.as_ref().map(Dedup::stats),
             pool: self.pool.as_ref().map(PoolLink::stats),
+            wait: self.machine.wait_stats(),
             state: self.state,
             memory_bytes: self.options.memory,
             backing_disk_bytes,

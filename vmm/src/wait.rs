@@ -145,6 +145,10 @@ pub struct WaitStats {
     pub skipped_for_timer: u64,
     /// Offloads skipped: the last one was too recent.
     pub skipped_for_cooldown: u64,
+    /// Offloads that failed (RAM stayed resident).
+    pub failed_offloads: u64,
+    /// Loads after an offload that failed.
+    pub failed_loads: u64,
 }
 
 /// One VM's coordinator.
@@ -289,17 +293,24 @@ impl WaitCoordinator {
         Some(self.wait_began()? + self.policy.pause_after)
     }
 
-    /// When an offload is due, if the rules allow one in this pause.
+    /// When the coordinator next looks at offloading in this pause: `offload_after` into the
+    /// wait (where it offloads or records why not), then, if the cooldown stopped it, when the
+    /// cooldown ends; never while only a resume (the guest's timer) can lift the block.
     fn offload_due(&self) -> Option<Instant> {
         if self.phase != Phase::Paused || !self.policy.offload {
             return None;
         }
-        let began = self.wait_began()?;
-        let mut due = began + self.policy.offload_after;
-        if let Some(last) = self.last_offload {
-            due = due.max(last + self.policy.offload_cooldown);
+        let first = self.wait_began()? + self.policy.offload_after;
+        if !self.skipped {
+            return Some(first);
         }
-        Some(due)
+        let due = self
+            .last_offload
+            .map_or(first, |last| first.max(last + self.policy.offload_cooldown));
+        let timer_blocks = self
+            .timer_due
+            .is_some_and(|timer| timer < due + self.policy.min_timer_budget);
+        (!timer_blocks).then_some(due)
     }
 
     /// Does what has fallen due by `now`.
@@ -356,14 +367,7 @@ impl WaitCoordinator {
             return None;
         }
         let timer = self.timer_due.filter(|_| self.phase != Phase::Running);
-        // An offload blocked by the timer budget waits for the timer itself.
-        let offload = self.offload_due().filter(|_| {
-            self.timer_due.is_none_or(|due| {
-                self.wait_began().is_some_and(|b| {
-                    due >= b + self.policy.offload_after + self.policy.min_timer_budget
-                })
-            })
-        });
+        let offload = self.offload_due();
         [self.pause_due(), offload, timer]
             .into_iter()
             .flatten()

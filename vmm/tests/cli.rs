@@ -323,6 +323,22 @@ fn cli_bad_input_gets_clear_messages() {
     assert!(err.contains("http://HOST:PORT"), "{err}");
     let err = fails(r, &["run", "--", "model five"]);
     assert!(err.contains("bad request id"), "{err}");
+    let err = fails(r, &["run", "--vm-wait-management", "--", "idle"]);
+    assert!(err.contains("needs --vm-model-upstream"), "{err}");
+    let err = fails(
+        r,
+        &[
+            "run",
+            "--vm-model-upstream",
+            "http://127.0.0.1:9",
+            "--vm-wait-management",
+            "--vm-wait-strategy",
+            "sleep",
+            "--",
+            "idle",
+        ],
+    );
+    assert!(err.contains("expected offload or pause"), "{err}");
     let err = fails(
         r,
         &[

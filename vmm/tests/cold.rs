@@ -50,6 +50,7 @@ fn start_kind(dir: &std::path::Path, cold: ColdConfig, kind: RamKind) -> Vm {
         restore: None,
         pool: None,
         model_upstream: None,
+        wait: None,
     })
     .unwrap()
 }

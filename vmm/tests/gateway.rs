@@ -14,7 +14,7 @@ use uffd_pager::pager::RamKind;
 use vmm::gateway::{Answer, Gateway};
 use vmm::script;
 use vmm::vm::{Vm, VmOptions};
-use vmm::wait::{EventSource, WaitEvent};
+use vmm::wait::{EventSource, WaitEvent, WaitPolicy};
 
 fn skip() -> bool {
     testkit::skip_unless(&["/dev/kvm", "/dev/userfaultfd"])
@@ -71,6 +71,10 @@ fn upstream(delay: Duration) -> String {
 }
 
 fn start(dir: &Path, upstream: Option<String>) -> Vm {
+    start_waiting(dir, upstream, None)
+}
+
+fn start_waiting(dir: &Path, upstream: Option<String>, wait: Option<WaitPolicy>) -> Vm {
     Vm::start(VmOptions {
         memory: 64 << 20,
         vcpus: 1,
@@ -87,6 +91,7 @@ fn start(dir: &Path, upstream: Option<String>) -> Vm {
         restore: None,
         pool: None,
         model_upstream: upstream,
+        wait,
     })
     .unwrap()
 }
@@ -170,4 +175,67 @@ fn gateway_reports_wait_start_and_data_ready_and_hands_answers_out_once() {
         panic!("an answer from a slow upstream")
     };
     assert!(why.contains("no answer within"), "{why}");
+}
+
+#[test]
+fn gateway_wait_management_offloads_while_the_answer_is_out() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let url = upstream(Duration::from_millis(400));
+    let mut vm = start_waiting(dir.path(), Some(url), Some(WaitPolicy::default()));
+    let data = vm
+        .exec(&script::parse("fill 32MiB random seed=3; digest").unwrap())
+        .unwrap()[1]
+        .digest
+        .clone();
+    let out = vm.exec(&script::parse("model 4; digest").unwrap()).unwrap();
+    assert_eq!(
+        out[0].digest.as_deref(),
+        Some(format!("{:016x}", vmm::guest::digest(&answer(4))).as_str())
+    );
+    // Offloaded during the wait and back: the data is intact.
+    assert_eq!(out[1].digest, data);
+    let stats = vm.stats();
+    let wait = stats.wait.unwrap();
+    assert_eq!(
+        (wait.pauses, wait.offloads, wait.resumes),
+        (1, 1, 1),
+        "{wait:?}"
+    );
+    assert!(stats.pager.pages_offloaded >= 8192, "{:?}", stats.pager);
+    // A second request within the 5 s cooldown: paused, not offloaded.
+    vm.exec(&script::parse("model 5").unwrap()).unwrap();
+    let wait = vm.stats().wait.unwrap();
+    assert_eq!((wait.pauses, wait.offloads), (2, 1), "{wait:?}");
+    assert_eq!(wait.skipped_for_cooldown, 1);
+    assert_eq!(wait.delivered, 2);
+}
+
+#[test]
+fn gateway_wait_management_pause_strategy_never_offloads() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let policy = WaitPolicy {
+        offload: false,
+        ..WaitPolicy::default()
+    };
+    let mut vm = start_waiting(
+        dir.path(),
+        Some(upstream(Duration::from_millis(200))),
+        Some(policy),
+    );
+    vm.exec(&script::parse("fill 8MiB random seed=1; model 2").unwrap())
+        .unwrap();
+    let stats = vm.stats();
+    let wait = stats.wait.unwrap();
+    assert_eq!(
+        (wait.pauses, wait.offloads, wait.delivered),
+        (1, 0, 1),
+        "{wait:?}"
+    );
+    assert_eq!(stats.pager.pages_offloaded, 0);
 }

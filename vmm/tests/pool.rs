@@ -76,6 +76,7 @@ fn start(dir: &Path, name: &str, pool: Option<&Path>) -> Vm {
         restore: None,
         pool: pool.map(Path::to_path_buf),
         model_upstream: None,
+        wait: None,
     })
     .unwrap()
 }

@@ -38,6 +38,7 @@ fn options(dir: &Path, name: &str, kind: RamKind, restore: Option<&Path>) -> VmO
         restore: restore.map(Path::to_path_buf),
         pool: None,
         model_upstream: None,
+        wait: None,
     }
 }
 

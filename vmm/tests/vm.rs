@@ -32,6 +32,7 @@ fn options(dir: &std::path::Path, kind: RamKind, compression: bool) -> VmOptions
         restore: None,
         pool: None,
         model_upstream: None,
+        wait: None,
     }
 }
 

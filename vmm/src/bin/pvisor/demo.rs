@@ -89,6 +89,7 @@ fn rows(args: &DemoArgs, dir: &std::path::Path) -> Result<Vec<Row>, Box<dyn std:
                 restore: None,
                 pool: None,
                 model_upstream: None,
+                wait: None,
             })?;
             let fill = format!("fill {} {content} seed=1; digest", args.app);
             let out = vm.exec(&script::parse(&fill)?)?;

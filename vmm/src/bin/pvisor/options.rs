@@ -72,6 +72,13 @@ pub struct RunArgs {
     /// response body; an error status reaches the guest as an error).
     #[arg(long = "vm-model-upstream", value_name = "URL")]
     pub model_upstream: Option<String>,
+    /// While a `model` request is out, pause the VM after 20 ms and offload it after 50 ms
+    /// (at most every 5 s); load it back when the answer arrives. Needs --vm-model-upstream.
+    #[arg(long = "vm-wait-management", num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub wait_management: Option<bool>,
+    /// What wait management does: offload (default) or pause only.
+    #[arg(long = "vm-wait-strategy", value_name = "STRATEGY")]
+    pub wait_strategy: Option<String>,
     /// Guest RAM mapping: anon (private anonymous, default) or memfd (shared memfd).
     #[arg(long = "vm-ram-backing", value_name = "KIND")]
     pub ram_backing: Option<String>,
@@ -122,6 +129,8 @@ struct ConfigVm {
     restore: Option<PathBuf>,
     memory_pool: Option<PathBuf>,
     model_upstream: Option<String>,
+    wait_management: Option<bool>,
+    wait_strategy: Option<String>,
     disk: Option<PathBuf>,
     cgroup: Option<PathBuf>,
     pager_threads: Option<usize>,
@@ -150,6 +159,7 @@ pub struct Resolved {
     pub restore: Option<PathBuf>,
     pub pool: Option<PathBuf>,
     pub model_upstream: Option<String>,
+    pub wait: Option<vmm::wait::WaitPolicy>,
 }
 
 fn read_config(path: &Path) -> Result<ConfigVm, String> {
@@ -377,12 +387,48 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
         // The same check the gateway makes, before anything starts.
         vmm::gateway::check_upstream(url).map_err(|e| e.to_string())?;
     }
+    let wait_management = args
+        .wait_management
+        .or(config.wait_management)
+        .unwrap_or(false);
+    let strategy = args.wait_strategy.clone().or(config.wait_strategy);
+    let offload = match strategy.as_deref() {
+        None | Some("offload") => true,
+        Some("pause") => false,
+        Some(other) => {
+            return Err(format!(
+                "--vm-wait-strategy `{other}`: expected offload or pause"
+            ))
+        }
+    };
+    if strategy.is_some() && !wait_management {
+        return Err("--vm-wait-strategy needs --vm-wait-management".into());
+    }
+    if wait_management && model_upstream.is_none() {
+        return Err(
+            "--vm-wait-management manages the waits of `model` requests: it needs \
+             --vm-model-upstream"
+                .into(),
+        );
+    }
+    if wait_management && offload && (pool.is_some() || ram_backing == RamKind::Snapshot) {
+        return Err(
+            "--vm-wait-management cannot offload a VM in the memory pool or restored from a raw \
+             snapshot: add --vm-wait-strategy pause"
+                .into(),
+        );
+    }
+    let wait = wait_management.then(|| vmm::wait::WaitPolicy {
+        offload,
+        ..vmm::wait::WaitPolicy::default()
+    });
     Ok(Resolved {
         cold,
         dedup,
         restore,
         pool,
         model_upstream,
+        wait,
         memory,
         vcpus: args.vcpus.or(config.vcpus).unwrap_or(1),
         ram_backing,

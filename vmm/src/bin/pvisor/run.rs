@@ -67,6 +67,7 @@ pub fn run(args: RunArgs) -> CliResult {
             restore: resolved.restore.clone(),
             pool: resolved.pool.clone(),
             model_upstream: resolved.model_upstream.clone(),
+            wait: resolved.wait,
         },
         temporary_disk: resolved.disk.is_none(),
         job,
