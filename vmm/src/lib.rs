@@ -8,6 +8,7 @@
 //! - [`machine`]: one VM: RAM, pager, vCPU, block device; runs commands.
 //! - [`memory`]: guest RAM (anon, memfd, or a snapshot image mapped privately).
 //! - [`pool`]: this VM's side of the memory pool (`--vm-memory-pool`).
+//! - [`replay`]: trajectories and the local model server that replays them.
 //! - [`runtime`]: the runtime directory, job ids and identities.
 //! - [`sampler`]: memory × time sampling with its own integrity check.
 //! - [`script`]: workload scripts.
@@ -23,6 +24,7 @@ pub mod guest;
 pub mod machine;
 pub mod memory;
 pub mod pool;
+pub mod replay;
 pub mod runtime;
 pub mod sampler;
 pub mod script;

@@ -170,6 +170,11 @@ pub struct VmStats {
     pub disk_bytes: u64,
     /// The memory cgroup's usage, when the VM runs in one.
     pub cgroup_memory_bytes: Option<u64>,
+    /// The memory cgroup's directory, when the VM runs in one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cgroup_dir: Option<PathBuf>,
+    /// Where guest RAM is mapped in the VM process (for samplers that read its smaps).
+    pub guest_ram_host_base: u64,
     /// Application data filled in the guest.
     pub app_bytes: u64,
     /// Pages per state.
@@ -674,6 +679,8 @@ impl Vm {
             backing_disk_bytes,
             disk_bytes: compressed_backing::store::allocated_bytes(self.machine.disk_path()),
             cgroup_memory_bytes: self.cgroup.as_ref().and_then(|c| c.usage().ok()),
+            cgroup_dir: self.cgroup.as_ref().map(|c| c.dir().to_path_buf()),
+            guest_ram_host_base: ram.host_base().0,
             app_bytes: self.machine.app_bytes(),
             pages: pager.state_counts(),
             pager: pager.metrics().snapshot(),

@@ -323,6 +323,10 @@ fn cli_bad_input_gets_clear_messages() {
     assert!(err.contains("http://HOST:PORT"), "{err}");
     let err = fails(r, &["run", "--", "model five"]);
     assert!(err.contains("bad request id"), "{err}");
+    let err = fails(r, &["replay", "/nonexistent.json"]);
+    assert!(err.contains("/nonexistent.json"), "{err}");
+    let err = fails(r, &["replay", "/dev/null", "--strategy", "nap"]);
+    assert!(err.contains("trajectory"), "{err}");
     let err = fails(r, &["run", "--vm-wait-management", "--", "idle"]);
     assert!(err.contains("needs --vm-model-upstream"), "{err}");
     let err = fails(
@@ -884,4 +888,75 @@ fn cli_memory_pool_daemon_shares_identical_vms() {
     unsafe { libc::kill(daemon.id().cast_signed(), libc::SIGTERM) };
     assert!(daemon.wait().unwrap().success());
     assert!(!socket.exists());
+}
+
+#[test]
+fn cli_replay_scaled_trajectory_gives_the_same_results_under_every_strategy() {
+    if skip() {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    let trajectory = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../docs/trajectories/qutebrowser-667-scaled.json");
+    let trajectory = trajectory.to_str().unwrap();
+    let strategies = [
+        "off",
+        "pause",
+        "offload",
+        "offload-compressed",
+        "cold-compression",
+    ];
+    let summaries: Vec<Value> = std::thread::scope(|scope| {
+        let handles: Vec<_> = strategies
+            .iter()
+            .map(|strategy| {
+                let r = runtime.path();
+                scope.spawn(move || {
+                    let args = [
+                        "replay",
+                        trajectory,
+                        "--strategy",
+                        strategy,
+                        "--memory",
+                        "256MiB",
+                        "--json",
+                    ];
+                    let out = pvisor(r, &args);
+                    let stdout = text(&out.stdout);
+                    assert!(
+                        out.status.success(),
+                        "{strategy}: {stdout}{}",
+                        text(&out.stderr)
+                    );
+                    // The last line is the summary.
+                    serde_json::from_str::<Value>(stdout.lines().last().unwrap()).unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (strategy, summary) in strategies.iter().zip(&summaries) {
+        assert_eq!(summary["integrity_passed"], true, "{strategy}: {summary}");
+        assert_eq!(
+            summary["model_requests_served"], 44,
+            "{strategy}: {summary}"
+        );
+        assert_eq!(
+            summary["results_digest"], summaries[0]["results_digest"],
+            "{strategy}: {summary}"
+        );
+        for key in [
+            "guest_pss_gib_s_per_task",
+            "cgroup_mem_gib_s_per_task",
+            "completion_window_s",
+            "throughput_tasks_per_min",
+        ] {
+            assert!(
+                summary[key].as_f64().unwrap() > 0.0,
+                "{strategy} {key}: {summary}"
+            );
+        }
+    }
+    // (Whether offloading saves memory × time on scaled waits depends on the policy's own
+    // durations, which are not scaled: that is for the scenario bench, not a test.)
 }

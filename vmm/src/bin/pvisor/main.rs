@@ -3,6 +3,7 @@
 mod client;
 mod demo;
 mod options;
+mod replay;
 mod run;
 
 use std::path::PathBuf;
@@ -116,6 +117,11 @@ enum Command {
         #[arg(long, value_name = "PATH")]
         socket: PathBuf,
     },
+    /// Replay a recorded agent run (model waits and tool phases) in N VMs at once against a
+    /// local model server that answers after the recorded waits; check every result and
+    /// report memory × time (guest-RAM PSS and cgroup memory, GiB·s per task), the completion
+    /// window and throughput. Exit 1 if any check or the sampling's integrity failed.
+    Replay(replay::ReplayArgs),
     /// Boot a 512 MiB VM, fill 64 MiB, and print its resident memory as it is, after an
     /// offload and after a compressed offload, with the digest checked after each resume.
     Demo(demo::DemoArgs),
@@ -148,6 +154,7 @@ fn main() -> ExitCode {
         Command::Serve { socket, .. } => uffd_pager::pool::run_daemon(&socket)
             .map(|_| ExitCode::SUCCESS)
             .map_err(Into::into),
+        Command::Replay(args) => replay::replay(&args),
         Command::Demo(args) => demo::demo(&args),
     };
     match result {

@@ -1,0 +1,350 @@
+//! Trajectory replay (issue 7): an agent's recorded run — model waits with their durations
+//! and answers, tool phases as workload-guest scripts — and a local model server that answers
+//! each request after its recorded delay with its recorded bytes.
+//!
+//! A trajectory file is JSON:
+//! `{"name": …, "steps": [{"model": {"wait_ms": 5290.5, "answer_bytes": 2048}},
+//! {"tool": {"script": "fill 24MiB random seed=3; digest; release"}}, …]}`. Model step `i`
+//! (counting model steps from 1) is request `i`; its answer is [`answer`]`(i, answer_bytes)`,
+//! bytes anyone can compute, so a replay checks every answer the guest digested.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::script::{self, Command};
+
+/// Errors of trajectories and the replay server.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    /// The file could not be read.
+    #[error("cannot read trajectory {path}")]
+    Read {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The system error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not a trajectory.
+    #[error("trajectory {path}: {reason}")]
+    Invalid {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The model server could not listen.
+    #[error("the replay model server cannot listen")]
+    Listen(#[source] std::io::Error),
+}
+
+/// One step of a trajectory.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Step {
+    /// The agent waits for the model.
+    Model {
+        /// How long the model took, milliseconds.
+        wait_ms: f64,
+        /// Bytes of its answer.
+        answer_bytes: u64,
+    },
+    /// A tool runs in the VM: a workload-guest script.
+    Tool {
+        /// The script.
+        script: String,
+    },
+}
+
+/// A recorded agent run.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Trajectory {
+    /// Its name.
+    pub name: String,
+    /// Where it comes from and how it was shaped.
+    #[serde(default)]
+    pub note: String,
+    /// The steps, in order.
+    pub steps: Vec<Step>,
+}
+
+/// Most bytes of one answer (the guest's I/O buffer).
+pub const MAX_ANSWER: u64 = crate::guest::IO_BUF_SIZE;
+
+impl Trajectory {
+    /// Reads and checks a trajectory file.
+    pub fn load(path: &Path) -> Result<Self, ReplayError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ReplayError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let invalid = |reason: String| ReplayError::Invalid {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let trajectory: Trajectory =
+            serde_json::from_str(&text).map_err(|e| invalid(e.to_string()))?;
+        trajectory.check().map_err(invalid)?;
+        Ok(trajectory)
+    }
+
+    fn check(&self) -> Result<(), String> {
+        if self.steps.is_empty() {
+            return Err("no steps".into());
+        }
+        for (i, step) in self.steps.iter().enumerate() {
+            match step {
+                Step::Model {
+                    wait_ms,
+                    answer_bytes,
+                } => {
+                    if !(wait_ms.is_finite() && *wait_ms >= 0.0) {
+                        return Err(format!("step {}: wait_ms {wait_ms}", i + 1));
+                    }
+                    if *answer_bytes > MAX_ANSWER {
+                        return Err(format!(
+                            "step {}: an answer of {answer_bytes} bytes is more than {MAX_ANSWER}",
+                            i + 1
+                        ));
+                    }
+                }
+                Step::Tool { script } => {
+                    script::parse(script).map_err(|e| format!("step {}: {e}", i + 1))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The model steps: (request id, wait, answer bytes).
+    pub fn requests(&self) -> Vec<(u64, Duration, u64)> {
+        let mut id = 0;
+        self.steps
+            .iter()
+            .filter_map(|step| match step {
+                Step::Model {
+                    wait_ms,
+                    answer_bytes,
+                } => {
+                    id += 1;
+                    Some((id, Duration::from_secs_f64(wait_ms / 1e3), *answer_bytes))
+                }
+                Step::Tool { .. } => None,
+            })
+            .collect()
+    }
+
+    /// Total model wait.
+    pub fn total_wait(&self) -> Duration {
+        self.requests().iter().map(|r| r.1).sum()
+    }
+
+    /// The whole run as one workload script: `model ID` for each model step, the tool
+    /// scripts as they are.
+    pub fn script(&self) -> Vec<Command> {
+        let mut id = 0;
+        let mut out = Vec::new();
+        for step in &self.steps {
+            match step {
+                Step::Model { .. } => {
+                    id += 1;
+                    out.push(Command::Model { request: id });
+                }
+                Step::Tool { script } => {
+                    out.extend(script::parse(script).expect("checked when loaded"));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// The answer to request `id`: `len` bytes anyone can compute.
+pub fn answer(id: u64, len: u64) -> Vec<u8> {
+    let mut state = id.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 32) as u8
+        })
+        .collect()
+}
+
+/// A local model server answering a trajectory's requests after their recorded waits
+/// (`POST …/requests/ID`, HTTP/1.1, one connection per request).
+#[derive(Debug)]
+pub struct ReplayServer {
+    address: SocketAddr,
+    stop: Arc<AtomicBool>,
+    served: Arc<AtomicU64>,
+}
+
+impl ReplayServer {
+    /// Serves `trajectory`'s requests on 127.0.0.1 (a free port).
+    pub fn start(trajectory: &Trajectory) -> Result<Self, ReplayError> {
+        let listener = TcpListener::bind("127.0.0.1:0").map_err(ReplayError::Listen)?;
+        let address = listener.local_addr().map_err(ReplayError::Listen)?;
+        listener
+            .set_nonblocking(true)
+            .map_err(ReplayError::Listen)?;
+        let requests: Arc<Vec<(u64, Duration, u64)>> = Arc::new(trajectory.requests());
+        let stop = Arc::new(AtomicBool::new(false));
+        let served = Arc::new(AtomicU64::new(0));
+        {
+            let (stop, served) = (Arc::clone(&stop), Arc::clone(&served));
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    match listener.accept() {
+                        Ok((stream, _)) => {
+                            let (requests, served) = (Arc::clone(&requests), Arc::clone(&served));
+                            std::thread::spawn(move || {
+                                if serve(stream, &requests).is_ok() {
+                                    served.fetch_add(1, Ordering::Relaxed);
+                                }
+                            });
+                        }
+                        Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                    }
+                }
+            });
+        }
+        Ok(Self {
+            address,
+            stop,
+            served,
+        })
+    }
+
+    /// `http://127.0.0.1:PORT`, for `--vm-model-upstream`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.address)
+    }
+
+    /// Requests answered so far.
+    pub fn served(&self) -> u64 {
+        self.served.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for ReplayServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// One request: read it, wait its recorded time, answer (404 for an id not in the trajectory).
+fn serve(stream: TcpStream, requests: &[(u64, Duration, u64)]) -> std::io::Result<()> {
+    stream.set_nonblocking(false)?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    let path = line.split_whitespace().nth(1).unwrap_or("").to_owned();
+    let mut length = 0usize;
+    loop {
+        let mut header = String::new();
+        if reader.read_line(&mut header)? == 0 || header.trim().is_empty() {
+            break;
+        }
+        if let Some(value) = header.to_ascii_lowercase().strip_prefix("content-length:") {
+            length = value.trim().parse().unwrap_or(0);
+        }
+    }
+    let mut body = vec![0u8; length.min(1 << 20)];
+    reader.read_exact(&mut body)?;
+    let id: Option<u64> = path.rsplit('/').next().and_then(|id| id.parse().ok());
+    let found = id.and_then(|id| requests.iter().find(|r| r.0 == id));
+    let mut stream = stream;
+    let (status, payload) = match found {
+        Some(&(id, wait, len)) => {
+            std::thread::sleep(wait);
+            ("200 OK", answer(id, len))
+        }
+        None => ("404 Not Found", format!("no request {path}").into_bytes()),
+    };
+    let head = format!(
+        "HTTP/1.1 {status}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        payload.len()
+    );
+    stream.write_all(head.as_bytes())?;
+    stream.write_all(&payload)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Trajectory {
+        serde_json::from_str(
+            r#"{"name": "t", "steps": [
+                {"model": {"wait_ms": 20, "answer_bytes": 100}},
+                {"tool": {"script": "fill 1MiB random seed=2; digest"}},
+                {"model": {"wait_ms": 10.5, "answer_bytes": 7}}
+            ]}"#,
+        )
+        .expect("a trajectory")
+    }
+
+    #[test]
+    fn trajectory_numbers_model_steps_and_builds_the_script() {
+        let t = sample();
+        t.check().expect("valid");
+        let requests = t.requests();
+        assert_eq!(requests.len(), 2);
+        assert_eq!(requests[1], (2, Duration::from_micros(10_500), 7));
+        assert_eq!(t.total_wait(), Duration::from_micros(30_500));
+        let script: Vec<String> = t.script().iter().map(ToString::to_string).collect();
+        assert_eq!(
+            script,
+            ["model 1", "fill 1048576 random seed=2", "digest", "model 2"]
+        );
+    }
+
+    #[test]
+    fn trajectory_with_a_bad_step_is_refused_with_its_number() {
+        let mut t = sample();
+        t.steps.push(Step::Tool {
+            script: "explode".into(),
+        });
+        assert!(t.check().expect_err("bad script").contains("step 4"));
+        let mut t = sample();
+        t.steps[0] = Step::Model {
+            wait_ms: -1.0,
+            answer_bytes: 1,
+        };
+        assert!(t.check().is_err());
+    }
+
+    #[test]
+    fn answers_are_deterministic_and_differ_by_request() {
+        assert_eq!(answer(3, 64), answer(3, 64));
+        assert_ne!(answer(3, 64), answer(4, 64));
+        assert_eq!(answer(9, 5).len(), 5);
+    }
+
+    #[test]
+    fn replay_server_answers_after_the_recorded_wait() {
+        let t = sample();
+        let server = ReplayServer::start(&t).expect("listens");
+        let gateway = crate::gateway::Gateway::new(&server.url(), "t", 0, Duration::from_secs(5))
+            .expect("a gateway");
+        let started = std::time::Instant::now();
+        gateway.send(1);
+        assert_eq!(
+            gateway.wait(1),
+            crate::gateway::Answer::Data(answer(1, 100))
+        );
+        assert!(started.elapsed() >= Duration::from_millis(20));
+        gateway.send(7);
+        let crate::gateway::Answer::Error(why) = gateway.wait(7) else {
+            panic!("an answer for a request not in the trajectory");
+        };
+        assert!(why.contains("404"), "{why}");
+        assert_eq!(server.served(), 2);
+    }
+}
