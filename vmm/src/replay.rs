@@ -68,8 +68,16 @@ pub struct Trajectory {
     /// Where it comes from and how it was shaped.
     #[serde(default)]
     pub note: String,
+    /// The factor its waits were scaled by (1: as recorded); a replay scales the wait policy by
+    /// it too, so that pauses, offloads and cooldowns keep their proportion to the waits.
+    #[serde(default = "one")]
+    pub time_scale: f64,
     /// The steps, in order.
     pub steps: Vec<Step>,
+}
+
+fn one() -> f64 {
+    1.0
 }
 
 /// Most bytes of one answer (the guest's I/O buffer).
@@ -95,6 +103,12 @@ impl Trajectory {
     fn check(&self) -> Result<(), String> {
         if self.steps.is_empty() {
             return Err("no steps".into());
+        }
+        if !(self.time_scale > 0.0 && self.time_scale <= 100.0) {
+            return Err(format!(
+                "time_scale {} (above 0, at most 100)",
+                self.time_scale
+            ));
         }
         for (i, step) in self.steps.iter().enumerate() {
             match step {

@@ -43,6 +43,20 @@ pub struct WaitPolicy {
     pub offload: bool,
 }
 
+impl WaitPolicy {
+    /// Every duration times `factor`: the policy for a replay whose waits were scaled by it.
+    pub fn scaled(self, factor: f64) -> Self {
+        let scale = |d: Duration| d.mul_f64(factor.max(0.0));
+        Self {
+            pause_after: scale(self.pause_after),
+            offload_after: scale(self.offload_after),
+            min_timer_budget: scale(self.min_timer_budget),
+            offload_cooldown: scale(self.offload_cooldown),
+            offload: self.offload,
+        }
+    }
+}
+
 impl Default for WaitPolicy {
     fn default() -> Self {
         Self {
@@ -590,6 +604,15 @@ mod tests {
             )
             .is_empty());
         assert_eq!(c.stats().delivered, 0);
+    }
+
+    #[test]
+    fn wait_policy_scales_every_duration() {
+        let p = WaitPolicy::default().scaled(0.05);
+        assert_eq!(p.pause_after, Duration::from_millis(1));
+        assert_eq!(p.offload_cooldown, Duration::from_millis(250));
+        assert_eq!(p.min_timer_budget, Duration::from_millis(50));
+        assert!(p.offload);
     }
 
     #[test]

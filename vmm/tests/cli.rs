@@ -327,6 +327,8 @@ fn cli_bad_input_gets_clear_messages() {
     assert!(err.contains("/nonexistent.json"), "{err}");
     let err = fails(r, &["replay", "/dev/null", "--strategy", "nap"]);
     assert!(err.contains("trajectory"), "{err}");
+    let err = fails(r, &["run", "--vm-wait-scale", "0", "--", "idle"]);
+    assert!(err.contains("--vm-wait-scale"), "{err}");
     let err = fails(r, &["run", "--vm-wait-management", "--", "idle"]);
     assert!(err.contains("needs --vm-model-upstream"), "{err}");
     let err = fails(
@@ -957,6 +959,5 @@ fn cli_replay_scaled_trajectory_gives_the_same_results_under_every_strategy() {
             );
         }
     }
-    // (Whether offloading saves memory × time on scaled waits depends on the policy's own
-    // durations, which are not scaled: that is for the scenario bench, not a test.)
+    // (How much offloading saves is for the scenario bench, not a test: it depends on timing.)
 }

@@ -79,6 +79,10 @@ pub struct RunArgs {
     /// What wait management does: offload (default) or pause only.
     #[arg(long = "vm-wait-strategy", value_name = "STRATEGY")]
     pub wait_strategy: Option<String>,
+    /// Multiply the wait policy's durations (20 ms, 50 ms, 1 s, 5 s) by this factor, e.g. for
+    /// a replay whose waits were scaled by it (1).
+    #[arg(long = "vm-wait-scale", value_name = "FACTOR")]
+    pub wait_scale: Option<f64>,
     /// Guest RAM mapping: anon (private anonymous, default) or memfd (shared memfd).
     #[arg(long = "vm-ram-backing", value_name = "KIND")]
     pub ram_backing: Option<String>,
@@ -131,6 +135,7 @@ struct ConfigVm {
     model_upstream: Option<String>,
     wait_management: Option<bool>,
     wait_strategy: Option<String>,
+    wait_scale: Option<f64>,
     disk: Option<PathBuf>,
     cgroup: Option<PathBuf>,
     pager_threads: Option<usize>,
@@ -418,9 +423,16 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
                 .into(),
         );
     }
-    let wait = wait_management.then(|| vmm::wait::WaitPolicy {
-        offload,
-        ..vmm::wait::WaitPolicy::default()
+    let wait_scale = args.wait_scale.or(config.wait_scale);
+    if wait_scale.is_some_and(|f| !(f > 0.0 && f <= 100.0)) {
+        return Err("--vm-wait-scale is a factor above 0 and at most 100".into());
+    }
+    let wait = wait_management.then(|| {
+        vmm::wait::WaitPolicy {
+            offload,
+            ..vmm::wait::WaitPolicy::default()
+        }
+        .scaled(wait_scale.unwrap_or(1.0))
     });
     Ok(Resolved {
         cold,

@@ -115,10 +115,12 @@ pub fn replay(args: &ReplayArgs) -> CliResult {
     let run = runtime::new_id("replay-");
     let parent = args.cgroup_parent.clone().unwrap_or_default();
     eprintln!(
-        "pvisor replay: {} ({} steps, {:.3} s of model waits) in {} VM(s) of {}, strategy {}",
+        "pvisor replay: {} ({} steps, {:.3} s of model waits, time scale {}) in {} VM(s) of {}, \
+         strategy {}",
         trajectory.name,
         trajectory.steps.len(),
         trajectory.total_wait().as_secs_f64(),
+        trajectory.time_scale,
         args.vms,
         args.memory,
         args.strategy
@@ -133,6 +135,10 @@ pub fn replay(args: &ReplayArgs) -> CliResult {
         command.args(["run", "--detach", "--job", &job, "--memory", &args.memory]);
         command.args(["--vm-model-upstream", &url, "--cgroup", &cgroup]);
         command.args(&extra);
+        let scale = trajectory.time_scale.to_string();
+        if extra.contains(&"--vm-wait-management") {
+            command.args(["--vm-wait-scale", &scale]);
+        }
         command.args(["--", "idle"]);
         let out = command.stderr(Stdio::inherit()).output()?;
         if !out.status.success() {
