@@ -40,6 +40,10 @@ pub struct ReplayArgs {
     /// End with one JSON line of the summary.
     #[arg(long)]
     pub json: bool,
+    /// Write every memory sample to FILE as CSV: `t_s,vm,guest_pss_bytes,cgroup_bytes` (t from
+    /// the common release; empty fields where a reading was dropped).
+    #[arg(long, value_name = "FILE")]
+    pub samples: Option<PathBuf>,
 }
 
 fn strategy_args(strategy: &str) -> Result<Vec<&'static str>, String> {
@@ -172,6 +176,7 @@ pub fn replay(args: &ReplayArgs) -> CliResult {
         .collect::<Vec<_>>()
         .join("; ");
     let sampler = Sampler::start(Duration::from_millis(args.sample_ms), probes);
+    let sampling_started = Instant::now();
     // A common release: every VM starts its replay at once.
     let release = Instant::now();
     let outcomes: Vec<Outcome> = std::thread::scope(|scope| {
@@ -207,6 +212,22 @@ pub fn replay(args: &ReplayArgs) -> CliResult {
             .collect()
     });
     let recording = sampler.finish();
+    if let Some(path) = &args.samples {
+        let offset = release.duration_since(sampling_started).as_secs_f64();
+        let mut csv = String::from("t_s,vm,guest_pss_bytes,cgroup_bytes\n");
+        for sample in &recording.samples {
+            for (vm, reading) in sample.readings.iter().enumerate() {
+                let field = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_default();
+                csv.push_str(&format!(
+                    "{:.3},{vm},{},{}\n",
+                    sample.at.as_secs_f64() - offset,
+                    field(reading.and_then(|r| r.guest_pss_bytes)),
+                    field(reading.and_then(|r| r.cgroup_bytes)),
+                ));
+            }
+        }
+        std::fs::write(path, csv).map_err(|e| format!("--samples {}: {e}", path.display()))?;
+    }
     let pids: Vec<u32> = vms.iter().map(|vm| vm.identity.pid).collect();
     drop(vms);
     remove_cgroups(&pids, &cgroups);
