@@ -694,6 +694,10 @@ impl Drop for Vm {
         if let Some(view) = self.ram_view.take() {
             view.close();
         }
+        // The cgroup was made for this VM: it goes with it.
+        if let Some(cgroup) = self.cgroup.take() {
+            cgroup.leave_and_remove();
+        }
     }
 }
 

@@ -469,21 +469,26 @@ fn cli_cgroup_accounts_the_vm_and_its_offload() {
         &["--cgroup", &name],
         "fill 64MiB random seed=4; task; idle",
     );
-    let running = vm.stats()["cgroup_memory_bytes"].as_u64().unwrap();
+    let stats = vm.stats();
+    let running = stats["cgroup_memory_bytes"].as_u64().unwrap();
+    let cgroup = std::path::PathBuf::from(stats["cgroup_dir"].as_str().unwrap());
+    assert!(cgroup.ends_with(&name), "{}", cgroup.display());
     // Guest RAM plus the disk's page cache of the task's 64 MiB.
     assert!(running >= 64 << 20, "{running}");
     vm.call("suspend", &["--vm-offload"]);
     let offloaded = vm.stats()["cgroup_memory_bytes"].as_u64().unwrap();
     assert!(offloaded + (48 << 20) < running, "{running} -> {offloaded}");
+    let pid = vm.identity["pid"].as_u64().unwrap();
     drop(vm);
-    // Leave no cgroups behind (they are empty once the VM process is gone).
-    std::thread::sleep(std::time::Duration::from_millis(300));
-    for dir in ["/sys/fs/cgroup/memory", "/sys/fs/cgroup"] {
-        let own = Path::new(dir).join(&name);
-        let _ = std::fs::remove_dir(&own);
-        if let Some(parent) = own.parent() {
-            let _ = std::fs::remove_dir(parent);
-        }
+    // The VM takes its cgroup with it.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while Path::new(&format!("/proc/{pid}")).exists() {
+        assert!(std::time::Instant::now() < deadline, "the VM did not exit");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(!cgroup.exists(), "{} was left behind", cgroup.display());
+    if let Some(parent) = cgroup.parent() {
+        let _ = std::fs::remove_dir(parent);
     }
 }
 
