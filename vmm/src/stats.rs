@@ -152,10 +152,7 @@ impl MemoryCgroup {
     /// cgroup other processes still use stays). What it was charged goes to the parent.
     pub fn leave_and_remove(&self) {
         if let Some(parent) = self.dir.parent() {
-            let _ = std::fs::write(
-                parent.join("cgroup.procs"),
-                std::process::id().to_string(),
-            );
+            let _ = std::fs::write(parent.join("cgroup.procs"), std::process::id().to_string());
         }
         let _ = std::fs::remove_dir(&self.dir);
     }
