@@ -1,23 +1,10 @@
 //! How this bench writes its figures: the CSV style and the numbers of the tables; the series
 //! themselves are `common::results`.
 
-pub use crate::common::results::{Results, Summary};
+pub use crate::common::results::{num, Results, Summary};
 
 /// `key,unit,min,median,max,run1..runN`.
 pub use crate::common::results::KEY_RUN_CSV as CSV;
-
-/// `v` with `d` decimals, `–` for NaN; a value that rounds to zero reads as 0, not -0.
-pub fn num(v: f64, d: usize) -> String {
-    if v.is_nan() {
-        return "–".to_owned();
-    }
-    let text = format!("{v:.d$}");
-    if text.parse::<f64>() == Ok(0.0) {
-        text.trim_start_matches('-').to_owned()
-    } else {
-        text
-    }
-}
 
 /// Seconds of `d`: whole ones without decimals (`4`), else one decimal (`0.4`).
 pub fn secs(d: std::time::Duration) -> String {

@@ -1,12 +1,13 @@
 //! What the benches share. Here: the four kinds of content, the realistic sample and where it
 //! comes from, and the run helpers of the scenario benches (`main`, `env_number`,
-//! `is_bench_run`, `skip_smoke`, `finish`). Beside it, for the scenario benches (`store_report`, `pager_report`,
-//! `vm_report`, `cold_report`, `sharing_report`):
+//! `is_bench_run`, `skip_smoke`, `end_round`, `finish`). Beside it, for the scenario benches (`store_report`, `pager_report`,
+//! `vm_report`, `cold_report`, `sharing_report`, `agent_waits_report`):
 //! - `host`: the temporary directory under `target/bench-tmp/`, the machine facts the reports
 //!   state, CPU time from `/proc/stat`;
-//! - `results`: one value per run under a key, min/median/max summaries, the CSV;
+//! - `results`: one value per run under a key, min/median/max summaries, the CSV, the numbers
+//!   of the tables (`num`, `signed`, `fig`: `median (min–max)`);
 //! - `svg`: the pieces of the charts (log axis, 1-2-5 grid, panels of labelled rows, a linear
-//!   axis from zero);
+//!   axis from zero, a line chart over two linear axes with its legend);
 //! - `vmproc`: the real `pvisor` VM process (start, control-socket requests, stop) and the
 //!   freshness check of `target/release/pvisor`.
 //!
@@ -296,4 +297,21 @@ pub fn fnv1a64(bytes: &[u8]) -> u64 {
 /// `cargo test --benches` runs it as a smoke test.
 pub fn is_bench_run() -> bool {
     std::env::args().any(|arg| arg == "--bench")
+}
+
+/// The end of round `round` (from 0) of a scenario bench that began at `started`: its time as
+/// `bench.round_s`, and a progress line.
+pub fn end_round(
+    bench: &str,
+    results: &mut results::Results,
+    round: usize,
+    started: std::time::Instant,
+) {
+    let elapsed = started.elapsed().as_secs_f64();
+    results.put("bench.round_s", "s", round, elapsed);
+    eprintln!(
+        "{bench}: round {}/{} done in {elapsed:.0} s",
+        round + 1,
+        results.runs
+    );
 }

@@ -177,3 +177,53 @@ impl Results {
         out
     }
 }
+
+/// `v` with `d` decimals; `–` for NaN; a value that rounds to zero reads `0`, never `-0`.
+pub fn num(v: f64, d: usize) -> String {
+    if v.is_nan() {
+        return "–".to_owned();
+    }
+    let text = format!("{v:.d$}");
+    if text.parse::<f64>() == Ok(0.0) {
+        text.trim_start_matches('-').to_owned()
+    } else {
+        text
+    }
+}
+
+/// `v` with `d` decimals and its sign when not zero: `+18.2`, `-60.1`, `0.0`.
+pub fn signed(v: f64, d: usize) -> String {
+    let text = num(v, d);
+    if v > 0.0 && text.parse::<f64>().is_ok_and(|p| p != 0.0) {
+        format!("+{text}")
+    } else {
+        text
+    }
+}
+
+/// The summary of `key` as `median (min–max)` with `d` decimals, each written by `write`
+/// (`num`, `signed`); the value alone after one run; `–` when nothing was measured. Negative
+/// bounds are joined by ` to `, not by a dash that would read as a minus sign.
+pub fn fig_with(results: &Results, key: &str, d: usize, write: fn(f64, usize) -> String) -> String {
+    let s = results.summary(key);
+    match s.n {
+        0 => "–".to_owned(),
+        1 => write(s.median, d),
+        _ => {
+            let (min, max) = (write(s.min, d), write(s.max, d));
+            let signs = [&min, &max].iter().any(|t| t.starts_with(['-', '+']));
+            let to = if signs { " to " } else { "–" };
+            format!("{} ({min}{to}{max})", write(s.median, d))
+        }
+    }
+}
+
+/// `fig_with(…, num)`: `0.98 (0.95–1.02)`.
+pub fn fig(results: &Results, key: &str, d: usize) -> String {
+    fig_with(results, key, d, num)
+}
+
+/// `fig_with(…, signed)`: `+4.1 (-2.0 to +9.3)`.
+pub fn signed_fig(results: &Results, key: &str, d: usize) -> String {
+    fig_with(results, key, d, signed)
+}

@@ -257,3 +257,125 @@ impl Axis for LinearAxis {
         self.left
     }
 }
+
+/// A chart of lines over two linear axes from zero (`LinearAxis`): time or another quantity
+/// across, a quantity up, in the box from (`left`, `top`) of `width` × `height`, with a grid at
+/// every step of both axes, their tick values below and left of the box, and their titles.
+#[derive(Debug, Clone, Copy)]
+pub struct LineChart {
+    pub x: LinearAxis,
+    /// Laid out from 0 over the box's height; `LineChart::at` turns it upwards.
+    pub y: LinearAxis,
+    pub top: f64,
+    pub height: f64,
+}
+
+/// Where a `LineChart` is drawn and what its axes say.
+#[derive(Debug, Clone, Copy)]
+pub struct ChartFrame<'a> {
+    pub left: f64,
+    pub top: f64,
+    pub width: f64,
+    pub height: f64,
+    /// The title below the horizontal axis.
+    pub x_title: &'a str,
+    /// The title above the vertical axis.
+    pub y_title: &'a str,
+    /// Writes a tick value.
+    pub tick: fn(f64) -> String,
+}
+
+impl LineChart {
+    /// Draws the grid, the ticks and the titles of a chart that holds every finite one of
+    /// `xs` and `ys` (and zero).
+    pub fn begin(
+        out: &mut String,
+        frame: &ChartFrame<'_>,
+        xs: impl IntoIterator<Item = f64>,
+        ys: impl IntoIterator<Item = f64>,
+    ) -> Self {
+        let chart = Self {
+            x: LinearAxis::from_zero(xs, frame.left, frame.width),
+            y: LinearAxis::from_zero(ys, 0.0, frame.height),
+            top: frame.top,
+            height: frame.height,
+        };
+        let right = frame.left + frame.width;
+        let bottom = chart.bottom();
+        let small = r#"font-size="10" text-anchor="middle""#;
+        for v in chart.x.ticks() {
+            let x = chart.x.x(v);
+            line(out, (x, frame.top), (x, bottom), r##"stroke="#ddd""##);
+            text(out, x, bottom + 14.0, small, &(frame.tick)(v));
+        }
+        for v in chart.y.ticks() {
+            let (_, y) = chart.at(chart.x.lo, v);
+            line(out, (frame.left, y), (right, y), r##"stroke="#ddd""##);
+            let attributes = r#"font-size="10" text-anchor="end""#;
+            text(out, frame.left - 6.0, y + 3.5, attributes, &(frame.tick)(v));
+        }
+        let axis = r##"stroke="#888""##;
+        line(out, (frame.left, bottom), (right, bottom), axis);
+        line(out, (frame.left, frame.top), (frame.left, bottom), axis);
+        let centre = frame.left + frame.width / 2.0;
+        text(
+            out,
+            centre,
+            bottom + 30.0,
+            r#"font-size="11" text-anchor="middle""#,
+            frame.x_title,
+        );
+        text(
+            out,
+            frame.left,
+            frame.top - 8.0,
+            r#"font-size="11""#,
+            frame.y_title,
+        );
+        chart
+    }
+
+    /// The y below the box.
+    pub fn bottom(&self) -> f64 {
+        self.top + self.height
+    }
+
+    /// Where the point (`x`, `y`) is drawn (values beyond the axes at their ends).
+    pub fn at(&self, x: f64, y: f64) -> (f64, f64) {
+        (self.x.x(x), self.bottom() - self.y.x(y))
+    }
+
+    /// A line through `points` in `style` (SVG attributes: `stroke="…"`); a point with a value
+    /// that is not finite breaks the line.
+    pub fn polyline(&self, out: &mut String, points: &[(f64, f64)], style: &str) {
+        for run in points.split(|(x, y)| !(x.is_finite() && y.is_finite())) {
+            if run.len() < 2 {
+                continue;
+            }
+            let coordinates: Vec<String> = run
+                .iter()
+                .map(|&(x, y)| {
+                    let (x, y) = self.at(x, y);
+                    format!("{x:.1},{y:.1}")
+                })
+                .collect();
+            let _ = writeln!(
+                out,
+                r#"<polyline points="{}" fill="none" {style}/>"#,
+                coordinates.join(" ")
+            );
+        }
+    }
+}
+
+/// A legend in one row from (`x`, `y`): a short line in each entry's style (`stroke="…"`),
+/// then its label.
+pub fn legend(out: &mut String, (x, y): (f64, f64), entries: &[(&str, String)]) {
+    let mut x = x;
+    for (style, label) in entries {
+        line(out, (x, y - 4.0), (x + 22.0, y - 4.0), style);
+        text(out, x + 28.0, y, r#"font-size="11""#, label);
+        // About 6.5 px a character at 11 px.
+        x += 28.0 + 6.5 * label.chars().count() as f64 + 18.0;
+    }
+}

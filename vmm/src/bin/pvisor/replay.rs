@@ -307,6 +307,8 @@ pub fn replay(args: &ReplayArgs) -> CliResult {
         "strategy": args.strategy,
         "vms": n,
         "integrity_passed": passed,
+        "results_passed": failures.is_empty(),
+        "sampling_passed": integrity.passed,
         "failures": failures,
         "results_digest": results_digest,
         "guest_pss_gib_s_per_task": per_task(Quantity::GuestPss),

@@ -1,0 +1,334 @@
+//! Scenario bench of agent-wait memory management (issue 7): the real `pvisor replay` of the
+//! qutebrowser-667-shaped trajectory with its waits × 0.05, in one VM and in 16 VMs sharing the
+//! machine, under every wait strategy, against the seed's 16-VM table. Regenerates
+//! `docs/bench/agent-waits.md`, `docs/bench/agent-waits.csv` and `docs/bench/agent-waits.svg`.
+//!
+//! `cargo bench --bench agent_waits_report` runs `AGENT_BENCH_RUNS` (default 5) interleaved
+//! rounds. In each round every group — N VMs (`Settings::vms`: 1 and 16) under a strategy
+//! (`Strategy::ALL`: off, pause, offload, offload-compressed) — runs once as
+//! `pvisor replay TRAJECTORY --vms N --strategy S --memory 512MiB --json --samples FILE`
+//! (`replay`); round `r` rotates the order of the strategies by `r` and reverses the order of
+//! the Ns for odd `r`. Every field of the replay's JSON summary, its exit status and its memory
+//! samples are kept; a run whose integrity failed is recorded and counted, never dropped, and
+//! the bench fails only if `pvisor replay` cannot run at all. Ratios to `off` are computed
+//! within a round (same N), then summarised (`targets`).
+//!
+//! Needs root, `/dev/kvm`, `/dev/userfaultfd`, memory cgroups, and `target/release/pvisor`
+//! built from the current sources (`cargo build --release -p vmm --bin pvisor`). Run without
+//! `--bench` (as `cargo test --benches` does), it is a quick smoke run: the trajectory's first
+//! `SMOKE_STEPS` steps, 1 and 2 VMs, off and offload, one round; every run must pass its
+//! integrity check and give the same `results_digest`; no report is written. It is skipped with
+//! a message when the binary is missing or stale, and altogether with
+//! `PVISOR_SKIP_DEVICE_TESTS=1`.
+
+#![allow(clippy::cast_possible_truncation, clippy::cast_precision_loss)]
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use vmm::replay::{Step, Trajectory};
+
+#[path = "../common/mod.rs"]
+mod common;
+mod replay;
+mod report;
+mod seed;
+mod svg;
+mod targets;
+
+use common::host::TempRoot;
+use common::results::Results;
+use common::Res;
+use replay::Timeline;
+
+/// The trajectory of the bench, from the workspace root.
+const TRAJECTORY: &str = "docs/trajectories/qutebrowser-667-scaled.json";
+/// Steps of the trajectory the smoke run replays (its first six model waits).
+const SMOKE_STEPS: usize = 12;
+
+/// What `pvisor replay --strategy` does while the agents wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Strategy {
+    /// No wait management: every VM keeps its memory through its waits.
+    Off,
+    /// The VM is paused during a wait; its memory stays.
+    Pause,
+    /// Paused, then its RAM offloaded to its store and loaded back lazily on the answer.
+    Offload,
+    /// The same with the store compressed.
+    OffloadCompressed,
+}
+
+impl Strategy {
+    /// Every strategy, in the order of round 0; the first is the one the others are compared
+    /// with.
+    pub const ALL: [Strategy; 4] = [
+        Strategy::Off,
+        Strategy::Pause,
+        Strategy::Offload,
+        Strategy::OffloadCompressed,
+    ];
+
+    /// Its name for `pvisor replay --strategy`, in keys and in tables.
+    pub fn key(self) -> &'static str {
+        match self {
+            Strategy::Off => "off",
+            Strategy::Pause => "pause",
+            Strategy::Offload => "offload",
+            Strategy::OffloadCompressed => "offload-compressed",
+        }
+    }
+
+    /// What the VMs run with, for the Method section.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Strategy::Off => "no wait management (`pvisor run` as it is)",
+            Strategy::Pause => "`--vm-wait-management --vm-wait-strategy pause`",
+            Strategy::Offload => "`--vm-wait-management` (the default strategy, offload)",
+            Strategy::OffloadCompressed => "`--vm-wait-management --vm-ram-compression`",
+        }
+    }
+
+    /// Whether the issue's memory and window targets are judged on it.
+    pub fn judged(self) -> bool {
+        matches!(self, Strategy::Offload | Strategy::OffloadCompressed)
+    }
+}
+
+/// The strategy every other one is compared with.
+pub const BASE: Strategy = Strategy::ALL[0];
+
+/// Sizes and places of one bench (full or smoke).
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub runs: usize,
+    pub write_docs: bool,
+    /// The group sizes, in the order of even rounds; the last is the one the targets judge.
+    pub vms: Vec<usize>,
+    pub strategies: Vec<Strategy>,
+    /// Guest RAM of every VM, as `pvisor replay --memory` takes it.
+    pub memory: &'static str,
+    /// The sampling period of `pvisor replay --sample-ms`.
+    pub sample_ms: u64,
+    /// The trajectory as given to `pvisor replay`, and what it holds.
+    pub trajectory: PathBuf,
+    pub replayed: Trajectory,
+    /// The longest a replay may take before it is stopped and counted as failed.
+    pub run_limit: Duration,
+    pub pvisor: PathBuf,
+}
+
+impl Settings {
+    /// The group size the targets are judged on (16 in the bench).
+    pub fn judged_vms(&self) -> usize {
+        *self
+            .vms
+            .iter()
+            .max()
+            .expect("a bench has at least one group size")
+    }
+}
+
+/// The replay's figures of one run that are not numbers, and the memory over time.
+#[derive(Debug, Default)]
+pub struct Log {
+    /// `round N, N VMs, STRATEGY: why` for every run whose integrity failed.
+    pub failures: Vec<String>,
+    /// Failed runs whose results were all right: only the sampling failed.
+    pub sampling_only: usize,
+    /// Runs by `results_digest` (`none` for a run that gave none).
+    pub digests: BTreeMap<String, usize>,
+    /// Runs that printed their JSON summary.
+    pub summaries: usize,
+    /// The summed memory of every run, by (VMs, strategy, round).
+    pub timelines: BTreeMap<(usize, Strategy, usize), Timeline>,
+}
+
+impl Log {
+    /// Runs recorded.
+    pub fn runs(&self) -> usize {
+        self.digests.values().sum()
+    }
+}
+
+fn main() {
+    common::main("agent_waits_report", run);
+}
+
+/// The settings, or why the smoke run is skipped; `tmp` holds the smoke's trajectory.
+fn settings(tmp: &Path) -> Res<Result<Settings, String>> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let pvisor = common::vmproc::find_binary(&root, &common::host::target_dir());
+    let full = root.join(TRAJECTORY);
+    let trajectory = Trajectory::load(&full)?;
+    if !common::is_bench_run() {
+        let pvisor = match pvisor {
+            Ok(pvisor) => pvisor,
+            Err(why) => return Ok(Err(why)),
+        };
+        let mut short = trajectory;
+        short.steps.truncate(SMOKE_STEPS);
+        short.name = format!("{} (first {SMOKE_STEPS} steps)", short.name);
+        let path = tmp.join("smoke-trajectory.json");
+        fs::write(&path, serde_json::to_string_pretty(&short)?)?;
+        return Ok(Ok(Settings {
+            runs: 1,
+            write_docs: false,
+            vms: vec![1, 2],
+            strategies: vec![Strategy::Off, Strategy::Offload],
+            memory: "512MiB",
+            sample_ms: 100,
+            trajectory: path,
+            replayed: short,
+            run_limit: Duration::from_secs(60),
+            pvisor,
+        }));
+    }
+    Ok(Ok(Settings {
+        runs: common::env_number("AGENT_BENCH_RUNS", 5, 1)? as usize,
+        write_docs: true,
+        vms: vec![1, 16],
+        strategies: Strategy::ALL.to_vec(),
+        memory: "512MiB",
+        sample_ms: 100,
+        trajectory: full,
+        replayed: trajectory,
+        run_limit: Duration::from_secs(600),
+        pvisor: pvisor?,
+    }))
+}
+
+fn run() -> Res<()> {
+    let started = Instant::now();
+    let bench_run = common::host::BenchRun::begin();
+    if common::skip_smoke("agent_waits_report", common::is_bench_run()) {
+        return Ok(());
+    }
+    // One directory per bench process, so that a smoke run cannot clear a running bench's files.
+    let relative = Path::new("agent-waits").join(format!("p{}", std::process::id()));
+    let tmp = TempRoot::create("agent_waits_report", &relative)?;
+    let settings = match settings(&tmp.path)? {
+        Ok(settings) => settings,
+        Err(why) => {
+            eprintln!("agent_waits_report: smoke run skipped: {why}");
+            return Ok(());
+        }
+    };
+    common::host::check_vm_devices()?;
+    let run_dir = tmp.path.join("run");
+    fs::create_dir_all(&run_dir)?;
+    // Read by `vmm::runtime` here and inherited by every `pvisor` started; set before any
+    // thread exists.
+    std::env::set_var("PVISOR_RUNTIME_DIR", &run_dir);
+    eprintln!(
+        "agent_waits_report: {} round(s) of {:?} VMs × {} strategies replaying {} ({} model waits, {:.1} s of \
+         waits); {}; temporary files in {} ({})",
+        settings.runs,
+        settings.vms,
+        settings.strategies.len(),
+        settings.replayed.name,
+        settings.replayed.requests().len(),
+        settings.replayed.total_wait().as_secs_f64(),
+        settings.pvisor.display(),
+        tmp.path.display(),
+        tmp.filesystem
+    );
+
+    let mut results = Results::new(settings.runs);
+    let mut log = Log::default();
+    let total = settings.runs * settings.vms.len() * settings.strategies.len();
+    let mut done = 0;
+    for round in 0..settings.runs {
+        let round_started = Instant::now();
+        let mut strategies = settings.strategies.clone();
+        strategies.rotate_left(round % settings.strategies.len());
+        let mut sizes = settings.vms.clone();
+        if round % 2 == 1 {
+            sizes.reverse();
+        }
+        for &vms in &sizes {
+            for &strategy in &strategies {
+                done += 1;
+                let samples = tmp
+                    .path
+                    .join(format!("samples-{vms}-{}.csv", strategy.key()));
+                let outcome = replay::run(&settings, vms, strategy, &samples)?;
+                eprintln!(
+                    "agent_waits_report: [{done}/{total}] round {}, {vms} VM(s), {}: {}",
+                    round + 1,
+                    strategy.key(),
+                    outcome.describe()
+                );
+                if outcome.summary.is_none() && log.summaries == 0 {
+                    // Not one replay got as far as its summary: `pvisor replay` cannot run here.
+                    return Err(format!(
+                        "`pvisor replay` did not run: {}",
+                        outcome.problem.as_deref().unwrap_or("no summary")
+                    )
+                    .into());
+                }
+                outcome.record(vms, strategy, round, &mut results, &mut log);
+            }
+        }
+        common::end_round("agent_waits_report", &mut results, round, round_started);
+    }
+    drop(tmp);
+    targets::derive(&mut results, &settings);
+    let verdicts = targets::verdicts(&results, &settings, &log);
+    for v in &verdicts {
+        eprintln!(
+            "agent_waits_report: {}: {} ({})",
+            v.target, v.result, v.figure
+        );
+    }
+    if !settings.write_docs {
+        smoke_checks(&log)?;
+    }
+    let chosen = targets::median_round(&results, &settings);
+    let context = report::Context {
+        settings: &settings,
+        run: &bench_run,
+        log: &log,
+        chosen,
+    };
+    let outputs = [
+        ("csv", results.csv(&common::results::KEY_RUN_CSV)),
+        ("svg", svg::svg(&results, &context)),
+        ("md", report::markdown(&results, &verdicts, &context)),
+    ];
+    common::finish(
+        "agent_waits_report",
+        settings.write_docs,
+        "agent-waits",
+        &outputs,
+        started,
+    )
+}
+
+/// The smoke run's checks: every run passed its integrity check, and all gave the same
+/// `results_digest`.
+fn smoke_checks(log: &Log) -> Res<()> {
+    if !log.failures.is_empty() {
+        return Err(format!("integrity failed: {}", log.failures.join("; ")).into());
+    }
+    if log.digests.len() != 1 || log.digests.contains_key(replay::NO_DIGEST) {
+        return Err(format!(
+            "the runs gave different results_digest values (runs by digest: {:?})",
+            log.digests
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// The model steps and the tool steps of a trajectory.
+pub fn step_counts(trajectory: &Trajectory) -> (usize, usize) {
+    let models = trajectory
+        .steps
+        .iter()
+        .filter(|s| matches!(s, Step::Model { .. }))
+        .count();
+    (models, trajectory.steps.len() - models)
+}

@@ -1,0 +1,351 @@
+//! The Markdown report (the targets are in `targets`, the seed's figures in `seed`).
+
+use std::fmt::Write as _;
+
+use crate::common::host::BenchRun;
+use crate::common::results::{fig, num, signed, signed_fig, Results};
+use crate::replay::key;
+use crate::seed;
+use crate::targets::{median_change, median_pct, vms_label, Verdict};
+use crate::{step_counts, Log, Settings, Strategy, BASE};
+
+/// What the report says besides the figures.
+pub struct Context<'a> {
+    pub settings: &'a Settings,
+    /// The machine, the date, the time and CPU the bench took.
+    pub run: &'a BenchRun,
+    pub log: &'a Log,
+    /// The round the chart shows (from 0).
+    pub chosen: usize,
+}
+
+pub fn markdown(results: &Results, verdicts: &[Verdict], cx: &Context<'_>) -> String {
+    let s = cx.settings;
+    let mut t = String::new();
+    let sizes: Vec<String> = s.vms.iter().map(ToString::to_string).collect();
+    let _ = writeln!(
+        t,
+        "# Agent-wait memory management: an agent run replayed in {} VMs — benchmark report\n\n{}",
+        sizes.join(" and "),
+        cx.run.generated("agent_waits_report", s.runs)
+    );
+    summary(&mut t, results, cx);
+    t.push_str(
+        "## Targets (issue 7)\n\n| target | figure: median (min–max) over the rounds | result |\n|---|---|---|\n",
+    );
+    for v in verdicts {
+        let _ = writeln!(t, "| {} | {} | {} |", v.target, v.figure, v.result);
+    }
+    let _ = writeln!(
+        t,
+        "\nA target is judged on the median of the per-round figures with {} (a ratio is computed within a \
+         round: the strategy against `off` with as many VMs, minutes apart at most); the figure says in how many \
+         rounds it is met. The rows with other group sizes are for information.\n",
+        vms_label(s.judged_vms())
+    );
+    let mut sizes = s.vms.clone();
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    for &vms in &sizes {
+        group_table(&mut t, results, s, vms);
+    }
+    seed_table(&mut t, results, s);
+    sampling_table(&mut t, results, cx);
+    let _ = writeln!(
+        t,
+        "## Memory over time\n\n![Guest-RAM PSS and cgroup memory of all the VMs over time, per strategy]\
+         (agent-waits.svg)\n\nThe chart shows the memory of all the VMs of a group summed, sample by sample \
+         (`pvisor replay --samples`), in round {} (the round whose offload/off guest PSS×time ratio with {} is \
+         nearest the median), from the common release to the last VM's end.\n",
+        cx.chosen + 1,
+        vms_label(s.judged_vms())
+    );
+    method(&mut t, cx);
+    t
+}
+
+/// The paragraph under the title.
+fn summary(t: &mut String, results: &Results, cx: &Context<'_>) {
+    let s = cx.settings;
+    let vms = s.judged_vms();
+    let _ = write!(
+        t,
+        "{} replaying the trajectory `{}` at once ({} model waits, {:.1} s of waits in all: the seed's waits × \
+         {}) on this machine's {} CPUs: without wait management (`off`) the batch took {} s and each task cost {} \
+         GiB·s of guest-RAM PSS × time and {} GiB·s of cgroup memory × time.",
+        vms_label(vms),
+        s.replayed.name,
+        s.replayed.requests().len(),
+        s.replayed.total_wait().as_secs_f64(),
+        s.replayed.time_scale,
+        cx.run.machine.nproc,
+        fig(results, &key(vms, BASE, "window_s"), 2),
+        fig(results, &key(vms, BASE, "guest_pss_gib_s"), 3),
+        fig(results, &key(vms, BASE, "cgroup_gib_s"), 3),
+    );
+    for &strategy in s.strategies.iter().filter(|&&st| st != BASE) {
+        let _ = write!(
+            t,
+            " With `{}`, guest PSS × time was {}% of off's and cgroup memory × time {}%, for a window {}% and a \
+             throughput {}% against off.",
+            strategy.key(),
+            median_pct(results, vms, strategy, "guest_pss_pct_of_off"),
+            median_pct(results, vms, strategy, "cgroup_pct_of_off"),
+            median_change(results, vms, strategy, "window_change_pct"),
+            median_change(results, vms, strategy, "throughput_change_pct"),
+        );
+    }
+    let log = cx.log;
+    let _ = writeln!(
+        t,
+        " (Medians over the rounds.) Integrity: {} of {} runs failed, {} of them by their sampling alone. The \
+         seed's offload kept {}% of off's guest PSS × time for a window {}% longer.\n",
+        log.failures.len(),
+        log.runs(),
+        log.sampling_only,
+        num(seed::offload_guest_pct(), 0),
+        signed(seed::OFFLOAD_WINDOW_CHANGE_PCT, 0),
+    );
+}
+
+fn group_table(t: &mut String, results: &Results, s: &Settings, vms: usize) {
+    let _ = writeln!(
+        t,
+        "## {}\n\n\
+         Per task: memory × time summed over the VMs and divided by {vms}. *Agent completion*: from the common \
+         release to a VM's last result, the mean over the VMs; *window*: to the last VM's last result; \
+         *throughput*: {vms} task(s) over the window. Against off: the strategy's figure over off's in the same \
+         round, then the median (min–max) over the rounds.\n",
+        vms_label(vms)
+    );
+    t.push_str(
+        "| strategy | guest PSS×time, GiB·s per task | % of off | cgroup memory×time, GiB·s per task | % of off | \
+         agent completion, s | window, s | window vs off, % | throughput, tasks/min | vs off, % |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for &strategy in &s.strategies {
+        let k = |q: &str| key(vms, strategy, q);
+        let against = |q: &str, signed: bool| {
+            if strategy == BASE {
+                "(the base)".to_owned()
+            } else if signed {
+                signed_fig(results, &k(q), 1)
+            } else {
+                fig(results, &k(q), 1)
+            }
+        };
+        let _ = writeln!(
+            t,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            strategy.key(),
+            fig(results, &k("guest_pss_gib_s"), 3),
+            against("guest_pss_pct_of_off", false),
+            fig(results, &k("cgroup_gib_s"), 3),
+            against("cgroup_pct_of_off", false),
+            fig(results, &k("completion_mean_s"), 2),
+            fig(results, &k("window_s"), 2),
+            against("window_change_pct", true),
+            fig(results, &k("throughput_per_min"), 2),
+            against("throughput_change_pct", true),
+        );
+    }
+    t.push('\n');
+}
+
+fn seed_table(t: &mut String, results: &Results, s: &Settings) {
+    let vms = seed::VMS;
+    let _ = writeln!(
+        t,
+        "## The seed's 16-VM figures\n\n\
+         For reference: the seed system (pvisor) with {vms} VMs, off against offload. The seed ran the waits as \
+         recorded (232.7 s of model time per task) with real Linux guests; this bench runs them × {} with a \
+         2 KiB workload guest, so its GiB·s and tasks per minute are not comparable: compare the ratios to off.\n",
+        s.replayed.time_scale
+    );
+    let ours = s.vms.contains(&vms);
+    t.push_str(
+        "| | seed: off | seed: offload | seed: offload vs off | ours: offload vs off | ours: offload-compressed vs off |\n\
+         |---|---:|---:|---:|---:|---:|\n",
+    );
+    let cell = |strategy: Strategy, q: &str, signed: bool| {
+        let k = key(vms, strategy, q);
+        match (ours && s.strategies.contains(&strategy), signed) {
+            (false, _) => "–".to_owned(),
+            (true, false) => format!("{}%", fig(results, &k, 1)),
+            (true, true) => format!("{}%", signed_fig(results, &k, 1)),
+        }
+    };
+    // A row: its label, the seed's off, offload and offload against off, our quantity against
+    // off and whether it is a change (signed).
+    let rows = [
+        (
+            "guest PSS×time, GiB·s per task",
+            num(seed::OFF_GUEST_PSS_GIB_S, 2),
+            num(seed::OFFLOAD_GUEST_PSS_GIB_S, 2),
+            num(seed::offload_guest_pct(), 1),
+            "guest_pss_pct_of_off",
+            false,
+        ),
+        (
+            "completion window",
+            "–".to_owned(),
+            "–".to_owned(),
+            signed(seed::OFFLOAD_WINDOW_CHANGE_PCT, 0),
+            "window_change_pct",
+            true,
+        ),
+        (
+            "throughput, tasks/min",
+            num(seed::OFF_THROUGHPUT, 2),
+            num(seed::OFFLOAD_THROUGHPUT, 2),
+            signed(seed::offload_throughput_change_pct(), 1),
+            "throughput_change_pct",
+            true,
+        ),
+    ];
+    for (label, off, offload, against, quantity, signed) in rows {
+        let _ = writeln!(
+            t,
+            "| {label} | {off} | {offload} | {against}% | {} | {} |",
+            cell(Strategy::Offload, quantity, signed),
+            cell(Strategy::OffloadCompressed, quantity, signed),
+        );
+    }
+    t.push('\n');
+}
+
+fn sampling_table(t: &mut String, results: &Results, cx: &Context<'_>) {
+    let s = cx.settings;
+    let _ = writeln!(
+        t,
+        "## Integrity and sampling\n\n\
+         Per group over the rounds: runs whose replay passed every check (`integrity_passed`, exit status 0), \
+         model requests served, and the sampler's record (`sampling` of the summary: a sample every {} ms; a \
+         long gap is one over twice that; a dropped reading is one that failed). A run that fails is recorded \
+         and counted, never dropped.\n",
+        s.sample_ms
+    );
+    t.push_str(
+        "| VMs | strategy | runs passed | requests served | samples | largest gap, s (max) | long gaps (sum) | dropped (sum) | pvisor replay, s |\n\
+         |---:|---|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    let mut sizes = s.vms.clone();
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    for &vms in &sizes {
+        for &strategy in &s.strategies {
+            let k = |q: &str| key(vms, strategy, q);
+            let sum = |q: &str| {
+                results
+                    .values(&k(q))
+                    .iter()
+                    .filter(|v| !v.is_nan())
+                    .sum::<f64>()
+            };
+            let _ = writeln!(
+                t,
+                "| {vms} | {} | {} of {} | {} | {} | {} | {} | {} | {} |",
+                strategy.key(),
+                results.count(&k("integrity_passed"), |v| v == 1.0),
+                results.values(&k("integrity_passed")).len(),
+                fig(results, &k("requests_served"), 0),
+                fig(results, &k("samples"), 0),
+                num(results.summary(&k("largest_gap_s")).max, 3),
+                num(sum("long_gaps"), 0),
+                num(sum("dropped"), 0),
+                fig(results, &k("wall_s"), 1),
+            );
+        }
+    }
+    let log = cx.log;
+    if log.failures.is_empty() {
+        t.push_str("\nNo run failed.\n\n");
+    } else {
+        t.push_str("\nFailed runs:\n\n");
+        for failure in &log.failures {
+            let _ = writeln!(t, "- {failure}");
+        }
+        t.push('\n');
+    }
+}
+
+fn method(t: &mut String, cx: &Context<'_>) {
+    let s = cx.settings;
+    let tr = &s.replayed;
+    t.push_str("## Method\n\n");
+    t.push_str(
+        "To reproduce (from the workspace root, as root, with `/dev/kvm`, `/dev/userfaultfd` and memory \
+         cgroups; `target/release/pvisor` built from the current sources):\n\n```sh\n\
+         cargo build --release -p vmm --bin pvisor && cargo bench --bench agent_waits_report\n\
+         AGENT_BENCH_RUNS=9 cargo bench --bench agent_waits_report   # more rounds\n```\n\n",
+    );
+    t.push_str(&cx.run.machine_markdown());
+    let _ = writeln!(
+        t,
+        "- The machine is a shared VM running nested KVM: the {} VMs share its {} CPUs with each other and with \
+         whatever else runs, so absolute times drift between rounds; the ratios are taken within a round.",
+        s.judged_vms(),
+        cx.run.machine.nproc
+    );
+    let (models, tools) = step_counts(tr);
+    let _ = writeln!(
+        t,
+        "- **Trajectory**: `{}` ({}): {} steps, {models} model waits ({:.3} s in all) and {tools} tool phases \
+         (workload-guest scripts: fills, digests, releases). `time_scale` {scale}: its waits are the seed-shaped \
+         ones × {scale}, and `pvisor replay` scales the VMs' wait policy by the same factor (`--vm-wait-scale`: \
+         pause after 20 ms × {scale}, offload 50 ms × {scale} later, at most every 5 s × {scale}). {}",
+        s.trajectory
+            .strip_prefix(env!("CARGO_MANIFEST_DIR"))
+            .unwrap_or(&s.trajectory)
+            .display()
+            .to_string()
+            .trim_start_matches('/'),
+        tr.name,
+        tr.steps.len(),
+        tr.total_wait().as_secs_f64(),
+        tr.note,
+        scale = tr.time_scale,
+    );
+    let _ = writeln!(
+        t,
+        "- **Scaling**: the waits and the wait policy are × {}, the work is not: a tool phase, an offload of a \
+         VM's RAM and its loading back take as long as with the seed's waits. Against waits {:.0} times shorter, \
+         an offload's cost weighs {1:.0} times more, the more so when {} VMs share {} CPUs.",
+        tr.time_scale,
+        1.0 / tr.time_scale,
+        s.judged_vms(),
+        cx.run.machine.nproc
+    );
+    let strategies: Vec<String> = s
+        .strategies
+        .iter()
+        .map(|st| format!("*{}*: {}", st.key(), st.describe()))
+        .collect();
+    let _ = writeln!(
+        t,
+        "- **Runs**: each is `pvisor replay TRAJECTORY --vms N --strategy S --memory {} --sample-ms {} --json \
+         --samples FILE`. It starts a local model server that answers each request after its recorded wait, \
+         then N VM processes (`pvisor run --detach`: 1 vCPU, the built-in workload guest, anonymous guest RAM, \
+         each in a memory cgroup of its own) with the strategy's flags ({}), samples their memory, releases them \
+         at once with the whole trajectory as one script, and checks every result. Each round runs every N in \
+         {:?} under every strategy, one replay at a time; round *r* rotates the order of the strategies by *r* \
+         and reverses the order of the Ns for odd *r*.",
+        s.memory,
+        s.sample_ms,
+        strategies.join("; "),
+        s.vms
+    );
+    t.push_str(
+        "- **Figures** (from the replay's JSON summary): memory × time per task is each VM's reading integrated \
+         by trapezoids between samples, from the start of sampling (just before the release) to the end of the \
+         last VM's run, summed over the VMs and divided by N — a VM that finished early is counted until the \
+         window closes. *Guest PSS*: the PSS of the mappings inside the VM's guest RAM (`/proc/PID/smaps`); \
+         *cgroup memory*: its memory cgroup's usage, which includes the page cache charged to it (a raw offload \
+         store read back through the page cache is counted there). Completion times run from the common \
+         release; throughput is N over the window, per minute.\n",
+    );
+    t.push_str(
+        "- **Integrity**: the replay checks every answer's digest against the bytes the server sent, every \
+         command's success, the same digests in every VM, and the sampling (no gap over twice the period, no \
+         dropped reading); `integrity_passed` is all of them, and the exit status is 1 otherwise. The bench \
+         records every run, failed or not, and also checks that every run gives the same `results_digest`.\n",
+    );
+}

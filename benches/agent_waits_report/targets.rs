@@ -1,0 +1,229 @@
+//! The figures derived round by round against `off`, and the verdict on each target of issue
+//! 7: judged on the medians of the largest group (16 VMs), the other group for information.
+
+use crate::common::results::{fig, num, signed, signed_fig, Results};
+use crate::replay::{key, NO_DIGEST};
+use crate::seed;
+use crate::{Log, Settings, Strategy, BASE};
+
+/// Guest PSS × time of a judged strategy, % of off's (at most).
+pub const GUEST_PCT_MAX: f64 = 25.0;
+/// The completion window of a judged strategy, % over off's (at most).
+pub const WINDOW_CHANGE_MAX_PCT: f64 = 5.0;
+
+/// The per-round figures against off: (derived quantity, measured quantity, as a change).
+/// `…_pct_of_off` is strategy ÷ off × 100; `…_change_pct` is (strategy ÷ off − 1) × 100.
+pub const AGAINST_OFF: [(&str, &str, bool); 5] = [
+    ("guest_pss_pct_of_off", "guest_pss_gib_s", false),
+    ("cgroup_pct_of_off", "cgroup_gib_s", false),
+    ("window_change_pct", "window_s", true),
+    ("completion_change_pct", "completion_mean_s", true),
+    ("throughput_change_pct", "throughput_per_min", true),
+];
+
+/// Adds, round by round, every strategy's figures against off with as many VMs in the same
+/// round (`AGAINST_OFF`).
+pub fn derive(results: &mut Results, settings: &Settings) {
+    for &vms in &settings.vms {
+        for &strategy in settings.strategies.iter().filter(|&&s| s != BASE) {
+            for (derived, measured, change) in AGAINST_OFF {
+                let of = key(vms, strategy, measured);
+                let base = key(vms, BASE, measured);
+                for round in 0..results.runs {
+                    let value = |k: &str| results.values(k).get(round).copied();
+                    if let (Some(s), Some(b)) = (value(&of), value(&base)) {
+                        let ratio = s / b;
+                        if ratio.is_finite() {
+                            let v = if change {
+                                (ratio - 1.0) * 100.0
+                            } else {
+                                ratio * 100.0
+                            };
+                            results.put(&key(vms, strategy, derived), "%", round, v);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The strategy the chart's round is chosen by: offload if measured, else the first other
+/// than off.
+fn reference(settings: &Settings) -> Option<Strategy> {
+    if settings.strategies.contains(&Strategy::Offload) {
+        return Some(Strategy::Offload);
+    }
+    settings.strategies.iter().copied().find(|&s| s != BASE)
+}
+
+/// The round whose guest PSS × time ratio of offload to off, with the most VMs, is nearest
+/// that ratio's median (the first round if there is none).
+pub fn median_round(results: &Results, settings: &Settings) -> usize {
+    let Some(strategy) = reference(settings) else {
+        return 0;
+    };
+    let k = key(settings.judged_vms(), strategy, "guest_pss_pct_of_off");
+    let median = results.summary(&k).median;
+    results
+        .values(&k)
+        .iter()
+        .enumerate()
+        .filter(|(_, v)| !v.is_nan())
+        .min_by(|(_, a), (_, b)| (*a - median).abs().total_cmp(&(*b - median).abs()))
+        .map_or(0, |(round, _)| round)
+}
+
+#[derive(Debug)]
+pub struct Verdict {
+    pub target: String,
+    pub figure: String,
+    pub result: &'static str,
+}
+
+/// `**PASS**` / `**FAIL**` for a judged target, `meets` / `misses` for information.
+fn result(judged: bool, measured: bool, ok: bool) -> &'static str {
+    match (measured, judged, ok) {
+        (false, _, _) => "NOT MEASURED",
+        (true, true, true) => "**PASS**",
+        (true, true, false) => "**FAIL**",
+        (true, false, true) => "meets (for information)",
+        (true, false, false) => "misses (for information)",
+    }
+}
+
+/// `16 VMs`, `1 VM`.
+pub fn vms_label(vms: usize) -> String {
+    if vms == 1 {
+        "1 VM".to_owned()
+    } else {
+        format!("{vms} VMs")
+    }
+}
+
+/// A target that bounds a figure against off from above.
+struct Bound {
+    /// The target's text after the group and the strategy.
+    target: String,
+    /// The figure against off it bounds (`AGAINST_OFF`).
+    derived: &'static str,
+    /// The figure that is compared with off's: its quantity, decimals and unit.
+    measured: (&'static str, usize, &'static str),
+    /// The most the figure may be, %.
+    max: f64,
+    /// Whether the figure is a change (written with its sign) or a share of off's.
+    change: bool,
+}
+
+impl Bound {
+    fn verdict(&self, results: &Results, vms: usize, strategy: Strategy, judged: bool) -> Verdict {
+        let k = key(vms, strategy, self.derived);
+        let s = results.summary(&k);
+        let (quantity, d, unit) = self.measured;
+        let (value, of) = if self.change {
+            (signed_fig(results, &k, 1), "")
+        } else {
+            (fig(results, &k, 1), " of off")
+        };
+        Verdict {
+            target: format!("{}, {}: {}", vms_label(vms), strategy.key(), self.target),
+            figure: format!(
+                "{value}%{of} ({} of {} rounds meet it): {}{unit} against {}{unit}",
+                results.count(&k, |v| v <= self.max),
+                s.n,
+                fig(results, &key(vms, strategy, quantity), d),
+                fig(results, &key(vms, BASE, quantity), d),
+            ),
+            result: result(judged, s.n > 0, s.median <= self.max),
+        }
+    }
+}
+
+pub fn verdicts(results: &Results, settings: &Settings, log: &Log) -> Vec<Verdict> {
+    let judged_vms = settings.judged_vms();
+    let mut sizes = vec![judged_vms];
+    sizes.extend(settings.vms.iter().copied().filter(|&n| n != judged_vms));
+    let strategies: Vec<Strategy> = settings
+        .strategies
+        .iter()
+        .copied()
+        .filter(|s| s.judged())
+        .collect();
+    let bounds = [
+        Bound {
+            target: format!(
+                "guest PSS×time ≤ {GUEST_PCT_MAX:.0}% of off (pvisor: {:.0}%)",
+                seed::offload_guest_pct()
+            ),
+            derived: "guest_pss_pct_of_off",
+            measured: ("guest_pss_gib_s", 3, " GiB·s per task"),
+            max: GUEST_PCT_MAX,
+            change: false,
+        },
+        Bound {
+            target: format!(
+                "completion window ≤ +{WINDOW_CHANGE_MAX_PCT:.0}% over off (pvisor: +{:.0}%)",
+                seed::OFFLOAD_WINDOW_CHANGE_PCT
+            ),
+            derived: "window_change_pct",
+            measured: ("window_s", 2, " s"),
+            max: WINDOW_CHANGE_MAX_PCT,
+            change: true,
+        },
+    ];
+    let mut out = Vec::new();
+    for &vms in &sizes {
+        let judged = vms == judged_vms;
+        for bound in &bounds {
+            for &strategy in &strategies {
+                out.push(bound.verdict(results, vms, strategy, vms == judged_vms));
+            }
+        }
+        if judged {
+            out.push(integrity(log));
+        }
+    }
+    out
+}
+
+/// Zero integrity failures across all runs, and one `results_digest` for all.
+fn integrity(log: &Log) -> Verdict {
+    let runs = log.runs();
+    let failed = log.failures.len();
+    let same = log.digests.len() == 1 && !log.digests.contains_key(NO_DIGEST);
+    let digests = if same {
+        format!(
+            "every run gave results_digest {}",
+            log.digests.keys().next().map_or("", String::as_str)
+        )
+    } else {
+        let counts: Vec<String> = log
+            .digests
+            .iter()
+            .map(|(digest, n)| format!("{digest} ×{n}"))
+            .collect();
+        format!("results_digest differs: {}", counts.join(", "))
+    };
+    Verdict {
+        target:
+            "zero integrity failures (every answer's digest, every command, the same digests in \
+                 every VM, sampling without long gaps or drops; across all runs)"
+                .to_owned(),
+        figure: format!(
+            "{failed} failed of {runs} runs ({} by their sampling alone, {} in their results); {digests}",
+            log.sampling_only,
+            failed - log.sampling_only
+        ),
+        result: result(true, runs > 0, failed == 0 && same),
+    }
+}
+
+/// `35.1% of off` style text of a strategy's median ratio, for the summary.
+pub fn median_pct(results: &Results, vms: usize, strategy: Strategy, quantity: &str) -> String {
+    num(results.summary(&key(vms, strategy, quantity)).median, 1)
+}
+
+/// The median of a change, signed, for the summary.
+pub fn median_change(results: &Results, vms: usize, strategy: Strategy, quantity: &str) -> String {
+    signed(results.summary(&key(vms, strategy, quantity)).median, 1)
+}
