@@ -359,6 +359,12 @@ mod tests {
             panic!("an answer for a request not in the trajectory");
         };
         assert!(why.contains("404"), "{why}");
+        // The server counts a request once its answer is written, which may be just after the
+        // client has read it.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while server.served() < 2 && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         assert_eq!(server.served(), 2);
     }
 }
