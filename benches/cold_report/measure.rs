@@ -111,23 +111,14 @@ pub fn run_vm(
     let before = Threads::before();
     let booted = Instant::now();
     let started = Vm::start(VmOptions {
-        memory: settings.memory,
-        vcpus: 1,
-        ram_backing: variant.ram,
-        ram_compression: false,
-        ram_codec: "lz4".into(),
-        disk: disk.clone(),
-        store_dir: store_dir.clone(),
-        cgroup: None,
-        // What `pvisor run` uses by default.
-        pager_threads: 1,
-        io_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
         cold: variant.cold.then_some(settings.cold),
-        dedup: None,
-        restore: None,
-        pool: None,
-        model_upstream: None,
-        wait: None,
+        // Otherwise what `pvisor run` uses by default.
+        ..VmOptions::new(
+            settings.memory,
+            variant.ram,
+            disk.clone(),
+            store_dir.clone(),
+        )
     });
     let mut vm = match started {
         Ok(vm) => vm,

@@ -357,20 +357,8 @@ fn digest_all(jobs: &[Job]) -> Res<Vec<String>> {
 
 /// The process's PSS, bytes, from `/proc/PID/smaps_rollup`.
 fn pss_bytes(pid: u32) -> Res<u64> {
-    let path = format!("/proc/{pid}/smaps_rollup");
-    let text = std::fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;
-    let kib = text
-        .lines()
-        .find_map(|line| line.strip_prefix("Pss:"))
-        .and_then(|rest| {
-            rest.trim()
-                .trim_end_matches("kB")
-                .trim()
-                .parse::<u64>()
-                .ok()
-        })
-        .ok_or_else(|| format!("{path}: no `Pss:` line"))?;
-    Ok(kib * 1024)
+    vmm::stats::process_pss_of(Some(pid))
+        .map_err(|e| format!("/proc/{pid}/smaps_rollup: {e}").into())
 }
 
 /// PSS of the pool's pages in a process's mappings of the pool's memfd, bytes: each mapping's

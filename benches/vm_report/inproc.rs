@@ -109,23 +109,15 @@ pub fn run_case(
     let _ = fs::remove_dir_all(&store_dir);
     let _ = fs::remove_file(&disk);
     let mut vm = Vm::start(VmOptions {
-        memory: settings.memory,
-        vcpus: 1,
-        ram_backing: RamKind::Anon,
         ram_compression: codec != Codec::Raw,
         ram_codec: codec.codec_name().into(),
-        disk: disk.clone(),
-        store_dir: store_dir.clone(),
-        cgroup: None,
-        // What `pvisor run` uses by default.
-        pager_threads: 1,
-        io_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
-        cold: None,
-        dedup: None,
-        restore: None,
-        pool: None,
-        model_upstream: None,
-        wait: None,
+        // Otherwise what `pvisor run` uses by default.
+        ..VmOptions::new(
+            settings.memory,
+            RamKind::Anon,
+            disk.clone(),
+            store_dir.clone(),
+        )
     })?;
     let fill = format!(
         "fill {} {} seed={}; digest",

@@ -25,7 +25,7 @@ use crate::script::Command;
 use crate::wait::{Action as WaitAction, WaitCoordinator, WaitEvent, WaitPolicy, WaitStats};
 use std::time::Duration;
 use uffd_pager::load::LoadMode;
-use uffd_pager::offload::OffloadConfig;
+use uffd_pager::offload::{OffloadConfig, OffloadError, OffloadReport};
 
 /// How to build a VM.
 #[derive(Debug, Clone)]
@@ -446,6 +446,20 @@ impl Machine {
         })
     }
 
+    /// Moves resident RAM to the store (the VM must not run), then drops what else the VM no
+    /// longer needs: the disk's page cache (durable once synced) and the heap's free pages (the
+    /// offload's batch buffers), so that an offloaded VM costs what it holds. Both are best
+    /// effort; a failed offload leaves RAM resident.
+    pub fn offload(&self, config: &OffloadConfig) -> Result<OffloadReport, OffloadError> {
+        let result = self.pager.offload(config);
+        if result.is_ok() {
+            let _ = self.drop_disk_cache();
+        }
+        // SAFETY: malloc_trim only releases free memory of the allocator.
+        unsafe { libc::malloc_trim(0) };
+        result
+    }
+
     /// Where the guest's `model` requests go.
     pub fn set_model_port(&mut self, port: std::sync::Arc<dyn crate::gateway::ModelPort>) {
         self.model = Some(port);
@@ -729,10 +743,7 @@ impl Machine {
         match action {
             WaitAction::Pause | WaitAction::Deliver { .. } => {}
             WaitAction::Offload => {
-                if self.pager.offload(&wait.offload).is_ok() {
-                    let _ = self.drop_disk_cache();
-                    // SAFETY: malloc_trim only releases free memory of the allocator.
-                    unsafe { libc::malloc_trim(0) };
+                if self.offload(&wait.offload).is_ok() {
                     *offloaded = true;
                 } else {
                     self.wait_failures.0 += 1;

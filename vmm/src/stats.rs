@@ -5,8 +5,25 @@ use std::path::{Path, PathBuf};
 
 /// PSS of the whole process, bytes.
 pub fn process_pss() -> std::io::Result<u64> {
-    let text = std::fs::read_to_string("/proc/self/smaps_rollup")?;
-    Ok(field_kib(&text, "Pss:") * 1024)
+    process_pss_of(None)
+}
+
+/// PSS of a whole process (`None`: this one), bytes, from its `smaps_rollup`.
+pub fn process_pss_of(pid: Option<u32>) -> std::io::Result<u64> {
+    let path = match pid {
+        Some(pid) => format!("/proc/{pid}/smaps_rollup"),
+        None => "/proc/self/smaps_rollup".to_owned(),
+    };
+    let text = std::fs::read_to_string(&path)?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("Pss:"))
+        .map(|rest| parse_kib(rest) * 1024)
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("{path}: no `Pss:` line"),
+            )
+        })
 }
 
 /// PSS of the mappings inside `[start, start + len)`, bytes (guest RAM can be split into
@@ -42,12 +59,6 @@ pub fn range_pss_of(pid: Option<u32>, start: u64, len: u64) -> std::io::Result<u
         }
     }
     Ok(total)
-}
-
-fn field_kib(text: &str, name: &str) -> u64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name))
-        .map_or(0, parse_kib)
 }
 
 fn parse_kib(rest: &str) -> u64 {

@@ -70,6 +70,34 @@ pub struct VmOptions {
     pub wait: Option<crate::wait::WaitPolicy>,
 }
 
+impl VmOptions {
+    /// A VM of `memory` bytes of `ram_backing` RAM, its disk and offload store at these paths,
+    /// everything else as `pvisor run` has it by default: one vCPU and one fault thread, raw
+    /// offloads (lz4 once compression is on), an I/O thread per CPU, no cgroup, and none of
+    /// cold compression, dedup, restore, memory pool, model gateway or wait management. Set
+    /// the rest with struct update syntax.
+    pub fn new(memory: u64, ram_backing: RamKind, disk: PathBuf, store_dir: PathBuf) -> Self {
+        Self {
+            memory,
+            vcpus: 1,
+            ram_backing,
+            ram_compression: false,
+            ram_codec: "lz4".into(),
+            disk,
+            store_dir,
+            cgroup: None,
+            pager_threads: 1,
+            io_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            cold: None,
+            dedup: None,
+            restore: None,
+            pool: None,
+            model_upstream: None,
+            wait: None,
+        }
+    }
+}
+
 /// The lifecycle state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -552,17 +580,7 @@ impl Vm {
             codec: CodecConfig::new(codec),
             bulk: BulkOptions::with_threads(self.options.io_threads.max(1)),
         };
-        let result = self.machine.pager().offload(&config);
-        if result.is_ok() {
-            // The disk's page cache is part of what the VM costs; it is durable once synced.
-            // (Best effort: the offload has succeeded either way.)
-            let _ = self.machine.drop_disk_cache();
-        }
-        // The offload's batch buffers are freed by now; hand the heap's free pages back too,
-        // so that an offloaded VM costs what it holds, not what it once used.
-        // SAFETY: malloc_trim only releases free memory of the allocator.
-        unsafe { libc::malloc_trim(0) };
-        match result {
+        match self.machine.offload(&config) {
             Ok(done) => {
                 self.state = VmState::Offloaded;
                 Ok(report(self.state, Some(done)))

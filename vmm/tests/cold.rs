@@ -35,22 +35,10 @@ fn start(dir: &std::path::Path, cold: ColdConfig) -> Vm {
 
 fn start_kind(dir: &std::path::Path, cold: ColdConfig, kind: RamKind) -> Vm {
     Vm::start(VmOptions {
-        memory: 256 << 20,
-        vcpus: 1,
-        ram_backing: kind,
         ram_compression: true,
-        ram_codec: "lz4".into(),
-        disk: dir.join("disk"),
-        store_dir: dir.join("ram"),
-        cgroup: None,
-        pager_threads: 1,
         io_threads: 2,
         cold: Some(cold),
-        dedup: None,
-        restore: None,
-        pool: None,
-        model_upstream: None,
-        wait: None,
+        ..VmOptions::new(256 << 20, kind, dir.join("disk"), dir.join("ram"))
     })
     .unwrap()
 }

@@ -76,22 +76,10 @@ fn start(dir: &Path, upstream: Option<String>) -> Vm {
 
 fn start_waiting(dir: &Path, upstream: Option<String>, wait: Option<WaitPolicy>) -> Vm {
     Vm::start(VmOptions {
-        memory: 64 << 20,
-        vcpus: 1,
-        ram_backing: RamKind::Anon,
-        ram_compression: false,
-        ram_codec: "lz4".into(),
-        disk: dir.join("disk"),
-        store_dir: dir.join("ram"),
-        cgroup: None,
-        pager_threads: 1,
         io_threads: 1,
-        cold: None,
-        dedup: None,
-        restore: None,
-        pool: None,
         model_upstream: upstream,
         wait,
+        ..VmOptions::new(64 << 20, RamKind::Anon, dir.join("disk"), dir.join("ram"))
     })
     .unwrap()
 }

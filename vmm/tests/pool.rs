@@ -61,22 +61,14 @@ impl Drop for Daemon {
 
 fn start(dir: &Path, name: &str, pool: Option<&Path>) -> Vm {
     Vm::start(VmOptions {
-        memory: MEMORY,
-        vcpus: 1,
-        ram_backing: RamKind::Anon,
-        ram_compression: false,
-        ram_codec: "lz4".into(),
-        disk: dir.join(format!("{name}.disk")),
-        store_dir: dir.join(format!("{name}.ram")),
-        cgroup: None,
-        pager_threads: 1,
         io_threads: 2,
-        cold: None,
-        dedup: None,
-        restore: None,
         pool: pool.map(Path::to_path_buf),
-        model_upstream: None,
-        wait: None,
+        ..VmOptions::new(
+            MEMORY,
+            RamKind::Anon,
+            dir.join(format!("{name}.disk")),
+            dir.join(format!("{name}.ram")),
+        )
     })
     .unwrap()
 }

@@ -23,22 +23,15 @@ fn skip() -> bool {
 
 fn options(dir: &Path, name: &str, kind: RamKind, restore: Option<&Path>) -> VmOptions {
     VmOptions {
-        memory: MEMORY,
-        vcpus: 1,
-        ram_backing: kind,
         ram_compression: true,
-        ram_codec: "lz4".into(),
-        disk: dir.join(format!("{name}.disk")),
-        store_dir: dir.join(format!("{name}.ram")),
-        cgroup: None,
-        pager_threads: 1,
         io_threads: 2,
-        cold: None,
-        dedup: None,
         restore: restore.map(Path::to_path_buf),
-        pool: None,
-        model_upstream: None,
-        wait: None,
+        ..VmOptions::new(
+            MEMORY,
+            kind,
+            dir.join(format!("{name}.disk")),
+            dir.join(format!("{name}.ram")),
+        )
     }
 }
 

@@ -17,22 +17,9 @@ static ONE_VM: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn options(dir: &std::path::Path, kind: RamKind, compression: bool) -> VmOptions {
     VmOptions {
-        memory: 512 << 20,
-        vcpus: 1,
-        ram_backing: kind,
         ram_compression: compression,
-        ram_codec: "lz4".into(),
-        disk: dir.join("disk"),
-        store_dir: dir.join("ram"),
-        cgroup: None,
-        pager_threads: 1,
         io_threads: 2,
-        cold: None,
-        dedup: None,
-        restore: None,
-        pool: None,
-        model_upstream: None,
-        wait: None,
+        ..VmOptions::new(512 << 20, kind, dir.join("disk"), dir.join("ram"))
     }
 }
 

@@ -74,22 +74,14 @@ fn rows(args: &DemoArgs, dir: &std::path::Path) -> Result<Vec<Row>, Box<dyn std:
     for content in ["repeated", "random"] {
         for compression in [false, true] {
             let mut vm = Vm::start(VmOptions {
-                memory: args.memory,
-                vcpus: 1,
-                ram_backing: RamKind::Anon,
                 ram_compression: compression,
-                ram_codec: "lz4".into(),
-                disk: dir.join("disk.img"),
-                store_dir: dir.join(format!("ram-{content}-{compression}")),
-                cgroup: None,
-                pager_threads: 1,
                 io_threads: 2,
-                cold: None,
-                dedup: None,
-                restore: None,
-                pool: None,
-                model_upstream: None,
-                wait: None,
+                ..VmOptions::new(
+                    args.memory,
+                    RamKind::Anon,
+                    dir.join("disk.img"),
+                    dir.join(format!("ram-{content}-{compression}")),
+                )
             })?;
             let fill = format!("fill {} {content} seed=1; digest", args.app);
             let out = vm.exec(&script::parse(&fill)?)?;

@@ -235,6 +235,7 @@ pub fn replay(args: &ReplayArgs) -> CliResult {
     // Every result against the trajectory: each answer's digest, each command's success, and
     // the same digests in every VM.
     let commands = trajectory.script();
+    let requests = trajectory.requests();
     let mut failures = Vec::new();
     let mut reference: Option<Vec<Option<String>>> = None;
     for (i, outcome) in outcomes.iter().enumerate() {
@@ -259,7 +260,7 @@ pub fn replay(args: &ReplayArgs) -> CliResult {
             .collect();
         for (command, result) in commands.iter().zip(results) {
             if let Command::Model { request } = command {
-                let (_, _, len) = trajectory.requests()[usize::try_from(*request - 1)?];
+                let (_, _, len) = requests[usize::try_from(*request - 1)?];
                 let expected = format!("{:016x}", vmm::guest::digest(&answer(*request, len)));
                 if result["digest"].as_str() != Some(expected.as_str()) {
                     failures.push(format!("VM {i}: request {request} got other bytes"));
