@@ -21,6 +21,22 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
+/// SIGTERM to `child`, then its exit status (at most 20 s later, else the test fails with
+/// `what`).
+fn stop_with_sigterm(child: &mut std::process::Child, what: &str) -> std::process::ExitStatus {
+    // SAFETY: sending a signal to our own child process.
+    let rc = unsafe { libc::kill(child.id().cast_signed(), libc::SIGTERM) };
+    assert_eq!(rc, 0);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(Instant::now() < deadline, "{what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn device_tests_skipped() -> bool {
     testkit::skip_unless(&["/dev/fuse"])
 }
@@ -304,17 +320,7 @@ fn cli_mount_serves_the_image_until_sigterm() {
         text(&out.stderr)
     );
 
-    // SAFETY: sending a signal to our own child process.
-    let rc = unsafe { libc::kill(child.id().cast_signed(), libc::SIGTERM) };
-    assert_eq!(rc, 0);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(Instant::now() < deadline, "mount did not stop on SIGTERM");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = stop_with_sigterm(&mut child, "mount did not stop on SIGTERM");
     assert!(status.success(), "{status}");
     assert!(!is_mounted(&mountpoint), "still mounted after SIGTERM");
     let out = run(&["verify", "--store", store.to_str().unwrap()]);
@@ -386,17 +392,7 @@ fn cli_serve_listens_refuses_garbage_and_stops_on_sigterm() {
     let mut buf = [0u8; 8];
     assert_eq!(stream.read(&mut buf).unwrap(), 0);
 
-    // SAFETY: sending a signal to our own child process.
-    let rc = unsafe { libc::kill(child.id().cast_signed(), libc::SIGTERM) };
-    assert_eq!(rc, 0);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(Instant::now() < deadline, "serve did not stop on SIGTERM");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = stop_with_sigterm(&mut child, "serve did not stop on SIGTERM");
     assert!(status.success(), "{status}");
     let mut log = String::new();
     child
@@ -498,20 +494,7 @@ fn cli_memory_pool_merges_identical_pages_and_stops_on_sigterm() {
     // A descriptor that cannot write the pool.
     assert!(va.pool().write_all_at(&[1], 0).is_err());
 
-    // SAFETY: sending a signal to our own child process.
-    let rc = unsafe { libc::kill(child.id().cast_signed(), libc::SIGTERM) };
-    assert_eq!(rc, 0);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the pool did not stop on SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = stop_with_sigterm(&mut child, "the pool did not stop on SIGTERM");
     assert!(status.success(), "{status}");
     assert!(!socket.exists(), "the socket file was left behind");
     // The pages outlive the daemon in the descriptors the VMs hold.

@@ -117,6 +117,18 @@ impl Detached {
     fn stats(&self) -> Value {
         self.call("stats", &[])
     }
+
+    /// Polls `stats` until `done` holds for them (their last reading), failing at `deadline`.
+    fn stats_until(&self, deadline: std::time::Instant, done: impl Fn(&Value) -> bool) -> Value {
+        loop {
+            let stats = self.stats();
+            if done(&stats) {
+                return stats;
+            }
+            assert!(std::time::Instant::now() < deadline, "{stats}");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
 }
 
 impl Drop for Detached {
@@ -488,11 +500,7 @@ fn cli_cgroup_accounts_the_vm_and_its_offload() {
     let pid = vm.identity["pid"].as_u64().unwrap();
     drop(vm);
     // The VM takes its cgroup with it.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while Path::new(&format!("/proc/{pid}")).exists() {
-        assert!(std::time::Instant::now() < deadline, "the VM did not exit");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    wait_gone(&[pid], 10);
     assert!(!cgroup.exists(), "{} was left behind", cgroup.display());
     if let Some(parent) = cgroup.parent() {
         let _ = std::fs::remove_dir(parent);
@@ -563,16 +571,10 @@ fn cli_cold_compression_shrinks_an_idle_vm_on_both_ram_kinds() {
         let digest = vm.digest();
         let cold_enough = |vm: &Detached| {
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-            loop {
-                let stats = vm.stats();
-                if stats["cold"]["blocks_compressed"].as_u64().unwrap() >= 1024
+            vm.stats_until(deadline, |stats| {
+                stats["cold"]["blocks_compressed"].as_u64().unwrap() >= 1024
                     && stats["cold"]["pooled_pages"].as_u64().unwrap() >= 16384
-                {
-                    return stats;
-                }
-                assert!(std::time::Instant::now() < deadline, "{args:?}: {stats}");
-                std::thread::sleep(std::time::Duration::from_millis(100));
-            }
+            })
         };
         let stats = cold_enough(&vm);
         // 64 MiB of data: nearly all of it given back, what it costs included.
@@ -615,13 +617,18 @@ fn stop_and_wait(vms: Vec<Detached>) {
         .map(|vm| vm.identity["pid"].as_u64().unwrap())
         .collect();
     drop(vms);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    wait_gone(&pids, 20);
+}
+
+/// Waits until these processes are gone, at most `secs` seconds.
+fn wait_gone(pids: &[u64], secs: u64) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
     while pids
         .iter()
         .any(|pid| Path::new(&format!("/proc/{pid}")).exists())
     {
         assert!(std::time::Instant::now() < deadline, "the VMs did not exit");
-        std::thread::sleep(std::time::Duration::from_millis(50));
+        std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
 
@@ -657,22 +664,16 @@ fn cli_dedup_merges_identical_vms_keeps_them_apart_and_restores_ksm() {
     assert_eq!(ksm_knob("run"), "1");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     for vm in &vms {
-        loop {
-            let stats = vm.stats();
+        vm.stats_until(deadline, |stats| {
             assert_eq!(
                 stats["dedup"]["advised_bytes"].as_u64().unwrap(),
                 512 << 20,
                 "{stats}"
             );
             // 16384 pages of data, shared by four: each VM pays about a quarter of them.
-            if stats["dedup"]["merging_pages"].as_u64().unwrap() >= 15_000
+            stats["dedup"]["merging_pages"].as_u64().unwrap() >= 15_000
                 && stats["guest_ram_pss_bytes"].as_u64().unwrap() < 40 << 20
-            {
-                break;
-            }
-            assert!(std::time::Instant::now() < deadline, "{stats}");
-            std::thread::sleep(std::time::Duration::from_millis(200));
-        }
+        });
     }
     // A write in one VM gets its own copy: the others keep their bytes.
     vms[0].exec("rewrite 25 seed=3");
@@ -722,21 +723,16 @@ fn cli_dedup_with_cold_compression_merges_and_compresses() {
     let digest = vms[0].digest();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     for vm in &vms {
-        loop {
-            let stats = vm.stats();
+        let stats = vm.stats_until(deadline, |stats| {
             let merged = stats["dedup"]["merging_pages"].as_u64().unwrap();
             let pooled = stats["cold"]["pooled_pages"].as_u64().unwrap();
             // Each of the 16384 pages of data is either merged or compressed.
-            if merged > 0 && merged + pooled >= 16_000 {
-                assert!(
-                    stats["process_memory_bytes"].as_u64().unwrap() < 12 << 20,
-                    "{stats}"
-                );
-                break;
-            }
-            assert!(std::time::Instant::now() < deadline, "{stats}");
-            std::thread::sleep(std::time::Duration::from_millis(200));
-        }
+            merged > 0 && merged + pooled >= 16_000
+        });
+        assert!(
+            stats["process_memory_bytes"].as_u64().unwrap() < 12 << 20,
+            "{stats}"
+        );
         assert_eq!(vm.digest(), digest);
     }
     stop_and_wait(vms);
@@ -871,14 +867,9 @@ fn cli_memory_pool_daemon_shares_identical_vms() {
     let digest = vms[0].digest();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     for vm in &vms {
-        loop {
-            let stats = vm.stats();
-            if stats["pool"]["merged_pages"].as_u64().unwrap() >= 16384 {
-                break;
-            }
-            assert!(std::time::Instant::now() < deadline, "{stats}");
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
+        vm.stats_until(deadline, |stats| {
+            stats["pool"]["merged_pages"].as_u64().unwrap() >= 16384
+        });
         assert_eq!(vm.digest(), digest);
     }
     // What it refuses.
