@@ -6,8 +6,9 @@
 //! `cgroup_gib_s` (memory × time per task), `window_s` (release to the last VM's end),
 //! `completion_mean_s` and `completion_min_s` (over the VMs), `throughput_per_min`,
 //! `requests_served`, `integrity_passed` (1 or 0), `exit_status`, the sampling's `samples`,
-//! `largest_gap_s`, `long_gaps`, `dropped` and `sampling_passed`, and `wall_s` (the whole
-//! command, VM starts and stops included).
+//! `largest_gap_s`, `long_gaps`, `dropped` and `sampling_passed`, wait management's
+//! `offloads`, `offload_ms`, `skipped_for_cooldown` and `skipped_for_gain` (summed over the
+//! VMs), and `wall_s` (the whole command, VM starts and stops included).
 
 use std::fs::{self, File};
 use std::path::Path;
@@ -30,10 +31,10 @@ pub fn key(vms: usize, strategy: Strategy, quantity: &str) -> String {
     format!("n{vms}.{}.{quantity}", strategy.key())
 }
 
-/// Memory summed over the VMs of a run, sample by sample, from the common release on.
+/// Memory summed over the VMs of a run, deadline by deadline, from the common release on.
 #[derive(Debug, Clone, Default)]
 pub struct Timeline {
-    /// Seconds after the release.
+    /// Seconds after the release: the sampler's deadlines.
     pub t_s: Vec<f64>,
     /// Guest-RAM PSS of all the VMs, GiB; NaN where a VM's reading is missing.
     pub guest_gib: Vec<f64>,
@@ -42,40 +43,48 @@ pub struct Timeline {
 }
 
 impl Timeline {
-    /// Reads `pvisor replay --samples` CSV (`t_s,vm,guest_pss_bytes,cgroup_bytes`, one line
-    /// per VM and sample, a sample's lines together) of a run of `vms` VMs.
+    /// Reads `pvisor replay --samples` CSV (`t_s,deadline_s,vm,guest_pss_bytes,cgroup_bytes`,
+    /// one line per VM and deadline, in the deadlines' order) of a run of `vms` VMs. Each VM
+    /// samples on its own thread, so one may have skipped a deadline while it was late: there
+    /// its latest reading stands (the chart's sums; the figures come from `pvisor replay`
+    /// itself). A failed reading, and a deadline before a VM's first reading, is NaN.
     pub fn parse(csv: &str, vms: usize) -> Res<Self> {
         let mut timeline = Self::default();
-        // The sample being summed: its time, its sums, the VMs seen.
-        let mut current: Option<(String, f64, f64, usize)> = None;
-        let finish = |timeline: &mut Self, (t, guest, cgroup, seen): (String, f64, f64, usize)| {
-            let complete = seen == vms;
-            timeline.t_s.push(t.parse().unwrap_or(f64::NAN));
-            timeline
-                .guest_gib
-                .push(if complete { guest } else { f64::NAN });
-            timeline
-                .cgroup_gib
-                .push(if complete { cgroup } else { f64::NAN });
+        // Each VM's latest (guest, cgroup) reading, GiB.
+        let mut latest: Vec<Option<(f64, f64)>> = vec![None; vms];
+        let mut current: Option<String> = None;
+        let finish = |timeline: &mut Self, deadline: &str, latest: &[Option<(f64, f64)>]| {
+            let (mut guest, mut cgroup) = (0.0, 0.0);
+            for reading in latest {
+                let (g, c) = reading.unwrap_or((f64::NAN, f64::NAN));
+                guest += g;
+                cgroup += c;
+            }
+            timeline.t_s.push(deadline.parse().unwrap_or(f64::NAN));
+            timeline.guest_gib.push(guest);
+            timeline.cgroup_gib.push(cgroup);
         };
         for (i, line) in csv.lines().enumerate().skip(1) {
             let fields: Vec<&str> = line.split(',').collect();
-            let [t, _vm, guest, cgroup] = fields[..] else {
-                return Err(format!("samples line {}: `{line}`: expected 4 fields", i + 1).into());
+            let [_t, deadline, vm, guest, cgroup] = fields[..] else {
+                return Err(format!("samples line {}: `{line}`: expected 5 fields", i + 1).into());
             };
-            // An empty field (a dropped reading) is NaN, and so is the sample's sum.
-            let gib = |field: &str| field.parse::<u64>().map_or(f64::NAN, |b| b as f64 / GIB);
-            if current.as_ref().is_some_and(|(at, ..)| at != t) {
+            let vm: usize = vm
+                .parse()
+                .ok()
+                .filter(|&vm| vm < vms)
+                .ok_or_else(|| format!("samples line {}: `{line}`: no VM {vm}", i + 1))?;
+            if current.as_deref().is_some_and(|at| at != deadline) {
                 let done = current.take().expect("checked just above");
-                finish(&mut timeline, done);
+                finish(&mut timeline, &done, &latest);
             }
-            let entry = current.get_or_insert_with(|| (t.to_owned(), 0.0, 0.0, 0));
-            entry.1 += gib(guest);
-            entry.2 += gib(cgroup);
-            entry.3 += 1;
+            current.get_or_insert_with(|| deadline.to_owned());
+            // An empty field (a dropped reading) is NaN, and so is every sum it is in.
+            let gib = |field: &str| field.parse::<u64>().map_or(f64::NAN, |b| b as f64 / GIB);
+            latest[vm] = Some((gib(guest), gib(cgroup)));
         }
         if let Some(done) = current.take() {
-            finish(&mut timeline, done);
+            finish(&mut timeline, &done, &latest);
         }
         Ok(timeline)
     }
@@ -129,7 +138,13 @@ pub fn run(settings: &Settings, vms: usize, strategy: Strategy, samples: &Path) 
     let sample_ms = settings.sample_ms.to_string();
     let mut command = Command::new(&settings.pvisor);
     command.arg("replay").arg(&settings.trajectory);
-    command.args(["--vms", &vms_text, "--strategy", strategy.key()]);
+    let (name, config) = strategy.replay_args();
+    command.args(["--vms", &vms_text, "--strategy", name]);
+    if let Some(config) = config {
+        let path = dir.join(format!("{}.toml", strategy.key()));
+        fs::write(&path, config)?;
+        command.arg("--vm-config").arg(path);
+    }
     command.args([
         "--memory",
         settings.memory,
@@ -318,7 +333,7 @@ impl Outcome {
             .map_or(f64::NAN, f64::from);
         put("exit_status", "code", code);
         put("wall_s", "s", self.wall_s);
-        let numbers: [(&str, &'static str, &[&str]); 10] = [
+        let numbers: [(&str, &'static str, &[&str]); 14] = [
             (
                 "guest_pss_gib_s",
                 "GiB·s per task",
@@ -341,6 +356,15 @@ impl Outcome {
             ("long_gaps", "gaps", &["sampling", "long_gaps"]),
             ("dropped", "readings", &["sampling", "dropped"]),
             ("sampling_passed", "1 = passed", &["sampling", "passed"]),
+            // What wait management did, summed over the VMs (NaN without it).
+            ("offloads", "offloads", &["wait", "offloads"]),
+            ("offload_ms", "ms", &["wait", "offload_ms"]),
+            (
+                "skipped_for_cooldown",
+                "waits",
+                &["wait", "skipped_for_cooldown"],
+            ),
+            ("skipped_for_gain", "waits", &["wait", "skipped_for_gain"]),
         ];
         for (quantity, unit, path) in numbers {
             let value = if quantity == "sampling_passed" {

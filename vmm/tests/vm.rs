@@ -121,10 +121,9 @@ fn vm_sampler_integrates_guest_memory_over_time() {
         .unwrap();
     std::thread::sleep(Duration::from_millis(300));
     let recording = sampler.finish();
-    let readings: Vec<u64> = recording
-        .samples
+    let readings: Vec<u64> = recording.series[0]
         .iter()
-        .filter_map(|s| s.readings[0].and_then(|r| r.guest_pss_bytes))
+        .filter_map(|p| p.reading.and_then(|r| r.guest_pss_bytes))
         .collect();
     // The fill shows: from next to nothing to the 64 MiB of data.
     assert!(empty < 8 << 20, "{empty}");
@@ -132,7 +131,7 @@ fn vm_sampler_integrates_guest_memory_over_time() {
     // About 0.3 s with 64 MiB (0.019 GiB·s; at least a third of it even if this thread was
     // starved), and never more than the whole span at 66 MiB.
     let integral = recording.integral_gib_s(0, Quantity::GuestPss);
-    let span = recording.samples.last().unwrap().at.as_secs_f64();
+    let span = recording.series[0].last().unwrap().at.as_secs_f64();
     assert!(integral > 0.1 * 64.0 / 1024.0, "{integral}");
     assert!(integral < span * 66.0 / 1024.0, "{integral}");
     assert_eq!(recording.integrity().dropped, 0);

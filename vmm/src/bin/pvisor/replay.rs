@@ -34,14 +34,19 @@ pub struct ReplayArgs {
     /// Put the VMs' cgroups under this one (relative to pvisor's own memory cgroup).
     #[arg(long, value_name = "P")]
     pub cgroup_parent: Option<PathBuf>,
+    /// A `pvisor run` config file (TOML, `[vm]` keys) every VM starts with, e.g. to tune the
+    /// wait policy (`wait-cooldown-ms = 1000`); the strategy's flags win over it.
+    #[arg(long, value_name = "FILE")]
+    pub vm_config: Option<PathBuf>,
     /// Sampling period of memory, milliseconds.
     #[arg(long, default_value_t = 100, value_name = "MS")]
     pub sample_ms: u64,
     /// End with one JSON line of the summary.
     #[arg(long)]
     pub json: bool,
-    /// Write every memory sample to FILE as CSV: `t_s,vm,guest_pss_bytes,cgroup_bytes` (t from
-    /// the common release; empty fields where a reading was dropped).
+    /// Write every memory reading to FILE as CSV: `t_s,deadline_s,vm,guest_pss_bytes,cgroup_bytes`
+    /// (when it was taken and the deadline it was taken for, from the common release; empty
+    /// fields where a reading was dropped).
     #[arg(long, value_name = "FILE")]
     pub samples: Option<PathBuf>,
 }
@@ -114,6 +119,10 @@ pub fn replay(args: &ReplayArgs) -> CliResult {
     if args.sample_ms == 0 {
         return Err("--sample-ms must be positive".into());
     }
+    if let Some(config) = &args.vm_config {
+        // Read here too, so that a missing file is one error, not one per VM.
+        std::fs::metadata(config).map_err(|e| format!("--vm-config {}: {e}", config.display()))?;
+    }
     let server = ReplayServer::start(&trajectory)?;
     let url = server.url();
     let run = runtime::new_id("replay-");
@@ -139,6 +148,9 @@ pub fn replay(args: &ReplayArgs) -> CliResult {
         command.args(["run", "--detach", "--job", &job, "--memory", &args.memory]);
         command.args(["--vm-model-upstream", &url, "--cgroup", &cgroup]);
         command.args(&extra);
+        if let Some(config) = &args.vm_config {
+            command.arg("--config").arg(config);
+        }
         let scale = trajectory.time_scale.to_string();
         if extra.contains(&"--vm-wait-management") {
             command.args(["--vm-wait-scale", &scale]);
@@ -214,19 +226,45 @@ pub fn replay(args: &ReplayArgs) -> CliResult {
     let recording = sampler.finish();
     if let Some(path) = &args.samples {
         let offset = release.duration_since(sampling_started).as_secs_f64();
-        let mut csv = String::from("t_s,vm,guest_pss_bytes,cgroup_bytes\n");
-        for sample in &recording.samples {
-            for (vm, reading) in sample.readings.iter().enumerate() {
+        // A line per VM and deadline, the deadlines in order: `deadline_s` is the deadline a
+        // reading was taken for, `t_s` when it was taken (both from the release).
+        let mut lines: Vec<(u32, usize, String)> = Vec::new();
+        for (vm, points) in recording.series.iter().enumerate() {
+            for point in points {
                 let field = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_default();
-                csv.push_str(&format!(
-                    "{:.3},{vm},{},{}\n",
-                    sample.at.as_secs_f64() - offset,
-                    field(reading.and_then(|r| r.guest_pss_bytes)),
-                    field(reading.and_then(|r| r.cgroup_bytes)),
+                let deadline = (recording.period * point.tick).as_secs_f64() - offset;
+                lines.push((
+                    point.tick,
+                    vm,
+                    format!(
+                        "{:.3},{deadline:.3},{vm},{},{}\n",
+                        point.at.as_secs_f64() - offset,
+                        field(point.reading.and_then(|r| r.guest_pss_bytes)),
+                        field(point.reading.and_then(|r| r.cgroup_bytes)),
+                    ),
                 ));
             }
         }
+        lines.sort_by_key(|&(tick, vm, _)| (tick, vm));
+        let mut csv = String::from("t_s,deadline_s,vm,guest_pss_bytes,cgroup_bytes\n");
+        for (_, _, line) in lines {
+            csv.push_str(&line);
+        }
         std::fs::write(path, csv).map_err(|e| format!("--samples {}: {e}", path.display()))?;
+    }
+    // What wait management did, summed over the VMs (a VM without it has none).
+    let mut wait = serde_json::Map::new();
+    for vm in &vms {
+        if let Ok(stats) = vm.call(Method::Stats) {
+            for (name, value) in stats["wait"].as_object().into_iter().flatten() {
+                let sum = wait
+                    .get(name)
+                    .and_then(serde_json::Value::as_u64)
+                    .unwrap_or(0)
+                    + value.as_u64().unwrap_or(0);
+                wait.insert(name.clone(), sum.into());
+            }
+        }
     }
     let pids: Vec<u32> = vms.iter().map(|vm| vm.identity.pid).collect();
     drop(vms);
@@ -319,6 +357,7 @@ pub fn replay(args: &ReplayArgs) -> CliResult {
         "throughput_tasks_per_min": if window > 0.0 { n as f64 / window * 60.0 } else { 0.0 },
         "model_requests_served": server.served(),
         "sampling": integrity,
+        "wait": wait,
     });
     println!(
         "replay {}: {} VM(s), {}: window {:.2} s, guest PSS×time {:.4} GiB·s per task, cgroup \
@@ -335,6 +374,21 @@ pub fn replay(args: &ReplayArgs) -> CliResult {
         integrity.dropped,
         if passed { "passed" } else { "FAILED" }
     );
+    if !wait.is_empty() {
+        let n = |k: &str| wait.get(k).and_then(serde_json::Value::as_u64).unwrap_or(0);
+        println!(
+            "  wait management, all VMs: {} pauses, {} offloads ({} ms in all), skipped {} for the \
+             cooldown, {} for the guest's timer, {} as not paying; {} failed offloads, {} failed loads",
+            n("pauses"),
+            n("offloads"),
+            n("offload_ms"),
+            n("skipped_for_cooldown"),
+            n("skipped_for_timer"),
+            n("skipped_for_gain"),
+            n("failed_offloads"),
+            n("failed_loads"),
+        );
+    }
     for failure in summary["failures"].as_array().into_iter().flatten() {
         println!("  {}", failure.as_str().unwrap_or_default());
     }
