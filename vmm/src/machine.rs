@@ -714,7 +714,9 @@ impl Machine {
         let mut offloaded = false;
         let answer = loop {
             for action in actions.drain(..) {
-                self.carry_out(action, wait, &mut offloaded);
+                if let Some(took) = self.carry_out(action, wait, &mut offloaded) {
+                    coordinator.offload_took(took);
+                }
             }
             let until = coordinator
                 .next_deadline()
@@ -725,7 +727,8 @@ impl Machine {
                 let done =
                     coordinator.handle(Instant::now(), WaitEvent::DataReady { request, epoch: 0 });
                 for action in done {
-                    self.carry_out(action, wait, &mut offloaded);
+                    // Only a resume and a delivery follow an answer.
+                    let _ = self.carry_out(action, wait, &mut offloaded);
                 }
                 break answer;
             }
@@ -738,16 +741,24 @@ impl Machine {
     }
 
     /// One of the coordinator's actions. The vCPU is already stopped at the model port, so a
-    /// pause changes nothing; an offload that fails leaves RAM resident (counted).
-    fn carry_out(&mut self, action: WaitAction, wait: &WaitManagement, offloaded: &mut bool) {
+    /// pause changes nothing; an offload that fails leaves RAM resident (counted). Returns how
+    /// long an offload took.
+    fn carry_out(
+        &mut self,
+        action: WaitAction,
+        wait: &WaitManagement,
+        offloaded: &mut bool,
+    ) -> Option<Duration> {
         match action {
             WaitAction::Pause | WaitAction::Deliver { .. } => {}
             WaitAction::Offload => {
+                let started = Instant::now();
                 if self.offload(&wait.offload).is_ok() {
                     *offloaded = true;
                 } else {
                     self.wait_failures.0 += 1;
                 }
+                return Some(started.elapsed());
             }
             WaitAction::Resume => {
                 if *offloaded {
@@ -759,6 +770,7 @@ impl Machine {
                 }
             }
         }
+        None
     }
 
     /// Drops the range the guest reported free: it reads as zeros afterwards.

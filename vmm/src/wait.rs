@@ -14,8 +14,11 @@
 //!   guest has been idle as long, the VM is paused;
 //! - `offload_after` from that same moment (a wait with an idle guest), it is offloaded, if the
 //!   strategy allows,
-//!   if the guest's next timer is at least `min_timer_budget` away (or none is pending), and if
-//!   the last offload is at least `offload_cooldown` ago;
+//!   if the guest's next timer is at least `min_timer_budget` away (or none is pending), if
+//!   the last offload is at least `offload_cooldown` ago, and if the wait is expected to last
+//!   long enough to pay for it: its expected remaining time at least `break_even` times what
+//!   this VM's offloads have taken (see [`WaitCoordinator::expected_remaining`]). An offload
+//!   that does not pay yet is looked at again while the wait goes on;
 //! - it is resumed when a waited-for request's data is ready (then the data is delivered),
 //!   when a guest timer falls due, or on an external event; a request may see several pause
 //!   and resume cycles;
@@ -25,11 +28,14 @@
 //!   that is not waiting (already delivered, or never sent) are ignored: each response is
 //!   delivered exactly once.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
+/// How many of a VM's past waits predict its next one.
+const WAIT_HISTORY: usize = 32;
+
 /// The policy's knobs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct WaitPolicy {
     /// Wait (with an idle guest) before pausing.
     pub pause_after: Duration,
@@ -41,6 +47,16 @@ pub struct WaitPolicy {
     pub offload_cooldown: Duration,
     /// The strategy offloads at all (else it only pauses).
     pub offload: bool,
+    /// Offload only if the wait's expected remaining time is at least this many times what an
+    /// offload of this VM takes (0: whenever the other rules allow). An offload costs about
+    /// as much again when the RAM comes back, and the memory it frees only pays for the CPU
+    /// and the delay if the wait goes on well past both.
+    #[serde(default = "default_break_even")]
+    pub break_even: f64,
+}
+
+fn default_break_even() -> f64 {
+    4.0
 }
 
 impl WaitPolicy {
@@ -53,6 +69,7 @@ impl WaitPolicy {
             min_timer_budget: scale(self.min_timer_budget),
             offload_cooldown: scale(self.offload_cooldown),
             offload: self.offload,
+            break_even: self.break_even,
         }
     }
 }
@@ -65,6 +82,7 @@ impl Default for WaitPolicy {
             min_timer_budget: Duration::from_secs(1),
             offload_cooldown: Duration::from_secs(5),
             offload: true,
+            break_even: default_break_even(),
         }
     }
 }
@@ -159,10 +177,16 @@ pub struct WaitStats {
     pub skipped_for_timer: u64,
     /// Offloads skipped: the last one was too recent.
     pub skipped_for_cooldown: u64,
+    /// Offloads skipped: the wait was not expected to last long enough to pay for one.
+    pub skipped_for_gain: u64,
     /// Offloads that failed (RAM stayed resident).
     pub failed_offloads: u64,
     /// Loads after an offload that failed.
     pub failed_loads: u64,
+    /// Milliseconds the offloads took, in all.
+    pub offload_ms: u64,
+    /// What the next offload is expected to take (the moving average), milliseconds.
+    pub offload_cost_ms: u64,
 }
 
 /// One VM's coordinator.
@@ -180,6 +204,12 @@ pub struct WaitCoordinator {
     last_offload: Option<Instant>,
     /// An offload was considered and skipped in this pause (counted once).
     skipped: bool,
+    /// After a skip for gain: when to look again.
+    recheck: Option<Instant>,
+    /// The lengths of this VM's last waits, oldest first.
+    waits: VecDeque<Duration>,
+    /// What its offloads take (a moving average of the durations reported).
+    offload_cost: Option<Duration>,
     stats: WaitStats,
 }
 
@@ -196,7 +226,65 @@ impl WaitCoordinator {
             timer_due: None,
             last_offload: None,
             skipped: false,
+            recheck: None,
+            waits: VecDeque::with_capacity(WAIT_HISTORY),
+            offload_cost: None,
             stats: WaitStats::default(),
+        }
+    }
+
+    /// The VMM reports how long an offload took (from the decision until the RAM was given
+    /// back): what the next ones are expected to cost.
+    pub fn offload_took(&mut self, took: Duration) {
+        self.stats.offload_ms += u64::try_from(took.as_millis()).unwrap_or(u64::MAX);
+        self.offload_cost = Some(match self.offload_cost {
+            // A moving average that follows a change of load within a few offloads.
+            Some(cost) => (cost * 3 + took) / 4,
+            None => took,
+        });
+        self.stats.offload_cost_ms = self
+            .offload_cost
+            .map_or(0, |c| u64::try_from(c.as_millis()).unwrap_or(u64::MAX));
+    }
+
+    /// How much longer a wait that has lasted `elapsed` is expected to go on, from this VM's
+    /// past waits: the median of what the longer ones had left at `elapsed`. A wait longer
+    /// than every one seen is expected to go on about as long again (the longer a wait has
+    /// lasted, the longer it tends to last); `None` before any wait has ended.
+    pub fn expected_remaining(&self, elapsed: Duration) -> Option<Duration> {
+        if self.waits.is_empty() {
+            return None;
+        }
+        let mut left: Vec<Duration> = self
+            .waits
+            .iter()
+            .filter(|&&w| w > elapsed)
+            .map(|&w| w - elapsed)
+            .collect();
+        if left.is_empty() {
+            return Some(elapsed);
+        }
+        left.sort_unstable();
+        Some(left[left.len() / 2])
+    }
+
+    /// Whether an offload at `now`, `elapsed` into the wait, is expected to pay; if not, when
+    /// to look again.
+    fn pays(&self, now: Instant, elapsed: Duration) -> Result<(), Instant> {
+        let (Some(cost), Some(left)) = (self.offload_cost, self.expected_remaining(elapsed)) else {
+            // Nothing to go by yet: the first offload measures the cost.
+            return Ok(());
+        };
+        if left.as_secs_f64() >= self.policy.break_even * cost.as_secs_f64() {
+            Ok(())
+        } else {
+            // The expectation grows as the wait outlasts the ones seen: look again an
+            // offload's time later (at least the offload delay, at most a second).
+            let step = cost.clamp(
+                self.policy.offload_after.max(Duration::from_millis(1)),
+                Duration::from_secs(1).max(self.policy.offload_after),
+            );
+            Err(now + step)
         }
     }
 
@@ -233,6 +321,7 @@ impl WaitCoordinator {
             self.stats.resumes += 1;
             self.phase = Phase::Running;
             self.skipped = false;
+            self.recheck = None;
             // The guest runs again: its idleness is to be reported anew.
             self.idle_since = None;
         }
@@ -248,12 +337,21 @@ impl WaitCoordinator {
                 }
             }
             WaitEvent::DataReady { request, epoch } => {
-                if !self.current(epoch) || self.waiting.remove(&request).is_none() {
+                let began = if self.current(epoch) {
+                    self.waiting.remove(&request)
+                } else {
+                    None
+                };
+                let Some(began) = began else {
                     if epoch == self.epoch {
                         self.stats.stale += 1;
                     }
                     return out;
+                };
+                if self.waits.len() == WAIT_HISTORY {
+                    self.waits.pop_front();
                 }
+                self.waits.push_back(now.saturating_duration_since(began));
                 if self.phase == Phase::Manual {
                     self.held.push(request);
                     return out;
@@ -320,7 +418,8 @@ impl WaitCoordinator {
         }
         let due = self
             .last_offload
-            .map_or(first, |last| first.max(last + self.policy.offload_cooldown));
+            .map_or(first, |last| first.max(last + self.policy.offload_cooldown))
+            .max(self.recheck.unwrap_or(first));
         let timer_blocks = self
             .timer_due
             .is_some_and(|timer| timer < due + self.policy.min_timer_budget);
@@ -348,24 +447,34 @@ impl WaitCoordinator {
         }
         if self.phase == Phase::Paused && self.policy.offload {
             if let Some(began) = self.wait_began() {
-                if began + self.policy.offload_after <= now {
+                let rechecked = self.recheck.is_none_or(|at| at <= now);
+                if began + self.policy.offload_after <= now && rechecked {
                     let budget_ok = self
                         .timer_due
                         .is_none_or(|due| due >= now + self.policy.min_timer_budget);
                     let cooled = self
                         .last_offload
                         .is_none_or(|last| last + self.policy.offload_cooldown <= now);
-                    if budget_ok && cooled {
+                    let pays = self.pays(now, now.saturating_duration_since(began));
+                    if budget_ok && cooled && pays.is_ok() {
                         out.push(Action::Offload);
                         self.stats.offloads += 1;
                         self.phase = Phase::Offloaded;
                         self.last_offload = Some(now);
-                    } else if !self.skipped {
-                        self.skipped = true;
-                        if budget_ok {
-                            self.stats.skipped_for_cooldown += 1;
-                        } else {
-                            self.stats.skipped_for_timer += 1;
+                        self.recheck = None;
+                    } else {
+                        if let Err(again) = pays {
+                            self.recheck = Some(again);
+                        }
+                        if !self.skipped {
+                            self.skipped = true;
+                            if !budget_ok {
+                                self.stats.skipped_for_timer += 1;
+                            } else if !cooled {
+                                self.stats.skipped_for_cooldown += 1;
+                            } else {
+                                self.stats.skipped_for_gain += 1;
+                            }
                         }
                     }
                 }
@@ -604,6 +713,115 @@ mod tests {
             )
             .is_empty());
         assert_eq!(c.stats().delivered, 0);
+    }
+
+    /// A coordinator that has seen waits of `lengths_ms` (one after another from `base`) and
+    /// offloads that took `cost_ms`; returns it and when its history ends.
+    fn with_history(
+        base: Instant,
+        policy: WaitPolicy,
+        lengths_ms: &[u64],
+        cost_ms: u64,
+    ) -> (WaitCoordinator, Instant) {
+        let mut c = WaitCoordinator::new(policy, 1);
+        let mut now = base;
+        for (request, &len) in (100..).zip(lengths_ms) {
+            c.handle(now, WaitEvent::WaitStart { request, epoch: 1 });
+            now += Duration::from_millis(len);
+            c.handle(now, WaitEvent::DataReady { request, epoch: 1 });
+            now += Duration::from_millis(10);
+        }
+        c.offload_took(Duration::from_millis(cost_ms));
+        (c, now)
+    }
+
+    fn start_idle_wait(c: &mut WaitCoordinator, now: Instant, request: u64) {
+        c.handle(
+            now,
+            WaitEvent::GuestIdle {
+                epoch: 1,
+                timer_due: None,
+            },
+        );
+        c.handle(now, WaitEvent::WaitStart { request, epoch: 1 });
+    }
+
+    #[test]
+    fn wait_expected_remaining_follows_the_vm_s_past_waits() {
+        let base = Instant::now();
+        let policy = WaitPolicy::default();
+        let (c, _) = with_history(base, policy, &[100, 300, 500, 700, 900], 10);
+        let ms = Duration::from_millis;
+        // At the start: the median of the whole history.
+        assert_eq!(c.expected_remaining(ms(0)), Some(ms(500)));
+        // 400 ms in: the waits that went on had 100, 300 and 500 ms left.
+        assert_eq!(c.expected_remaining(ms(400)), Some(ms(300)));
+        // Longer than all: about as long again.
+        assert_eq!(c.expected_remaining(ms(2000)), Some(ms(2000)));
+        assert_eq!(
+            WaitCoordinator::new(policy, 1).expected_remaining(ms(0)),
+            None
+        );
+    }
+
+    #[test]
+    fn wait_offloads_only_when_the_expected_wait_pays_for_it() {
+        let ms = Duration::from_millis;
+        let policy = WaitPolicy {
+            offload_cooldown: Duration::ZERO,
+            ..WaitPolicy::default()
+        };
+        // Waits of 5 s, offloads of 100 ms: 4.95 s left at 50 ms is worth 4 offloads.
+        let base = Instant::now();
+        let (mut c, now) = with_history(base, policy, &[5000, 5000, 5000], 100);
+        start_idle_wait(&mut c, now, 7);
+        assert_eq!(c.tick(now + ms(20)), vec![Action::Pause]);
+        assert_eq!(c.tick(now + ms(50)), vec![Action::Offload]);
+
+        // Waits of 200 ms, offloads of 100 ms: 150 ms left at 50 ms is not worth it.
+        let (mut c, now) = with_history(base, policy, &[200, 200, 200], 100);
+        start_idle_wait(&mut c, now, 7);
+        assert_eq!(c.tick(now + ms(20)), vec![Action::Pause]);
+        assert!(c.tick(now + ms(50)).is_empty());
+        assert_eq!(c.stats().skipped_for_gain, 1);
+        // Looked at again an offload's time later: longer than every wait seen (250 ms in:
+        // 250 ms expected) but still short of 400 ms.
+        assert_eq!(c.next_deadline(), Some(now + ms(150)));
+        assert!(c.tick(now + ms(150)).is_empty());
+        assert_eq!(c.next_deadline(), Some(now + ms(250)));
+        assert!(c.tick(now + ms(250)).is_empty());
+        assert!(c.tick(now + ms(350)).is_empty());
+        // 400 ms in, 400 ms expected: it pays now.
+        assert_eq!(c.tick(now + ms(450)), vec![Action::Offload]);
+        assert_eq!(c.stats().skipped_for_gain, 1, "counted once per pause");
+        // The answer brings it back; the cost follows what offloads take.
+        assert_eq!(
+            c.handle(
+                now + ms(500),
+                WaitEvent::DataReady {
+                    request: 7,
+                    epoch: 1
+                }
+            ),
+            vec![Action::Resume, Action::Deliver { request: 7 }]
+        );
+        c.offload_took(ms(500));
+        assert_eq!(c.offload_cost, Some(ms(200)));
+    }
+
+    #[test]
+    fn wait_break_even_zero_offloads_whenever_the_other_rules_allow() {
+        let ms = Duration::from_millis;
+        let policy = WaitPolicy {
+            break_even: 0.0,
+            offload_cooldown: Duration::ZERO,
+            ..WaitPolicy::default()
+        };
+        let base = Instant::now();
+        let (mut c, now) = with_history(base, policy, &[60, 60], 10_000);
+        start_idle_wait(&mut c, now, 7);
+        c.tick(now + ms(20));
+        assert_eq!(c.tick(now + ms(50)), vec![Action::Offload]);
     }
 
     #[test]

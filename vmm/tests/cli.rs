@@ -348,6 +348,38 @@ fn cli_bad_input_gets_clear_messages() {
             &["needs --vm-model-upstream"],
         ),
         (
+            &["run", "--vm-wait-cooldown-ms", "1000", "--", "idle"],
+            &["--vm-wait-* policy options need --vm-wait-management"],
+        ),
+        (
+            &[
+                "run",
+                "--vm-model-upstream",
+                "http://127.0.0.1:9",
+                "--vm-wait-management",
+                "--vm-wait-pause-ms",
+                "100",
+                "--vm-wait-offload-ms",
+                "50",
+                "--",
+                "idle",
+            ],
+            &["--vm-wait-offload-ms (50 ms)", "cannot be smaller"],
+        ),
+        (
+            &[
+                "run",
+                "--vm-model-upstream",
+                "http://127.0.0.1:9",
+                "--vm-wait-management",
+                "--vm-wait-break-even",
+                "2000",
+                "--",
+                "idle",
+            ],
+            &["--vm-wait-break-even"],
+        ),
+        (
             &[
                 "run",
                 "--vm-model-upstream",

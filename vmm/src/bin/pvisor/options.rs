@@ -73,7 +73,8 @@ pub struct RunArgs {
     #[arg(long = "vm-model-upstream", value_name = "URL")]
     pub model_upstream: Option<String>,
     /// While a `model` request is out, pause the VM after 20 ms and offload it after 50 ms
-    /// (at most every 5 s); load it back when the answer arrives. Needs --vm-model-upstream.
+    /// (at most every 5 s, and only when the wait is expected to pay for it: see
+    /// --vm-wait-break-even); load it back when the answer arrives. Needs --vm-model-upstream.
     #[arg(long = "vm-wait-management", num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub wait_management: Option<bool>,
     /// What wait management does: offload (default) or pause only.
@@ -83,6 +84,23 @@ pub struct RunArgs {
     /// a replay whose waits were scaled by it (1).
     #[arg(long = "vm-wait-scale", value_name = "FACTOR")]
     pub wait_scale: Option<f64>,
+    /// Pause a waiting VM after MS of waiting with an idle guest (20).
+    #[arg(long = "vm-wait-pause-ms", value_name = "MS")]
+    pub wait_pause_ms: Option<u64>,
+    /// Offload a paused VM MS after its wait began (50).
+    #[arg(long = "vm-wait-offload-ms", value_name = "MS")]
+    pub wait_offload_ms: Option<u64>,
+    /// Offload only if the guest's next timer is at least MS away (1000).
+    #[arg(long = "vm-wait-timer-budget-ms", value_name = "MS")]
+    pub wait_timer_budget_ms: Option<u64>,
+    /// Offload at most once per MS (5000).
+    #[arg(long = "vm-wait-cooldown-ms", value_name = "MS")]
+    pub wait_cooldown_ms: Option<u64>,
+    /// Offload in a wait only if its expected remaining time (from this VM's past waits) is at
+    /// least FACTOR times what this VM's offloads take; 0 offloads whenever the other rules
+    /// allow (4).
+    #[arg(long = "vm-wait-break-even", value_name = "FACTOR")]
+    pub wait_break_even: Option<f64>,
     /// Guest RAM mapping: anon (private anonymous, default) or memfd (shared memfd).
     #[arg(long = "vm-ram-backing", value_name = "KIND")]
     pub ram_backing: Option<String>,
@@ -136,6 +154,11 @@ struct ConfigVm {
     wait_management: Option<bool>,
     wait_strategy: Option<String>,
     wait_scale: Option<f64>,
+    wait_break_even: Option<f64>,
+    wait_pause_ms: Option<u64>,
+    wait_offload_ms: Option<u64>,
+    wait_timer_budget_ms: Option<u64>,
+    wait_cooldown_ms: Option<u64>,
     disk: Option<PathBuf>,
     cgroup: Option<PathBuf>,
     pager_threads: Option<usize>,
@@ -427,13 +450,59 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
     if wait_scale.is_some_and(|f| !(f > 0.0 && f <= 100.0)) {
         return Err("--vm-wait-scale is a factor above 0 and at most 100".into());
     }
-    let wait = wait_management.then(|| {
-        vmm::wait::WaitPolicy {
-            offload,
-            ..vmm::wait::WaitPolicy::default()
-        }
-        .scaled(wait_scale.unwrap_or(1.0))
-    });
+    let break_even = args.wait_break_even.or(config.wait_break_even);
+    if break_even.is_some_and(|f| !(0.0..=1000.0).contains(&f)) {
+        return Err("--vm-wait-break-even is a factor from 0 to 1000".into());
+    }
+    let ms = |flag: Option<u64>, key: Option<u64>, default: std::time::Duration| {
+        flag.or(key)
+            .map_or(default, std::time::Duration::from_millis)
+    };
+    let default = vmm::wait::WaitPolicy::default();
+    let policy = vmm::wait::WaitPolicy {
+        pause_after: ms(
+            args.wait_pause_ms,
+            config.wait_pause_ms,
+            default.pause_after,
+        ),
+        offload_after: ms(
+            args.wait_offload_ms,
+            config.wait_offload_ms,
+            default.offload_after,
+        ),
+        min_timer_budget: ms(
+            args.wait_timer_budget_ms,
+            config.wait_timer_budget_ms,
+            default.min_timer_budget,
+        ),
+        offload_cooldown: ms(
+            args.wait_cooldown_ms,
+            config.wait_cooldown_ms,
+            default.offload_cooldown,
+        ),
+        offload,
+        break_even: break_even.unwrap_or(default.break_even),
+    };
+    let tuned = [
+        args.wait_pause_ms.or(config.wait_pause_ms),
+        args.wait_offload_ms.or(config.wait_offload_ms),
+        args.wait_timer_budget_ms.or(config.wait_timer_budget_ms),
+        args.wait_cooldown_ms.or(config.wait_cooldown_ms),
+    ]
+    .iter()
+    .any(Option::is_some);
+    if (tuned || wait_scale.is_some() || break_even.is_some()) && !wait_management {
+        return Err("the --vm-wait-* policy options need --vm-wait-management".into());
+    }
+    if policy.offload_after < policy.pause_after {
+        return Err(format!(
+            "--vm-wait-offload-ms ({} ms) is counted from the wait's start like \
+             --vm-wait-pause-ms ({} ms): it cannot be smaller",
+            policy.offload_after.as_millis(),
+            policy.pause_after.as_millis()
+        ));
+    }
+    let wait = wait_management.then(|| policy.scaled(wait_scale.unwrap_or(1.0)));
     Ok(Resolved {
         cold,
         dedup,
