@@ -209,6 +209,14 @@ impl BlockSource for Composer<'_> {
 }
 
 fn open_store(config: &OffloadConfig, shared: &Shared) -> Result<DiskStore, OffloadError> {
+    let mut store = open_or_create(config, shared)?;
+    // Every block read back goes into guest RAM: a cached copy of it would only double the
+    // memory the offload gave back (and be charged to the VM's memory cgroup).
+    store.set_drop_behind(true);
+    Ok(store)
+}
+
+fn open_or_create(config: &OffloadConfig, shared: &Shared) -> Result<DiskStore, OffloadError> {
     let mut store = match DiskStore::open(&config.dir) {
         Ok(store) => store,
         Err(StoreError::NotAStore { .. }) => {

@@ -502,6 +502,8 @@ pub struct DiskStore {
     committed: Committed,
     options: StoreOptions,
     encoder: Option<Encoder>,
+    /// Reads drop the pages they read from the page cache (see `set_drop_behind`).
+    drop_behind: bool,
 }
 
 impl DiskStore {
@@ -545,6 +547,7 @@ impl DiskStore {
             dirty: BTreeSet::new(),
             options,
             encoder: None,
+            drop_behind: false,
         };
         store.remove_strays()?;
         store.write_index()?;
@@ -624,6 +627,7 @@ impl DiskStore {
             dirty: BTreeSet::new(),
             options,
             encoder: None,
+            drop_behind: false,
         };
         store.recount_live();
         if writable {
@@ -791,13 +795,16 @@ impl DiskStore {
     pub fn get(&self, block: u64, out: &mut [u8]) -> Result<Option<BlockKind>, StoreError> {
         self.check_len(block, out.len())?;
         let slot = self.slot(block)?;
-        reader::read_block(&self.dir, block, slot, out, &|id| self.segment_file(id))
+        reader::read_block(&self.dir, block, slot, out, self.drop_behind, &|id| {
+            self.segment_file(id)
+        })
     }
 
     /// A read-only view of the image as it is now, for other threads while this store goes
     /// on being written (see [`StoreReader`]).
     pub fn reader(&self) -> StoreReader {
         StoreReader {
+            drop_behind: self.drop_behind,
             dir: self.dir.clone(),
             block_size: self.block_size,
             image_size: self.image_size,
@@ -853,6 +860,14 @@ impl DiskStore {
             }
         }
         Ok(self.generation)
+    }
+
+    /// Whether reads (of this store and of the readers taken from it from now on) drop what
+    /// they read from the page cache at once: for a reader that copies each block elsewhere
+    /// and will not read it again soon (a pager installing blocks into guest RAM), where a
+    /// cached copy would only double the memory. Off by default.
+    pub fn set_drop_behind(&mut self, on: bool) {
+        self.drop_behind = on;
     }
 
     /// Asks the kernel to drop the page cache of the committed segments (they are durable, so
@@ -1117,7 +1132,9 @@ impl DiskStore {
         data: &DataRef,
         buf: &mut Vec<u8>,
     ) -> Result<(), StoreError> {
-        reader::read_payload(&self.dir, block, data, buf, &|id| self.segment_file(id))
+        reader::read_payload(&self.dir, block, data, buf, self.drop_behind, &|id| {
+            self.segment_file(id)
+        })
     }
 
     /// Appends `pieces`, end to end, to the active segment, starting a new one when needed.

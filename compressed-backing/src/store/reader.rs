@@ -24,12 +24,14 @@ thread_local! {
 /// Finds the open file of a segment.
 pub(super) type FileOf<'a> = dyn Fn(u32) -> Option<&'a File> + 'a;
 
-/// Reads and checks the payload of `block` into `buf`.
+/// Reads and checks the payload of `block` into `buf`; with `drop_behind`, drops the whole
+/// pages it read from the page cache afterwards.
 pub(super) fn read_payload(
     dir: &Path,
     block: u64,
     data: &DataRef,
     buf: &mut Vec<u8>,
+    drop_behind: bool,
     file_of: &FileOf<'_>,
 ) -> Result<(), StoreError> {
     let path = || dir.join(segment::file_name(data.segment));
@@ -50,6 +52,18 @@ pub(super) fn read_payload(
             }
         }
     })?;
+    if drop_behind {
+        // Best effort, it only affects caching: the pages wholly inside the payload go.
+        // SAFETY: fadvise on an open descriptor of ours; it does not touch memory.
+        unsafe {
+            libc::posix_fadvise(
+                std::os::fd::AsRawFd::as_raw_fd(file),
+                libc::off_t::try_from(data.offset).unwrap_or(libc::off_t::MAX),
+                libc::off_t::from(data.len),
+                libc::POSIX_FADV_DONTNEED,
+            );
+        }
+    }
     let computed = xxh3_64(buf);
     if computed != data.checksum {
         return Err(StoreError::Corrupt {
@@ -70,6 +84,7 @@ pub(super) fn read_block(
     block: u64,
     slot: Slot,
     out: &mut [u8],
+    drop_behind: bool,
     file_of: &FileOf<'_>,
 ) -> Result<Option<BlockKind>, StoreError> {
     match slot {
@@ -77,7 +92,7 @@ pub(super) fn read_block(
         Slot::Fill(byte) => out.fill(byte),
         Slot::Data(data) => READ_SCRATCH.with(|scratch| {
             let (decoder, buf) = &mut *scratch.borrow_mut();
-            read_payload(dir, block, &data, buf, file_of)?;
+            read_payload(dir, block, &data, buf, drop_behind, file_of)?;
             decoder
                 .decode(data.kind, buf, out)
                 .map_err(|source| StoreError::Decode {
@@ -97,6 +112,7 @@ pub(super) fn read_block(
 /// not committed when the view was taken must not be read after a rollback.
 #[derive(Debug, Clone)]
 pub struct StoreReader {
+    pub(super) drop_behind: bool,
     pub(super) dir: PathBuf,
     pub(super) block_size: BlockSize,
     pub(super) image_size: u64,
@@ -135,7 +151,7 @@ impl StoreReader {
                 actual: out.len(),
             });
         }
-        read_block(&self.dir, block, slot, out, &|id| {
+        read_block(&self.dir, block, slot, out, self.drop_behind, &|id| {
             self.files.get(&id).map(|f| f.as_ref())
         })
     }
