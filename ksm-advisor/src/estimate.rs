@@ -197,30 +197,20 @@ impl Reader {
 
 /// `process_vm_readv` of one run; a partial read returns its length.
 fn read_remote(pid: u32, addr: u64, buf: &mut [u8]) -> std::io::Result<usize> {
-    let local = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
-    };
-    let remote = libc::iovec {
-        iov_base: usize::try_from(addr).map_err(|_| std::io::ErrorKind::InvalidInput)?
-            as *mut libc::c_void,
-        iov_len: buf.len(),
+    let remote = nix::sys::uio::RemoteIoVec {
+        base: usize::try_from(addr).map_err(|_| std::io::ErrorKind::InvalidInput)?,
+        len: buf.len(),
     };
     let pid = libc::pid_t::try_from(pid).map_err(|_| std::io::ErrorKind::InvalidInput)?;
-    // SAFETY: the local iovec covers `buf`, which lives across the call; the remote one is
-    // only read by the kernel on the other process's behalf.
-    let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
-    match usize::try_from(n) {
+    match nix::sys::uio::process_vm_readv(
+        nix::unistd::Pid::from_raw(pid),
+        &mut [std::io::IoSliceMut::new(buf)],
+        &[remote],
+    ) {
         Ok(n) => Ok(n),
-        Err(_) => {
-            let err = std::io::Error::last_os_error();
-            // EFAULT: the first page is gone already.
-            if err.raw_os_error() == Some(libc::EFAULT) {
-                Ok(0)
-            } else {
-                Err(err)
-            }
-        }
+        // The first page is gone already.
+        Err(nix::errno::Errno::EFAULT) => Ok(0),
+        Err(e) => Err(e.into()),
     }
 }
 

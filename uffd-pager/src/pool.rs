@@ -701,22 +701,23 @@ fn process_start(pid: i32) -> Option<u64> {
 
 /// Reads `buf.len()` bytes at `addr` of process `pid`.
 fn read_remote(pid: i32, addr: u64, buf: &mut [u8]) -> std::io::Result<()> {
-    let local = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
+    let remote = nix::sys::uio::RemoteIoVec {
+        base: usize::try_from(addr).map_err(|_| std::io::ErrorKind::InvalidInput)?,
+        len: buf.len(),
     };
-    let remote = libc::iovec {
-        iov_base: usize::try_from(addr).map_err(|_| std::io::ErrorKind::InvalidInput)?
-            as *mut libc::c_void,
-        iov_len: buf.len(),
-    };
-    // SAFETY: the local iovec covers `buf`, alive across the call; the remote one is read by
-    // the kernel on the other process's behalf.
-    let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
-    if usize::try_from(n).ok() == Some(buf.len()) {
+    let len = buf.len();
+    let n = nix::sys::uio::process_vm_readv(
+        nix::unistd::Pid::from_raw(pid),
+        &mut [std::io::IoSliceMut::new(buf)],
+        &[remote],
+    )?;
+    if n == len {
         Ok(())
     } else {
-        Err(std::io::Error::last_os_error())
+        Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!("read {n} of {len} bytes at {addr:#x} of process {pid}"),
+        ))
     }
 }
 
