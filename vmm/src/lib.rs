@@ -7,6 +7,7 @@
 //! - [`guest`]: the workload guest's binary, layout, mailbox and digest.
 //! - [`machine`]: one VM: RAM, pager, vCPU, block device; runs commands.
 //! - [`memory`]: guest RAM (anon, memfd, or a snapshot image mapped privately).
+//! - [`operator`]: operator requests that reach a VM while it waits for the model.
 //! - [`pool`]: this VM's side of the memory pool (`--vm-memory-pool`).
 //! - [`replay`]: trajectories and the local model server that replays them.
 //! - [`runtime`]: the runtime directory, job ids and identities.
@@ -23,6 +24,7 @@ pub mod gateway;
 pub mod guest;
 pub mod machine;
 pub mod memory;
+pub mod operator;
 pub mod pool;
 pub mod replay;
 pub mod runtime;

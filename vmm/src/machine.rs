@@ -21,8 +21,9 @@ use vm_memory::{Bytes, GuestAddress};
 use crate::gateway::{Answer, ModelPort};
 use crate::guest::{self, blk, status, BlkRequest, Mailbox, Op};
 use crate::memory::{GuestRam, MemoryError};
+use crate::operator::{Operator, OperatorRequest};
 use crate::script::Command;
-use crate::wait::{Action as WaitAction, WaitCoordinator, WaitEvent, WaitPolicy, WaitStats};
+use crate::wait::{Action as WaitAction, Phase, WaitCoordinator, WaitEvent, WaitPolicy, WaitStats};
 use std::time::Duration;
 use uffd_pager::load::LoadMode;
 use uffd_pager::offload::{OffloadConfig, OffloadError, OffloadReport};
@@ -196,6 +197,43 @@ pub struct Machine {
     coordinator: Option<WaitCoordinator>,
     /// Offloads and loads that failed during waits.
     wait_failures: (u64, u64),
+    /// Operator requests during model waits (the control socket), if anyone sends them.
+    operator: Option<Box<dyn Operator>>,
+    /// An operator stopped the VM during a model wait.
+    stop_requested: bool,
+}
+
+/// How often a model wait looks for operator requests while its answer is out.
+const OPERATOR_POLL: Duration = Duration::from_millis(20);
+
+/// One model wait in progress.
+struct ModelWait {
+    request: u64,
+    began: Instant,
+    /// The VM's RAM is in the store (by the coordinator or an operator).
+    offloaded: bool,
+    /// The answer, held while an operator holds the VM.
+    held: Option<Answer>,
+}
+
+impl ModelWait {
+    /// The VM's state as `status` names it.
+    fn state(&self, phase: Phase) -> &'static str {
+        match (self.offloaded, phase) {
+            (true, _) => "offloaded",
+            (false, Phase::Paused | Phase::Manual) => "paused",
+            (false, Phase::Running | Phase::Offloaded) => "running",
+        }
+    }
+
+    fn describe(&self, phase: Phase) -> serde_json::Value {
+        serde_json::json!({
+            "request": self.request,
+            "waited_s": self.began.elapsed().as_secs_f64(),
+            "phase": phase,
+            "answer_ready": self.held.is_some(),
+        })
+    }
 }
 
 /// How a machine spends its model waits (`--vm-wait-management`).
@@ -378,6 +416,8 @@ impl Machine {
             wait: None,
             coordinator: None,
             wait_failures: (0, 0),
+            operator: None,
+            stop_requested: false,
         };
         if config.restore.is_none() {
             machine.run_until_done()?;
@@ -439,11 +479,26 @@ impl Machine {
 
     /// What wait management did so far (`None`: not on).
     pub fn wait_stats(&self) -> Option<WaitStats> {
-        self.coordinator.as_ref().map(|c| WaitStats {
+        self.coordinator.as_ref().map(|c| self.wait_stats_of(c))
+    }
+
+    fn wait_stats_of(&self, coordinator: &WaitCoordinator) -> WaitStats {
+        WaitStats {
             failed_offloads: self.wait_failures.0,
             failed_loads: self.wait_failures.1,
-            ..c.stats()
-        })
+            ..coordinator.stats()
+        }
+    }
+
+    /// Where operator requests come from while the VM waits for a model answer.
+    pub fn set_operator(&mut self, operator: Box<dyn Operator>) {
+        self.operator = Some(operator);
+    }
+
+    /// Whether an operator stopped the VM during a model wait (the command failed; the VM is
+    /// to exit).
+    pub fn stop_requested(&self) -> bool {
+        self.stop_requested
     }
 
     /// Moves resident RAM to the store (the VM must not run), then drops what else the VM no
@@ -690,7 +745,8 @@ impl Machine {
 
     /// Waits for the answer to `request` the way the wait policy says: the guest is stopped at
     /// the model port (idle, no timer pending), so it is paused as it is, offloaded once the
-    /// wait is long enough, and loaded back (lazily) when the answer arrives.
+    /// wait is long enough, and loaded back (lazily) when the answer arrives. Operator requests
+    /// are answered meanwhile (see [`crate::operator`]).
     fn managed_wait(
         &mut self,
         port: &dyn ModelPort,
@@ -701,43 +757,201 @@ impl Machine {
             .coordinator
             .take()
             .unwrap_or_else(|| WaitCoordinator::new(wait.policy, 0));
-        let now = Instant::now();
+        let mut operator = self.operator.take();
+        let began = Instant::now();
         port.send(request);
         coordinator.handle(
-            now,
+            began,
             WaitEvent::GuestIdle {
                 epoch: 0,
                 timer_due: None,
             },
         );
-        let mut actions = coordinator.handle(now, WaitEvent::WaitStart { request, epoch: 0 });
-        let mut offloaded = false;
+        let mut actions = coordinator.handle(began, WaitEvent::WaitStart { request, epoch: 0 });
+        let mut w = ModelWait {
+            request,
+            began,
+            offloaded: false,
+            held: None,
+        };
         let answer = loop {
             for action in actions.drain(..) {
-                if let Some(took) = self.carry_out(action, wait, &mut offloaded) {
+                if let Some(took) = self.carry_out(action, wait, &mut w.offloaded) {
                     coordinator.offload_took(took);
                 }
+            }
+            if coordinator.phase() != Phase::Manual {
+                // Held for an operator who has given the VM back now.
+                if let Some(answer) = w.held.take() {
+                    break answer;
+                }
+            }
+            if self.stop_requested {
+                break Answer::Error(format!(
+                    "the VM was stopped while it waited for the answer to request {request}"
+                ));
             }
             let until = coordinator
                 .next_deadline()
                 .map_or(Duration::from_secs(3600), |d| {
                     d.saturating_duration_since(Instant::now())
                 });
-            if let Some(answer) = port.wait_for(request, until) {
-                let done =
-                    coordinator.handle(Instant::now(), WaitEvent::DataReady { request, epoch: 0 });
-                for action in done {
-                    // Only a resume and a delivery follow an answer.
-                    let _ = self.carry_out(action, wait, &mut offloaded);
+            if w.held.is_none() {
+                let slice = if operator.is_some() {
+                    until.min(OPERATOR_POLL)
+                } else {
+                    until
+                };
+                if let Some(answer) = port.wait_for(request, slice) {
+                    let done = coordinator
+                        .handle(Instant::now(), WaitEvent::DataReady { request, epoch: 0 });
+                    if coordinator.phase() == Phase::Manual {
+                        // An operator holds the VM: the answer waits for their resume.
+                        w.held = Some(answer);
+                    } else {
+                        for action in done {
+                            // Only a resume and a delivery follow an answer.
+                            let _ = self.carry_out(action, wait, &mut w.offloaded);
+                        }
+                        break answer;
+                    }
                 }
-                break answer;
             }
-            actions = coordinator.tick(Instant::now());
+            if let Some(source) = operator.as_mut() {
+                // With the answer held only an operator can end the wait: block on them.
+                let timeout = if w.held.is_some() {
+                    until.min(Duration::from_secs(1))
+                } else {
+                    Duration::ZERO
+                };
+                if let Some((asked, reply)) = source.next(timeout) {
+                    let (result, more) = self.operate(asked, &mut coordinator, &mut w, wait);
+                    reply(result);
+                    actions.extend(more);
+                }
+            }
+            actions.extend(coordinator.tick(Instant::now()));
         };
         // The guest runs on after the answer: its idleness is reported anew next time.
         coordinator.handle(Instant::now(), WaitEvent::GuestBusy { epoch: 0 });
         self.coordinator = Some(coordinator);
+        self.operator = operator;
         answer
+    }
+
+    /// Answers an operator request during model wait `w`; returns the answer and what the
+    /// coordinator wants done next.
+    fn operate(
+        &mut self,
+        asked: OperatorRequest,
+        coordinator: &mut WaitCoordinator,
+        w: &mut ModelWait,
+        wait: &WaitManagement,
+    ) -> (Result<serde_json::Value, String>, Vec<WaitAction>) {
+        let now = Instant::now();
+        match asked {
+            OperatorRequest::Status => (
+                Ok(serde_json::json!({
+                    "state": w.state(coordinator.phase()),
+                    "model_wait": w.describe(coordinator.phase()),
+                })),
+                Vec::new(),
+            ),
+            OperatorRequest::Stats => {
+                let ram = &self.ram;
+                (
+                    Ok(serde_json::json!({
+                        "state": w.state(coordinator.phase()),
+                        "model_wait": w.describe(coordinator.phase()),
+                        "memory_bytes": ram.size(),
+                        "process_pss_bytes": crate::stats::process_pss().unwrap_or(0),
+                        "guest_ram_pss_bytes":
+                            crate::stats::range_pss(ram.host_base().0, ram.size()).unwrap_or(0),
+                        "guest_ram_host_base": ram.host_base().0,
+                        "app_bytes": self.app_bytes(),
+                        "pages": self.pager.state_counts(),
+                        "pager": self.pager.metrics().snapshot(),
+                        "wait": self.wait_stats_of(coordinator),
+                    })),
+                    Vec::new(),
+                )
+            }
+            OperatorRequest::Suspend { offload } => {
+                let actions = coordinator.handle(now, WaitEvent::ManualSuspend);
+                let mut report = None;
+                if offload && !w.offloaded {
+                    match self.offload(&wait.offload) {
+                        Ok(done) => {
+                            w.offloaded = true;
+                            report = Some(done);
+                        }
+                        Err(e) => return (
+                            Err(format!(
+                                "the offload failed and the VM stays suspended with its RAM: {}",
+                                compressed_backing::store::error_chain(&e)
+                            )),
+                            actions,
+                        ),
+                    }
+                }
+                (
+                    Ok(serde_json::json!({
+                        "state": w.state(coordinator.phase()),
+                        "offload": report,
+                        "model_wait": w.describe(coordinator.phase()),
+                    })),
+                    actions,
+                )
+            }
+            OperatorRequest::Resume { eager } => {
+                if coordinator.phase() != Phase::Manual {
+                    return (
+                        Err(format!(
+                            "the VM is not suspended: it waits for the answer to model request {} \
+                             under wait management",
+                            w.request
+                        )),
+                        Vec::new(),
+                    );
+                }
+                let mut load = None;
+                if w.offloaded {
+                    let mode = if eager {
+                        LoadMode::Eager
+                    } else {
+                        LoadMode::Lazy
+                    };
+                    match self.pager.load(mode, wait.io_threads) {
+                        Ok(report) => {
+                            w.offloaded = false;
+                            load = Some(report);
+                        }
+                        Err(e) => {
+                            return (
+                                Err(format!(
+                                    "cannot load the VM's RAM back: {}",
+                                    compressed_backing::store::error_chain(&e)
+                                )),
+                                Vec::new(),
+                            )
+                        }
+                    }
+                }
+                let actions = coordinator.handle(now, WaitEvent::ManualResume);
+                (
+                    Ok(serde_json::json!({
+                        "state": "running",
+                        "load": load,
+                        "model_wait": w.describe(coordinator.phase()),
+                    })),
+                    actions,
+                )
+            }
+            OperatorRequest::Stop => {
+                self.stop_requested = true;
+                (Ok(serde_json::json!({ "stopped": true })), Vec::new())
+            }
+        }
     }
 
     /// One of the coordinator's actions. The vCPU is already stopped at the model port, so a

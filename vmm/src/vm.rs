@@ -412,6 +412,12 @@ impl Vm {
         &self.machine
     }
 
+    /// Where operator requests come from while a command waits for a model answer (see
+    /// [`crate::operator`]).
+    pub fn set_operator(&mut self, operator: Box<dyn crate::operator::Operator>) {
+        self.machine.set_operator(operator);
+    }
+
     /// Runs commands; refused unless running.
     pub fn exec(&mut self, commands: &[Command]) -> Result<Vec<CommandOutput>, VmError> {
         if self.state != VmState::Running {

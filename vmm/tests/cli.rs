@@ -996,3 +996,106 @@ fn cli_replay_scaled_trajectory_gives_the_same_results_under_every_strategy() {
     }
     // (How much offloading saves is for the scenario bench, not a test: it depends on timing.)
 }
+
+/// A model upstream that answers request 1 with 5000 bytes after `wait_ms`.
+fn slow_model(wait_ms: f64) -> vmm::replay::ReplayServer {
+    let trajectory = vmm::replay::Trajectory {
+        name: "one slow answer".into(),
+        note: String::new(),
+        time_scale: 1.0,
+        steps: vec![vmm::replay::Step::Model {
+            wait_ms,
+            answer_bytes: 5000,
+        }],
+    };
+    vmm::replay::ReplayServer::start(&trajectory).unwrap()
+}
+
+#[test]
+fn cli_operator_takes_a_vm_over_during_a_model_wait_and_gets_the_answer_on_resume() {
+    if skip() {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    let server = slow_model(1500.0);
+    let url = server.url();
+    let vm = Detached::start(
+        runtime.path(),
+        &["--vm-model-upstream", &url, "--vm-wait-management"],
+        "fill 32MiB random seed=4; idle",
+    );
+    let before = vm.digest();
+    // The command waits for the model's answer on a thread of its own.
+    let waiting = std::thread::scope(|scope| {
+        let command = scope.spawn(|| vm.exec("model 1; digest"));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        // The VM answers while the answer is out: stats show the wait.
+        let stats = vm.stats_until(deadline, |s| s["model_wait"]["request"] == 1);
+        assert_eq!(stats["model_wait"]["answer_ready"], false, "{stats}");
+        // The operator takes it over and offloads it.
+        let suspended = vm.call("suspend", &["--vm-offload"]);
+        assert_eq!(suspended["state"], "offloaded", "{suspended}");
+        assert_eq!(suspended["model_wait"]["phase"], "manual", "{suspended}");
+        // Commands that need the command to be over are refused with the reason.
+        let refused = vm.call_fails("exec", &["--", "digest"]);
+        assert!(refused.contains("waits for a model answer"), "{refused}");
+        // The answer arrives; the operator holds the VM, so it stays offloaded and the
+        // command waits on.
+        let held = vm.stats_until(deadline, |s| s["model_wait"]["answer_ready"] == true);
+        assert_eq!(held["state"], "offloaded", "{held}");
+        assert!(
+            held["guest_ram_pss_bytes"].as_u64().unwrap() < 4 << 20,
+            "{held}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        assert!(
+            !command.is_finished(),
+            "the coordinator resumed a VM an operator holds"
+        );
+        let status = vm.call("status", &[]);
+        assert_eq!(status["job"], vm.job(), "{status}");
+        assert_eq!(status["state"], "offloaded", "{status}");
+        // The operator's resume loads the RAM back and delivers the answer, once.
+        let resumed = vm.call("resume", &["--vm-load"]);
+        assert_eq!(resumed["state"], "running", "{resumed}");
+        command.join().unwrap()
+    });
+    let expected = format!("{:016x}", vmm::guest::digest(&vmm::replay::answer(1, 5000)));
+    assert_eq!(
+        waiting[0]["digest"].as_str(),
+        Some(expected.as_str()),
+        "{waiting:?}"
+    );
+    // The guest's own data came back whole.
+    assert_eq!(waiting[1]["digest"].as_str(), Some(before.as_str()));
+    assert_eq!(server.served(), 1);
+    let wait = &vm.stats()["wait"];
+    assert_eq!(wait["delivered"], 1, "{wait}");
+    assert_eq!(wait["resumes"], 0, "{wait}");
+}
+
+#[test]
+fn cli_stop_during_a_model_wait_ends_the_vm() {
+    if skip() {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    let server = slow_model(30_000.0);
+    let url = server.url();
+    let vm = Detached::start(
+        runtime.path(),
+        &["--vm-model-upstream", &url, "--vm-wait-management"],
+        "idle",
+    );
+    let pid = vm.identity["pid"].as_u64().unwrap();
+    std::thread::scope(|scope| {
+        let command = scope.spawn(|| vm.call_fails("exec", &["--", "model 1"]));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        vm.stats_until(deadline, |s| s["model_wait"]["request"] == 1);
+        assert_eq!(vm.call("stop", &[])["stopped"], true);
+        let failed = command.join().unwrap();
+        assert!(failed.contains("stopped while it waited"), "{failed}");
+    });
+    // The VM process exits without waiting for the 30 s answer.
+    wait_gone(&[pid], 10);
+}

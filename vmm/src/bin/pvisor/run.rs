@@ -5,11 +5,12 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{ExitCode, Stdio};
-use std::sync::mpsc;
-use std::time::Instant;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use nix::sys::signal::{SigSet, Signal};
 use vmm::control::{self, Method};
+use vmm::operator::{Operator, OperatorRequest, Reply};
 use vmm::runtime::{self, Identity};
 use vmm::script::{self, Command};
 use vmm::vm::{Vm, VmOptions};
@@ -149,6 +150,13 @@ fn vm_main(spec: Spec) -> CliResult {
         attempt: spec.attempt.clone(),
         pid: std::process::id(),
     };
+    // The requests go to this loop between commands and to the machine during model waits.
+    let rx = Arc::new(Mutex::new(rx));
+    vm.set_operator(Box::new(DuringWait {
+        rx: Arc::clone(&rx),
+        identity: identity.clone(),
+        started,
+    }));
     std::fs::write(
         runtime::identity_path(&spec.job),
         serde_json::to_vec(&identity)?,
@@ -161,6 +169,13 @@ fn vm_main(spec: Spec) -> CliResult {
 
     let commands = script::parse(&spec.script)?;
     let mut failed = false;
+    let receive = |timeout: Option<Duration>| {
+        let rx = rx.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match timeout {
+            Some(wait) => rx.recv_timeout(wait),
+            None => rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
+        }
+    };
     if !commands.is_empty() {
         match vm.exec(&commands) {
             Ok(results) => println!("{}", serde_json::json!({ "results": results })),
@@ -172,13 +187,10 @@ fn vm_main(spec: Spec) -> CliResult {
         std::io::stdout().flush()?;
     }
     let stay = spec.detached || commands.last() == Some(&Command::Idle);
-    if stay && !failed {
+    if stay && !failed && !vm.machine().stop_requested() {
         loop {
             // Between commands the memory pool and the KSM governor get their ticks.
-            let next = match vm.background_wait() {
-                Some(wait) => rx.recv_timeout(wait),
-                None => rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
-            };
+            let next = receive(vm.background_wait());
             let (method, reply) = match next {
                 Ok(job) => job,
                 Err(mpsc::RecvTimeoutError::Timeout) => {
@@ -189,7 +201,8 @@ fn vm_main(spec: Spec) -> CliResult {
             };
             let stop = method == Method::Stop;
             let _ = reply.send(handle(&mut vm, &identity, started, method));
-            if stop {
+            // A stop can also come while a command waits for a model answer.
+            if stop || vm.machine().stop_requested() {
                 break;
             }
         }
@@ -202,6 +215,76 @@ fn vm_main(spec: Spec) -> CliResult {
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// The control socket's requests while a command waits for a model answer: those the machine
+/// can answer then go to it; `exec` and `snapshot` are refused until the command is over.
+struct DuringWait {
+    rx: Arc<Mutex<mpsc::Receiver<control::Job>>>,
+    identity: Identity,
+    started: Instant,
+}
+
+impl Operator for DuringWait {
+    fn next(&mut self, timeout: Duration) -> Option<(OperatorRequest, Reply)> {
+        let (method, reply) = self
+            .rx
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .recv_timeout(timeout)
+            .ok()?;
+        let asked = match method {
+            Method::Status => OperatorRequest::Status,
+            Method::Stats => OperatorRequest::Stats,
+            Method::Suspend {
+                offload,
+                ram_file: None,
+            } => OperatorRequest::Suspend { offload },
+            Method::Resume { eager } => OperatorRequest::Resume { eager },
+            Method::Stop => OperatorRequest::Stop,
+            Method::Suspend {
+                ram_file: Some(_), ..
+            } => {
+                let _ = reply.send(Err(
+                    "the VM is waiting for a model answer: it can be suspended and offloaded \
+                     now, but --vm-ram-file only after the command is over"
+                        .into(),
+                ));
+                return None;
+            }
+            Method::Exec { .. } | Method::Snapshot { .. } => {
+                let _ = reply.send(Err(
+                    "the VM is running a command that waits for a model answer: exec and \
+                     snapshot can follow once it is over (status, stats, suspend, resume and \
+                     stop work now)"
+                        .into(),
+                ));
+                return None;
+            }
+        };
+        // Status gets the identity that `status` always carries.
+        let identity = (asked == OperatorRequest::Status).then(|| {
+            serde_json::json!({
+                "job": self.identity.job,
+                "attempt": self.identity.attempt,
+                "pid": self.identity.pid,
+                "socket": self.identity.socket,
+                "uptime_s": self.started.elapsed().as_secs_f64(),
+            })
+        });
+        let reply: Reply = Box::new(move |result| {
+            let result = result.map(|mut value| {
+                if let (Some(extra), Some(object)) = (identity, value.as_object_mut()) {
+                    for (key, v) in extra.as_object().into_iter().flatten() {
+                        object.insert(key.clone(), v.clone());
+                    }
+                }
+                value
+            });
+            let _ = reply.send(result);
+        });
+        Some((asked, reply))
+    }
 }
 
 fn handle(
