@@ -1,7 +1,7 @@
 //! Bringing offloaded RAM back: `lazy` (faults are served from the store while a background
 //! prefetcher installs the rest, recorded working set first, in CRIU-style growing chunks that
-//! pause while faults are pending) or `eager` (everything installed in parallel before
-//! returning). The order of blocks faulted during a resume is recorded and saved with the
+//! pause while faults are pending), `eager` (everything installed in parallel before
+//! returning) or `faults` (faults only: what the VM does not touch stays in the store). The order of blocks faulted during a resume is recorded and saved with the
 //! next offload, so the next lazy load prefetches that working set first (REAP-style).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -25,6 +25,9 @@ pub enum LoadMode {
     Lazy,
     /// Install everything before returning.
     Eager,
+    /// Serve on fault only: nothing is prefetched, and what the VM does not touch stays in
+    /// the store (the next offload has nothing to write for it).
+    Faults,
 }
 
 /// What a load did (for `Lazy`: what it scheduled).
@@ -177,6 +180,7 @@ impl Pager {
             LoadMode::Eager => {
                 report.pages_installed = eager(shared, &stored, threads)?;
             }
+            LoadMode::Faults => self.stop_prefetch(),
             LoadMode::Lazy => {
                 let mut in_set =
                     vec![false; shared.block_size.blocks_for(shared.image_size) as usize];

@@ -267,6 +267,43 @@ fn pager_second_offload_keeps_pages_that_were_never_loaded() {
 }
 
 #[test]
+fn pager_faults_only_load_brings_back_what_is_touched_and_the_next_offload_writes_only_that() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut ram = Ram::anon(8 * MIB);
+    let pager = pager(&ram, PagerConfig::default());
+    fill(ram.bytes_mut(), 5);
+    let mut expect = ram.bytes().to_vec();
+    let first = pager
+        .offload(&offload_config(dir.path(), Codec::None))
+        .unwrap();
+    assert_eq!(first.blocks_written, 128);
+    let load = pager.load(LoadMode::Faults, 2).unwrap();
+    assert_eq!(load.pages_installed, 0);
+    // Nothing comes back on its own.
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    assert_eq!(ram.resident(), 0);
+    // One block read, one written: only those return.
+    assert_eq!(ram.bytes()[MIB + 17], expect[MIB + 17]);
+    ram.bytes_mut()[5 * MIB + 9] ^= 0x5A;
+    expect[5 * MIB + 9] ^= 0x5A;
+    let counts = pager.state_counts();
+    assert_eq!(counts.resident, 2 * 16, "{counts:?}");
+    assert_eq!(ram.resident(), 2 * 64 * 1024);
+    // The next offload writes the two blocks and keeps the rest where it is.
+    let second = pager
+        .offload(&offload_config(dir.path(), Codec::None))
+        .unwrap();
+    assert_eq!(second.blocks_written, 2, "{second:?}");
+    assert_eq!(ram.resident(), 0);
+    pager.load(LoadMode::Eager, 2).unwrap();
+    assert!(ram.bytes() == &expect[..]);
+    assert_eq!(pager.metrics().snapshot().fault_errors, 0);
+}
+
+#[test]
 fn pager_discarded_range_reads_back_as_zeros() {
     if skip() {
         return;

@@ -885,13 +885,15 @@ impl Machine {
                             w.offloaded = true;
                             report = Some(done);
                         }
-                        Err(e) => return (
-                            Err(format!(
+                        Err(e) => {
+                            return (
+                                Err(format!(
                                 "the offload failed and the VM stays suspended with its RAM: {}",
                                 compressed_backing::store::error_chain(&e)
                             )),
-                            actions,
-                        ),
+                                actions,
+                            )
+                        }
                     }
                 }
                 (
@@ -976,8 +978,13 @@ impl Machine {
             }
             WaitAction::Resume => {
                 if *offloaded {
-                    // Lazily: the answer's copy and the guest's next steps fault pages back.
-                    if self.pager.load(LoadMode::Lazy, wait.io_threads).is_err() {
+                    // Lazily (or on faults only): the answer's copy and the guest's next steps
+                    // fault pages back.
+                    if self
+                        .pager
+                        .load(wait.policy.reload, wait.io_threads)
+                        .is_err()
+                    {
                         self.wait_failures.1 += 1;
                     }
                     *offloaded = false;

@@ -53,6 +53,15 @@ pub struct WaitPolicy {
     /// and the delay if the wait goes on well past both.
     #[serde(default = "default_break_even")]
     pub break_even: f64,
+    /// How the RAM comes back after an offload: `lazy` (faults, and a prefetcher brings the
+    /// rest) or `faults` (only what the guest touches; the rest stays in the store and costs
+    /// the next offload nothing).
+    #[serde(default = "default_reload")]
+    pub reload: uffd_pager::load::LoadMode,
+}
+
+fn default_reload() -> uffd_pager::load::LoadMode {
+    uffd_pager::load::LoadMode::Lazy
 }
 
 fn default_break_even() -> f64 {
@@ -70,6 +79,7 @@ impl WaitPolicy {
             offload_cooldown: scale(self.offload_cooldown),
             offload: self.offload,
             break_even: self.break_even,
+            reload: self.reload,
         }
     }
 }
@@ -83,6 +93,7 @@ impl Default for WaitPolicy {
             offload_cooldown: Duration::from_secs(5),
             offload: true,
             break_even: default_break_even(),
+            reload: default_reload(),
         }
     }
 }

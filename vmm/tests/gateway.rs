@@ -202,6 +202,42 @@ fn gateway_wait_management_offloads_while_the_answer_is_out() {
 }
 
 #[test]
+fn gateway_wait_management_reloading_on_faults_only_keeps_the_data_and_leaves_the_rest_stored() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let url = upstream(Duration::from_millis(300));
+    let policy = WaitPolicy {
+        reload: uffd_pager::load::LoadMode::Faults,
+        offload_cooldown: Duration::ZERO,
+        ..WaitPolicy::default()
+    };
+    let mut vm = start_waiting(dir.path(), Some(url), Some(policy));
+    let data = vm
+        .exec(&script::parse("fill 32MiB random seed=8; digest").unwrap())
+        .unwrap()[1]
+        .digest
+        .clone();
+    // The answer comes back into the guest's buffer; its 32 MiB stay in the store.
+    let out = vm.exec(&script::parse("model 6").unwrap()).unwrap();
+    assert_eq!(
+        out[0].digest.as_deref(),
+        Some(format!("{:016x}", vmm::guest::digest(&answer(6))).as_str())
+    );
+    let stats = vm.stats();
+    assert_eq!(stats.wait.unwrap().offloads, 1);
+    assert!(
+        stats.pages.stored >= 8000,
+        "the untouched data came back: {:?}",
+        stats.pages
+    );
+    // The guest reads it all: faulted back, intact.
+    let out = vm.exec(&script::parse("digest").unwrap()).unwrap();
+    assert_eq!(out[0].digest, data);
+}
+
+#[test]
 fn gateway_wait_management_pause_strategy_never_offloads() {
     if skip() {
         return;

@@ -101,6 +101,10 @@ pub struct RunArgs {
     /// allow (4).
     #[arg(long = "vm-wait-break-even", value_name = "FACTOR")]
     pub wait_break_even: Option<f64>,
+    /// How RAM offloaded in a wait comes back: lazy (faults, and a prefetcher brings the rest;
+    /// default) or faults (only what the guest touches).
+    #[arg(long = "vm-wait-reload", value_name = "MODE")]
+    pub wait_reload: Option<String>,
     /// Guest RAM mapping: anon (private anonymous, default) or memfd (shared memfd).
     #[arg(long = "vm-ram-backing", value_name = "KIND")]
     pub ram_backing: Option<String>,
@@ -155,6 +159,7 @@ struct ConfigVm {
     wait_strategy: Option<String>,
     wait_scale: Option<f64>,
     wait_break_even: Option<f64>,
+    wait_reload: Option<String>,
     wait_pause_ms: Option<u64>,
     wait_offload_ms: Option<u64>,
     wait_timer_budget_ms: Option<u64>,
@@ -482,6 +487,20 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
         ),
         offload,
         break_even: break_even.unwrap_or(default.break_even),
+        reload: match args
+            .wait_reload
+            .as_deref()
+            .or(config.wait_reload.as_deref())
+        {
+            None => default.reload,
+            Some("lazy") => uffd_pager::load::LoadMode::Lazy,
+            Some("faults") => uffd_pager::load::LoadMode::Faults,
+            Some(other) => {
+                return Err(format!(
+                    "--vm-wait-reload `{other}`: expected lazy or faults"
+                ))
+            }
+        },
     };
     let tuned = [
         args.wait_pause_ms.or(config.wait_pause_ms),
@@ -490,7 +509,9 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
         args.wait_cooldown_ms.or(config.wait_cooldown_ms),
     ]
     .iter()
-    .any(Option::is_some);
+    .any(Option::is_some)
+        || args.wait_reload.is_some()
+        || config.wait_reload.is_some();
     if (tuned || wait_scale.is_some() || break_even.is_some()) && !wait_management {
         return Err("the --vm-wait-* policy options need --vm-wait-management".into());
     }
