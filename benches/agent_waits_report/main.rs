@@ -4,7 +4,7 @@
 //!   sharing the machine, under every wait strategy; regenerates `docs/bench/agent-waits.md`,
 //!   `.csv` and `.svg`;
 //! - `AGENT_BENCH_WAITS=recorded`: the waits as recorded (232.7 s per task, as the seed ran
-//!   them), 16 VMs, off against the two offloads and offload with a 1 s cooldown; regenerates
+//!   them), 16 VMs, off against the two offloads and offload with a prefetching reload; regenerates
 //!   `docs/bench/agent-waits-recorded.*` (about 4 minutes a run, 80 minutes for 5 rounds).
 //!
 //! `cargo bench --bench agent_waits_report` runs `AGENT_BENCH_RUNS` (default 5) interleaved
@@ -65,8 +65,9 @@ pub enum Strategy {
     Offload,
     /// The same with the store compressed.
     OffloadCompressed,
-    /// Offload with a cooldown of 1 s instead of 5 s between offloads (`wait_cooldown_ms`).
-    OffloadCooldown1s,
+    /// Offload with the RAM brought back by a prefetcher after the answer, not on faults
+    /// only (`--vm-wait-reload lazy`).
+    OffloadLazy,
 }
 
 impl Strategy {
@@ -86,14 +87,14 @@ impl Strategy {
             Strategy::Pause => "pause",
             Strategy::Offload => "offload",
             Strategy::OffloadCompressed => "offload-compressed",
-            Strategy::OffloadCooldown1s => "offload-cooldown-1s",
+            Strategy::OffloadLazy => "offload-lazy",
         }
     }
 
     /// `pvisor replay --strategy`, and the `[vm]` config the VMs start with, if any.
     pub fn replay_args(self) -> (&'static str, Option<&'static str>) {
         match self {
-            Strategy::OffloadCooldown1s => ("offload", Some("[vm]\nwait-cooldown-ms = 1000\n")),
+            Strategy::OffloadLazy => ("offload", Some("[vm]\nwait-reload = \"lazy\"\n")),
             other => (other.key(), None),
         }
     }
@@ -105,9 +106,9 @@ impl Strategy {
             Strategy::Pause => "`--vm-wait-management --vm-wait-strategy pause`",
             Strategy::Offload => "`--vm-wait-management` (the default strategy, offload)",
             Strategy::OffloadCompressed => "`--vm-wait-management --vm-ram-compression`",
-            Strategy::OffloadCooldown1s => {
-                "`--vm-wait-management --vm-wait-cooldown-ms 1000` (as `pvisor replay --strategy offload \
-                 --vm-config FILE` with `wait-cooldown-ms = 1000`)"
+            Strategy::OffloadLazy => {
+                "`--vm-wait-management --vm-wait-reload lazy` (as `pvisor replay --strategy offload \
+                 --vm-config FILE` with `wait-reload = \"lazy\"`)"
             }
         }
     }
@@ -116,7 +117,7 @@ impl Strategy {
     pub fn judged(self) -> bool {
         matches!(
             self,
-            Strategy::Offload | Strategy::OffloadCompressed | Strategy::OffloadCooldown1s
+            Strategy::Offload | Strategy::OffloadCompressed | Strategy::OffloadLazy
         )
     }
 }
@@ -237,12 +238,12 @@ fn settings(tmp: &Path) -> Res<Result<Settings, String>> {
                 stem: "agent-waits-recorded",
                 vms: vec![16],
                 // Pausing frees nothing (the scaled bench shows it): the time goes to the
-                // policy's cooldown instead.
+                // other way of bringing RAM back instead.
                 strategies: vec![
                     Strategy::Off,
                     Strategy::Offload,
                     Strategy::OffloadCompressed,
-                    Strategy::OffloadCooldown1s,
+                    Strategy::OffloadLazy,
                 ],
                 memory: "512MiB",
                 sample_ms: 100,

@@ -360,14 +360,15 @@ fn method(t: &mut String, cx: &Context<'_>) {
     let scaling = if tr.time_scale == 1.0 {
         "its waits are the seed-shaped ones as they are, and so is the VMs' wait policy (pause after 20 ms, \
          offload at 50 ms, at most every 5 s, and only when the wait is expected to last at least 4 times what \
-         the VM's offloads take)."
+         the VM's offloads take; after the answer, RAM comes back as the guest touches it)."
             .to_owned()
     } else {
         format!(
             "its waits are the seed-shaped ones × {scale}, and `pvisor replay` scales the VMs' wait policy by \
              the same factor (`--vm-wait-scale`: pause after 20 ms × {scale}, offload at 50 ms × {scale}, at most \
              every 5 s × {scale}; the break-even rule, offloading only when the wait is expected to last at least \
-             4 times what the VM's offloads take, compares measured times and is not scaled).",
+             4 times what the VM's offloads take, compares measured times and is not scaled; after the answer, \
+             RAM comes back as the guest touches it).",
             scale = tr.time_scale
         )
     };

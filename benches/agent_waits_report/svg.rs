@@ -21,9 +21,7 @@ fn style(strategy: Strategy) -> &'static str {
         Strategy::Pause => r##"stroke="#a4c" stroke-width="1.8" stroke-dasharray="6,3""##,
         Strategy::Offload => r##"stroke="#c63" stroke-width="1.8""##,
         Strategy::OffloadCompressed => r##"stroke="#283" stroke-width="1.8""##,
-        Strategy::OffloadCooldown1s => {
-            r##"stroke="#c63" stroke-width="1.8" stroke-dasharray="2,2""##
-        }
+        Strategy::OffloadLazy => r##"stroke="#c63" stroke-width="1.8" stroke-dasharray="2,2""##,
     }
 }
 

@@ -745,8 +745,8 @@ impl Machine {
 
     /// Waits for the answer to `request` the way the wait policy says: the guest is stopped at
     /// the model port (idle, no timer pending), so it is paused as it is, offloaded once the
-    /// wait is long enough, and loaded back (lazily) when the answer arrives. Operator requests
-    /// are answered meanwhile (see [`crate::operator`]).
+    /// wait is long enough, and brought back (on faults, by default) when the answer arrives.
+    /// Operator requests are answered meanwhile (see [`crate::operator`]).
     fn managed_wait(
         &mut self,
         port: &dyn ModelPort,

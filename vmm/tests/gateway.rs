@@ -202,17 +202,18 @@ fn gateway_wait_management_offloads_while_the_answer_is_out() {
 }
 
 #[test]
-fn gateway_wait_management_reloading_on_faults_only_keeps_the_data_and_leaves_the_rest_stored() {
+fn gateway_wait_management_reloads_on_faults_only_keeps_the_data_and_leaves_the_rest_stored() {
     if skip() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
     let url = upstream(Duration::from_millis(300));
+    // Faults only is the default.
     let policy = WaitPolicy {
-        reload: uffd_pager::load::LoadMode::Faults,
         offload_cooldown: Duration::ZERO,
         ..WaitPolicy::default()
     };
+    assert_eq!(policy.reload, uffd_pager::load::LoadMode::Faults);
     let mut vm = start_waiting(dir.path(), Some(url), Some(policy));
     let data = vm
         .exec(&script::parse("fill 32MiB random seed=8; digest").unwrap())

@@ -101,8 +101,8 @@ pub struct RunArgs {
     /// allow (4).
     #[arg(long = "vm-wait-break-even", value_name = "FACTOR")]
     pub wait_break_even: Option<f64>,
-    /// How RAM offloaded in a wait comes back: lazy (faults, and a prefetcher brings the rest;
-    /// default) or faults (only what the guest touches).
+    /// How RAM offloaded in a wait comes back: faults (only what the guest touches; default)
+    /// or lazy (faults, and a prefetcher brings the rest back).
     #[arg(long = "vm-wait-reload", value_name = "MODE")]
     pub wait_reload: Option<String>,
     /// Guest RAM mapping: anon (private anonymous, default) or memfd (shared memfd).
