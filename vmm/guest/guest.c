@@ -1,9 +1,10 @@
 /*
  * The workload guest: a tiny x86-64 program that the VMM starts directly in 64-bit mode at
- * CPL3 (identity-mapped 2 MiB user pages, IOPL=3). It has no kernel, no interrupts and no
- * timers: it waits for a command in the mailbox page, runs it over the application-data
- * region, writes the result back and tells the VMM with `out`. Everything else (script
- * parsing, sleeping, idling) is done by the VMM between commands.
+ * CPL3 (identity-mapped 2 MiB user pages, IOPL=3). It has no kernel and no interrupts: it
+ * waits for a command in the mailbox page, runs it over the application-data region, writes
+ * the result back and tells the VMM with `out`. Everything else (script parsing, sleeping,
+ * idling) is done by the VMM between commands; the one timer it keeps (while it waits for a
+ * model answer) is fired by the VMM returning from the model port.
  *
  * The mailbox layout, opcodes and ports are mirrored in vmm/src/guest.rs.
  */
@@ -56,6 +57,7 @@ static inline void out(uint16_t port) {
 }
 
 static uint64_t filled;          /* bytes of app data written so far */
+static volatile uint64_t heartbeat; /* what the model-wait timer's work leaves behind */
 
 static inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
 
@@ -217,15 +219,30 @@ __attribute__((noreturn, section(".text.start"))) void _start(void) {
             MB->result[1] = filled;
             break;
         }
-        case OP_MODEL:
-            /* The VMM answers in io_buf: arg[1] bytes, arg[2] nonzero on an error. */
+        case OP_MODEL: {
+            /* The VMM answers in io_buf: arg[1] bytes, arg[2] nonzero on an error. While the
+             * guest waits it may keep a timer of arg[3] ms: each `out` carries its idle report
+             * (arg[5]: the next timer fires in that many ms, 0 for none), and the VMM comes
+             * back early with arg[4] set when the timer falls due; the guest does the timer's
+             * work (a heartbeat over its own memory and the first word of its data) and waits
+             * on for the same answer. */
+            uint64_t period = MB->arg[3], beats = 0;
             MB->arg[1] = 0;
             MB->arg[2] = 0;
-            out(PORT_MODEL);
+            for (;;) {
+                MB->arg[4] = 0;
+                MB->arg[5] = period;
+                out(PORT_MODEL);
+                if (!MB->arg[4]) break;
+                beats++;
+                heartbeat += beats + (filled ? *(volatile const uint64_t *)MB->app_base : 0);
+            }
+            MB->result[3] = beats;
             if (MB->arg[2]) { st = ST_MODEL; break; }
             MB->result[0] = digest((const uint64_t *)MB->io_buf, MB->arg[1]);
             MB->result[1] = MB->arg[1];
             break;
+        }
         default:
             st = ST_BAD_OP;
         }

@@ -171,6 +171,9 @@ pub struct CommandOutput {
     /// `model`: bytes of the answer (its digest is in `digest`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub answer_bytes: Option<u64>,
+    /// `model … timer=MS`: how many times the guest's timer fired during the wait.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timer_fired: Option<u64>,
     /// Application data filled after the command.
     pub app_bytes: u64,
 }
@@ -201,6 +204,17 @@ pub struct Machine {
     operator: Option<Box<dyn Operator>>,
     /// An operator stopped the VM during a model wait.
     stop_requested: bool,
+    /// The model request in flight and when it went out: the guest comes back to the model
+    /// port with it after each of its timers.
+    model_pending: Option<(u64, Instant)>,
+}
+
+/// How a model wait ended.
+enum WaitOutcome {
+    /// With the answer (or why there is none).
+    Answer(Answer),
+    /// The guest's timer fell due: it runs its timer's work and comes back for the answer.
+    Timer,
 }
 
 /// How often a model wait looks for operator requests while its answer is out.
@@ -418,6 +432,7 @@ impl Machine {
             wait_failures: (0, 0),
             operator: None,
             stop_requested: false,
+            model_pending: None,
         };
         if config.restore.is_none() {
             machine.run_until_done()?;
@@ -546,36 +561,38 @@ impl Machine {
                 if let Some(e) = too_large(size) {
                     return Err(e);
                 }
-                self.guest(command, Op::Fill, [size, kind as u64, seed])?;
+                self.guest(command, Op::Fill, &[size, kind as u64, seed])?;
             }
             Command::Digest => {
-                let result = self.guest(command, Op::Digest, [self.filled, 0, 0])?;
+                let result = self.guest(command, Op::Digest, &[self.filled, 0, 0])?;
                 output.digest = Some(format!("{:016x}", result[0]));
             }
             Command::Touch { size } => {
                 if let Some(e) = too_large(size) {
                     return Err(e);
                 }
-                let result = self.guest(command, Op::Touch, [size, 0, 0])?;
+                let result = self.guest(command, Op::Touch, &[size, 0, 0])?;
                 output.sum = Some(format!("{:016x}", result[0]));
             }
             Command::Rewrite { percent, seed } => {
-                let result = self.guest(command, Op::Rewrite, [percent, seed, 0])?;
+                let result = self.guest(command, Op::Rewrite, &[percent, seed, 0])?;
                 output.pages = Some(result[0]);
             }
             Command::Release => {
-                let result = self.guest(command, Op::Release, [0, 0, 0])?;
+                let result = self.guest(command, Op::Release, &[0, 0, 0])?;
                 output.released_bytes = Some(result[0]);
             }
             Command::Task => {
-                let result = self.guest(command, Op::Task, [0, 0, 0])?;
+                let result = self.guest(command, Op::Task, &[0, 0, 0])?;
                 output.digest = Some(format!("{:016x}", result[0]));
                 output.disk_bytes = Some(result[1]);
             }
-            Command::Model { request } => {
-                let result = self.guest(command, Op::Model, [request, 0, 0])?;
+            Command::Model { request, timer_ms } => {
+                let result =
+                    self.guest(command, Op::Model, &[request, 0, 0, timer_ms.unwrap_or(0)])?;
                 output.digest = Some(format!("{:016x}", result[0]));
                 output.answer_bytes = Some(result[1]);
+                output.timer_fired = timer_ms.map(|_| result[3]);
             }
             Command::Sleep { ms } => std::thread::sleep(std::time::Duration::from_millis(ms)),
             Command::Idle => self.pager.set_idle(true),
@@ -589,15 +606,11 @@ impl Machine {
     }
 
     /// Runs one guest command; returns its results.
-    fn guest(
-        &mut self,
-        command: &Command,
-        op: Op,
-        args: [u64; 3],
-    ) -> Result<[u64; 6], MachineError> {
+    fn guest(&mut self, command: &Command, op: Op, args: &[u64]) -> Result<[u64; 6], MachineError> {
         let mut mailbox: Mailbox = self.read(guest::MAILBOX_GPA)?;
         mailbox.op = op as u64;
-        mailbox.arg[..3].copy_from_slice(&args);
+        mailbox.arg = [0; 6];
+        mailbox.arg[..args.len()].copy_from_slice(args);
         self.write(guest::MAILBOX_GPA, mailbox)?;
         self.run_until_done()?;
         let mailbox: Mailbox = self.read(guest::MAILBOX_GPA)?;
@@ -708,12 +721,24 @@ impl Machine {
     fn model_request(&mut self) -> Result<(), MachineError> {
         let mut mailbox: Mailbox = self.read(guest::MAILBOX_GPA)?;
         let request = mailbox.arg[0];
-        let answer = match (self.model.clone(), self.wait.clone()) {
-            (Some(port), Some(wait)) => self.managed_wait(&*port, request, &wait),
-            (Some(port), None) => port.exchange(request),
-            (None, _) => Answer::Error(
+        // The guest's idle report: its next timer fires in this many ms (0: it has none).
+        let timer = (mailbox.arg[5] > 0).then(|| Duration::from_millis(mailbox.arg[5]));
+        let outcome = match (self.model.clone(), self.wait.clone()) {
+            (Some(port), Some(wait)) => self.managed_wait(&*port, request, timer, &wait),
+            (Some(port), None) => self.plain_wait(&*port, request, timer),
+            (None, _) => WaitOutcome::Answer(Answer::Error(
                 "this VM has no model gateway (pvisor run --vm-model-upstream URL)".into(),
-            ),
+            )),
+        };
+        let answer = match outcome {
+            WaitOutcome::Answer(answer) => {
+                self.model_pending = None;
+                answer
+            }
+            WaitOutcome::Timer => {
+                mailbox.arg[4] = 1;
+                return self.write(guest::MAILBOX_GPA, mailbox);
+            }
         };
         match answer {
             Answer::Data(bytes) if bytes.len() as u64 <= guest::IO_BUF_SIZE => {
@@ -743,6 +768,47 @@ impl Machine {
         self.write(guest::MAILBOX_GPA, mailbox)
     }
 
+    /// Sends `request` unless it is already out (the guest is back from a timer); returns
+    /// when it went out.
+    fn send_once(&mut self, port: &dyn ModelPort, request: u64) -> Instant {
+        match self.model_pending {
+            Some((pending, since)) if pending == request => since,
+            _ => {
+                let now = Instant::now();
+                port.send(request);
+                self.model_pending = Some((request, now));
+                now
+            }
+        }
+    }
+
+    /// Waits for the answer to `request` without wait management: the VM keeps running (it
+    /// only waits), and comes back early for the guest's timer.
+    fn plain_wait(
+        &mut self,
+        port: &dyn ModelPort,
+        request: u64,
+        timer: Option<Duration>,
+    ) -> WaitOutcome {
+        let Some(timer) = timer else {
+            if self.model_pending.is_none() {
+                return WaitOutcome::Answer(port.exchange(request));
+            }
+            // Back from a timer, and no timer now: wait for the answer alone.
+            self.send_once(port, request);
+            loop {
+                if let Some(answer) = port.wait_for(request, Duration::from_secs(3600)) {
+                    return WaitOutcome::Answer(answer);
+                }
+            }
+        };
+        self.send_once(port, request);
+        match port.wait_for(request, timer) {
+            Some(answer) => WaitOutcome::Answer(answer),
+            None => WaitOutcome::Timer,
+        }
+    }
+
     /// Waits for the answer to `request` the way the wait policy says: the guest is stopped at
     /// the model port (idle, no timer pending), so it is paused as it is, offloaded once the
     /// wait is long enough, and brought back (on faults, by default) when the answer arrives.
@@ -751,30 +817,33 @@ impl Machine {
         &mut self,
         port: &dyn ModelPort,
         request: u64,
+        timer: Option<Duration>,
         wait: &WaitManagement,
-    ) -> Answer {
+    ) -> WaitOutcome {
         let mut coordinator = self
             .coordinator
             .take()
             .unwrap_or_else(|| WaitCoordinator::new(wait.policy, 0));
         let mut operator = self.operator.take();
-        let began = Instant::now();
-        port.send(request);
+        let began = self.send_once(port, request);
+        let now = Instant::now();
+        let timer_due = timer.map(|t| now + t);
         coordinator.handle(
-            began,
+            now,
             WaitEvent::GuestIdle {
                 epoch: 0,
-                timer_due: None,
+                timer_due,
             },
         );
-        let mut actions = coordinator.handle(began, WaitEvent::WaitStart { request, epoch: 0 });
+        // Back from a timer, the request keeps the start it had.
+        let mut actions = coordinator.handle(now, WaitEvent::WaitStart { request, epoch: 0 });
         let mut w = ModelWait {
             request,
             began,
             offloaded: false,
             held: None,
         };
-        let answer = loop {
+        let outcome = loop {
             for action in actions.drain(..) {
                 if let Some(took) = self.carry_out(action, wait, &mut w.offloaded) {
                     coordinator.offload_took(took);
@@ -783,19 +852,33 @@ impl Machine {
             if coordinator.phase() != Phase::Manual {
                 // Held for an operator who has given the VM back now.
                 if let Some(answer) = w.held.take() {
-                    break answer;
+                    break WaitOutcome::Answer(answer);
                 }
             }
             if self.stop_requested {
-                break Answer::Error(format!(
+                break WaitOutcome::Answer(Answer::Error(format!(
                     "the VM was stopped while it waited for the answer to request {request}"
-                ));
+                )));
             }
-            let until = coordinator
-                .next_deadline()
-                .map_or(Duration::from_secs(3600), |d| {
-                    d.saturating_duration_since(Instant::now())
-                });
+            // The guest's timer runs when the VM runs: at once if the coordinator let it run,
+            // after the coordinator's resume (for that timer) if it had paused or offloaded it,
+            // never while an operator holds it.
+            if timer_due.is_some_and(|due| due <= Instant::now())
+                && coordinator.phase() == Phase::Running
+                && w.held.is_none()
+            {
+                break WaitOutcome::Timer;
+            }
+            let mut next = coordinator.next_deadline();
+            if coordinator.phase() == Phase::Running {
+                next = match (next, timer_due) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+            }
+            let until = next.map_or(Duration::from_secs(3600), |d| {
+                d.saturating_duration_since(Instant::now())
+            });
             if w.held.is_none() {
                 let slice = if operator.is_some() {
                     until.min(OPERATOR_POLL)
@@ -813,7 +896,7 @@ impl Machine {
                             // Only a resume and a delivery follow an answer.
                             let _ = self.carry_out(action, wait, &mut w.offloaded);
                         }
-                        break answer;
+                        break WaitOutcome::Answer(answer);
                     }
                 }
             }
@@ -832,11 +915,12 @@ impl Machine {
             }
             actions.extend(coordinator.tick(Instant::now()));
         };
-        // The guest runs on after the answer: its idleness is reported anew next time.
+        // The guest runs on (after the answer, or its timer's work): its idleness is reported
+        // anew next time.
         coordinator.handle(Instant::now(), WaitEvent::GuestBusy { epoch: 0 });
         self.coordinator = Some(coordinator);
         self.operator = operator;
-        answer
+        outcome
     }
 
     /// Answers an operator request during model wait `w`; returns the answer and what the

@@ -166,7 +166,10 @@ impl Trajectory {
             match step {
                 Step::Model { .. } => {
                     id += 1;
-                    out.push(Command::Model { request: id });
+                    out.push(Command::Model {
+                        request: id,
+                        timer_ms: None,
+                    });
                 }
                 Step::Tool { script } => {
                     out.extend(script::parse(script).expect("checked when loaded"));

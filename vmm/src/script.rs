@@ -49,6 +49,9 @@ pub enum Command {
     Model {
         /// The request's id.
         request: u64,
+        /// The guest keeps a timer while it waits: every this many milliseconds it wakes,
+        /// does its timer's work (a heartbeat that touches its memory) and waits on.
+        timer_ms: Option<u64>,
     },
 }
 
@@ -71,7 +74,14 @@ impl fmt::Display for Command {
             Command::Task => f.write_str("task"),
             Command::Sleep { ms } => write!(f, "sleep {ms}"),
             Command::Idle => f.write_str("idle"),
-            Command::Model { request } => write!(f, "model {request}"),
+            Command::Model {
+                request,
+                timer_ms: None,
+            } => write!(f, "model {request}"),
+            Command::Model {
+                request,
+                timer_ms: Some(ms),
+            } => write!(f, "model {request} timer={ms}"),
         }
     }
 }
@@ -88,7 +98,7 @@ pub struct ScriptError {
     pub reason: String,
 }
 
-const COMMANDS: &str = "fill, digest, touch, rewrite, release, task, sleep, idle";
+const COMMANDS: &str = "fill, digest, touch, rewrite, release, task, sleep, idle, model";
 
 /// Parses a script: commands separated by `;`, blank ones ignored.
 pub fn parse(script: &str) -> Result<Vec<Command>, ScriptError> {
@@ -179,13 +189,29 @@ fn parse_one(text: &str) -> Result<Command, String> {
             }
         }
         "model" => {
-            no_more(1)?;
             no_seed()?;
             let id = positional.first().ok_or("`model` needs a request id")?;
             let request = id
                 .parse()
                 .map_err(|_| format!("bad request id `{id}` (a whole number)"))?;
-            Command::Model { request }
+            let timer_ms = match positional.get(1) {
+                None => None,
+                Some(word) => {
+                    let ms = word
+                        .strip_prefix("timer=")
+                        .ok_or_else(|| format!("unexpected argument `{word}` (timer=MS?)"))?;
+                    let ms: u64 = ms
+                        .trim_end_matches("ms")
+                        .parse()
+                        .map_err(|_| format!("bad timer `{ms}` (milliseconds)"))?;
+                    if ms == 0 {
+                        return Err("timer=0: a timer's period is at least 1 ms".into());
+                    }
+                    Some(ms)
+                }
+            };
+            no_more(2)?;
+            Command::Model { request, timer_ms }
         }
         "touch" => {
             no_more(1)?;
@@ -257,6 +283,35 @@ mod tests {
     }
 
     #[test]
+    fn script_model_takes_a_guest_timer_and_prints_back_as_parsed() {
+        let commands = parse("model 4; model 5 timer=600; model 6 timer=250ms").unwrap();
+        assert_eq!(
+            commands,
+            vec![
+                Command::Model {
+                    request: 4,
+                    timer_ms: None
+                },
+                Command::Model {
+                    request: 5,
+                    timer_ms: Some(600)
+                },
+                Command::Model {
+                    request: 6,
+                    timer_ms: Some(250)
+                },
+            ]
+        );
+        let printed: Vec<String> = commands.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            printed,
+            ["model 4", "model 5 timer=600", "model 6 timer=250"]
+        );
+        let again = parse(&printed.join("; ")).unwrap();
+        assert_eq!(again, commands);
+    }
+
+    #[test]
     fn script_errors_name_the_command_and_its_position() {
         let err = parse("fill 1MiB zero; explode now; digest").unwrap_err();
         assert_eq!(err.position, 2);
@@ -278,6 +333,11 @@ mod tests {
             ("sleep soon", "bad duration"),
             ("touch", "needs a size"),
             ("fill 1MiB random seed=x", "bad seed"),
+            ("model", "needs a request id"),
+            ("model 4 soon", "unexpected argument `soon`"),
+            ("model 4 timer=0", "at least 1 ms"),
+            ("model 4 timer=often", "bad timer"),
+            ("model 4 timer=5 timer=6", "unexpected argument `timer=6`"),
         ] {
             let err = parse(bad).unwrap_err();
             assert!(err.to_string().contains(expect), "{bad}: {err}");

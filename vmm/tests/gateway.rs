@@ -239,6 +239,92 @@ fn gateway_wait_management_reloads_on_faults_only_keeps_the_data_and_leaves_the_
 }
 
 #[test]
+fn gateway_guest_timer_too_close_keeps_the_vm_from_offloading_and_fires_on_time() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let url = upstream(Duration::from_millis(2000));
+    let mut vm = start_waiting(dir.path(), Some(url), Some(WaitPolicy::default()));
+    let data = vm
+        .exec(&script::parse("fill 16MiB random seed=2; digest").unwrap())
+        .unwrap()[1]
+        .digest
+        .clone();
+    // A 600 ms timer: less than the 1 s of budget an offload needs, every time.
+    let out = vm
+        .exec(&script::parse("model 7 timer=600; digest").unwrap())
+        .unwrap();
+    assert_eq!(
+        out[0].digest.as_deref(),
+        Some(format!("{:016x}", vmm::guest::digest(&answer(7))).as_str())
+    );
+    // At about 600, 1200 and 1800 ms, before the answer at 2000 ms.
+    let fired = out[0].timer_fired.unwrap();
+    assert!((2..=3).contains(&fired), "{fired}");
+    assert_eq!(out[1].digest, data);
+    let wait = vm.stats().wait.unwrap();
+    assert_eq!(wait.offloads, 0, "{wait:?}");
+    assert!(wait.skipped_for_timer >= 1, "{wait:?}");
+    // Paused between timers, resumed for each, and once more for the answer.
+    assert!(wait.pauses > fired, "{wait:?}");
+    assert_eq!(wait.delivered, 1);
+}
+
+#[test]
+fn gateway_guest_timer_fires_without_wait_management_too() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut vm = start(dir.path(), Some(upstream(Duration::from_millis(1000))));
+    let out = vm
+        .exec(&script::parse("model 9 timer=300").unwrap())
+        .unwrap();
+    assert_eq!(
+        out[0].digest.as_deref(),
+        Some(format!("{:016x}", vmm::guest::digest(&answer(9))).as_str())
+    );
+    // At about 300, 600 and 900 ms, before the answer at 1000 ms.
+    let fired = out[0].timer_fired.unwrap();
+    assert!((2..=3).contains(&fired), "{fired}");
+}
+
+#[test]
+fn gateway_guest_timer_resumes_an_offloaded_vm_for_its_work() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let url = upstream(Duration::from_millis(2000));
+    let mut vm = start_waiting(dir.path(), Some(url), Some(WaitPolicy::default()));
+    let data = vm
+        .exec(&script::parse("fill 16MiB random seed=5; digest").unwrap())
+        .unwrap()[1]
+        .digest
+        .clone();
+    // A 1.5 s timer leaves the budget: offloaded at 50 ms, resumed at 1.5 s for the timer
+    // (whose work reads the data's first word: faulted back from the store), paused again,
+    // and not offloaded again within the 5 s cooldown.
+    let out = vm
+        .exec(&script::parse("model 8 timer=1500; digest").unwrap())
+        .unwrap();
+    assert_eq!(
+        out[0].digest.as_deref(),
+        Some(format!("{:016x}", vmm::guest::digest(&answer(8))).as_str())
+    );
+    assert_eq!(out[0].timer_fired, Some(1));
+    assert_eq!(out[1].digest, data);
+    let stats = vm.stats();
+    let wait = stats.wait.unwrap();
+    assert_eq!(wait.offloads, 1, "{wait:?}");
+    assert_eq!(wait.skipped_for_cooldown, 1, "{wait:?}");
+    // One resume for the timer, one for the answer.
+    assert_eq!(wait.resumes, 2, "{wait:?}");
+    assert!(stats.pager.faults_copy > 0, "{:?}", stats.pager);
+}
+
+#[test]
 fn gateway_wait_management_pause_strategy_never_offloads() {
     if skip() {
         return;

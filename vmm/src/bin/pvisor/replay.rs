@@ -297,7 +297,7 @@ pub fn replay(args: &ReplayArgs) -> CliResult {
             .map(|r| r["digest"].as_str().map(str::to_owned))
             .collect();
         for (command, result) in commands.iter().zip(results) {
-            if let Command::Model { request } = command {
+            if let Command::Model { request, .. } = command {
                 let (_, _, len) = requests[usize::try_from(*request - 1)?];
                 let expected = format!("{:016x}", vmm::guest::digest(&answer(*request, len)));
                 if result["digest"].as_str() != Some(expected.as_str()) {
