@@ -228,6 +228,8 @@ struct ModelWait {
     offloaded: bool,
     /// The answer, held while an operator holds the VM.
     held: Option<Answer>,
+    /// When the guest's timer falls due, if it reported one.
+    timer_due: Option<Instant>,
 }
 
 impl ModelWait {
@@ -235,8 +237,9 @@ impl ModelWait {
     fn state(&self, phase: Phase) -> &'static str {
         match (self.offloaded, phase) {
             (true, _) => "offloaded",
-            (false, Phase::Paused | Phase::Manual) => "paused",
-            (false, Phase::Running | Phase::Offloaded) => "running",
+            // `Offloaded` without the RAM out: the offload failed and the VM stayed paused.
+            (false, Phase::Paused | Phase::Manual | Phase::Offloaded) => "paused",
+            (false, Phase::Running) => "running",
         }
     }
 
@@ -589,7 +592,10 @@ impl Machine {
             }
             Command::Model { request, timer_ms } => {
                 let result =
-                    self.guest(command, Op::Model, &[request, 0, 0, timer_ms.unwrap_or(0)])?;
+                    self.guest(command, Op::Model, &[request, 0, 0, timer_ms.unwrap_or(0)]);
+                // However the command ended, none of its requests is in flight any more.
+                self.model_pending = None;
+                let result = result?;
                 output.digest = Some(format!("{:016x}", result[0]));
                 output.answer_bytes = Some(result[1]);
                 output.timer_fired = timer_ms.map(|_| result[3]);
@@ -842,6 +848,7 @@ impl Machine {
             began,
             offloaded: false,
             held: None,
+            timer_due,
         };
         let outcome = loop {
             for action in actions.drain(..) {
@@ -1002,10 +1009,12 @@ impl Machine {
                 }
                 let mut load = None;
                 if w.offloaded {
+                    // The guest still waits: unless asked for everything, the RAM comes back
+                    // the way wait management brings it back.
                     let mode = if eager {
                         LoadMode::Eager
                     } else {
-                        LoadMode::Lazy
+                        wait.policy.reload
                     };
                     match self.pager.load(mode, wait.io_threads) {
                         Ok(report) => {
@@ -1023,7 +1032,16 @@ impl Machine {
                         }
                     }
                 }
-                let actions = coordinator.handle(now, WaitEvent::ManualResume);
+                let mut actions = coordinator.handle(now, WaitEvent::ManualResume);
+                // The guest is still stopped at the model port, as idle as before: wait
+                // management takes the wait over again.
+                actions.extend(coordinator.handle(
+                    now,
+                    WaitEvent::GuestIdle {
+                        epoch: 0,
+                        timer_due: w.timer_due,
+                    },
+                ));
                 (
                     Ok(serde_json::json!({
                         "state": "running",
@@ -1055,10 +1073,10 @@ impl Machine {
                 let started = Instant::now();
                 if self.offload(&wait.offload).is_ok() {
                     *offloaded = true;
-                } else {
-                    self.wait_failures.0 += 1;
+                    return Some(started.elapsed());
                 }
-                return Some(started.elapsed());
+                // Counted; a failure says nothing about what an offload costs.
+                self.wait_failures.0 += 1;
             }
             WaitAction::Resume => {
                 if *offloaded {

@@ -219,6 +219,9 @@ pub struct WaitCoordinator {
     skipped: bool,
     /// After a skip for gain: when to look again.
     recheck: Option<Instant>,
+    /// The guest's timer is too close for an offload in this pause: nothing to look at until
+    /// the guest reports again or runs.
+    timer_blocked: bool,
     /// The lengths of this VM's last waits, oldest first.
     waits: VecDeque<Duration>,
     /// What its offloads take (a moving average of the durations reported).
@@ -240,6 +243,7 @@ impl WaitCoordinator {
             last_offload: None,
             skipped: false,
             recheck: None,
+            timer_blocked: false,
             waits: VecDeque::with_capacity(WAIT_HISTORY),
             offload_cost: None,
             stats: WaitStats::default(),
@@ -281,13 +285,19 @@ impl WaitCoordinator {
         Some(left[left.len() / 2])
     }
 
-    /// Whether an offload at `now`, `elapsed` into the wait, is expected to pay; if not, when
-    /// to look again.
+    /// Whether an offload at `now`, `elapsed` into the request's wait, is expected to pay
+    /// (until the answer, or the guest's timer if that comes first); if not, when to look
+    /// again.
     fn pays(&self, now: Instant, elapsed: Duration) -> Result<(), Instant> {
-        let (Some(cost), Some(left)) = (self.offload_cost, self.expected_remaining(elapsed)) else {
+        let (Some(cost), Some(mut left)) = (self.offload_cost, self.expected_remaining(elapsed))
+        else {
             // Nothing to go by yet: the first offload measures the cost.
             return Ok(());
         };
+        // The guest's timer brings the VM back before the answer may.
+        if let Some(timer) = self.timer_due {
+            left = left.min(timer.saturating_duration_since(now));
+        }
         if left.as_secs_f64() >= self.policy.break_even * cost.as_secs_f64() {
             Ok(())
         } else {
@@ -328,13 +338,19 @@ impl WaitCoordinator {
         current
     }
 
+    /// A new pause starts its offload bookkeeping afresh.
+    fn forget_skips(&mut self) {
+        self.skipped = false;
+        self.recheck = None;
+        self.timer_blocked = false;
+    }
+
     fn resume(&mut self, out: &mut Vec<Action>) {
         if matches!(self.phase, Phase::Paused | Phase::Offloaded) {
             out.push(Action::Resume);
             self.stats.resumes += 1;
             self.phase = Phase::Running;
-            self.skipped = false;
-            self.recheck = None;
+            self.forget_skips();
             // The guest runs again: its idleness is to be reported anew.
             self.idle_since = None;
         }
@@ -376,6 +392,9 @@ impl WaitCoordinator {
             WaitEvent::GuestIdle { epoch, timer_due } => {
                 if self.current(epoch) {
                     self.idle_since.get_or_insert(now);
+                    if self.timer_due != timer_due {
+                        self.timer_blocked = false;
+                    }
                     self.timer_due = timer_due;
                 }
             }
@@ -386,10 +405,12 @@ impl WaitCoordinator {
             }
             WaitEvent::ManualSuspend => {
                 self.phase = Phase::Manual;
+                self.forget_skips();
             }
             WaitEvent::ManualResume => {
                 if self.phase == Phase::Manual {
                     self.phase = Phase::Running;
+                    self.forget_skips();
                     self.idle_since = None;
                     for request in std::mem::take(&mut self.held) {
                         out.push(Action::Deliver { request });
@@ -428,6 +449,10 @@ impl WaitCoordinator {
         let first = self.wait_began()? + self.policy.offload_after;
         if !self.skipped {
             return Some(first);
+        }
+        if self.timer_blocked {
+            // Only the guest (a new report) or a resume for its timer can lift that.
+            return None;
         }
         let due = self
             .last_offload
@@ -468,7 +493,9 @@ impl WaitCoordinator {
                     let cooled = self
                         .last_offload
                         .is_none_or(|last| last + self.policy.offload_cooldown <= now);
-                    let pays = self.pays(now, now.saturating_duration_since(began));
+                    // How long the request has waited, across the guest's timer runs.
+                    let requested = self.waiting.values().min().copied().unwrap_or(began);
+                    let pays = self.pays(now, now.saturating_duration_since(requested));
                     if budget_ok && cooled && pays.is_ok() {
                         out.push(Action::Offload);
                         self.stats.offloads += 1;
@@ -479,6 +506,7 @@ impl WaitCoordinator {
                         if let Err(again) = pays {
                             self.recheck = Some(again);
                         }
+                        self.timer_blocked = !budget_ok;
                         if !self.skipped {
                             self.skipped = true;
                             if !budget_ok {
@@ -820,6 +848,65 @@ mod tests {
         );
         c.offload_took(ms(500));
         assert_eq!(c.offload_cost, Some(ms(200)));
+    }
+
+    #[test]
+    fn wait_timer_just_short_of_the_budget_leaves_nothing_due_but_the_timer() {
+        // The timer 1050 ms in: at 50 ms exactly the budget holds, but a tick comes late.
+        let base = Instant::now();
+        let mut c = waiting_idle(base, WaitPolicy::default(), Some(1050));
+        assert_eq!(c.tick(at(base, 20)), vec![Action::Pause]);
+        assert!(c.tick(at(base, 51)).is_empty());
+        assert_eq!(c.stats().skipped_for_timer, 1);
+        // No deadline in the past to spin on: the next thing is the timer.
+        assert_eq!(c.next_deadline(), Some(at(base, 1050)));
+    }
+
+    #[test]
+    fn wait_offload_pays_only_until_the_guest_timer_brings_the_vm_back() {
+        let ms = Duration::from_millis;
+        let policy = WaitPolicy {
+            offload_cooldown: Duration::ZERO,
+            min_timer_budget: Duration::ZERO,
+            ..WaitPolicy::default()
+        };
+        let base = Instant::now();
+        // Waits of 5 s, offloads of 100 ms: worth it, unless a timer 300 ms in will undo it.
+        let (mut c, now) = with_history(base, policy, &[5000, 5000, 5000], 100);
+        c.handle(
+            now,
+            WaitEvent::GuestIdle {
+                epoch: 1,
+                timer_due: Some(now + ms(300)),
+            },
+        );
+        c.handle(
+            now,
+            WaitEvent::WaitStart {
+                request: 7,
+                epoch: 1,
+            },
+        );
+        assert_eq!(c.tick(now + ms(20)), vec![Action::Pause]);
+        assert!(c.tick(now + ms(50)).is_empty());
+        assert_eq!(c.stats().skipped_for_gain, 1);
+        let (mut c, now) = with_history(base, policy, &[5000, 5000, 5000], 100);
+        c.handle(
+            now,
+            WaitEvent::GuestIdle {
+                epoch: 1,
+                timer_due: Some(now + ms(2000)),
+            },
+        );
+        c.handle(
+            now,
+            WaitEvent::WaitStart {
+                request: 7,
+                epoch: 1,
+            },
+        );
+        c.tick(now + ms(20));
+        assert_eq!(c.tick(now + ms(50)), vec![Action::Offload]);
     }
 
     #[test]

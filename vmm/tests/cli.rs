@@ -1112,3 +1112,44 @@ fn cli_stop_during_a_model_wait_ends_the_vm() {
     // The VM process exits without waiting for the 30 s answer.
     wait_gone(&[pid], 10);
 }
+
+#[test]
+fn cli_operator_resume_before_the_answer_gives_the_wait_back_to_wait_management() {
+    if skip() {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    // Long enough for the five `pvisor` calls below on a loaded machine.
+    let server = slow_model(8000.0);
+    let url = server.url();
+    let vm = Detached::start(
+        runtime.path(),
+        &["--vm-model-upstream", &url, "--vm-wait-management"],
+        "fill 16MiB distinct seed=2; idle",
+    );
+    let before = vm.digest();
+    let results = std::thread::scope(|scope| {
+        let command = scope.spawn(|| vm.exec("model 1; digest"));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        vm.stats_until(deadline, |s| s["model_wait"]["request"] == 1);
+        vm.call("suspend", &["--vm-pause"]);
+        assert_eq!(vm.call("status", &[])["model_wait"]["phase"], "manual");
+        let resumed = vm.call("resume", &[]);
+        assert_eq!(resumed["state"], "running", "{resumed}");
+        // The guest still waits: the coordinator takes it over again (pauses it, and
+        // offloads it once the cooldown since its first offload allows).
+        let taken = |s: &Value| {
+            s["model_wait"]["phase"] == "paused" || s["model_wait"]["phase"] == "offloaded"
+        };
+        let again = vm.stats_until(deadline, |s| taken(s) || s.get("model_wait").is_none());
+        assert!(taken(&again), "{again}");
+        assert!(!command.is_finished());
+        command.join().unwrap()
+    });
+    let wait = &vm.stats()["wait"];
+    assert_eq!(wait["pauses"], 2, "{wait}");
+    assert_eq!(wait["delivered"], 1, "{wait}");
+    let expected = format!("{:016x}", vmm::guest::digest(&vmm::replay::answer(1, 5000)));
+    assert_eq!(results[0]["digest"].as_str(), Some(expected.as_str()));
+    assert_eq!(results[1]["digest"].as_str(), Some(before.as_str()));
+}

@@ -53,13 +53,17 @@ pub(super) fn read_payload(
         }
     })?;
     if drop_behind {
-        // Best effort, it only affects caching: the pages wholly inside the payload go.
+        // Best effort, it only affects caching. The range is widened to whole pages: the
+        // kernel drops only pages wholly inside it, and a compressed payload shares its first
+        // and last pages with its neighbours (clean pages; one read again is read from disk).
+        let start = data.offset & !4095;
+        let end = (data.offset + u64::from(data.len) + 4095) & !4095;
         // SAFETY: fadvise on an open descriptor of ours; it does not touch memory.
         unsafe {
             libc::posix_fadvise(
                 std::os::fd::AsRawFd::as_raw_fd(file),
-                libc::off_t::try_from(data.offset).unwrap_or(libc::off_t::MAX),
-                libc::off_t::from(data.len),
+                libc::off_t::try_from(start).unwrap_or(libc::off_t::MAX),
+                libc::off_t::try_from(end - start).unwrap_or(0),
                 libc::POSIX_FADV_DONTNEED,
             );
         }

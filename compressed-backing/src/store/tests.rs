@@ -577,3 +577,58 @@ fn store_reader_keeps_reading_its_view_while_the_store_is_rewritten() {
     ));
     assert_eq!(read(&store, 3), random_bytes(203, BS as usize));
 }
+
+/// Pages of `path` in the page cache (`mincore` over a mapping of it).
+fn cached_pages(path: &std::path::Path) -> usize {
+    let file = std::fs::File::open(path).unwrap();
+    // SAFETY: a read-only private mapping of a file this test owns; nothing writes it.
+    let map = unsafe { memmap2::Mmap::map(&file).unwrap() };
+    let pages = map.len().div_ceil(4096);
+    let mut vec = vec![0u8; pages];
+    // SAFETY: `vec` has one byte per page of the mapping, which lives across the call.
+    let rc = unsafe { libc::mincore(map.as_ptr().cast_mut().cast(), map.len(), vec.as_mut_ptr()) };
+    assert_eq!(rc, 0);
+    vec.iter().filter(|&&b| b & 1 == 1).count()
+}
+
+#[test]
+fn store_drop_behind_reads_leave_nothing_cached() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = DiskStore::create(dir.path(), config(8, Codec::Lz4)).unwrap();
+    for b in 0..8 {
+        store.put(b, &block_bytes(b + 1, BS as usize)).unwrap();
+    }
+    store.commit().unwrap();
+    store.drop_cache().unwrap();
+    let segment = dir.path().join(segment::file_name(0));
+    let segment = if segment.exists() {
+        segment
+    } else {
+        dir.path().join(segment::file_name(1))
+    };
+    let mut out = vec![0u8; BS as usize];
+    // A plain read leaves what it read cached (this file system keeps a page cache).
+    for b in 0..8 {
+        store.get(b, &mut out).unwrap();
+    }
+    let plain = cached_pages(&segment);
+    if plain == 0 {
+        eprintln!("no page cache for {}: nothing to check", segment.display());
+        return;
+    }
+    store.drop_cache().unwrap();
+    store.set_drop_behind(true);
+    for b in 0..8 {
+        store.get(b, &mut out).unwrap();
+        assert!(out == block_bytes(b + 1, BS as usize));
+    }
+    assert_eq!(
+        cached_pages(&segment),
+        0,
+        "{plain} pages cached by plain reads"
+    );
+    // A reader taken from the store drops behind too.
+    let reader = store.reader();
+    reader.get(3, &mut out).unwrap();
+    assert_eq!(cached_pages(&segment), 0);
+}

@@ -434,7 +434,7 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
             ))
         }
     };
-    if strategy.is_some() && !wait_management {
+    if args.wait_strategy.is_some() && !wait_management {
         return Err("--vm-wait-strategy needs --vm-wait-management".into());
     }
     if wait_management && model_upstream.is_none() {
@@ -502,17 +502,20 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
             }
         },
     };
+    // Flags that tune a policy that is off are a mistake; a config file may hold a policy
+    // for when it is on.
     let tuned = [
-        args.wait_pause_ms.or(config.wait_pause_ms),
-        args.wait_offload_ms.or(config.wait_offload_ms),
-        args.wait_timer_budget_ms.or(config.wait_timer_budget_ms),
-        args.wait_cooldown_ms.or(config.wait_cooldown_ms),
+        args.wait_pause_ms,
+        args.wait_offload_ms,
+        args.wait_timer_budget_ms,
+        args.wait_cooldown_ms,
     ]
     .iter()
     .any(Option::is_some)
         || args.wait_reload.is_some()
-        || config.wait_reload.is_some();
-    if (tuned || wait_scale.is_some() || break_even.is_some()) && !wait_management {
+        || args.wait_scale.is_some()
+        || args.wait_break_even.is_some();
+    if tuned && !wait_management {
         return Err("the --vm-wait-* policy options need --vm-wait-management".into());
     }
     if policy.offload_after < policy.pause_after {

@@ -154,6 +154,9 @@ pub fn replay(args: &ReplayArgs) -> CliResult {
         let scale = trajectory.time_scale.to_string();
         if extra.contains(&"--vm-wait-management") {
             command.args(["--vm-wait-scale", &scale]);
+        } else {
+            // The strategy's flags win over a --vm-config that turns wait management on.
+            command.args(["--vm-wait-management", "false"]);
         }
         command.args(["--", "idle"]);
         let out = command.stderr(Stdio::inherit()).output()?;
@@ -257,6 +260,10 @@ pub fn replay(args: &ReplayArgs) -> CliResult {
     for vm in &vms {
         if let Ok(stats) = vm.call(Method::Stats) {
             for (name, value) in stats["wait"].as_object().into_iter().flatten() {
+                // A VM's own estimate, not a count: a sum over VMs means nothing.
+                if name == "offload_cost_ms" {
+                    continue;
+                }
                 let sum = wait
                     .get(name)
                     .and_then(serde_json::Value::as_u64)
