@@ -375,7 +375,7 @@ fn expected_digests(settings: &Settings) -> BTreeMap<&'static str, String> {
         .into_iter()
         .map(|case| {
             let bytes = vmm::guest::fill_bytes(settings.app, case.fill(), settings.seed);
-            (case.name(), format!("{:016x}", vmm::guest::digest(&bytes)))
+            (case.name(), vmm::guest::digest_hex(&bytes))
         })
         .collect()
 }

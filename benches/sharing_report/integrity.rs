@@ -12,17 +12,13 @@
 
 use std::collections::BTreeMap;
 
-use vmm::guest::{digest, fill_bytes, rewrite_bytes};
+use vmm::guest::{digest_hex, fill_bytes, rewrite_bytes};
 
 use crate::common::Res;
 use crate::{Content, Mode, Settings, BASE, REWRITES};
 
 /// The host's digests of every VM's data after each stage, by content: `[stage][vm]`.
 pub type Expected = BTreeMap<Content, Vec<Vec<String>>>;
-
-fn hex(bytes: &[u8]) -> String {
-    format!("{:016x}", digest(bytes))
-}
 
 pub fn expected(settings: &Settings) -> Expected {
     let mut out = Expected::new();
@@ -31,10 +27,10 @@ pub fn expected(settings: &Settings) -> Expected {
         for vm in 0..settings.vms {
             let (kind, seed) = content.data(vm);
             let mut bytes = fill_bytes(settings.app, kind, seed);
-            stages[0].push(hex(&bytes));
+            stages[0].push(digest_hex(&bytes));
             for (stage, &(percent, base)) in REWRITES.iter().enumerate() {
                 rewrite_bytes(&mut bytes, percent, base + vm as u64);
-                stages[stage + 1].push(hex(&bytes));
+                stages[stage + 1].push(digest_hex(&bytes));
             }
         }
         out.insert(content, stages);

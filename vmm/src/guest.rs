@@ -147,6 +147,11 @@ pub struct BlkRequest {
 const K1: u64 = 0x9E37_79B1_85EB_CA87;
 const K2: u64 = 0xC2B2_AE3D_27D4_EB4F;
 
+/// [`digest`] as command results print it (16 hex digits).
+pub fn digest_hex(bytes: &[u8]) -> String {
+    format!("{:016x}", digest(bytes))
+}
+
 /// The guest's digest of `bytes` (a multiple of 8): four interleaved multiply-rotate lanes
 /// over little-endian words, folded with the length.
 pub fn digest(bytes: &[u8]) -> u64 {

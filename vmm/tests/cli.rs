@@ -596,7 +596,7 @@ fn cli_offloaded_ram_is_shown_as_a_plain_file() {
         "the file outlived the offload"
     );
     let digest = vm.digest();
-    let expect = format!("{:016x}", vmm::guest::digest(&expect));
+    let expect = vmm::guest::digest_hex(&expect);
     assert_eq!(digest, expect);
 }
 
@@ -1010,8 +1010,13 @@ fn cli_replay_scaled_trajectory_gives_the_same_results_under_every_strategy() {
     // (How much offloading saves is for the scenario bench, not a test: it depends on timing.)
 }
 
-/// A model upstream that answers request 1 with 5000 bytes after `wait_ms`.
-fn slow_model(wait_ms: f64) -> vmm::replay::ReplayServer {
+/// A detached VM under wait management running `script`, and its model upstream, which
+/// answers request 1 with 5000 bytes after `wait_ms` (kept alive with the VM).
+fn vm_with_slow_model(
+    runtime: &Path,
+    wait_ms: f64,
+    script: &str,
+) -> (vmm::replay::ReplayServer, Detached) {
     let trajectory = vmm::replay::Trajectory {
         name: "one slow answer".into(),
         note: String::new(),
@@ -1021,7 +1026,14 @@ fn slow_model(wait_ms: f64) -> vmm::replay::ReplayServer {
             answer_bytes: 5000,
         }],
     };
-    vmm::replay::ReplayServer::start(&trajectory).unwrap()
+    let server = vmm::replay::ReplayServer::start(&trajectory).unwrap();
+    let url = server.url();
+    let vm = Detached::start(
+        runtime,
+        &["--vm-model-upstream", &url, "--vm-wait-management"],
+        script,
+    );
+    (server, vm)
 }
 
 #[test]
@@ -1030,13 +1042,7 @@ fn cli_operator_takes_a_vm_over_during_a_model_wait_and_gets_the_answer_on_resum
         return;
     }
     let runtime = tempfile::tempdir().unwrap();
-    let server = slow_model(1500.0);
-    let url = server.url();
-    let vm = Detached::start(
-        runtime.path(),
-        &["--vm-model-upstream", &url, "--vm-wait-management"],
-        "fill 32MiB random seed=4; idle",
-    );
+    let (server, vm) = vm_with_slow_model(runtime.path(), 1500.0, "fill 32MiB random seed=4; idle");
     let before = vm.digest();
     // The command waits for the model's answer on a thread of its own.
     let waiting = std::thread::scope(|scope| {
@@ -1073,7 +1079,7 @@ fn cli_operator_takes_a_vm_over_during_a_model_wait_and_gets_the_answer_on_resum
         assert_eq!(resumed["state"], "running", "{resumed}");
         command.join().unwrap()
     });
-    let expected = format!("{:016x}", vmm::guest::digest(&vmm::replay::answer(1, 5000)));
+    let expected = vmm::guest::digest_hex(&vmm::replay::answer(1, 5000));
     assert_eq!(
         waiting[0]["digest"].as_str(),
         Some(expected.as_str()),
@@ -1093,13 +1099,7 @@ fn cli_stop_during_a_model_wait_ends_the_vm() {
         return;
     }
     let runtime = tempfile::tempdir().unwrap();
-    let server = slow_model(30_000.0);
-    let url = server.url();
-    let vm = Detached::start(
-        runtime.path(),
-        &["--vm-model-upstream", &url, "--vm-wait-management"],
-        "idle",
-    );
+    let (_server, vm) = vm_with_slow_model(runtime.path(), 30_000.0, "idle");
     let pid = vm.identity["pid"].as_u64().unwrap();
     std::thread::scope(|scope| {
         let command = scope.spawn(|| vm.call_fails("exec", &["--", "model 1"]));
@@ -1120,13 +1120,8 @@ fn cli_operator_resume_before_the_answer_gives_the_wait_back_to_wait_management(
     }
     let runtime = tempfile::tempdir().unwrap();
     // Long enough for the five `pvisor` calls below on a loaded machine.
-    let server = slow_model(8000.0);
-    let url = server.url();
-    let vm = Detached::start(
-        runtime.path(),
-        &["--vm-model-upstream", &url, "--vm-wait-management"],
-        "fill 16MiB distinct seed=2; idle",
-    );
+    let (_server, vm) =
+        vm_with_slow_model(runtime.path(), 8000.0, "fill 16MiB distinct seed=2; idle");
     let before = vm.digest();
     let results = std::thread::scope(|scope| {
         let command = scope.spawn(|| vm.exec("model 1; digest"));
@@ -1149,7 +1144,7 @@ fn cli_operator_resume_before_the_answer_gives_the_wait_back_to_wait_management(
     let wait = &vm.stats()["wait"];
     assert_eq!(wait["pauses"], 2, "{wait}");
     assert_eq!(wait["delivered"], 1, "{wait}");
-    let expected = format!("{:016x}", vmm::guest::digest(&vmm::replay::answer(1, 5000)));
+    let expected = vmm::guest::digest_hex(&vmm::replay::answer(1, 5000));
     assert_eq!(results[0]["digest"].as_str(), Some(expected.as_str()));
     assert_eq!(results[1]["digest"].as_str(), Some(before.as_str()));
 }

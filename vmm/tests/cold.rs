@@ -62,10 +62,6 @@ fn wait_for(vm: &Vm, what: &str, secs: u64, done: impl Fn(&VmStats) -> bool) -> 
     }
 }
 
-fn hex(digest: u64) -> String {
-    format!("{digest:016x}")
-}
-
 #[test]
 fn cold_repeated_content_goes_to_the_pool_and_comes_back_intact() {
     cold_repeated_content_goes_to_the_pool_and_comes_back_intact_on(RamKind::Memfd);
@@ -92,9 +88,9 @@ fn cold_repeated_content_goes_to_the_pool_and_comes_back_intact_on(kind: RamKind
     assert!(stats.guest_ram_resident_bytes < 6 << 20, "{stats:?}");
     assert!(cold.net_saving_bytes > 28 << 20, "{cold:?}");
     assert!(cold.pool.held_bytes < 1 << 20, "{cold:?}");
-    let expect = guest::digest(&guest::fill_bytes(32 << 20, FillKind::Repeated, 1));
+    let expect = guest::digest_hex(&guest::fill_bytes(32 << 20, FillKind::Repeated, 1));
     let out = exec(&mut vm, "digest");
-    assert_eq!(out[0].digest.as_deref(), Some(hex(expect).as_str()));
+    assert_eq!(out[0].digest.as_deref(), Some(expect.as_str()));
     let stats = vm.stats();
     assert!(stats.cold.as_ref().unwrap().promotions >= 512, "{stats:?}");
     assert_eq!(stats.fault_errors, 0);
@@ -138,10 +134,10 @@ fn cold_random_content_is_left_alone_and_costs_nothing_on(kind: RamKind) {
         later.incompressible <= cold.incompressible + 2 * 512,
         "{later:?}"
     );
-    let expect = guest::digest(&guest::fill_bytes(32 << 20, FillKind::Random, 2));
+    let expect = guest::digest_hex(&guest::fill_bytes(32 << 20, FillKind::Random, 2));
     assert_eq!(
         exec(&mut vm, "digest")[0].digest.as_deref(),
-        Some(hex(expect).as_str())
+        Some(expect.as_str())
     );
 }
 
@@ -188,7 +184,7 @@ fn cold_writes_during_compression_are_never_lost_on(kind: RamKind) {
     let out = exec(&mut vm, "digest");
     assert_eq!(
         out[0].digest.as_deref(),
-        Some(hex(guest::digest(&model)).as_str()),
+        Some(guest::digest_hex(&model).as_str()),
         "{cold:?}"
     );
 }
@@ -210,10 +206,10 @@ fn cold_pool_at_its_cap_stops_and_says_so() {
     let cold = stats.cold.as_ref().unwrap();
     assert!(cold.pool.held_bytes <= cold.pool.cap_bytes, "{cold:?}");
     assert!(cold.blocks_compressed > 0, "{cold:?}");
-    let expect = guest::digest(&guest::fill_bytes(32 << 20, FillKind::Distinct, 4));
+    let expect = guest::digest_hex(&guest::fill_bytes(32 << 20, FillKind::Distinct, 4));
     assert_eq!(
         exec(&mut vm, "digest")[0].digest.as_deref(),
-        Some(hex(expect).as_str())
+        Some(expect.as_str())
     );
 }
 
@@ -234,10 +230,10 @@ fn cold_offload_takes_pooled_blocks_as_they_are() {
     assert_eq!(stats.cold.as_ref().unwrap().pool.blocks, 0, "{stats:?}");
     assert!(stats.backing_disk_bytes < 1 << 20, "{stats:?}");
     vm.resume(false).unwrap();
-    let expect = guest::digest(&guest::fill_bytes(16 << 20, FillKind::Repeated, 5));
+    let expect = guest::digest_hex(&guest::fill_bytes(16 << 20, FillKind::Repeated, 5));
     assert_eq!(
         exec(&mut vm, "digest")[0].digest.as_deref(),
-        Some(hex(expect).as_str())
+        Some(expect.as_str())
     );
 }
 

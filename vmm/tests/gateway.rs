@@ -70,6 +70,13 @@ fn upstream(delay: Duration) -> String {
     format!("http://{address}/v1")
 }
 
+/// Runs `script` (a fill, then `digest`) and returns the digest of the data.
+fn fill(vm: &mut Vm, script: &str) -> Option<String> {
+    vm.exec(&script::parse(script).unwrap()).unwrap()[1]
+        .digest
+        .clone()
+}
+
 fn start(dir: &Path, upstream: Option<String>) -> Vm {
     start_waiting(dir, upstream, None)
 }
@@ -100,7 +107,7 @@ fn gateway_carries_the_guests_request_and_answer() {
         assert_eq!(output.answer_bytes, Some(expected.len() as u64));
         assert_eq!(
             output.digest.as_deref(),
-            Some(format!("{:016x}", vmm::guest::digest(&expected)).as_str())
+            Some(vmm::guest::digest_hex(&expected).as_str())
         );
     }
 }
@@ -173,15 +180,11 @@ fn gateway_wait_management_offloads_while_the_answer_is_out() {
     let dir = tempfile::tempdir().unwrap();
     let url = upstream(Duration::from_millis(400));
     let mut vm = start_waiting(dir.path(), Some(url), Some(WaitPolicy::default()));
-    let data = vm
-        .exec(&script::parse("fill 32MiB random seed=3; digest").unwrap())
-        .unwrap()[1]
-        .digest
-        .clone();
+    let data = fill(&mut vm, "fill 32MiB random seed=3; digest");
     let out = vm.exec(&script::parse("model 4; digest").unwrap()).unwrap();
     assert_eq!(
         out[0].digest.as_deref(),
-        Some(format!("{:016x}", vmm::guest::digest(&answer(4))).as_str())
+        Some(vmm::guest::digest_hex(&answer(4)).as_str())
     );
     // Offloaded during the wait and back: the data is intact.
     assert_eq!(out[1].digest, data);
@@ -215,16 +218,12 @@ fn gateway_wait_management_reloads_on_faults_only_keeps_the_data_and_leaves_the_
     };
     assert_eq!(policy.reload, uffd_pager::load::LoadMode::Faults);
     let mut vm = start_waiting(dir.path(), Some(url), Some(policy));
-    let data = vm
-        .exec(&script::parse("fill 32MiB random seed=8; digest").unwrap())
-        .unwrap()[1]
-        .digest
-        .clone();
+    let data = fill(&mut vm, "fill 32MiB random seed=8; digest");
     // The answer comes back into the guest's buffer; its 32 MiB stay in the store.
     let out = vm.exec(&script::parse("model 6").unwrap()).unwrap();
     assert_eq!(
         out[0].digest.as_deref(),
-        Some(format!("{:016x}", vmm::guest::digest(&answer(6))).as_str())
+        Some(vmm::guest::digest_hex(&answer(6)).as_str())
     );
     let stats = vm.stats();
     assert_eq!(stats.wait.unwrap().offloads, 1);
@@ -246,18 +245,14 @@ fn gateway_guest_timer_too_close_keeps_the_vm_from_offloading_and_fires_on_time(
     let dir = tempfile::tempdir().unwrap();
     let url = upstream(Duration::from_millis(2000));
     let mut vm = start_waiting(dir.path(), Some(url), Some(WaitPolicy::default()));
-    let data = vm
-        .exec(&script::parse("fill 16MiB random seed=2; digest").unwrap())
-        .unwrap()[1]
-        .digest
-        .clone();
+    let data = fill(&mut vm, "fill 16MiB random seed=2; digest");
     // A 600 ms timer: less than the 1 s of budget an offload needs, every time.
     let out = vm
         .exec(&script::parse("model 7 timer=600; digest").unwrap())
         .unwrap();
     assert_eq!(
         out[0].digest.as_deref(),
-        Some(format!("{:016x}", vmm::guest::digest(&answer(7))).as_str())
+        Some(vmm::guest::digest_hex(&answer(7)).as_str())
     );
     // At about 600, 1200 and 1800 ms, before the answer at 2000 ms.
     let fired = out[0].timer_fired.unwrap();
@@ -283,7 +278,7 @@ fn gateway_guest_timer_fires_without_wait_management_too() {
         .unwrap();
     assert_eq!(
         out[0].digest.as_deref(),
-        Some(format!("{:016x}", vmm::guest::digest(&answer(9))).as_str())
+        Some(vmm::guest::digest_hex(&answer(9)).as_str())
     );
     // At about 300, 600 and 900 ms, before the answer at 1000 ms.
     let fired = out[0].timer_fired.unwrap();
@@ -298,11 +293,7 @@ fn gateway_guest_timer_resumes_an_offloaded_vm_for_its_work() {
     let dir = tempfile::tempdir().unwrap();
     let url = upstream(Duration::from_millis(2000));
     let mut vm = start_waiting(dir.path(), Some(url), Some(WaitPolicy::default()));
-    let data = vm
-        .exec(&script::parse("fill 16MiB random seed=5; digest").unwrap())
-        .unwrap()[1]
-        .digest
-        .clone();
+    let data = fill(&mut vm, "fill 16MiB random seed=5; digest");
     // A 1.5 s timer leaves the budget: offloaded at 50 ms, resumed at 1.5 s for the timer
     // (whose work reads the data's first word: faulted back from the store), paused again,
     // and not offloaded again within the 5 s cooldown.
@@ -311,7 +302,7 @@ fn gateway_guest_timer_resumes_an_offloaded_vm_for_its_work() {
         .unwrap();
     assert_eq!(
         out[0].digest.as_deref(),
-        Some(format!("{:016x}", vmm::guest::digest(&answer(8))).as_str())
+        Some(vmm::guest::digest_hex(&answer(8)).as_str())
     );
     assert_eq!(out[0].timer_fired, Some(1));
     assert_eq!(out[1].digest, data);

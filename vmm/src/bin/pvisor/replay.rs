@@ -306,7 +306,7 @@ pub fn replay(args: &ReplayArgs) -> CliResult {
         for (command, result) in commands.iter().zip(results) {
             if let Command::Model { request, .. } = command {
                 let (_, _, len) = requests[usize::try_from(*request - 1)?];
-                let expected = format!("{:016x}", vmm::guest::digest(&answer(*request, len)));
+                let expected = vmm::guest::digest_hex(&answer(*request, len));
                 if result["digest"].as_str() != Some(expected.as_str()) {
                     failures.push(format!("VM {i}: request {request} got other bytes"));
                 }
