@@ -736,11 +736,9 @@ impl Machine {
                 "this VM has no model gateway (pvisor run --vm-model-upstream URL)".into(),
             )),
         };
+        // (The command clears `model_pending` when it ends, however it ends.)
         let answer = match outcome {
-            WaitOutcome::Answer(answer) => {
-                self.model_pending = None;
-                answer
-            }
+            WaitOutcome::Answer(answer) => answer,
             WaitOutcome::Timer => {
                 mailbox.arg[4] = 1;
                 return self.write(guest::MAILBOX_GPA, mailbox);
@@ -833,23 +831,22 @@ impl Machine {
         let mut operator = self.operator.take();
         let began = self.send_once(port, request);
         let now = Instant::now();
-        let timer_due = timer.map(|t| now + t);
-        coordinator.handle(
-            now,
-            WaitEvent::GuestIdle {
-                epoch: 0,
-                timer_due,
-            },
-        );
-        // Back from a timer, the request keeps the start it had.
-        let mut actions = coordinator.handle(now, WaitEvent::WaitStart { request, epoch: 0 });
         let mut w = ModelWait {
             request,
             began,
             offloaded: false,
             held: None,
-            timer_due,
+            timer_due: timer.map(|t| now + t),
         };
+        coordinator.handle(
+            now,
+            WaitEvent::GuestIdle {
+                epoch: 0,
+                timer_due: w.timer_due,
+            },
+        );
+        // Back from a timer, the request keeps the start it had.
+        let mut actions = coordinator.handle(now, WaitEvent::WaitStart { request, epoch: 0 });
         let outcome = loop {
             for action in actions.drain(..) {
                 if let Some(took) = self.carry_out(action, wait, &mut w.offloaded) {
@@ -869,20 +866,15 @@ impl Machine {
             }
             // The guest's timer runs when the VM runs: at once if the coordinator let it run,
             // after the coordinator's resume (for that timer) if it had paused or offloaded it,
-            // never while an operator holds it.
-            if timer_due.is_some_and(|due| due <= Instant::now())
-                && coordinator.phase() == Phase::Running
-                && w.held.is_none()
-            {
+            // never while an operator holds it (a held answer means an operator holds it).
+            let running = coordinator.phase() == Phase::Running;
+            if running && w.timer_due.is_some_and(|due| due <= Instant::now()) {
                 break WaitOutcome::Timer;
             }
-            let mut next = coordinator.next_deadline();
-            if coordinator.phase() == Phase::Running {
-                next = match (next, timer_due) {
-                    (Some(a), Some(b)) => Some(a.min(b)),
-                    (a, b) => a.or(b),
-                };
-            }
+            let next = [coordinator.next_deadline(), w.timer_due.filter(|_| running)]
+                .into_iter()
+                .flatten()
+                .min();
             let until = next.map_or(Duration::from_secs(3600), |d| {
                 d.saturating_duration_since(Instant::now())
             });

@@ -776,12 +776,17 @@ mod tests {
         (c, now)
     }
 
-    fn start_idle_wait(c: &mut WaitCoordinator, now: Instant, request: u64) {
+    fn start_idle_wait(
+        c: &mut WaitCoordinator,
+        now: Instant,
+        request: u64,
+        timer_due: Option<Instant>,
+    ) {
         c.handle(
             now,
             WaitEvent::GuestIdle {
                 epoch: 1,
-                timer_due: None,
+                timer_due,
             },
         );
         c.handle(now, WaitEvent::WaitStart { request, epoch: 1 });
@@ -815,13 +820,13 @@ mod tests {
         // Waits of 5 s, offloads of 100 ms: 4.95 s left at 50 ms is worth 4 offloads.
         let base = Instant::now();
         let (mut c, now) = with_history(base, policy, &[5000, 5000, 5000], 100);
-        start_idle_wait(&mut c, now, 7);
+        start_idle_wait(&mut c, now, 7, None);
         assert_eq!(c.tick(now + ms(20)), vec![Action::Pause]);
         assert_eq!(c.tick(now + ms(50)), vec![Action::Offload]);
 
         // Waits of 200 ms, offloads of 100 ms: 150 ms left at 50 ms is not worth it.
         let (mut c, now) = with_history(base, policy, &[200, 200, 200], 100);
-        start_idle_wait(&mut c, now, 7);
+        start_idle_wait(&mut c, now, 7, None);
         assert_eq!(c.tick(now + ms(20)), vec![Action::Pause]);
         assert!(c.tick(now + ms(50)).is_empty());
         assert_eq!(c.stats().skipped_for_gain, 1);
@@ -873,38 +878,12 @@ mod tests {
         let base = Instant::now();
         // Waits of 5 s, offloads of 100 ms: worth it, unless a timer 300 ms in will undo it.
         let (mut c, now) = with_history(base, policy, &[5000, 5000, 5000], 100);
-        c.handle(
-            now,
-            WaitEvent::GuestIdle {
-                epoch: 1,
-                timer_due: Some(now + ms(300)),
-            },
-        );
-        c.handle(
-            now,
-            WaitEvent::WaitStart {
-                request: 7,
-                epoch: 1,
-            },
-        );
+        start_idle_wait(&mut c, now, 7, Some(now + ms(300)));
         assert_eq!(c.tick(now + ms(20)), vec![Action::Pause]);
         assert!(c.tick(now + ms(50)).is_empty());
         assert_eq!(c.stats().skipped_for_gain, 1);
         let (mut c, now) = with_history(base, policy, &[5000, 5000, 5000], 100);
-        c.handle(
-            now,
-            WaitEvent::GuestIdle {
-                epoch: 1,
-                timer_due: Some(now + ms(2000)),
-            },
-        );
-        c.handle(
-            now,
-            WaitEvent::WaitStart {
-                request: 7,
-                epoch: 1,
-            },
-        );
+        start_idle_wait(&mut c, now, 7, Some(now + ms(2000)));
         c.tick(now + ms(20));
         assert_eq!(c.tick(now + ms(50)), vec![Action::Offload]);
     }
@@ -919,7 +898,7 @@ mod tests {
         };
         let base = Instant::now();
         let (mut c, now) = with_history(base, policy, &[60, 60], 10_000);
-        start_idle_wait(&mut c, now, 7);
+        start_idle_wait(&mut c, now, 7, None);
         c.tick(now + ms(20));
         assert_eq!(c.tick(now + ms(50)), vec![Action::Offload]);
     }
