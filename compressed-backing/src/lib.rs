@@ -9,10 +9,13 @@
 //! - [`store`]: [`DiskStore`], the durable on-disk store (segments + atomically replaced index).
 //! - [`pool`]: [`MemoryPool`], the in-memory compressed pool for cold blocks of running VMs.
 //! - [`bulk`]: parallel, bounded-memory transfer of whole images into and out of a store.
+//! - [`file`]: opening possibly hostile files: no symbolic links, FIFOs or devices, private
+//!   modes from the start, bounded reads.
 //! - [`image`]: packing a raw RAM file into a store and unpacking it.
 
 pub mod bulk;
 pub mod codec;
+pub mod file;
 pub mod fuse;
 pub mod image;
 pub mod layout;
