@@ -257,19 +257,21 @@ pub fn read_text_bounded(path: &Path, limit: u64) -> Result<String, FileError> {
     })
 }
 
+/// Makes a FIFO at `path`, for tests of what refuses one.
+#[cfg(test)]
+pub(crate) fn mkfifo(path: &Path) {
+    let status = std::process::Command::new("mkfifo")
+        .arg(path)
+        .status()
+        .expect("mkfifo runs");
+    assert!(status.success(), "mkfifo {}", path.display());
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
     use std::time::{Duration, Instant};
-
-    fn mkfifo(path: &Path) {
-        let status = std::process::Command::new("mkfifo")
-            .arg(path)
-            .status()
-            .unwrap();
-        assert!(status.success());
-    }
 
     #[test]
     fn open_regular_symlink_is_refused_and_target_untouched() {

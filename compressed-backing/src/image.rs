@@ -1,12 +1,13 @@
 //! Packing a raw RAM file into a store and unpacking it again: what the `pack` and `unpack`
 //! commands do, usable from any program.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use crate::bulk::{self, BulkOptions, BulkReport, FileSource};
 use crate::codec::{BlockKind, CodecConfig};
+use crate::file::{self, FileError};
 use crate::layout::BlockSize;
 use crate::store::{DiskStore, StoreConfig, StoreError, StoreStats};
 
@@ -39,6 +40,9 @@ pub enum ImageError {
         #[source]
         source: std::io::Error,
     },
+    /// The raw file (or the output's name) is a link, a FIFO or a device.
+    #[error(transparent)]
+    Refused(FileError),
     /// `pack` into an existing store with another block size.
     #[error("store {dir} has {existing}-byte blocks, not {requested}; pack into a new directory")]
     BlockSizeMismatch {
@@ -65,7 +69,8 @@ pub fn pack_file(
     options: &PackOptions,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<(BulkReport, StoreStats), ImageError> {
-    let file = File::open(mem_file).map_err(file_error("open", mem_file))?;
+    // Never a FIFO (whose open or read would block), a device or a link.
+    let file = file::open_read(mem_file).map_err(ImageError::Refused)?;
     let image_size = file.metadata().map_err(file_error("stat", mem_file))?.len();
     let mut store = match DiskStore::open(dir) {
         Ok(mut store) => {
@@ -111,7 +116,8 @@ pub fn pack_file(
 }
 
 /// Writes the image of the store at `dir` to the raw file `out` (sparse where blocks are
-/// zero). The file appears under its name only once complete and synced.
+/// zero), 0600. The file appears under its name only once complete and synced; an existing
+/// `out` is replaced only if it is a regular file (never through a link, never a FIFO).
 pub fn unpack_file(
     dir: &Path,
     out: &Path,
@@ -119,13 +125,17 @@ pub fn unpack_file(
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<BulkReport, ImageError> {
     let store = DiskStore::open_read_only(dir)?;
+    file::check_absent_or_regular(out).map_err(ImageError::Refused)?;
     let tmp = temp_name(out);
-    let file = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&tmp)
-        .map_err(file_error("create", &tmp))?;
+    // A stale temporary file (or a link planted there) is unlinked, never written through;
+    // the new one is 0600 from the start: it holds guest memory.
+    match fs::remove_file(&tmp) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(file_error("remove", &tmp)(e));
+        }
+        _ => {}
+    }
+    let file = file::create_private(&tmp).map_err(ImageError::Refused)?;
     let result = (|| {
         file.set_len(store.image_size())
             .map_err(file_error("size", &tmp))?;
@@ -231,6 +241,85 @@ mod tests {
         };
         let err = pack_file(&raw, &store_dir, &options, &|_| {}).unwrap_err();
         assert!(matches!(err, ImageError::BlockSizeMismatch { .. }), "{err}");
+    }
+
+    fn mode(path: &Path) -> u32 {
+        use std::os::unix::fs::PermissionsExt;
+        fs::symlink_metadata(path).unwrap().permissions().mode() & 0o7777
+    }
+
+    #[test]
+    fn pack_and_unpack_write_owner_only_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let raw = dir.path().join("mem");
+        write_image(&raw, 1 << 20, 3);
+        let store_dir = dir.path().join("store");
+        pack_file(&raw, &store_dir, &PackOptions::default(), &|_| {}).unwrap();
+        assert_eq!(mode(&store_dir), 0o700);
+        for entry in fs::read_dir(&store_dir).unwrap() {
+            let path = entry.unwrap().path();
+            assert_eq!(mode(&path), 0o600, "{}", path.display());
+        }
+        let out = dir.path().join("out");
+        unpack_file(&store_dir, &out, &BulkOptions::default(), &|_| {}).unwrap();
+        assert_eq!(mode(&out), 0o600);
+    }
+
+    #[test]
+    fn pack_of_a_fifo_or_link_is_refused_without_hanging() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        crate::file::mkfifo(&fifo);
+        let store_dir = dir.path().join("store");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (from, to) = (fifo.clone(), store_dir.clone());
+        std::thread::spawn(move || {
+            let result = pack_file(&from, &to, &PackOptions::default(), &|_| {});
+            let _ = tx.send(result.map(drop).map_err(|e| e.to_string()));
+        });
+        let result = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("pack of a FIFO hung");
+        assert!(result.unwrap_err().contains("FIFO"));
+        let raw = dir.path().join("mem");
+        write_image(&raw, 1 << 20, 3);
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&raw, &link).unwrap();
+        let err = pack_file(&link, &store_dir, &PackOptions::default(), &|_| {}).unwrap_err();
+        assert!(
+            crate::store::error_chain(&err).contains("symbolic link"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn unpack_never_writes_through_a_link_or_into_a_fifo() {
+        let dir = tempfile::tempdir().unwrap();
+        let raw = dir.path().join("mem");
+        let data = write_image(&raw, 1 << 20, 3);
+        let store_dir = dir.path().join("store");
+        pack_file(&raw, &store_dir, &PackOptions::default(), &|_| {}).unwrap();
+        let victim = dir.path().join("victim");
+        fs::write(&victim, b"precious").unwrap();
+        // A link planted as the temporary file: replaced, not written through.
+        let out = dir.path().join("out");
+        std::os::unix::fs::symlink(&victim, dir.path().join("out.partial")).unwrap();
+        unpack_file(&store_dir, &out, &BulkOptions::default(), &|_| {}).unwrap();
+        assert_eq!(fs::read(&victim).unwrap(), b"precious");
+        assert!(fs::read(&out).unwrap() == data);
+        // A link or a FIFO as the output is refused.
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&victim, &link).unwrap();
+        let err = unpack_file(&store_dir, &link, &BulkOptions::default(), &|_| {}).unwrap_err();
+        assert!(
+            crate::store::error_chain(&err).contains("symbolic link"),
+            "{err}"
+        );
+        assert_eq!(fs::read(&victim).unwrap(), b"precious");
+        let fifo = dir.path().join("fifo");
+        crate::file::mkfifo(&fifo);
+        let err = unpack_file(&store_dir, &fifo, &BulkOptions::default(), &|_| {}).unwrap_err();
+        assert!(crate::store::error_chain(&err).contains("FIFO"), "{err}");
     }
 
     #[test]

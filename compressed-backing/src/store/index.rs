@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 
 use xxhash_rust::xxh3::xxh3_64;
 
+use super::segment;
 use crate::codec::{BlockKind, Codec, CodecConfig, MaxRatio};
 use crate::layout::BlockSize;
 
@@ -167,7 +168,9 @@ impl Index {
         out
     }
 
-    /// Parses and validates an index file's bytes.
+    /// Parses and validates an index file's bytes. Every field is range-checked, so that
+    /// whatever a checksum-valid file says, a store opened from it can never overflow a
+    /// counter or write outside what it owns.
     pub(crate) fn decode(bytes: &[u8]) -> Result<Self, IndexError> {
         if bytes.len() < MAGIC.len() || &bytes[..MAGIC.len()] != MAGIC {
             return if bytes.len() < MAGIC.len() {
@@ -179,14 +182,13 @@ impl Index {
                 Err(IndexError::BadMagic)
             };
         }
-        let trailer = 8 + END_MAGIC.len();
-        if bytes.len() < MAGIC.len() + 4 + trailer || &bytes[bytes.len() - 8..] != END_MAGIC {
+        if bytes.len() < MAGIC.len() + 4 + TRAILER_LEN || &bytes[bytes.len() - 8..] != END_MAGIC {
             return Err(IndexError::Truncated {
                 len: bytes.len(),
                 what: "end marker",
             });
         }
-        let body = &bytes[..bytes.len() - trailer];
+        let body = &bytes[..bytes.len() - TRAILER_LEN];
         let stored = u64::from_le_bytes(
             bytes[body.len()..body.len() + 8]
                 .try_into()
@@ -198,27 +200,17 @@ impl Index {
         }
         let mut r = Reader {
             bytes: body,
-            pos: MAGIC.len(),
+            pos: 0,
         };
-        let version = r.u32("version")?;
-        if version != VERSION {
-            return Err(IndexError::Version(version));
-        }
-        let block_size = BlockSize::new(u64::from(r.u32("block size")?))
-            .map_err(|e| invalid("block size", e.to_string()))?;
-        let codec = match (r.u8("codec")?, r.i32("codec level")?) {
-            (0, _) => Codec::None,
-            (1, _) => Codec::Lz4,
-            (2, level) => Codec::Zstd { level },
-            (tag, _) => return Err(invalid("codec", format!("tag {tag}"))),
-        };
-        let (num, den) = (r.u32("ratio")?, r.u32("ratio")?);
-        let max_ratio =
-            MaxRatio::new(num, den).ok_or_else(|| invalid("max ratio", format!("{num}/{den}")))?;
-        let image_size = r.u64("image size")?;
-        let generation = r.u64("generation")?;
-        let next_segment = r.u32("next segment")?;
-        let segment_count = r.u32("segment count")?;
+        let header = Header::read(&mut r)?;
+        let Header {
+            block_size,
+            codec,
+            image_size,
+            generation,
+            next_segment,
+            segment_count,
+        } = header;
         let mut segments = BTreeMap::new();
         for _ in 0..segment_count {
             let id = r.u32("segment id")?;
@@ -229,9 +221,15 @@ impl Index {
                     format!("segment {id} listed twice or beyond next id"),
                 ));
             }
+            if len > MAX_SEGMENT_LEN {
+                return Err(invalid(
+                    "segment table",
+                    format!("segment {id} of {len} bytes (at most {MAX_SEGMENT_LEN})"),
+                ));
+            }
         }
         let block_count = r.u64("block count")?;
-        if block_count != block_size.blocks_for(image_size) {
+        if block_count != header.blocks() {
             return Err(invalid(
                 "block count",
                 format!("{block_count} blocks for an image of {image_size} bytes"),
@@ -261,25 +259,7 @@ impl Index {
                             len: r.u32("block length")?,
                             checksum: r.u64("block checksum")?,
                         };
-                        let end = data.offset.checked_add(u64::from(data.len));
-                        match (segments.get(&data.segment), end) {
-                            (Some(&seg_len), Some(end)) if end <= seg_len => {}
-                            _ => {
-                                return Err(invalid(
-                                    "block entry",
-                                    format!(
-                                        "block {block} points past segment {} ({} bytes at {})",
-                                        data.segment, data.len, data.offset
-                                    ),
-                                ))
-                            }
-                        }
-                        if data.len as usize > block_size.bytes() {
-                            return Err(invalid(
-                                "block entry",
-                                format!("block {block} payload of {} bytes", data.len),
-                            ));
-                        }
+                        check_data(block, &data, &segments, block_size, image_size)?;
                         Slot::Data(data)
                     }
                     None => return Err(invalid("block tag", format!("{tag} at block {block}"))),
@@ -288,6 +268,7 @@ impl Index {
             slots.push(slot);
         }
         let meta_count = r.u32("metadata count")?;
+        let meta_start = r.pos;
         let mut meta = BTreeMap::new();
         for _ in 0..meta_count {
             let key_len = r.u32("metadata key length")? as usize;
@@ -296,7 +277,19 @@ impl Index {
                 .to_owned();
             let value_len = r.u32("metadata value length")? as usize;
             let value = r.bytes(value_len, "metadata value")?.to_vec();
-            meta.insert(key, value);
+            if meta.insert(key, value).is_some() {
+                return Err(invalid("metadata", "a key listed twice"));
+            }
+        }
+        let meta_bytes = (r.pos - meta_start) as u64;
+        if meta_bytes > meta_limit(block_count) {
+            return Err(invalid(
+                "metadata",
+                format!(
+                    "{meta_bytes} bytes (at most {} for {block_count} blocks)",
+                    meta_limit(block_count)
+                ),
+            ));
         }
         if r.pos != body.len() {
             return Err(invalid(
@@ -306,7 +299,7 @@ impl Index {
         }
         Ok(Self {
             block_size,
-            codec: CodecConfig { codec, max_ratio },
+            codec,
             image_size,
             generation,
             next_segment,
@@ -315,6 +308,169 @@ impl Index {
             meta,
         })
     }
+
+    /// The most bytes an index file can legitimately have, from its first bytes (at least
+    /// [`HEADER_LEN`] of them, or the whole file if shorter): a file longer than this is
+    /// refused unread. The size follows from the segment count and the block count, each
+    /// entry at its largest, plus the metadata allowed for that many blocks.
+    pub(crate) fn size_limit(head: &[u8]) -> Result<u64, IndexError> {
+        let mut r = Reader {
+            bytes: head,
+            pos: 0,
+        };
+        let header = Header::read(&mut r)?;
+        // Cannot overflow: segments are at most MAX_SEGMENT_ID + 1, blocks at most
+        // MAX_BLOCKS, so this is about 2.5 GiB at most.
+        Ok(HEADER_LEN as u64
+            + u64::from(header.segment_count) * SEGMENT_ENTRY_LEN
+            + 8
+            + header.blocks() * MAX_BLOCK_ENTRY_LEN
+            + 4
+            + meta_limit(header.blocks())
+            + TRAILER_LEN as u64)
+    }
+}
+
+/// Bytes of the fixed header: magic, version, block size, codec and level, ratio, image size,
+/// generation, next segment, segment count.
+pub(crate) const HEADER_LEN: usize = 8 + 4 + 4 + 1 + 4 + 4 + 4 + 8 + 8 + 4 + 4;
+/// Checksum and end magic.
+const TRAILER_LEN: usize = 8 + 8;
+/// Id and length.
+const SEGMENT_ENTRY_LEN: u64 = 4 + 8;
+/// Tag, segment, offset, length, checksum.
+const MAX_BLOCK_ENTRY_LEN: u64 = 1 + 4 + 8 + 4 + 8;
+/// The most blocks an image may have: 2 TiB of 64 KiB blocks, 128 GiB of 4 KiB blocks; its
+/// index is at most 800 MiB. Stores of more are refused when created, so every store that
+/// can be written can be opened again.
+pub(crate) const MAX_BLOCKS: u64 = 1 << 25;
+/// A segment's length must be a file offset (`off_t`).
+const MAX_SEGMENT_LEN: u64 = i64::MAX as u64;
+/// zstd's levels: its fastest negative level up to 22.
+const ZSTD_LEVELS: std::ops::RangeInclusive<i32> = -(1 << 17)..=22;
+
+/// Metadata bytes allowed with `blocks` blocks: 1 MiB for small values, plus 8 bytes per block
+/// (a working set lists block numbers of 8 bytes).
+pub(crate) fn meta_limit(blocks: u64) -> u64 {
+    (1 << 20) + blocks * 8
+}
+
+/// The fixed header, range-checked.
+#[derive(Debug, Clone, Copy)]
+struct Header {
+    block_size: BlockSize,
+    codec: CodecConfig,
+    image_size: u64,
+    generation: u64,
+    next_segment: u32,
+    segment_count: u32,
+}
+
+impl Header {
+    fn read(r: &mut Reader<'_>) -> Result<Self, IndexError> {
+        if r.array::<8>("magic")? != *MAGIC {
+            return Err(IndexError::BadMagic);
+        }
+        let version = r.u32("version")?;
+        if version != VERSION {
+            return Err(IndexError::Version(version));
+        }
+        let block_size = BlockSize::new(u64::from(r.u32("block size")?))
+            .map_err(|e| invalid("block size", e.to_string()))?;
+        let codec = match (r.u8("codec")?, r.i32("codec level")?) {
+            (0, _) => Codec::None,
+            (1, _) => Codec::Lz4,
+            (2, level) if ZSTD_LEVELS.contains(&level) => Codec::Zstd { level },
+            (2, level) => return Err(invalid("codec", format!("zstd level {level}"))),
+            (tag, _) => return Err(invalid("codec", format!("tag {tag}"))),
+        };
+        let (num, den) = (r.u32("ratio")?, r.u32("ratio")?);
+        let max_ratio =
+            MaxRatio::new(num, den).ok_or_else(|| invalid("max ratio", format!("{num}/{den}")))?;
+        let image_size = r.u64("image size")?;
+        let blocks = block_size.blocks_for(image_size);
+        if blocks > MAX_BLOCKS {
+            return Err(invalid(
+                "image size",
+                format!("{image_size} bytes is {blocks} blocks (at most {MAX_BLOCKS})"),
+            ));
+        }
+        let generation = r.u64("generation")?;
+        // The next commit writes generation + 1.
+        if generation == u64::MAX {
+            return Err(invalid(
+                "generation",
+                format!("{generation} (the last one)"),
+            ));
+        }
+        let next_segment = r.u32("next segment")?;
+        // The next segment gets this id, and ids are at most MAX_SEGMENT_ID: one past it
+        // is allowed (the store then refuses to start a segment), anything beyond is a lie.
+        if next_segment > segment::MAX_ID + 1 {
+            return Err(invalid(
+                "next segment",
+                format!("{next_segment} (ids are at most {})", segment::MAX_ID),
+            ));
+        }
+        let segment_count = r.u32("segment count")?;
+        if segment_count > next_segment {
+            return Err(invalid(
+                "segment count",
+                format!("{segment_count} segments with ids below {next_segment}"),
+            ));
+        }
+        Ok(Self {
+            block_size,
+            codec: CodecConfig { codec, max_ratio },
+            image_size,
+            generation,
+            next_segment,
+            segment_count,
+        })
+    }
+
+    fn blocks(&self) -> u64 {
+        self.block_size.blocks_for(self.image_size)
+    }
+}
+
+/// Checks that a block's payload lies inside a listed segment and has a length its kind can
+/// have.
+fn check_data(
+    block: u64,
+    data: &DataRef,
+    segments: &BTreeMap<u32, u64>,
+    block_size: BlockSize,
+    image_size: u64,
+) -> Result<(), IndexError> {
+    let end = data.offset.checked_add(u64::from(data.len));
+    match (segments.get(&data.segment), end) {
+        (Some(&seg_len), Some(end)) if end <= seg_len => {}
+        _ => {
+            return Err(invalid(
+                "block entry",
+                format!(
+                    "block {block} points past segment {} ({} bytes at {})",
+                    data.segment, data.len, data.offset
+                ),
+            ))
+        }
+    }
+    let block_len = block_size.len_in_image(block, image_size);
+    let fits = match data.kind {
+        BlockKind::Raw => data.len as usize == block_len,
+        _ => data.len > 0 && data.len as usize <= block_len,
+    };
+    if !fits {
+        return Err(invalid(
+            "block entry",
+            format!(
+                "block {block} of {block_len} bytes has a {:?} payload of {} bytes",
+                data.kind, data.len
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn put_u32(out: &mut Vec<u8>, value: u32) {
@@ -449,14 +605,18 @@ mod tests {
             Just(Slot::Absent),
             Just(Slot::Zero),
             any::<u8>().prop_map(Slot::Fill),
-            (0u32..3, 0u64..1000, 0u32..=4096, any::<u64>(), 2u8..=4).prop_map(
-                |(segment, offset, len, checksum, tag)| Slot::Data(DataRef {
-                    kind: BlockKind::from_tag(tag).unwrap(),
-                    segment,
-                    len,
-                    offset,
-                    checksum,
-                })
+            (0u32..3, 0u64..1000, 1u32..=4096, any::<u64>(), 2u8..=4).prop_map(
+                |(segment, offset, len, checksum, tag)| {
+                    let kind = BlockKind::from_tag(tag).unwrap();
+                    Slot::Data(DataRef {
+                        kind,
+                        segment,
+                        // A raw payload is the whole (4 KiB) block.
+                        len: if kind == BlockKind::Raw { 4096 } else { len },
+                        offset,
+                        checksum,
+                    })
+                }
             ),
         ]
     }

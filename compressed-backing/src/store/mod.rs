@@ -14,8 +14,8 @@ mod segment;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{self, File, OpenOptions, TryLockError};
-use std::io::{self, Write};
-use std::os::unix::fs::MetadataExt;
+use std::io::{self, Read, Write};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -27,6 +27,7 @@ pub use reader::StoreReader;
 use segment::Segment;
 
 use crate::codec::{BlockKind, CodecConfig, CodecError, Encoded, Encoder};
+use crate::file::{self, FileError, PRIVATE_FILE_MODE};
 use crate::layout::BlockSize;
 
 const INDEX_FILE: &str = "index";
@@ -146,6 +147,39 @@ pub enum StoreError {
         /// The directory.
         dir: PathBuf,
     },
+    /// A store file is a symbolic link, a FIFO or device, or too large to be an index.
+    #[error(transparent)]
+    File(FileError),
+    /// Every segment id has been used: the store cannot start another segment.
+    #[error("store {dir} has used every segment id (up to {max}); pack into a new directory")]
+    SegmentIdsExhausted {
+        /// The directory.
+        dir: PathBuf,
+        /// The last id.
+        max: u32,
+    },
+    /// The commit generation would overflow.
+    #[error("store {dir} has reached its last generation; pack into a new directory")]
+    GenerationsExhausted {
+        /// The directory.
+        dir: PathBuf,
+    },
+    /// An image of more blocks than an index can hold.
+    #[error(
+        "an image of {image_size} bytes is {blocks} blocks, more than the {max} a store holds"
+    )]
+    ImageTooLarge {
+        /// The image's size.
+        image_size: u64,
+        /// Its blocks.
+        blocks: u64,
+        /// The most blocks.
+        max: u64,
+    },
+    /// The index about to be committed would not load again (metadata too large, or a bug):
+    /// nothing was written.
+    #[error("refusing to commit an index that could not be opened again")]
+    Unloadable(#[source] IndexError),
     /// The codec could not be set up.
     #[error("codec setup failed")]
     Codec(#[source] CodecError),
@@ -519,9 +553,11 @@ impl DiskStore {
         options: StoreOptions,
     ) -> Result<Self, StoreError> {
         let dir = dir.as_ref().to_path_buf();
-        fs::create_dir_all(&dir).map_err(StoreError::io("create directory", &dir))?;
+        check_image_size(config.block_size, config.image_size)?;
+        // New directories are 0700, new files 0600: the store holds guest memory.
+        file::create_private_dir(&dir).map_err(StoreError::io("create directory", &dir))?;
         let lock = lock_dir(&dir, true)?;
-        if dir.join(INDEX_FILE).exists() {
+        if fs::symlink_metadata(dir.join(INDEX_FILE)).is_ok() {
             return Err(StoreError::AlreadyExists { dir });
         }
         let blocks = config.block_size.blocks_for(config.image_size);
@@ -572,24 +608,18 @@ impl DiskStore {
     ) -> Result<Self, StoreError> {
         let dir = dir.as_ref().to_path_buf();
         let index_path = dir.join(INDEX_FILE);
-        if !index_path.exists() {
+        if fs::symlink_metadata(&index_path).is_err() {
             return Err(StoreError::NotAStore { dir });
         }
         let lock = lock_dir(&dir, writable)?;
-        let bytes = fs::read(&index_path).map_err(StoreError::io("read index", &index_path))?;
-        let index = Index::decode(&bytes).map_err(|source| StoreError::IndexCorrupt {
-            path: index_path.clone(),
-            source,
-        })?;
+        let index = read_index(&index_path)?;
         let mut segments = BTreeMap::new();
         for (&id, &committed_len) in &index.segments {
             let path = dir.join(segment::file_name(id));
             let (seg, actual) = match Segment::open(&dir, id, committed_len, writable) {
                 Ok(opened) => opened,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                    return Err(StoreError::SegmentMissing { path })
-                }
-                Err(e) => return Err(StoreError::io("open segment", path)(e)),
+                Err(e) if e.is_not_found() => return Err(StoreError::SegmentMissing { path }),
+                Err(e) => return Err(StoreError::File(e)),
             };
             if actual < committed_len {
                 return Err(StoreError::SegmentTruncated {
@@ -708,6 +738,7 @@ impl DiskStore {
     /// the old payloads are reclaimed.
     pub fn reset(&mut self, image_size: u64) -> Result<(), StoreError> {
         self.check_writable()?;
+        check_image_size(self.block_size, image_size)?;
         self.image_size = image_size;
         self.slots = vec![Slot::Absent; self.block_size.blocks_for(image_size) as usize];
         self.recount_live();
@@ -1146,9 +1177,14 @@ impl DiskStore {
         };
         if need_new {
             let id = self.next_segment;
-            let seg = Segment::create(&self.dir, id)
-                .map_err(StoreError::io("create segment", self.segment_path(id)))?;
-            self.next_segment += 1;
+            if id > segment::MAX_ID {
+                return Err(StoreError::SegmentIdsExhausted {
+                    dir: self.dir.clone(),
+                    max: segment::MAX_ID,
+                });
+            }
+            let seg = Segment::create(&self.dir, id).map_err(StoreError::File)?;
+            self.next_segment = id + 1;
             self.segments.insert(id, seg);
             self.active = Some(id);
         }
@@ -1169,11 +1205,17 @@ impl DiskStore {
                 .sync_data()
                 .map_err(StoreError::io("sync segment", seg.path.clone()))?;
         }
+        let generation =
+            self.generation
+                .checked_add(1)
+                .ok_or_else(|| StoreError::GenerationsExhausted {
+                    dir: self.dir.clone(),
+                })?;
         let index = Index {
             block_size: self.block_size,
             codec: self.codec,
             image_size: self.image_size,
-            generation: self.generation + 1,
+            generation,
             next_segment: self.next_segment,
             segments: self
                 .segments
@@ -1183,8 +1225,12 @@ impl DiskStore {
             slots: self.slots.clone(),
             meta: self.meta.clone(),
         };
+        let bytes = index.encode();
+        // Old or new, never neither: an index this build could not open again is not
+        // committed (decoding is far cheaper than the fsyncs around it).
+        Index::decode(&bytes).map_err(StoreError::Unloadable)?;
         let tmp = self.dir.join(INDEX_TMP);
-        let result = write_file_durably(&tmp, &index.encode()).and_then(|()| {
+        let result = write_file_durably(&tmp, &bytes).and_then(|()| {
             fs::rename(&tmp, self.dir.join(INDEX_FILE))
                 .map_err(StoreError::io("rename index", &tmp))
         });
@@ -1232,21 +1278,23 @@ impl DiskStore {
 /// Takes the store's lock: exclusive for writers, shared for readers.
 fn lock_dir(dir: &Path, exclusive: bool) -> Result<File, StoreError> {
     let path = dir.join(LOCK_FILE);
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(exclusive)
-        .truncate(false)
-        .open(&path);
+    let file = file::open_regular(
+        &path,
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(exclusive)
+            .truncate(false)
+            .mode(PRIVATE_FILE_MODE),
+    );
     let file = match file {
         Ok(file) => file,
         // A store created by an older writer always has its lock file; a reader of a store
-        // without one (copied directory) locks the index instead.
-        Err(e) if e.kind() == io::ErrorKind::NotFound && !exclusive => {
-            File::open(dir.join(INDEX_FILE))
-                .map_err(StoreError::io("open index", dir.join(INDEX_FILE)))?
+        // without one (copied directory, sealed snapshot) locks the index instead.
+        Err(e) if e.is_not_found() && !exclusive => {
+            file::open_read(&dir.join(INDEX_FILE)).map_err(StoreError::File)?
         }
-        Err(e) => return Err(StoreError::io("open lock file", path)(e)),
+        Err(e) => return Err(StoreError::File(e)),
     };
     let locked = if exclusive {
         file.try_lock()
@@ -1262,8 +1310,57 @@ fn lock_dir(dir: &Path, exclusive: bool) -> Result<File, StoreError> {
     }
 }
 
+/// Reads and decodes the index at `path`: a regular file, no longer than its own header
+/// says an index of its geometry can be.
+fn read_index(path: &Path) -> Result<Index, StoreError> {
+    let corrupt = |source| StoreError::IndexCorrupt {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut file = file::open_read(path).map_err(StoreError::File)?;
+    let mut head = Vec::with_capacity(index::HEADER_LEN);
+    (&mut file)
+        .take(index::HEADER_LEN as u64)
+        .read_to_end(&mut head)
+        .map_err(StoreError::io("read index", path))?;
+    let limit = Index::size_limit(&head).map_err(corrupt)?;
+    let mut bytes = head;
+    let rest = file::read_to_end_bounded(&mut file, path, limit).map_err(StoreError::File)?;
+    if (bytes.len() + rest.len()) as u64 > limit {
+        return Err(StoreError::File(FileError::TooLarge {
+            path: path.to_path_buf(),
+            size: (bytes.len() + rest.len()) as u64,
+            limit,
+        }));
+    }
+    bytes.extend_from_slice(&rest);
+    Index::decode(&bytes).map_err(corrupt)
+}
+
+/// Refuses an image of more blocks than an index holds.
+fn check_image_size(block_size: BlockSize, image_size: u64) -> Result<(), StoreError> {
+    let blocks = block_size.blocks_for(image_size);
+    if blocks > index::MAX_BLOCKS {
+        return Err(StoreError::ImageTooLarge {
+            image_size,
+            blocks,
+            max: index::MAX_BLOCKS,
+        });
+    }
+    Ok(())
+}
+
+/// Writes a new file at `path`, 0600 from the start; whatever was there (a stale temporary
+/// file, or a link planted to make this write land elsewhere) is unlinked first, never
+/// followed.
 fn write_file_durably(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
-    let mut file = File::create(path).map_err(StoreError::io("create", path))?;
+    match fs::remove_file(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => {
+            return Err(StoreError::io("remove", path)(e))
+        }
+        _ => {}
+    }
+    let mut file = file::create_private(path).map_err(StoreError::File)?;
     file.write_all(bytes)
         .map_err(StoreError::io("write", path))?;
     file.sync_all().map_err(StoreError::io("sync", path))
@@ -1277,7 +1374,9 @@ fn sync_dir(dir: &Path) -> Result<(), StoreError> {
 
 /// Bytes the file system has allocated for `path` (0 if it cannot be read).
 pub fn allocated_bytes(path: &Path) -> u64 {
-    fs::metadata(path).map(|m| m.blocks() * 512).unwrap_or(0)
+    fs::symlink_metadata(path)
+        .map(|m| m.blocks() * 512)
+        .unwrap_or(0)
 }
 
 /// Formats an error with all its causes, `a: b: c`.
@@ -1292,5 +1391,7 @@ pub fn error_chain(err: &dyn std::error::Error) -> String {
     text
 }
 
+#[cfg(test)]
+mod hostile_tests;
 #[cfg(test)]
 mod tests;

@@ -5,8 +5,13 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::file::{self, FileError};
+
 const PREFIX: &str = "seg-";
 const SUFFIX: &str = ".dat";
+/// The largest segment id: names have eight digits, so every id has one name and every
+/// segment file is recognised (and cleaned up) by [`parse_file_name`].
+pub(crate) const MAX_ID: u32 = 99_999_999;
 
 /// The file name of segment `id`.
 pub(crate) fn file_name(id: u32) -> String {
@@ -36,14 +41,10 @@ pub(crate) struct Segment {
 }
 
 impl Segment {
-    /// Creates a new, empty segment file; fails if it exists.
-    pub(crate) fn create(dir: &Path, id: u32) -> io::Result<Self> {
+    /// Creates a new, empty segment file, 0600; fails if it exists (as anything).
+    pub(crate) fn create(dir: &Path, id: u32) -> Result<Self, FileError> {
         let path = dir.join(file_name(id));
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)?;
+        let file = file::create_private(&path)?;
         Ok(Self {
             path,
             file: Arc::new(file),
@@ -59,10 +60,19 @@ impl Segment {
         id: u32,
         committed_len: u64,
         writable: bool,
-    ) -> io::Result<(Self, u64)> {
+    ) -> Result<(Self, u64), FileError> {
         let path = dir.join(file_name(id));
-        let file = OpenOptions::new().read(true).write(writable).open(&path)?;
-        let actual = file.metadata()?.len();
+        // Never through a link: the tail beyond the committed length is cut off when
+        // opened to write, which must only ever touch this store's own file.
+        let file = file::open_regular(&path, OpenOptions::new().read(true).write(writable))?;
+        let actual = file
+            .metadata()
+            .map_err(|source| FileError::Io {
+                op: "stat",
+                path: path.clone(),
+                source,
+            })?
+            .len();
         Ok((
             Self {
                 path,
