@@ -215,12 +215,15 @@ impl Index {
         for _ in 0..segment_count {
             let id = r.u32("segment id")?;
             let len = r.u64("segment length")?;
-            if id >= next_segment || segments.insert(id, len).is_some() {
+            // In ascending order, as written: one encoding per index.
+            let ascending = segments.last_key_value().is_none_or(|(&last, _)| id > last);
+            if id >= next_segment || !ascending {
                 return Err(invalid(
                     "segment table",
-                    format!("segment {id} listed twice or beyond next id"),
+                    format!("segment {id} out of order, listed twice or beyond next id"),
                 ));
             }
+            segments.insert(id, len);
             if len > MAX_SEGMENT_LEN {
                 return Err(invalid(
                     "segment table",
@@ -277,9 +280,16 @@ impl Index {
                 .to_owned();
             let value_len = r.u32("metadata value length")? as usize;
             let value = r.bytes(value_len, "metadata value")?.to_vec();
-            if meta.insert(key, value).is_some() {
-                return Err(invalid("metadata", "a key listed twice"));
+            let ascending = meta
+                .last_key_value()
+                .is_none_or(|(last, _): (&String, _)| key > *last);
+            if !ascending {
+                return Err(invalid(
+                    "metadata",
+                    format!("key {key:?} out of order or twice"),
+                ));
             }
+            meta.insert(key, value);
         }
         let meta_bytes = (r.pos - meta_start) as u64;
         if meta_bytes > meta_limit(block_count) {
@@ -378,8 +388,11 @@ impl Header {
         let block_size = BlockSize::new(u64::from(r.u32("block size")?))
             .map_err(|e| invalid("block size", e.to_string()))?;
         let codec = match (r.u8("codec")?, r.i32("codec level")?) {
-            (0, _) => Codec::None,
-            (1, _) => Codec::Lz4,
+            (0, 0) => Codec::None,
+            (1, 0) => Codec::Lz4,
+            (tag @ (0 | 1), level) => {
+                return Err(invalid("codec", format!("level {level} with tag {tag}")))
+            }
             (2, level) if ZSTD_LEVELS.contains(&level) => Codec::Zstd { level },
             (2, level) => return Err(invalid("codec", format!("zstd level {level}"))),
             (tag, _) => return Err(invalid("codec", format!("tag {tag}"))),
@@ -625,7 +638,7 @@ mod tests {
         #[test]
         fn any_index_roundtrips(
             slots in proptest::collection::vec(slot_strategy(), 0..200),
-            generation in any::<u64>(),
+            generation in 0..u64::MAX,
             meta in proptest::collection::btree_map("[a-z]{1,8}", proptest::collection::vec(any::<u8>(), 0..32), 0..4),
         ) {
             let block_size = BlockSize::new(4096).unwrap();
@@ -640,6 +653,169 @@ mod tests {
                 meta,
             };
             prop_assert_eq!(Index::decode(&index.encode()).unwrap(), index);
+        }
+    }
+
+    // Fuzzing of the decoder (cases from PROPTEST_CASES, 256 by default; the long run is
+    // `PROPTEST_CASES=100000 cargo test --release -p compressed-backing fuzz_`).
+
+    /// Replaces the checksum of `bytes` (an encoded index) with the right one, so that a
+    /// mutation reaches the field checks instead of stopping at the checksum.
+    fn rechecksum(bytes: &mut [u8]) {
+        if bytes.len() < TRAILER_LEN {
+            return;
+        }
+        let body = bytes.len() - TRAILER_LEN;
+        let checksum = xxh3_64(&bytes[..body]);
+        bytes[body..body + 8].copy_from_slice(&checksum.to_le_bytes());
+    }
+
+    /// What every index the decoder accepts must satisfy: a store opened from it cannot
+    /// overflow a counter, address outside its segments, or write an index it cannot read.
+    fn check_accepted(bytes: &[u8], index: &Index) -> Result<(), TestCaseError> {
+        prop_assert!(index.generation < u64::MAX);
+        prop_assert!(index.next_segment <= segment::MAX_ID + 1);
+        prop_assert!(index.slots.len() as u64 <= MAX_BLOCKS);
+        prop_assert_eq!(
+            index.slots.len() as u64,
+            index.block_size.blocks_for(index.image_size)
+        );
+        for (&id, &len) in &index.segments {
+            prop_assert!(id < index.next_segment && len <= MAX_SEGMENT_LEN);
+        }
+        for (block, slot) in index.slots.iter().enumerate() {
+            if let Slot::Data(data) = slot {
+                let seg_len = index.segments.get(&data.segment).copied();
+                prop_assert!(seg_len.is_some());
+                prop_assert!(data.offset + u64::from(data.len) <= seg_len.unwrap_or(0));
+                let block_len = index
+                    .block_size
+                    .len_in_image(block as u64, index.image_size);
+                prop_assert!(data.len > 0 && data.len as usize <= block_len);
+            }
+        }
+        prop_assert!(bytes.len() as u64 <= Index::size_limit(bytes).unwrap());
+        // Re-encoding gives the same bytes: what is committed next loads again.
+        prop_assert_eq!(&index.encode()[..], bytes);
+        Ok(())
+    }
+
+    fn index_strategy() -> impl Strategy<Value = Index> {
+        (
+            proptest::collection::vec(slot_strategy(), 0..40),
+            0..u64::MAX,
+            proptest::collection::btree_map(
+                "[a-z]{1,8}",
+                proptest::collection::vec(any::<u8>(), 0..16),
+                0..3,
+            ),
+        )
+            .prop_map(|(slots, generation, meta)| Index {
+                block_size: BlockSize::new(4096).unwrap(),
+                codec: CodecConfig::new(Codec::Zstd { level: 3 }),
+                image_size: slots.len() as u64 * 4096,
+                generation,
+                next_segment: 3,
+                segments: (0..3).map(|id| (id, 10_000)).collect(),
+                slots,
+                meta,
+            })
+    }
+
+    /// A field overwritten with a hostile value: (byte offset, little-endian bytes).
+    fn hostile_value() -> impl Strategy<Value = Vec<u8>> {
+        prop_oneof![
+            Just(u32::MAX.to_le_bytes().to_vec()),
+            Just(u64::MAX.to_le_bytes().to_vec()),
+            Just((segment::MAX_ID + 1).to_le_bytes().to_vec()),
+            Just((segment::MAX_ID + 2).to_le_bytes().to_vec()),
+            Just((i64::MAX as u64 + 1).to_le_bytes().to_vec()),
+            Just(0u32.to_le_bytes().to_vec()),
+            Just(vec![0xFF]),
+            Just(vec![0]),
+            proptest::collection::vec(any::<u8>(), 1..9),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn fuzz_index_random_bytes_are_rejected_without_panic(
+            bytes in proptest::collection::vec(any::<u8>(), 0..512),
+            framed in any::<bool>(),
+        ) {
+            let mut bytes = bytes;
+            if framed {
+                // Magic, a checksum and end magic around the noise: the parser proper runs.
+                let mut framed = MAGIC.to_vec();
+                framed.extend_from_slice(&bytes);
+                framed.extend_from_slice(&[0; 8]);
+                framed.extend_from_slice(END_MAGIC);
+                rechecksum(&mut framed);
+                bytes = framed;
+            }
+            if let Ok(index) = Index::decode(&bytes) {
+                check_accepted(&bytes, &index)?;
+            }
+            let _ = Index::size_limit(&bytes);
+        }
+
+        #[test]
+        fn fuzz_index_mutated_and_rechecksummed_is_rejected_or_sound(
+            index in index_strategy(),
+            edits in proptest::collection::vec((any::<prop::sample::Index>(), hostile_value()), 1..4),
+            fix_checksum in prop::bool::weighted(0.9),
+        ) {
+            let mut bytes = index.encode();
+            let body = bytes.len() - TRAILER_LEN;
+            for (at, value) in &edits {
+                let start = at.index(body);
+                let end = (start + value.len()).min(body);
+                bytes[start..end].copy_from_slice(&value[..end - start]);
+            }
+            if fix_checksum {
+                rechecksum(&mut bytes);
+            }
+            if let Ok(decoded) = Index::decode(&bytes) {
+                check_accepted(&bytes, &decoded)?;
+            }
+        }
+
+        #[test]
+        fn fuzz_index_hostile_fields_are_rejected_or_sound(
+            index in index_strategy(),
+            next_segment in prop_oneof![Just(u32::MAX), Just(segment::MAX_ID + 1), 0..8u32, any::<u32>()],
+            generation in prop_oneof![Just(u64::MAX), any::<u64>()],
+            segment_len in prop_oneof![Just(u64::MAX), Just(i64::MAX as u64), 0..20_000u64],
+            image_size in prop_oneof![Just(u64::MAX), Just(MAX_BLOCKS * 4096 + 1), 0..200_000u64],
+            offset in prop_oneof![Just(u64::MAX), Just(u64::MAX - 10), 0..20_000u64],
+            len in prop_oneof![Just(u32::MAX), Just(0u32), 0..5000u32],
+            which in 0..6u8,
+        ) {
+            let mut index = index;
+            match which {
+                0 => index.next_segment = next_segment,
+                1 => index.generation = generation,
+                2 => {
+                    index.segments.insert(1, segment_len);
+                }
+                3 => index.image_size = image_size,
+                4 | 5 => {
+                    let kind = if which == 4 { BlockKind::Lz4 } else { BlockKind::Raw };
+                    index.slots.push(Slot::Data(DataRef {
+                        kind,
+                        segment: 2,
+                        offset,
+                        len,
+                        checksum: 0,
+                    }));
+                    index.image_size = index.slots.len() as u64 * 4096;
+                }
+                _ => unreachable!("which is below 6"),
+            }
+            let bytes = index.encode();
+            if let Ok(decoded) = Index::decode(&bytes) {
+                check_accepted(&bytes, &decoded)?;
+            }
         }
     }
 }
