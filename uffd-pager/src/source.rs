@@ -75,9 +75,17 @@ pub struct RawFileSource {
 }
 
 impl RawFileSource {
-    /// Opens `path` read-only.
+    /// Opens `path` read-only. It must be a regular file: a symbolic link, a FIFO (whose
+    /// reads would block every fault thread) or a device is refused.
     pub fn open(path: &Path) -> std::io::Result<Self> {
-        let file = File::open(path)?;
+        let file = compressed_backing::file::open_read(path).map_err(|e| {
+            let kind = if e.is_not_found() {
+                std::io::ErrorKind::NotFound
+            } else {
+                std::io::ErrorKind::InvalidInput
+            };
+            std::io::Error::new(kind, e)
+        })?;
         let size = file.metadata()?.len();
         Ok(Self {
             path: path.to_path_buf(),

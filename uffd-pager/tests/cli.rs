@@ -61,6 +61,24 @@ fn write_image(path: &Path) -> Vec<u8> {
     data
 }
 
+fn unpack(store: &Path, out: &Path) -> Output {
+    run(&[
+        "unpack",
+        "--store",
+        store.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ])
+}
+
+/// Unpacks `store` into `dir`/out.raw and checks it holds `data`.
+fn assert_unpacks_to(store: &Path, dir: &Path, data: &[u8]) {
+    let raw_out = dir.join("out.raw");
+    let out = unpack(store, &raw_out);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(fs::read(&raw_out).unwrap() == data);
+}
+
 fn pack(dir: &Path, extra: &[&str]) -> (PathBuf, Vec<u8>) {
     let raw = dir.join("mem.raw");
     let data = write_image(&raw);
@@ -110,16 +128,7 @@ fn cli_pack_info_verify_unpack_roundtrip() {
     assert!(out.status.success(), "{}", text(&out.stdout));
     assert!(text(&out.stdout).contains("0 bad"), "{}", text(&out.stdout));
 
-    let raw_out = dir.path().join("out.raw");
-    let out = run(&[
-        "unpack",
-        "--store",
-        store_arg,
-        "--out",
-        raw_out.to_str().unwrap(),
-    ]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    assert!(fs::read(&raw_out).unwrap() == data);
+    assert_unpacks_to(&store, dir.path(), &data);
 }
 
 #[test]
@@ -232,13 +241,7 @@ fn cli_flipped_bit_fails_verify_with_block_and_offset() {
 
     // Unpacking a corrupt store fails and leaves no output file behind.
     let raw_out = dir.path().join("out.raw");
-    let out = run(&[
-        "unpack",
-        "--store",
-        store.to_str().unwrap(),
-        "--out",
-        raw_out.to_str().unwrap(),
-    ]);
+    let out = unpack(&store, &raw_out);
     assert!(!out.status.success());
     assert!(
         text(&out.stderr).contains("checksum mismatch"),
@@ -500,4 +503,235 @@ fn cli_memory_pool_merges_identical_pages_and_stops_on_sigterm() {
     // The pages outlive the daemon in the descriptors the VMs hold.
     va.pool().read_exact_at(&mut pooled, 3 << 12).unwrap();
     assert_eq!(&pooled[..], &a[3 << 12..4 << 12]);
+}
+
+// Hostile files around a store: other users, links, FIFOs, lying or huge indexes.
+
+/// A temporary directory other users may enter (tempdirs are 0700), so that what keeps
+/// them out of a store is the store's own modes.
+fn open_tempdir() -> tempfile::TempDir {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    dir
+}
+
+/// True if uid/gid 65534 (nobody) can read one byte of `path`.
+fn nobody_can_read(path: &Path) -> bool {
+    bin_as_nobody("head", &["-c1"], path)
+}
+
+/// True if nobody can list directory `path`.
+fn nobody_can_list(path: &Path) -> bool {
+    bin_as_nobody("ls", &[], path)
+}
+
+fn bin_as_nobody(program: &str, args: &[&str], path: &Path) -> bool {
+    Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--",
+            program,
+        ])
+        .args(args)
+        .arg(path)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("setpriv (util-linux) runs: this test needs it")
+        .success()
+}
+
+/// Asserts that the command failed and said `needle` on stderr.
+fn assert_fails_saying(out: &Output, needle: &str, what: &str) {
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "{what} succeeded");
+    assert!(err.contains(needle), "{what}: {err}");
+}
+
+/// Sets the `next_segment` field of an index file's bytes and recomputes the checksum, so
+/// that only the decoder's range checks can refuse it. The field follows magic, version,
+/// block size, codec, level, ratio, image size and generation.
+fn set_next_segment(bytes: &mut [u8], value: u32) {
+    bytes[45..49].copy_from_slice(&value.to_le_bytes());
+    let body = bytes.len() - 16;
+    let checksum = xxhash_rust::xxh3::xxh3_64(&bytes[..body]);
+    bytes[body..body + 8].copy_from_slice(&checksum.to_le_bytes());
+}
+
+fn mode(path: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    fs::symlink_metadata(path).unwrap().permissions().mode() & 0o7777
+}
+
+fn mkfifo(path: &Path) {
+    let status = Command::new("mkfifo").arg(path).status().unwrap();
+    assert!(status.success());
+}
+
+/// Runs the binary with `args`; `None` if it has not ended after 10 s (it is killed).
+fn run_within_10s(args: &[&str]) -> Option<Output> {
+    let mut child = bin()
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Some(child.wait_with_output().unwrap())
+}
+
+#[test]
+fn cli_pack_and_unpack_write_files_other_users_cannot_read() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = open_tempdir();
+    let (store, _) = pack(dir.path(), &[]);
+    fs::set_permissions(
+        dir.path().join("mem.raw"),
+        fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    assert_eq!(mode(&store), 0o700);
+    for entry in fs::read_dir(&store).unwrap() {
+        let path = entry.unwrap().path();
+        assert_eq!(mode(&path), 0o600, "{}", path.display());
+    }
+    assert!(!nobody_can_list(&store), "another user lists the store");
+    assert!(!nobody_can_read(&store.join("index")));
+    let raw_out = dir.path().join("out.raw");
+    let out = unpack(&store, &raw_out);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(mode(&raw_out), 0o600);
+    assert!(
+        !nobody_can_read(&raw_out),
+        "another user reads the unpacked RAM"
+    );
+    // The check itself works: a world-readable file is readable by nobody.
+    let public = dir.path().join("public");
+    fs::write(&public, b"x").unwrap();
+    fs::set_permissions(&public, fs::Permissions::from_mode(0o644)).unwrap();
+    assert!(nobody_can_read(&public));
+}
+
+#[test]
+fn cli_pack_into_a_store_whose_segment_links_to_another_keeps_the_other() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, _) = pack(dir.path(), &[]);
+    let small = dir.path().join("small.raw");
+    fs::write(
+        &small,
+        (0..1u32 << 20).map(|i| (i % 253) as u8).collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let b = dir.path().join("b");
+    let (small_arg, b_arg) = (small.to_str().unwrap(), b.to_str().unwrap());
+    let out = run(&["pack", "--mem-file", small_arg, "--store", b_arg]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let b_segment = b.join("seg-00000000.dat");
+    fs::remove_file(&b_segment).unwrap();
+    std::os::unix::fs::symlink(a.join("seg-00000000.dat"), &b_segment).unwrap();
+
+    let out = run(&["pack", "--mem-file", small_arg, "--store", b_arg]);
+    assert_fails_saying(&out, "symbolic link", "pack through a link");
+    let out = run(&["verify", "--store", a.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "store A was damaged: {}",
+        text(&out.stdout)
+    );
+}
+
+#[test]
+fn cli_fifo_as_index_or_memory_file_fails_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = pack(dir.path(), &[]);
+    let index = store.join("index");
+    fs::remove_file(&index).unwrap();
+    mkfifo(&index);
+    let store_arg = store.to_str().unwrap();
+    let out_arg = dir.path().join("out.raw");
+    let fifo = dir.path().join("fifo");
+    mkfifo(&fifo);
+    let socket = dir.path().join("s.sock");
+    let commands: [Vec<&str>; 5] = [
+        vec!["verify", "--store", store_arg],
+        vec!["info", "--store", store_arg],
+        vec![
+            "unpack",
+            "--store",
+            store_arg,
+            "--out",
+            out_arg.to_str().unwrap(),
+        ],
+        vec![
+            "pack",
+            "--mem-file",
+            fifo.to_str().unwrap(),
+            "--store",
+            "/nonexistent/x",
+        ],
+        vec![
+            "serve",
+            "--socket",
+            socket.to_str().unwrap(),
+            "--mem-file",
+            fifo.to_str().unwrap(),
+        ],
+    ];
+    for args in &commands {
+        let out = run_within_10s(args).unwrap_or_else(|| panic!("{args:?} hung"));
+        assert_fails_saying(&out, "FIFO", &format!("{args:?}"));
+    }
+}
+
+#[test]
+fn cli_pack_over_an_index_with_the_last_segment_id_fails_and_keeps_the_image() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, data) = pack(dir.path(), &[]);
+    let index = store.join("index");
+    let honest = fs::read(&index).unwrap();
+    let mut bytes = honest.clone();
+    set_next_segment(&mut bytes, u32::MAX);
+    fs::write(&index, &bytes).unwrap();
+
+    let raw = dir.path().join("mem.raw");
+    let out = run(&[
+        "pack",
+        "--mem-file",
+        raw.to_str().unwrap(),
+        "--store",
+        store.to_str().unwrap(),
+    ]);
+    assert_fails_saying(&out, "next segment", "pack over a hostile index");
+    assert!(
+        fs::read(&index).unwrap() == bytes,
+        "the index was rewritten"
+    );
+    // With the honest index back, the image is all there.
+    fs::write(&index, &honest).unwrap();
+    assert_unpacks_to(&store, dir.path(), &data);
+}
+
+#[test]
+fn cli_huge_sparse_index_is_refused_unread() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = pack(dir.path(), &[]);
+    fs::OpenOptions::new()
+        .write(true)
+        .open(store.join("index"))
+        .unwrap()
+        .set_len(6 << 30)
+        .unwrap();
+    let out = run_within_10s(&["info", "--store", store.to_str().unwrap()]).expect("info hung");
+    assert_fails_saying(&out, "more than the limit", "info of a 6 GiB index");
 }
