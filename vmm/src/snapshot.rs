@@ -10,8 +10,10 @@
 //! - `manifest.json`: the format, RAM size, the vCPU's registers, the guest's application
 //!   bytes, and an xxh3-128 digest and size of each file.
 //!
-//! It is built in `DIR.partial-PID` and renamed into place once every file is written and
-//! synced; then the files are made read-only (0444) and the directory 0555: sealed. A restore
+//! It is built in `DIR.partial-PID` (0700, every file 0600 from its creation: guest memory is
+//! the owner's alone) and renamed into place once every file is written and synced; then the
+//! files are made read-only for their owner (0400) and the directories 0500: sealed, and
+//! still private. A restore
 //! checks every digest before it maps anything, so a changed or truncated image is refused
 //! rather than run.
 //!
@@ -20,13 +22,14 @@
 //! `/proc/self/pagemap`) go to a store of 4 KiB blocks, then are dropped, which shows the
 //! image's bytes again; resume writes them back before the vCPU runs.
 
-use std::fs::File;
+use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
-use std::os::unix::fs::{FileExt, PermissionsExt};
+use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
+use compressed_backing::file::{self as safe_file, FileError, PRIVATE_FILE_MODE};
 use compressed_backing::store::{DiskStore, StoreConfig, StoreError};
 use compressed_backing::{BlockSize, CodecConfig};
 use uffd_pager::source::StoreSource;
@@ -42,6 +45,13 @@ const RAM: &str = "ram.img";
 const RAM_STORE: &str = "ram.store";
 const DISK: &str = "disk.img";
 const MANIFEST: &str = "manifest.json";
+/// A sealed file's mode: read-only, for its owner only.
+const SEALED_FILE_MODE: u32 = 0o400;
+/// A sealed directory's mode: listable and enterable by its owner only.
+const SEALED_DIR_MODE: u32 = 0o500;
+/// The most bytes of a manifest: a few KiB of registers and seals; anything near this is not
+/// one, and is refused before it is read into memory.
+const MANIFEST_LIMIT: u64 = 1 << 20;
 /// Bytes read or written at a time.
 const CHUNK: usize = 1 << 20;
 const PAGE: u64 = 4096;
@@ -90,6 +100,9 @@ pub enum SnapshotError {
         /// What differs.
         what: String,
     },
+    /// A file of the snapshot is a link, a FIFO, a device, or too large.
+    #[error(transparent)]
+    File(#[from] FileError),
     /// The private pages' store failed.
     #[error("the store of the VM's private pages")]
     Store(#[from] StoreError),
@@ -210,7 +223,7 @@ pub fn write(
     }
     let partial = out.with_extension(format!("partial-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&partial);
-    std::fs::create_dir_all(&partial).map_err(io("create", &partial))?;
+    safe_file::create_private_dir(&partial).map_err(io("create", &partial))?;
     let result =
         write_into(machine, vcpus, &partial, codec).and_then(|(ram_data_bytes, disk_bytes)| {
             seal(&partial)?;
@@ -272,7 +285,7 @@ fn write_into(
     };
     let path = dir.join(MANIFEST);
     let text = serde_json::to_vec_pretty(&manifest).expect("the manifest serializes");
-    let mut file = File::create(&path).map_err(io("create", &path))?;
+    let mut file = safe_file::create_private(&path)?;
     file.write_all(&text).map_err(io("write", &path))?;
     file.sync_all().map_err(io("sync", &path))?;
     Ok((ram_data_bytes, disk_seal.bytes))
@@ -282,7 +295,7 @@ fn write_into(
 /// are all zero, stay holes.
 fn write_ram(machine: &Machine, path: &Path) -> Result<(SealedFile, u64), SnapshotError> {
     let ram = machine.ram();
-    let file = File::create(path).map_err(io("create", path))?;
+    let file = safe_file::create_private(path)?;
     file.set_len(ram.size()).map_err(io("size", path))?;
     let mut digest = Digest::new();
     let mut buf = vec![0u8; CHUNK];
@@ -367,17 +380,24 @@ fn read_touched(
     Ok(true)
 }
 
-/// Copies `from` to `to` (holes stay holes where the file system allows), with its seal.
+/// Copies `from` to the new file `to` (0600 from the start), with its seal.
 fn copy_sealed(from: &Path, to: &Path) -> Result<SealedFile, SnapshotError> {
-    std::fs::copy(from, to).map_err(io("copy", from))?;
-    File::open(to)
-        .and_then(|f| f.sync_all())
-        .map_err(io("sync", to))?;
+    let copied = safe_file::create_private(to)?;
+    copy_into(from, &copied)?;
+    copied.sync_all().map_err(io("sync", to))?;
     digest_file(to, DISK)
 }
 
+/// Copies the regular file `from` into `to` (holes stay holes where the kernel's
+/// `copy_file_range` keeps them, as `std::fs::copy` does), without following a link at `from`.
+fn copy_into(from: &Path, mut to: &File) -> Result<(), SnapshotError> {
+    let mut source = safe_file::open_read(from)?;
+    std::io::copy(&mut source, &mut to).map_err(io("copy", from))?;
+    Ok(())
+}
+
 fn digest_file(path: &Path, name: &str) -> Result<SealedFile, SnapshotError> {
-    let mut file = File::open(path).map_err(io("open", path))?;
+    let mut file = safe_file::open_read(path)?;
     let mut digest = Digest::new();
     let mut buf = vec![0u8; CHUNK];
     loop {
@@ -390,7 +410,8 @@ fn digest_file(path: &Path, name: &str) -> Result<SealedFile, SnapshotError> {
     Ok(digest.seal(name))
 }
 
-/// Makes every file read-only and every directory unwritable. A store's lock file goes:
+/// Makes every file read-only and every directory unwritable, for the owner only (they were
+/// created owner-only: this only takes the write bits away). A store's lock file goes:
 /// readers of a store without one lock its index, which they can open read-only.
 fn seal(dir: &Path) -> Result<(), SnapshotError> {
     let _ = std::fs::remove_file(dir.join(RAM_STORE).join("lock"));
@@ -399,18 +420,21 @@ fn seal(dir: &Path) -> Result<(), SnapshotError> {
 
 fn seal_tree(dir: &Path) -> Result<(), SnapshotError> {
     for entry in std::fs::read_dir(dir).map_err(io("list", dir))? {
-        let path = entry.map_err(io("list", dir))?.path();
-        if path.is_dir() {
+        let entry = entry.map_err(io("list", dir))?;
+        let path = entry.path();
+        // `file_type` does not follow links: only what this function wrote is sealed.
+        if entry.file_type().map_err(io("stat", &path))?.is_dir() {
             seal_tree(&path)?;
         } else {
-            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o444))
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(SEALED_FILE_MODE))
                 .map_err(io("seal", &path))?;
         }
     }
     File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(io("sync", dir))?;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o555)).map_err(io("seal", dir))
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(SEALED_DIR_MODE))
+        .map_err(io("seal", dir))
 }
 
 /// Reads a snapshot's manifest without checking its files (see [`Snapshot::open`]).
@@ -420,7 +444,7 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, SnapshotError> {
         path: path.clone(),
         reason,
     };
-    let text = std::fs::read(&path).map_err(|e| bad(e.to_string()))?;
+    let text = safe_file::read_bounded(&path, MANIFEST_LIMIT).map_err(|e| bad(e.to_string()))?;
     let manifest: Manifest = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
     if manifest.format != FORMAT {
         return Err(bad(format!(
@@ -451,9 +475,7 @@ impl Snapshot {
         let ram = match manifest.ram_format {
             RamFormat::Raw => {
                 check_seal(&ram_path, &manifest.ram)?;
-                RestoreRam::Image(Arc::new(
-                    File::open(&ram_path).map_err(io("open", &ram_path))?,
-                ))
+                RestoreRam::Image(Arc::new(safe_file::open_read(&ram_path)?))
             }
             RamFormat::Store => {
                 let store = DiskStore::open_read_only(&ram_path)?;
@@ -477,8 +499,17 @@ impl Snapshot {
     /// Gives a VM its own copy of the disk at `disk` and what its machine restores from.
     pub fn restore(&self, disk: &Path) -> Result<Restore, SnapshotError> {
         let from = self.dir.join(DISK);
-        std::fs::copy(&from, disk).map_err(io("copy", &from))?;
-        std::fs::set_permissions(disk, std::fs::Permissions::from_mode(0o600))
+        let copy = safe_file::open_regular(
+            disk,
+            OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(PRIVATE_FILE_MODE),
+        )?;
+        copy_into(&from, &copy)?;
+        // An existing file keeps its mode through `open`: make it the VM's own, writable.
+        copy.set_permissions(std::fs::Permissions::from_mode(PRIVATE_FILE_MODE))
             .map_err(io("make writable", disk))?;
         Ok(Restore {
             ram: self.ram.clone(),

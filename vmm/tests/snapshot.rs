@@ -43,6 +43,47 @@ fn exec(vm: &mut Vm, text: &str) -> Vec<vmm::machine::CommandOutput> {
     vm.exec(&script::parse(text).unwrap()).unwrap()
 }
 
+/// A temporary directory other users may enter (tempdirs are 0700), so that only the
+/// snapshot's own modes keep them out.
+fn open_tempdir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    dir
+}
+
+/// True if uid/gid 65534 (nobody) can read one byte of `path`.
+fn nobody_can_read(path: &Path) -> bool {
+    std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .args(["head", "-c1"])
+        .arg(path)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .expect("setpriv (util-linux) runs: this test needs it")
+        .success()
+}
+
+/// Asserts that everything under `dir` is sealed for its owner alone: files 0400,
+/// directories 0500, and that another user cannot read the files.
+fn assert_sealed_and_private(dir: &Path) {
+    let mode = |path: &Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode(dir), 0o500, "{}", dir.display());
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            assert_sealed_and_private(&path);
+        } else {
+            assert_eq!(mode(&path), 0o400, "{}", path.display());
+            assert!(
+                !nobody_can_read(&path),
+                "another user reads {}",
+                path.display()
+            );
+        }
+    }
+}
+
 fn digest(vm: &mut Vm) -> String {
     exec(vm, "digest")[0].digest.clone().unwrap()
 }
@@ -52,25 +93,19 @@ fn snapshot_restores_continue_share_the_image_and_keep_writes_apart() {
     if skip() {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
+    let dir = open_tempdir();
     let mut origin = Vm::start(options(dir.path(), "origin", RamKind::Anon, None)).unwrap();
     exec(&mut origin, "fill 64MiB random seed=21; task");
     let sealed_digest = digest(&mut origin);
     let snap = dir.path().join("snap");
     let report = origin.snapshot(&snap, None).unwrap();
     assert!(report.ram_data_bytes >= 64 * MIB, "{report:?}");
-    // Sealed: read-only files in a read-only directory; never written over.
+    // Sealed: read-only files in a read-only directory, the owner's alone; never written
+    // over.
     for name in ["ram.img", "disk.img", "manifest.json"] {
-        let mode = std::fs::metadata(snap.join(name))
-            .unwrap()
-            .permissions()
-            .mode();
-        assert_eq!(mode & 0o777, 0o444, "{name}");
+        assert!(snap.join(name).is_file(), "{name}");
     }
-    assert_eq!(
-        std::fs::metadata(&snap).unwrap().permissions().mode() & 0o777,
-        0o555
-    );
+    assert_sealed_and_private(&snap);
     assert!(matches!(
         origin.snapshot(&snap, None),
         Err(VmError::Snapshot(vmm::snapshot::SnapshotError::Exists(_)))
@@ -220,7 +255,7 @@ fn snapshot_compressed_is_small_and_restores_lazily() {
     if skip() {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
+    let dir = open_tempdir();
     let mut origin = Vm::start(options(dir.path(), "origin", RamKind::Anon, None)).unwrap();
     exec(&mut origin, "fill 64MiB repeated seed=24");
     let expected = digest(&mut origin);
@@ -230,6 +265,7 @@ fn snapshot_compressed_is_small_and_restores_lazily() {
         .unwrap();
     let manifest = vmm::snapshot::read_manifest(&snap).unwrap();
     assert_eq!(manifest.ram_format, vmm::snapshot::RamFormat::Store);
+    assert_sealed_and_private(&snap);
     // 64 MiB of one motif: a few hundred KiB on disk.
     let on_disk: u64 = std::fs::read_dir(snap.join("ram.store"))
         .unwrap()
