@@ -622,3 +622,77 @@ fn fuse_view_reader_corrupt_block_reads_fail_with_eio() {
     assert_unmounted(mnt.path());
     assert!(stats.read_errors > 0, "{stats:?}");
 }
+
+/// True if uid/gid 65534 (nobody) succeeds in running `program args path` (`head -c1` to
+/// read, `ls` to list).
+fn nobody_can(program: &str, args: &[&str], path: &Path) -> bool {
+    std::process::Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--",
+            program,
+        ])
+        .args(args)
+        .arg(path)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .expect("setpriv (util-linux) runs: this test needs it")
+        .success()
+}
+
+#[test]
+fn fuse_view_of_a_store_or_reader_is_private_to_its_owner_even_with_allow_other() {
+    if !fuse_available() {
+        return;
+    }
+    let store_dir = tempfile::tempdir().expect("tempdir");
+    let (store, _) = create_store_with(store_dir.path(), StoreOptions::default());
+    let reader = store.reader();
+    drop(store);
+    for allow_other in [false, true] {
+        let options = FuseOptions {
+            allow_other,
+            ..FuseOptions::default()
+        };
+        for read_only in [false, true] {
+            let mnt = tempfile::tempdir().expect("tempdir");
+            let mounted = if read_only {
+                fuse::mount_reader(reader.clone(), mnt.path(), &options)
+            } else {
+                fuse::mount(
+                    DiskStore::open(store_dir.path()).expect("open"),
+                    mnt.path(),
+                    &options,
+                )
+            }
+            .expect("mount (needs root and /dev/fuse)");
+            let what = format!("allow_other {allow_other}, read-only {read_only}");
+            let file = mounted.file_path();
+            let mode = fs::metadata(&file).expect("stat").permissions().mode() & 0o777;
+            assert_eq!(mode, if read_only { 0o400 } else { 0o600 }, "{what}");
+            let dir_mode = fs::metadata(mnt.path()).expect("stat").permissions().mode() & 0o777;
+            assert_eq!(dir_mode, 0o700, "{what}");
+            assert!(
+                !nobody_can("head", &["-c1"], &file),
+                "another user reads: {what}"
+            );
+            assert!(
+                !nobody_can("ls", &[], mnt.path()),
+                "another user lists: {what}"
+            );
+            // The owner still can.
+            assert_eq!(
+                File::open(&file)
+                    .expect("open")
+                    .metadata()
+                    .expect("stat")
+                    .len(),
+                IMAGE_SIZE
+            );
+            mounted.unmount().expect("unmount");
+        }
+    }
+}

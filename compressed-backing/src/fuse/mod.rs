@@ -152,8 +152,10 @@ pub struct FuseOptions {
     pub cache_blocks: usize,
     /// Threads serving FUSE requests.
     pub threads: usize,
-    /// Let users other than the mounting one (root included) reach the file. Permissions are
-    /// still checked by the kernel against the file's mode (0600, owned by the mounting user).
+    /// Let users other than the mounting one (root included) reach the mount. Permissions are
+    /// still checked by the kernel (`default_permissions`) against the modes: the file 0600
+    /// (0400 read-only) and the directory 0700, owned by the mounting user, so only that
+    /// user, and root, get in. Without it the kernel refuses every other user outright.
     pub allow_other: bool,
 }
 

@@ -31,8 +31,9 @@ const MAX_REQUEST_BYTES: u32 = 1 << 20;
 const FILE_PERM: u16 = 0o600;
 /// Permissions of the image file of a read-only view.
 const READ_ONLY_FILE_PERM: u16 = 0o400;
-/// Permissions of the root directory.
-const DIR_PERM: u16 = 0o755;
+/// Permissions of the root directory: owner-only, so that even with `allow_other` another
+/// user cannot list the mount or learn the image's name and size.
+const DIR_PERM: u16 = 0o700;
 
 /// State shared by the request handlers and the [`MountedStore`](super::MountedStore) handle.
 #[derive(Debug)]
