@@ -86,6 +86,20 @@ impl FileError {
     }
 }
 
+/// For callers whose errors carry an `io::Error`: the kind says what happened (`NotFound`,
+/// `InvalidInput` for a refused file, `FileTooLarge`), the `FileError` stays the source.
+impl From<FileError> for io::Error {
+    fn from(err: FileError) -> Self {
+        let kind = match &err {
+            FileError::Open { source, .. } | FileError::Io { source, .. } => source.kind(),
+            FileError::TooLarge { .. } => io::ErrorKind::FileTooLarge,
+            FileError::NotText { .. } => io::ErrorKind::InvalidData,
+            FileError::Symlink { .. } | FileError::NotRegular { .. } => io::ErrorKind::InvalidInput,
+        };
+        io::Error::new(kind, err)
+    }
+}
+
 fn kind_name(file_type: std::fs::FileType) -> &'static str {
     if file_type.is_dir() {
         "directory"

@@ -78,14 +78,7 @@ impl RawFileSource {
     /// Opens `path` read-only. It must be a regular file: a symbolic link, a FIFO (whose
     /// reads would block every fault thread) or a device is refused.
     pub fn open(path: &Path) -> std::io::Result<Self> {
-        let file = compressed_backing::file::open_read(path).map_err(|e| {
-            let kind = if e.is_not_found() {
-                std::io::ErrorKind::NotFound
-            } else {
-                std::io::ErrorKind::InvalidInput
-            };
-            std::io::Error::new(kind, e)
-        })?;
+        let file = compressed_backing::file::open_read(path)?;
         let size = file.metadata()?.len();
         Ok(Self {
             path: path.to_path_buf(),

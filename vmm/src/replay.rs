@@ -80,16 +80,25 @@ fn one() -> f64 {
     1.0
 }
 
+/// Most bytes of a trajectory file (see [`Trajectory::load`]).
+pub const TRAJECTORY_LIMIT: u64 = 64 << 20;
+
 /// Most bytes of one answer (the guest's I/O buffer).
 pub const MAX_ANSWER: u64 = crate::guest::IO_BUF_SIZE;
 
 impl Trajectory {
     /// Reads and checks a trajectory file.
     pub fn load(path: &Path) -> Result<Self, ReplayError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ReplayError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        // A trajectory is a few KiB to a few MiB of JSON (one line per step, answers given
+        // by size, not content); 64 MiB is far beyond any recorded run, and keeps
+        // `replay /dev/zero` or a huge file from filling memory. FIFOs and devices are refused.
+        let text =
+            compressed_backing::file::read_text_bounded(path, TRAJECTORY_LIMIT).map_err(|e| {
+                ReplayError::Read {
+                    path: path.to_path_buf(),
+                    source: e.into(),
+                }
+            })?;
         let invalid = |reason: String| ReplayError::Invalid {
             path: path.to_path_buf(),
             reason,

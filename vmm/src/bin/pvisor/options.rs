@@ -195,9 +195,14 @@ pub struct Resolved {
     pub wait: Option<vmm::wait::WaitPolicy>,
 }
 
+/// Most bytes of a config file: a `[vm]` table is a few hundred bytes; 1 MiB is far beyond
+/// any, and keeps `--config /dev/zero` or a huge file from filling memory.
+const CONFIG_LIMIT: u64 = 1 << 20;
+
 fn read_config(path: &Path) -> Result<ConfigVm, String> {
-    let text =
-        std::fs::read_to_string(path).map_err(|e| format!("config {}: {e}", path.display()))?;
+    // A FIFO (whose read would block), a device or a link is refused.
+    let text = compressed_backing::file::read_text_bounded(path, CONFIG_LIMIT)
+        .map_err(|e| format!("config {}: {e}", path.display()))?;
     let file: ConfigFile =
         toml::from_str(&text).map_err(|e| format!("config {}: {e}", path.display()))?;
     Ok(file.vm)
@@ -546,4 +551,38 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
         cgroup: args.cgroup.clone().or(config.cgroup),
         pager_threads: args.pager_threads.or(config.pager_threads).unwrap_or(1),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn read_config_of_a_device_fifo_or_huge_file_is_refused_at_once() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let fifo = dir.path().join("fifo");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        assert!(made.is_ok_and(|s| s.success()));
+        let huge = dir.path().join("huge.toml");
+        let file = std::fs::File::create(&huge).expect("a file");
+        file.set_len(CONFIG_LIMIT + 1).expect("a sparse file");
+        // The FIFO first: before the fix it hangs, and the test stops there rather than read
+        // /dev/zero without end.
+        for (path, expected) in [
+            (fifo.as_path(), "FIFO"),
+            (huge.as_path(), "limit"),
+            (Path::new("/dev/zero"), "character device"),
+        ] {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let owned = path.to_path_buf();
+            std::thread::spawn(move || {
+                let _ = tx.send(read_config(&owned).map(drop));
+            });
+            let result = rx
+                .recv_timeout(std::time::Duration::from_secs(10))
+                .unwrap_or_else(|_| panic!("reading {} hung", path.display()));
+            let err = result.expect_err("refused");
+            assert!(err.contains(expected), "{err}");
+        }
+    }
 }
