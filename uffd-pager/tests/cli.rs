@@ -735,3 +735,25 @@ fn cli_huge_sparse_index_is_refused_unread() {
     let out = run_within_10s(&["info", "--store", store.to_str().unwrap()]).expect("info hung");
     assert_fails_saying(&out, "more than the limit", "info of a 6 GiB index");
 }
+
+#[test]
+fn cli_pack_under_umask_000_still_writes_owner_only_files() {
+    // Modes are given at creation, not by a chmod afterwards: no umask opens a window.
+    let dir = tempfile::tempdir().unwrap();
+    let raw = dir.path().join("mem.raw");
+    write_image(&raw);
+    let store = dir.path().join("store");
+    let out = Command::new("sh")
+        .args(["-c", "umask 000; exec \"$0\" \"$@\""])
+        .arg(env!("CARGO_BIN_EXE_uffd-pager"))
+        .args(["pack", "--mem-file", raw.to_str().unwrap(), "--store"])
+        .arg(&store)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(mode(&store), 0o700);
+    for entry in fs::read_dir(&store).unwrap() {
+        let path = entry.unwrap().path();
+        assert_eq!(mode(&path), 0o600, "{}", path.display());
+    }
+}
