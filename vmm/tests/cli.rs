@@ -1148,3 +1148,118 @@ fn cli_operator_resume_before_the_answer_gives_the_wait_back_to_wait_management(
     assert_eq!(results[0]["digest"].as_str(), Some(expected.as_str()));
     assert_eq!(results[1]["digest"].as_str(), Some(before.as_str()));
 }
+
+/// The resident memory of process `pid`, bytes.
+fn rss_bytes(pid: u64) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .unwrap()
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .unwrap();
+    kib << 10
+}
+
+/// Runs `pvisor ARGS` and fails unless it succeeds within `secs` (killed then).
+fn answers_within(runtime: &Path, args: &[&str], secs: f64) {
+    let started = std::time::Instant::now();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pvisor"))
+        .args(args)
+        .env("PVISOR_RUNTIME_DIR", runtime)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed().as_secs_f64() > secs {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("pvisor {args:?} did not answer within {secs} s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
+    assert!(status.success(), "pvisor {args:?}: {status}");
+}
+
+#[test]
+fn cli_control_socket_floods_and_huge_lines_do_not_starve_or_bloat_the_vm() {
+    use std::io::Write;
+    use std::os::unix::net::UnixStream;
+    if skip() {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    let vm = Detached::start(runtime.path(), &[], "idle");
+    let pid = vm.identity["pid"].as_u64().unwrap();
+    let socket = std::path::PathBuf::from(vm.identity["socket"].as_str().unwrap());
+    // The VM runs with the usual default descriptor limit.
+    let limit = libc::rlimit {
+        rlim_cur: 1024,
+        rlim_max: 1024,
+    };
+    // SAFETY: prlimit only reads `limit`; the old value is not asked for.
+    let set = unsafe {
+        libc::prlimit(
+            i32::try_from(pid).unwrap(),
+            libc::RLIMIT_NOFILE,
+            &limit,
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(set, 0, "prlimit: {}", std::io::Error::last_os_error());
+    let before = rss_bytes(pid);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        // Four 64 MiB request lines at once.
+        for _ in 0..4 {
+            scope.spawn(|| {
+                let Ok(mut stream) = UnixStream::connect(&socket) else {
+                    return;
+                };
+                let chunk = vec![b'a'; 1 << 20];
+                for _ in 0..64 {
+                    if stream.write_all(&chunk).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+        // 1,100 idle connections.
+        let idle: Vec<UnixStream> = (0..1100)
+            .filter_map(|_| UnixStream::connect(&socket).ok())
+            .collect();
+        // 200 that trickle a byte every 200 ms.
+        let trickling = scope.spawn(|| {
+            let mut streams: Vec<UnixStream> = (0..200)
+                .filter_map(|_| UnixStream::connect(&socket).ok())
+                .collect();
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                for stream in &mut streams {
+                    let _ = stream.write_all(b"{");
+                }
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
+        });
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        for _ in 0..3 {
+            answers_within(runtime.path(), &["status", vm.job()], 3.0);
+            answers_within(
+                runtime.path(),
+                &["exec", vm.job(), "--", "fill 1MiB zero; digest"],
+                3.0,
+            );
+        }
+        let grown = rss_bytes(pid).saturating_sub(before);
+        assert!(grown < 64 << 20, "the VM process grew by {grown} bytes");
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        trickling.join().unwrap();
+        drop(idle);
+    });
+    answers_within(runtime.path(), &["status", vm.job()], 3.0);
+}

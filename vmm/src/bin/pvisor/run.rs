@@ -132,7 +132,13 @@ fn vm_main(spec: Spec) -> CliResult {
     let started = Instant::now();
     let socket = runtime::socket_path(&spec.job);
     let (tx, rx) = mpsc::channel::<control::Job>();
-    control::serve(&socket, spec.job.clone(), spec.attempt.clone(), tx.clone())?;
+    let who = control::Identity {
+        job: spec.job.clone(),
+        attempt: spec.attempt.clone(),
+        // SAFETY: geteuid cannot fail.
+        owner: unsafe { libc::geteuid() },
+    };
+    control::serve(&socket, who, tx.clone(), Arc::new(|| {}))?;
     let signal_tx = tx.clone();
     std::thread::Builder::new()
         .name("pvisor-signals".into())
