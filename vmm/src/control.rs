@@ -589,3 +589,172 @@ pub fn call(
         )),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use proptest::prelude::*;
+    use serde_json::{json, Value};
+
+    fn who() -> Identity {
+        Identity {
+            job: "vm-1".into(),
+            attempt: "a-1".into(),
+            owner: 1000,
+        }
+    }
+
+    /// Any JSON value, a few levels deep.
+    fn any_json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            any::<f64>().prop_map(|f| json!(f)),
+            ".{0,12}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(3, 24, 4, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                prop::collection::btree_map(".{0,8}", inner, 0..4)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    /// Envelopes close to valid ones: each field right, wrong, missing or of the wrong type.
+    fn envelope() -> impl Strategy<Value = Vec<u8>> {
+        let version = prop_oneof![
+            Just(json!(1)),
+            Just(json!(0)),
+            Just(json!(2)),
+            Just(json!(u64::from(u32::MAX) + 1)),
+            any_json()
+        ];
+        let id = prop_oneof![".{0,16}".prop_map(Value::String), any_json()];
+        let job = prop_oneof![Just(json!("vm-1")), any_json()];
+        let attempt = prop_oneof![Just(json!("a-1")), any_json()];
+        let method = prop_oneof![
+            Just("status"),
+            Just("stats"),
+            Just("exec"),
+            Just("suspend"),
+            Just("resume"),
+            Just("snapshot"),
+            Just("stop"),
+        ]
+        .prop_map(|m| json!(m))
+        .boxed()
+        .prop_union(any_json().boxed());
+        let params = prop_oneof![
+            Just(None),
+            Just(Some(json!({"script": "digest"}))),
+            Just(Some(json!({"offload": true}))),
+            Just(Some(json!({"eager": false}))),
+            Just(Some(json!({"out": "/tmp/x", "codec": "lz4"}))),
+            any_json().prop_map(Some),
+        ];
+        let drop_field = prop::option::weighted(0.2, 0..5usize);
+        (version, id, job, attempt, method, params, drop_field).prop_map(
+            |(version, id, job, attempt, method, params, drop_field)| {
+                let mut fields = vec![
+                    ("version", version),
+                    ("request_id", id),
+                    ("job", job),
+                    ("attempt", attempt),
+                    ("method", method),
+                ];
+                if let Some(params) = params {
+                    fields.push(("params", params));
+                }
+                if let Some(i) = drop_field {
+                    fields.remove(i);
+                }
+                let object: serde_json::Map<String, Value> =
+                    fields.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+                serde_json::to_vec(&Value::Object(object)).unwrap()
+            },
+        )
+    }
+
+    fn peer() -> impl Strategy<Value = Option<u32>> {
+        prop_oneof![
+            Just(Some(1000)),
+            Just(Some(0)),
+            Just(Some(65534)),
+            Just(None)
+        ]
+    }
+
+    /// What the VM answers in the fuzz: anything it may answer.
+    fn vm_answer() -> impl Strategy<Value = Option<Result<Value, String>>> {
+        prop_oneof![
+            any_json().prop_map(|v| Some(Ok(v))),
+            ".{0,16}".prop_map(|e| Some(Err(e))),
+            Just(None),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn fuzz_control_request_lines_always_get_one_well_formed_reply(
+            line in prop_oneof![prop::collection::vec(any::<u8>(), 0..256), envelope()],
+            peer in peer(),
+            answer in vm_answer(),
+        ) {
+            let mut dispatched = None;
+            let text = answer_line(&line, peer, &who(), |method| {
+                dispatched = Some(method);
+                answer.clone()
+            });
+            prop_assert!(text.ends_with('\n'));
+            prop_assert_eq!(text.matches('\n').count(), 1);
+            let reply: Reply = serde_json::from_str(&text).unwrap();
+            prop_assert_eq!(reply.version, VERSION);
+            let checked = check_request(&line, peer, &who());
+            match (&checked, &dispatched) {
+                (Ok(request), Some(method)) => {
+                    // Only a valid request for this VM, from its owner or root, is dispatched.
+                    prop_assert_eq!(&request.method, method);
+                    prop_assert!(peer == Some(1000) || peer == Some(0));
+                    prop_assert_eq!(request.version, VERSION);
+                    prop_assert_eq!(request.job.as_str(), "vm-1");
+                    prop_assert_eq!(request.attempt.as_str(), "a-1");
+                    prop_assert_eq!(&reply.request_id, &request.request_id);
+                    let ok = matches!(answer, Some(Ok(_)));
+                    prop_assert_eq!(reply.status.as_str(), if ok { "ok" } else { "error" });
+                }
+                (Err(refusal), None) => {
+                    prop_assert_eq!(reply.status.as_str(), "error");
+                    prop_assert!(reply.error.is_some());
+                    prop_assert_eq!(&reply.request_id, &refusal.request_id);
+                }
+                _ => prop_assert!(false, "dispatched {dispatched:?} for {checked:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn control_valid_request_is_dispatched_and_echoes_its_id() {
+        let line =
+            br#"{"version":1,"request_id":"r9","job":"vm-1","attempt":"a-1","method":"status"}"#;
+        let text = answer_line(line, Some(0), &who(), |m| {
+            assert_eq!(m, Method::Status);
+            Some(Ok(json!({"fine": true})))
+        });
+        let reply: Reply = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            (reply.request_id.as_str(), reply.status.as_str()),
+            ("r9", "ok")
+        );
+    }
+
+    #[test]
+    fn control_oversized_line_is_refused_before_parsing() {
+        let line = vec![b' '; MAX_REQUEST_BYTES + 1];
+        let refusal = check_request(&line, Some(1000), &who()).unwrap_err();
+        assert!(refusal.error.unwrap().contains("longer than"));
+    }
+}
