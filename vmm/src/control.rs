@@ -225,19 +225,20 @@ pub type OnStop = Arc<dyn Fn() + Send + Sync>;
 /// reads every connection with `poll` (bounded: [`MAX_CONNECTIONS`], [`MAX_REQUEST_BYTES`],
 /// [`MAX_BUFFERED_BYTES`], [`REQUEST_DEADLINE`] for the whole request); each complete request
 /// waits for its answer on a thread of its own (at most [`MAX_IN_FLIGHT`]). A `stop` calls
-/// `on_stop` first. Returns the listener thread.
+/// `on_stop` first.
 pub fn serve(
     path: &Path,
     who: Identity,
     tx: mpsc::Sender<Job>,
     on_stop: OnStop,
-) -> std::io::Result<std::thread::JoinHandle<()>> {
+) -> std::io::Result<Listening> {
     if path.symlink_metadata().is_ok() {
         std::fs::remove_file(path)?;
     }
     let listener = UnixListener::bind(path)?;
     std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
     listener.set_nonblocking(true)?;
+    let in_flight = Arc::new(AtomicUsize::new(0));
     let server = Server {
         listener,
         who,
@@ -245,11 +246,30 @@ pub fn serve(
         on_stop,
         pending: VecDeque::new(),
         buffered: 0,
-        in_flight: Arc::new(AtomicUsize::new(0)),
+        in_flight: Arc::clone(&in_flight),
     };
-    std::thread::Builder::new()
+    let thread = std::thread::Builder::new()
         .name("pvisor-control".into())
-        .spawn(move || server.run())
+        .spawn(move || server.run())?;
+    Ok(Listening {
+        in_flight,
+        _thread: thread,
+    })
+}
+
+/// A serving control socket.
+#[derive(Debug)]
+pub struct Listening {
+    in_flight: Arc<AtomicUsize>,
+    _thread: std::thread::JoinHandle<()>,
+}
+
+impl Listening {
+    /// Requests read and not answered yet (their replies not written): a VM that exits waits
+    /// for them, answering what is queued, so that a `stop` gets its reply.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::SeqCst)
+    }
 }
 
 /// A connection whose request is being read.

@@ -412,6 +412,11 @@ impl Vm {
         &self.machine
     }
 
+    /// What ends the running command from another thread (`stop`, SIGTERM).
+    pub fn interrupter(&self) -> crate::machine::Interrupter {
+        self.machine.interrupter()
+    }
+
     /// Where operator requests come from while a command waits for a model answer (see
     /// [`crate::operator`]).
     pub fn set_operator(&mut self, operator: Box<dyn crate::operator::Operator>) {

@@ -1107,7 +1107,7 @@ fn cli_stop_during_a_model_wait_ends_the_vm() {
         vm.stats_until(deadline, |s| s["model_wait"]["request"] == 1);
         assert_eq!(vm.call("stop", &[])["stopped"], true);
         let failed = command.join().unwrap();
-        assert!(failed.contains("stopped while it waited"), "{failed}");
+        assert!(failed.contains("stopped"), "{failed}");
     });
     // The VM process exits without waiting for the 30 s answer.
     wait_gone(&[pid], 10);
@@ -1262,4 +1262,42 @@ fn cli_control_socket_floods_and_huge_lines_do_not_starve_or_bloat_the_vm() {
         drop(idle);
     });
     answers_within(runtime.path(), &["status", vm.job()], 3.0);
+}
+
+/// Sends SIGTERM to `pid`.
+fn sigterm(pid: u64) {
+    let pid = i32::try_from(pid).unwrap();
+    // SAFETY: kill only sends a signal.
+    let sent = unsafe { libc::kill(pid, libc::SIGTERM) };
+    assert_eq!(sent, 0);
+}
+
+#[test]
+fn cli_stop_and_sigterm_interrupt_a_running_command() {
+    if skip() {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    let forever = "sleep 18446744073709551615";
+    // `stop` while an `exec` sleeps: the exec ends with "stopped", the VM and its files go.
+    let vm = Detached::start(runtime.path(), &[], "idle");
+    let pid = vm.identity["pid"].as_u64().unwrap();
+    let dir = runtime.path().join(vm.job());
+    std::thread::scope(|scope| {
+        let command = scope.spawn(|| vm.call_fails("exec", &["--", forever]));
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        answers_within(runtime.path(), &["stop", vm.job()], 5.0);
+        let failed = command.join().unwrap();
+        assert!(failed.contains("stopped"), "{failed}");
+    });
+    wait_gone(&[pid], 5);
+    assert!(!dir.exists(), "{} is left", dir.display());
+    // SIGTERM while the script itself sleeps.
+    let vm = Detached::start(runtime.path(), &[], forever);
+    let pid = vm.identity["pid"].as_u64().unwrap();
+    let dir = runtime.path().join(vm.job());
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    sigterm(pid);
+    wait_gone(&[pid], 5);
+    assert!(!dir.exists(), "{} is left", dir.display());
 }

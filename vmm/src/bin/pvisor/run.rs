@@ -138,12 +138,19 @@ fn vm_main(spec: Spec) -> CliResult {
         // SAFETY: geteuid cannot fail.
         owner: unsafe { libc::geteuid() },
     };
-    control::serve(&socket, who, tx.clone(), Arc::new(|| {}))?;
+    // A stop ends the running command at once instead of queueing behind it.
+    let interrupter = vm.interrupter();
+    let on_stop = {
+        let interrupter = interrupter.clone();
+        Arc::new(move || interrupter.stop())
+    };
+    let server = control::serve(&socket, who, tx.clone(), on_stop)?;
     let signal_tx = tx.clone();
     std::thread::Builder::new()
         .name("pvisor-signals".into())
         .spawn(move || {
             if signals.wait().is_ok() {
+                interrupter.stop();
                 let (reply, _ignored) = mpsc::channel();
                 let _ = signal_tx.send((Method::Stop, reply));
             }
@@ -213,14 +220,44 @@ fn vm_main(spec: Spec) -> CliResult {
             }
         }
     }
+    let stopped = vm.machine().stop_requested();
+    finish_requests(&rx, &server);
     drop(vm);
-    cleanup.keep_log = failed;
+    // A stopped command is not a failure of the VM: its files go.
+    cleanup.keep_log = failed && !stopped;
     drop(cleanup);
     Ok(if failed {
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// How long an exiting VM waits for the requests in flight to be answered.
+const FINISH_REQUESTS: Duration = Duration::from_secs(2);
+
+/// Answers what is queued and waits (a little) for the requests in flight: a `stop` gets its
+/// reply, anything else is told the VM stopped.
+fn finish_requests(rx: &Mutex<mpsc::Receiver<control::Job>>, server: &control::Listening) {
+    let rx = rx.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let deadline = Instant::now() + FINISH_REQUESTS;
+    loop {
+        match rx.recv_timeout(Duration::from_millis(10)) {
+            Ok((method, reply)) => {
+                let _ = reply.send(if method == Method::Stop {
+                    Ok(serde_json::json!({ "stopped": true }))
+                } else {
+                    Err("stopped: the VM is shutting down".into())
+                });
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) if server.in_flight() == 0 => return,
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => return,
+        }
+        if Instant::now() >= deadline {
+            return;
+        }
+    }
 }
 
 /// The control socket's requests while a command waits for a model answer: those the machine
