@@ -412,6 +412,11 @@ impl Vm {
         &self.machine
     }
 
+    /// The memory cgroup's directory, when the VM runs in one.
+    pub fn cgroup_dir(&self) -> Option<&std::path::Path> {
+        self.cgroup.as_ref().map(MemoryCgroup::dir)
+    }
+
     /// What ends the running command from another thread (`stop`, SIGTERM).
     pub fn interrupter(&self) -> crate::machine::Interrupter {
         self.machine.interrupter()

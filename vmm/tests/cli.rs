@@ -1264,11 +1264,11 @@ fn cli_control_socket_floods_and_huge_lines_do_not_starve_or_bloat_the_vm() {
     answers_within(runtime.path(), &["status", vm.job()], 3.0);
 }
 
-/// Sends SIGTERM to `pid`.
-fn sigterm(pid: u64) {
+/// Sends `signal` to `pid`.
+fn send_signal(pid: u64, signal: i32) {
     let pid = i32::try_from(pid).unwrap();
     // SAFETY: kill only sends a signal.
-    let sent = unsafe { libc::kill(pid, libc::SIGTERM) };
+    let sent = unsafe { libc::kill(pid, signal) };
     assert_eq!(sent, 0);
 }
 
@@ -1297,7 +1297,118 @@ fn cli_stop_and_sigterm_interrupt_a_running_command() {
     let pid = vm.identity["pid"].as_u64().unwrap();
     let dir = runtime.path().join(vm.job());
     std::thread::sleep(std::time::Duration::from_millis(500));
-    sigterm(pid);
+    send_signal(pid, libc::SIGTERM);
     wait_gone(&[pid], 5);
     assert!(!dir.exists(), "{} is left", dir.display());
+}
+
+#[test]
+fn cli_detached_spec_is_not_in_argv_and_may_be_large() {
+    if skip() {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    // A 1 MiB script: 40,000 or so commands.
+    let mut script = String::from("fill 1MiB zero");
+    while script.len() < 1 << 20 {
+        script.push_str("; touch 4KiB");
+    }
+    script.push_str("; idle");
+    // In arguments of 64 KiB (the kernel takes at most 128 KiB in one), joined by spaces.
+    let mut args = vec!["run", "--detach", "--"];
+    let mut rest = script.as_str();
+    while !rest.is_empty() {
+        let cut = rest[..rest.len().min(64 << 10)]
+            .rfind(' ')
+            .filter(|_| rest.len() > 64 << 10);
+        let (arg, tail) = rest.split_at(cut.unwrap_or(rest.len()));
+        args.push(arg);
+        rest = tail.trim_start();
+    }
+    let out = pvisor(runtime.path(), &args);
+    // (Not the arguments: a megabyte.)
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let identity = text(&out.stdout).lines().next().map(str::to_owned);
+    let vm = Detached {
+        runtime: runtime.path().to_path_buf(),
+        identity: serde_json::from_str(&identity.unwrap()).unwrap(),
+    };
+    let pid = vm.identity["pid"].as_u64().unwrap();
+    let attempt = vm.identity["attempt"].as_str().unwrap().to_owned();
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+    assert!(
+        !text(&cmdline).contains(&attempt),
+        "the attempt id is in the VM's command line: {}",
+        text(&cmdline)
+    );
+    // The script ran (up to its `idle`).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    vm.stats_until(deadline, |s| s.get("pager").is_some());
+    assert_eq!(vm.call("status", &[])["app_bytes"], 1 << 20);
+    // A start that fails leaves no job directory.
+    let err = fails(
+        runtime.path(),
+        &[
+            "run",
+            "--detach",
+            "--job",
+            "broken",
+            "--disk",
+            "/nonexistent/dir/disk.img",
+            "--",
+            "idle",
+        ],
+    );
+    assert!(!err.is_empty());
+    assert!(!runtime.path().join("broken").exists(), "{err}");
+}
+
+#[test]
+fn cli_killed_vm_leaves_a_tombstone_that_status_reports() {
+    if skip() {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    let vm = Detached::start(runtime.path(), &[], "idle");
+    let pid = vm.identity["pid"].as_u64().unwrap();
+    let dir = runtime.path().join(vm.job());
+    send_signal(pid, libc::SIGKILL);
+    wait_gone(&[pid], 5);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let status = loop {
+        let status = ok(runtime.path(), &["status", vm.job()]).remove(0);
+        if status["signal"] == 9 || std::time::Instant::now() > deadline {
+            break status;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(status["state"], "dead", "{status}");
+    assert_eq!(status["signal"], 9, "{status}");
+    assert!(
+        status["reason"].as_str().unwrap().contains("SIGKILL"),
+        "{status}"
+    );
+    assert!(!dir.join("control.sock").exists());
+    assert!(!dir.join("vm.json").exists());
+    // A VM process that died with nobody to see it (no supervisor): status finds its files
+    // stale, cleans them and says so; so does the next `pvisor run` for other jobs.
+    let gone = Command::new("true").spawn().unwrap();
+    let gone_pid = gone.id();
+    drop(gone.wait_with_output());
+    for job in ["stale-a", "stale-b"] {
+        let dir = runtime.path().join(job);
+        std::fs::create_dir(&dir).unwrap();
+        let identity = serde_json::json!({
+            "job": job, "socket": dir.join("control.sock"), "attempt": "x", "pid": gone_pid
+        });
+        std::fs::write(dir.join("vm.json"), identity.to_string()).unwrap();
+        std::os::unix::net::UnixListener::bind(dir.join("control.sock")).unwrap();
+    }
+    let status = ok(runtime.path(), &["status", "stale-a"]).remove(0);
+    assert_eq!(status["state"], "dead", "{status}");
+    assert!(!runtime.path().join("stale-a/control.sock").exists());
+    let next = Detached::start(runtime.path(), &[], "idle");
+    assert!(!runtime.path().join("stale-b/control.sock").exists());
+    assert!(!runtime.path().join("stale-b/vm.json").exists());
+    drop(next);
 }
