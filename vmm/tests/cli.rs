@@ -1412,3 +1412,23 @@ fn cli_killed_vm_leaves_a_tombstone_that_status_reports() {
     assert!(!runtime.path().join("stale-b/vm.json").exists());
     drop(next);
 }
+
+#[test]
+fn cli_resume_takes_vm_load_with_eager_as_an_eager_load() {
+    if skip() {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    let vm = Detached::start(runtime.path(), &[], "fill 16MiB random seed=3; idle");
+    let before = vm.digest();
+    assert_eq!(vm.call("suspend", &["--vm-offload"])["state"], "offloaded");
+    let resumed = vm.call("resume", &["--vm-load", "--eager"]);
+    assert_eq!(resumed["state"], "running", "{resumed}");
+    // Eager: the data is resident before anything touches it.
+    let stats = vm.stats();
+    assert!(
+        stats["guest_ram_pss_bytes"].as_u64().unwrap() >= 16 << 20,
+        "{stats}"
+    );
+    assert_eq!(vm.digest(), before);
+}

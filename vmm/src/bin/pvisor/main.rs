@@ -83,8 +83,9 @@ enum Command {
     Resume {
         #[command(flatten)]
         target: Target,
-        /// Resume without bringing RAM back first (the default; the seed's flag).
-        #[arg(long = "vm-load", conflicts_with = "eager")]
+        /// Load RAM back (the seed's flag): lazily, the default, or with --eager all of it
+        /// first (`resume … [--vm-load] [--eager]`).
+        #[arg(long = "vm-load")]
         load: bool,
         /// Bring all RAM back before returning.
         #[arg(long)]
