@@ -179,6 +179,7 @@ const SUPERVISOR_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 /// to see it, or its supervisor is about to), cleans them, leaving a tombstone; returns the
 /// tombstone of a job whose VM is dead (`None`: it runs, or there is no such job).
 pub fn reap(job: &str) -> Option<Tombstone> {
+    check_private_dir(&runtime_dir()).ok()?;
     let Ok(identity) = read_identity(job) else {
         return read_tombstone(job);
     };
@@ -234,7 +235,8 @@ pub fn reap_all() {
 }
 
 /// The runtime directory: `$PVISOR_RUNTIME_DIR`, else `$XDG_RUNTIME_DIR/pvisor`, else
-/// `/run/pvisor` for root, else `/tmp/pvisor-UID`.
+/// `/run/pvisor` for root, else `/tmp/pvisor-UID`. Used only once [`ensure_runtime_dir`]
+/// has checked it.
 pub fn runtime_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("PVISOR_RUNTIME_DIR") {
         return PathBuf::from(dir);
@@ -248,6 +250,64 @@ pub fn runtime_dir() -> PathBuf {
         PathBuf::from("/run/pvisor")
     } else {
         PathBuf::from(format!("/tmp/pvisor-{uid}"))
+    }
+}
+
+/// Makes sure the runtime directory is safe to keep sockets and identities in, creating it
+/// (mode 0700) if it does not exist: an existing one is used only if it is a real directory
+/// (not a symlink), owned by this user and not writable by group or others. Otherwise another
+/// local user could see or replace a VM's socket and identity.
+pub fn ensure_runtime_dir() -> std::io::Result<PathBuf> {
+    let dir = runtime_dir();
+    if let Err(e) = std::fs::symlink_metadata(&dir) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            return Err(e);
+        }
+        if let Some(parent) = dir.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        use std::os::unix::fs::DirBuilderExt;
+        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => {}
+            // Someone made it meanwhile: it is checked below like any existing one.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+    }
+    check_private_dir(&dir)?;
+    Ok(dir)
+}
+
+/// Refuses `dir` unless it is a real directory of ours that only we can write.
+fn check_private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::symlink_metadata(dir)?;
+    // SAFETY: geteuid cannot fail.
+    let own = unsafe { libc::geteuid() };
+    let why = if meta.file_type().is_symlink() {
+        Some("it is a symlink".to_owned())
+    } else if !meta.is_dir() {
+        Some("it is not a directory".to_owned())
+    } else if meta.uid() != own {
+        Some(format!("it belongs to uid {}, not {own}", meta.uid()))
+    } else if meta.mode() & 0o022 != 0 {
+        Some(format!(
+            "it is writable by group or others (mode {:o})",
+            meta.mode() & 0o7777
+        ))
+    } else {
+        None
+    };
+    match why {
+        None => Ok(()),
+        Some(why) => Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "runtime directory {} is not safe to use: {why}; remove it or point \
+                 PVISOR_RUNTIME_DIR at a private directory",
+                dir.display()
+            ),
+        )),
     }
 }
 
@@ -268,6 +328,7 @@ pub fn identity_path(job: &str) -> PathBuf {
 
 /// Reads the identity a running job left.
 pub fn read_identity(job: &str) -> std::io::Result<Identity> {
+    check_private_dir(&runtime_dir())?;
     let path = identity_path(job);
     let text = read_small(&path).map_err(|e| {
         std::io::Error::new(

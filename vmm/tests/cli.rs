@@ -1432,3 +1432,37 @@ fn cli_resume_takes_vm_load_with_eager_as_an_eager_load() {
     );
     assert_eq!(vm.digest(), before);
 }
+
+#[test]
+fn cli_runtime_dir_that_is_a_symlink_or_writable_by_others_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    if skip() {
+        return;
+    }
+    let base = tempfile::tempdir().unwrap();
+    let real = base.path().join("real");
+    std::fs::create_dir(&real).unwrap();
+    std::fs::set_permissions(&real, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let link = base.path().join("link");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    let open = base.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    for (dir, why) in [(&link, "symlink"), (&open, "writable")] {
+        let err = fails(dir, &["run", "--", "digest"]);
+        assert!(err.contains(why), "{}: {err}", dir.display());
+        let err = fails(dir, &["status", "vm-1"]);
+        assert!(err.contains(why), "{}: {err}", dir.display());
+        assert_eq!(std::fs::read_dir(&real).unwrap().count(), 0);
+    }
+    assert_eq!(std::fs::read_dir(&open).unwrap().count(), 0);
+    // One that does not exist is made private; one of ours, 0700, is used.
+    let fresh = base.path().join("fresh");
+    ok(&fresh, &["run", "--", "digest"]);
+    let mode = std::fs::symlink_metadata(&fresh)
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o700);
+    ok(&real, &["run", "--", "digest"]);
+}

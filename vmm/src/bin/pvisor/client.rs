@@ -49,6 +49,11 @@ pub fn simple(target: &Target, method: Method) -> CliResult {
 /// stale socket and lock are removed on the way).
 pub fn status(target: &Target) -> CliResult {
     runtime::check_job_id(&target.job)?;
+    // The long form names the socket: the runtime directory is not needed.
+    if target.socket.is_some() && target.attempt.is_some() {
+        return simple(target, Method::Status);
+    }
+    runtime::ensure_runtime_dir()?;
     if let Some(tombstone) = runtime::reap(&target.job) {
         let mut value = serde_json::to_value(&tombstone)?;
         if let Some(object) = value.as_object_mut() {

@@ -39,6 +39,7 @@ pub fn run(args: RunArgs) -> CliResult {
         None => runtime::new_id("vm-"),
     };
     runtime::check_job_id(&job)?;
+    runtime::ensure_runtime_dir()?;
     // VMs that died with nobody to clean up: their sockets and locks go now.
     runtime::reap_all();
     if let Ok(identity) = runtime::read_identity(&job) {
@@ -203,6 +204,7 @@ fn vm_main(spec: Spec) -> CliResult {
     signals.add(Signal::SIGTERM);
     signals.thread_block()?;
 
+    runtime::ensure_runtime_dir()?;
     let dir = runtime::job_dir(&spec.job);
     runtime::create_private_dir(&dir)?;
     let mut cleanup = Cleanup {
