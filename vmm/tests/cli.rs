@@ -1215,7 +1215,15 @@ fn cli_control_socket_floods_and_huge_lines_do_not_starve_or_bloat_the_vm() {
     assert_eq!(set, 0, "prlimit: {}", std::io::Error::last_os_error());
     let before = rss_bytes(pid);
     let stop = std::sync::atomic::AtomicBool::new(false);
+    /// Stops the trickle however the scope ends (a failed check included).
+    struct StopOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
+    impl Drop for StopOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
     std::thread::scope(|scope| {
+        let _stop = StopOnDrop(&stop);
         // Four 64 MiB request lines at once.
         for _ in 0..4 {
             scope.spawn(|| {
