@@ -430,7 +430,12 @@ impl Server {
                     self.drop_largest();
                 }
             }
-            Read::Closed => self.drop_pending(i, "closed"),
+            Read::Closed => {
+                // Nobody to tell.
+                if let Some(p) = self.pending.remove(i) {
+                    self.buffered -= p.line.len();
+                }
+            }
             Read::TooLong => {
                 self.drop_pending(i, &format!("request longer than {MAX_REQUEST_BYTES} bytes"))
             }
