@@ -1343,6 +1343,18 @@ fn cli_stop_and_sigterm_interrupt_a_running_command() {
     send_signal(pid, libc::SIGTERM);
     wait_gone(&[pid], 5);
     assert!(!dir.exists(), "{} is left", dir.display());
+    // `stop` while the vCPU is in KVM_RUN, filling RAM (seconds without an exit to the VMM):
+    // it is kicked out at once.
+    let vm = Detached::start(runtime.path(), &[], "idle");
+    let pid = vm.identity["pid"].as_u64().unwrap();
+    std::thread::scope(|scope| {
+        let command = scope.spawn(|| vm.call_fails("exec", &["--", "fill 500MiB random"]));
+        std::thread::sleep(std::time::Duration::from_millis(1000));
+        answers_within(runtime.path(), &["stop", vm.job()], 3.0);
+        let failed = command.join().unwrap();
+        assert!(failed.contains("stopped"), "{failed}");
+    });
+    wait_gone(&[pid], 5);
 }
 
 #[test]
