@@ -172,6 +172,19 @@ pub fn remove_vm_files(job: &str) {
     }
 }
 
+/// Removes a dead VM's memory cgroup, retrying for a moment while the kernel still counts
+/// the process in it (`EBUSY`).
+pub fn remove_cgroup(dir: &Path) {
+    for _ in 0..50 {
+        match std::fs::remove_dir(dir) {
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            _ => return,
+        }
+    }
+}
+
 /// How long a check waits for a dead VM's supervisor to write the tombstone.
 const SUPERVISOR_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -211,11 +224,12 @@ pub fn reap(job: &str) -> Option<Tombstone> {
         ),
         ended_unix_s: now_unix_s(),
     });
+    // The tombstone first: whoever finds the identity gone finds the tombstone.
+    let _ = write_tombstone(&tombstone);
     remove_vm_files(job);
     if let Some(cgroup) = &identity.cgroup {
-        let _ = std::fs::remove_dir(cgroup);
+        remove_cgroup(cgroup);
     }
-    let _ = write_tombstone(&tombstone);
     Some(tombstone)
 }
 

@@ -1521,3 +1521,56 @@ fn cli_runtime_dir_that_is_a_symlink_or_writable_by_others_is_refused() {
     assert_eq!(mode & 0o777, 0o700);
     ok(&real, &["run", "--", "digest"]);
 }
+
+#[test]
+fn cli_oom_killed_vm_leaves_a_tombstone_that_says_so() {
+    if skip() {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    let name = format!("pvisor-oom-test/{}", std::process::id());
+    let vm = Detached::start(runtime.path(), &["--cgroup", &name], "idle");
+    let pid = vm.identity["pid"].as_u64().unwrap();
+    let cgroup = std::path::PathBuf::from(vm.stats()["cgroup_dir"].as_str().unwrap());
+    // 64 MiB for a VM that fills 300 MiB (v2, else v1 with swap).
+    let limit = (64u64 << 20).to_string();
+    if cgroup.join("memory.max").exists() {
+        std::fs::write(cgroup.join("memory.max"), &limit).unwrap();
+        let _ = std::fs::write(cgroup.join("memory.swap.max"), "0");
+    } else {
+        std::fs::write(cgroup.join("memory.limit_in_bytes"), &limit).unwrap();
+        let _ = std::fs::write(cgroup.join("memory.memsw.limit_in_bytes"), &limit);
+    }
+    let _ = pvisor(
+        runtime.path(),
+        &["exec", vm.job(), "--", "fill 300MiB random"],
+    );
+    wait_gone(&[pid], 20);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let status = loop {
+        let status = ok(runtime.path(), &["status", vm.job()]).remove(0);
+        if status["oom_kill"] == true || std::time::Instant::now() > deadline {
+            break status;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(status["state"], "dead", "{status}");
+    assert_eq!(status["oom_kill"], true, "{status}");
+    assert!(
+        status["reason"].as_str().unwrap().contains("OOM"),
+        "{status}"
+    );
+    // The supervisor removes the dead VM's cgroup (just after the tombstone).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while cgroup.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} was left behind",
+            cgroup.display()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    if let Some(parent) = cgroup.parent() {
+        let _ = std::fs::remove_dir(parent);
+    }
+}

@@ -180,14 +180,15 @@ pub fn supervise() -> CliResult {
     let tombstone = runtime::Tombstone::of(&spec.job, pid, status, cgroup.as_deref());
     eprintln!("pvisor: {}", tombstone.reason);
     if runtime::job_dir(&spec.job).is_dir() {
+        // The tombstone first: whoever finds the identity gone finds the tombstone.
+        runtime::write_tombstone(&tombstone)?;
         runtime::remove_vm_files(&spec.job);
         if spec.temporary_disk {
             let _ = std::fs::remove_file(&spec.options.disk);
         }
         if let Some(cgroup) = &cgroup {
-            let _ = std::fs::remove_dir(cgroup);
+            runtime::remove_cgroup(cgroup);
         }
-        runtime::write_tombstone(&tombstone)?;
     }
     Ok(ExitCode::FAILURE)
 }
