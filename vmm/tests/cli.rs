@@ -1418,6 +1418,18 @@ fn cli_detached_spec_is_not_in_argv_and_may_be_large() {
     assert!(!runtime.path().join("broken").exists(), "{err}");
 }
 
+/// Polls `pvisor status JOB` until `done` holds for it, at most 5 s; returns the last answer.
+fn status_until(runtime: &Path, job: &str, done: impl Fn(&Value) -> bool) -> Value {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let status = ok(runtime, &["status", job]).remove(0);
+        if done(&status) || std::time::Instant::now() > deadline {
+            return status;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
 #[test]
 fn cli_killed_vm_leaves_a_tombstone_that_status_reports() {
     if skip() {
@@ -1429,14 +1441,7 @@ fn cli_killed_vm_leaves_a_tombstone_that_status_reports() {
     let dir = runtime.path().join(vm.job());
     send_signal(pid, libc::SIGKILL);
     wait_gone(&[pid], 5);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    let status = loop {
-        let status = ok(runtime.path(), &["status", vm.job()]).remove(0);
-        if status["signal"] == 9 || std::time::Instant::now() > deadline {
-            break status;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    };
+    let status = status_until(runtime.path(), vm.job(), |s| s["signal"] == 9);
     assert_eq!(status["state"], "dead", "{status}");
     assert_eq!(status["signal"], 9, "{status}");
     assert!(
@@ -1546,14 +1551,7 @@ fn cli_oom_killed_vm_leaves_a_tombstone_that_says_so() {
         &["exec", vm.job(), "--", "fill 300MiB random"],
     );
     wait_gone(&[pid], 20);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    let status = loop {
-        let status = ok(runtime.path(), &["status", vm.job()]).remove(0);
-        if status["oom_kill"] == true || std::time::Instant::now() > deadline {
-            break status;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    };
+    let status = status_until(runtime.path(), vm.job(), |s| s["oom_kill"] == true);
     assert_eq!(status["state"], "dead", "{status}");
     assert_eq!(status["oom_kill"], true, "{status}");
     assert!(
