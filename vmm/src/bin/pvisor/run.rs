@@ -159,13 +159,15 @@ pub fn supervise() -> CliResult {
         signals.add(signal);
     }
     signals.thread_block()?;
-    let spec = receive_spec()?;
+    let mut spec = receive_spec()?;
     let mut child = std::process::Command::new(std::env::current_exe()?)
         .arg("__vm")
         .stdin(Stdio::piped())
         .spawn()?;
     let stdin = child.stdin.take().ok_or("the VM process has no stdin")?;
     send_spec(stdin, &spec)?;
+    // The script may be large and is the VM's business now.
+    spec.script = String::new();
     // Our stdout is the VM's now: let it go, so that the parent sees it end with the VM's.
     redirect_stdout_to("/dev/null".as_ref(), false)?;
     let pid = child.id();
