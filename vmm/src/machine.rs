@@ -118,6 +118,9 @@ pub enum MachineError {
         #[source]
         source: std::io::Error,
     },
+    /// `stop` or SIGTERM ended the command.
+    #[error("stopped")]
+    Stopped,
     /// The guest stopped in a way it never should (triple fault, unexpected exit).
     #[error("the guest crashed: {0}")]
     GuestCrashed(String),
@@ -178,6 +181,142 @@ pub struct CommandOutput {
     pub app_bytes: u64,
 }
 
+/// Ends the command a machine runs, from any thread: `stop` and SIGTERM use it so that they
+/// need not wait for a command that may never end (`sleep` for ever, a model answer that does
+/// not come, a guest that does not come back). Host-side waits notice it at once; a vCPU in
+/// `KVM_RUN` is kicked out by a signal (sent again until the run loop has seen it, so that one
+/// sent just before `KVM_RUN` is entered is not lost). The command ends with
+/// [`MachineError::Stopped`]; once stopped, a machine stays stopped.
+#[derive(Debug, Clone, Default)]
+pub struct Interrupter {
+    inner: std::sync::Arc<InterruptState>,
+}
+
+#[derive(Debug, Default)]
+struct InterruptState {
+    stopped: std::sync::atomic::AtomicBool,
+    /// The thread running the vCPU, while it does, and whether it has seen the stop.
+    vcpu: std::sync::Mutex<Option<libc::pthread_t>>,
+    /// Host-side waits (`sleep`) wait on this.
+    wake: std::sync::Condvar,
+    wake_lock: std::sync::Mutex<()>,
+}
+
+/// How long [`Interrupter::stop`] keeps kicking a vCPU that does not come out.
+const KICK_FOR: Duration = Duration::from_secs(2);
+
+/// The signal that kicks the vCPU thread out of `KVM_RUN` (its handler does nothing).
+fn kick_signal() -> libc::c_int {
+    libc::SIGRTMIN() + 2
+}
+
+extern "C" fn ignore_kick(_: libc::c_int) {}
+
+/// Installs the kick signal's handler once (without `SA_RESTART`: `KVM_RUN` returns `EINTR`).
+fn install_kick_handler() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: a zeroed sigaction is valid; the handler is an async-signal-safe no-op and
+        // lives for the whole program.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = ignore_kick as extern "C" fn(libc::c_int) as usize;
+            libc::sigemptyset(&raw mut action.sa_mask);
+            libc::sigaction(kick_signal(), &raw const action, std::ptr::null_mut());
+        }
+    });
+}
+
+impl Interrupter {
+    /// Stops the machine: the running command (if any) ends with [`MachineError::Stopped`],
+    /// and so does every later one. Returns once a vCPU in `KVM_RUN` is out (or after 2 s).
+    pub fn stop(&self) {
+        self.inner
+            .stopped
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        {
+            let _guard = self
+                .inner
+                .wake_lock
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            self.inner.wake.notify_all();
+        }
+        let until = Instant::now() + KICK_FOR;
+        while Instant::now() < until {
+            let vcpu = *self
+                .inner
+                .vcpu
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let Some(thread) = vcpu else { return };
+            // SAFETY: the thread is registered only while it runs the vCPU loop (it
+            // unregisters itself under the same lock before it returns), so it is alive.
+            unsafe { libc::pthread_kill(thread, kick_signal()) };
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Whether the machine was stopped.
+    pub fn stopped(&self) -> bool {
+        self.inner.stopped.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Waits `duration` unless stopped first; returns whether it was stopped.
+    fn sleep(&self, duration: Duration) -> bool {
+        let until = Instant::now().checked_add(duration);
+        let mut guard = self
+            .inner
+            .wake_lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        loop {
+            if self.stopped() {
+                return true;
+            }
+            let left = until.map_or(Duration::from_secs(3600), |u| {
+                u.saturating_duration_since(Instant::now())
+            });
+            if left.is_zero() {
+                return false;
+            }
+            guard = self
+                .inner
+                .wake
+                .wait_timeout(guard, left.min(Duration::from_secs(3600)))
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+        }
+    }
+
+    /// Registers the calling thread as the vCPU's until the guard drops.
+    fn enter(&self) -> VcpuThread<'_> {
+        install_kick_handler();
+        // SAFETY: pthread_self cannot fail.
+        let me = unsafe { libc::pthread_self() };
+        *self
+            .inner
+            .vcpu
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(me);
+        VcpuThread(self)
+    }
+}
+
+/// The vCPU thread's registration with its [`Interrupter`].
+struct VcpuThread<'a>(&'a Interrupter);
+
+impl Drop for VcpuThread<'_> {
+    fn drop(&mut self) {
+        *self
+            .0
+            .inner
+            .vcpu
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+    }
+}
+
 /// A running VM. Fields drop in order: the vCPU and VM before the pager, the pager before
 /// the RAM it serves.
 pub struct Machine {
@@ -204,6 +343,8 @@ pub struct Machine {
     operator: Option<Box<dyn Operator>>,
     /// An operator stopped the VM during a model wait.
     stop_requested: bool,
+    /// Ends the running command from another thread (`stop`, SIGTERM).
+    interrupter: Interrupter,
     /// The model request in flight and when it went out: the guest comes back to the model
     /// port with it after each of its timers.
     model_pending: Option<(u64, Instant)>,
@@ -216,6 +357,9 @@ enum WaitOutcome {
     /// The guest's timer fell due: it runs its timer's work and comes back for the answer.
     Timer,
 }
+
+/// How often a model wait without wait management looks for a stop.
+const STOP_POLL: Duration = Duration::from_millis(50);
 
 /// How often a model wait looks for operator requests while its answer is out.
 const OPERATOR_POLL: Duration = Duration::from_millis(20);
@@ -435,6 +579,7 @@ impl Machine {
             wait_failures: (0, 0),
             operator: None,
             stop_requested: false,
+            interrupter: Interrupter::default(),
             model_pending: None,
         };
         if config.restore.is_none() {
@@ -516,7 +661,12 @@ impl Machine {
     /// Whether an operator stopped the VM during a model wait (the command failed; the VM is
     /// to exit).
     pub fn stop_requested(&self) -> bool {
-        self.stop_requested
+        self.stop_requested || self.interrupter.stopped()
+    }
+
+    /// What ends this machine's running command from another thread.
+    pub fn interrupter(&self) -> Interrupter {
+        self.interrupter.clone()
     }
 
     /// Moves resident RAM to the store (the VM must not run), then drops what else the VM no
@@ -600,7 +750,11 @@ impl Machine {
                 output.answer_bytes = Some(result[1]);
                 output.timer_fired = timer_ms.map(|_| result[3]);
             }
-            Command::Sleep { ms } => std::thread::sleep(std::time::Duration::from_millis(ms)),
+            Command::Sleep { ms } => {
+                if self.interrupter.sleep(Duration::from_millis(ms)) {
+                    return Err(MachineError::Stopped);
+                }
+            }
             Command::Idle => self.pager.set_idle(true),
         }
         if *command != Command::Idle {
@@ -641,7 +795,12 @@ impl Machine {
 
     /// Runs the vCPU until the guest writes `PORT_DONE`.
     fn run_until_done(&mut self) -> Result<(), MachineError> {
+        let interrupter = self.interrupter.clone();
+        let _vcpu_thread = interrupter.enter();
         loop {
+            if interrupter.stopped() {
+                return Err(MachineError::Stopped);
+            }
             let exit = match self.vcpu.run() {
                 Ok(VcpuExit::IoOut(port, _)) => Ok(port),
                 Ok(exit) => Err(format!("{exit:?}")),
@@ -794,22 +953,22 @@ impl Machine {
         request: u64,
         timer: Option<Duration>,
     ) -> WaitOutcome {
-        let Some(timer) = timer else {
-            if self.model_pending.is_none() {
-                return WaitOutcome::Answer(port.exchange(request));
-            }
-            // Back from a timer, and no timer now: wait for the answer alone.
-            self.send_once(port, request);
-            loop {
-                if let Some(answer) = port.wait_for(request, Duration::from_secs(3600)) {
-                    return WaitOutcome::Answer(answer);
-                }
-            }
-        };
         self.send_once(port, request);
-        match port.wait_for(request, timer) {
-            Some(answer) => WaitOutcome::Answer(answer),
-            None => WaitOutcome::Timer,
+        let until = timer.and_then(|t| Instant::now().checked_add(t));
+        // In slices, so that a stop ends the wait.
+        loop {
+            if self.interrupter.stopped() {
+                return WaitOutcome::Answer(Answer::Error(format!(
+                    "the VM was stopped while it waited for the answer to request {request}"
+                )));
+            }
+            let left = until.map_or(STOP_POLL, |u| u.saturating_duration_since(Instant::now()));
+            if let Some(answer) = port.wait_for(request, left.min(STOP_POLL)) {
+                return WaitOutcome::Answer(answer);
+            }
+            if until.is_some_and(|u| u <= Instant::now()) {
+                return WaitOutcome::Timer;
+            }
         }
     }
 
@@ -859,7 +1018,7 @@ impl Machine {
                     break WaitOutcome::Answer(answer);
                 }
             }
-            if self.stop_requested {
+            if self.stop_requested || self.interrupter.stopped() {
                 break WaitOutcome::Answer(Answer::Error(format!(
                     "the VM was stopped while it waited for the answer to request {request}"
                 )));
@@ -882,7 +1041,7 @@ impl Machine {
                 let slice = if operator.is_some() {
                     until.min(OPERATOR_POLL)
                 } else {
-                    until
+                    until.min(STOP_POLL)
                 };
                 if let Some(answer) = port.wait_for(request, slice) {
                     let done = coordinator
@@ -1191,4 +1350,23 @@ fn write_boot_structures(ram: &GuestRam) -> Result<(), MachineError> {
     mem.write_obj(mailbox, GuestAddress(guest::MAILBOX_GPA))
         .map_err(fail(guest::MAILBOX_GPA))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod interrupt_tests {
+    use super::*;
+
+    #[test]
+    fn interrupter_stop_ends_a_sleep_for_ever_at_once() {
+        let interrupter = Interrupter::default();
+        let sleeper = interrupter.clone();
+        let started = Instant::now();
+        let waiting = std::thread::spawn(move || sleeper.sleep(Duration::from_millis(u64::MAX)));
+        std::thread::sleep(Duration::from_millis(50));
+        interrupter.stop();
+        assert!(waiting.join().expect("the sleeper panicked"));
+        assert!(started.elapsed() < Duration::from_secs(2));
+        // Stopped stays stopped.
+        assert!(interrupter.sleep(Duration::from_secs(10)));
+    }
 }

@@ -15,10 +15,242 @@ pub struct Identity {
     pub attempt: String,
     /// The VM process.
     pub pid: u32,
+    /// The process that waits for a detached VM and writes its tombstone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub supervisor: Option<u32>,
+    /// The VM's memory cgroup, when it runs in one (the tombstone reads its OOM kills).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<PathBuf>,
+}
+
+/// Why a VM ended, left in its job directory when it did not end cleanly (`tombstone.json`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Tombstone {
+    /// The job id.
+    pub job: String,
+    /// The VM process that ended.
+    pub pid: u32,
+    /// Its exit status, when it exited.
+    pub exit_code: Option<i32>,
+    /// The signal that killed it, when one did.
+    pub signal: Option<i32>,
+    /// Whether its memory cgroup counted an OOM kill.
+    pub oom_kill: bool,
+    /// In words.
+    pub reason: String,
+    /// When it was found ended, seconds since the epoch.
+    pub ended_unix_s: u64,
+}
+
+impl Tombstone {
+    /// The tombstone of `pid`, which ended with `status`; `cgroup` is its memory cgroup.
+    pub fn of(
+        job: &str,
+        pid: u32,
+        status: std::process::ExitStatus,
+        cgroup: Option<&Path>,
+    ) -> Self {
+        use std::os::unix::process::ExitStatusExt;
+        let oom_kill = cgroup.is_some_and(oom_killed);
+        let signal = status.signal();
+        let mut reason = match (status.code(), signal) {
+            (Some(code), _) => format!("the VM process exited with status {code}"),
+            (None, Some(signal)) => format!(
+                "the VM process was killed by signal {signal} ({})",
+                signal_name(signal)
+            ),
+            (None, None) => format!("the VM process ended: {status}"),
+        };
+        if oom_kill {
+            reason.push_str(" after an OOM kill in its memory cgroup");
+        }
+        Self {
+            job: job.to_owned(),
+            pid,
+            exit_code: status.code(),
+            signal,
+            oom_kill,
+            reason,
+            ended_unix_s: now_unix_s(),
+        }
+    }
+}
+
+fn now_unix_s() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// `SIGKILL` and the like.
+fn signal_name(signal: i32) -> String {
+    nix::sys::signal::Signal::try_from(signal)
+        .map_or_else(|_| format!("signal {signal}"), |s| s.as_str().to_owned())
+}
+
+/// Whether the memory cgroup at `dir` counted an OOM kill (v2 `memory.events`, v1
+/// `memory.oom_control`).
+fn oom_killed(dir: &Path) -> bool {
+    ["memory.events", "memory.oom_control"].iter().any(|name| {
+        read_small(&dir.join(name)).is_ok_and(|text| {
+            text.lines().any(|line| {
+                line.strip_prefix("oom_kill ")
+                    .and_then(|n| n.trim().parse::<u64>().ok())
+                    .is_some_and(|n| n > 0)
+            })
+        })
+    })
+}
+
+/// The most a runtime file (identity, tombstone) may hold.
+const MAX_RUNTIME_FILE: u64 = 64 << 10;
+
+/// Reads a small regular file, not following a symlink, at most [`MAX_RUNTIME_FILE`] bytes.
+fn read_small(path: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(std::io::Error::other(format!(
+            "{} is not a regular file",
+            path.display()
+        )));
+    }
+    let mut text = String::new();
+    file.take(MAX_RUNTIME_FILE).read_to_string(&mut text)?;
+    Ok(text)
+}
+
+/// The tombstone file of `job`.
+pub fn tombstone_path(job: &str) -> PathBuf {
+    job_dir(job).join("tombstone.json")
+}
+
+/// Reads the tombstone `job` left, if any.
+pub fn read_tombstone(job: &str) -> Option<Tombstone> {
+    serde_json::from_str(&read_small(&tombstone_path(job)).ok()?).ok()
+}
+
+/// Writes `job`'s tombstone (mode 0600, whole or not at all).
+pub fn write_tombstone(tombstone: &Tombstone) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = tombstone_path(&tombstone.job);
+    let temporary = path.with_extension("json.new");
+    let _ = std::fs::remove_file(&temporary);
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&temporary)?;
+    file.write_all(&serde_json::to_vec(tombstone).map_err(std::io::Error::other)?)?;
+    std::fs::rename(&temporary, &path)
+}
+
+/// Whether process `pid` exists.
+pub fn process_alive(pid: u32) -> bool {
+    let Ok(pid) = i32::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: kill with signal 0 only checks that the process exists.
+    let sent = unsafe { libc::kill(pid, 0) };
+    sent == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+/// Removes what a VM process that ended leaves behind in its job directory: its socket,
+/// identity (the lock that says the job runs), RAM store and default disk; the log and the
+/// tombstone stay.
+pub fn remove_vm_files(job: &str) {
+    let dir = job_dir(job);
+    for name in ["control.sock", "vm.json", "ram", "disk.img"] {
+        let path = dir.join(name);
+        let _ = std::fs::remove_file(&path);
+        let _ = std::fs::remove_dir_all(&path);
+    }
+}
+
+/// Removes a dead VM's memory cgroup, retrying for a moment while the kernel still counts
+/// the process in it (`EBUSY`).
+pub fn remove_cgroup(dir: &Path) {
+    for _ in 0..50 {
+        match std::fs::remove_dir(dir) {
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            _ => return,
+        }
+    }
+}
+
+/// How long a check waits for a dead VM's supervisor to write the tombstone.
+const SUPERVISOR_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// If `job`'s VM process is gone but its files are still there (it was killed with nobody
+/// to see it, or its supervisor is about to), cleans them, leaving a tombstone; returns the
+/// tombstone of a job whose VM is dead (`None`: it runs, or there is no such job).
+pub fn reap(job: &str) -> Option<Tombstone> {
+    check_private_dir(&runtime_dir()).ok()?;
+    let Ok(identity) = read_identity(job) else {
+        return read_tombstone(job);
+    };
+    if process_alive(identity.pid) {
+        return None;
+    }
+    // Its supervisor writes the real tombstone: give it a moment.
+    if let Some(supervisor) = identity.supervisor.filter(|&p| process_alive(p)) {
+        let until = std::time::Instant::now() + SUPERVISOR_GRACE;
+        while identity_path(job).exists()
+            && process_alive(supervisor)
+            && std::time::Instant::now() < until
+        {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        if !identity_path(job).exists() {
+            return read_tombstone(job);
+        }
+    }
+    let tombstone = read_tombstone(job).unwrap_or_else(|| Tombstone {
+        job: job.to_owned(),
+        pid: identity.pid,
+        exit_code: None,
+        signal: None,
+        oom_kill: identity.cgroup.as_deref().is_some_and(oom_killed),
+        reason: format!(
+            "the VM process {} is gone and nobody saw how it ended; its stale files were removed",
+            identity.pid
+        ),
+        ended_unix_s: now_unix_s(),
+    });
+    // The tombstone first: whoever finds the identity gone finds the tombstone.
+    let _ = write_tombstone(&tombstone);
+    remove_vm_files(job);
+    if let Some(cgroup) = &identity.cgroup {
+        remove_cgroup(cgroup);
+    }
+    Some(tombstone)
+}
+
+/// Reaps every job of the runtime directory whose VM process is gone.
+pub fn reap_all() {
+    let Ok(entries) = std::fs::read_dir(runtime_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+        if let (true, Some(job)) = (is_dir, entry.file_name().to_str()) {
+            if check_job_id(job).is_ok() {
+                let _ = reap(job);
+            }
+        }
+    }
 }
 
 /// The runtime directory: `$PVISOR_RUNTIME_DIR`, else `$XDG_RUNTIME_DIR/pvisor`, else
-/// `/run/pvisor` for root, else `/tmp/pvisor-UID`.
+/// `/run/pvisor` for root, else `/tmp/pvisor-UID`. Used only once [`ensure_runtime_dir`]
+/// has checked it.
 pub fn runtime_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("PVISOR_RUNTIME_DIR") {
         return PathBuf::from(dir);
@@ -32,6 +264,64 @@ pub fn runtime_dir() -> PathBuf {
         PathBuf::from("/run/pvisor")
     } else {
         PathBuf::from(format!("/tmp/pvisor-{uid}"))
+    }
+}
+
+/// Makes sure the runtime directory is safe to keep sockets and identities in, creating it
+/// (mode 0700) if it does not exist: an existing one is used only if it is a real directory
+/// (not a symlink), owned by this user and not writable by group or others. Otherwise another
+/// local user could see or replace a VM's socket and identity.
+pub fn ensure_runtime_dir() -> std::io::Result<PathBuf> {
+    let dir = runtime_dir();
+    if let Err(e) = std::fs::symlink_metadata(&dir) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            return Err(e);
+        }
+        if let Some(parent) = dir.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        use std::os::unix::fs::DirBuilderExt;
+        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => {}
+            // Someone made it meanwhile: it is checked below like any existing one.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+    }
+    check_private_dir(&dir)?;
+    Ok(dir)
+}
+
+/// Refuses `dir` unless it is a real directory of ours that only we can write.
+fn check_private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::symlink_metadata(dir)?;
+    // SAFETY: geteuid cannot fail.
+    let own = unsafe { libc::geteuid() };
+    let why = if meta.file_type().is_symlink() {
+        Some("it is a symlink".to_owned())
+    } else if !meta.is_dir() {
+        Some("it is not a directory".to_owned())
+    } else if meta.uid() != own {
+        Some(format!("it belongs to uid {}, not {own}", meta.uid()))
+    } else if meta.mode() & 0o022 != 0 {
+        Some(format!(
+            "it is writable by group or others (mode {:o})",
+            meta.mode() & 0o7777
+        ))
+    } else {
+        None
+    };
+    match why {
+        None => Ok(()),
+        Some(why) => Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "runtime directory {} is not safe to use: {why}; remove it or point \
+                 PVISOR_RUNTIME_DIR at a private directory",
+                dir.display()
+            ),
+        )),
     }
 }
 
@@ -52,8 +342,9 @@ pub fn identity_path(job: &str) -> PathBuf {
 
 /// Reads the identity a running job left.
 pub fn read_identity(job: &str) -> std::io::Result<Identity> {
+    check_private_dir(&runtime_dir())?;
     let path = identity_path(job);
-    let text = std::fs::read_to_string(&path).map_err(|e| {
+    let text = read_small(&path).map_err(|e| {
         std::io::Error::new(
             e.kind(),
             format!("no VM with job id `{job}` here ({}: {e})", path.display()),

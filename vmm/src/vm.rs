@@ -412,6 +412,16 @@ impl Vm {
         &self.machine
     }
 
+    /// The memory cgroup's directory, when the VM runs in one.
+    pub fn cgroup_dir(&self) -> Option<&std::path::Path> {
+        self.cgroup.as_ref().map(MemoryCgroup::dir)
+    }
+
+    /// What ends the running command from another thread (`stop`, SIGTERM).
+    pub fn interrupter(&self) -> crate::machine::Interrupter {
+        self.machine.interrupter()
+    }
+
     /// Where operator requests come from while a command waits for a model answer (see
     /// [`crate::operator`]).
     pub fn set_operator(&mut self, operator: Box<dyn crate::operator::Operator>) {

@@ -45,6 +45,26 @@ pub fn simple(target: &Target, method: Method) -> CliResult {
     Ok(ExitCode::SUCCESS)
 }
 
+/// `status`: a running VM's answer, or, for one that died, what its tombstone says (its
+/// stale socket and lock are removed on the way).
+pub fn status(target: &Target) -> CliResult {
+    runtime::check_job_id(&target.job)?;
+    // The long form names the socket: the runtime directory is not needed.
+    if target.socket.is_some() && target.attempt.is_some() {
+        return simple(target, Method::Status);
+    }
+    runtime::ensure_runtime_dir()?;
+    if let Some(tombstone) = runtime::reap(&target.job) {
+        let mut value = serde_json::to_value(&tombstone)?;
+        if let Some(object) = value.as_object_mut() {
+            object.insert("state".into(), "dead".into());
+        }
+        print(&value);
+        return Ok(ExitCode::SUCCESS);
+    }
+    simple(target, Method::Status)
+}
+
 pub fn exec(target: &Target, script: &str) -> CliResult {
     // Parse here too, so that a typo is reported before anything runs.
     vmm::script::parse(script)?;

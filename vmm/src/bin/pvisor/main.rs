@@ -83,8 +83,9 @@ enum Command {
     Resume {
         #[command(flatten)]
         target: Target,
-        /// Resume without bringing RAM back first (the default; the seed's flag).
-        #[arg(long = "vm-load", conflicts_with = "eager")]
+        /// Load RAM back (the seed's flag): lazily, the default, or with --eager all of it
+        /// first (`resume … [--vm-load] [--eager]`).
+        #[arg(long = "vm-load")]
         load: bool,
         /// Bring all RAM back before returning.
         #[arg(long)]
@@ -125,21 +126,21 @@ enum Command {
     /// Boot a 512 MiB VM, fill 64 MiB, and print its resident memory as it is, after an
     /// offload and after a compressed offload, with the digest checked after each resume.
     Demo(demo::DemoArgs),
-    /// The VM process itself (started by `run --detach`).
+    /// The VM process itself (started by `run --detach`; its spec, JSON, on stdin).
     #[command(name = "__vm", hide = true)]
-    VmProcess {
-        /// The VM's full specification, JSON.
-        #[arg(long)]
-        spec: String,
-    },
+    VmProcess,
+    /// The detached VM's supervisor: starts `__vm`, waits for it, leaves its tombstone.
+    #[command(name = "__supervise", hide = true)]
+    Supervise,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(args) => run::run(*args),
-        Command::VmProcess { spec } => run::vm_process(&spec),
-        Command::Status(target) => client::simple(&target, vmm::control::Method::Status),
+        Command::VmProcess => run::vm_process(),
+        Command::Supervise => run::supervise(),
+        Command::Status(target) => client::status(&target),
         Command::Stats(target) => client::simple(&target, vmm::control::Method::Stats),
         Command::Stop(target) => client::simple(&target, vmm::control::Method::Stop),
         Command::Exec { target, script } => client::exec(&target, &script.join(" ")),

@@ -1,7 +1,7 @@
 //! `pvisor run` and the VM process: boot, serve the control socket, run the script, and
 //! stay up (for `--detach` or a script ending in `idle`) until stopped.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{ExitCode, Stdio};
@@ -39,13 +39,18 @@ pub fn run(args: RunArgs) -> CliResult {
         None => runtime::new_id("vm-"),
     };
     runtime::check_job_id(&job)?;
+    runtime::ensure_runtime_dir()?;
+    // VMs that died with nobody to clean up: their sockets and locks go now.
+    runtime::reap_all();
     if let Ok(identity) = runtime::read_identity(&job) {
-        // SAFETY: kill with signal 0 only checks that the process exists.
-        if unsafe { libc::kill(identity.pid.cast_signed(), 0) } == 0 {
+        if runtime::process_alive(identity.pid) {
             return Err(format!("job `{job}` is already running (pid {})", identity.pid).into());
         }
     }
     let dir = runtime::job_dir(&job);
+    // A new start of the job: the last one's tombstone and log go.
+    let _ = std::fs::remove_file(runtime::tombstone_path(&job));
+    let _ = std::fs::remove_file(dir.join("vm.log"));
     runtime::create_private_dir(&dir)?;
     let spec = Spec {
         attempt: runtime::new_id(""),
@@ -82,21 +87,43 @@ pub fn run(args: RunArgs) -> CliResult {
     }
 }
 
-/// Starts the VM process in the background and passes on its identity line.
+/// The most a spec may hold on the VM process's stdin.
+const MAX_SPEC_BYTES: u64 = 64 << 20;
+
+/// Starts the VM process in the background (under its supervisor) and passes on its
+/// identity line. The spec goes through a pipe, not the command line: it may be large, and
+/// the attempt id in it is not for other users to read in `/proc/PID/cmdline`. A start that
+/// fails leaves no job directory.
 fn detach(spec: &Spec) -> CliResult {
+    let started = start_detached(spec);
+    if started.is_err() {
+        let _ = std::fs::remove_dir_all(runtime::job_dir(&spec.job));
+    }
+    started
+}
+
+fn start_detached(spec: &Spec) -> CliResult {
+    use std::os::unix::fs::OpenOptionsExt;
     let log_path = runtime::job_dir(&spec.job).join("vm.log");
-    let log = std::fs::File::create(&log_path)?;
+    let log = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&log_path)?;
     let mut child = std::process::Command::new(std::env::current_exe()?)
-        .args(["__vm", "--spec", &serde_json::to_string(spec)?])
-        .stdin(Stdio::null())
+        .arg("__supervise")
+        .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(log)
         // Its own process group: a Ctrl-C meant for this terminal does not reach the VM.
         .process_group(0)
         .spawn()?;
+    let stdin = child.stdin.take().ok_or("the VM process has no stdin")?;
+    send_spec(stdin, spec)?;
     let mut line = String::new();
     let stdout = child.stdout.take().ok_or("the VM process has no stdout")?;
-    BufReader::new(stdout).read_line(&mut line)?;
+    BufReader::new(stdout.take(MAX_SPEC_BYTES)).read_line(&mut line)?;
     if serde_json::from_str::<Identity>(&line).is_ok() {
         print!("{line}");
         std::io::stdout().flush()?;
@@ -104,14 +131,73 @@ fn detach(spec: &Spec) -> CliResult {
     }
     let status = child.wait()?;
     let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-    let _ = std::fs::remove_dir_all(runtime::job_dir(&spec.job));
     Err(format!("the VM did not start ({status}): {}", log.trim()).into())
 }
 
-/// The hidden `__vm` command: the detached VM process.
-pub fn vm_process(spec: &str) -> CliResult {
-    let spec: Spec = serde_json::from_str(spec)?;
-    vm_main(spec)
+/// Writes the spec to a child's stdin and closes it.
+fn send_spec(mut stdin: std::process::ChildStdin, spec: &Spec) -> std::io::Result<()> {
+    stdin.write_all(&serde_json::to_vec(spec).map_err(std::io::Error::other)?)
+}
+
+/// Reads the spec from stdin (at most [`MAX_SPEC_BYTES`]).
+fn receive_spec() -> Result<Spec, Box<dyn std::error::Error>> {
+    let mut text = Vec::new();
+    std::io::stdin()
+        .lock()
+        .take(MAX_SPEC_BYTES)
+        .read_to_end(&mut text)?;
+    Ok(serde_json::from_slice(&text)?)
+}
+
+/// The hidden `__supervise` command: starts the VM process, hands it the spec, waits for
+/// it, and if it did not end cleanly (killed, OOM, failed) leaves a tombstone in its job
+/// directory and removes its socket, identity and stores.
+pub fn supervise() -> CliResult {
+    // The stop signals are the VM's to handle (it blocks them too); this process waits on.
+    let mut signals = SigSet::empty();
+    for signal in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
+        signals.add(signal);
+    }
+    signals.thread_block()?;
+    let mut spec = receive_spec()?;
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .arg("__vm")
+        .stdin(Stdio::piped())
+        .spawn()?;
+    let stdin = child.stdin.take().ok_or("the VM process has no stdin")?;
+    send_spec(stdin, &spec)?;
+    // The script may be large and is the VM's business now.
+    spec.script = String::new();
+    // Our stdout is the VM's now: let it go, so that the parent sees it end with the VM's.
+    redirect_stdout_to("/dev/null".as_ref(), false)?;
+    let pid = child.id();
+    let status = child.wait()?;
+    if status.success() {
+        return Ok(ExitCode::SUCCESS);
+    }
+    // (Read before the files go: the identity names the cgroup.)
+    let cgroup = runtime::read_identity(&spec.job)
+        .ok()
+        .and_then(|identity| identity.cgroup);
+    let tombstone = runtime::Tombstone::of(&spec.job, pid, status, cgroup.as_deref());
+    eprintln!("pvisor: {}", tombstone.reason);
+    if runtime::job_dir(&spec.job).is_dir() {
+        // The tombstone first: whoever finds the identity gone finds the tombstone.
+        runtime::write_tombstone(&tombstone)?;
+        runtime::remove_vm_files(&spec.job);
+        if spec.temporary_disk {
+            let _ = std::fs::remove_file(&spec.options.disk);
+        }
+        if let Some(cgroup) = &cgroup {
+            runtime::remove_cgroup(cgroup);
+        }
+    }
+    Ok(ExitCode::FAILURE)
+}
+
+/// The hidden `__vm` command: the detached VM process (its spec on stdin).
+pub fn vm_process() -> CliResult {
+    vm_main(receive_spec()?)
 }
 
 fn vm_main(spec: Spec) -> CliResult {
@@ -121,6 +207,7 @@ fn vm_main(spec: Spec) -> CliResult {
     signals.add(Signal::SIGTERM);
     signals.thread_block()?;
 
+    runtime::ensure_runtime_dir()?;
     let dir = runtime::job_dir(&spec.job);
     runtime::create_private_dir(&dir)?;
     let mut cleanup = Cleanup {
@@ -132,12 +219,25 @@ fn vm_main(spec: Spec) -> CliResult {
     let started = Instant::now();
     let socket = runtime::socket_path(&spec.job);
     let (tx, rx) = mpsc::channel::<control::Job>();
-    control::serve(&socket, spec.job.clone(), spec.attempt.clone(), tx.clone())?;
+    let who = control::Identity {
+        job: spec.job.clone(),
+        attempt: spec.attempt.clone(),
+        // SAFETY: geteuid cannot fail.
+        owner: unsafe { libc::geteuid() },
+    };
+    // A stop ends the running command at once instead of queueing behind it.
+    let interrupter = vm.interrupter();
+    let on_stop = {
+        let interrupter = interrupter.clone();
+        Arc::new(move || interrupter.stop())
+    };
+    let server = control::serve(&socket, who, tx.clone(), on_stop)?;
     let signal_tx = tx.clone();
     std::thread::Builder::new()
         .name("pvisor-signals".into())
         .spawn(move || {
             if signals.wait().is_ok() {
+                interrupter.stop();
                 let (reply, _ignored) = mpsc::channel();
                 let _ = signal_tx.send((Method::Stop, reply));
             }
@@ -149,6 +249,11 @@ fn vm_main(spec: Spec) -> CliResult {
         socket,
         attempt: spec.attempt.clone(),
         pid: std::process::id(),
+        // SAFETY: getppid cannot fail.
+        supervisor: spec
+            .detached
+            .then(|| unsafe { libc::getppid() }.unsigned_abs()),
+        cgroup: vm.cgroup_dir().map(std::path::Path::to_path_buf),
     };
     // The requests go to this loop between commands and to the machine during model waits.
     let rx = Arc::new(Mutex::new(rx));
@@ -164,7 +269,7 @@ fn vm_main(spec: Spec) -> CliResult {
     println!("{}", serde_json::to_string(&identity)?);
     std::io::stdout().flush()?;
     if spec.detached {
-        redirect_stdout_to_log(&dir.join("vm.log"))?;
+        redirect_stdout_to(&dir.join("vm.log"), true)?;
     }
 
     let commands = script::parse(&spec.script)?;
@@ -207,14 +312,44 @@ fn vm_main(spec: Spec) -> CliResult {
             }
         }
     }
+    let stopped = vm.machine().stop_requested();
+    finish_requests(&rx, &server);
     drop(vm);
-    cleanup.keep_log = failed;
+    // A stopped command is not a failure of the VM: its files go.
+    cleanup.keep_log = failed && !stopped;
     drop(cleanup);
     Ok(if failed {
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// How long an exiting VM waits for the requests in flight to be answered.
+const FINISH_REQUESTS: Duration = Duration::from_secs(2);
+
+/// Answers what is queued and waits (a little) for the requests in flight: a `stop` gets its
+/// reply, anything else is told the VM stopped.
+fn finish_requests(rx: &Mutex<mpsc::Receiver<control::Job>>, server: &control::Listening) {
+    let rx = rx.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let deadline = Instant::now() + FINISH_REQUESTS;
+    loop {
+        match rx.recv_timeout(Duration::from_millis(10)) {
+            Ok((method, reply)) => {
+                let _ = reply.send(if method == Method::Stop {
+                    Ok(serde_json::json!({ "stopped": true }))
+                } else {
+                    Err("stopped: the VM is shutting down".into())
+                });
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) if server.in_flight() == 0 => return,
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => return,
+        }
+        if Instant::now() >= deadline {
+            return;
+        }
+    }
 }
 
 /// The control socket's requests while a command waits for a model answer: those the machine
@@ -332,12 +467,14 @@ fn handle(
     }
 }
 
-/// Sends everything printed from now on to the log (the parent stopped reading).
-fn redirect_stdout_to_log(path: &std::path::Path) -> std::io::Result<()> {
+/// Sends everything printed from now on to `path` (the log: appended, created if `create`).
+fn redirect_stdout_to(path: &std::path::Path, create: bool) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
     let log = std::fs::OpenOptions::new()
         .append(true)
-        .create(true)
+        .create(create)
+        .mode(0o600)
         .open(path)?;
     // SAFETY: dup2 onto our own stdout; both descriptors are valid.
     if unsafe { libc::dup2(log.as_raw_fd(), libc::STDOUT_FILENO) } < 0 {
