@@ -30,6 +30,24 @@ pub const APP_BASE: u64 = 0x20_0000;
 /// Smallest RAM that leaves room for some application data.
 pub const MIN_RAM: u64 = 4 << 20;
 
+/// Whether a VM can have `bytes` of guest RAM: between [`MIN_RAM`] and [`MAX_RAM`], in whole
+/// 2 MiB pages (the identity map's).
+pub fn check_memory(bytes: u64) -> Result<(), String> {
+    if !(MIN_RAM..=MAX_RAM).contains(&bytes) {
+        return Err(format!(
+            "memory must be between {} MiB and {} GiB, not {bytes} bytes",
+            MIN_RAM >> 20,
+            MAX_RAM >> 30,
+        ));
+    }
+    if !bytes.is_multiple_of(2 << 20) {
+        return Err(format!(
+            "memory must be a multiple of 2 MiB, not {bytes} bytes"
+        ));
+    }
+    Ok(())
+}
+
 /// A command finished (or the guest started).
 pub const PORT_DONE: u16 = 0x10;
 /// The block request is ready.

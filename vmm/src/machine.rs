@@ -300,20 +300,7 @@ impl Machine {
         config: &MachineConfig,
         on_fault_error: Box<dyn Fn(&FaultError) + Send + Sync>,
     ) -> Result<Self, MachineError> {
-        if config.memory < guest::MIN_RAM || config.memory > guest::MAX_RAM {
-            return Err(MachineError::Config(format!(
-                "memory must be between {} MiB and {} GiB, not {} bytes",
-                guest::MIN_RAM >> 20,
-                guest::MAX_RAM >> 30,
-                config.memory
-            )));
-        }
-        if !config.memory.is_multiple_of(2 << 20) {
-            return Err(MachineError::Config(format!(
-                "memory must be a multiple of 2 MiB, not {} bytes",
-                config.memory
-            )));
-        }
+        guest::check_memory(config.memory).map_err(MachineError::Config)?;
         if config.vcpus == 0 || config.vcpus > 64 {
             return Err(MachineError::Config(format!(
                 "vcpus must be 1 to 64, not {}",
