@@ -7,6 +7,9 @@
  * model answer) is fired by the VMM returning from the model port.
  *
  * The mailbox layout, opcodes and ports are mirrored in vmm/src/guest.rs.
+ *
+ * `poke` and `chaos` play a hostile guest: they write what they like into the request areas
+ * and knock on the VMM's ports, which must answer with an error status, never trust them.
  */
 #include <stdint.h>
 
@@ -20,11 +23,11 @@
 #define PORT_PANIC 0x3f  /* something impossible happened; see status */
 
 enum op { OP_NONE = 0, OP_FILL = 1, OP_DIGEST = 2, OP_TOUCH = 3, OP_REWRITE = 4,
-          OP_RELEASE = 5, OP_TASK = 6, OP_MODEL = 7 };
+          OP_RELEASE = 5, OP_TASK = 6, OP_MODEL = 7, OP_POKE = 8, OP_CHAOS = 9 };
 enum fill { FILL_REPEATED = 0, FILL_RANDOM = 1, FILL_ZERO = 2, FILL_DISTINCT = 3 };
 enum blk_op { BLK_READ = 1, BLK_WRITE = 2, BLK_FLUSH = 3 };
 enum status { ST_OK = 0, ST_BAD_OP = 1, ST_TOO_LARGE = 2, ST_IO = 3, ST_MISMATCH = 4,
-              ST_MODEL = 5 };
+              ST_MODEL = 5, ST_RELEASE = 6 };
 
 struct mailbox {
     volatile uint64_t op;
@@ -39,6 +42,8 @@ struct mailbox {
     /* The guest's free-page report for PORT_FREE. */
     volatile uint64_t free_gpa;
     volatile uint64_t free_len;
+    /* The VMM's answer to it: 0, or an errno (the report was refused). */
+    volatile uint64_t free_status;
 };
 
 struct blk_request {
@@ -54,6 +59,12 @@ struct blk_request {
 
 static inline void out(uint16_t port) {
     __asm__ volatile("outb %%al, %w0" : : "Nd"(port), "a"(0) : "memory");
+}
+
+static inline uint8_t in(uint16_t port) {
+    uint8_t value;
+    __asm__ volatile("inb %w1, %%al" : "=a"(value) : "Nd"(port) : "memory");
+    return value;
 }
 
 static uint64_t filled;          /* bytes of app data written so far */
@@ -180,6 +191,97 @@ static uint64_t op_task(uint64_t *digest_out) {
     return ST_OK;
 }
 
+/* A value for a request field, as a hostile guest would pick it: anything, small, around the
+ * end of RAM, near wrap-around, a power of two, inside the I/O buffer or the free application
+ * memory above the filled data. */
+static uint64_t chaos_value(uint64_t *s, uint64_t ram, uint64_t spare) {
+    uint64_t pick = next_random(s) % 12, x = next_random(s);
+    switch (pick) {
+    case 0: return x;
+    case 1: return x & 0xFFF;
+    case 2: return x & 0x1FFFFF;
+    case 3: return ram - (x & 0xFFFF);
+    case 4: return ram + (x & 0xFFFF);
+    case 5: return ~0ull - (x & 0xFFFF);
+    case 6: return 1ull << (x & 63);
+    case 7: return MB->io_buf + x % MB->io_buf_size;
+    case 8: return (1ull << 63) + (x & 0xFFFF);
+    case 9: return ram > spare ? spare + ((x % (ram - spare)) & ~0xFFFull) : spare;
+    case 10: return x & 0x1FFE00; /* sector-aligned, up to 2 MiB */
+    default: return x % (2 * ram);
+    }
+}
+
+/* The chaos's targets: the mailbox's arguments and free report, the block request. */
+static volatile uint64_t *chaos_field(uint64_t i) {
+    switch (i) {
+    case 0: case 1: case 2: case 3: case 4: case 5: return &MB->arg[i];
+    case 6: return &MB->free_gpa;
+    case 7: return &MB->free_len;
+    case 8: return &BLK->op;
+    case 9: return &BLK->offset;
+    case 10: return &BLK->len;
+    case 11: return &BLK->buf_gpa;
+    default: return &BLK->status;
+    }
+}
+
+/* Whether [start, start + len) lies in RAM and meets what the chaos must not change: the
+ * guest's own pages (below the I/O buffer) and the filled data. Such a request is valid, and
+ * would be served: the chaos does not send it. One outside RAM or wrapping around is sent. */
+static int chaos_guarded(uint64_t start, uint64_t len, uint64_t ram, uint64_t spare) {
+    uint64_t end = start + len;
+    if (len == 0 || end < start || end > ram) return 0;
+    if (start < MB->io_buf) return 1;
+    return start < spare && end > MB->app_base;
+}
+
+/* `chaos seed=N count=M`: M random steps, each writing a random value into a mailbox argument,
+ * the free report or the block request, or an `out` to the block, free or model port or an
+ * unknown one, or an `in`. Results: outs sent, outs held back (see chaos_guarded), ins. */
+static void op_chaos(uint64_t seed, uint64_t count) {
+    uint64_t s = seed_state(seed, 0xC4A05), ram = MB->app_base + MB->app_size;
+    uint64_t spare = MB->app_base + ((filled + 4095) & ~4095ull);
+    uint64_t sent = 0, held = 0, ins = 0;
+    for (uint64_t i = 0; i < count; i++) {
+        uint64_t what = next_random(&s) % 8;
+        if (what < 4) {
+            uint64_t field = next_random(&s) % 13;
+            uint64_t value = chaos_value(&s, ram, spare);
+            if (field == 8 && (value & 1)) value = next_random(&s) % 5; /* a real op, often */
+            *chaos_field(field) = value;
+            continue;
+        }
+        if (what == 7) {
+            ins++;
+            (void)in((uint16_t)(next_random(&s) & 0x7FFF)); /* see the ports below */
+            continue;
+        }
+        uint64_t port;
+        switch (next_random(&s) % 7) {
+        case 0: case 1: port = PORT_BLK; break;
+        case 2: case 3: port = PORT_FREE; break;
+        case 4: port = PORT_MODEL; break;
+        /* Below 0x8000: on the nested KVM this project runs on, an `out` to some ports just
+         * above (0x8000-0x8002, 0x8005, 0x800d) makes the outer hypervisor shut the vCPU down
+         * before the VMM sees the exit: out of the VMM's hands. */
+        default: port = next_random(&s) & 0x7FFF; break;
+        }
+        if (port == PORT_DONE) continue; /* that one ends the command */
+        if ((port == PORT_BLK && BLK->op == BLK_READ &&
+             chaos_guarded(BLK->buf_gpa, BLK->len, ram, spare)) ||
+            (port == PORT_FREE && chaos_guarded(MB->free_gpa, MB->free_len, ram, spare))) {
+            held++;
+            continue;
+        }
+        sent++;
+        out((uint16_t)port);
+    }
+    MB->result[0] = sent;
+    MB->result[1] = held;
+    MB->result[3] = ins;
+}
+
 __attribute__((noreturn, section(".text.start"))) void _start(void) {
     for (;;) {
         out(PORT_DONE);
@@ -208,9 +310,26 @@ __attribute__((noreturn, section(".text.start"))) void _start(void) {
         case OP_RELEASE:
             MB->free_gpa = MB->app_base;
             MB->free_len = (filled + 4095) & ~4095ull;
+            MB->free_status = 0;
             if (MB->free_len) out(PORT_FREE);
+            if (MB->free_status) { st = ST_RELEASE; break; }
             MB->result[0] = MB->free_len;
             filled = 0;
+            break;
+        case OP_POKE: {
+            /* `poke GPA VALUE [out=PORT]`: one word written, then one `out` (0: none).
+             * Results: the block request's status, the free report's, the model's error
+             * flag. */
+            uint64_t gpa = MB->arg[0], value = MB->arg[1], port = MB->arg[2];
+            *(volatile uint64_t *)gpa = value;
+            if (port) out((uint16_t)port);
+            MB->result[0] = BLK->status;
+            MB->result[1] = MB->free_status;
+            MB->result[3] = MB->arg[2];
+            break;
+        }
+        case OP_CHAOS:
+            op_chaos(MB->arg[0], MB->arg[1]);
             break;
         case OP_TASK: {
             uint64_t d = 0;

@@ -85,10 +85,42 @@ pub fn check_upstream(url: &str) -> Result<(), GatewayError> {
     Upstream::parse(url).map(|_| ())
 }
 
+/// Most answers kept for requests nobody has taken yet, and most events kept for a wait
+/// coordinator that has not polled them. The guest picks its request ids: one that asks for
+/// request after request and never waits for their answers must not make the VMM keep them
+/// all. The oldest go first.
+const MAX_KEPT: usize = 256;
+
 #[derive(Debug, Default)]
 struct State {
     answers: HashMap<u64, Answer>,
+    /// The answers' ids, oldest first (some may have been taken).
+    order: VecDeque<u64>,
     events: VecDeque<WaitEvent>,
+}
+
+impl State {
+    fn keep_answer(&mut self, request: u64, answer: Answer) {
+        self.answers.insert(request, answer);
+        self.order.push_back(request);
+        while self.answers.len() > MAX_KEPT || self.order.len() > 4 * MAX_KEPT {
+            // The entry just pushed stays: the loop ends before it is the only one left.
+            match self.order.pop_front() {
+                Some(old) if old != request => {
+                    self.answers.remove(&old);
+                }
+                Some(_) => {}
+                None => break,
+            }
+        }
+    }
+
+    fn push_event(&mut self, event: WaitEvent) {
+        self.events.push_back(event);
+        while self.events.len() > MAX_KEPT {
+            self.events.pop_front();
+        }
+    }
 }
 
 /// One VM's gateway.
@@ -137,7 +169,7 @@ impl Gateway {
 
     /// Sends `request` upstream; its answer is kept until taken.
     pub fn send(&self, request: u64) {
-        self.lock().events.push_back(WaitEvent::WaitStart {
+        self.lock().push_event(WaitEvent::WaitStart {
             request,
             epoch: self.epoch,
         });
@@ -158,10 +190,8 @@ impl Gateway {
             let mut state = lock
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            state.answers.insert(request, answer);
-            state
-                .events
-                .push_back(WaitEvent::DataReady { request, epoch });
+            state.keep_answer(request, answer);
+            state.push_event(WaitEvent::DataReady { request, epoch });
             ready.notify_all();
         });
     }
@@ -189,12 +219,15 @@ impl ModelPort for Gateway {
         let mut state = lock
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let deadline = Instant::now() + timeout;
+        // A timeout too long for an `Instant` is no timeout (an hour at a time).
+        let deadline = Instant::now().checked_add(timeout);
         loop {
             if let Some(answer) = state.answers.remove(&request) {
                 return Some(answer);
             }
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = deadline.map_or(Duration::from_secs(3600), |d| {
+                d.saturating_duration_since(Instant::now())
+            });
             if left.is_zero() {
                 return None;
             }
@@ -262,6 +295,26 @@ async fn post(upstream: &Upstream, label: &str, request: u64) -> Answer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn state_keeps_a_bounded_number_of_answers_and_events_newest_first() {
+        let mut state = State::default();
+        for request in 0..10_000u64 {
+            state.keep_answer(request, Answer::Data(vec![0; 8]));
+            state.push_event(WaitEvent::DataReady { request, epoch: 0 });
+        }
+        assert_eq!(state.answers.len(), MAX_KEPT);
+        assert!(state.order.len() <= 4 * MAX_KEPT);
+        assert_eq!(state.events.len(), MAX_KEPT);
+        assert!(state.answers.contains_key(&9_999));
+        assert!(!state.answers.contains_key(&0));
+        // The same id answered again (a retry) is kept once.
+        for _ in 0..10_000 {
+            state.keep_answer(5, Answer::Data(vec![1]));
+        }
+        assert!(state.answers.contains_key(&5));
+        assert!(state.order.len() <= 4 * MAX_KEPT);
+    }
 
     #[test]
     fn upstream_parses_host_port_and_prefix() {

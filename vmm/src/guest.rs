@@ -30,6 +30,24 @@ pub const APP_BASE: u64 = 0x20_0000;
 /// Smallest RAM that leaves room for some application data.
 pub const MIN_RAM: u64 = 4 << 20;
 
+/// Whether a VM can have `bytes` of guest RAM: between [`MIN_RAM`] and [`MAX_RAM`], in whole
+/// 2 MiB pages (the identity map's).
+pub fn check_memory(bytes: u64) -> Result<(), String> {
+    if !(MIN_RAM..=MAX_RAM).contains(&bytes) {
+        return Err(format!(
+            "memory must be between {} MiB and {} GiB, not {bytes} bytes",
+            MIN_RAM >> 20,
+            MAX_RAM >> 30,
+        ));
+    }
+    if !bytes.is_multiple_of(2 << 20) {
+        return Err(format!(
+            "memory must be a multiple of 2 MiB, not {bytes} bytes"
+        ));
+    }
+    Ok(())
+}
+
 /// A command finished (or the guest started).
 pub const PORT_DONE: u16 = 0x10;
 /// The block request is ready.
@@ -39,6 +57,17 @@ pub const PORT_FREE: u16 = 0x30;
 /// A model request (mailbox `arg[0]`) is out; the VMM answers in the I/O buffer
 /// (`arg[1]` bytes, `arg[2]` nonzero on an error) before the guest goes on.
 pub const PORT_MODEL: u16 = 0x40;
+
+/// Most bytes of one block request: the guest's I/O buffer (what it transfers at a time).
+pub const MAX_BLK_LEN: u64 = IO_BUF_SIZE;
+/// Block requests address whole sectors: offsets and lengths are multiples of this.
+pub const SECTOR: u64 = 512;
+/// Largest virtual disk: no request reaches past it (the disk file is sparse; this bounds how
+/// far a guest can make it extend).
+pub const DISK_MAX: u64 = 64 << 30;
+/// Longest timer the guest may report while it waits for the model, milliseconds (one hour):
+/// far beyond any real timer, and well inside `Instant` arithmetic.
+pub const MAX_TIMER_MS: u64 = 3_600_000;
 
 /// Command opcodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,6 +87,12 @@ pub enum Op {
     Task = 6,
     /// Ask the model (request id); digest the answer.
     Model = 7,
+    /// Write a word (guest-physical address, value), then `out` to a port (0: none); results:
+    /// the block request's status, the free report's, the model's error flag.
+    Poke = 8,
+    /// Random writes into the request areas and random port I/O (seed, count); results: outs
+    /// sent, outs held back (they would have changed the guest's own pages or its data), ins.
+    Chaos = 9,
 }
 
 /// How `fill` writes data.
@@ -100,6 +135,8 @@ pub mod status {
     pub const MISMATCH: u64 = 4;
     /// The model request got no answer (see the VMM's error).
     pub const MODEL: u64 = 5;
+    /// The VMM refused the free report (see the VMM's error).
+    pub const RELEASE: u64 = 6;
 }
 
 /// The mailbox page, as laid out by guest/guest.c.
@@ -126,6 +163,8 @@ pub struct Mailbox {
     pub free_gpa: u64,
     /// Free report: length.
     pub free_len: u64,
+    /// The VMM's answer to the free report: 0, or an errno.
+    pub free_status: u64,
 }
 
 /// The block request, as laid out by guest/guest.c.
@@ -142,6 +181,107 @@ pub struct BlkRequest {
     pub buf_gpa: u64,
     /// 0, or an errno.
     pub status: u64,
+}
+
+/// What a block request asks for, once checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockIo {
+    /// Read `len` bytes at disk offset `offset` into guest-physical `buf`.
+    Read {
+        /// Disk offset.
+        offset: u64,
+        /// Bytes (at most [`MAX_BLK_LEN`]).
+        len: usize,
+        /// Guest buffer, `len` bytes inside RAM.
+        buf: u64,
+    },
+    /// Write `len` bytes from guest-physical `buf` at disk offset `offset`.
+    Write {
+        /// Disk offset.
+        offset: u64,
+        /// Bytes (at most [`MAX_BLK_LEN`]).
+        len: usize,
+        /// Guest buffer, `len` bytes inside RAM.
+        buf: u64,
+    },
+    /// Make written data durable.
+    Flush,
+}
+
+/// A guest request the VMM refuses: the errno the guest gets back, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refused {
+    /// What the guest's status field gets.
+    pub errno: i32,
+    /// For the command's error.
+    pub reason: String,
+}
+
+fn refuse(errno: i32, reason: String) -> Refused {
+    Refused { errno, reason }
+}
+
+/// Checks a block request read from guest memory (every field is the guest's) for a VM of
+/// `ram_size` bytes: a known op; whole sectors, at most [`MAX_BLK_LEN`] bytes, not past
+/// [`DISK_MAX`]; a buffer inside RAM. All sums are checked.
+pub fn check_block(request: &BlkRequest, ram_size: u64) -> Result<BlockIo, Refused> {
+    let BlkRequest {
+        op,
+        offset,
+        len,
+        buf_gpa: buf,
+        ..
+    } = *request;
+    if op == blk::FLUSH {
+        return Ok(BlockIo::Flush);
+    }
+    if op != blk::READ && op != blk::WRITE {
+        return Err(refuse(libc::EINVAL, format!("unknown block op {op}")));
+    }
+    if len > MAX_BLK_LEN || !len.is_multiple_of(SECTOR) || !offset.is_multiple_of(SECTOR) {
+        return Err(refuse(
+            libc::EINVAL,
+            format!(
+                "block request of {len} bytes at offset {offset}: whole {SECTOR}-byte sectors, \
+                 at most {MAX_BLK_LEN} bytes"
+            ),
+        ));
+    }
+    if offset.checked_add(len).is_none_or(|end| end > DISK_MAX) {
+        return Err(refuse(
+            libc::EFBIG,
+            format!("block request of {len} bytes at offset {offset} is past the disk's {DISK_MAX} bytes"),
+        ));
+    }
+    if buf.checked_add(len).is_none_or(|end| end > ram_size) {
+        return Err(refuse(
+            libc::EFAULT,
+            format!("block buffer of {len} bytes at {buf:#x} is outside RAM"),
+        ));
+    }
+    let len = usize::try_from(len).expect("at most MAX_BLK_LEN");
+    Ok(if op == blk::READ {
+        BlockIo::Read { offset, len, buf }
+    } else {
+        BlockIo::Write { offset, len, buf }
+    })
+}
+
+/// Checks a free-page report (the guest's `free_gpa`, `free_len`) for a VM of `ram_size`
+/// bytes: whole 4 KiB pages of the application data, not empty, sums checked.
+pub fn check_free(gpa: u64, len: u64, ram_size: u64) -> Result<(), Refused> {
+    const PAGE: u64 = 4096;
+    let inside = gpa >= APP_BASE && gpa.checked_add(len).is_some_and(|end| end <= ram_size);
+    if len == 0 || !gpa.is_multiple_of(PAGE) || !len.is_multiple_of(PAGE) || !inside {
+        return Err(refuse(
+            libc::EINVAL,
+            format!(
+                "free report of {len} bytes at {gpa:#x}: whole pages of the application data \
+                 ({APP_BASE:#x} to {ram_size:#x}) only"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 const K1: u64 = 0x9E37_79B1_85EB_CA87;
@@ -266,11 +406,116 @@ mod tests {
 
     #[test]
     fn mailbox_layout_matches_the_guest() {
-        assert_eq!(std::mem::size_of::<Mailbox>(), 160);
+        assert_eq!(std::mem::size_of::<Mailbox>(), 168);
         assert_eq!(std::mem::offset_of!(Mailbox, status), 56);
         assert_eq!(std::mem::offset_of!(Mailbox, app_base), 112);
         assert_eq!(std::mem::offset_of!(Mailbox, free_len), 152);
+        assert_eq!(std::mem::offset_of!(Mailbox, free_status), 160);
         assert_eq!(std::mem::size_of::<BlkRequest>(), 40);
+    }
+
+    fn request(op: u64, offset: u64, len: u64, buf_gpa: u64) -> BlkRequest {
+        BlkRequest {
+            op,
+            offset,
+            len,
+            buf_gpa,
+            status: 0,
+        }
+    }
+
+    #[test]
+    fn check_block_refuses_what_the_disk_or_ram_cannot_serve() {
+        const RAM: u64 = 64 << 20;
+        assert_eq!(
+            check_block(&request(blk::READ, 4096, 8192, IO_BUF_GPA), RAM),
+            Ok(BlockIo::Read {
+                offset: 4096,
+                len: 8192,
+                buf: IO_BUF_GPA
+            })
+        );
+        assert_eq!(
+            check_block(&request(blk::FLUSH, u64::MAX, u64::MAX, u64::MAX), RAM),
+            Ok(BlockIo::Flush)
+        );
+        for (req, errno) in [
+            (request(0, 0, 512, IO_BUF_GPA), libc::EINVAL),
+            (
+                request(blk::READ, 0, MAX_BLK_LEN + 512, IO_BUF_GPA),
+                libc::EINVAL,
+            ),
+            (request(blk::READ, 0, 100, IO_BUF_GPA), libc::EINVAL),
+            (request(blk::WRITE, 7, 512, IO_BUF_GPA), libc::EINVAL),
+            (request(blk::WRITE, DISK_MAX, 512, IO_BUF_GPA), libc::EFBIG),
+            (
+                request(blk::WRITE, u64::MAX - 511, 512, IO_BUF_GPA),
+                libc::EFBIG,
+            ),
+            (request(blk::READ, 0, 4096, RAM - 2048), libc::EFAULT),
+            (request(blk::READ, 0, 4096, u64::MAX - 1024), libc::EFAULT),
+        ] {
+            assert_eq!(
+                check_block(&req, RAM).map_err(|r| r.errno),
+                Err(errno),
+                "{req:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn check_free_takes_whole_pages_of_the_application_data_only() {
+        const RAM: u64 = 64 << 20;
+        assert_eq!(check_free(APP_BASE, RAM - APP_BASE, RAM), Ok(()));
+        for (gpa, len) in [
+            (APP_BASE, 0),
+            (0, 4096),
+            (IO_BUF_GPA, 4096),
+            (APP_BASE + 1, 4096),
+            (APP_BASE, 4095),
+            (RAM - 4096, 8192),
+            (u64::MAX - 4095, 8192),
+            (APP_BASE, u64::MAX - 4095),
+        ] {
+            assert!(check_free(gpa, len, RAM).is_err(), "{gpa:#x} {len:#x}");
+        }
+    }
+
+    proptest::proptest! {
+        /// Whatever the guest writes, what the checks let through stays inside RAM, the disk
+        /// and one I/O buffer.
+        #[test]
+        fn fuzz_guest_requests_accepted_stay_inside_ram_and_the_disk(
+            op in 0u64..5,
+            offset in proptest::prelude::any::<u64>(),
+            len in proptest::prelude::any::<u64>(),
+            gpa in proptest::prelude::any::<u64>(),
+            small in proptest::prelude::any::<bool>(),
+            pages in 2u64..2048,
+        ) {
+            let ram = pages * (2 << 20);
+            // Half the cases in the interesting range: near RAM and the buffer size.
+            let (offset, len, gpa) = if small {
+                (offset % (2 * DISK_MAX), len % (2 * MAX_BLK_LEN), gpa % (2 * ram))
+            } else {
+                (offset, len, gpa)
+            };
+            match check_block(&request(op, offset, len, gpa), ram) {
+                Ok(BlockIo::Read { offset, len, buf } | BlockIo::Write { offset, len, buf }) => {
+                    let len = len as u64;
+                    proptest::prop_assert!(len <= MAX_BLK_LEN);
+                    proptest::prop_assert!(u128::from(buf) + u128::from(len) <= u128::from(ram));
+                    proptest::prop_assert!(u128::from(offset) + u128::from(len) <= u128::from(DISK_MAX));
+                    proptest::prop_assert!(offset.is_multiple_of(SECTOR) && len.is_multiple_of(SECTOR));
+                }
+                Ok(BlockIo::Flush) => proptest::prop_assert_eq!(op, blk::FLUSH),
+                Err(refused) => proptest::prop_assert!(refused.errno > 0),
+            }
+            if check_free(gpa, len, ram).is_ok() {
+                proptest::prop_assert!(gpa >= APP_BASE && len > 0);
+                proptest::prop_assert!(u128::from(gpa) + u128::from(len) <= u128::from(ram));
+            }
+        }
     }
 
     #[test]

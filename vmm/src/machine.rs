@@ -19,7 +19,7 @@ use uffd_pager::state::PageState;
 use vm_memory::{Bytes, GuestAddress};
 
 use crate::gateway::{Answer, ModelPort};
-use crate::guest::{self, blk, status, BlkRequest, Mailbox, Op};
+use crate::guest::{self, status, BlkRequest, BlockIo, Mailbox, Op, Refused};
 use crate::memory::{GuestRam, MemoryError};
 use crate::operator::{Operator, OperatorRequest};
 use crate::script::Command;
@@ -177,6 +177,12 @@ pub struct CommandOutput {
     /// `model … timer=MS`: how many times the guest's timer fired during the wait.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub timer_fired: Option<u64>,
+    /// `poke … out=PORT`: what the VMM answered in the request areas.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub poke: Option<PokeReport>,
+    /// `chaos`: what the guest did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chaos: Option<ChaosReport>,
     /// Application data filled after the command.
     pub app_bytes: u64,
 }
@@ -317,6 +323,29 @@ impl Drop for VcpuThread<'_> {
     }
 }
 
+/// The status fields after a `poke`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct PokeReport {
+    /// The block request's status (0, or an errno).
+    pub blk_status: u64,
+    /// The free report's status (0, or an errno).
+    pub free_status: u64,
+    /// The model port's error flag (mailbox `arg[2]`; 1: no answer).
+    pub model_error: u64,
+}
+
+/// What a `chaos` command did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ChaosReport {
+    /// `out`s sent to the VMM's ports.
+    pub outs: u64,
+    /// `out`s held back: valid requests that would have changed the guest's own pages or its
+    /// filled data.
+    pub held_back: u64,
+    /// `in`s.
+    pub ins: u64,
+}
+
 /// A running VM. Fields drop in order: the vCPU and VM before the pager, the pager before
 /// the RAM it serves.
 pub struct Machine {
@@ -348,6 +377,11 @@ pub struct Machine {
     /// The model request in flight and when it went out: the guest comes back to the model
     /// port with it after each of its timers.
     model_pending: Option<(u64, Instant)>,
+    /// Why the last free report was refused, for the command's error.
+    release_error: Option<String>,
+    /// A command ended with the guest stopped in the middle of it (it crashed, or the VMM
+    /// failed serving it): the guest cannot take another command. Why.
+    broken: Option<String>,
 }
 
 /// How a model wait ended.
@@ -444,20 +478,7 @@ impl Machine {
         config: &MachineConfig,
         on_fault_error: Box<dyn Fn(&FaultError) + Send + Sync>,
     ) -> Result<Self, MachineError> {
-        if config.memory < guest::MIN_RAM || config.memory > guest::MAX_RAM {
-            return Err(MachineError::Config(format!(
-                "memory must be between {} MiB and {} GiB, not {} bytes",
-                guest::MIN_RAM >> 20,
-                guest::MAX_RAM >> 30,
-                config.memory
-            )));
-        }
-        if !config.memory.is_multiple_of(2 << 20) {
-            return Err(MachineError::Config(format!(
-                "memory must be a multiple of 2 MiB, not {} bytes",
-                config.memory
-            )));
-        }
+        guest::check_memory(config.memory).map_err(MachineError::Config)?;
         if config.vcpus == 0 || config.vcpus > 64 {
             return Err(MachineError::Config(format!(
                 "vcpus must be 1 to 64, not {}",
@@ -581,6 +602,8 @@ impl Machine {
             stop_requested: false,
             interrupter: Interrupter::default(),
             model_pending: None,
+            release_error: None,
+            broken: None,
         };
         if config.restore.is_none() {
             machine.run_until_done()?;
@@ -742,13 +765,30 @@ impl Machine {
             }
             Command::Model { request, timer_ms } => {
                 let result =
-                    self.guest(command, Op::Model, &[request, 0, 0, timer_ms.unwrap_or(0)]);
-                // However the command ended, none of its requests is in flight any more.
-                self.model_pending = None;
-                let result = result?;
+                    self.guest(command, Op::Model, &[request, 0, 0, timer_ms.unwrap_or(0)])?;
                 output.digest = Some(format!("{:016x}", result[0]));
                 output.answer_bytes = Some(result[1]);
                 output.timer_fired = timer_ms.map(|_| result[3]);
+            }
+            Command::Poke { gpa, value, port } => {
+                let result = self.guest(
+                    command,
+                    Op::Poke,
+                    &[gpa, value, u64::from(port.unwrap_or(0))],
+                )?;
+                output.poke = port.map(|_| PokeReport {
+                    blk_status: result[0],
+                    free_status: result[1],
+                    model_error: result[3],
+                });
+            }
+            Command::Chaos { seed, count } => {
+                let result = self.guest(command, Op::Chaos, &[seed, count])?;
+                output.chaos = Some(ChaosReport {
+                    outs: result[0],
+                    held_back: result[1],
+                    ins: result[3],
+                });
             }
             Command::Sleep { ms } => {
                 if self.interrupter.sleep(Duration::from_millis(ms)) {
@@ -765,16 +805,31 @@ impl Machine {
         Ok(output)
     }
 
-    /// Runs one guest command; returns its results.
+    /// Runs one guest command; returns its results. Everything read back is the guest's word:
+    /// its filled size is clamped to the application memory, an unknown status is an error.
     fn guest(&mut self, command: &Command, op: Op, args: &[u64]) -> Result<[u64; 6], MachineError> {
+        if let Some(why) = &self.broken {
+            return Err(MachineError::GuestCrashed(format!(
+                "an earlier command left the guest stopped in the middle of it ({why}); \
+                 the VM takes no more commands"
+            )));
+        }
+        self.model_error = None;
+        self.release_error = None;
         let mut mailbox: Mailbox = self.read(guest::MAILBOX_GPA)?;
         mailbox.op = op as u64;
         mailbox.arg = [0; 6];
         mailbox.arg[..args.len()].copy_from_slice(args);
         self.write(guest::MAILBOX_GPA, mailbox)?;
-        self.run_until_done()?;
+        let ran = self.run_until_done();
+        // However the command ended, none of its model requests is in flight any more.
+        self.model_pending = None;
+        if let Err(e) = ran {
+            self.broken = Some(e.to_string());
+            return Err(e);
+        }
         let mailbox: Mailbox = self.read(guest::MAILBOX_GPA)?;
-        self.filled = mailbox.result[2];
+        self.filled = mailbox.result[2].min(self.ram.size() - guest::APP_BASE);
         let reason = match mailbox.status {
             status::OK => return Ok(mailbox.result),
             status::BAD_OP => "unknown operation".to_owned(),
@@ -785,6 +840,10 @@ impl Machine {
                 .model_error
                 .take()
                 .unwrap_or_else(|| "the model request got no answer".to_owned()),
+            status::RELEASE => self
+                .release_error
+                .take()
+                .unwrap_or_else(|| "the free report was refused".to_owned()),
             other => format!("status {other}"),
         };
         Err(MachineError::Command {
@@ -803,6 +862,11 @@ impl Machine {
             }
             let exit = match self.vcpu.run() {
                 Ok(VcpuExit::IoOut(port, _)) => Ok(port),
+                // No port answers reads: an `in` reads all ones, as from an empty bus.
+                Ok(VcpuExit::IoIn(_, data)) => {
+                    data.fill(0xFF);
+                    continue;
+                }
                 Ok(exit) => Err(format!("{exit:?}")),
                 Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => continue,
                 Err(e) => return Err(kvm("run vCPU")(e)),
@@ -821,63 +885,45 @@ impl Machine {
                 guest::PORT_BLK => self.block_request()?,
                 guest::PORT_FREE => self.free_report()?,
                 guest::PORT_MODEL => self.model_request()?,
-                other => {
-                    return Err(MachineError::GuestCrashed(format!(
-                        "write to unknown port {other:#x}"
-                    )))
-                }
+                // Writes to a port nothing listens on go nowhere, as on real hardware.
+                _ => {}
             }
         }
     }
 
-    /// Serves the block request in the mailbox's neighbour page.
+    /// Serves the block request in the mailbox's neighbour page. Every field is the guest's:
+    /// a request that is not whole sectors of at most one I/O buffer, inside the disk's bounds
+    /// and with its buffer inside RAM gets an errno back ([`guest::check_block`]); so does a
+    /// disk error.
     fn block_request(&mut self) -> Result<(), MachineError> {
         let mut request: BlkRequest = self.read(guest::BLK_GPA)?;
-        let disk_err = |source| MachineError::Disk {
-            path: self.disk_path.clone(),
-            source,
-        };
-        let len = usize::try_from(request.len).unwrap_or(usize::MAX);
-        let valid = request
-            .buf_gpa
-            .checked_add(request.len)
-            .is_some_and(|end| end <= self.ram.size());
-        let result: std::io::Result<()> = match request.op {
-            _ if request.op != blk::FLUSH && !valid => {
-                Err(std::io::Error::from_raw_os_error(libc::EFAULT))
-            }
-            blk::WRITE => {
+        let result: std::io::Result<()> = match guest::check_block(&request, self.ram.size()) {
+            Err(Refused { errno, .. }) => Err(std::io::Error::from_raw_os_error(errno)),
+            Ok(BlockIo::Write { offset, len, buf }) => {
                 self.io_buf.resize(len, 0);
                 self.ram
                     .memory()
-                    .read_slice(&mut self.io_buf, GuestAddress(request.buf_gpa))
-                    .map_err(std::io::Error::other)
-                    .and_then(|()| self.disk.write_all_at(&self.io_buf, request.offset))
+                    .read_slice(&mut self.io_buf, GuestAddress(buf))
+                    .map_err(|_| std::io::Error::from_raw_os_error(libc::EFAULT))
+                    .and_then(|()| self.disk.write_all_at(&self.io_buf, offset))
             }
-            blk::READ => {
+            Ok(BlockIo::Read { offset, len, buf }) => {
                 self.io_buf.resize(len, 0);
                 self.disk
-                    .read_exact_at(&mut self.io_buf, request.offset)
+                    .read_exact_at(&mut self.io_buf, offset)
                     .and_then(|()| {
                         self.ram
                             .memory()
-                            .write_slice(&self.io_buf, GuestAddress(request.buf_gpa))
-                            .map_err(std::io::Error::other)
+                            .write_slice(&self.io_buf, GuestAddress(buf))
+                            .map_err(|_| std::io::Error::from_raw_os_error(libc::EFAULT))
                     })
             }
-            blk::FLUSH => self.disk.sync_data(),
-            _ => Err(std::io::Error::from_raw_os_error(libc::EINVAL)),
+            Ok(BlockIo::Flush) => self.disk.sync_data(),
         };
+        // The guest sees the failure as an errno (EIO for a read past the disk's end).
         request.status = match result {
             Ok(()) => 0,
-            Err(e) => {
-                let errno = e.raw_os_error().unwrap_or(libc::EIO);
-                if errno == libc::ENOSPC || errno == libc::EIO {
-                    // The guest sees the failure; the host's record names the file.
-                    let _ = disk_err(e);
-                }
-                u64::try_from(errno).unwrap_or(5)
-            }
+            Err(e) => u64::try_from(e.raw_os_error().unwrap_or(libc::EIO)).unwrap_or(5),
         };
         self.write(guest::BLK_GPA, request)
     }
@@ -887,6 +933,15 @@ impl Machine {
         let mut mailbox: Mailbox = self.read(guest::MAILBOX_GPA)?;
         let request = mailbox.arg[0];
         // The guest's idle report: its next timer fires in this many ms (0: it has none).
+        if mailbox.arg[5] > guest::MAX_TIMER_MS {
+            self.model_error = Some(format!(
+                "the guest's timer of {} ms is longer than {} ms",
+                mailbox.arg[5],
+                guest::MAX_TIMER_MS
+            ));
+            mailbox.arg[2] = 1;
+            return self.write(guest::MAILBOX_GPA, mailbox);
+        }
         let timer = (mailbox.arg[5] > 0).then(|| Duration::from_millis(mailbox.arg[5]));
         let outcome = match (self.model.clone(), self.wait.clone()) {
             (Some(port), Some(wait)) => self.managed_wait(&*port, request, timer, &wait),
@@ -897,7 +952,11 @@ impl Machine {
         };
         // (The command clears `model_pending` when it ends, however it ends.)
         let answer = match outcome {
-            WaitOutcome::Answer(answer) => answer,
+            WaitOutcome::Answer(answer) => {
+                // Answered: nothing is in flight (the guest may ask for the same id again).
+                self.model_pending = None;
+                answer
+            }
             WaitOutcome::Timer => {
                 mailbox.arg[4] = 1;
                 return self.write(guest::MAILBOX_GPA, mailbox);
@@ -1247,43 +1306,54 @@ impl Machine {
         None
     }
 
-    /// Drops the range the guest reported free: it reads as zeros afterwards.
+    /// Drops the range the guest reported free (it reads as zeros afterwards), or tells the
+    /// guest why not in the report's status: only whole pages of the application data are
+    /// dropped ([`guest::check_free`]).
     fn free_report(&mut self) -> Result<(), MachineError> {
         let mailbox: Mailbox = self.read(guest::MAILBOX_GPA)?;
-        let (gpa, len) = (mailbox.free_gpa, mailbox.free_len);
-        let range = self.ram.host_range(gpa, len).ok_or_else(|| {
-            MachineError::GuestCrashed(format!(
-                "free report of {len} bytes at {gpa:#x} is outside RAM"
-            ))
+        let status = match self.drop_free(mailbox.free_gpa, mailbox.free_len) {
+            Ok(()) => 0,
+            Err(Refused { errno, reason }) => {
+                self.release_error = Some(reason);
+                u64::try_from(errno).unwrap_or(5)
+            }
+        };
+        let field = guest::MAILBOX_GPA + std::mem::offset_of!(Mailbox, free_status) as u64;
+        self.write(field, status)
+    }
+
+    fn drop_free(&mut self, gpa: u64, len: u64) -> Result<(), Refused> {
+        guest::check_free(gpa, len, self.ram.size())?;
+        let range = self.ram.host_range(gpa, len).ok_or_else(|| Refused {
+            errno: libc::EINVAL,
+            reason: format!("free report of {len} bytes at {gpa:#x} is outside RAM"),
         })?;
-        let fail = |source| MachineError::Release { gpa, len, source };
+        let fail = |source: std::io::Error| Refused {
+            errno: source.raw_os_error().unwrap_or(libc::EIO),
+            reason: compressed_backing::store::error_chain(&MachineError::Release {
+                gpa,
+                len,
+                source,
+            }),
+        };
+        let len = usize::try_from(len).expect("inside RAM");
         // The pager learns of the discard first, so that nothing it installs meanwhile
         // survives it: the pages read as zeros from now on.
         self.pager.discarded(range);
         match self.ram.kind() {
-            RamKind::Anon => {
-                // SAFETY: discarding part of our own guest RAM, which the guest freed.
-                let rc = unsafe {
-                    libc::madvise(range.start().as_ptr(), len as usize, libc::MADV_DONTNEED)
-                };
+            // Snapshot RAM: its private copies go; the range reads as the snapshot's bytes
+            // again (free memory has no contents the guest relies on).
+            RamKind::Anon | RamKind::Snapshot => {
+                // SAFETY: discarding whole pages of our own guest RAM (checked inside it),
+                // which the guest freed.
+                let rc = unsafe { libc::madvise(range.start().as_ptr(), len, libc::MADV_DONTNEED) };
                 if rc != 0 {
                     return Err(fail(std::io::Error::last_os_error()));
                 }
             }
             RamKind::Memfd => {
                 let memfd = self.ram.memfd().expect("memfd RAM has its memfd");
-                uffd_pager::offload::punch_hole(memfd, gpa, len).map_err(fail)?;
-            }
-            RamKind::Snapshot => {
-                // SAFETY: discarding part of our own guest RAM, which the guest freed. Its
-                // private copies go; the range reads as the snapshot's bytes again (free
-                // memory has no contents the guest relies on).
-                let rc = unsafe {
-                    libc::madvise(range.start().as_ptr(), len as usize, libc::MADV_DONTNEED)
-                };
-                if rc != 0 {
-                    return Err(fail(std::io::Error::last_os_error()));
-                }
+                uffd_pager::offload::punch_hole(memfd, gpa, len as u64).map_err(fail)?;
             }
         }
         Ok(())

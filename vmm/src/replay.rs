@@ -86,6 +86,18 @@ pub const TRAJECTORY_LIMIT: u64 = 64 << 20;
 /// Most bytes of one answer (the guest's I/O buffer).
 pub const MAX_ANSWER: u64 = crate::guest::IO_BUF_SIZE;
 
+/// Longest model wait (and tool `sleep`) of a step, milliseconds: one hour. Recorded model
+/// calls take seconds to minutes; an hour is far beyond any, and keeps every wait (and the
+/// sum of all of them) well inside what `Duration` and `Instant` arithmetic can hold.
+pub const MAX_WAIT_MS: f64 = MAX_SLEEP_MS as f64;
+
+/// [`MAX_WAIT_MS`] for a tool's `sleep MS`.
+const MAX_SLEEP_MS: u64 = 3_600_000;
+
+/// Most steps of a trajectory: recorded agent runs have tens to hundreds; the whole run goes
+/// to each VM as one script.
+pub const MAX_STEPS: usize = 100_000;
+
 impl Trajectory {
     /// Reads and checks a trajectory file.
     pub fn load(path: &Path) -> Result<Self, ReplayError> {
@@ -109,34 +121,64 @@ impl Trajectory {
         Ok(trajectory)
     }
 
+    /// Checks every number before anything uses it: a wait that `Duration` cannot hold
+    /// (`1e300`), a negative or NaN one, a scale that would make the wait policy meaningless,
+    /// an answer that cannot fit the guest, a tool script that does not parse, waits or asks
+    /// the model itself (its request would not be in the trajectory).
     fn check(&self) -> Result<(), String> {
         if self.steps.is_empty() {
             return Err("no steps".into());
         }
-        if !(self.time_scale > 0.0 && self.time_scale <= 100.0) {
+        if self.steps.len() > MAX_STEPS {
+            return Err(format!("{} steps, more than {MAX_STEPS}", self.steps.len()));
+        }
+        if !(self.time_scale.is_finite() && self.time_scale > 0.0 && self.time_scale <= 100.0) {
             return Err(format!(
-                "time_scale {} (above 0, at most 100)",
+                "time_scale {:?} (above 0, at most 100)",
                 self.time_scale
             ));
         }
         for (i, step) in self.steps.iter().enumerate() {
+            let n = i + 1;
             match step {
                 Step::Model {
                     wait_ms,
                     answer_bytes,
                 } => {
-                    if !(wait_ms.is_finite() && *wait_ms >= 0.0) {
-                        return Err(format!("step {}: wait_ms {wait_ms}", i + 1));
+                    if !(wait_ms.is_finite() && *wait_ms >= 0.0 && *wait_ms <= MAX_WAIT_MS) {
+                        return Err(format!(
+                            "step {n} (model): wait_ms {wait_ms:?} is not a number of \
+                             milliseconds from 0 to {MAX_WAIT_MS} (one hour)"
+                        ));
                     }
                     if *answer_bytes > MAX_ANSWER {
                         return Err(format!(
-                            "step {}: an answer of {answer_bytes} bytes is more than {MAX_ANSWER}",
-                            i + 1
+                            "step {n} (model): answer_bytes {answer_bytes} is more than \
+                             {MAX_ANSWER} (the guest's I/O buffer)"
                         ));
                     }
                 }
                 Step::Tool { script } => {
-                    script::parse(script).map_err(|e| format!("step {}: {e}", i + 1))?;
+                    let commands =
+                        script::parse(script).map_err(|e| format!("step {n} (tool): {e}"))?;
+                    for command in commands {
+                        match command {
+                            Command::Model { .. } => {
+                                return Err(format!(
+                                    "step {n} (tool): `{command}`: a tool script cannot ask \
+                                     the model (model steps do)"
+                                ))
+                            }
+                            // As many milliseconds as a model wait may take.
+                            Command::Sleep { ms } if ms > MAX_SLEEP_MS => {
+                                return Err(format!(
+                                    "step {n} (tool): `{command}` is longer than \
+                                     {MAX_WAIT_MS} ms (one hour)"
+                                ))
+                            }
+                            _ => {}
+                        }
+                    }
                 }
             }
         }
@@ -344,6 +386,46 @@ mod tests {
             answer_bytes: 1,
         };
         assert!(t.check().is_err());
+    }
+
+    #[test]
+    fn trajectory_with_out_of_range_numbers_is_refused_naming_step_and_field() {
+        let model = |wait: &str, bytes: &str| {
+            format!(
+                r#"{{"name": "t", "steps": [{{"tool": {{"script": "digest"}}}},
+                    {{"model": {{"wait_ms": {wait}, "answer_bytes": {bytes}}}}}]}}"#
+            )
+        };
+        for (text, expect) in [
+            (model("1e300", "1"), "step 2 (model): wait_ms 1e300"),
+            (model("3600000.5", "1"), "wait_ms"),
+            (model("-0.5", "1"), "wait_ms -0.5"),
+            (
+                model("5", "1048577"),
+                "step 2 (model): answer_bytes 1048577",
+            ),
+            (
+                r#"{"name": "t", "time_scale": 1e300, "steps": [{"tool": {"script": "digest"}}]}"#
+                    .to_owned(),
+                "time_scale",
+            ),
+            (
+                r#"{"name": "t", "steps": [{"tool": {"script": "sleep 99999999999"}}]}"#.to_owned(),
+                "step 1 (tool): `sleep 99999999999`",
+            ),
+            (
+                r#"{"name": "t", "steps": [{"tool": {"script": "digest; model 0"}}]}"#.to_owned(),
+                "step 1 (tool): `model 0`",
+            ),
+        ] {
+            let t: Trajectory = serde_json::from_str(&text).expect("parses as JSON");
+            let err = t.check().expect_err(&text);
+            assert!(err.contains(expect), "{text}: {err}");
+        }
+        // The largest wait allowed still converts.
+        let t: Trajectory = serde_json::from_str(&model("3600000", "1")).expect("parses");
+        t.check().expect("an hour is allowed");
+        assert_eq!(t.total_wait(), Duration::from_secs(3600));
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::fmt;
 
 use compressed_backing::layout::parse_size;
 
-use crate::guest::FillKind;
+use crate::guest::{FillKind, MAX_TIMER_MS};
 
 /// One command of a script.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -53,7 +53,32 @@ pub enum Command {
         /// does its timer's work (a heartbeat that touches its memory) and waits on.
         timer_ms: Option<u64>,
     },
+    /// The guest writes `value` at guest-physical `gpa`, then (with a port) does one `out` to
+    /// it: a hostile guest's request, one field at a time. An address outside the guest's
+    /// RAM crashes the guest (and ends the VM's commands).
+    Poke {
+        /// Guest-physical address of the word.
+        gpa: u64,
+        /// The word.
+        value: u64,
+        /// The port, if any.
+        port: Option<u16>,
+    },
+    /// The guest plays a hostile guest: `count` random steps, each a random value written into
+    /// the mailbox's arguments, its free report or the block request, or a random `out` (block,
+    /// free, model or an unknown port) or `in`. It leaves alone the requests that would change
+    /// its own pages or its filled data, so that a VMM that validates every request keeps
+    /// both intact.
+    Chaos {
+        /// Seed of the steps.
+        seed: u64,
+        /// How many.
+        count: u64,
+    },
 }
+
+/// Most steps of one `chaos` command.
+pub const MAX_CHAOS_STEPS: u64 = 1_000_000;
 
 impl fmt::Display for Command {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -82,6 +107,17 @@ impl fmt::Display for Command {
                 request,
                 timer_ms: Some(ms),
             } => write!(f, "model {request} timer={ms}"),
+            Command::Poke {
+                gpa,
+                value,
+                port: None,
+            } => write!(f, "poke {gpa:#x} {value:#x}"),
+            Command::Poke {
+                gpa,
+                value,
+                port: Some(port),
+            } => write!(f, "poke {gpa:#x} {value:#x} out={port:#x}"),
+            Command::Chaos { seed, count } => write!(f, "chaos seed={seed} count={count}"),
         }
     }
 }
@@ -98,7 +134,17 @@ pub struct ScriptError {
     pub reason: String,
 }
 
-const COMMANDS: &str = "fill, digest, touch, rewrite, release, task, sleep, idle, model";
+const COMMANDS: &str =
+    "fill, digest, touch, rewrite, release, task, sleep, idle, model, poke, chaos";
+
+/// A whole number, decimal or `0x` hexadecimal.
+fn number(text: &str) -> Result<u64, String> {
+    let parsed = match text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16),
+        None => text.parse(),
+    };
+    parsed.map_err(|_| format!("bad number `{text}` (decimal or 0x hexadecimal)"))
+}
 
 /// Parses a script: commands separated by `;`, blank ones ignored.
 pub fn parse(script: &str) -> Result<Vec<Command>, ScriptError> {
@@ -207,6 +253,11 @@ fn parse_one(text: &str) -> Result<Command, String> {
                     if ms == 0 {
                         return Err("timer=0: a timer's period is at least 1 ms".into());
                     }
+                    if ms > MAX_TIMER_MS {
+                        return Err(format!(
+                            "timer={ms}: a timer's period is at most {MAX_TIMER_MS} ms (an hour)"
+                        ));
+                    }
                     Some(ms)
                 }
             };
@@ -248,6 +299,44 @@ fn parse_one(text: &str) -> Result<Command, String> {
                 .parse()
                 .map_err(|_| format!("bad duration `{ms}` (milliseconds)"))?;
             Command::Sleep { ms }
+        }
+        "poke" => {
+            no_seed()?;
+            let gpa = number(positional.first().ok_or("`poke` needs an address")?)?;
+            let value = number(positional.get(1).ok_or("`poke` needs a value")?)?;
+            let port = match positional.get(2) {
+                None => None,
+                Some(word) => {
+                    let port = word
+                        .strip_prefix("out=")
+                        .ok_or_else(|| format!("unexpected argument `{word}` (out=PORT?)"))?;
+                    let port = number(port)?;
+                    Some(
+                        u16::try_from(port)
+                            .map_err(|_| format!("port {port:#x} is above 0xffff"))?,
+                    )
+                }
+            };
+            no_more(3)?;
+            Command::Poke { gpa, value, port }
+        }
+        "chaos" => {
+            let mut count = 1000;
+            for word in &positional {
+                let value = word
+                    .strip_prefix("count=")
+                    .ok_or_else(|| format!("unexpected argument `{word}` (count=N?)"))?;
+                count = number(value)?;
+            }
+            if count > MAX_CHAOS_STEPS {
+                return Err(format!(
+                    "count={count} is more than {MAX_CHAOS_STEPS} steps"
+                ));
+            }
+            Command::Chaos {
+                seed: seed.unwrap_or(0),
+                count,
+            }
         }
         other => return Err(format!("unknown command `{other}` (commands: {COMMANDS})")),
     };
@@ -312,6 +401,36 @@ mod tests {
     }
 
     #[test]
+    fn script_poke_and_chaos_parse_and_print_back_as_parsed() {
+        let commands = parse(
+            "poke 0x9000 18446744073709551615; poke 36864 2 out=0x20; chaos seed=3 count=50; chaos",
+        )
+        .unwrap();
+        assert_eq!(
+            commands,
+            vec![
+                Command::Poke {
+                    gpa: 0x9000,
+                    value: u64::MAX,
+                    port: None
+                },
+                Command::Poke {
+                    gpa: 0x9000,
+                    value: 2,
+                    port: Some(0x20)
+                },
+                Command::Chaos { seed: 3, count: 50 },
+                Command::Chaos {
+                    seed: 0,
+                    count: 1000
+                },
+            ]
+        );
+        let printed: Vec<String> = commands.iter().map(ToString::to_string).collect();
+        assert_eq!(parse(&printed.join("; ")).unwrap(), commands);
+    }
+
+    #[test]
     fn script_errors_name_the_command_and_its_position() {
         let err = parse("fill 1MiB zero; explode now; digest").unwrap_err();
         assert_eq!(err.position, 2);
@@ -338,6 +457,14 @@ mod tests {
             ("model 4 timer=0", "at least 1 ms"),
             ("model 4 timer=often", "bad timer"),
             ("model 4 timer=5 timer=6", "unexpected argument `timer=6`"),
+            ("model 4 timer=18446744073709551615", "at most 3600000 ms"),
+            ("poke", "needs an address"),
+            ("poke 0x9000", "needs a value"),
+            ("poke 0x9000 zz", "bad number `zz`"),
+            ("poke 0x9000 1 out=0x10000", "above 0xffff"),
+            ("poke 0x9000 1 in=5", "unexpected argument `in=5`"),
+            ("chaos count=2000000", "more than 1000000"),
+            ("chaos 5", "unexpected argument `5`"),
         ] {
             let err = parse(bad).unwrap_err();
             assert!(err.to_string().contains(expect), "{bad}: {err}");

@@ -95,10 +95,9 @@ pub enum CgroupError {
 }
 
 impl MemoryCgroup {
-    /// Creates `name` (a relative path) under this process's own memory cgroup — v2 where the
-    /// host has its memory controller, else v1 — and moves this process into it. Call it
-    /// before allocating guest RAM: v1 does not move charges made earlier.
-    pub fn join(name: &Path) -> Result<Self, CgroupError> {
+    /// This process's own memory cgroup's directory, and whether it is v2 (where the host
+    /// has the v2 memory controller) or v1: where [`MemoryCgroup::join`] creates its names.
+    pub fn own_base() -> Result<(PathBuf, bool), CgroupError> {
         let own =
             std::fs::read_to_string("/proc/self/cgroup").map_err(|source| CgroupError::Io {
                 op: "read",
@@ -133,6 +132,14 @@ impl MemoryCgroup {
                 .unwrap_or("/");
             (v1_root.join(own.trim_start_matches('/')), false)
         };
+        Ok((base, v2))
+    }
+
+    /// Creates `name` (a relative path) under this process's own memory cgroup — v2 where the
+    /// host has its memory controller, else v1 — and moves this process into it. Call it
+    /// before allocating guest RAM: v1 does not move charges made earlier.
+    pub fn join(name: &Path) -> Result<Self, CgroupError> {
+        let (base, v2) = Self::own_base()?;
         let dir = base.join(name);
         std::fs::create_dir_all(&dir).map_err(|source| CgroupError::Io {
             op: "create",

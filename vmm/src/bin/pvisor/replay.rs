@@ -2,9 +2,13 @@
 //! in its own memory cgroup, against a local model server that answers after the recorded
 //! waits; every result is checked and memory × time is sampled.
 
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command as Process, ExitCode, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use nix::sys::signal::{SigSet, Signal};
 
 use clap::Args;
 use vmm::control::{self, Method};
@@ -12,6 +16,7 @@ use vmm::replay::{answer, ReplayServer, Trajectory};
 use vmm::runtime::{self, Identity};
 use vmm::sampler::{Probe, Quantity, Sampler, VmProbe};
 use vmm::script::Command;
+use vmm::stats::MemoryCgroup;
 
 use crate::CliResult;
 
@@ -67,66 +72,207 @@ fn strategy_args(strategy: &str) -> Result<Vec<&'static str>, String> {
     })
 }
 
-/// A VM of the replay, stopped when dropped.
-struct ReplayVm {
-    identity: Identity,
-}
-
-impl ReplayVm {
-    fn call(&self, method: Method) -> Result<serde_json::Value, control::ClientError> {
-        let id = &self.identity;
-        control::call(&id.socket, &id.job, &id.attempt, method)
-    }
-}
-
-impl Drop for ReplayVm {
-    fn drop(&mut self) {
-        let _ = self.call(Method::Stop);
-    }
-}
-
 /// What one VM's replay gave.
 struct Outcome {
     elapsed: Duration,
     results: Result<Vec<serde_json::Value>, String>,
 }
 
-/// Once the VM processes are gone, removes their cgroups and the replay's own (best effort:
-/// a cgroup with a process left in it stays).
-fn remove_cgroups(pids: &[u32], cgroups: &[PathBuf]) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while pids
-        .iter()
-        .any(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists())
-        && Instant::now() < deadline
-    {
+/// Most VMs of one replay.
+const MAX_VMS: usize = 64;
+/// Longest sampling period, milliseconds: a minute (a replay's waits are seconds to minutes;
+/// a longer period would sample nothing).
+const MAX_SAMPLE_MS: u64 = 60_000;
+/// How long stopped VMs get to end by themselves before they are sent SIGTERM, and then
+/// SIGKILL.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+const TERM_GRACE: Duration = Duration::from_secs(5);
+
+/// Checks the numeric options before anything starts; returns the memory of each VM.
+fn check_args(args: &ReplayArgs) -> Result<u64, String> {
+    if args.vms == 0 || args.vms > MAX_VMS {
+        return Err(format!("--vms {}: 1 to {MAX_VMS}", args.vms));
+    }
+    if args.sample_ms == 0 || args.sample_ms > MAX_SAMPLE_MS {
+        return Err(format!(
+            "--sample-ms {}: 1 to {MAX_SAMPLE_MS} milliseconds",
+            args.sample_ms
+        ));
+    }
+    let memory = compressed_backing::layout::parse_size(&args.memory)
+        .map_err(|e| format!("--memory {}: {e}", args.memory))?;
+    vmm::guest::check_memory(memory).map_err(|e| format!("--memory {}: {e}", args.memory))?;
+    Ok(memory)
+}
+
+fn call(id: &Identity, method: Method) -> Result<serde_json::Value, control::ClientError> {
+    control::call(&id.socket, &id.job, &id.attempt, method)
+}
+
+/// Whether process `pid` is still running (a zombie has left its cgroup already).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        // The state follows the command's closing parenthesis.
+        let state = stat.rsplit_once(')').map(|(_, rest)| rest.trim_start());
+        !matches!(state.and_then(|s| s.chars().next()), Some('Z' | 'X') | None)
+    })
+}
+
+/// Waits until none of `pids` runs, at most `timeout`; returns those still running.
+fn wait_gone(pids: &[u32], timeout: Duration) -> Vec<u32> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left: Vec<u32> = pids.iter().copied().filter(|&pid| alive(pid)).collect();
+        if left.is_empty() || Instant::now() >= deadline {
+            return left;
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
-    for dir in cgroups {
-        let _ = std::fs::remove_dir(dir);
+}
+
+/// What a replay started and undoes however it ends (its end, an error, SIGTERM, SIGINT):
+/// its VMs stopped, their cgroups and the replay's own (their parent) removed. Undone once;
+/// shared with the signal thread.
+#[derive(Debug, Default)]
+struct Teardown {
+    state: Mutex<Started>,
+}
+
+#[derive(Debug, Default)]
+struct Started {
+    vms: Vec<Identity>,
+    /// The VMs' cgroup directories, then the replay's own (their parent): the paths they are
+    /// given, whether or not a VM got as far as creating its own.
+    cgroups: Vec<PathBuf>,
+    /// Torn down: nothing more may start.
+    done: bool,
+}
+
+impl Teardown {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Started> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
-    if let Some(run) = cgroups.first().and_then(|d| d.parent()) {
-        let _ = std::fs::remove_dir(run);
+
+    /// Starts a VM with `start` unless the replay is being torn down; the lock is held while
+    /// it starts, so that a teardown meanwhile waits for it and stops it too.
+    fn start_vm(
+        &self,
+        start: impl FnOnce() -> Result<Identity, Box<dyn std::error::Error>>,
+    ) -> Result<Identity, Box<dyn std::error::Error>> {
+        let mut state = self.lock();
+        if state.done {
+            return Err("the replay is stopping".into());
+        }
+        let identity = start()?;
+        state.vms.push(identity.clone());
+        Ok(identity)
     }
+
+    /// Stops every VM (through its control socket, then SIGTERM, then SIGKILL for one that
+    /// does not end) and removes the cgroups once their processes are gone.
+    fn run(&self) {
+        let mut state = self.lock();
+        if state.done {
+            return;
+        }
+        state.done = true;
+        for vm in &state.vms {
+            // A VM in the middle of a command answers when it ends (or never): do not wait.
+            let vm = vm.clone();
+            let _ = std::thread::Builder::new()
+                .name("replay-stop".into())
+                .spawn(move || {
+                    let _ = call(&vm, Method::Stop);
+                });
+        }
+        let pids: Vec<u32> = state.vms.iter().map(|vm| vm.pid).collect();
+        let mut left = wait_gone(&pids, STOP_GRACE);
+        for signal in [libc::SIGTERM, libc::SIGKILL] {
+            if left.is_empty() {
+                break;
+            }
+            for &pid in &left {
+                if let Ok(pid) = libc::pid_t::try_from(pid) {
+                    // SAFETY: kill(2) sends a signal; no memory is involved.
+                    unsafe { libc::kill(pid, signal) };
+                }
+            }
+            left = wait_gone(&left, TERM_GRACE);
+        }
+        for dir in &state.cgroups {
+            // A cgroup whose last process has just left may be busy for a moment.
+            for _ in 0..50 {
+                match std::fs::remove_dir(dir) {
+                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    _ => break,
+                }
+            }
+        }
+    }
+}
+
+/// Blocks SIGINT and SIGTERM in this thread (and so in every thread it starts afterwards) and
+/// starts the thread that takes them: it tears the replay down and exits as the signal
+/// would have. Returns the signals, for children to unblock.
+fn watch_signals(teardown: &Arc<Teardown>) -> Result<SigSet, Box<dyn std::error::Error>> {
+    let mut signals = SigSet::empty();
+    signals.add(Signal::SIGINT);
+    signals.add(Signal::SIGTERM);
+    signals.thread_block()?;
+    let teardown = Arc::clone(teardown);
+    std::thread::Builder::new()
+        .name("replay-signals".into())
+        .spawn(move || {
+            if let Ok(signal) = signals.wait() {
+                eprintln!("pvisor replay: {signal}: stopping the VMs");
+                teardown.run();
+                std::process::exit(128 + signal as i32);
+            }
+        })?;
+    Ok(signals)
 }
 
 pub fn replay(args: &ReplayArgs) -> CliResult {
     let trajectory = Trajectory::load(&args.trajectory)?;
     let extra = strategy_args(&args.strategy)?;
-    if args.vms == 0 || args.vms > 64 {
-        return Err("--vms is 1 to 64".into());
-    }
-    if args.sample_ms == 0 {
-        return Err("--sample-ms must be positive".into());
-    }
+    check_args(args)?;
     if let Some(config) = &args.vm_config {
         // Read here too, so that a missing file is one error, not one per VM.
         std::fs::metadata(config).map_err(|e| format!("--vm-config {}: {e}", config.display()))?;
     }
-    let server = ReplayServer::start(&trajectory)?;
+    // Before any thread starts, so that the signals reach the signal thread only.
+    let teardown = Arc::new(Teardown::default());
+    let signals = watch_signals(&teardown)?;
+    let result = run_replay(args, &trajectory, &extra, &teardown, signals);
+    teardown.run();
+    result
+}
+
+fn run_replay(
+    args: &ReplayArgs,
+    trajectory: &Trajectory,
+    extra: &[&str],
+    teardown: &Teardown,
+    signals: SigSet,
+) -> CliResult {
+    let server = ReplayServer::start(trajectory)?;
     let url = server.url();
     let run = runtime::new_id("replay-");
     let parent = args.cgroup_parent.clone().unwrap_or_default();
+    // Where the VMs' cgroups will be (each VM creates its own under pvisor's own cgroup),
+    // known before any VM starts: a VM that fails after creating its cgroup leaves it to us.
+    if let Ok((base, _)) = MemoryCgroup::own_base() {
+        let mut state = teardown.lock();
+        let dir = base.join(&parent).join(&run);
+        state
+            .cgroups
+            .extend((0..args.vms).map(|i| dir.join(format!("vm-{i}"))));
+        state.cgroups.push(dir);
+    }
     eprintln!(
         "pvisor replay: {} ({} steps, {:.3} s of model waits, time scale {}) in {} VM(s) of {}, \
          strategy {}",
@@ -147,7 +293,7 @@ pub fn replay(args: &ReplayArgs) -> CliResult {
         let mut command = Process::new(&exe);
         command.args(["run", "--detach", "--job", &job, "--memory", &args.memory]);
         command.args(["--vm-model-upstream", &url, "--cgroup", &cgroup]);
-        command.args(&extra);
+        command.args(extra);
         if let Some(config) = &args.vm_config {
             command.arg("--config").arg(config);
         }
@@ -159,24 +305,27 @@ pub fn replay(args: &ReplayArgs) -> CliResult {
             command.args(["--vm-wait-management", "false"]);
         }
         command.args(["--", "idle"]);
-        let out = command.stderr(Stdio::inherit()).output()?;
-        if !out.status.success() {
-            return Err(format!("VM {i} did not start").into());
+        // SAFETY: between fork and exec the child only changes its own signal mask
+        // (pthread_sigmask is async-signal-safe): the VM takes its stop signals as usual.
+        unsafe {
+            command.pre_exec(move || signals.thread_unblock().map_err(std::io::Error::from));
         }
-        let line = String::from_utf8_lossy(&out.stdout);
-        let identity: Identity = serde_json::from_str(line.lines().next().unwrap_or(""))
-            .map_err(|e| format!("VM {i}: unreadable identity: {e}"))?;
-        vms.push(ReplayVm { identity });
+        let identity = teardown.start_vm(|| {
+            let out = command.stderr(Stdio::inherit()).output()?;
+            if !out.status.success() {
+                return Err(format!("VM {i} did not start").into());
+            }
+            let line = String::from_utf8_lossy(&out.stdout);
+            serde_json::from_str::<Identity>(line.lines().next().unwrap_or(""))
+                .map_err(|e| format!("VM {i}: unreadable identity: {e}").into())
+        })?;
+        vms.push(identity);
     }
     let mut probes: Vec<Box<dyn Probe>> = Vec::new();
-    let mut cgroups = Vec::new();
     for vm in &vms {
-        let stats = vm.call(Method::Stats)?;
-        if let Some(dir) = stats["cgroup_dir"].as_str() {
-            cgroups.push(PathBuf::from(dir));
-        }
+        let stats = call(vm, Method::Stats)?;
         probes.push(Box::new(VmProbe {
-            pid: vm.identity.pid,
+            pid: vm.pid,
             ram: (
                 stats["guest_ram_host_base"].as_u64().unwrap_or(0),
                 stats["memory_bytes"].as_u64().unwrap_or(0),
@@ -200,8 +349,7 @@ pub fn replay(args: &ReplayArgs) -> CliResult {
             .map(|vm| {
                 let script = script.clone();
                 scope.spawn(move || {
-                    let results = vm
-                        .call(Method::Exec { script })
+                    let results = call(vm, Method::Exec { script })
                         .map_err(|e| compressed_backing::store::error_chain(&e))
                         .and_then(|v| {
                             v["results"]
@@ -258,7 +406,7 @@ pub fn replay(args: &ReplayArgs) -> CliResult {
     // What wait management did, summed over the VMs (a VM without it has none).
     let mut wait = serde_json::Map::new();
     for vm in &vms {
-        if let Ok(stats) = vm.call(Method::Stats) {
+        if let Ok(stats) = call(vm, Method::Stats) {
             for (name, value) in stats["wait"].as_object().into_iter().flatten() {
                 // A VM's own estimate, not a count: a sum over VMs means nothing.
                 if name == "offload_cost_ms" {
@@ -273,9 +421,8 @@ pub fn replay(args: &ReplayArgs) -> CliResult {
             }
         }
     }
-    let pids: Vec<u32> = vms.iter().map(|vm| vm.identity.pid).collect();
-    drop(vms);
-    remove_cgroups(&pids, &cgroups);
+    // The VMs and their cgroups go before the results are checked and printed.
+    teardown.run();
 
     // Every result against the trajectory: each answer's digest, each command's success, and
     // the same digests in every VM.

@@ -1,0 +1,268 @@
+//! `pvisor replay` against bad input and on every way it can end: numbers a trajectory or an
+//! option cannot mean are refused before anything starts (never a panic), and whether the
+//! replay ends, fails or is stopped by a signal, no VM process and no cgroup of it remain.
+
+// Test code: a failed setup step should stop the test on the spot.
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn skip() -> bool {
+    testkit::skip_unless(&["/dev/kvm", "/dev/userfaultfd"])
+}
+
+fn pvisor(runtime: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_pvisor"))
+        .args(args)
+        .env("PVISOR_RUNTIME_DIR", runtime)
+        .output()
+        .unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// A cgroup parent of this test's own, under pvisor's memory cgroup; checked empty and removed
+/// on drop.
+struct CgroupParent {
+    name: String,
+    dir: PathBuf,
+}
+
+impl CgroupParent {
+    fn new(tag: &str) -> Self {
+        let (base, _) = vmm::stats::MemoryCgroup::own_base().unwrap();
+        let name = format!("test-{tag}-{}", std::process::id());
+        let dir = base.join(&name);
+        Self { name, dir }
+    }
+
+    /// What is left under it (cgroup directories of the replay or its VMs).
+    fn left(&self) -> Vec<PathBuf> {
+        let mut left = Vec::new();
+        let mut todo = vec![self.dir.clone()];
+        while let Some(dir) = todo.pop() {
+            for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+                if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                    left.push(entry.path());
+                    todo.push(entry.path());
+                }
+            }
+        }
+        left
+    }
+}
+
+impl Drop for CgroupParent {
+    fn drop(&mut self) {
+        let mut left = self.left();
+        left.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+        for dir in left {
+            let _ = std::fs::remove_dir(dir);
+        }
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+fn write_trajectory(dir: &Path, steps: &str) -> PathBuf {
+    let path = dir.join("trajectory.json");
+    std::fs::write(&path, format!(r#"{{"name": "t", "steps": [{steps}]}}"#)).unwrap();
+    path
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        !s.rsplit_once(')')
+            .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+    })
+}
+
+#[test]
+fn replay_trajectory_with_a_huge_wait_is_refused_naming_step_and_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_trajectory(
+        dir.path(),
+        r#"{"tool": {"script": "digest"}}, {"model": {"wait_ms": 1e300, "answer_bytes": 8}}"#,
+    );
+    let out = pvisor(dir.path(), &["replay", path.to_str().unwrap()]);
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success());
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(stderr.contains("step 2 (model): wait_ms 1e300"), "{stderr}");
+}
+
+#[test]
+fn replay_bad_numeric_options_are_refused_before_any_vm_starts() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_trajectory(
+        dir.path(),
+        r#"{"model": {"wait_ms": 1, "answer_bytes": 8}}"#,
+    );
+    let cgroups = CgroupParent::new("options");
+    for (option, value) in [
+        ("--vms", "0"),
+        ("--vms", "65"),
+        ("--memory", "0"),
+        ("--memory", "3MiB"),
+        ("--memory", "5GiB"),
+        ("--memory", "7MiB"),
+        ("--memory", "lots"),
+        ("--sample-ms", "0"),
+        ("--sample-ms", "100000000000"),
+    ] {
+        let out = pvisor(
+            dir.path(),
+            &[
+                "replay",
+                path.to_str().unwrap(),
+                "--cgroup-parent",
+                &cgroups.name,
+                option,
+                value,
+            ],
+        );
+        let stderr = text(&out.stderr);
+        assert!(!out.status.success(), "{option} {value}");
+        assert!(!stderr.contains("panicked"), "{option} {value}: {stderr}");
+        assert!(
+            stderr.contains(&format!("{option} {value}")),
+            "{option} {value}: {stderr}"
+        );
+        assert!(
+            !stderr.contains("did not start"),
+            "{option} {value}: a VM was started: {stderr}"
+        );
+        assert_eq!(cgroups.left(), Vec::<PathBuf>::new(), "{option} {value}");
+    }
+}
+
+#[test]
+fn replay_vm_that_fails_to_start_leaves_no_cgroup() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_trajectory(
+        dir.path(),
+        r#"{"model": {"wait_ms": 1, "answer_bytes": 8}}"#,
+    );
+    // The VM joins its cgroup, then cannot create its disk.
+    let config = dir.path().join("vm.toml");
+    std::fs::write(&config, "[vm]\ndisk = \"/nonexistent/dir/disk\"\n").unwrap();
+    let cgroups = CgroupParent::new("failed-start");
+    let out = pvisor(
+        dir.path(),
+        &[
+            "replay",
+            path.to_str().unwrap(),
+            "--vms",
+            "2",
+            "--memory",
+            "32MiB",
+            "--cgroup-parent",
+            &cgroups.name,
+            "--vm-config",
+            config.to_str().unwrap(),
+        ],
+    );
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("did not start"), "{stderr}");
+    assert_eq!(cgroups.left(), Vec::<PathBuf>::new(), "{stderr}");
+}
+
+/// Kills what is left of a failed test's VMs (on drop).
+struct KillLeft(Vec<u32>);
+
+impl Drop for KillLeft {
+    fn drop(&mut self) {
+        for &pid in &self.0 {
+            if alive(pid) {
+                // SAFETY: kill(2) on a VM process this test started.
+                unsafe { libc::kill(libc::pid_t::try_from(pid).unwrap_or(0), libc::SIGKILL) };
+            }
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The pids of the replay's VMs, once `count` of them have written their identities.
+fn wait_for_vms(runtime: &Path, count: usize) -> Vec<u32> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let pids: Vec<u32> = std::fs::read_dir(runtime)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|job| std::fs::read_to_string(job.path().join("vm.json")).ok())
+            .filter_map(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
+            .filter_map(|identity| identity["pid"].as_u64())
+            .map(|pid| u32::try_from(pid).unwrap())
+            .collect();
+        if pids.len() >= count {
+            return pids;
+        }
+        assert!(Instant::now() < deadline, "the VMs did not start: {pids:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn replay_stopped_by_a_signal_stops_its_vms_and_removes_their_cgroups() {
+    if skip() {
+        return;
+    }
+    for (signal, vms) in [(libc::SIGTERM, 2), (libc::SIGINT, 1)] {
+        let dir = tempfile::tempdir().unwrap();
+        let runtime = dir.path().join("runtime");
+        std::fs::create_dir(&runtime).unwrap();
+        // A minute's model wait: the signal comes in the middle of it.
+        let path = write_trajectory(
+            dir.path(),
+            r#"{"tool": {"script": "fill 4MiB random seed=1"}},
+               {"model": {"wait_ms": 60000, "answer_bytes": 8}}"#,
+        );
+        // Declared first, dropped last: after the VMs are killed.
+        let cgroups = CgroupParent::new(&format!("signal-{signal}"));
+        let mut replay = Command::new(env!("CARGO_BIN_EXE_pvisor"))
+            .args(["replay", path.to_str().unwrap(), "--memory", "32MiB"])
+            .args(["--vms", &vms.to_string(), "--cgroup-parent", &cgroups.name])
+            .env("PVISOR_RUNTIME_DIR", &runtime)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let pids = wait_for_vms(&runtime, vms);
+        let _left = KillLeft(pids.clone());
+        assert_eq!(cgroups.left().len(), vms + 1, "{:?}", cgroups.left());
+        // Into the model wait.
+        std::thread::sleep(Duration::from_millis(1500));
+        let started = Instant::now();
+        // SAFETY: kill(2) on our own child.
+        let rc = unsafe { libc::kill(libc::pid_t::try_from(replay.id()).unwrap(), signal) };
+        assert_eq!(rc, 0);
+        let status = loop {
+            if let Some(status) = replay.try_wait().unwrap() {
+                break status;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(45),
+                "the replay did not end"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        eprintln!(
+            "signal {signal}: the replay ended ({status}) {:.2} s later",
+            started.elapsed().as_secs_f64()
+        );
+        assert_eq!(status.code(), Some(128 + signal), "{status}");
+        let running: Vec<u32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+        assert!(running.is_empty(), "VM processes left: {running:?}");
+        assert_eq!(cgroups.left(), Vec::<PathBuf>::new());
+    }
+}
