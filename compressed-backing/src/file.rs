@@ -271,21 +271,11 @@ pub fn read_text_bounded(path: &Path, limit: u64) -> Result<String, FileError> {
     })
 }
 
-/// Makes a FIFO at `path`, for tests of what refuses one.
-#[cfg(test)]
-pub(crate) fn mkfifo(path: &Path) {
-    let status = std::process::Command::new("mkfifo")
-        .arg(path)
-        .status()
-        .expect("mkfifo runs");
-    assert!(status.success(), "mkfifo {}", path.display());
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::PermissionsExt;
     use std::time::{Duration, Instant};
+    use testkit::{mkfifo, mode};
 
     #[test]
     fn open_regular_symlink_is_refused_and_target_untouched() {
@@ -335,8 +325,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("f");
         create_private(&path).unwrap();
-        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
-        assert_eq!(mode & 0o777, 0o600);
+        assert_eq!(mode(&path), 0o600);
         assert!(create_private(&path).is_err());
     }
 

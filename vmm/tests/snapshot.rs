@@ -5,7 +5,6 @@
 // Test code: a failed setup step should stop the test on the spot.
 #![allow(clippy::unwrap_used)]
 
-use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::Duration;
 
@@ -43,31 +42,11 @@ fn exec(vm: &mut Vm, text: &str) -> Vec<vmm::machine::CommandOutput> {
     vm.exec(&script::parse(text).unwrap()).unwrap()
 }
 
-/// A temporary directory other users may enter (tempdirs are 0700), so that only the
-/// snapshot's own modes keep them out.
-fn open_tempdir() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    dir
-}
-
-/// True if uid/gid 65534 (nobody) can read one byte of `path`.
-fn nobody_can_read(path: &Path) -> bool {
-    std::process::Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
-        .args(["head", "-c1"])
-        .arg(path)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status()
-        .expect("setpriv (util-linux) runs: this test needs it")
-        .success()
-}
+use testkit::{mode, nobody_can_read, open_tempdir};
 
 /// Asserts that everything under `dir` is sealed for its owner alone: files 0400,
 /// directories 0500, and that another user cannot read the files.
 fn assert_sealed_and_private(dir: &Path) {
-    let mode = |path: &Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o7777;
     assert_eq!(mode(dir), 0o500, "{}", dir.display());
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();

@@ -634,6 +634,26 @@ mod tests {
         ]
     }
 
+    /// An index of 4 KiB blocks, one per slot, over segments 0 to 2 of 10,000 bytes each
+    /// (where [`slot_strategy`]'s payloads lie).
+    fn small_index(
+        codec: Codec,
+        slots: Vec<Slot>,
+        generation: u64,
+        meta: BTreeMap<String, Vec<u8>>,
+    ) -> Index {
+        Index {
+            block_size: BlockSize::new(4096).unwrap(),
+            codec: CodecConfig::new(codec),
+            image_size: slots.len() as u64 * 4096,
+            generation,
+            next_segment: 3,
+            segments: (0..3).map(|id| (id, 10_000)).collect(),
+            slots,
+            meta,
+        }
+    }
+
     proptest! {
         #[test]
         fn any_index_roundtrips(
@@ -641,17 +661,7 @@ mod tests {
             generation in 0..u64::MAX,
             meta in proptest::collection::btree_map("[a-z]{1,8}", proptest::collection::vec(any::<u8>(), 0..32), 0..4),
         ) {
-            let block_size = BlockSize::new(4096).unwrap();
-            let index = Index {
-                block_size,
-                codec: CodecConfig::new(Codec::Lz4),
-                image_size: slots.len() as u64 * 4096,
-                generation,
-                next_segment: 3,
-                segments: (0..3).map(|id| (id, 10_000)).collect(),
-                slots,
-                meta,
-            };
+            let index = small_index(Codec::Lz4, slots, generation, meta);
             prop_assert_eq!(Index::decode(&index.encode()).unwrap(), index);
         }
     }
@@ -710,15 +720,8 @@ mod tests {
                 0..3,
             ),
         )
-            .prop_map(|(slots, generation, meta)| Index {
-                block_size: BlockSize::new(4096).unwrap(),
-                codec: CodecConfig::new(Codec::Zstd { level: 3 }),
-                image_size: slots.len() as u64 * 4096,
-                generation,
-                next_segment: 3,
-                segments: (0..3).map(|id| (id, 10_000)).collect(),
-                slots,
-                meta,
+            .prop_map(|(slots, generation, meta)| {
+                small_index(Codec::Zstd { level: 3 }, slots, generation, meta)
             })
     }
 

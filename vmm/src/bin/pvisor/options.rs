@@ -561,8 +561,7 @@ mod tests {
     fn read_config_of_a_device_fifo_or_huge_file_is_refused_at_once() {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let fifo = dir.path().join("fifo");
-        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
-        assert!(made.is_ok_and(|s| s.success()));
+        testkit::mkfifo(&fifo);
         let huge = dir.path().join("huge.toml");
         let file = std::fs::File::create(&huge).expect("a file");
         file.set_len(CONFIG_LIMIT + 1).expect("a sparse file");
@@ -573,14 +572,10 @@ mod tests {
             (huge.as_path(), "limit"),
             (Path::new("/dev/zero"), "character device"),
         ] {
-            let (tx, rx) = std::sync::mpsc::channel();
             let owned = path.to_path_buf();
-            std::thread::spawn(move || {
-                let _ = tx.send(read_config(&owned).map(drop));
-            });
-            let result = rx
-                .recv_timeout(std::time::Duration::from_secs(10))
-                .unwrap_or_else(|_| panic!("reading {} hung", path.display()));
+            let limit = std::time::Duration::from_secs(10);
+            let what = format!("reading {}", path.display());
+            let result = testkit::within(limit, &what, move || read_config(&owned).map(drop));
             let err = result.expect_err("refused");
             assert!(err.contains(expected), "{err}");
         }
