@@ -202,6 +202,12 @@ fn cli_missing_store_or_file_is_named() {
         dir.path().to_str().unwrap(),
     ]);
     assert_fails_saying(&out, "nowhere: No such file", "pack of a missing file");
+    // The server names the file and says why too (it used to drop the cause).
+    let socket = dir.path().join("s.sock");
+    let (socket_arg, missing_arg) = (socket.to_str().unwrap(), missing.to_str().unwrap());
+    let out = run_within_10s(&["serve", "--socket", socket_arg, "--mem-file", missing_arg])
+        .expect("serve of a missing file hung");
+    assert_fails_saying(&out, "nowhere: No such file", "serve of a missing file");
 }
 
 #[test]
