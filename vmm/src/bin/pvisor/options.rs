@@ -201,8 +201,9 @@ const CONFIG_LIMIT: u64 = 1 << 20;
 
 fn read_config(path: &Path) -> Result<ConfigVm, String> {
     // A FIFO (whose read would block), a device or a link is refused.
+    // The whole chain: the FileError names the file, its source says why (ENOENT, EACCES).
     let text = compressed_backing::file::read_text_bounded(path, CONFIG_LIMIT)
-        .map_err(|e| format!("config {}: {e}", path.display()))?;
+        .map_err(|e| format!("config: {}", compressed_backing::store::error_chain(&e)))?;
     let file: ConfigFile =
         toml::from_str(&text).map_err(|e| format!("config {}: {e}", path.display()))?;
     Ok(file.vm)
@@ -567,10 +568,13 @@ mod tests {
         file.set_len(CONFIG_LIMIT + 1).expect("a sparse file");
         // The FIFO first: before the fix it hangs, and the test stops there rather than read
         // /dev/zero without end.
+        let missing = dir.path().join("missing.toml");
         for (path, expected) in [
             (fifo.as_path(), "FIFO"),
             (huge.as_path(), "limit"),
             (Path::new("/dev/zero"), "character device"),
+            // The cause is kept, not only the file's name.
+            (missing.as_path(), "missing.toml: No such file"),
         ] {
             let owned = path.to_path_buf();
             let limit = std::time::Duration::from_secs(10);
