@@ -203,6 +203,27 @@ pub fn create_private(path: &Path) -> Result<File, FileError> {
     )
 }
 
+/// Opens `path` read-write, creating it 0600 if it does not exist; an existing file keeps its
+/// contents and mode (see [`open_regular`]: never through a link, never a FIFO or device).
+pub fn open_or_create_private(path: &Path) -> Result<File, FileError> {
+    open_regular(
+        path,
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(PRIVATE_FILE_MODE),
+    )
+}
+
+/// Creates the directory `dir`, 0700, which must not exist as anything: neither a directory
+/// nor a link (to a directory someone else owns, where what is written next would land).
+/// Its parent must exist.
+pub fn create_private_dir_new(dir: &Path) -> io::Result<()> {
+    DirBuilder::new().mode(PRIVATE_DIR_MODE).create(dir)
+}
+
 /// Creates `dir` and any missing parents, each new one 0700; an existing directory is left
 /// as it is.
 pub fn create_private_dir(dir: &Path) -> io::Result<()> {
@@ -327,6 +348,43 @@ mod tests {
         create_private(&path).unwrap();
         assert_eq!(mode(&path), 0o600);
         assert!(create_private(&path).is_err());
+    }
+
+    #[test]
+    fn open_or_create_private_makes_0600_keeps_an_existing_file_and_refuses_a_link() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk");
+        open_or_create_private(&path).unwrap();
+        assert_eq!(mode(&path), 0o600);
+        std::fs::write(&path, b"kept").unwrap();
+        drop(open_or_create_private(&path).unwrap());
+        assert_eq!(std::fs::read(&path).unwrap(), b"kept");
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&path, &link).unwrap();
+        let err = open_or_create_private(&link).unwrap_err();
+        assert!(matches!(err, FileError::Symlink { .. }), "{err}");
+    }
+
+    #[test]
+    fn create_private_dir_new_makes_0700_and_refuses_a_planted_dir_or_link() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("new");
+        create_private_dir_new(&dir).unwrap();
+        assert_eq!(mode(&dir), 0o700);
+        assert!(
+            create_private_dir_new(&dir).is_err(),
+            "an existing directory"
+        );
+        let elsewhere = root.path().join("elsewhere");
+        std::fs::create_dir(&elsewhere).unwrap();
+        let link = root.path().join("link");
+        std::os::unix::fs::symlink(&elsewhere, &link).unwrap();
+        assert!(
+            create_private_dir_new(&link).is_err(),
+            "a link to a directory"
+        );
+        // What create_private_dir (create_dir_all) accepts: the link, followed.
+        create_private_dir(&link).unwrap();
     }
 
     #[test]

@@ -74,6 +74,10 @@ fn snapshot_restores_continue_share_the_image_and_keep_writes_apart() {
     }
     let dir = open_tempdir();
     let mut origin = Vm::start(options(dir.path(), "origin", RamKind::Anon, None)).unwrap();
+    // The disk the VM created holds the guest's data: the owner's alone.
+    let disk = dir.path().join("origin.disk");
+    assert_eq!(mode(&disk), 0o600);
+    assert!(!nobody_can_read(&disk), "another user reads the VM's disk");
     exec(&mut origin, "fill 64MiB random seed=21; task");
     let sealed_digest = digest(&mut origin);
     let snap = dir.path().join("snap");
