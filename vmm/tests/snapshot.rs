@@ -201,6 +201,25 @@ fn snapshot_changed_or_unusable_is_refused_with_the_reason() {
     exec(&mut origin, "fill 8MiB random seed=23");
     let snap = dir.path().join("snap");
     origin.snapshot(&snap, None).unwrap();
+    // A manifest that seals another file as the disk (here the RAM image, whose seal it
+    // copies) while disk.img is changed: the file checked must be the file used.
+    let manifest_path = snap.join("manifest.json");
+    let honest = std::fs::read(&manifest_path).unwrap();
+    let mut manifest: serde_json::Value = serde_json::from_slice(&honest).unwrap();
+    manifest["disk"] = manifest["ram"].clone();
+    std::fs::write(&manifest_path, serde_json::to_vec(&manifest).unwrap()).unwrap();
+    let disk_image = snap.join("disk.img");
+    let disk_honest = std::fs::read(&disk_image).unwrap();
+    std::fs::write(&disk_image, vec![0xA5; disk_honest.len()]).unwrap();
+    let Err(err) = Vm::start(options(dir.path(), "named", RamKind::Snapshot, Some(&snap))) else {
+        panic!("a snapshot whose manifest names another file as the disk was restored");
+    };
+    assert!(
+        err.to_string().contains("not \"ram.img\" and \"disk.img\""),
+        "{err}"
+    );
+    std::fs::write(&manifest_path, &honest).unwrap();
+    std::fs::write(&disk_image, &disk_honest).unwrap();
     // One byte of the image changed (root may write a read-only file).
     let image = snap.join("ram.img");
     let file = std::fs::OpenOptions::new()
@@ -220,6 +239,9 @@ fn snapshot_changed_or_unusable_is_refused_with_the_reason() {
     ))
     .unwrap_err();
     assert!(err.to_string().contains("not a snapshot"), "{err}");
+    // And why: the cause is kept.
+    let chain = compressed_backing::store::error_chain(&err);
+    assert!(chain.contains("manifest.json: No such file"), "{chain}");
     // The wrong RAM size.
     let mut wrong = options(dir.path(), "size", RamKind::Snapshot, Some(&snap));
     wrong.memory = 128 << 20;
