@@ -725,7 +725,7 @@ mod tests {
             })
     }
 
-    /// A field overwritten with a hostile value: (byte offset, little-endian bytes).
+    /// A hostile value (little-endian bytes) to overwrite a field with.
     fn hostile_value() -> impl Strategy<Value = Vec<u8>> {
         prop_oneof![
             Just(u32::MAX.to_le_bytes().to_vec()),
@@ -744,12 +744,15 @@ mod tests {
         #[test]
         fn fuzz_index_random_bytes_are_rejected_without_panic(
             bytes in proptest::collection::vec(any::<u8>(), 0..512),
-            framed in any::<bool>(),
+            prefix_of in proptest::option::of((index_strategy(), any::<prop::sample::Index>())),
         ) {
             let mut bytes = bytes;
-            if framed {
-                // Magic, a checksum and end magic around the noise: the parser proper runs.
-                let mut framed = MAGIC.to_vec();
+            if let Some((index, at)) = prefix_of {
+                // A valid index cut anywhere in its body, then the noise, then a right
+                // checksum and end magic: the noise reaches every field's parser (noise
+                // right after the magic stops at the version nearly always).
+                let valid = index.encode();
+                let mut framed = valid[..at.index(valid.len() - TRAILER_LEN)].to_vec();
                 framed.extend_from_slice(&bytes);
                 framed.extend_from_slice(&[0; 8]);
                 framed.extend_from_slice(END_MAGIC);
