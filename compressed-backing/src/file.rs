@@ -123,7 +123,9 @@ fn kind_name(file_type: std::fs::FileType) -> &'static str {
 /// (they are replaced); a mode set with `OpenOptionsExt::mode` is kept.
 pub fn open_regular(path: &Path, options: &OpenOptions) -> Result<File, FileError> {
     let mut options = options.clone();
-    options.custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK);
+    // O_NOCTTY: a terminal named where a file was expected is refused below, and opening it
+    // must not make it this process's controlling terminal meanwhile.
+    options.custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY);
     let file = match options.open(path) {
         Ok(file) => file,
         Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
