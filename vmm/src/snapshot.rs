@@ -24,7 +24,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -108,6 +108,16 @@ pub enum SnapshotError {
         path: PathBuf,
         /// What differs.
         what: String,
+    },
+    /// The restored VM's disk exists and belongs to another user.
+    #[error(
+        "{path} belongs to uid {owner}: a restored VM's disk must be a new file or one of ours"
+    )]
+    DiskNotOurs {
+        /// The disk.
+        path: PathBuf,
+        /// Its owner.
+        owner: u32,
     },
     /// A file of the snapshot is a link, a FIFO, a device, or too large.
     #[error(transparent)]
@@ -543,13 +553,25 @@ impl Snapshot {
             OpenOptions::new()
                 .write(true)
                 .create(true)
-                .truncate(true)
+                .truncate(false)
                 .mode(PRIVATE_FILE_MODE),
         )?;
-        copy_from_start(&self.disk, &self.disk_path, &copy)?;
-        // An existing file keeps its mode through `open`: make it the VM's own, writable.
+        // A file that appeared there since `--disk` was checked, planted by another user who
+        // keeps it open, would get the guest's disk: only a file of ours is written.
+        let owner = copy.metadata().map_err(io("stat", disk))?.uid();
+        // SAFETY: geteuid cannot fail.
+        let own = unsafe { libc::geteuid() };
+        if owner != own {
+            return Err(SnapshotError::DiskNotOurs {
+                path: disk.to_path_buf(),
+                owner,
+            });
+        }
+        // An existing file keeps its mode through `open`: the VM's own, before any byte.
         copy.set_permissions(std::fs::Permissions::from_mode(PRIVATE_FILE_MODE))
-            .map_err(io("make writable", disk))?;
+            .map_err(io("make private", disk))?;
+        copy.set_len(0).map_err(io("truncate", disk))?;
+        copy_from_start(&self.disk, &self.disk_path, &copy)?;
         Ok(Restore {
             ram: self.ram.clone(),
             vcpu: self.manifest.vcpu.clone(),

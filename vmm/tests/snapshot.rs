@@ -220,6 +220,18 @@ fn snapshot_changed_or_unusable_is_refused_with_the_reason() {
     );
     std::fs::write(&manifest_path, &honest).unwrap();
     std::fs::write(&disk_image, &disk_honest).unwrap();
+    // The disk copy's path taken by a file of another user (who would read the guest's
+    // disk through it): refused, and nothing written into it.
+    let planted = dir.path().join("planted.disk");
+    std::fs::write(&planted, b"theirs").unwrap();
+    std::os::unix::fs::chown(&planted, Some(65534), Some(65534)).unwrap();
+    let mut planted_options = options(dir.path(), "planted", RamKind::Snapshot, Some(&snap));
+    planted_options.disk.clone_from(&planted);
+    let Err(err) = Vm::start(planted_options) else {
+        panic!("a restore wrote its disk into another user's file");
+    };
+    assert!(err.to_string().contains("belongs to uid 65534"), "{err}");
+    assert_eq!(std::fs::read(&planted).unwrap(), b"theirs");
     // One byte of the image changed (root may write a read-only file).
     let image = snap.join("ram.img");
     let file = std::fs::OpenOptions::new()
