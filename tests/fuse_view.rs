@@ -623,26 +623,6 @@ fn fuse_view_reader_corrupt_block_reads_fail_with_eio() {
     assert!(stats.read_errors > 0, "{stats:?}");
 }
 
-/// True if uid/gid 65534 (nobody) succeeds in running `program args path` (`head -c1` to
-/// read, `ls` to list).
-fn nobody_can(program: &str, args: &[&str], path: &Path) -> bool {
-    std::process::Command::new("setpriv")
-        .args([
-            "--reuid=65534",
-            "--regid=65534",
-            "--clear-groups",
-            "--",
-            program,
-        ])
-        .args(args)
-        .arg(path)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status()
-        .expect("setpriv (util-linux) runs: this test needs it")
-        .success()
-}
-
 #[test]
 fn fuse_view_of_a_store_or_reader_is_private_to_its_owner_even_with_allow_other() {
     if !fuse_available() {
@@ -676,11 +656,11 @@ fn fuse_view_of_a_store_or_reader_is_private_to_its_owner_even_with_allow_other(
             let dir_mode = fs::metadata(mnt.path()).expect("stat").permissions().mode() & 0o777;
             assert_eq!(dir_mode, 0o700, "{what}");
             assert!(
-                !nobody_can("head", &["-c1"], &file),
+                !testkit::nobody_can_read(&file),
                 "another user reads: {what}"
             );
             assert!(
-                !nobody_can("ls", &[], mnt.path()),
+                !testkit::nobody_can_list(mnt.path()),
                 "another user lists: {what}"
             );
             // The owner still can.

@@ -11,13 +11,11 @@ use vmm::replay::{ReplayError, Trajectory, TRAJECTORY_LIMIT};
 
 /// `Trajectory::load(path)` on another thread; panics if it takes more than 10 s.
 fn load_within_10s(path: &Path) -> Result<Trajectory, ReplayError> {
-    let (tx, rx) = std::sync::mpsc::channel();
     let owned: PathBuf = path.to_path_buf();
-    std::thread::spawn(move || {
-        let _ = tx.send(Trajectory::load(&owned));
-    });
-    rx.recv_timeout(Duration::from_secs(10))
-        .unwrap_or_else(|_| panic!("loading {} hung", path.display()))
+    let what = format!("loading {}", path.display());
+    testkit::within(Duration::from_secs(10), &what, move || {
+        Trajectory::load(&owned)
+    })
 }
 
 fn chain(err: &dyn std::error::Error) -> String {
@@ -28,8 +26,7 @@ fn chain(err: &dyn std::error::Error) -> String {
 fn replay_trajectory_fifo_device_or_huge_file_is_refused_at_once() {
     let dir = tempfile::tempdir().unwrap();
     let fifo = dir.path().join("fifo");
-    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
-    assert!(made.is_ok_and(|s| s.success()));
+    testkit::mkfifo(&fifo);
     let huge = dir.path().join("huge.json");
     std::fs::File::create(&huge)
         .unwrap()

@@ -123,7 +123,9 @@ fn kind_name(file_type: std::fs::FileType) -> &'static str {
 /// (they are replaced); a mode set with `OpenOptionsExt::mode` is kept.
 pub fn open_regular(path: &Path, options: &OpenOptions) -> Result<File, FileError> {
     let mut options = options.clone();
-    options.custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK);
+    // O_NOCTTY: a terminal named where a file was expected is refused below, and opening it
+    // must not make it this process's controlling terminal meanwhile.
+    options.custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY);
     let file = match options.open(path) {
         Ok(file) => file,
         Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
@@ -203,6 +205,27 @@ pub fn create_private(path: &Path) -> Result<File, FileError> {
     )
 }
 
+/// Opens `path` read-write, creating it 0600 if it does not exist; an existing file keeps its
+/// contents and mode (see [`open_regular`]: never through a link, never a FIFO or device).
+pub fn open_or_create_private(path: &Path) -> Result<File, FileError> {
+    open_regular(
+        path,
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(PRIVATE_FILE_MODE),
+    )
+}
+
+/// Creates the directory `dir`, 0700, which must not exist as anything: neither a directory
+/// nor a link (to a directory someone else owns, where what is written next would land).
+/// Its parent must exist.
+pub fn create_private_dir_new(dir: &Path) -> io::Result<()> {
+    DirBuilder::new().mode(PRIVATE_DIR_MODE).create(dir)
+}
+
 /// Creates `dir` and any missing parents, each new one 0700; an existing directory is left
 /// as it is.
 pub fn create_private_dir(dir: &Path) -> io::Result<()> {
@@ -271,21 +294,11 @@ pub fn read_text_bounded(path: &Path, limit: u64) -> Result<String, FileError> {
     })
 }
 
-/// Makes a FIFO at `path`, for tests of what refuses one.
-#[cfg(test)]
-pub(crate) fn mkfifo(path: &Path) {
-    let status = std::process::Command::new("mkfifo")
-        .arg(path)
-        .status()
-        .expect("mkfifo runs");
-    assert!(status.success(), "mkfifo {}", path.display());
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::PermissionsExt;
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
+    use testkit::{mkfifo, mode};
 
     #[test]
     fn open_regular_symlink_is_refused_and_target_untouched() {
@@ -308,18 +321,19 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let fifo = dir.path().join("fifo");
         mkfifo(&fifo);
-        let start = Instant::now();
-        let err = open_read(&fifo).unwrap_err();
-        assert!(
-            matches!(err, FileError::NotRegular { kind: "FIFO", .. }),
-            "{err}"
-        );
-        let err = open_regular(&fifo, OpenOptions::new().write(true)).unwrap_err();
-        assert!(
-            matches!(err, FileError::NotRegular { kind: "FIFO", .. }),
-            "{err}"
-        );
-        assert!(start.elapsed() < Duration::from_secs(5));
+        // On another thread with a deadline: an open that blocks fails the test, rather
+        // than hanging it.
+        let (read, write) = testkit::within(Duration::from_secs(5), "opening a FIFO", move || {
+            let read = open_read(&fifo).map(drop);
+            let write = open_regular(&fifo, OpenOptions::new().write(true)).map(drop);
+            (read, write)
+        });
+        for err in [read.unwrap_err(), write.unwrap_err()] {
+            assert!(
+                matches!(err, FileError::NotRegular { kind: "FIFO", .. }),
+                "{err}"
+            );
+        }
     }
 
     #[test]
@@ -335,9 +349,45 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("f");
         create_private(&path).unwrap();
-        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
-        assert_eq!(mode & 0o777, 0o600);
+        assert_eq!(mode(&path), 0o600);
         assert!(create_private(&path).is_err());
+    }
+
+    #[test]
+    fn open_or_create_private_makes_0600_keeps_an_existing_file_and_refuses_a_link() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk");
+        open_or_create_private(&path).unwrap();
+        assert_eq!(mode(&path), 0o600);
+        std::fs::write(&path, b"kept").unwrap();
+        drop(open_or_create_private(&path).unwrap());
+        assert_eq!(std::fs::read(&path).unwrap(), b"kept");
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&path, &link).unwrap();
+        let err = open_or_create_private(&link).unwrap_err();
+        assert!(matches!(err, FileError::Symlink { .. }), "{err}");
+    }
+
+    #[test]
+    fn create_private_dir_new_makes_0700_and_refuses_a_planted_dir_or_link() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("new");
+        create_private_dir_new(&dir).unwrap();
+        assert_eq!(mode(&dir), 0o700);
+        assert!(
+            create_private_dir_new(&dir).is_err(),
+            "an existing directory"
+        );
+        let elsewhere = root.path().join("elsewhere");
+        std::fs::create_dir(&elsewhere).unwrap();
+        let link = root.path().join("link");
+        std::os::unix::fs::symlink(&elsewhere, &link).unwrap();
+        assert!(
+            create_private_dir_new(&link).is_err(),
+            "a link to a directory"
+        );
+        // What create_private_dir (create_dir_all) accepts: the link, followed.
+        create_private_dir(&link).unwrap();
     }
 
     #[test]

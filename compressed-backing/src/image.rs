@@ -243,10 +243,7 @@ mod tests {
         assert!(matches!(err, ImageError::BlockSizeMismatch { .. }), "{err}");
     }
 
-    fn mode(path: &Path) -> u32 {
-        use std::os::unix::fs::PermissionsExt;
-        fs::symlink_metadata(path).unwrap().permissions().mode() & 0o7777
-    }
+    use testkit::{mkfifo, mode};
 
     #[test]
     fn pack_and_unpack_write_owner_only_files() {
@@ -269,17 +266,14 @@ mod tests {
     fn pack_of_a_fifo_or_link_is_refused_without_hanging() {
         let dir = tempfile::tempdir().unwrap();
         let fifo = dir.path().join("fifo");
-        crate::file::mkfifo(&fifo);
+        mkfifo(&fifo);
         let store_dir = dir.path().join("store");
-        let (tx, rx) = std::sync::mpsc::channel();
         let (from, to) = (fifo.clone(), store_dir.clone());
-        std::thread::spawn(move || {
+        let limit = std::time::Duration::from_secs(10);
+        let result = testkit::within(limit, "pack of a FIFO", move || {
             let result = pack_file(&from, &to, &PackOptions::default(), &|_| {});
-            let _ = tx.send(result.map(drop).map_err(|e| e.to_string()));
+            result.map(drop).map_err(|e| e.to_string())
         });
-        let result = rx
-            .recv_timeout(std::time::Duration::from_secs(10))
-            .expect("pack of a FIFO hung");
         assert!(result.unwrap_err().contains("FIFO"));
         let raw = dir.path().join("mem");
         write_image(&raw, 1 << 20, 3);
@@ -317,7 +311,7 @@ mod tests {
         );
         assert_eq!(fs::read(&victim).unwrap(), b"precious");
         let fifo = dir.path().join("fifo");
-        crate::file::mkfifo(&fifo);
+        mkfifo(&fifo);
         let err = unpack_file(&store_dir, &fifo, &BulkOptions::default(), &|_| {}).unwrap_err();
         assert!(crate::store::error_chain(&err).contains("FIFO"), "{err}");
     }

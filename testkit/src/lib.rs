@@ -1,9 +1,13 @@
 //! Helpers shared by the device tests of every crate: the device check, a small tmpfs to run
-//! out of space on, and deterministic test data.
+//! out of space on, deterministic test data, and hostile files: FIFOs, modes, another user.
 
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
 
 /// True if device tests are to be skipped (`PVISOR_SKIP_DEVICE_TESTS=1`). Otherwise panics
 /// with a clear message if one of `devices` is missing: a device test must not pass silently
@@ -79,4 +83,106 @@ pub fn random_bytes(seed: u64, len: usize) -> Vec<u8> {
             (state >> 29) as u8
         })
         .collect()
+}
+
+/// Makes a FIFO at `path` (mode 0600): a file whose `open` or `read` blocks for ever.
+pub fn mkfifo(path: &Path) {
+    let c_path = CString::new(path.as_os_str().as_bytes()).expect("a path without NUL");
+    // SAFETY: a valid NUL-terminated path that outlives the call.
+    let rc = unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) };
+    assert_eq!(
+        rc,
+        0,
+        "mkfifo {}: {}",
+        path.display(),
+        std::io::Error::last_os_error()
+    );
+}
+
+/// The permission bits of `path` itself (a link is not followed), setuid and sticky included.
+pub fn mode(path: &Path) -> u32 {
+    std::fs::symlink_metadata(path)
+        .unwrap_or_else(|e| panic!("stat {}: {e}", path.display()))
+        .permissions()
+        .mode()
+        & 0o7777
+}
+
+/// Runs `f` on another thread and returns what it returns; panics naming `what` if it takes
+/// more than `limit` (a hang: the thread is left behind, blocked).
+pub fn within<T: Send + 'static>(
+    limit: Duration,
+    what: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit)
+        .unwrap_or_else(|_| panic!("{what} hung (more than {limit:?})"))
+}
+
+/// A temporary directory other users may enter (0755; tempdirs are 0700), so that what keeps
+/// them out of the files made in it is those files' own modes.
+pub fn open_tempdir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
+        .expect("chmod 0755 the temporary directory");
+    dir
+}
+
+/// True if uid/gid 65534 (nobody), without supplementary groups, succeeds in running
+/// `program args path` (through `setpriv` of util-linux; needs root).
+pub fn nobody_can(program: &str, args: &[&str], path: &Path) -> bool {
+    Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--",
+            program,
+        ])
+        .args(args)
+        .arg(path)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("setpriv (util-linux) runs: this test needs it")
+        .success()
+}
+
+/// Checks once per process that the other-user check can succeed at all: nobody reads a
+/// world-readable file and lists a world-readable directory in an [`open_tempdir`]. Without
+/// this, a `setpriv` that fails for any reason, or a temporary directory under a private
+/// one, would make every "nobody cannot read" assertion pass whatever the modes.
+fn check_nobody_can_reach_public_files() {
+    static CHECKED: OnceLock<()> = OnceLock::new();
+    CHECKED.get_or_init(|| {
+        let dir = open_tempdir();
+        let public = dir.path().join("public");
+        std::fs::write(&public, b"x").expect("write a public file");
+        std::fs::set_permissions(&public, std::fs::Permissions::from_mode(0o644))
+            .expect("chmod 0644");
+        assert!(
+            nobody_can("head", &["-c1"], &public) && nobody_can("ls", &[], dir.path()),
+            "uid 65534 cannot read a 0644 file in {}: the other-user check would prove \
+             nothing here (is the temporary directory under a private one?)",
+            dir.path().display()
+        );
+    });
+}
+
+/// True if nobody (uid 65534) can read one byte of `path`. Checks first that nobody can read
+/// a public file, so that `false` means the modes kept it out.
+pub fn nobody_can_read(path: &Path) -> bool {
+    check_nobody_can_reach_public_files();
+    nobody_can("head", &["-c1"], path)
+}
+
+/// True if nobody (uid 65534) can list the directory `path` (same check first as
+/// [`nobody_can_read`]).
+pub fn nobody_can_list(path: &Path) -> bool {
+    check_nobody_can_reach_public_files();
+    nobody_can("ls", &[], path)
 }

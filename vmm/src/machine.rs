@@ -525,16 +525,14 @@ impl Machine {
             )
         }
         .map_err(MachineError::Pager)?;
-        let disk = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&config.disk)
-            .map_err(|source| MachineError::Disk {
+        // A new disk is created 0600 (it holds the guest's data); never through a link,
+        // never a FIFO (whose open would block) or a device.
+        let disk = compressed_backing::file::open_or_create_private(&config.disk).map_err(|e| {
+            MachineError::Disk {
                 path: config.disk.clone(),
-                source,
-            })?;
+                source: e.into(),
+            }
+        })?;
 
         if config.restore.is_none() {
             write_boot_structures(&ram)?;

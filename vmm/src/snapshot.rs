@@ -23,8 +23,8 @@
 //! image's bytes again; resume writes them back before the vCPU runs.
 
 use std::fs::{File, OpenOptions};
-use std::io::{Read, Write};
-use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -84,7 +84,16 @@ pub enum SnapshotError {
         /// vm-memory's complaint.
         reason: String,
     },
-    /// The manifest is missing, unreadable or of another format.
+    /// The manifest cannot be read: missing, a link, a FIFO, too large.
+    #[error("{path} is not a snapshot this build can restore")]
+    ManifestFile {
+        /// The manifest.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: FileError,
+    },
+    /// The manifest is not JSON, of another format, or does not describe a snapshot.
     #[error("{path} is not a snapshot this build can restore: {reason}")]
     Manifest {
         /// The manifest.
@@ -99,6 +108,16 @@ pub enum SnapshotError {
         path: PathBuf,
         /// What differs.
         what: String,
+    },
+    /// The restored VM's disk exists and belongs to another user.
+    #[error(
+        "{path} belongs to uid {owner}: a restored VM's disk must be a new file or one of ours"
+    )]
+    DiskNotOurs {
+        /// The disk.
+        path: PathBuf,
+        /// Its owner.
+        owner: u32,
     },
     /// A file of the snapshot is a link, a FIFO, a device, or too large.
     #[error(transparent)]
@@ -223,7 +242,12 @@ pub fn write(
     }
     let partial = out.with_extension(format!("partial-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&partial);
-    safe_file::create_private_dir(&partial).map_err(io("create", &partial))?;
+    if let Some(parent) = partial.parent().filter(|p| !p.as_os_str().is_empty()) {
+        safe_file::create_private_dir(parent).map_err(io("create", parent))?;
+    }
+    // Made here and now, or refused: never a directory (or a link to one) that appeared
+    // since, where another user could swap the files once they are sealed.
+    safe_file::create_private_dir_new(&partial).map_err(io("create", &partial))?;
     let result =
         write_into(machine, vcpus, &partial, codec).and_then(|(ram_data_bytes, disk_bytes)| {
             seal(&partial)?;
@@ -265,7 +289,8 @@ fn write_into(
         .disk()
         .sync_data()
         .map_err(io("sync", machine.disk_path()))?;
-    let disk_seal = copy_sealed(machine.disk_path(), &dir.join(DISK))?;
+    // From the VM's own descriptor: the file it runs on, whatever its path names now.
+    let disk_seal = copy_sealed(machine.disk(), machine.disk_path(), &dir.join(DISK))?;
     let manifest = Manifest {
         format: FORMAT,
         memory: ram.size(),
@@ -380,24 +405,28 @@ fn read_touched(
     Ok(true)
 }
 
-/// Copies `from` to the new file `to` (0600 from the start), with its seal.
-fn copy_sealed(from: &Path, to: &Path) -> Result<SealedFile, SnapshotError> {
+/// Copies the open file `from` (named `from_path`) to the new file `to` (0600 from the
+/// start), with the seal of what was written.
+fn copy_sealed(from: &File, from_path: &Path, to: &Path) -> Result<SealedFile, SnapshotError> {
     let copied = safe_file::create_private(to)?;
-    copy_into(from, &copied)?;
+    copy_from_start(from, from_path, &copied)?;
     copied.sync_all().map_err(io("sync", to))?;
-    digest_file(to, DISK)
+    digest_open(&copied, to, DISK)
 }
 
-/// Copies the regular file `from` into `to` (holes stay holes where the kernel's
-/// `copy_file_range` keeps them, as `std::fs::copy` does), without following a link at `from`.
-fn copy_into(from: &Path, mut to: &File) -> Result<(), SnapshotError> {
-    let mut source = safe_file::open_read(from)?;
-    std::io::copy(&mut source, &mut to).map_err(io("copy", from))?;
+/// Copies all of the open file `from` (named `from_path`) into `to`, from their current
+/// offsets (the kernel's `copy_file_range` where it can, as `std::fs::copy`). `from` is
+/// rewound first; its offset is not used by anyone else (the disk is read with `pread`).
+fn copy_from_start(mut from: &File, from_path: &Path, mut to: &File) -> Result<(), SnapshotError> {
+    from.seek(SeekFrom::Start(0))
+        .map_err(io("rewind", from_path))?;
+    std::io::copy(&mut from, &mut to).map_err(io("copy", from_path))?;
     Ok(())
 }
 
-fn digest_file(path: &Path, name: &str) -> Result<SealedFile, SnapshotError> {
-    let mut file = safe_file::open_read(path)?;
+/// The seal of the open file `file` (named `path`), read from its start.
+fn digest_open(mut file: &File, path: &Path, name: &str) -> Result<SealedFile, SnapshotError> {
+    file.seek(SeekFrom::Start(0)).map_err(io("rewind", path))?;
     let mut digest = Digest::new();
     let mut buf = vec![0u8; CHUNK];
     loop {
@@ -444,7 +473,12 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, SnapshotError> {
         path: path.clone(),
         reason,
     };
-    let text = safe_file::read_bounded(&path, MANIFEST_LIMIT).map_err(|e| bad(e.to_string()))?;
+    let text = safe_file::read_bounded(&path, MANIFEST_LIMIT).map_err(|source| {
+        SnapshotError::ManifestFile {
+            path: path.clone(),
+            source,
+        }
+    })?;
     let manifest: Manifest = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
     if manifest.format != FORMAT {
         return Err(bad(format!(
@@ -455,28 +489,43 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, SnapshotError> {
     if manifest.ram.bytes != manifest.memory {
         return Err(bad("the RAM image's size is not the RAM size".into()));
     }
+    // The files are the ones `write` makes, in this directory: a manifest naming another
+    // file (`../x`, `/x`, or the RAM image as the disk) would have that file checked and
+    // another one used.
+    let ram_name = match manifest.ram_format {
+        RamFormat::Raw => RAM,
+        RamFormat::Store => RAM_STORE,
+    };
+    if manifest.ram.name != ram_name || manifest.disk.name != DISK {
+        return Err(bad(format!(
+            "its files are {:?} and {:?}, not {ram_name:?} and {DISK:?}",
+            manifest.ram.name, manifest.disk.name
+        )));
+    }
     Ok(manifest)
 }
 
 /// A snapshot whose seal has been checked.
 #[derive(Debug)]
 pub struct Snapshot {
-    dir: PathBuf,
     manifest: Manifest,
     ram: RestoreRam,
+    /// The disk image, open: the file whose seal was checked is the one copied.
+    disk: File,
+    disk_path: PathBuf,
 }
 
 impl Snapshot {
     /// Opens `dir` and checks every file against the manifest's digests.
     pub fn open(dir: &Path) -> Result<Self, SnapshotError> {
         let manifest = read_manifest(dir)?;
-        check_seal(&dir.join(&manifest.disk.name), &manifest.disk)?;
+        // Each file is opened once, checked, and that open file is what is used: nothing is
+        // opened again by its name, which could by then name another file.
+        let disk_path = dir.join(DISK);
+        let disk = open_sealed(&disk_path, &manifest.disk)?;
         let ram_path = dir.join(&manifest.ram.name);
         let ram = match manifest.ram_format {
-            RamFormat::Raw => {
-                check_seal(&ram_path, &manifest.ram)?;
-                RestoreRam::Image(Arc::new(safe_file::open_read(&ram_path)?))
-            }
+            RamFormat::Raw => RestoreRam::Image(Arc::new(open_sealed(&ram_path, &manifest.ram)?)),
             RamFormat::Store => {
                 let store = DiskStore::open_read_only(&ram_path)?;
                 let found = digest_store(&store)?;
@@ -485,9 +534,10 @@ impl Snapshot {
             }
         };
         Ok(Self {
-            dir: dir.to_path_buf(),
             manifest,
             ram,
+            disk,
+            disk_path,
         })
     }
 
@@ -498,19 +548,30 @@ impl Snapshot {
 
     /// Gives a VM its own copy of the disk at `disk` and what its machine restores from.
     pub fn restore(&self, disk: &Path) -> Result<Restore, SnapshotError> {
-        let from = self.dir.join(DISK);
         let copy = safe_file::open_regular(
             disk,
             OpenOptions::new()
                 .write(true)
                 .create(true)
-                .truncate(true)
+                .truncate(false)
                 .mode(PRIVATE_FILE_MODE),
         )?;
-        copy_into(&from, &copy)?;
-        // An existing file keeps its mode through `open`: make it the VM's own, writable.
+        // A file that appeared there since `--disk` was checked, planted by another user who
+        // keeps it open, would get the guest's disk: only a file of ours is written.
+        let owner = copy.metadata().map_err(io("stat", disk))?.uid();
+        // SAFETY: geteuid cannot fail.
+        let own = unsafe { libc::geteuid() };
+        if owner != own {
+            return Err(SnapshotError::DiskNotOurs {
+                path: disk.to_path_buf(),
+                owner,
+            });
+        }
+        // An existing file keeps its mode through `open`: the VM's own, before any byte.
         copy.set_permissions(std::fs::Permissions::from_mode(PRIVATE_FILE_MODE))
-            .map_err(io("make writable", disk))?;
+            .map_err(io("make private", disk))?;
+        copy.set_len(0).map_err(io("truncate", disk))?;
+        copy_from_start(&self.disk, &self.disk_path, &copy)?;
         Ok(Restore {
             ram: self.ram.clone(),
             vcpu: self.manifest.vcpu.clone(),
@@ -519,9 +580,12 @@ impl Snapshot {
     }
 }
 
-/// Checks a file against its seal.
-fn check_seal(path: &Path, sealed: &SealedFile) -> Result<(), SnapshotError> {
-    compare_seal(path, &digest_file(path, &sealed.name)?, sealed)
+/// Opens `path` (a regular file, not through a link), checks it against its seal and
+/// returns it open.
+fn open_sealed(path: &Path, sealed: &SealedFile) -> Result<File, SnapshotError> {
+    let file = safe_file::open_read(path)?;
+    compare_seal(path, &digest_open(&file, path, &sealed.name)?, sealed)?;
+    Ok(file)
 }
 
 fn compare_seal(path: &Path, found: &SealedFile, sealed: &SealedFile) -> Result<(), SnapshotError> {

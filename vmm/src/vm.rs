@@ -529,7 +529,8 @@ impl Vm {
             .store_reader()
             .ok_or_else(|| fail("nothing was offloaded".into()))?;
         let mountpoint = self.options.store_dir.with_extension("view");
-        std::fs::create_dir_all(&mountpoint).map_err(|e| fail(e.to_string()))?;
+        compressed_backing::file::create_private_dir(&mountpoint)
+            .map_err(|e| fail(e.to_string()))?;
         let mounted = fuse::mount_reader(reader, &mountpoint, &FuseOptions::default())
             .map_err(|e| fail(compressed_backing::store::error_chain(&e)))?;
         if let Err(e) = std::os::unix::fs::symlink(mounted.file_path(), path) {

@@ -5,7 +5,6 @@
 // Test code: a failed setup step should stop the test on the spot.
 #![allow(clippy::unwrap_used)]
 
-use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::Duration;
 
@@ -43,31 +42,11 @@ fn exec(vm: &mut Vm, text: &str) -> Vec<vmm::machine::CommandOutput> {
     vm.exec(&script::parse(text).unwrap()).unwrap()
 }
 
-/// A temporary directory other users may enter (tempdirs are 0700), so that only the
-/// snapshot's own modes keep them out.
-fn open_tempdir() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    dir
-}
-
-/// True if uid/gid 65534 (nobody) can read one byte of `path`.
-fn nobody_can_read(path: &Path) -> bool {
-    std::process::Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
-        .args(["head", "-c1"])
-        .arg(path)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status()
-        .expect("setpriv (util-linux) runs: this test needs it")
-        .success()
-}
+use testkit::{mode, nobody_can_read, open_tempdir};
 
 /// Asserts that everything under `dir` is sealed for its owner alone: files 0400,
 /// directories 0500, and that another user cannot read the files.
 fn assert_sealed_and_private(dir: &Path) {
-    let mode = |path: &Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o7777;
     assert_eq!(mode(dir), 0o500, "{}", dir.display());
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
@@ -95,6 +74,10 @@ fn snapshot_restores_continue_share_the_image_and_keep_writes_apart() {
     }
     let dir = open_tempdir();
     let mut origin = Vm::start(options(dir.path(), "origin", RamKind::Anon, None)).unwrap();
+    // The disk the VM created holds the guest's data: the owner's alone.
+    let disk = dir.path().join("origin.disk");
+    assert_eq!(mode(&disk), 0o600);
+    assert!(!nobody_can_read(&disk), "another user reads the VM's disk");
     exec(&mut origin, "fill 64MiB random seed=21; task");
     let sealed_digest = digest(&mut origin);
     let snap = dir.path().join("snap");
@@ -218,6 +201,37 @@ fn snapshot_changed_or_unusable_is_refused_with_the_reason() {
     exec(&mut origin, "fill 8MiB random seed=23");
     let snap = dir.path().join("snap");
     origin.snapshot(&snap, None).unwrap();
+    // A manifest that seals another file as the disk (here the RAM image, whose seal it
+    // copies) while disk.img is changed: the file checked must be the file used.
+    let manifest_path = snap.join("manifest.json");
+    let honest = std::fs::read(&manifest_path).unwrap();
+    let mut manifest: serde_json::Value = serde_json::from_slice(&honest).unwrap();
+    manifest["disk"] = manifest["ram"].clone();
+    std::fs::write(&manifest_path, serde_json::to_vec(&manifest).unwrap()).unwrap();
+    let disk_image = snap.join("disk.img");
+    let disk_honest = std::fs::read(&disk_image).unwrap();
+    std::fs::write(&disk_image, vec![0xA5; disk_honest.len()]).unwrap();
+    let Err(err) = Vm::start(options(dir.path(), "named", RamKind::Snapshot, Some(&snap))) else {
+        panic!("a snapshot whose manifest names another file as the disk was restored");
+    };
+    assert!(
+        err.to_string().contains("not \"ram.img\" and \"disk.img\""),
+        "{err}"
+    );
+    std::fs::write(&manifest_path, &honest).unwrap();
+    std::fs::write(&disk_image, &disk_honest).unwrap();
+    // The disk copy's path taken by a file of another user (who would read the guest's
+    // disk through it): refused, and nothing written into it.
+    let planted = dir.path().join("planted.disk");
+    std::fs::write(&planted, b"theirs").unwrap();
+    std::os::unix::fs::chown(&planted, Some(65534), Some(65534)).unwrap();
+    let mut planted_options = options(dir.path(), "planted", RamKind::Snapshot, Some(&snap));
+    planted_options.disk.clone_from(&planted);
+    let Err(err) = Vm::start(planted_options) else {
+        panic!("a restore wrote its disk into another user's file");
+    };
+    assert!(err.to_string().contains("belongs to uid 65534"), "{err}");
+    assert_eq!(std::fs::read(&planted).unwrap(), b"theirs");
     // One byte of the image changed (root may write a read-only file).
     let image = snap.join("ram.img");
     let file = std::fs::OpenOptions::new()
@@ -237,6 +251,9 @@ fn snapshot_changed_or_unusable_is_refused_with_the_reason() {
     ))
     .unwrap_err();
     assert!(err.to_string().contains("not a snapshot"), "{err}");
+    // And why: the cause is kept.
+    let chain = compressed_backing::store::error_chain(&err);
+    assert!(chain.contains("manifest.json: No such file"), "{chain}");
     // The wrong RAM size.
     let mut wrong = options(dir.path(), "size", RamKind::Snapshot, Some(&snap));
     wrong.memory = 128 << 20;

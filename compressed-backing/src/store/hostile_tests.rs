@@ -3,8 +3,8 @@
 
 use super::*;
 use crate::codec::Codec;
-use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
+use testkit::{mkfifo, mode};
 
 const BS: u64 = 16 << 10;
 
@@ -29,12 +29,6 @@ fn filled_store(dir: &Path, blocks: u64, byte: u8) -> DiskStore {
     store
 }
 
-fn mode(path: &Path) -> u32 {
-    fs::symlink_metadata(path).unwrap().permissions().mode() & 0o7777
-}
-
-use crate::file::mkfifo;
-
 /// Rewrites the store's index as `change` says, with a valid checksum; returns its bytes.
 fn plant_index(dir: &Path, change: impl FnOnce(&mut Index)) -> Vec<u8> {
     let path = dir.join(INDEX_FILE);
@@ -43,16 +37,6 @@ fn plant_index(dir: &Path, change: impl FnOnce(&mut Index)) -> Vec<u8> {
     let hostile = index.encode();
     fs::write(&path, &hostile).unwrap();
     hostile
-}
-
-/// Runs `f` on another thread; fails the test if it takes more than 10 s (a hang).
-fn within_10s<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(Duration::from_secs(10))
-        .expect("the call hung (more than 10 s)")
 }
 
 #[test]
@@ -115,7 +99,7 @@ fn store_fifo_as_index_or_segment_is_refused_without_hanging() {
         mkfifo(&dir.join(&name));
         for writable in [false, true] {
             let dir = dir.clone();
-            let result = within_10s(move || {
+            let result = testkit::within(Duration::from_secs(10), "opening a FIFO", move || {
                 DiskStore::open_with(&dir, writable, StoreOptions::default())
                     .map(drop)
                     .map_err(|e| error_chain(&e))

@@ -634,6 +634,26 @@ mod tests {
         ]
     }
 
+    /// An index of 4 KiB blocks, one per slot, over segments 0 to 2 of 10,000 bytes each
+    /// (where [`slot_strategy`]'s payloads lie).
+    fn small_index(
+        codec: Codec,
+        slots: Vec<Slot>,
+        generation: u64,
+        meta: BTreeMap<String, Vec<u8>>,
+    ) -> Index {
+        Index {
+            block_size: BlockSize::new(4096).unwrap(),
+            codec: CodecConfig::new(codec),
+            image_size: slots.len() as u64 * 4096,
+            generation,
+            next_segment: 3,
+            segments: (0..3).map(|id| (id, 10_000)).collect(),
+            slots,
+            meta,
+        }
+    }
+
     proptest! {
         #[test]
         fn any_index_roundtrips(
@@ -641,17 +661,7 @@ mod tests {
             generation in 0..u64::MAX,
             meta in proptest::collection::btree_map("[a-z]{1,8}", proptest::collection::vec(any::<u8>(), 0..32), 0..4),
         ) {
-            let block_size = BlockSize::new(4096).unwrap();
-            let index = Index {
-                block_size,
-                codec: CodecConfig::new(Codec::Lz4),
-                image_size: slots.len() as u64 * 4096,
-                generation,
-                next_segment: 3,
-                segments: (0..3).map(|id| (id, 10_000)).collect(),
-                slots,
-                meta,
-            };
+            let index = small_index(Codec::Lz4, slots, generation, meta);
             prop_assert_eq!(Index::decode(&index.encode()).unwrap(), index);
         }
     }
@@ -710,19 +720,12 @@ mod tests {
                 0..3,
             ),
         )
-            .prop_map(|(slots, generation, meta)| Index {
-                block_size: BlockSize::new(4096).unwrap(),
-                codec: CodecConfig::new(Codec::Zstd { level: 3 }),
-                image_size: slots.len() as u64 * 4096,
-                generation,
-                next_segment: 3,
-                segments: (0..3).map(|id| (id, 10_000)).collect(),
-                slots,
-                meta,
+            .prop_map(|(slots, generation, meta)| {
+                small_index(Codec::Zstd { level: 3 }, slots, generation, meta)
             })
     }
 
-    /// A field overwritten with a hostile value: (byte offset, little-endian bytes).
+    /// A hostile value (little-endian bytes) to overwrite a field with.
     fn hostile_value() -> impl Strategy<Value = Vec<u8>> {
         prop_oneof![
             Just(u32::MAX.to_le_bytes().to_vec()),
@@ -741,12 +744,15 @@ mod tests {
         #[test]
         fn fuzz_index_random_bytes_are_rejected_without_panic(
             bytes in proptest::collection::vec(any::<u8>(), 0..512),
-            framed in any::<bool>(),
+            prefix_of in proptest::option::of((index_strategy(), any::<prop::sample::Index>())),
         ) {
             let mut bytes = bytes;
-            if framed {
-                // Magic, a checksum and end magic around the noise: the parser proper runs.
-                let mut framed = MAGIC.to_vec();
+            if let Some((index, at)) = prefix_of {
+                // A valid index cut anywhere in its body, then the noise, then a right
+                // checksum and end magic: the noise reaches every field's parser (noise
+                // right after the magic stops at the version nearly always).
+                let valid = index.encode();
+                let mut framed = valid[..at.index(valid.len() - TRAILER_LEN)].to_vec();
                 framed.extend_from_slice(&bytes);
                 framed.extend_from_slice(&[0; 8]);
                 framed.extend_from_slice(END_MAGIC);

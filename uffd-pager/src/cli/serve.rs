@@ -46,10 +46,8 @@ pub fn serve(
 
     let (source, block_size): (Arc<dyn PageSource>, BlockSize) = match (mem_file, store) {
         (Some(path), _) => (
-            Arc::new(
-                RawFileSource::open(path)
-                    .map_err(|e| format!("cannot open memory file {}: {e}", path.display()))?,
-            ),
+            // Its error names the file and keeps the cause (a FIFO, a link, ENOENT).
+            Arc::new(RawFileSource::open(path)?),
             BlockSize::default(),
         ),
         (None, Some(dir)) => {

@@ -201,8 +201,9 @@ const CONFIG_LIMIT: u64 = 1 << 20;
 
 fn read_config(path: &Path) -> Result<ConfigVm, String> {
     // A FIFO (whose read would block), a device or a link is refused.
+    // The whole chain: the FileError names the file, its source says why (ENOENT, EACCES).
     let text = compressed_backing::file::read_text_bounded(path, CONFIG_LIMIT)
-        .map_err(|e| format!("config {}: {e}", path.display()))?;
+        .map_err(|e| format!("config: {}", compressed_backing::store::error_chain(&e)))?;
     let file: ConfigFile =
         toml::from_str(&text).map_err(|e| format!("config {}: {e}", path.display()))?;
     Ok(file.vm)
@@ -561,26 +562,24 @@ mod tests {
     fn read_config_of_a_device_fifo_or_huge_file_is_refused_at_once() {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let fifo = dir.path().join("fifo");
-        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
-        assert!(made.is_ok_and(|s| s.success()));
+        testkit::mkfifo(&fifo);
         let huge = dir.path().join("huge.toml");
         let file = std::fs::File::create(&huge).expect("a file");
         file.set_len(CONFIG_LIMIT + 1).expect("a sparse file");
         // The FIFO first: before the fix it hangs, and the test stops there rather than read
         // /dev/zero without end.
+        let missing = dir.path().join("missing.toml");
         for (path, expected) in [
             (fifo.as_path(), "FIFO"),
             (huge.as_path(), "limit"),
             (Path::new("/dev/zero"), "character device"),
+            // The cause is kept, not only the file's name.
+            (missing.as_path(), "missing.toml: No such file"),
         ] {
-            let (tx, rx) = std::sync::mpsc::channel();
             let owned = path.to_path_buf();
-            std::thread::spawn(move || {
-                let _ = tx.send(read_config(&owned).map(drop));
-            });
-            let result = rx
-                .recv_timeout(std::time::Duration::from_secs(10))
-                .unwrap_or_else(|_| panic!("reading {} hung", path.display()));
+            let limit = std::time::Duration::from_secs(10);
+            let what = format!("reading {}", path.display());
+            let result = testkit::within(limit, &what, move || read_config(&owned).map(drop));
             let err = result.expect_err("refused");
             assert!(err.contains(expected), "{err}");
         }
