@@ -6,6 +6,7 @@
 use std::io::IoSliceMut;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
 
 use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
 
@@ -71,6 +72,12 @@ pub enum HandshakeError {
         /// What is wrong.
         reason: String,
     },
+    /// The whole handshake did not come in time.
+    #[error("the handshake did not arrive within {0:?}")]
+    Timeout(Duration),
+    /// Descriptors came after the first bytes of the message.
+    #[error("descriptors came after the start of the handshake (they must come with its first bytes)")]
+    LateFds,
     /// The array is empty.
     #[error("the handshake lists no regions")]
     Empty,
@@ -130,64 +137,171 @@ pub struct Handshake {
     pub message: Message,
 }
 
-/// Receives the handshake message from `stream`.
-pub fn receive(stream: &UnixStream) -> Result<Handshake, HandshakeError> {
-    let mut buf = vec![0u8; MAX_HANDSHAKE_BYTES];
-    let mut cmsg = nix::cmsg_space!([RawFd; MAX_FDS]);
-    let (len, fds, truncated) = {
-        let mut iov = [IoSliceMut::new(&mut buf)];
-        let msg = recvmsg::<()>(
-            stream.as_raw_fd(),
-            &mut iov,
-            Some(&mut cmsg),
-            MsgFlags::MSG_CMSG_CLOEXEC,
-        )
-        .map_err(|e| HandshakeError::Recv(e.into()))?;
-        let mut fds = Vec::new();
-        for control in msg.cmsgs().map_err(|e| HandshakeError::Recv(e.into()))? {
-            if let ControlMessageOwned::ScmRights(received) = control {
-                // SAFETY: the kernel just installed these descriptors for us; nobody else owns
-                // them.
-                fds.extend(
-                    received
-                        .into_iter()
-                        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
-                );
-            }
+/// How long a peer has to send its whole handshake.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Receives the handshake message from `stream` within `timeout`: the descriptors come with
+/// the first bytes; the rest of a long message (the kernel splits a large `sendmsg` into
+/// several reads, and a peer may write in pieces) is read until the JSON value ends, up to
+/// [`MAX_HANDSHAKE_BYTES`]. Descriptors sent after the first bytes are closed and refused.
+pub fn receive(stream: &UnixStream, timeout: Duration) -> Result<Handshake, HandshakeError> {
+    let deadline = Instant::now() + timeout;
+    // One byte more than accepted, to tell "exactly the limit" from "too large".
+    let mut buf = vec![0u8; MAX_HANDSHAKE_BYTES + 1];
+    let mut len = 0;
+    let mut fds: Vec<OwnedFd> = Vec::new();
+    let mut end = ValueEnd::default();
+    loop {
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        if remaining.is_zero() {
+            return Err(HandshakeError::Timeout(timeout));
         }
-        let truncated = msg
-            .flags
-            .intersects(MsgFlags::MSG_TRUNC | MsgFlags::MSG_CTRUNC);
-        (msg.bytes, fds, truncated)
-    };
-    if len == 0 && fds.is_empty() {
-        return Err(HandshakeError::Disconnected);
-    }
-    if truncated {
-        return Err(HandshakeError::TooLarge);
+        stream
+            .set_read_timeout(Some(remaining))
+            .map_err(HandshakeError::Recv)?;
+        let (n, received) = recv_some(stream, &mut buf[len..], timeout)?;
+        if !received.is_empty() {
+            if len > 0 || !fds.is_empty() {
+                // Dropping them closes them.
+                return Err(HandshakeError::LateFds);
+            }
+            fds = received;
+        }
+        if n == 0 {
+            if len == 0 && fds.is_empty() {
+                return Err(HandshakeError::Disconnected);
+            }
+            // End of file: parse what came (an incomplete value is refused by the parser).
+            break;
+        }
+        let done = end.feed(&buf[len..len + n]);
+        len += n;
+        if len > MAX_HANDSHAKE_BYTES {
+            return Err(HandshakeError::TooLarge);
+        }
+        if done {
+            break;
+        }
     }
     let mut fds = fds.into_iter();
     let uffd = fds.next().ok_or(HandshakeError::NoFd)?;
     let memfds: Vec<OwnedFd> = fds.collect();
-    let body = &buf[..len];
-    let message = if body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{') {
-        let handshake: PvisorHandshake =
-            serde_json::from_slice(body).map_err(HandshakeError::Json)?;
-        if handshake.protocol != PVISOR_PROTOCOL {
-            return Err(HandshakeError::Protocol(handshake.protocol));
-        }
-        Message::Pvisor(handshake)
-    } else {
-        if !memfds.is_empty() {
-            return Err(HandshakeError::TooManyFds(memfds.len() + 1));
-        }
-        Message::Firecracker(serde_json::from_slice(body).map_err(HandshakeError::Json)?)
-    };
+    let message = parse(&buf[..len], memfds.len())?;
     Ok(Handshake {
         uffd,
         memfds,
         message,
     })
+}
+
+/// One `recvmsg`: the bytes read and the descriptors that came with them.
+fn recv_some(
+    stream: &UnixStream,
+    buf: &mut [u8],
+    timeout: Duration,
+) -> Result<(usize, Vec<OwnedFd>), HandshakeError> {
+    let mut cmsg = nix::cmsg_space!([RawFd; MAX_FDS]);
+    let mut iov = [IoSliceMut::new(buf)];
+    let msg = match recvmsg::<()>(
+        stream.as_raw_fd(),
+        &mut iov,
+        Some(&mut cmsg),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    ) {
+        Ok(msg) => msg,
+        Err(nix::errno::Errno::EAGAIN) => return Err(HandshakeError::Timeout(timeout)),
+        Err(e) => return Err(HandshakeError::Recv(e.into())),
+    };
+    let mut fds = Vec::new();
+    for control in msg.cmsgs().map_err(|e| HandshakeError::Recv(e.into()))? {
+        if let ControlMessageOwned::ScmRights(received) = control {
+            // SAFETY: the kernel just installed these descriptors for us; nobody else owns
+            // them.
+            fds.extend(
+                received
+                    .into_iter()
+                    .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+            );
+        }
+    }
+    if msg.flags.intersects(MsgFlags::MSG_CTRUNC) {
+        return Err(HandshakeError::TooManyFds(MAX_FDS + 1));
+    }
+    Ok((msg.bytes, fds))
+}
+
+/// Finds where a JSON array or object ends, fed in pieces (strings and escapes tracked), so
+/// that a long handshake is read in O(length). Anything else counts as ended at once: the
+/// parser then says what is wrong with it.
+#[derive(Debug, Default)]
+struct ValueEnd {
+    started: bool,
+    depth: usize,
+    in_string: bool,
+    escaped: bool,
+}
+
+impl ValueEnd {
+    /// Feeds the next bytes; true once the value has ended.
+    fn feed(&mut self, bytes: &[u8]) -> bool {
+        for &b in bytes {
+            if !self.started {
+                match b {
+                    b'[' | b'{' => {
+                        self.started = true;
+                        self.depth = 1;
+                    }
+                    b if b.is_ascii_whitespace() => {}
+                    _ => return true,
+                }
+                continue;
+            }
+            if self.in_string {
+                match (self.escaped, b) {
+                    (true, _) => self.escaped = false,
+                    (false, b'\\') => self.escaped = true,
+                    (false, b'"') => self.in_string = false,
+                    _ => {}
+                }
+                continue;
+            }
+            match b {
+                b'"' => self.in_string = true,
+                b'[' | b'{' => self.depth += 1,
+                b']' | b'}' => {
+                    self.depth -= 1;
+                    if self.depth == 0 {
+                        return true;
+                    }
+                }
+                _ => {}
+            }
+        }
+        false
+    }
+}
+
+/// Parses a handshake body that came with `memfds` descriptors after the userfaultfd: the
+/// project's JSON object, or Firecracker's bare array (which brings no memfds).
+pub fn parse(body: &[u8], memfds: usize) -> Result<Message, HandshakeError> {
+    if body.len() > MAX_HANDSHAKE_BYTES {
+        return Err(HandshakeError::TooLarge);
+    }
+    if body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{') {
+        let handshake: PvisorHandshake =
+            serde_json::from_slice(body).map_err(HandshakeError::Json)?;
+        if handshake.protocol != PVISOR_PROTOCOL {
+            return Err(HandshakeError::Protocol(handshake.protocol));
+        }
+        Ok(Message::Pvisor(handshake))
+    } else {
+        if memfds > 0 {
+            return Err(HandshakeError::TooManyFds(memfds + 1));
+        }
+        Ok(Message::Firecracker(
+            serde_json::from_slice(body).map_err(HandshakeError::Json)?,
+        ))
+    }
 }
 
 /// Validates regions: page size 4 KiB (huge pages are not served), page-aligned, no overlap

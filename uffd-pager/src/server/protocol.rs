@@ -60,6 +60,18 @@ pub enum Op {
     WaitPrefetch,
 }
 
+/// The most threads a request may ask for: the host's CPU count. Offload and eager load are
+/// CPU-bound, so more threads than cores only cost stacks and block buffers, and a peer must
+/// not make the server start thousands of threads (`threads: 3000`).
+pub fn max_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+}
+
+/// A requested thread count, capped to `1..=max_threads()`.
+pub fn capped_threads(requested: usize) -> usize {
+    requested.clamp(1, max_threads())
+}
+
 /// Handles one request line; returns the reply line.
 pub fn handle(pager: &Pager, line: &str) -> String {
     let request: Request = match serde_json::from_str(line) {
@@ -111,14 +123,16 @@ fn run(pager: &Pager, op: &Op) -> Result<serde_json::Value, String> {
             let config = OffloadConfig {
                 dir: dir.clone(),
                 codec: CodecConfig::new(codec),
-                bulk: threads.map_or_else(BulkOptions::default, BulkOptions::with_threads),
+                bulk: threads.map_or_else(BulkOptions::default, |n| {
+                    BulkOptions::with_threads(capped_threads(n))
+                }),
             };
             let report = pager.offload(&config).map_err(|e| error_chain(&e))?;
             json(serde_json::to_value(report))
         }
         Op::Load { mode, threads } => {
             let report = pager
-                .load(*mode, threads.unwrap_or(2))
+                .load(*mode, capped_threads(threads.unwrap_or(2)))
                 .map_err(|e| error_chain(&e))?;
             json(serde_json::to_value(report))
         }
