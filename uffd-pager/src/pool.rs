@@ -439,6 +439,8 @@ impl Inner {
                 if self.refusals.allow() {
                     tracing::warn!("memory pool: {}", crate::server::error_chain(&e));
                 }
+                // `run` keeps a clone of the stream: shut it down, not only drop this one.
+                let _ = stream.shutdown(std::net::Shutdown::Both);
                 return;
             }
         };

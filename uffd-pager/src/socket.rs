@@ -72,10 +72,7 @@ impl Staging {
                 Ok(()) => {
                     let staging = Self { dir };
                     // The umask can only remove bits; make sure nothing else was added.
-                    std::fs::set_permissions(
-                        &staging.dir,
-                        std::fs::Permissions::from_mode(0o700),
-                    )?;
+                    std::fs::set_permissions(&staging.dir, std::fs::Permissions::from_mode(0o700))?;
                     return Ok(staging);
                 }
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,

@@ -406,9 +406,15 @@ impl Userfaultfd {
     /// too. Returns the wrapper and the features the peer enabled.
     pub fn adopt(fd: OwnedFd) -> Result<(Self, u64), AdoptError> {
         let raw = fd.as_raw_fd();
-        let inspect = |what| move |source| AdoptError::Inspect { fd: raw, what, source };
-        let link = std::fs::read_link(format!("/proc/self/fd/{raw}"))
-            .map_err(inspect("/proc/self/fd"))?;
+        let inspect = |what| {
+            move |source| AdoptError::Inspect {
+                fd: raw,
+                what,
+                source,
+            }
+        };
+        let link =
+            std::fs::read_link(format!("/proc/self/fd/{raw}")).map_err(inspect("/proc/self/fd"))?;
         if link.as_os_str() != "anon_inode:[userfaultfd]" {
             return Err(AdoptError::NotUffd {
                 fd: raw,

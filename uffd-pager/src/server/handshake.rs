@@ -76,7 +76,9 @@ pub enum HandshakeError {
     #[error("the handshake did not arrive within {0:?}")]
     Timeout(Duration),
     /// Descriptors came after the first bytes of the message.
-    #[error("descriptors came after the start of the handshake (they must come with its first bytes)")]
+    #[error(
+        "descriptors came after the start of the handshake (they must come with its first bytes)"
+    )]
     LateFds,
     /// The array is empty.
     #[error("the handshake lists no regions")]

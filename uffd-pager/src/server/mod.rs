@@ -32,8 +32,8 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
 use crate::pager::{Pager, PagerConfig, RamKind, RegionSpec};
-use crate::source::PageSource;
 use crate::socket::PeerPolicy;
+use crate::source::PageSource;
 use crate::state::PageState;
 use crate::uffd::Userfaultfd;
 
