@@ -766,6 +766,9 @@ fn server_accepts_handshakes_up_to_64_kib_in_one_or_several_writes() {
     let json = padded_json(&vm, 60 << 10);
     assert_eq!(json.len(), 60 << 10);
     let _one = vm.connect(&running.socket, &json);
+    running.wait_until("the 60 KiB handshake to be accepted", |s| {
+        s.stats().vms.load(Ordering::Relaxed) == 1
+    });
     assert!(vm.bytes(0) == &data[..], "a 60 KiB handshake in one write");
     // The same in pieces: the descriptor with the first bytes, the rest trickling in.
     let vm = Vm::new(&[2 * MIB]);
@@ -776,12 +779,53 @@ fn server_accepts_handshakes_up_to_64_kib_in_one_or_several_writes() {
         std::thread::sleep(Duration::from_millis(20));
         std::io::Write::write_all(&mut stream, piece).unwrap();
     }
+    running.wait_until("the split handshake to be accepted", |s| {
+        s.stats().vms.load(Ordering::Relaxed) == 2
+    });
     assert!(vm.bytes(0) == &data[..], "a 60 KiB handshake in pieces");
     assert_eq!(running.server.stats().vms.load(Ordering::Relaxed), 2);
     // Beyond the limit: refused.
     let vm = Vm::new(&[2 * MIB]);
     let stream = vm.connect(&running.socket, &padded_json(&vm, 70 << 10));
     assert!(closed_by_server(&stream));
+}
+
+#[test]
+fn server_refuses_memfds_that_could_shrink_or_are_short() {
+    if skip() {
+        return;
+    }
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let running = Running::start(
+        raw_file(dir.path(), &vec![0u8; 4 * MIB]),
+        BlockSize::default(),
+    );
+    let cases = [
+        ("not sealed", MemfdVm::with_memfd(4 * MIB, 4 * MIB, false)),
+        (
+            "shorter than its region",
+            MemfdVm::with_memfd(4 * MIB, MIB, true),
+        ),
+    ];
+    for (i, (what, vm)) in cases.iter().enumerate() {
+        let mut conn = vm.connect(&running.socket);
+        let mut hello = String::new();
+        let _ = conn.read_line(&mut hello);
+        assert!(
+            !hello.contains("\"ok\""),
+            "a memfd {what} was accepted: {hello}"
+        );
+        let expect = i as u64 + 1;
+        running.wait_until("the refusal to be counted", |s| {
+            s.stats().bad_handshakes.load(Ordering::Relaxed) == expect
+        });
+    }
+    let vm = MemfdVm::new(4 * MIB);
+    let mut conn = vm.connect(&running.socket);
+    let mut hello = String::new();
+    conn.read_line(&mut hello).unwrap();
+    assert!(hello.contains("\"ok\""), "{hello}");
 }
 
 /// Connects to `socket` as uid and gid 65534 from a forked child that waits up to `secs`
@@ -1064,4 +1108,150 @@ fn server_hostile_peers_never_touch_a_victim_vm() {
         status.success() && out.contains("victim intact"),
         "{status:?}: {out}"
     );
+}
+
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+    use uffd_pager::pager::{Pager, PagerConfig, RamKind, RegionSpec};
+    use uffd_pager::server::protocol;
+
+    /// An in-process pager over a small anonymous mapping, to answer request lines.
+    struct Target {
+        pager: Option<Pager>,
+        ptr: *mut libc::c_void,
+        len: usize,
+    }
+
+    impl Target {
+        fn new() -> Self {
+            let len = 256 << 10;
+            // SAFETY: a fresh private anonymous mapping, checked below.
+            let ptr = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            assert_ne!(ptr, libc::MAP_FAILED);
+            let range = HostRange::new(HostAddr::from_ptr(ptr), len as u64).unwrap();
+            let spec = RegionSpec {
+                kind: RamKind::Anon,
+                range,
+                image_offset: 0,
+                memfd: None,
+                memfd_offset: 0,
+                view: Some(range.start()),
+            };
+            // SAFETY: the mapping lives until `Target` is dropped, after the pager.
+            let pager = unsafe {
+                Pager::new(vec![spec], PagerConfig::default(), None, Box::new(|_| {})).unwrap()
+            };
+            Self {
+                pager: Some(pager),
+                ptr,
+                len,
+            }
+        }
+    }
+
+    impl Drop for Target {
+        fn drop(&mut self) {
+            drop(self.pager.take());
+            // SAFETY: unmapping our own mapping, after the pager is gone.
+            unsafe { libc::munmap(self.ptr, self.len) };
+        }
+    }
+
+    fn value() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just("null".to_string()),
+            Just("-1".to_string()),
+            Just("1e300".to_string()),
+            Just("18446744073709551615".to_string()),
+            Just("18446744073709551616".to_string()),
+            Just("3000".to_string()),
+            Just("0".to_string()),
+            Just(r#""x""#.to_string()),
+            Just("[]".to_string()),
+            Just("{}".to_string()),
+            (0u64..10).prop_map(|n| n.to_string()),
+        ]
+    }
+
+    fn line() -> impl Strategy<Value = String> {
+        let op = prop_oneof![
+            Just("stats"),
+            Just("offload"),
+            Just("load"),
+            Just("wait_prefetch"),
+            Just("explode"),
+        ];
+        let text = prop_oneof![
+            Just(r#""lazy""#.to_string()),
+            Just(r#""eager""#.to_string()),
+            Just(r#""faults""#.to_string()),
+            Just(r#""zstd:99""#.to_string()),
+            Just(r#""zstd:-5""#.to_string()),
+            Just(r#""lz4""#.to_string()),
+            // Offload stores that cannot be created: the handler is fuzzed, not the disk.
+            "[a-z]{0,8}".prop_map(|s| format!(r#""/proc/uffd-fuzz/{s}""#)),
+            value(),
+        ];
+        let field = (
+            prop_oneof![
+                Just("mode"),
+                Just("threads"),
+                Just("codec"),
+                Just("dir"),
+                Just("request_id"),
+                Just("zzz"),
+            ],
+            prop_oneof![text, value()],
+        )
+            .prop_map(|(k, v)| format!(r#""{k}":{v}"#));
+        let structured =
+            (value(), op, prop::collection::vec(field, 0..4)).prop_map(|(id, op, fields)| {
+                let mut all = vec![format!(r#""request_id":{id}"#), format!(r#""op":"{op}""#)];
+                all.extend(fields);
+                format!("{{{}}}", all.join(","))
+            });
+        prop_oneof![
+            structured,
+            prop::collection::vec(any::<u8>(), 0..200)
+                .prop_map(|b| String::from_utf8_lossy(&b).into_owned()),
+        ]
+    }
+
+    thread_local! {
+        static TARGET: Target = Target::new();
+    }
+
+    proptest! {
+        #[test]
+        fn fuzz_protocol_request_lines_get_one_json_reply(line in line()) {
+            if skip() {
+                return Ok(());
+            }
+            TARGET.with(|target| {
+                let pager = target.pager.as_ref().expect("alive until drop");
+                let reply = protocol::handle(pager, &line);
+                prop_assert!(!reply.contains('\n'), "{}", reply);
+                let reply: serde_json::Value = serde_json::from_str(&reply)
+                    .map_err(|e| TestCaseError::fail(format!("{e}: {reply}")))?;
+                let status = reply["status"].as_str().unwrap_or_default();
+                prop_assert!(status == "ok" || status == "error", "{}", reply);
+                if let Ok(request) = serde_json::from_str::<protocol::Request>(&line) {
+                    prop_assert_eq!(reply["request_id"].as_u64(), Some(request.request_id));
+                } else {
+                    prop_assert_eq!(status, "error");
+                }
+                Ok(())
+            })?;
+        }
+    }
 }

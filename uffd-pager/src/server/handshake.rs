@@ -442,4 +442,195 @@ mod tests {
             assert!(text.contains(expect), "{json}: {text}");
         }
     }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        const IMAGE: u64 = 1 << 30;
+
+        /// Numbers a hostile peer would pick: edges, near-misses and plain values.
+        fn number() -> impl Strategy<Value = u64> {
+            prop_oneof![
+                Just(0u64),
+                Just(4096),
+                Just(u64::MAX),
+                Just(u64::MAX - 4095),
+                Just(IMAGE),
+                Just(IMAGE - 4096),
+                (0u64..1 << 20).prop_map(|p| p * PAGE_SIZE),
+                any::<u64>(),
+                0u64..10_000,
+            ]
+        }
+
+        fn region() -> impl Strategy<Value = String> {
+            (
+                number(),
+                number(),
+                number(),
+                prop::option::of(number()),
+                prop::option::of(number()),
+                prop::option::of(0usize..40),
+                any::<bool>(),
+            )
+                .prop_map(|(base, size, offset, ps, psk, memfd, extra)| {
+                    let mut fields = vec![
+                        format!(r#""base_host_virt_addr":{base}"#),
+                        format!(r#""size":{size}"#),
+                        format!(r#""offset":{offset}"#),
+                    ];
+                    if let Some(ps) = ps {
+                        fields.push(format!(r#""page_size":{ps}"#));
+                    }
+                    if let Some(psk) = psk {
+                        fields.push(format!(r#""page_size_kib":{psk}"#));
+                    }
+                    if let Some(memfd) = memfd {
+                        fields.push(format!(r#""memfd":{memfd},"memfd_offset":{base}"#));
+                    }
+                    if extra {
+                        fields.push(r#""future":[{"x":"]}\""}]"#.into());
+                    }
+                    format!("{{{}}}", fields.join(","))
+                })
+        }
+
+        /// Handshake bodies of both protocols, whole or cut or with a byte changed.
+        fn body() -> impl Strategy<Value = Vec<u8>> {
+            let regions = prop::collection::vec(region(), 0..12).prop_map(|r| r.join(","));
+            let json = (regions, 0u8..4, "[a-z/0-9.-]{0,16}").prop_map(|(regions, kind, proto)| {
+                match kind {
+                    0 | 1 => format!("[{regions}]"),
+                    2 => format!(
+                        r#"{{"protocol":"pvisor-uffd/1","initial":"zero","regions":[{regions}]}}"#
+                    ),
+                    _ => format!(r#"{{"protocol":"{proto}","regions":[{regions}]}}"#),
+                }
+            });
+            (json, any::<prop::sample::Index>(), any::<u8>(), 0u8..3).prop_map(
+                |(json, at, byte, mutation)| {
+                    let mut bytes = json.into_bytes();
+                    let i = at.index(bytes.len().max(1)).min(bytes.len());
+                    match mutation {
+                        0 => {}
+                        1 => bytes.truncate(i),
+                        _ => {
+                            if i < bytes.len() {
+                                bytes[i] = byte;
+                            }
+                        }
+                    }
+                    bytes
+                },
+            )
+        }
+
+        /// Parses and validates as the server does; checks what is accepted.
+        fn check(body: &[u8], memfds: usize) -> Result<(), TestCaseError> {
+            let raw = match crate::server::handshake::parse(body, memfds) {
+                Ok(Message::Firecracker(raw)) => raw,
+                Ok(Message::Pvisor(hello)) => {
+                    prop_assert_eq!(hello.protocol.as_str(), PVISOR_PROTOCOL);
+                    hello.regions.into_iter().map(|r| r.region).collect()
+                }
+                Err(_) => return Ok(()),
+            };
+            let Ok(regions) = validate(&raw, IMAGE) else {
+                return Ok(());
+            };
+            prop_assert!(!regions.is_empty());
+            for (i, r) in regions.iter().enumerate() {
+                prop_assert_eq!(r.offset % PAGE_SIZE, 0);
+                prop_assert!(r.offset + r.range.len() <= IMAGE);
+                for other in &regions[..i] {
+                    prop_assert!(!r.range.overlaps(&other.range));
+                    prop_assert!(
+                        r.offset >= other.offset + other.range.len()
+                            || other.offset >= r.offset + r.range.len()
+                    );
+                }
+            }
+            Ok(())
+        }
+
+        proptest! {
+            #[test]
+            fn fuzz_handshake_random_bytes_never_panic(
+                bytes in prop::collection::vec(any::<u8>(), 0..512),
+                memfds in 0usize..4,
+            ) {
+                check(&bytes, memfds)?;
+                let mut end = ValueEnd::default();
+                let _ = end.feed(&bytes);
+            }
+
+            #[test]
+            fn fuzz_handshake_json_bodies_are_parsed_or_refused(body in body(), memfds in 0usize..4) {
+                check(&body, memfds)?;
+            }
+
+            #[test]
+            fn fuzz_handshake_random_region_lists_validate_consistently(
+                regions in prop::collection::vec(
+                    (0u64..64, 1u64..16, 0u64..64).prop_map(|(base, pages, offset)| GuestRegion {
+                        base_host_virt_addr: base * PAGE_SIZE,
+                        size: pages * PAGE_SIZE,
+                        offset: offset * PAGE_SIZE,
+                        page_size: None,
+                        page_size_kib: Some(PAGE_SIZE),
+                    }),
+                    1..8,
+                ),
+            ) {
+                let json = serde_json::to_vec(&regions).expect("plain structs serialize");
+                let accepted = match crate::server::handshake::parse(&json, 0) {
+                    Ok(Message::Firecracker(raw)) => validate(&raw, 64 * PAGE_SIZE).is_ok(),
+                    other => return Err(TestCaseError::fail(format!("{other:?}"))),
+                };
+                // Accepted exactly when no two overlap in memory or in the image and all fit.
+                let fits = regions.iter().all(|r| r.offset + r.size <= 64 * PAGE_SIZE);
+                let disjoint = regions.iter().enumerate().all(|(i, a)| {
+                    regions[..i].iter().all(|b| {
+                        let apart = |x: u64, xl: u64, y: u64, yl: u64| x + xl <= y || y + yl <= x;
+                        apart(a.base_host_virt_addr, a.size, b.base_host_virt_addr, b.size)
+                            && apart(a.offset, a.size, b.offset, b.size)
+                    })
+                });
+                prop_assert_eq!(accepted, fits && disjoint);
+            }
+
+            #[test]
+            fn fuzz_handshake_value_end_finds_the_end_in_any_split(
+                body in body(),
+                cuts in prop::collection::vec(any::<prop::sample::Index>(), 0..6),
+            ) {
+                // Byte by byte: where the end is found.
+                let mut bytewise = ValueEnd::default();
+                let found = (0..body.len()).find(|&n| bytewise.feed(&body[n..=n])).map(|n| n + 1);
+                // In pieces cut anywhere: found or not the same way.
+                let mut points: Vec<usize> = cuts.iter().map(|c| c.index(body.len() + 1)).collect();
+                points.push(body.len());
+                points.sort_unstable();
+                let mut split = ValueEnd::default();
+                let mut from = 0;
+                let mut done = false;
+                for to in points {
+                    if !done && to > from {
+                        done = split.feed(&body[from..to]);
+                    }
+                    from = to;
+                }
+                prop_assert_eq!(done, found.is_some());
+                // Where a value parses, the end found is its end.
+                let mut values = serde_json::Deserializer::from_slice(&body)
+                    .into_iter::<serde_json::Value>();
+                if let Some(Ok(serde_json::Value::Array(_) | serde_json::Value::Object(_))) =
+                    values.next()
+                {
+                    prop_assert_eq!(found, Some(values.byte_offset()));
+                }
+            }
+        }
+    }
 }

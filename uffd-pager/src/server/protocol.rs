@@ -170,4 +170,12 @@ mod tests {
         );
         assert!(serde_json::from_str::<Request>(r#"{"request_id":9,"op":"explode"}"#).is_err());
     }
+
+    #[test]
+    fn capped_threads_client_counts_stay_within_the_cpus() {
+        assert_eq!(capped_threads(0), 1);
+        assert_eq!(capped_threads(3000), max_threads());
+        assert!(max_threads() >= 1);
+        assert_eq!(capped_threads(1), 1);
+    }
 }
