@@ -588,6 +588,18 @@ fn server_offloads_and_loads_a_vm_through_its_own_protocol() {
     );
     let reply = request(&mut conn, "not json");
     assert_eq!(reply["status"], "error");
+    // A store directory the VMM does not own (or a relative one) is refused.
+    let foreign = dir.path().join("foreign");
+    std::fs::create_dir(&foreign).unwrap();
+    std::os::unix::fs::chown(&foreign, Some(65534), Some(65534)).unwrap();
+    for target in [foreign.display().to_string(), "relative-store".to_string()] {
+        let reply = request(
+            &mut conn,
+            &format!(r#"{{"request_id":6,"op":"offload","dir":"{target}"}}"#),
+        );
+        assert_eq!(reply["status"], "error", "{target}: {reply}");
+    }
+    assert_eq!(std::fs::read_dir(&foreign).unwrap().count(), 0);
     let reply = request(&mut conn, r#"{"request_id":5,"op":"stats"}"#);
     assert_eq!(reply["status"], "ok");
 }
@@ -1239,7 +1251,7 @@ mod fuzz {
             }
             TARGET.with(|target| {
                 let pager = target.pager.as_ref().expect("alive until drop");
-                let reply = protocol::handle(pager, &line);
+                let reply = protocol::handle(pager, &line, nix::unistd::geteuid().as_raw());
                 prop_assert!(!reply.contains('\n'), "{}", reply);
                 let reply: serde_json::Value = serde_json::from_str(&reply)
                     .map_err(|e| TestCaseError::fail(format!("{e}: {reply}")))?;

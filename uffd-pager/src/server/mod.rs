@@ -218,8 +218,8 @@ struct Connection {
 
 impl Connection {
     fn serve(self) {
-        let pid = match self.peers.check(&self.stream) {
-            Ok(cred) => cred.pid,
+        let (pid, uid) = match self.peers.check(&self.stream) {
+            Ok(cred) => (cred.pid, cred.uid),
             Err(e) => {
                 self.stats.peers_refused.fetch_add(1, Ordering::Relaxed);
                 if self.log_limit.allow() {
@@ -245,7 +245,7 @@ impl Connection {
             // Firecracker keeps the socket open and sends nothing more: its end of file (or the
             // end of its address space) ends the service.
             Session::Firecracker => self.wait_for_end(&pager),
-            Session::Pvisor { .. } => self.answer_requests(&pager),
+            Session::Pvisor { .. } => self.answer_requests(&pager, uid),
         }
         let metrics = pager.metrics().snapshot();
         drop(pager);
@@ -273,8 +273,9 @@ impl Connection {
         }
     }
 
-    /// One JSON request per line, one JSON reply per line, until the peer leaves.
-    fn answer_requests(&self, pager: &Pager) {
+    /// One JSON request per line, one JSON reply per line, until the peer (running as `uid`)
+    /// leaves.
+    fn answer_requests(&self, pager: &Pager, uid: u32) {
         let mut stream = &self.stream;
         let mut pending = Vec::new();
         let mut chunk = [0u8; 4096];
@@ -299,7 +300,7 @@ impl Connection {
                 if line.trim().is_empty() {
                     continue;
                 }
-                let mut reply = protocol::handle(pager, &line);
+                let mut reply = protocol::handle(pager, &line, uid);
                 reply.push('\n');
                 if stream.write_all(reply.as_bytes()).is_err() {
                     return;
