@@ -163,6 +163,70 @@ impl PeerPolicy {
     }
 }
 
+/// `SO_PEERPIDFD` (Linux 6.5): a pidfd of the process that connected.
+const SO_PEERPIDFD: libc::c_int = 77;
+
+/// The process that connected to `stream`, held so that it can be signalled later without
+/// the risk of a reused pid: a pidfd where the kernel offers `SO_PEERPIDFD`, else the pid.
+#[derive(Debug)]
+pub struct PeerProcess {
+    pid: i32,
+    pidfd: Option<std::os::fd::OwnedFd>,
+}
+
+impl PeerProcess {
+    /// The peer of `stream`, whose pid (from `SO_PEERCRED`) is `pid`.
+    pub fn of(stream: &impl AsFd, pid: i32) -> Self {
+        use std::os::fd::{AsRawFd, FromRawFd};
+        let mut fd: libc::c_int = -1;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt writes at most `len` bytes into `fd`; the result is checked.
+        let rc = unsafe {
+            libc::getsockopt(
+                stream.as_fd().as_raw_fd(),
+                libc::SOL_SOCKET,
+                SO_PEERPIDFD,
+                (&raw mut fd).cast(),
+                &mut len,
+            )
+        };
+        let pidfd = (rc == 0 && fd >= 0).then(|| {
+            // SAFETY: a new descriptor the kernel just installed for us.
+            unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }
+        });
+        Self { pid, pidfd }
+    }
+
+    /// Its pid.
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// Sends `SIGKILL`: through the pidfd (it cannot reach another process), else by pid.
+    pub fn kill(&self) -> io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let rc = match &self.pidfd {
+            // SAFETY: pidfd_send_signal on our pidfd, no siginfo, no flags.
+            Some(pidfd) => unsafe {
+                libc::syscall(
+                    libc::SYS_pidfd_send_signal,
+                    pidfd.as_raw_fd(),
+                    libc::SIGKILL,
+                    std::ptr::null::<libc::siginfo_t>(),
+                    0,
+                )
+            },
+            // SAFETY: kill with integer arguments.
+            None => libc::c_long::from(unsafe { libc::kill(self.pid, libc::SIGKILL) }),
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -240,5 +304,37 @@ mod tests {
         let (a, _b) = UnixStream::pair().unwrap();
         let cred = PeerPolicy::default().check(&a).unwrap();
         assert_eq!(cred.pid, std::process::id().cast_signed());
+    }
+
+    #[test]
+    fn peer_process_kill_reaches_the_connected_child() {
+        use nix::sys::socket::{SockaddrLike, UnixAddr};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("k.sock");
+        let listener = bind_private(&path).unwrap();
+        let addr = UnixAddr::new(&path).unwrap();
+        // SAFETY: the child only makes raw system calls on prepared data.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            // SAFETY: async-signal-safe calls only; the child never returns.
+            unsafe {
+                let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+                libc::connect(fd, addr.as_ptr().cast(), addr.len());
+                loop {
+                    libc::pause();
+                }
+            }
+        }
+        let (stream, _) = listener.accept().unwrap();
+        let cred = PeerPolicy::default().check(&stream).unwrap();
+        assert_eq!(cred.pid, pid);
+        let peer = PeerProcess::of(&stream, cred.pid);
+        assert!(peer.pidfd.is_some(), "no SO_PEERPIDFD on this kernel");
+        peer.kill().unwrap();
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGKILL);
     }
 }

@@ -5,8 +5,9 @@
 //! A connection that sends a bad handshake, or whose peer disconnects, gets a logged (and
 //! rate-limited) error and is closed; the server goes on serving the others. A fault that
 //! cannot be served (a corrupt block, a read error) is never answered with zeros or stale
-//! bytes: the error is logged and the peer, found with `SO_PEERCRED`, is killed, since a VM
-//! frozen on a fault forever is worse.
+//! bytes: the error is logged and the peer, found with `SO_PEERCRED` and held as a pidfd
+//! (`SO_PEERPIDFD`, so that a reused pid is never signalled), is killed, since a VM frozen on a
+//! fault forever is worse.
 //!
 //! Peers are not trusted: the socket is private from its creation ([`crate::socket`]), each
 //! peer's uid is checked (`SO_PEERCRED`, [`PeerPolicy`]), the descriptor it sends must be a
@@ -28,8 +29,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use compressed_backing::BlockSize;
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
 
 use crate::pager::{Pager, PagerConfig, RamKind, RegionSpec};
 use crate::socket::PeerPolicy;
@@ -228,16 +227,17 @@ impl Connection {
                 return;
             }
         };
-        let (pager, session) = match self.start(pid) {
-            Ok(started) => started,
-            Err(e) => {
-                self.stats.bad_handshakes.fetch_add(1, Ordering::Relaxed);
-                if self.log_limit.allow() {
-                    tracing::warn!(peer_pid = pid, "connection refused: {}", error_chain(&*e));
+        let (pager, session) =
+            match self.start(pid, crate::socket::PeerProcess::of(&self.stream, pid)) {
+                Ok(started) => started,
+                Err(e) => {
+                    self.stats.bad_handshakes.fetch_add(1, Ordering::Relaxed);
+                    if self.log_limit.allow() {
+                        tracing::warn!(peer_pid = pid, "connection refused: {}", error_chain(&*e));
+                    }
+                    return;
                 }
-                return;
-            }
-        };
+            };
         self.stats.vms.fetch_add(1, Ordering::Relaxed);
         self.stats.active.fetch_add(1, Ordering::Relaxed);
         tracing::info!(peer_pid = pid, bytes = pager.image_size(), "serving a VM");
@@ -309,7 +309,11 @@ impl Connection {
         }
     }
 
-    fn start(&self, pid: i32) -> Result<(Pager, Session), Box<dyn std::error::Error>> {
+    fn start(
+        &self,
+        pid: i32,
+        peer: crate::socket::PeerProcess,
+    ) -> Result<(Pager, Session), Box<dyn std::error::Error>> {
         let received = handshake::receive(&self.stream, handshake::HANDSHAKE_TIMEOUT)?;
         let image_size = self.source.image_size();
         let (specs, session, initial) = match received.message {
@@ -365,7 +369,7 @@ impl Connection {
                     peer_pid = pid,
                     "killing the VMM: its memory cannot be served"
                 );
-                let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+                let _ = peer.kill();
             }
         });
         let (uffd, features) = Userfaultfd::adopt(received.uffd)?;
