@@ -147,7 +147,11 @@ impl HostRange {
     /// The part of this range that `other` covers, rounded out to whole pages.
     pub fn clip(&self, start: HostAddr, end: HostAddr) -> Option<(u64, u64)> {
         let lo = start.page_down().max(self.start);
-        let hi = HostAddr(end.0.next_multiple_of(PAGE_SIZE)).min(self.end());
+        let end = end
+            .0
+            .checked_next_multiple_of(PAGE_SIZE)
+            .unwrap_or(u64::MAX - (PAGE_SIZE - 1));
+        let hi = HostAddr(end).min(self.end());
         (lo < hi).then(|| {
             (
                 (lo.0 - self.start.0) / PAGE_SIZE,

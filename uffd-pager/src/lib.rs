@@ -12,6 +12,7 @@
 //! - [`pagemap`]: which pages were written (`PAGEMAP_SCAN`).
 //! - [`pool`]: the memory-pool daemon and its client: pages VMs share read-only.
 //! - [`server`]: the standalone server (Firecracker's UFFD handshake).
+//! - [`socket`]: private Unix sockets and the check of who connected.
 //! - [`source`]: where non-resident pages come from (raw memory file, store).
 
 pub mod addr;
@@ -23,6 +24,7 @@ pub mod pagemap;
 pub mod pager;
 pub mod pool;
 pub mod server;
+pub mod socket;
 pub mod source;
 pub mod state;
 pub mod uffd;

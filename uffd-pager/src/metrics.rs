@@ -193,6 +193,9 @@ counters! {
         pages_offloaded,
         /// Pages dropped from memory after a durable offload.
         pages_dropped,
+        /// Events ignored: kinds the pager never enables (`REMAP`, `FORK`, unknown), and
+        /// faults or discards outside every region (reported to the error handler).
+        events_ignored,
     }
 }
 

@@ -211,6 +211,31 @@ pub enum FaultError {
         /// The address.
         addr: HostAddr,
     },
+    /// A `REMOVE` or `UNMAP` event that touches no region: ignored.
+    #[error("discard of {start}..{end} is outside every region: ignored")]
+    DiscardOutside {
+        /// First address.
+        start: HostAddr,
+        /// One past the last address.
+        end: HostAddr,
+    },
+    /// An event of a kind the pager never enables: ignored.
+    #[error("unexpected {kind} event: ignored")]
+    Unexpected {
+        /// The kind.
+        kind: String,
+    },
+}
+
+impl FaultError {
+    /// True for what the pager ignores (events and faults outside its regions, unexpected
+    /// event kinds): nothing was served wrong, the owner of the memory misbehaves.
+    pub fn is_ignored(&self) -> bool {
+        matches!(
+            self,
+            Self::Outside { .. } | Self::DiscardOutside { .. } | Self::Unexpected { .. }
+        )
+    }
 }
 
 /// Called for every fault that cannot be served (from a fault thread).
@@ -657,9 +682,20 @@ impl Shared {
                             });
                         }
                         Event::Remove { start, end } | Event::Unmap { start, end } => {
-                            self.apply_remove(start, end);
+                            if !self.apply_remove(start, end) {
+                                self.metrics.events_ignored.fetch_add(1, Ordering::Relaxed);
+                                (self.on_error)(&FaultError::DiscardOutside { start, end });
+                            }
                         }
-                        Event::Remap { .. } | Event::Fork | Event::Unknown(_) => {}
+                        Event::Remap { .. } | Event::Fork | Event::Unknown(_) => {
+                            self.metrics.events_ignored.fetch_add(1, Ordering::Relaxed);
+                            let kind = match event {
+                                Event::Remap { .. } => "REMAP".to_string(),
+                                Event::Fork => "FORK".to_string(),
+                                other => format!("{other:?}"),
+                            };
+                            (self.on_error)(&FaultError::Unexpected { kind });
+                        }
                     }
                 }
             }
@@ -693,7 +729,12 @@ impl Shared {
                     }
                     Err(e) => {
                         self.faults_in_flight.fetch_sub(1, Ordering::Relaxed);
-                        self.metrics.fault_errors.fetch_add(1, Ordering::Relaxed);
+                        let counter = if e.is_ignored() {
+                            &self.metrics.events_ignored
+                        } else {
+                            &self.metrics.fault_errors
+                        };
+                        counter.fetch_add(1, Ordering::Relaxed);
                         (self.on_error)(&e);
                     }
                 }
@@ -703,13 +744,18 @@ impl Shared {
     }
 
     /// Marks pages of `[start, end)` as discarded: they read as zeros from now on, except
-    /// pages the pager is dropping itself, which are stored. Called under the write lock.
-    pub(crate) fn apply_remove(&self, start: HostAddr, end: HostAddr) {
-        self.metrics.remove_events.fetch_add(1, Ordering::Relaxed);
+    /// pages the pager is dropping itself, which are stored. Only the parts inside regions
+    /// count; returns false if no region was touched. Called under the write lock.
+    pub(crate) fn apply_remove(&self, start: HostAddr, end: HostAddr) -> bool {
+        let mut touched = false;
         for region in &self.regions {
             let Some((lo, hi)) = region.spec.range.clip(start, end) else {
                 continue;
             };
+            if !touched {
+                touched = true;
+                self.metrics.remove_events.fetch_add(1, Ordering::Relaxed);
+            }
             let pages = region.first_page + lo..region.first_page + hi;
             for page in pages.clone() {
                 if !self
@@ -730,6 +776,7 @@ impl Shared {
                 }
             }
         }
+        touched
     }
 
     /// The region holding `addr`.

@@ -30,9 +30,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use nix::sys::socket::{
-    getsockopt, recvmsg, sendmsg, sockopt, ControlMessage, ControlMessageOwned, MsgFlags,
-};
+use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
+
+use crate::server::RateLimit;
+use crate::socket::PeerPolicy;
 
 /// Bytes of the pool's memfd: the largest guest RAM.
 pub const POOL_SIZE: u64 = 4 << 30;
@@ -198,6 +199,9 @@ pub struct PoolStats {
     pub mismatched: u64,
     /// Pool pages dropped after their last VM let go.
     pub dropped: u64,
+    /// Connections refused because the peer's uid or gid is not allowed.
+    #[serde(default)]
+    pub refused: u64,
 }
 
 struct PoolPage {
@@ -247,6 +251,8 @@ struct Inner {
     read_only: File,
     state: Mutex<State>,
     streams: Mutex<Vec<UnixStream>>,
+    peers: PeerPolicy,
+    refusals: RateLimit,
 }
 
 impl std::fmt::Debug for Inner {
@@ -290,13 +296,10 @@ impl PoolServer {
         // VMs get a descriptor that cannot write the pool.
         let read_only = File::open(format!("/proc/self/fd/{}", memfd.as_raw_fd()))
             .map_err(io("reopen the pool's memfd read-only"))?;
-        if std::fs::symlink_metadata(socket).is_ok() {
-            let _ = std::fs::remove_file(socket);
-        }
-        let listener = UnixListener::bind(socket).map_err(io("listen on the socket"))?;
-        // Only this user's VMs may join (the daemon reads their memory).
-        std::fs::set_permissions(socket, std::os::unix::fs::PermissionsExt::from_mode(0o600))
-            .map_err(io("restrict the socket to its owner"))?;
+        // Only this user's VMs may join (the daemon reads their memory): the socket is 0600
+        // from its creation, and each peer's uid is checked too.
+        let listener =
+            crate::socket::bind_private(socket).map_err(io("listen on a private socket"))?;
         listener
             .set_nonblocking(true)
             .map_err(io("make the socket non-blocking"))?;
@@ -308,8 +311,20 @@ impl PoolServer {
                 read_only,
                 state: Mutex::new(State::default()),
                 streams: Mutex::new(Vec::new()),
+                peers: PeerPolicy::default(),
+                refusals: RateLimit::new(20, Duration::from_secs(1)),
             }),
         })
+    }
+
+    /// Also lets VMs of these uids and gids join (the pool's own uid always may). Call before
+    /// [`PoolServer::run`].
+    pub fn allow_peers(mut self, policy: PeerPolicy) -> Result<Self, PoolError> {
+        let inner = Arc::get_mut(&mut self.inner).ok_or_else(|| {
+            PoolError::Protocol("the pool's peer policy is set before it runs".into())
+        })?;
+        inner.peers = policy;
+        Ok(self)
     }
 
     /// The counters.
@@ -356,6 +371,11 @@ impl PoolServer {
 /// serves until SIGINT or SIGTERM (blocked here for the whole process, so call it before any
 /// other thread starts). VMs that mapped pool pages keep them after it returns.
 pub fn run_daemon(socket: &Path) -> Result<PoolStats, PoolError> {
+    run_daemon_with(socket, PeerPolicy::default())
+}
+
+/// [`run_daemon`], also letting VMs of the uids and gids of `peers` join.
+pub fn run_daemon_with(socket: &Path, peers: PeerPolicy) -> Result<PoolStats, PoolError> {
     use nix::sys::signal::{SigSet, Signal};
     // The daemon's memory counts against what the pool saves. An offer's lists are large and
     // short-lived, and glibc by default keeps freed memory in per-thread arenas and raises its
@@ -373,7 +393,7 @@ pub fn run_daemon(socket: &Path) -> Result<PoolStats, PoolError> {
     signals
         .thread_block()
         .map_err(errno("block SIGINT and SIGTERM"))?;
-    let server = PoolServer::bind(socket)?;
+    let server = PoolServer::bind(socket)?.allow_peers(peers)?;
     println!("{}", socket.display());
     std::io::stdout().flush().map_err(io("write to stdout"))?;
     let stop = AtomicBool::new(false);
@@ -412,8 +432,17 @@ impl Inner {
     }
 
     fn serve(&self, stream: UnixStream) {
-        let Ok(peer) = getsockopt(&stream, sockopt::PeerCredentials) else {
-            return;
+        let peer = match self.peers.check(&stream) {
+            Ok(peer) => peer,
+            Err(e) => {
+                self.lock().stats.refused += 1;
+                if self.refusals.allow() {
+                    tracing::warn!("memory pool: {}", crate::server::error_chain(&e));
+                }
+                // `run` keeps a clone of the stream: shut it down, not only drop this one.
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+                return;
+            }
         };
         let id = {
             let mut state = self.lock();
@@ -422,8 +451,8 @@ impl Inner {
             state.conns.insert(
                 id,
                 Conn {
-                    pid: peer.pid(),
-                    start: process_start(peer.pid()),
+                    pid: peer.pid,
+                    start: process_start(peer.pid),
                     ..Conn::default()
                 },
             );

@@ -34,8 +34,20 @@ pub(crate) const fn iowr(ty: u32, nr: u32, size: usize) -> u32 {
     (3 << 30) | ((size as u32) << 16) | (ty << 8) | nr
 }
 
-/// `UFFD_FEATURE_*` bits the pager may ask for.
+/// `UFFD_FEATURE_*` bits the pager may ask for, and those it refuses in a peer's userfaultfd.
 pub mod feature {
+    /// Report `fork()` of the owner as `FORK` events carrying a new userfaultfd that the kernel
+    /// installs in the reader's fd table: never accepted from a peer.
+    pub const EVENT_FORK: u64 = 1 << 1;
+    /// Report `mremap()` of registered ranges as `REMAP` events (the pager does not follow
+    /// moves: never accepted from a peer).
+    pub const EVENT_REMAP: u64 = 1 << 2;
+    /// Report `munmap()` of registered ranges as `UNMAP` events (handled like `REMOVE`).
+    pub const EVENT_UNMAP: u64 = 1 << 6;
+    /// Every feature bit Linux 6.18 defines (bits 0 to 16).
+    pub const KNOWN: u64 = (1 << 17) - 1;
+    /// The kernel's internal "API handshake done" bit, shown in `/proc/PID/fdinfo`.
+    pub const INITIALIZED: u64 = 1 << 31;
     /// Report `MADV_DONTNEED`/`MADV_REMOVE` of registered ranges as `REMOVE` events.
     pub const EVENT_REMOVE: u64 = 1 << 3;
     /// MISSING registration on shmem (memfd) mappings.
@@ -87,7 +99,9 @@ pub enum Event {
         /// Length.
         len: u64,
     },
-    /// The owner forked; the child's userfaultfd is closed at once (not served).
+    /// The owner forked. Never expected: the pager never enables `EVENT_FORK` and refuses
+    /// peers that did (see [`Userfaultfd::adopt`]); the descriptor number in the message is
+    /// not trusted and not touched.
     Fork,
     /// An event type this pager does not know.
     Unknown(u8),
@@ -189,6 +203,49 @@ pub enum UffdError {
     /// A read returned a partial event message.
     #[error("short read of {0} bytes from the userfaultfd")]
     ShortRead(usize),
+}
+
+/// Why a descriptor received from a peer is not accepted as its userfaultfd.
+#[derive(Debug, thiserror::Error)]
+pub enum AdoptError {
+    /// The descriptor is something else (a pipe, `/dev/null`, a memfd, a socket...).
+    #[error("descriptor {fd} is not a userfaultfd: it is `{found}`")]
+    NotUffd {
+        /// Its number here.
+        fd: RawFd,
+        /// What `/proc/self/fd` says it is.
+        found: String,
+    },
+    /// Its kind or features could not be read.
+    #[error("cannot inspect descriptor {fd} ({what})")]
+    Inspect {
+        /// Its number here.
+        fd: RawFd,
+        /// What was read.
+        what: &'static str,
+        /// The system error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `/proc/self/fdinfo` has no `API:` line the pager understands.
+    #[error("cannot read the features of userfaultfd {fd} from its fdinfo")]
+    Fdinfo {
+        /// Its number here.
+        fd: RawFd,
+    },
+    /// The peer never did the API handshake (it could still enable any feature later).
+    #[error("the userfaultfd has not been through UFFDIO_API: it serves no registered memory")]
+    NotInitialized,
+    /// The peer enabled event kinds the pager does not handle.
+    #[error("the userfaultfd enables features {refused:#x} (of {features:#x}) that the server refuses: {names}")]
+    Features {
+        /// All its features.
+        features: u64,
+        /// The refused ones.
+        refused: u64,
+        /// Their names.
+        names: String,
+    },
 }
 
 /// The outcome of a resolving ioctl that did not fail.
@@ -335,9 +392,69 @@ impl Userfaultfd {
     }
 
     /// Takes over a userfaultfd created elsewhere (e.g. received from Firecracker over a
-    /// socket), on which the API handshake has already been done.
+    /// socket), on which the API handshake has already been done. For a descriptor from an
+    /// untrusted peer use [`Userfaultfd::adopt`].
     pub fn from_fd(fd: OwnedFd) -> Self {
         Self { fd }
+    }
+
+    /// Takes over a descriptor a peer says is its userfaultfd, after checking that it is one
+    /// (its anonymous inode), that its API handshake is done (else the peer could still enable
+    /// anything), and that it enables no event kind the pager does not handle: `EVENT_FORK`
+    /// (the kernel would install the forked child's descriptors in this process) and
+    /// `EVENT_REMAP` (the pager does not follow moved ranges); unknown feature bits are refused
+    /// too. Returns the wrapper and the features the peer enabled.
+    pub fn adopt(fd: OwnedFd) -> Result<(Self, u64), AdoptError> {
+        let raw = fd.as_raw_fd();
+        let inspect = |what| {
+            move |source| AdoptError::Inspect {
+                fd: raw,
+                what,
+                source,
+            }
+        };
+        let link =
+            std::fs::read_link(format!("/proc/self/fd/{raw}")).map_err(inspect("/proc/self/fd"))?;
+        if link.as_os_str() != "anon_inode:[userfaultfd]" {
+            return Err(AdoptError::NotUffd {
+                fd: raw,
+                found: link.to_string_lossy().into_owned(),
+            });
+        }
+        // Doing the API handshake ourselves succeeds only if the peer never did it: then the
+        // descriptor is refused (it is now locked to no features, whatever the peer tries).
+        let mut api = sys::uffdio_api {
+            api: u64::from(sys::UFFD_API),
+            features: 0,
+            ioctls: 0,
+        };
+        // SAFETY: `api` is the uffdio_api structure UFFDIO_API expects; `fd` is a userfaultfd.
+        if unsafe { ioctl(raw, nr::UFFDIO_API, &mut api) } == 0 {
+            return Err(AdoptError::NotInitialized);
+        }
+        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{raw}"))
+            .map_err(inspect("/proc/self/fdinfo"))?;
+        let features = fdinfo_features(&info).ok_or(AdoptError::Fdinfo { fd: raw })?;
+        let features = features & !feature::INITIALIZED;
+        let refused = features & (feature::EVENT_FORK | feature::EVENT_REMAP | !feature::KNOWN);
+        if refused != 0 {
+            let mut names = Vec::new();
+            if refused & feature::EVENT_FORK != 0 {
+                names.push("EVENT_FORK (the kernel would install descriptors in the server)");
+            }
+            if refused & feature::EVENT_REMAP != 0 {
+                names.push("EVENT_REMAP (moved ranges are not followed)");
+            }
+            if refused & !feature::KNOWN != 0 {
+                names.push("unknown features");
+            }
+            return Err(AdoptError::Features {
+                features,
+                refused,
+                names: names.join(", "),
+            });
+        }
+        Ok((Self { fd }, features))
     }
 
     /// Registers `range` for faults of `mode`.
@@ -715,6 +832,17 @@ fn resolve(
     }
 }
 
+/// The features in the `API:\t<api>:<features>:<ioctls>` line of a userfaultfd's fdinfo (all
+/// hexadecimal), as Linux prints it.
+pub fn fdinfo_features(info: &str) -> Option<u64> {
+    let line = info.lines().find_map(|l| l.strip_prefix("API:"))?;
+    let mut fields = line.trim().split(':');
+    let api = u64::from_str_radix(fields.next()?, 16).ok()?;
+    let features = u64::from_str_radix(fields.next()?, 16).ok()?;
+    u64::from_str_radix(fields.next()?, 16).ok()?;
+    (api == u64::from(sys::UFFD_API) && fields.next().is_none()).then_some(features)
+}
+
 fn parse_event(msg: &sys::uffd_msg) -> Event {
     match u32::from(msg.event) {
         sys::UFFD_EVENT_PAGEFAULT => {
@@ -753,14 +881,37 @@ fn parse_event(msg: &sys::uffd_msg) -> Event {
                 len: remap.len,
             }
         }
-        sys::UFFD_EVENT_FORK => {
-            // SAFETY: the kernel fills the fork member for FORK events; the descriptor it
-            // carries is ours to close.
-            let fork = unsafe { msg.arg.fork };
-            // SAFETY: `ufd` is a new descriptor the kernel installed for us.
-            drop(unsafe { OwnedFd::from_raw_fd(fork.ufd.cast_signed()) });
-            Event::Fork
-        }
+        // The descriptor number a FORK message carries is never acted on: FORK is never
+        // enabled on a userfaultfd the pager reads, so the message is not the kernel's.
+        sys::UFFD_EVENT_FORK => Event::Fork,
         other => Event::Unknown(other as u8),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_event_fake_fork_leaves_the_named_descriptor_open() {
+        let victim = std::fs::File::open("/dev/null").unwrap();
+        // SAFETY: an all-zero uffd_msg is a valid value of the plain-data union.
+        let mut msg: sys::uffd_msg = unsafe { std::mem::zeroed() };
+        msg.event = sys::UFFD_EVENT_FORK as u8;
+        msg.arg.fork.ufd = victim.as_raw_fd().cast_unsigned();
+        assert_eq!(parse_event(&msg), Event::Fork);
+        // Still open: fcntl succeeds on it.
+        // SAFETY: F_GETFD on a descriptor number, no memory involved.
+        assert!(unsafe { libc::fcntl(victim.as_raw_fd(), libc::F_GETFD) } >= 0);
+    }
+
+    #[test]
+    fn fdinfo_features_linux_format_is_parsed() {
+        let info = "pos:\t0\nflags:\t02004000\nmnt_id:\t17\nino:\t1\npending:\t0\ntotal:\t3\nAPI:\taa:8000000a:80000000000001ff\n";
+        assert_eq!(fdinfo_features(info), Some(0x8000_000a));
+        assert_eq!(fdinfo_features("pos:\t0\n"), None);
+        assert_eq!(fdinfo_features("API:\tab:0:0\n"), None);
+        assert_eq!(fdinfo_features("API:\taa:zz:0\n"), None);
+        assert_eq!(fdinfo_features("API:\taa:1\n"), None);
     }
 }

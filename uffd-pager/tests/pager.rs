@@ -508,3 +508,73 @@ fn pager_second_resume_prefetches_the_recorded_working_set() {
     assert!(pager.metrics().snapshot().prefetch_hits >= 32);
     pager.wait_prefetch();
 }
+
+/// A VMM that registered more than it declared: faults and discards outside the declared
+/// regions reach the pager. They are reported and ignored, and the declared region is untouched.
+#[test]
+fn pager_events_outside_regions_are_ignored_and_reported() {
+    if skip() {
+        return;
+    }
+    use std::os::fd::{AsRawFd, OwnedFd};
+    use std::sync::Mutex;
+    use std::time::{Duration, Instant};
+    use uffd_pager::uffd::{feature, Mode, Userfaultfd};
+
+    let ram = Ram::anon(2 * MIB);
+    let whole = HostRange::new(HostAddr::from_ptr(ram.ptr), 2 * MIB as u64).unwrap();
+    let uffd = Userfaultfd::create(feature::EVENT_REMOVE).unwrap();
+    // SAFETY: `ram` outlives the pager and the registration.
+    unsafe { uffd.register(whole, Mode::MISSING).unwrap() };
+    // SAFETY: dup of a descriptor we hold; the result is checked and owned.
+    let mine = unsafe { libc::dup(uffd.as_raw_fd()) };
+    assert!(mine >= 0);
+    // SAFETY: a fresh descriptor owned by nobody else.
+    let mine = Userfaultfd::from_fd(unsafe { <OwnedFd as FromRawFd>::from_raw_fd(mine) });
+    let mut declared = ram.spec();
+    declared.range = HostRange::new(HostAddr::from_ptr(ram.ptr), MIB as u64).unwrap();
+    let errors = Arc::new(Mutex::new(Vec::<String>::new()));
+    let sink = Arc::clone(&errors);
+    // SAFETY: `ram` outlives the pager (declared before it, dropped after).
+    let pager = unsafe {
+        Pager::with_uffd(
+            uffd,
+            true,
+            vec![declared],
+            PagerConfig {
+                register: false,
+                ..PagerConfig::default()
+            },
+            None,
+            Box::new(move |e| sink.lock().unwrap().push(e.to_string())),
+        )
+        .unwrap()
+    };
+    let wait_for = |what: &str| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !errors.lock().unwrap().iter().any(|e| e.contains(what)) {
+            assert!(Instant::now() < deadline, "never reported: {what}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    assert!(ram.bytes()[..MIB].iter().all(|&b| b == 0));
+    // A discard of the undeclared half.
+    // SAFETY: discarding part of our own mapping.
+    let rc = unsafe { libc::madvise(ram.ptr.add(MIB).cast(), MIB, libc::MADV_DONTNEED) };
+    assert_eq!(rc, 0);
+    wait_for("discard of");
+    // A fault in the undeclared half: reported, left to its owner (here: us).
+    let addr = ram.ptr as usize + MIB;
+    let toucher = std::thread::spawn(move || {
+        // SAFETY: reading a byte of the live mapping; it faults.
+        unsafe { std::ptr::read_volatile(addr as *const u8) }
+    });
+    wait_for("outside every region");
+    let page = HostRange::new(HostAddr(addr as u64), PAGE_SIZE).unwrap();
+    mine.zeropage(page, true).unwrap();
+    assert_eq!(toucher.join().unwrap(), 0);
+    // The declared half is as it was: resident and served.
+    assert_eq!(pager.page_state(0), PageState::Resident);
+    assert!(ram.bytes()[..MIB].iter().all(|&b| b == 0));
+    drop(pager);
+}

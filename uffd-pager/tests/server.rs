@@ -111,7 +111,12 @@ unsafe impl Send for Vm {}
 
 impl Vm {
     fn new(sizes: &[usize]) -> Self {
-        let uffd = Userfaultfd::create(feature::EVENT_REMOVE).unwrap();
+        Self::with_features(sizes, feature::EVENT_REMOVE)
+    }
+
+    /// Regions registered on a userfaultfd created with `features`.
+    fn with_features(sizes: &[usize], features: u64) -> Self {
+        let uffd = Userfaultfd::create(features).unwrap();
         let maps = sizes
             .iter()
             .map(|&len| {
@@ -194,7 +199,12 @@ fn closed_by_server(mut stream: &UnixStream) -> bool {
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
     let mut buf = [0u8; 16];
-    matches!(stream.read(&mut buf), Ok(0))
+    // A close with our bytes still unread reads as a reset.
+    match stream.read(&mut buf) {
+        Ok(0) => true,
+        Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+        Ok(_) => false,
+    }
 }
 
 fn raw_file(dir: &Path, data: &[u8]) -> Arc<dyn PageSource> {
@@ -413,13 +423,28 @@ struct MemfdVm {
 }
 
 impl MemfdVm {
+    /// Guest RAM of `len` bytes in a memfd sealed against shrinking, as the server requires.
     fn new(len: usize) -> Self {
+        Self::with_memfd(len, len, true)
+    }
+
+    /// `len` bytes mapped from a memfd of `file_len` bytes, `F_SEAL_SHRINK`ed if `seal`.
+    fn with_memfd(len: usize, file_len: usize, seal: bool) -> Self {
         use std::os::fd::FromRawFd;
         // SAFETY: creating, sizing and mapping our own memfd; all checked.
         let (ptr, memfd) = unsafe {
-            let fd = libc::memfd_create(c"guest-ram".as_ptr(), libc::MFD_CLOEXEC);
+            let fd = libc::memfd_create(
+                c"guest-ram".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            );
             assert!(fd >= 0);
-            assert_eq!(libc::ftruncate(fd, libc::off_t::try_from(len).unwrap()), 0);
+            assert_eq!(
+                libc::ftruncate(fd, libc::off_t::try_from(file_len).unwrap()),
+                0
+            );
+            if seal {
+                assert_eq!(libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK), 0);
+            }
             let ptr = libc::mmap(
                 std::ptr::null_mut(),
                 len,
@@ -563,6 +588,682 @@ fn server_offloads_and_loads_a_vm_through_its_own_protocol() {
     );
     let reply = request(&mut conn, "not json");
     assert_eq!(reply["status"], "error");
+    // A store directory the VMM does not own (or a relative one) is refused.
+    let foreign = dir.path().join("foreign");
+    std::fs::create_dir(&foreign).unwrap();
+    std::os::unix::fs::chown(&foreign, Some(65534), Some(65534)).unwrap();
+    for target in [foreign.display().to_string(), "relative-store".to_string()] {
+        let reply = request(
+            &mut conn,
+            &format!(r#"{{"request_id":6,"op":"offload","dir":"{target}"}}"#),
+        );
+        assert_eq!(reply["status"], "error", "{target}: {reply}");
+    }
+    assert_eq!(std::fs::read_dir(&foreign).unwrap().count(), 0);
     let reply = request(&mut conn, r#"{"request_id":5,"op":"stats"}"#);
     assert_eq!(reply["status"], "ok");
+}
+
+// ---------------------------------------------------------------------------------------
+// Hostile peers. Whatever a peer sends, it ends its own connection at most: other VMs go on
+// being served with the right bytes and the server goes on accepting.
+
+/// Held while this process forks, and while it holds a userfaultfd with `EVENT_FORK`: a
+/// `fork()` then waits until someone reads the event, and nobody does (the server refuses it).
+static FORK_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn fork_lock() -> std::sync::MutexGuard<'static, ()> {
+    FORK_LOCK
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// `UFFD_EVENT_*` numbers, for fake event messages.
+const EVENT_PAGEFAULT: u8 = 0x12;
+const EVENT_FORK: u8 = 0x13;
+const EVENT_REMOVE: u8 = 0x15;
+/// `UFFD_FEATURE_EVENT_FORK` and `UFFD_FEATURE_EVENT_REMAP`.
+const FEATURE_EVENT_FORK: u64 = 1 << 1;
+const FEATURE_EVENT_REMAP: u64 = 1 << 2;
+
+/// A fake `struct uffd_msg`: the event byte, then the first two words of its union.
+fn fake_event(event: u8, a: u64, b: u64) -> [u8; 32] {
+    let mut msg = [0u8; 32];
+    msg[0] = event;
+    msg[8..16].copy_from_slice(&a.to_le_bytes());
+    msg[16..24].copy_from_slice(&b.to_le_bytes());
+    msg
+}
+
+fn pipe() -> (std::fs::File, std::fs::File) {
+    use std::os::fd::FromRawFd;
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 fills two descriptors, which we own from here on.
+    unsafe {
+        assert_eq!(libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC), 0);
+        (
+            std::fs::File::from_raw_fd(fds[0]),
+            std::fs::File::from_raw_fd(fds[1]),
+        )
+    }
+}
+
+/// Runs the test `name` of this binary in a child process with `env` set, killed after
+/// `timeout`: its exit status and output.
+fn run_child(
+    name: &str,
+    env: (&str, &str),
+    timeout: Duration,
+) -> (std::process::ExitStatus, String) {
+    let fork = fork_lock();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(env.0, env.1)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .unwrap();
+    drop(fork);
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            break child.wait().unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut out = String::new();
+    let _ = child.stdout.take().unwrap().read_to_string(&mut out);
+    (status, out)
+}
+
+/// A Firecracker handshake for `vm` padded with an ignored field to `len` bytes, the padding
+/// full of brackets and escaped quotes.
+fn padded_json(vm: &Vm, len: usize) -> String {
+    let json = vm.json(true);
+    let head = &json[..json.len() - 2];
+    let bare = format!(r#"{head},"pad":""}}]"#);
+    let room = len - bare.len();
+    let unit = "]}[{\\\"x";
+    let mut filler = unit.repeat(room / unit.len());
+    filler.push_str(&"x".repeat(room % unit.len()));
+    format!(r#"{head},"pad":"{filler}"}}]"#)
+}
+
+#[test]
+fn server_refuses_descriptors_that_are_not_userfaultfds() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let data = image(2 * MIB, 4);
+    let running = Running::start(raw_file(dir.path(), &data), BlockSize::default());
+    let vm = Vm::new(&[2 * MIB]);
+    let json = vm.json(true);
+    let (read_end, _write_end) = pipe();
+    let null = std::fs::File::open("/dev/null").unwrap();
+    // SAFETY: memfd_create with a valid name; checked.
+    let memfd = unsafe { libc::memfd_create(c"not-a-uffd".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(memfd >= 0);
+    // A userfaultfd whose API handshake was never done: the peer could still enable anything.
+    // SAFETY: the userfaultfd system call takes only flags; checked.
+    let raw_uffd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) };
+    assert!(raw_uffd >= 0);
+    let cases = [
+        ("a pipe", read_end.as_raw_fd()),
+        ("/dev/null", null.as_raw_fd()),
+        ("a memfd", memfd),
+        ("an uninitialised userfaultfd", raw_uffd as i32),
+    ];
+    for (i, (what, fd)) in cases.iter().enumerate() {
+        let stream = UnixStream::connect(&running.socket).unwrap();
+        send(&stream, json.as_bytes(), Some(*fd));
+        assert!(
+            closed_by_server(&stream),
+            "{what} was accepted as a userfaultfd"
+        );
+        let expect = i as u64 + 1;
+        running.wait_until("the refusal to be counted", |s| {
+            s.stats().bad_handshakes.load(Ordering::Relaxed) == expect
+        });
+    }
+    assert_eq!(running.server.stats().vms.load(Ordering::Relaxed), 0);
+    let _stream = vm.connect(&running.socket, &json);
+    assert!(vm.bytes(0) == &data[..]);
+}
+
+#[test]
+fn server_refuses_userfaultfds_with_event_kinds_it_does_not_handle() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let data = image(2 * MIB, 5);
+    let running = Running::start(raw_file(dir.path(), &data), BlockSize::default());
+    let _fork = fork_lock();
+    for (i, features) in [FEATURE_EVENT_FORK, FEATURE_EVENT_REMAP].iter().enumerate() {
+        let vm = Vm::with_features(&[2 * MIB], feature::EVENT_REMOVE | features);
+        let stream = vm.connect(&running.socket, &vm.json(true));
+        assert!(
+            closed_by_server(&stream),
+            "a userfaultfd with features {features:#x} was accepted"
+        );
+        let expect = i as u64 + 1;
+        running.wait_until("the refusal to be counted", |s| {
+            s.stats().bad_handshakes.load(Ordering::Relaxed) == expect
+        });
+    }
+    // UNMAP events are handled (as discards): such a VM is served.
+    let vm = Vm::with_features(&[2 * MIB], feature::EVENT_REMOVE | (1 << 6));
+    let stream = vm.connect(&running.socket, &vm.json(true));
+    assert!(vm.bytes(0) == &data[..]);
+    // Unmapping waits until the server has read the UNMAP event: unmap while it serves.
+    drop(vm);
+    drop(stream);
+}
+
+#[test]
+fn server_accepts_handshakes_up_to_64_kib_in_one_or_several_writes() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let data = image(2 * MIB, 6);
+    let running = Running::start(raw_file(dir.path(), &data), BlockSize::default());
+    // One sendmsg of 60 KiB, as Firecracker would send a long region list.
+    let vm = Vm::new(&[2 * MIB]);
+    let json = padded_json(&vm, 60 << 10);
+    assert_eq!(json.len(), 60 << 10);
+    let _one = vm.connect(&running.socket, &json);
+    running.wait_until("the 60 KiB handshake to be accepted", |s| {
+        s.stats().vms.load(Ordering::Relaxed) == 1
+    });
+    assert!(vm.bytes(0) == &data[..], "a 60 KiB handshake in one write");
+    // The same in pieces: the descriptor with the first bytes, the rest trickling in.
+    let vm = Vm::new(&[2 * MIB]);
+    let json = padded_json(&vm, 60 << 10);
+    let mut stream = UnixStream::connect(&running.socket).unwrap();
+    send(&stream, &json.as_bytes()[..1000], Some(vm.uffd.as_raw_fd()));
+    for piece in json.as_bytes()[1000..].chunks(7 << 10) {
+        std::thread::sleep(Duration::from_millis(20));
+        std::io::Write::write_all(&mut stream, piece).unwrap();
+    }
+    running.wait_until("the split handshake to be accepted", |s| {
+        s.stats().vms.load(Ordering::Relaxed) == 2
+    });
+    assert!(vm.bytes(0) == &data[..], "a 60 KiB handshake in pieces");
+    assert_eq!(running.server.stats().vms.load(Ordering::Relaxed), 2);
+    // Beyond the limit: refused.
+    let vm = Vm::new(&[2 * MIB]);
+    let stream = vm.connect(&running.socket, &padded_json(&vm, 70 << 10));
+    assert!(closed_by_server(&stream));
+}
+
+#[test]
+fn server_refuses_memfds_that_could_shrink_or_are_short() {
+    if skip() {
+        return;
+    }
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let running = Running::start(
+        raw_file(dir.path(), &vec![0u8; 4 * MIB]),
+        BlockSize::default(),
+    );
+    let cases = [
+        ("not sealed", MemfdVm::with_memfd(4 * MIB, 4 * MIB, false)),
+        (
+            "shorter than its region",
+            MemfdVm::with_memfd(4 * MIB, MIB, true),
+        ),
+    ];
+    for (i, (what, vm)) in cases.iter().enumerate() {
+        let mut conn = vm.connect(&running.socket);
+        let mut hello = String::new();
+        let _ = conn.read_line(&mut hello);
+        assert!(
+            !hello.contains("\"ok\""),
+            "a memfd {what} was accepted: {hello}"
+        );
+        let expect = i as u64 + 1;
+        running.wait_until("the refusal to be counted", |s| {
+            s.stats().bad_handshakes.load(Ordering::Relaxed) == expect
+        });
+    }
+    let vm = MemfdVm::new(4 * MIB);
+    let mut conn = vm.connect(&running.socket);
+    let mut hello = String::new();
+    conn.read_line(&mut hello).unwrap();
+    assert!(hello.contains("\"ok\""), "{hello}");
+}
+
+/// Connects to `socket` as uid and gid 65534 from a forked child that waits up to `secs`
+/// seconds for the server to close the connection: true if it did.
+fn closed_for_nobody(socket: &Path, secs: i64) -> bool {
+    use nix::sys::socket::{SockaddrLike, UnixAddr};
+    let addr = UnixAddr::new(socket).unwrap();
+    let _fork = fork_lock();
+    // SAFETY: the child only makes raw system calls on prepared data, then _exits.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0);
+    if pid == 0 {
+        // SAFETY: async-signal-safe system calls only, on valid arguments.
+        unsafe {
+            if libc::setgroups(0, std::ptr::null()) != 0
+                || libc::setgid(65534) != 0
+                || libc::setuid(65534) != 0
+            {
+                libc::_exit(3);
+            }
+            let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+            if libc::connect(fd, addr.as_ptr().cast(), addr.len()) != 0 {
+                libc::_exit(4);
+            }
+            let tv = libc::timeval {
+                tv_sec: secs,
+                tv_usec: 0,
+            };
+            libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                (&raw const tv).cast(),
+                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            );
+            let mut byte = 0u8;
+            let n = libc::read(fd, (&raw mut byte).cast(), 1);
+            libc::_exit(if n == 0 { 0 } else { 1 });
+        }
+    }
+    let mut status = 0;
+    // SAFETY: waiting for our own child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(libc::WIFEXITED(status), "child status {status:#x}");
+    match libc::WEXITSTATUS(status) {
+        0 => true,
+        1 => false,
+        code => panic!("the child could not become nobody or connect (exit {code})"),
+    }
+}
+
+/// Lets uid 65534 reach `socket` through the file system, so that only the server's own
+/// credential check stands in its way.
+fn open_to_everyone(socket: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = socket.parent().unwrap();
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711)).unwrap();
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+}
+
+#[test]
+fn server_refuses_peers_of_other_uids() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let running = Running::start(raw_file(dir.path(), &image(MIB, 7)), BlockSize::default());
+    open_to_everyone(&running.socket);
+    assert!(
+        closed_for_nobody(&running.socket, 3),
+        "a peer of another uid was not refused at once"
+    );
+}
+
+#[test]
+fn pool_refuses_peers_of_other_uids() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("pool.sock");
+    let server = Arc::new(uffd_pager::pool::PoolServer::bind(&socket).unwrap());
+    let stop = Arc::new(AtomicBool::new(false));
+    let thread = {
+        let (server, stop) = (Arc::clone(&server), Arc::clone(&stop));
+        std::thread::spawn(move || server.run(&stop))
+    };
+    open_to_everyone(&socket);
+    let refused = closed_for_nobody(&socket, 3);
+    stop.store(true, Ordering::Relaxed);
+    thread.join().unwrap();
+    assert!(refused, "a VM of another uid was let into the memory pool");
+}
+
+/// The child of the next test: binds the server again and again under umask 000 while a
+/// thread watches the socket path; fails if the socket was ever seen with a mode that lets
+/// others in.
+#[test]
+fn server_child_umask() {
+    let Some(dir) = std::env::var_os("SERVER_TEST_UMASK") else {
+        return;
+    };
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: umask only changes this process's file creation mask.
+    unsafe { libc::umask(0) };
+    let dir = PathBuf::from(dir);
+    let source = raw_file(&dir, &image(64 << 10, 8));
+    let socket = dir.join("watched.sock");
+    let done = Arc::new(AtomicBool::new(false));
+    let watcher = {
+        let (socket, done) = (socket.clone(), Arc::clone(&done));
+        std::thread::spawn(move || {
+            let mut seen = 0u64;
+            while !done.load(Ordering::Relaxed) {
+                if let Ok(meta) = std::fs::symlink_metadata(&socket) {
+                    if meta.mode() & 0o077 != 0 {
+                        return Some(meta.mode());
+                    }
+                    seen += 1;
+                }
+            }
+            assert!(seen > 0, "the watcher never saw the socket");
+            None
+        })
+    };
+    for _ in 0..3000 {
+        let server = Server::bind(
+            &socket,
+            Arc::clone(&source),
+            ServerConfig {
+                threads: 1,
+                block_size: BlockSize::default(),
+            },
+        )
+        .unwrap();
+        drop(server);
+    }
+    done.store(true, Ordering::Relaxed);
+    if let Some(mode) = watcher.join().unwrap() {
+        panic!("the socket was visible with mode {mode:o}");
+    }
+    println!("never open to others");
+}
+
+#[test]
+fn server_socket_is_private_from_its_creation_even_under_umask_000() {
+    let dir = tempfile::tempdir().unwrap();
+    let (status, out) = run_child(
+        "server_child_umask",
+        ("SERVER_TEST_UMASK", dir.path().to_str().unwrap()),
+        Duration::from_secs(120),
+    );
+    assert!(
+        status.success() && out.contains("never open to others"),
+        "{status:?}: {out}"
+    );
+}
+
+/// The child of the next test: a victim VM keeps faulting and checking its bytes while
+/// hostile peers do their worst on the same server; prints "victim intact" at the end.
+#[test]
+fn server_child_hostile() {
+    if std::env::var_os("SERVER_TEST_HOSTILE").is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let data = Arc::new(image(8 * MIB, 12));
+    let running = Running::start(raw_file(dir.path(), &data), BlockSize::default());
+    let socket = running.socket.clone();
+
+    // The victim: reads its RAM a page at a time, slowly, checking every page.
+    let victim_done = Arc::new(AtomicBool::new(false));
+    let victim = {
+        let (socket, data, done) = (socket.clone(), Arc::clone(&data), Arc::clone(&victim_done));
+        std::thread::spawn(move || {
+            let vm = Vm::new(&[8 * MIB]);
+            let _stream = vm.connect(&socket, &vm.json(true));
+            for (page, chunk) in data.chunks(PAGE_SIZE as usize).enumerate() {
+                let at = page * PAGE_SIZE as usize;
+                assert!(
+                    &vm.bytes(0)[at..at + chunk.len()] == chunk,
+                    "victim page {page} is wrong"
+                );
+                std::thread::sleep(Duration::from_micros(1500));
+            }
+            done.store(true, Ordering::Relaxed);
+            vm.bytes(0) == &data[..]
+        })
+    };
+    std::thread::sleep(Duration::from_millis(100));
+
+    // 1. A pipe as the userfaultfd, then fake events: FORKs naming every descriptor number
+    // (the listener, the victim's uffd...), faults and a REMOVE on the victim's addresses.
+    let decoy = Vm::new(&[2 * MIB]);
+    let (read_end, mut write_end) = pipe();
+    let hostile = UnixStream::connect(&socket).unwrap();
+    send(
+        &hostile,
+        decoy.json(true).as_bytes(),
+        Some(read_end.as_raw_fd()),
+    );
+    std::thread::sleep(Duration::from_millis(50));
+    let base = decoy.maps[0].0 as u64;
+    let mut events = Vec::new();
+    for fd in 0..1024u64 {
+        events.extend_from_slice(&fake_event(EVENT_FORK, fd, 0));
+    }
+    events.extend_from_slice(&fake_event(EVENT_PAGEFAULT, 0, base));
+    events.extend_from_slice(&fake_event(EVENT_REMOVE, base, base + 2 * MIB as u64));
+    let _ = std::io::Write::write_all(&mut write_end, &events);
+
+    // 2. /dev/null as the userfaultfd.
+    let null = std::fs::File::open("/dev/null").unwrap();
+    let null_peer = UnixStream::connect(&socket).unwrap();
+    send(
+        &null_peer,
+        decoy.json(true).as_bytes(),
+        Some(null.as_raw_fd()),
+    );
+
+    // 3. A real userfaultfd with EVENT_FORK.
+    let forky = Vm::with_features(&[2 * MIB], feature::EVENT_REMOVE | FEATURE_EVENT_FORK);
+    let _forky_stream = forky.connect(&socket, &forky.json(true));
+
+    // 4. A memfd shorter than its region, then an offload (SIGBUS in the server, before).
+    let short = MemfdVm::with_memfd(4 * MIB, MIB, false);
+    let mut conn = short.connect(&socket);
+    let mut hello = String::new();
+    let _ = std::io::BufRead::read_line(&mut conn, &mut hello);
+    if hello.contains("\"ok\"") {
+        let store = dir.path().join("short-store");
+        let line = format!(
+            r#"{{"request_id":1,"op":"offload","dir":"{}"}}"#,
+            store.display()
+        );
+        let _ = std::io::Write::write_all(conn.get_mut(), format!("{line}\n").as_bytes());
+        let mut reply = String::new();
+        let _ = std::io::BufRead::read_line(&mut conn, &mut reply);
+    }
+
+    // 5. A flood of connections that never send anything.
+    let flood: Vec<UnixStream> = (0..300)
+        .map(|_| UnixStream::connect(&socket).unwrap())
+        .collect();
+
+    // 6. A 60 KiB handshake in pieces, from a VM that must still be served.
+    let late = Vm::new(&[2 * MIB]);
+    let json = padded_json(&late, 60 << 10);
+    let mut late_stream = UnixStream::connect(&socket).unwrap();
+    send(
+        &late_stream,
+        &json.as_bytes()[..500],
+        Some(late.uffd.as_raw_fd()),
+    );
+    for piece in json.as_bytes()[500..].chunks(9 << 10) {
+        std::thread::sleep(Duration::from_millis(10));
+        std::io::Write::write_all(&mut late_stream, piece).unwrap();
+    }
+    assert!(late.bytes(0) == &data[..2 * MIB], "the split-handshake VM");
+
+    // The victim finishes with every byte right, and a new VM is served during the flood.
+    assert!(victim.join().unwrap(), "the victim's RAM is wrong");
+    assert!(victim_done.load(Ordering::Relaxed));
+    let fresh = Vm::new(&[8 * MIB]);
+    let _fresh_stream = fresh.connect(&socket, &fresh.json(true));
+    assert!(fresh.bytes(0) == &data[..], "a VM after the attacks");
+    drop(flood);
+    assert!(closed_by_server(&null_peer));
+    println!("victim intact");
+}
+
+#[test]
+fn server_hostile_peers_never_touch_a_victim_vm() {
+    if skip() {
+        return;
+    }
+    let (status, out) = run_child(
+        "server_child_hostile",
+        ("SERVER_TEST_HOSTILE", "1"),
+        Duration::from_secs(60),
+    );
+    assert!(
+        status.success() && out.contains("victim intact"),
+        "{status:?}: {out}"
+    );
+}
+
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+    use uffd_pager::pager::{Pager, PagerConfig, RamKind, RegionSpec};
+    use uffd_pager::server::protocol;
+
+    /// An in-process pager over a small anonymous mapping, to answer request lines.
+    struct Target {
+        pager: Option<Pager>,
+        ptr: *mut libc::c_void,
+        len: usize,
+    }
+
+    impl Target {
+        fn new() -> Self {
+            let len = 256 << 10;
+            // SAFETY: a fresh private anonymous mapping, checked below.
+            let ptr = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            assert_ne!(ptr, libc::MAP_FAILED);
+            let range = HostRange::new(HostAddr::from_ptr(ptr), len as u64).unwrap();
+            let spec = RegionSpec {
+                kind: RamKind::Anon,
+                range,
+                image_offset: 0,
+                memfd: None,
+                memfd_offset: 0,
+                view: Some(range.start()),
+            };
+            // SAFETY: the mapping lives until `Target` is dropped, after the pager.
+            let pager = unsafe {
+                Pager::new(vec![spec], PagerConfig::default(), None, Box::new(|_| {})).unwrap()
+            };
+            Self {
+                pager: Some(pager),
+                ptr,
+                len,
+            }
+        }
+    }
+
+    impl Drop for Target {
+        fn drop(&mut self) {
+            drop(self.pager.take());
+            // SAFETY: unmapping our own mapping, after the pager is gone.
+            unsafe { libc::munmap(self.ptr, self.len) };
+        }
+    }
+
+    fn value() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just("null".to_string()),
+            Just("-1".to_string()),
+            Just("1e300".to_string()),
+            Just("18446744073709551615".to_string()),
+            Just("18446744073709551616".to_string()),
+            Just("3000".to_string()),
+            Just("0".to_string()),
+            Just(r#""x""#.to_string()),
+            Just("[]".to_string()),
+            Just("{}".to_string()),
+            (0u64..10).prop_map(|n| n.to_string()),
+        ]
+    }
+
+    fn line() -> impl Strategy<Value = String> {
+        let op = prop_oneof![
+            Just("stats"),
+            Just("offload"),
+            Just("load"),
+            Just("wait_prefetch"),
+            Just("explode"),
+        ];
+        let text = prop_oneof![
+            Just(r#""lazy""#.to_string()),
+            Just(r#""eager""#.to_string()),
+            Just(r#""faults""#.to_string()),
+            Just(r#""zstd:99""#.to_string()),
+            Just(r#""zstd:-5""#.to_string()),
+            Just(r#""lz4""#.to_string()),
+            // Offload stores that cannot be created: the handler is fuzzed, not the disk.
+            "[a-z]{0,8}".prop_map(|s| format!(r#""/proc/uffd-fuzz/{s}""#)),
+            value(),
+        ];
+        let field = (
+            prop_oneof![
+                Just("mode"),
+                Just("threads"),
+                Just("codec"),
+                Just("dir"),
+                Just("request_id"),
+                Just("zzz"),
+            ],
+            prop_oneof![text, value()],
+        )
+            .prop_map(|(k, v)| format!(r#""{k}":{v}"#));
+        let structured =
+            (value(), op, prop::collection::vec(field, 0..4)).prop_map(|(id, op, fields)| {
+                let mut all = vec![format!(r#""request_id":{id}"#), format!(r#""op":"{op}""#)];
+                all.extend(fields);
+                format!("{{{}}}", all.join(","))
+            });
+        prop_oneof![
+            structured,
+            prop::collection::vec(any::<u8>(), 0..200)
+                .prop_map(|b| String::from_utf8_lossy(&b).into_owned()),
+        ]
+    }
+
+    thread_local! {
+        static TARGET: Target = Target::new();
+    }
+
+    proptest! {
+        #[test]
+        fn fuzz_protocol_request_lines_get_one_json_reply(line in line()) {
+            if skip() {
+                return Ok(());
+            }
+            TARGET.with(|target| {
+                let pager = target.pager.as_ref().expect("alive until drop");
+                let reply = protocol::handle(pager, &line, nix::unistd::geteuid().as_raw());
+                prop_assert!(!reply.contains('\n'), "{}", reply);
+                let reply: serde_json::Value = serde_json::from_str(&reply)
+                    .map_err(|e| TestCaseError::fail(format!("{e}: {reply}")))?;
+                let status = reply["status"].as_str().unwrap_or_default();
+                prop_assert!(status == "ok" || status == "error", "{}", reply);
+                if let Ok(request) = serde_json::from_str::<protocol::Request>(&line) {
+                    prop_assert_eq!(reply["request_id"].as_u64(), Some(request.request_id));
+                } else {
+                    prop_assert_eq!(status, "error");
+                }
+                Ok(())
+            })?;
+        }
+    }
 }

@@ -117,6 +117,14 @@ enum Command {
         /// Fault-serving threads per VM.
         #[arg(long, default_value_t = 1, value_name = "N")]
         threads: usize,
+        /// Also serve peers running as this uid (repeatable; e.g. Firecracker under its
+        /// jailer). Peers of the server's own uid are always served, others are refused
+        /// (`SO_PEERCRED`). The socket stays 0600: give the uid access to it (chown, an ACL).
+        #[arg(long, value_name = "UID")]
+        allow_uid: Vec<u32>,
+        /// Also serve peers whose primary group is this gid (repeatable).
+        #[arg(long, value_name = "GID")]
+        allow_gid: Vec<u32>,
     },
     /// Mount a store so its image appears as one plain file (MOUNTPOINT/ram) that any VMM can
     /// read, write or mmap. Runs until SIGINT or SIGTERM, then writes back, commits and
@@ -160,15 +168,34 @@ pub fn run(cli: Cli) -> CliResult {
         Command::Serve {
             socket,
             memory_pool: true,
+            allow_uid,
+            allow_gid,
             ..
-        } => serve::memory_pool(&socket),
+        } => serve::memory_pool(
+            &socket,
+            uffd_pager::socket::PeerPolicy {
+                uids: allow_uid,
+                gids: allow_gid,
+            },
+        ),
         Command::Serve {
             socket,
             mem_file,
             store,
             threads,
+            allow_uid,
+            allow_gid,
             ..
-        } => serve::serve(&socket, mem_file.as_deref(), store.as_deref(), threads),
+        } => serve::serve(
+            &socket,
+            mem_file.as_deref(),
+            store.as_deref(),
+            threads,
+            uffd_pager::socket::PeerPolicy {
+                uids: allow_uid,
+                gids: allow_gid,
+            },
+        ),
         Command::Demo { size, keep } => demo::demo(size, keep.as_deref()),
         Command::Mount {
             store,

@@ -8,15 +8,16 @@ use std::sync::Arc;
 use compressed_backing::{BlockSize, DiskStore};
 use nix::sys::signal::{SigSet, Signal};
 use uffd_pager::server::{Server, ServerConfig};
+use uffd_pager::socket::PeerPolicy;
 use uffd_pager::source::{PageSource, RawFileSource, StoreSource};
 
 use super::CliResult;
 
 /// `serve --memory-pool`: the pool daemon until SIGINT or SIGTERM. VMs that mapped pool pages
 /// keep them after it stops (their mappings hold the memfd); they only stop merging.
-pub fn memory_pool(socket: &Path) -> CliResult {
+pub fn memory_pool(socket: &Path, peers: PeerPolicy) -> CliResult {
     init_logging();
-    let stats = uffd_pager::pool::run_daemon(socket)?;
+    let stats = uffd_pager::pool::run_daemon_with(socket, peers)?;
     tracing::info!(?stats, "memory pool stopped");
     Ok(ExitCode::SUCCESS)
 }
@@ -36,6 +37,7 @@ pub fn serve(
     mem_file: Option<&Path>,
     store: Option<&Path>,
     threads: usize,
+    peers: PeerPolicy,
 ) -> CliResult {
     init_logging();
     // Only the wait below receives the stop signals; every thread inherits the mask.
@@ -65,7 +67,8 @@ pub fn serve(
             block_size,
         },
     )
-    .map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?;
+    .map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?
+    .allow_peers(peers);
     tracing::info!(
         socket = %socket.display(),
         image_bytes = source.image_size(),

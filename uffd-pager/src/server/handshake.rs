@@ -6,6 +6,7 @@
 use std::io::IoSliceMut;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
 
 use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
 
@@ -71,6 +72,14 @@ pub enum HandshakeError {
         /// What is wrong.
         reason: String,
     },
+    /// The whole handshake did not come in time.
+    #[error("the handshake did not arrive within {0:?}")]
+    Timeout(Duration),
+    /// Descriptors came after the first bytes of the message.
+    #[error(
+        "descriptors came after the start of the handshake (they must come with its first bytes)"
+    )]
+    LateFds,
     /// The array is empty.
     #[error("the handshake lists no regions")]
     Empty,
@@ -130,64 +139,171 @@ pub struct Handshake {
     pub message: Message,
 }
 
-/// Receives the handshake message from `stream`.
-pub fn receive(stream: &UnixStream) -> Result<Handshake, HandshakeError> {
-    let mut buf = vec![0u8; MAX_HANDSHAKE_BYTES];
-    let mut cmsg = nix::cmsg_space!([RawFd; MAX_FDS]);
-    let (len, fds, truncated) = {
-        let mut iov = [IoSliceMut::new(&mut buf)];
-        let msg = recvmsg::<()>(
-            stream.as_raw_fd(),
-            &mut iov,
-            Some(&mut cmsg),
-            MsgFlags::MSG_CMSG_CLOEXEC,
-        )
-        .map_err(|e| HandshakeError::Recv(e.into()))?;
-        let mut fds = Vec::new();
-        for control in msg.cmsgs().map_err(|e| HandshakeError::Recv(e.into()))? {
-            if let ControlMessageOwned::ScmRights(received) = control {
-                // SAFETY: the kernel just installed these descriptors for us; nobody else owns
-                // them.
-                fds.extend(
-                    received
-                        .into_iter()
-                        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
-                );
-            }
+/// How long a peer has to send its whole handshake.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Receives the handshake message from `stream` within `timeout`: the descriptors come with
+/// the first bytes; the rest of a long message (the kernel splits a large `sendmsg` into
+/// several reads, and a peer may write in pieces) is read until the JSON value ends, up to
+/// [`MAX_HANDSHAKE_BYTES`]. Descriptors sent after the first bytes are closed and refused.
+pub fn receive(stream: &UnixStream, timeout: Duration) -> Result<Handshake, HandshakeError> {
+    let deadline = Instant::now() + timeout;
+    // One byte more than accepted, to tell "exactly the limit" from "too large".
+    let mut buf = vec![0u8; MAX_HANDSHAKE_BYTES + 1];
+    let mut len = 0;
+    let mut fds: Vec<OwnedFd> = Vec::new();
+    let mut end = ValueEnd::default();
+    loop {
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        if remaining.is_zero() {
+            return Err(HandshakeError::Timeout(timeout));
         }
-        let truncated = msg
-            .flags
-            .intersects(MsgFlags::MSG_TRUNC | MsgFlags::MSG_CTRUNC);
-        (msg.bytes, fds, truncated)
-    };
-    if len == 0 && fds.is_empty() {
-        return Err(HandshakeError::Disconnected);
-    }
-    if truncated {
-        return Err(HandshakeError::TooLarge);
+        stream
+            .set_read_timeout(Some(remaining))
+            .map_err(HandshakeError::Recv)?;
+        let (n, received) = recv_some(stream, &mut buf[len..], timeout)?;
+        if !received.is_empty() {
+            if len > 0 || !fds.is_empty() {
+                // Dropping them closes them.
+                return Err(HandshakeError::LateFds);
+            }
+            fds = received;
+        }
+        if n == 0 {
+            if len == 0 && fds.is_empty() {
+                return Err(HandshakeError::Disconnected);
+            }
+            // End of file: parse what came (an incomplete value is refused by the parser).
+            break;
+        }
+        let done = end.feed(&buf[len..len + n]);
+        len += n;
+        if len > MAX_HANDSHAKE_BYTES {
+            return Err(HandshakeError::TooLarge);
+        }
+        if done {
+            break;
+        }
     }
     let mut fds = fds.into_iter();
     let uffd = fds.next().ok_or(HandshakeError::NoFd)?;
     let memfds: Vec<OwnedFd> = fds.collect();
-    let body = &buf[..len];
-    let message = if body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{') {
-        let handshake: PvisorHandshake =
-            serde_json::from_slice(body).map_err(HandshakeError::Json)?;
-        if handshake.protocol != PVISOR_PROTOCOL {
-            return Err(HandshakeError::Protocol(handshake.protocol));
-        }
-        Message::Pvisor(handshake)
-    } else {
-        if !memfds.is_empty() {
-            return Err(HandshakeError::TooManyFds(memfds.len() + 1));
-        }
-        Message::Firecracker(serde_json::from_slice(body).map_err(HandshakeError::Json)?)
-    };
+    let message = parse(&buf[..len], memfds.len())?;
     Ok(Handshake {
         uffd,
         memfds,
         message,
     })
+}
+
+/// One `recvmsg`: the bytes read and the descriptors that came with them.
+fn recv_some(
+    stream: &UnixStream,
+    buf: &mut [u8],
+    timeout: Duration,
+) -> Result<(usize, Vec<OwnedFd>), HandshakeError> {
+    let mut cmsg = nix::cmsg_space!([RawFd; MAX_FDS]);
+    let mut iov = [IoSliceMut::new(buf)];
+    let msg = match recvmsg::<()>(
+        stream.as_raw_fd(),
+        &mut iov,
+        Some(&mut cmsg),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    ) {
+        Ok(msg) => msg,
+        Err(nix::errno::Errno::EAGAIN) => return Err(HandshakeError::Timeout(timeout)),
+        Err(e) => return Err(HandshakeError::Recv(e.into())),
+    };
+    let mut fds = Vec::new();
+    for control in msg.cmsgs().map_err(|e| HandshakeError::Recv(e.into()))? {
+        if let ControlMessageOwned::ScmRights(received) = control {
+            // SAFETY: the kernel just installed these descriptors for us; nobody else owns
+            // them.
+            fds.extend(
+                received
+                    .into_iter()
+                    .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+            );
+        }
+    }
+    if msg.flags.intersects(MsgFlags::MSG_CTRUNC) {
+        return Err(HandshakeError::TooManyFds(MAX_FDS + 1));
+    }
+    Ok((msg.bytes, fds))
+}
+
+/// Finds where a JSON array or object ends, fed in pieces (strings and escapes tracked), so
+/// that a long handshake is read in O(length). Anything else counts as ended at once: the
+/// parser then says what is wrong with it.
+#[derive(Debug, Default)]
+struct ValueEnd {
+    started: bool,
+    depth: usize,
+    in_string: bool,
+    escaped: bool,
+}
+
+impl ValueEnd {
+    /// Feeds the next bytes; true once the value has ended.
+    fn feed(&mut self, bytes: &[u8]) -> bool {
+        for &b in bytes {
+            if !self.started {
+                match b {
+                    b'[' | b'{' => {
+                        self.started = true;
+                        self.depth = 1;
+                    }
+                    b if b.is_ascii_whitespace() => {}
+                    _ => return true,
+                }
+                continue;
+            }
+            if self.in_string {
+                match (self.escaped, b) {
+                    (true, _) => self.escaped = false,
+                    (false, b'\\') => self.escaped = true,
+                    (false, b'"') => self.in_string = false,
+                    _ => {}
+                }
+                continue;
+            }
+            match b {
+                b'"' => self.in_string = true,
+                b'[' | b'{' => self.depth += 1,
+                b']' | b'}' => {
+                    self.depth -= 1;
+                    if self.depth == 0 {
+                        return true;
+                    }
+                }
+                _ => {}
+            }
+        }
+        false
+    }
+}
+
+/// Parses a handshake body that came with `memfds` descriptors after the userfaultfd: the
+/// project's JSON object, or Firecracker's bare array (which brings no memfds).
+pub fn parse(body: &[u8], memfds: usize) -> Result<Message, HandshakeError> {
+    if body.len() > MAX_HANDSHAKE_BYTES {
+        return Err(HandshakeError::TooLarge);
+    }
+    if body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{') {
+        let handshake: PvisorHandshake =
+            serde_json::from_slice(body).map_err(HandshakeError::Json)?;
+        if handshake.protocol != PVISOR_PROTOCOL {
+            return Err(HandshakeError::Protocol(handshake.protocol));
+        }
+        Ok(Message::Pvisor(handshake))
+    } else {
+        if memfds > 0 {
+            return Err(HandshakeError::TooManyFds(memfds + 1));
+        }
+        Ok(Message::Firecracker(
+            serde_json::from_slice(body).map_err(HandshakeError::Json)?,
+        ))
+    }
 }
 
 /// Validates regions: page size 4 KiB (huge pages are not served), page-aligned, no overlap
@@ -324,6 +440,197 @@ mod tests {
             let err = parse(json).unwrap_err();
             let text = crate::server::error_chain(&err);
             assert!(text.contains(expect), "{json}: {text}");
+        }
+    }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        const IMAGE: u64 = 1 << 30;
+
+        /// Numbers a hostile peer would pick: edges, near-misses and plain values.
+        fn number() -> impl Strategy<Value = u64> {
+            prop_oneof![
+                Just(0u64),
+                Just(4096),
+                Just(u64::MAX),
+                Just(u64::MAX - 4095),
+                Just(IMAGE),
+                Just(IMAGE - 4096),
+                (0u64..1 << 20).prop_map(|p| p * PAGE_SIZE),
+                any::<u64>(),
+                0u64..10_000,
+            ]
+        }
+
+        fn region() -> impl Strategy<Value = String> {
+            (
+                number(),
+                number(),
+                number(),
+                prop::option::of(number()),
+                prop::option::of(number()),
+                prop::option::of(0usize..40),
+                any::<bool>(),
+            )
+                .prop_map(|(base, size, offset, ps, psk, memfd, extra)| {
+                    let mut fields = vec![
+                        format!(r#""base_host_virt_addr":{base}"#),
+                        format!(r#""size":{size}"#),
+                        format!(r#""offset":{offset}"#),
+                    ];
+                    if let Some(ps) = ps {
+                        fields.push(format!(r#""page_size":{ps}"#));
+                    }
+                    if let Some(psk) = psk {
+                        fields.push(format!(r#""page_size_kib":{psk}"#));
+                    }
+                    if let Some(memfd) = memfd {
+                        fields.push(format!(r#""memfd":{memfd},"memfd_offset":{base}"#));
+                    }
+                    if extra {
+                        fields.push(r#""future":[{"x":"]}\""}]"#.into());
+                    }
+                    format!("{{{}}}", fields.join(","))
+                })
+        }
+
+        /// Handshake bodies of both protocols, whole or cut or with a byte changed.
+        fn body() -> impl Strategy<Value = Vec<u8>> {
+            let regions = prop::collection::vec(region(), 0..12).prop_map(|r| r.join(","));
+            let json = (regions, 0u8..4, "[a-z/0-9.-]{0,16}").prop_map(|(regions, kind, proto)| {
+                match kind {
+                    0 | 1 => format!("[{regions}]"),
+                    2 => format!(
+                        r#"{{"protocol":"pvisor-uffd/1","initial":"zero","regions":[{regions}]}}"#
+                    ),
+                    _ => format!(r#"{{"protocol":"{proto}","regions":[{regions}]}}"#),
+                }
+            });
+            (json, any::<prop::sample::Index>(), any::<u8>(), 0u8..3).prop_map(
+                |(json, at, byte, mutation)| {
+                    let mut bytes = json.into_bytes();
+                    let i = at.index(bytes.len().max(1)).min(bytes.len());
+                    match mutation {
+                        0 => {}
+                        1 => bytes.truncate(i),
+                        _ => {
+                            if i < bytes.len() {
+                                bytes[i] = byte;
+                            }
+                        }
+                    }
+                    bytes
+                },
+            )
+        }
+
+        /// Parses and validates as the server does; checks what is accepted.
+        fn check(body: &[u8], memfds: usize) -> Result<(), TestCaseError> {
+            let raw = match crate::server::handshake::parse(body, memfds) {
+                Ok(Message::Firecracker(raw)) => raw,
+                Ok(Message::Pvisor(hello)) => {
+                    prop_assert_eq!(hello.protocol.as_str(), PVISOR_PROTOCOL);
+                    hello.regions.into_iter().map(|r| r.region).collect()
+                }
+                Err(_) => return Ok(()),
+            };
+            let Ok(regions) = validate(&raw, IMAGE) else {
+                return Ok(());
+            };
+            prop_assert!(!regions.is_empty());
+            for (i, r) in regions.iter().enumerate() {
+                prop_assert_eq!(r.offset % PAGE_SIZE, 0);
+                prop_assert!(r.offset + r.range.len() <= IMAGE);
+                for other in &regions[..i] {
+                    prop_assert!(!r.range.overlaps(&other.range));
+                    prop_assert!(
+                        r.offset >= other.offset + other.range.len()
+                            || other.offset >= r.offset + r.range.len()
+                    );
+                }
+            }
+            Ok(())
+        }
+
+        proptest! {
+            #[test]
+            fn fuzz_handshake_random_bytes_never_panic(
+                bytes in prop::collection::vec(any::<u8>(), 0..512),
+                memfds in 0usize..4,
+            ) {
+                check(&bytes, memfds)?;
+                let mut end = ValueEnd::default();
+                let _ = end.feed(&bytes);
+            }
+
+            #[test]
+            fn fuzz_handshake_json_bodies_are_parsed_or_refused(body in body(), memfds in 0usize..4) {
+                check(&body, memfds)?;
+            }
+
+            #[test]
+            fn fuzz_handshake_random_region_lists_validate_consistently(
+                regions in prop::collection::vec(
+                    (0u64..64, 1u64..16, 0u64..64).prop_map(|(base, pages, offset)| GuestRegion {
+                        base_host_virt_addr: base * PAGE_SIZE,
+                        size: pages * PAGE_SIZE,
+                        offset: offset * PAGE_SIZE,
+                        page_size: None,
+                        page_size_kib: Some(PAGE_SIZE),
+                    }),
+                    1..8,
+                ),
+            ) {
+                let json = serde_json::to_vec(&regions).expect("plain structs serialize");
+                let accepted = match crate::server::handshake::parse(&json, 0) {
+                    Ok(Message::Firecracker(raw)) => validate(&raw, 64 * PAGE_SIZE).is_ok(),
+                    other => return Err(TestCaseError::fail(format!("{other:?}"))),
+                };
+                // Accepted exactly when no two overlap in memory or in the image and all fit.
+                let fits = regions.iter().all(|r| r.offset + r.size <= 64 * PAGE_SIZE);
+                let disjoint = regions.iter().enumerate().all(|(i, a)| {
+                    regions[..i].iter().all(|b| {
+                        let apart = |x: u64, xl: u64, y: u64, yl: u64| x + xl <= y || y + yl <= x;
+                        apart(a.base_host_virt_addr, a.size, b.base_host_virt_addr, b.size)
+                            && apart(a.offset, a.size, b.offset, b.size)
+                    })
+                });
+                prop_assert_eq!(accepted, fits && disjoint);
+            }
+
+            #[test]
+            fn fuzz_handshake_value_end_finds_the_end_in_any_split(
+                body in body(),
+                cuts in prop::collection::vec(any::<prop::sample::Index>(), 0..6),
+            ) {
+                // Byte by byte: where the end is found.
+                let mut bytewise = ValueEnd::default();
+                let found = (0..body.len()).find(|&n| bytewise.feed(&body[n..=n])).map(|n| n + 1);
+                // In pieces cut anywhere: found or not the same way.
+                let mut points: Vec<usize> = cuts.iter().map(|c| c.index(body.len() + 1)).collect();
+                points.push(body.len());
+                points.sort_unstable();
+                let mut split = ValueEnd::default();
+                let mut from = 0;
+                let mut done = false;
+                for to in points {
+                    if !done && to > from {
+                        done = split.feed(&body[from..to]);
+                    }
+                    from = to;
+                }
+                prop_assert_eq!(done, found.is_some());
+                // Where a value parses, the end found is its end.
+                let mut values = serde_json::Deserializer::from_slice(&body)
+                    .into_iter::<serde_json::Value>();
+                if let Some(Ok(serde_json::Value::Array(_) | serde_json::Value::Object(_))) =
+                    values.next()
+                {
+                    prop_assert_eq!(found, Some(values.byte_offset()));
+                }
+            }
         }
     }
 }

@@ -5,8 +5,16 @@
 //! A connection that sends a bad handshake, or whose peer disconnects, gets a logged (and
 //! rate-limited) error and is closed; the server goes on serving the others. A fault that
 //! cannot be served (a corrupt block, a read error) is never answered with zeros or stale
-//! bytes: the error is logged and the peer, found with `SO_PEERCRED`, is killed, since a VM
-//! frozen on a fault forever is worse.
+//! bytes: the error is logged and the peer, found with `SO_PEERCRED` and held as a pidfd
+//! (`SO_PEERPIDFD`, so that a reused pid is never signalled), is killed, since a VM frozen on a
+//! fault forever is worse.
+//!
+//! Peers are not trusted: the socket is private from its creation ([`crate::socket`]), each
+//! peer's uid is checked (`SO_PEERCRED`, [`PeerPolicy`]), the descriptor it sends must be a
+//! userfaultfd without event kinds the pager does not handle ([`Userfaultfd::adopt`]), memfds
+//! must be size-sealed and large enough (so that reading them cannot raise `SIGBUS` here),
+//! events outside the peer's regions are ignored, and thread counts it asks for are capped.
+//! One peer's misbehaviour ends its own connection at most.
 
 pub mod handshake;
 pub mod protocol;
@@ -21,11 +29,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use compressed_backing::BlockSize;
-use nix::sys::signal::{kill, Signal};
-use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
-use nix::unistd::Pid;
 
 use crate::pager::{Pager, PagerConfig, RamKind, RegionSpec};
+use crate::socket::PeerPolicy;
 use crate::source::PageSource;
 use crate::state::PageState;
 use crate::uffd::Userfaultfd;
@@ -54,6 +60,8 @@ pub struct ServerStats {
     pub active: AtomicU64,
     /// Peers killed because a fault could not be served.
     pub peers_killed: AtomicU64,
+    /// Connections refused because the peer's uid or gid is not allowed.
+    pub peers_refused: AtomicU64,
 }
 
 /// Allows a burst of messages, then one per interval, counting what it suppresses.
@@ -106,27 +114,20 @@ pub struct Server {
     config: ServerConfig,
     stats: Arc<ServerStats>,
     log_limit: Arc<RateLimit>,
+    peers: Arc<PeerPolicy>,
 }
 
 impl Server {
-    /// Listens on `path` (a stale socket file nobody listens on is replaced).
+    /// Listens on `path`, a 0600 socket private from its creation (see
+    /// [`crate::socket::bind_private`]: a stale socket is replaced, a live one or a file that
+    /// is not a socket is refused). Only peers of this uid are served until
+    /// [`Server::allow_peers`] says otherwise.
     pub fn bind(
         path: &Path,
         source: Arc<dyn PageSource>,
         config: ServerConfig,
     ) -> std::io::Result<Self> {
-        if path.exists() {
-            if UnixStream::connect(path).is_ok() {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::AddrInUse,
-                    format!("{} is in use by a running server", path.display()),
-                ));
-            }
-            std::fs::remove_file(path)?;
-        }
-        let listener = UnixListener::bind(path)?;
-        // Only the owner may hand the server its memory.
-        std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+        let listener = crate::socket::bind_private(path)?;
         listener.set_nonblocking(true)?;
         Ok(Self {
             listener,
@@ -135,7 +136,15 @@ impl Server {
             config,
             stats: Arc::new(ServerStats::default()),
             log_limit: Arc::new(RateLimit::new(20, Duration::from_secs(1))),
+            peers: Arc::new(PeerPolicy::default()),
         })
+    }
+
+    /// Also serves peers of these uids and gids (e.g. Firecracker under its jailer); the
+    /// socket's mode must then let them connect, which is the caller's choice.
+    pub fn allow_peers(mut self, policy: PeerPolicy) -> Self {
+        self.peers = Arc::new(policy);
+        self
     }
 
     /// Counters.
@@ -156,6 +165,7 @@ impl Server {
                         config: self.config.clone(),
                         stats: Arc::clone(&self.stats),
                         log_limit: Arc::clone(&self.log_limit),
+                        peers: Arc::clone(&self.peers),
                     };
                     let spawned = std::thread::Builder::new()
                         .name("uffd-conn".into())
@@ -202,23 +212,32 @@ struct Connection {
     config: ServerConfig,
     stats: Arc<ServerStats>,
     log_limit: Arc<RateLimit>,
+    peers: Arc<PeerPolicy>,
 }
 
 impl Connection {
     fn serve(self) {
-        let pid = getsockopt(&self.stream, PeerCredentials)
-            .map(|c| c.pid())
-            .unwrap_or(0);
-        let (pager, session) = match self.start(pid) {
-            Ok(started) => started,
+        let (pid, uid) = match self.peers.check(&self.stream) {
+            Ok(cred) => (cred.pid, cred.uid),
             Err(e) => {
-                self.stats.bad_handshakes.fetch_add(1, Ordering::Relaxed);
+                self.stats.peers_refused.fetch_add(1, Ordering::Relaxed);
                 if self.log_limit.allow() {
-                    tracing::warn!(peer_pid = pid, "connection refused: {}", error_chain(&*e));
+                    tracing::warn!("connection refused: {}", error_chain(&e));
                 }
                 return;
             }
         };
+        let (pager, session) =
+            match self.start(pid, crate::socket::PeerProcess::of(&self.stream, pid)) {
+                Ok(started) => started,
+                Err(e) => {
+                    self.stats.bad_handshakes.fetch_add(1, Ordering::Relaxed);
+                    if self.log_limit.allow() {
+                        tracing::warn!(peer_pid = pid, "connection refused: {}", error_chain(&*e));
+                    }
+                    return;
+                }
+            };
         self.stats.vms.fetch_add(1, Ordering::Relaxed);
         self.stats.active.fetch_add(1, Ordering::Relaxed);
         tracing::info!(peer_pid = pid, bytes = pager.image_size(), "serving a VM");
@@ -226,7 +245,7 @@ impl Connection {
             // Firecracker keeps the socket open and sends nothing more: its end of file (or the
             // end of its address space) ends the service.
             Session::Firecracker => self.wait_for_end(&pager),
-            Session::Pvisor { .. } => self.answer_requests(&pager),
+            Session::Pvisor { .. } => self.answer_requests(&pager, uid),
         }
         let metrics = pager.metrics().snapshot();
         drop(pager);
@@ -254,8 +273,9 @@ impl Connection {
         }
     }
 
-    /// One JSON request per line, one JSON reply per line, until the peer leaves.
-    fn answer_requests(&self, pager: &Pager) {
+    /// One JSON request per line, one JSON reply per line, until the peer (running as `uid`)
+    /// leaves.
+    fn answer_requests(&self, pager: &Pager, uid: u32) {
         let mut stream = &self.stream;
         let mut pending = Vec::new();
         let mut chunk = [0u8; 4096];
@@ -280,7 +300,7 @@ impl Connection {
                 if line.trim().is_empty() {
                     continue;
                 }
-                let mut reply = protocol::handle(pager, &line);
+                let mut reply = protocol::handle(pager, &line, uid);
                 reply.push('\n');
                 if stream.write_all(reply.as_bytes()).is_err() {
                     return;
@@ -289,10 +309,12 @@ impl Connection {
         }
     }
 
-    fn start(&self, pid: i32) -> Result<(Pager, Session), Box<dyn std::error::Error>> {
-        self.stream
-            .set_read_timeout(Some(Duration::from_secs(10)))?;
-        let received = handshake::receive(&self.stream)?;
+    fn start(
+        &self,
+        pid: i32,
+        peer: crate::socket::PeerProcess,
+    ) -> Result<(Pager, Session), Box<dyn std::error::Error>> {
+        let received = handshake::receive(&self.stream, handshake::HANDSHAKE_TIMEOUT)?;
         let image_size = self.source.image_size();
         let (specs, session, initial) = match received.message {
             handshake::Message::Firecracker(raw) => {
@@ -326,6 +348,14 @@ impl Connection {
         let stats = Arc::clone(&self.stats);
         let log_limit = Arc::clone(&self.log_limit);
         let on_error = Box::new(move |e: &crate::pager::FaultError| {
+            // What the peer's own address space does outside its regions harms nobody else:
+            // ignored, never applied to another range.
+            if e.is_ignored() {
+                if log_limit.allow() {
+                    tracing::warn!(peer_pid = pid, "{}", error_chain(e));
+                }
+                return;
+            }
             if log_limit.allow() {
                 tracing::error!(peer_pid = pid, "fault cannot be served: {}", error_chain(e));
             }
@@ -339,17 +369,17 @@ impl Connection {
                     peer_pid = pid,
                     "killing the VMM: its memory cannot be served"
                 );
-                let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+                let _ = peer.kill();
             }
         });
-        let uffd = Userfaultfd::from_fd(received.uffd);
+        let (uffd, features) = Userfaultfd::adopt(received.uffd)?;
         // SAFETY: the regions belong to the peer's address space and were registered by the
         // peer; the pager only resolves faults on them through the uffd. Their views are the
         // server's own memfd mappings, which `session` keeps alive as long as the pager.
         let pager = unsafe {
             Pager::with_uffd(
                 uffd,
-                true,
+                features & crate::uffd::feature::EVENT_REMOVE != 0,
                 specs,
                 PagerConfig {
                     threads: self.config.threads,
@@ -357,7 +387,7 @@ impl Connection {
                     initial,
                     register: false,
                     // Firecracker asks for them; the pager never discards remote memory itself.
-                    remove_events: true,
+                    remove_events: features & crate::uffd::feature::EVENT_REMOVE != 0,
                     track_writes: false,
                 },
                 Some(Arc::clone(&self.source)),
@@ -427,6 +457,53 @@ impl Drop for MemfdView {
     }
 }
 
+/// Checks that `file` is a memfd whose first `end` bytes the server can map and read without
+/// ever taking `SIGBUS`: a shmem memfd (not hugetlb), regular, sealed against shrinking
+/// (`F_SEAL_SHRINK`: the peer can never cut pages from under the mapping) and at least `end`
+/// bytes long.
+fn check_memfd(file: &File, end: u64) -> Result<(), String> {
+    let fd = file.as_raw_fd();
+    let link = std::fs::read_link(format!("/proc/self/fd/{fd}"))
+        .map_err(|e| format!("cannot inspect its memfd: {e}"))?;
+    if !link.to_string_lossy().starts_with("/memfd:") {
+        return Err(format!("its memfd is not a memfd but `{}`", link.display()));
+    }
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("cannot stat its memfd: {e}"))?;
+    if !meta.file_type().is_file() {
+        return Err("its memfd is not a regular file".into());
+    }
+    // SAFETY: an all-zero statfs is a valid value to be overwritten by fstatfs.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatfs fills `fs` for a descriptor we hold.
+    if unsafe { libc::fstatfs(fd, &mut fs) } != 0 {
+        return Err(format!(
+            "cannot statfs its memfd: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    if fs.f_type != libc::TMPFS_MAGIC {
+        return Err("its memfd is not a shmem memfd (hugetlb memfds are not served)".into());
+    }
+    // SAFETY: F_GET_SEALS on a descriptor we hold, no memory involved.
+    let seals = unsafe { libc::fcntl(fd, libc::F_GET_SEALS) };
+    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+        return Err(
+            "its memfd is not sealed with F_SEAL_SHRINK (create it with MFD_ALLOW_SEALING, size it, \
+             then add the seal: a memfd that can shrink could kill the server with SIGBUS)"
+                .into(),
+        );
+    }
+    if meta.len() < end {
+        return Err(format!(
+            "its memfd has {} bytes, the region needs {end}",
+            meta.len()
+        ));
+    }
+    Ok(())
+}
+
 /// Builds the regions of a `pvisor-uffd/1` handshake, mapping the memfds it brought.
 fn memfd_regions(
     hello: &handshake::PvisorHandshake,
@@ -462,6 +539,11 @@ fn memfd_regions(
                 if wire.memfd_offset % crate::addr::PAGE_SIZE != 0 {
                     return Err(format!("region {index}: memfd_offset is not page-aligned").into());
                 }
+                let end = wire
+                    .memfd_offset
+                    .checked_add(region.range.len())
+                    .ok_or_else(|| format!("region {index}: memfd_offset overflows"))?;
+                check_memfd(file, end).map_err(|e| format!("region {index}: {e}"))?;
                 let view = MemfdView::map(file, wire.memfd_offset, region.range.len())
                     .map_err(|e| format!("region {index}: cannot map its memfd: {e}"))?;
                 let spec = RegionSpec {

@@ -11,7 +11,7 @@
 //! → {"request_id":2,"status":"ok","value":{...}}  or  {"request_id":2,"status":"error","error":"..."}
 //! ```
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use compressed_backing::bulk::BulkOptions;
 use compressed_backing::{Codec, CodecConfig};
@@ -60,8 +60,58 @@ pub enum Op {
     WaitPrefetch,
 }
 
-/// Handles one request line; returns the reply line.
-pub fn handle(pager: &Pager, line: &str) -> String {
+/// The most threads a request may ask for: the host's CPU count. Offload and eager load are
+/// CPU-bound, so more threads than cores only cost stacks and block buffers, and a peer must
+/// not make the server start thousands of threads (`threads: 3000`).
+pub fn max_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+}
+
+/// A requested thread count, capped to `1..=max_threads()`.
+pub fn capped_threads(requested: usize) -> usize {
+    requested.clamp(1, max_threads())
+}
+
+/// Checks that a peer running as `uid` may have the server write a store at `dir`: an
+/// absolute path whose directory (or, before it exists, its parent) is a real directory, not
+/// a symlink, owned by `uid`. The server may run as root: without this a peer could have it
+/// write anywhere, or replace another VM's store.
+pub fn check_store_dir(dir: &Path, uid: u32) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    if !dir.is_absolute() {
+        return Err(format!(
+            "store directory {}: not an absolute path",
+            dir.display()
+        ));
+    }
+    let (checked, meta) = match std::fs::symlink_metadata(dir) {
+        Ok(meta) => (dir, meta),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let parent = dir.parent().unwrap_or(dir);
+            let meta = std::fs::symlink_metadata(parent)
+                .map_err(|e| format!("store directory {}: {e}", parent.display()))?;
+            (parent, meta)
+        }
+        Err(e) => return Err(format!("store directory {}: {e}", dir.display())),
+    };
+    if !meta.file_type().is_dir() {
+        return Err(format!(
+            "store directory {}: not a directory (symlinks are not followed)",
+            checked.display()
+        ));
+    }
+    if meta.uid() != uid {
+        return Err(format!(
+            "store directory {}: owned by uid {}, not by the VMM's uid {uid}",
+            checked.display(),
+            meta.uid()
+        ));
+    }
+    Ok(())
+}
+
+/// Handles one request line from a peer running as `uid`; returns the reply line.
+pub fn handle(pager: &Pager, line: &str, uid: u32) -> String {
     let request: Request = match serde_json::from_str(line) {
         Ok(request) => request,
         Err(e) => {
@@ -73,7 +123,7 @@ pub fn handle(pager: &Pager, line: &str) -> String {
             .to_string()
         }
     };
-    let result = run(pager, &request.op);
+    let result = run(pager, &request.op, uid);
     let reply = match result {
         Ok(value) => serde_json::json!({
             "request_id": request.request_id,
@@ -89,7 +139,7 @@ pub fn handle(pager: &Pager, line: &str) -> String {
     reply.to_string()
 }
 
-fn run(pager: &Pager, op: &Op) -> Result<serde_json::Value, String> {
+fn run(pager: &Pager, op: &Op, uid: u32) -> Result<serde_json::Value, String> {
     let json =
         |value: Result<serde_json::Value, serde_json::Error>| value.map_err(|e| e.to_string());
     match op {
@@ -103,6 +153,7 @@ fn run(pager: &Pager, op: &Op) -> Result<serde_json::Value, String> {
             codec,
             threads,
         } => {
+            check_store_dir(dir, uid)?;
             let codec: Codec = codec
                 .as_deref()
                 .unwrap_or("lz4")
@@ -111,14 +162,16 @@ fn run(pager: &Pager, op: &Op) -> Result<serde_json::Value, String> {
             let config = OffloadConfig {
                 dir: dir.clone(),
                 codec: CodecConfig::new(codec),
-                bulk: threads.map_or_else(BulkOptions::default, BulkOptions::with_threads),
+                bulk: threads.map_or_else(BulkOptions::default, |n| {
+                    BulkOptions::with_threads(capped_threads(n))
+                }),
             };
             let report = pager.offload(&config).map_err(|e| error_chain(&e))?;
             json(serde_json::to_value(report))
         }
         Op::Load { mode, threads } => {
             let report = pager
-                .load(*mode, threads.unwrap_or(2))
+                .load(*mode, capped_threads(threads.unwrap_or(2)))
                 .map_err(|e| error_chain(&e))?;
             json(serde_json::to_value(report))
         }
@@ -155,5 +208,30 @@ mod tests {
             }
         );
         assert!(serde_json::from_str::<Request>(r#"{"request_id":9,"op":"explode"}"#).is_err());
+    }
+
+    #[test]
+    fn check_store_dir_only_dirs_of_the_peer_are_accepted() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let own = std::fs::metadata(dir.path()).unwrap().uid();
+        assert!(check_store_dir(dir.path(), own).is_ok());
+        assert!(check_store_dir(&dir.path().join("new"), own).is_ok());
+        let err = check_store_dir(dir.path(), own + 1).unwrap_err();
+        assert!(err.contains("owned by uid"), "{err}");
+        assert!(check_store_dir(Path::new("relative/x"), own).is_err());
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink("/", &link).unwrap();
+        let err = check_store_dir(&link, own).unwrap_err();
+        assert!(err.contains("symlinks"), "{err}");
+        assert!(check_store_dir(&link.join("x"), own).is_err());
+    }
+
+    #[test]
+    fn capped_threads_client_counts_stay_within_the_cpus() {
+        assert_eq!(capped_threads(0), 1);
+        assert_eq!(capped_threads(3000), max_threads());
+        assert!(max_threads() >= 1);
+        assert_eq!(capped_threads(1), 1);
     }
 }

@@ -1,0 +1,340 @@
+//! Private Unix sockets: created unreachable by others from the start, and a check of who
+//! connected.
+//!
+//! `bind()` creates the socket inode with mode `0777 & !umask`; a `chmod 0600` after it leaves
+//! a window in which, under umask 000, any local user can connect (and be served guest RAM).
+//! [`bind_private`] binds inside a fresh 0700 directory next to the target, restricts the
+//! socket to 0600 there, then `rename()`s it into place: the socket is never reachable at a
+//! path other users can search before it is 0600. Everything is cleaned up on error.
+//!
+//! File modes only say who may connect through the path; [`PeerPolicy`] checks each peer's
+//! credentials (`SO_PEERCRED`) on the accepted connection as well: this user by default, or
+//! explicitly allowed uids and gids (Firecracker under its jailer runs as another uid).
+
+use std::io;
+use std::os::fd::AsFd;
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+
+/// Listens on `path`, a Unix socket of mode 0600 that no other user could ever connect to.
+///
+/// A stale socket at `path` (nobody accepts on it) is replaced; a live one is refused with
+/// `AddrInUse`, anything that is not a socket (a regular file, a directory, a symlink) with
+/// `AlreadyExists`, so that a wrong path never destroys a file. The returned listener is
+/// blocking, close-on-exec.
+pub fn bind_private(path: &Path) -> io::Result<UnixListener> {
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => {
+            if UnixStream::connect(path).is_ok() {
+                return Err(io::Error::new(
+                    io::ErrorKind::AddrInUse,
+                    format!("{} is in use by a running server", path.display()),
+                ));
+            }
+        }
+        Ok(_) => {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!("{} exists and is not a socket", path.display()),
+            ));
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let staging = Staging::create(parent)?;
+    let temp = staging.dir.join("s");
+    let listener = UnixListener::bind(&temp)?;
+    std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(0o600))?;
+    std::fs::rename(&temp, path)?;
+    Ok(listener)
+}
+
+/// A fresh 0700 directory next to the target, removed with whatever is left in it on drop.
+struct Staging {
+    dir: PathBuf,
+}
+
+impl Staging {
+    fn create(parent: &Path) -> io::Result<Self> {
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        for _ in 0..100 {
+            let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+            let dir = parent.join(format!(".sock-{}-{n}", std::process::id()));
+            match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+                Ok(()) => {
+                    let staging = Self { dir };
+                    // The umask can only remove bits; make sure nothing else was added.
+                    std::fs::set_permissions(&staging.dir, std::fs::Permissions::from_mode(0o700))?;
+                    return Ok(staging);
+                }
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            format!(
+                "cannot create a private staging directory in {}",
+                parent.display()
+            ),
+        ))
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.dir.join("s"));
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// Who may talk to a server, by the credentials of the connecting process (`SO_PEERCRED`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PeerPolicy {
+    /// Uids allowed besides the server's own.
+    pub uids: Vec<u32>,
+    /// Gids allowed (a peer whose primary gid is one of them).
+    pub gids: Vec<u32>,
+}
+
+/// A peer's credentials as the kernel recorded them at `connect()`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerCred {
+    /// Process id.
+    pub pid: i32,
+    /// User id.
+    pub uid: u32,
+    /// Primary group id.
+    pub gid: u32,
+}
+
+/// Why a peer was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum PeerError {
+    /// `SO_PEERCRED` failed.
+    #[error("cannot read the peer's credentials")]
+    Credentials(#[source] nix::Error),
+    /// The peer runs as a user the policy does not allow.
+    #[error("peer pid {} runs as uid {} gid {}, which may not use this socket (allowed: uid {own}{extra})", .cred.pid, .cred.uid, .cred.gid)]
+    Refused {
+        /// Its credentials.
+        cred: PeerCred,
+        /// The server's uid.
+        own: u32,
+        /// The other allowed ids, for the message.
+        extra: String,
+    },
+}
+
+impl PeerPolicy {
+    /// True if a process with `uid`/`gid` may talk to a server running as `own_uid`.
+    pub fn allows(&self, own_uid: u32, uid: u32, gid: u32) -> bool {
+        uid == own_uid || self.uids.contains(&uid) || self.gids.contains(&gid)
+    }
+
+    /// The credentials of `stream`'s peer, if the policy allows it.
+    pub fn check(&self, stream: &impl AsFd) -> Result<PeerCred, PeerError> {
+        let creds = getsockopt(stream, PeerCredentials).map_err(PeerError::Credentials)?;
+        let cred = PeerCred {
+            pid: creds.pid(),
+            uid: creds.uid(),
+            gid: creds.gid(),
+        };
+        let own = nix::unistd::geteuid().as_raw();
+        if self.allows(own, cred.uid, cred.gid) {
+            return Ok(cred);
+        }
+        let mut extra = String::new();
+        for uid in &self.uids {
+            extra.push_str(&format!(", uid {uid}"));
+        }
+        for gid in &self.gids {
+            extra.push_str(&format!(", gid {gid}"));
+        }
+        Err(PeerError::Refused { cred, own, extra })
+    }
+}
+
+/// `SO_PEERPIDFD` (Linux 6.5): a pidfd of the process that connected.
+const SO_PEERPIDFD: libc::c_int = 77;
+
+/// The process that connected to `stream`, held so that it can be signalled later without
+/// the risk of a reused pid: a pidfd where the kernel offers `SO_PEERPIDFD`, else the pid.
+#[derive(Debug)]
+pub struct PeerProcess {
+    pid: i32,
+    pidfd: Option<std::os::fd::OwnedFd>,
+}
+
+impl PeerProcess {
+    /// The peer of `stream`, whose pid (from `SO_PEERCRED`) is `pid`.
+    pub fn of(stream: &impl AsFd, pid: i32) -> Self {
+        use std::os::fd::{AsRawFd, FromRawFd};
+        let mut fd: libc::c_int = -1;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt writes at most `len` bytes into `fd`; the result is checked.
+        let rc = unsafe {
+            libc::getsockopt(
+                stream.as_fd().as_raw_fd(),
+                libc::SOL_SOCKET,
+                SO_PEERPIDFD,
+                (&raw mut fd).cast(),
+                &mut len,
+            )
+        };
+        let pidfd = (rc == 0 && fd >= 0).then(|| {
+            // SAFETY: a new descriptor the kernel just installed for us.
+            unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }
+        });
+        Self { pid, pidfd }
+    }
+
+    /// Its pid.
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// Sends `SIGKILL`: through the pidfd (it cannot reach another process), else by pid.
+    pub fn kill(&self) -> io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let rc = match &self.pidfd {
+            // SAFETY: pidfd_send_signal on our pidfd, no siginfo, no flags.
+            Some(pidfd) => unsafe {
+                libc::syscall(
+                    libc::SYS_pidfd_send_signal,
+                    pidfd.as_raw_fd(),
+                    libc::SIGKILL,
+                    std::ptr::null::<libc::siginfo_t>(),
+                    0,
+                )
+            },
+            // SAFETY: kill with integer arguments.
+            None => libc::c_long::from(unsafe { libc::kill(self.pid, libc::SIGKILL) }),
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::OsString;
+    use std::os::unix::fs::MetadataExt;
+
+    #[test]
+    fn bind_private_fresh_path_is_0600_and_leaves_nothing_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.sock");
+        let listener = bind_private(&path).unwrap();
+        let meta = std::fs::symlink_metadata(&path).unwrap();
+        assert!(meta.file_type().is_socket());
+        assert_eq!(meta.mode() & 0o7777, 0o600);
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![OsString::from("a.sock")]);
+        // It really listens at the final path.
+        let _client = UnixStream::connect(&path).unwrap();
+        listener.accept().unwrap();
+    }
+
+    #[test]
+    fn bind_private_live_socket_is_refused_and_stale_one_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.sock");
+        let live = bind_private(&path).unwrap();
+        let err = bind_private(&path).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::AddrInUse);
+        drop(live);
+        let _again = bind_private(&path).unwrap();
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn bind_private_non_socket_is_never_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("precious");
+        std::fs::write(&path, b"data").unwrap();
+        let err = bind_private(&path).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::AlreadyExists);
+        assert_eq!(std::fs::read(&path).unwrap(), b"data");
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&path, &link).unwrap();
+        assert!(bind_private(&link).is_err());
+        assert_eq!(std::fs::read(&path).unwrap(), b"data");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
+    }
+
+    #[test]
+    fn bind_private_missing_directory_fails_cleanly() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("no/such/dir/a.sock");
+        assert!(bind_private(&path).is_err());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn peer_policy_own_uid_or_listed_ids_are_allowed() {
+        let policy = PeerPolicy {
+            uids: vec![123],
+            gids: vec![456],
+        };
+        assert!(policy.allows(0, 0, 9));
+        assert!(policy.allows(0, 123, 9));
+        assert!(policy.allows(0, 7, 456));
+        assert!(!policy.allows(0, 7, 9));
+        assert!(!PeerPolicy::default().allows(1000, 0, 0));
+    }
+
+    #[test]
+    fn peer_policy_own_process_passes_check() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        let cred = PeerPolicy::default().check(&a).unwrap();
+        assert_eq!(cred.pid, std::process::id().cast_signed());
+    }
+
+    #[test]
+    fn peer_process_kill_reaches_the_connected_child() {
+        use nix::sys::socket::{SockaddrLike, UnixAddr};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("k.sock");
+        let listener = bind_private(&path).unwrap();
+        let addr = UnixAddr::new(&path).unwrap();
+        // SAFETY: the child only makes raw system calls on prepared data.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            // SAFETY: async-signal-safe calls only; the child never returns.
+            unsafe {
+                let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+                libc::connect(fd, addr.as_ptr().cast(), addr.len());
+                loop {
+                    libc::pause();
+                }
+            }
+        }
+        let (stream, _) = listener.accept().unwrap();
+        let cred = PeerPolicy::default().check(&stream).unwrap();
+        assert_eq!(cred.pid, pid);
+        let peer = PeerProcess::of(&stream, cred.pid);
+        assert!(peer.pidfd.is_some(), "no SO_PEERPIDFD on this kernel");
+        peer.kill().unwrap();
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGKILL);
+    }
+}
