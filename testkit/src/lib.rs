@@ -186,3 +186,70 @@ pub fn nobody_can_list(path: &Path) -> bool {
     check_nobody_can_reach_public_files();
     nobody_can("ls", &[], path)
 }
+
+/// Connects to the Unix socket `socket` as uid and gid 65534 (nobody) from a forked child that
+/// waits up to `secs` seconds for the server to close the connection: true if it closed it (the
+/// peer was refused), false if it kept it open. Needs root. The caller makes sure nothing else
+/// in the process forks meanwhile if that matters to it (the child only makes raw system calls).
+pub fn closed_for_nobody(socket: &Path, secs: i64) -> bool {
+    // SAFETY: an all-zero sockaddr_un is valid; the path is copied in below, NUL-terminated.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let path = socket.as_os_str().as_bytes();
+    assert!(path.len() < addr.sun_path.len(), "socket path too long");
+    for (dst, &src) in addr.sun_path.iter_mut().zip(path) {
+        *dst = src.cast_signed();
+    }
+    let addr_len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+    // SAFETY: the child only makes raw system calls on prepared data, then _exits.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        // SAFETY: async-signal-safe system calls only, on valid arguments.
+        unsafe {
+            if libc::setgroups(0, std::ptr::null()) != 0
+                || libc::setgid(65534) != 0
+                || libc::setuid(65534) != 0
+            {
+                libc::_exit(3);
+            }
+            let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+            if libc::connect(fd, (&raw const addr).cast(), addr_len) != 0 {
+                libc::_exit(4);
+            }
+            let tv = libc::timeval {
+                tv_sec: secs,
+                tv_usec: 0,
+            };
+            libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                (&raw const tv).cast(),
+                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            );
+            let mut byte = 0u8;
+            let n = libc::read(fd, (&raw mut byte).cast(), 1);
+            libc::_exit(if n == 0 { 0 } else { 1 });
+        }
+    }
+    let mut status = 0;
+    // SAFETY: waiting for our own child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(libc::WIFEXITED(status), "child status {status:#x}");
+    match libc::WEXITSTATUS(status) {
+        0 => true,
+        1 => false,
+        code => panic!("the child could not become nobody or connect (exit {code})"),
+    }
+}
+
+/// Lets uid 65534 reach `socket` through the file system (its directory 0711, the socket
+/// 0666), so that only the server's own credential check stands in its way.
+pub fn open_to_everyone(socket: &Path) {
+    let dir = socket.parent().expect("a socket path has a directory");
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
+        .expect("chmod 0711 the socket's directory");
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o666))
+        .expect("chmod 0666 the socket");
+}

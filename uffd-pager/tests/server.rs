@@ -840,64 +840,6 @@ fn server_refuses_memfds_that_could_shrink_or_are_short() {
     assert!(hello.contains("\"ok\""), "{hello}");
 }
 
-/// Connects to `socket` as uid and gid 65534 from a forked child that waits up to `secs`
-/// seconds for the server to close the connection: true if it did.
-fn closed_for_nobody(socket: &Path, secs: i64) -> bool {
-    use nix::sys::socket::{SockaddrLike, UnixAddr};
-    let addr = UnixAddr::new(socket).unwrap();
-    let _fork = fork_lock();
-    // SAFETY: the child only makes raw system calls on prepared data, then _exits.
-    let pid = unsafe { libc::fork() };
-    assert!(pid >= 0);
-    if pid == 0 {
-        // SAFETY: async-signal-safe system calls only, on valid arguments.
-        unsafe {
-            if libc::setgroups(0, std::ptr::null()) != 0
-                || libc::setgid(65534) != 0
-                || libc::setuid(65534) != 0
-            {
-                libc::_exit(3);
-            }
-            let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
-            if libc::connect(fd, addr.as_ptr().cast(), addr.len()) != 0 {
-                libc::_exit(4);
-            }
-            let tv = libc::timeval {
-                tv_sec: secs,
-                tv_usec: 0,
-            };
-            libc::setsockopt(
-                fd,
-                libc::SOL_SOCKET,
-                libc::SO_RCVTIMEO,
-                (&raw const tv).cast(),
-                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
-            );
-            let mut byte = 0u8;
-            let n = libc::read(fd, (&raw mut byte).cast(), 1);
-            libc::_exit(if n == 0 { 0 } else { 1 });
-        }
-    }
-    let mut status = 0;
-    // SAFETY: waiting for our own child.
-    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-    assert!(libc::WIFEXITED(status), "child status {status:#x}");
-    match libc::WEXITSTATUS(status) {
-        0 => true,
-        1 => false,
-        code => panic!("the child could not become nobody or connect (exit {code})"),
-    }
-}
-
-/// Lets uid 65534 reach `socket` through the file system, so that only the server's own
-/// credential check stands in its way.
-fn open_to_everyone(socket: &Path) {
-    use std::os::unix::fs::PermissionsExt;
-    let dir = socket.parent().unwrap();
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711)).unwrap();
-    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o666)).unwrap();
-}
-
 #[test]
 fn server_refuses_peers_of_other_uids() {
     if skip() {
@@ -905,9 +847,10 @@ fn server_refuses_peers_of_other_uids() {
     }
     let dir = tempfile::tempdir().unwrap();
     let running = Running::start(raw_file(dir.path(), &image(MIB, 7)), BlockSize::default());
-    open_to_everyone(&running.socket);
+    testkit::open_to_everyone(&running.socket);
+    let _fork = fork_lock();
     assert!(
-        closed_for_nobody(&running.socket, 3),
+        testkit::closed_for_nobody(&running.socket, 3),
         "a peer of another uid was not refused at once"
     );
 }
@@ -922,8 +865,11 @@ fn pool_refuses_peers_of_other_uids() {
         let (server, stop) = (Arc::clone(&server), Arc::clone(&stop));
         std::thread::spawn(move || server.run(&stop))
     };
-    open_to_everyone(&socket);
-    let refused = closed_for_nobody(&socket, 3);
+    testkit::open_to_everyone(&socket);
+    let refused = {
+        let _fork = fork_lock();
+        testkit::closed_for_nobody(&socket, 3)
+    };
     stop.store(true, Ordering::Relaxed);
     thread.join().unwrap();
     assert!(refused, "a VM of another uid was let into the memory pool");

@@ -219,3 +219,47 @@ fn pool_daemon_gone_leaves_vms_with_their_data() {
     .unwrap_err();
     assert!(err.to_string().contains("memory pool"), "{err}");
 }
+
+/// `pvisor serve --memory-pool` on a socket in a fresh directory, `extra` flags added; waits
+/// for the line that says it listens.
+fn pvisor_pool(socket: &Path, extra: &[&str]) -> std::process::Child {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_pvisor"))
+        .args(["serve", "--memory-pool", "--socket"])
+        .arg(socket)
+        .args(extra)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(
+        socket.exists(),
+        "the pool printed {line:?} but has no socket"
+    );
+    child
+}
+
+#[test]
+fn pvisor_pool_lets_other_uids_in_only_when_allowed() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("pool.sock");
+    for (extra, refused) in [(&[][..], true), (&["--allow-uid", "65534"][..], false)] {
+        let mut pool = pvisor_pool(&socket, extra);
+        testkit::open_to_everyone(&socket);
+        let closed = testkit::closed_for_nobody(&socket, 2);
+        pool.kill().unwrap();
+        pool.wait().unwrap();
+        assert_eq!(
+            closed,
+            refused,
+            "pvisor serve --memory-pool {extra:?}: a VM of uid 65534 was {}",
+            if closed { "refused" } else { "let in" }
+        );
+    }
+}

@@ -114,9 +114,17 @@ enum Command {
         /// Serve the memory pool (the only service of `pvisor serve`).
         #[arg(long, required = true)]
         memory_pool: bool,
-        /// The Unix socket to listen on (a stale one is replaced; mode 0600).
+        /// The Unix socket to listen on (a stale one is replaced; mode 0600 from its creation).
         #[arg(long, value_name = "PATH")]
         socket: PathBuf,
+        /// Also let VMs running as this uid join (repeatable). VMs of the pool's own uid are
+        /// always let in, others are refused (`SO_PEERCRED`). The socket stays 0600: give the
+        /// uid access to it (chown, an ACL).
+        #[arg(long, value_name = "UID")]
+        allow_uid: Vec<u32>,
+        /// Also let VMs whose primary group is this gid join (repeatable).
+        #[arg(long, value_name = "GID")]
+        allow_gid: Vec<u32>,
     },
     /// Replay a recorded agent run (model waits and tool phases) in N VMs at once against a
     /// local model server that answers after the recorded waits; check every result and
@@ -152,9 +160,20 @@ fn main() -> ExitCode {
         } => client::suspend(&target, offload, ram_file.as_deref()),
         Command::Resume { target, eager, .. } => client::resume(&target, eager),
         Command::Snapshot { target, out, codec } => client::snapshot(&target, &out, codec),
-        Command::Serve { socket, .. } => uffd_pager::pool::run_daemon(&socket)
-            .map(|_| ExitCode::SUCCESS)
-            .map_err(Into::into),
+        Command::Serve {
+            socket,
+            allow_uid,
+            allow_gid,
+            ..
+        } => uffd_pager::pool::run_daemon_with(
+            &socket,
+            uffd_pager::socket::PeerPolicy {
+                uids: allow_uid,
+                gids: allow_gid,
+            },
+        )
+        .map(|_| ExitCode::SUCCESS)
+        .map_err(Into::into),
         Command::Replay(args) => replay::replay(&args),
         Command::Demo(args) => demo::demo(&args),
     };
