@@ -22,7 +22,7 @@ pub fn memory_pool(socket: &Path, peers: PeerPolicy) -> CliResult {
     Ok(ExitCode::SUCCESS)
 }
 
-fn init_logging() {
+pub(super) fn init_logging() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -38,6 +38,7 @@ pub fn serve(
     store: Option<&Path>,
     threads: usize,
     peers: PeerPolicy,
+    keeper: Option<&Path>,
 ) -> CliResult {
     init_logging();
     // Only the wait below receives the stop signals; every thread inherits the mask.
@@ -71,6 +72,17 @@ pub fn serve(
     )
     .map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?
     .allow_peers(peers);
+    let server = match keeper {
+        Some(path) => {
+            let server = server
+                .with_keeper(path)
+                .map_err(|e| format!("cannot attach to the keeper {}: {e}", path.display()))?;
+            let taken = server.take_over()?;
+            tracing::info!(keeper = %path.display(), vms = taken, "attached to the keeper");
+            server
+        }
+        None => server,
+    };
     tracing::info!(
         socket = %socket.display(),
         image_bytes = source.image_size(),
@@ -82,6 +94,15 @@ pub fn serve(
         let accept = scope.spawn(|| server.run(&stop));
         let signal = signals.wait()?;
         stop.store(true, Ordering::Relaxed);
+        if server.has_keeper() {
+            // An upgrade: the keeper holds the VMs for the next server. Served VMs stop at
+            // once; one accepted before the accept loop ends is handed over as it starts.
+            server.hand_over();
+            let _ = accept.join();
+            server.hand_over();
+            tracing::info!("{signal}: VMs left to the keeper; stopped");
+            return Ok(ExitCode::SUCCESS);
+        }
         let _ = accept.join();
         // VMs still attached would freeze on their next fault if the server left now: serve
         // them until they go, unless told again to stop.

@@ -15,7 +15,9 @@
 //! events outside the peer's regions are ignored, and thread counts it asks for are capped.
 //! One peer's misbehaviour ends its own connection at most.
 
+mod handover;
 pub mod handshake;
+pub mod keeper;
 pub mod protocol;
 
 use std::fs::File;
@@ -31,7 +33,8 @@ use compressed_backing::BlockSize;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-use crate::pager::{Pager, PagerConfig, RamKind, RegionSpec};
+use crate::journal::Journal;
+use crate::pager::{ErrorHandler, Pager, PagerConfig, RamKind, RegionSpec};
 use crate::socket::PeerPolicy;
 use crate::source::PageSource;
 use crate::state::PageState;
@@ -63,6 +66,10 @@ pub struct ServerStats {
     pub peers_killed: AtomicU64,
     /// Connections refused because the peer's uid or gid is not allowed.
     pub peers_refused: AtomicU64,
+    /// VMs taken over from the keeper at start.
+    pub taken_over: AtomicU64,
+    /// VMs the keeper held that could not be taken over (their VMMs were killed).
+    pub takeovers_refused: AtomicU64,
 }
 
 /// Allows a burst of messages, then one per interval, counting what it suppresses.
@@ -116,6 +123,10 @@ pub struct Server {
     stats: Arc<ServerStats>,
     log_limit: Arc<RateLimit>,
     peers: Arc<PeerPolicy>,
+    /// The keeper that holds this server's VMs across restarts, if any.
+    keeper: Option<Arc<keeper::KeeperClient>>,
+    /// Set to stop serving every VM and leave them to the keeper (an upgrade).
+    handover: Arc<AtomicBool>,
 }
 
 impl Server {
@@ -138,6 +149,8 @@ impl Server {
             stats: Arc::new(ServerStats::default()),
             log_limit: Arc::new(RateLimit::new(20, Duration::from_secs(1))),
             peers: Arc::new(PeerPolicy::default()),
+            keeper: None,
+            handover: Arc::new(AtomicBool::new(false)),
         })
     }
 
@@ -160,14 +173,7 @@ impl Server {
             match self.listener.accept() {
                 Ok((stream, _)) => {
                     self.stats.connections.fetch_add(1, Ordering::Relaxed);
-                    let connection = Connection {
-                        stream,
-                        source: Arc::clone(&self.source),
-                        config: self.config.clone(),
-                        stats: Arc::clone(&self.stats),
-                        log_limit: Arc::clone(&self.log_limit),
-                        peers: Arc::clone(&self.peers),
-                    };
+                    let connection = self.connection(stream);
                     let spawned = std::thread::Builder::new()
                         .name("uffd-conn".into())
                         .spawn(move || connection.serve());
@@ -185,6 +191,21 @@ impl Server {
                     std::thread::sleep(Duration::from_millis(50));
                 }
             }
+        }
+    }
+}
+
+impl Server {
+    fn connection(&self, stream: UnixStream) -> Connection {
+        Connection {
+            stream,
+            source: Arc::clone(&self.source),
+            config: self.config.clone(),
+            stats: Arc::clone(&self.stats),
+            log_limit: Arc::clone(&self.log_limit),
+            peers: Arc::clone(&self.peers),
+            keeper: self.keeper.clone(),
+            handover: Arc::clone(&self.handover),
         }
     }
 }
@@ -214,6 +235,8 @@ struct Connection {
     stats: Arc<ServerStats>,
     log_limit: Arc<RateLimit>,
     peers: Arc<PeerPolicy>,
+    keeper: Option<Arc<keeper::KeeperClient>>,
+    handover: Arc<AtomicBool>,
 }
 
 impl Connection {
@@ -239,31 +262,44 @@ impl Connection {
             }
         };
         self.stats.vms.fetch_add(1, Ordering::Relaxed);
-        self.stats.active.fetch_add(1, Ordering::Relaxed);
         tracing::info!(peer_pid = pid, bytes = pager.image_size(), "serving a VM");
+        self.serve_vm(pid, pager, session);
+    }
+
+    /// Serves a VM until its VMM leaves or the server hands its VMs over.
+    fn serve_vm(&self, pid: i32, pager: Pager, session: Session) {
+        self.stats.active.fetch_add(1, Ordering::Relaxed);
         match &session {
             // Firecracker keeps the socket open and sends nothing more: its end of file (or the
             // end of its address space) ends the service.
-            Session::Firecracker => self.wait_for_end(&pager),
+            Session::Firecracker { .. } => self.wait_for_end(&pager),
             Session::Pvisor { .. } => self.answer_requests(&pager),
         }
         let metrics = pager.metrics().snapshot();
+        // Its threads are joined here: every event they read is applied to the journal.
         drop(pager);
-        drop(session);
+        let handed_over = self.handed_over(&session);
         self.stats.active.fetch_sub(1, Ordering::Relaxed);
+        if handed_over {
+            tracing::info!(peer_pid = pid, "VM left to the keeper for the next server");
+            return;
+        }
+        self.release(&session);
         tracing::info!(
             peer_pid = pid,
             faults = metrics.faults_copy + metrics.faults_zero + metrics.faults_minor,
             errors = metrics.fault_errors,
             "VM gone"
         );
+        drop(session);
     }
 
     fn wait_for_end(&self, pager: &Pager) {
         let mut stream = &self.stream;
         let mut discard = [0u8; 256];
-        while !pager.owner_gone() {
-            if !wait_readable(self.stream.as_raw_fd(), 200) {
+        while !pager.owner_gone() && !self.handover.load(Ordering::Relaxed) {
+            // Short enough for a handover to stop serving within a few faults' time.
+            if !wait_readable(self.stream.as_raw_fd(), 50) {
                 continue;
             }
             match stream.read(&mut discard) {
@@ -279,6 +315,10 @@ impl Connection {
         let mut pending = Vec::new();
         let mut chunk = [0u8; 4096];
         while !pager.owner_gone() {
+            if self.handover.load(Ordering::Relaxed) {
+                let _ = stream.write_all(handover::PVISOR_NOT_HANDED_OVER.as_bytes());
+                return;
+            }
             if !wait_readable(self.stream.as_raw_fd(), 200) {
                 continue;
             }
@@ -314,18 +354,11 @@ impl Connection {
         let (specs, session, initial) = match received.message {
             handshake::Message::Firecracker(raw) => {
                 let regions = handshake::validate(&raw, image_size)?;
-                let specs = regions
-                    .iter()
-                    .map(|r| RegionSpec {
-                        kind: RamKind::Anon,
-                        range: r.range,
-                        image_offset: r.offset,
-                        memfd: None,
-                        memfd_offset: 0,
-                        view: None,
-                    })
-                    .collect();
-                (specs, Session::Firecracker, PageState::Source)
+                let session = Session::Firecracker {
+                    regions: raw,
+                    kept: None,
+                };
+                (anon_specs(&regions), session, PageState::Source)
             }
             handshake::Message::Pvisor(hello) => {
                 let initial = match hello.initial.as_deref() {
@@ -339,10 +372,89 @@ impl Connection {
                 (specs, Session::Pvisor { _views: views }, initial)
             }
         };
+        self.stream.set_read_timeout(None)?;
+        let (uffd, features) = Userfaultfd::adopt(received.uffd)?;
+        let remove_events = features & crate::uffd::feature::EVENT_REMOVE != 0;
+        let mut session = session;
+        let journal = match &mut session {
+            Session::Firecracker { regions, kept } => {
+                *kept = self.deposit(regions, &uffd, &specs, initial);
+                kept.as_ref().map(|k| Arc::clone(&k.journal))
+            }
+            Session::Pvisor { .. } => None,
+        };
+        // SAFETY: the regions belong to the peer's address space and were registered by the
+        // peer; their views are the server's own memfd mappings, which `session` keeps alive
+        // as long as the pager.
+        let pager = unsafe { self.pager(pid, uffd, remove_events, specs, initial, journal) };
+        let pager = match pager {
+            Ok(pager) => pager,
+            Err(e) => {
+                self.release(&session);
+                return Err(e.into());
+            }
+        };
+        if let Session::Pvisor { .. } = session {
+            let hello = serde_json::json!({
+                "status": "ok",
+                "value": {
+                    "protocol": handshake::PVISOR_PROTOCOL,
+                    "image_bytes": pager.image_size(),
+                    "block_bytes": pager.block_size().bytes_u64(),
+                },
+            });
+            (&self.stream).write_all(format!("{hello}\n").as_bytes())?;
+        }
+        Ok((pager, session))
+    }
+
+    /// A pager for the peer's regions on its uffd, its states in `journal` if given.
+    ///
+    /// # Safety
+    ///
+    /// The regions are registered by the peer in its own address space; every `view` is a
+    /// mapping of this process that outlives the pager.
+    unsafe fn pager(
+        &self,
+        pid: i32,
+        uffd: Userfaultfd,
+        remove_events: bool,
+        specs: Vec<RegionSpec>,
+        initial: PageState,
+        journal: Option<Arc<Journal>>,
+    ) -> Result<Pager, crate::pager::PagerError> {
+        let config = PagerConfig {
+            threads: self.config.threads,
+            block_size: self.config.block_size,
+            initial,
+            register: false,
+            // Firecracker asks for them; the pager never discards remote memory itself.
+            remove_events,
+            track_writes: false,
+        };
+        let source = Some(Arc::clone(&self.source));
+        let on_error = self.error_handler(pid);
+        // SAFETY: the pager only resolves faults on the peer's registered regions through the
+        // uffd; the views are forwarded from the caller.
+        unsafe {
+            Pager::with_journal(
+                uffd,
+                remove_events,
+                specs,
+                config,
+                source,
+                on_error,
+                journal,
+            )
+        }
+    }
+
+    /// What to do with a fault that cannot be served: log it and kill the peer (once).
+    fn error_handler(&self, pid: i32) -> ErrorHandler {
         let killed = AtomicBool::new(false);
         let stats = Arc::clone(&self.stats);
         let log_limit = Arc::clone(&self.log_limit);
-        let on_error = Box::new(move |e: &crate::pager::FaultError| {
+        Box::new(move |e: &crate::pager::FaultError| {
             // What the peer's own address space does outside its regions harms nobody else:
             // ignored, never applied to another range.
             if e.is_ignored() {
@@ -366,51 +478,34 @@ impl Connection {
                 );
                 let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
             }
-        });
-        let (uffd, features) = Userfaultfd::adopt(received.uffd)?;
-        // SAFETY: the regions belong to the peer's address space and were registered by the
-        // peer; the pager only resolves faults on them through the uffd. Their views are the
-        // server's own memfd mappings, which `session` keeps alive as long as the pager.
-        let pager = unsafe {
-            Pager::with_uffd(
-                uffd,
-                features & crate::uffd::feature::EVENT_REMOVE != 0,
-                specs,
-                PagerConfig {
-                    threads: self.config.threads,
-                    block_size: self.config.block_size,
-                    initial,
-                    register: false,
-                    // Firecracker asks for them; the pager never discards remote memory itself.
-                    remove_events: features & crate::uffd::feature::EVENT_REMOVE != 0,
-                    track_writes: false,
-                },
-                Some(Arc::clone(&self.source)),
-                on_error,
-            )?
-        };
-        self.stream.set_read_timeout(None)?;
-        if let Session::Pvisor { .. } = session {
-            let hello = serde_json::json!({
-                "status": "ok",
-                "value": {
-                    "protocol": handshake::PVISOR_PROTOCOL,
-                    "image_bytes": pager.image_size(),
-                    "block_bytes": pager.block_size().bytes_u64(),
-                },
-            });
-            (&self.stream).write_all(format!("{hello}\n").as_bytes())?;
-        }
-        Ok((pager, session))
+        })
     }
 }
 
 /// What a connection speaks after its handshake.
 enum Session {
-    /// Firecracker's: nothing more.
-    Firecracker,
+    /// Firecracker's: nothing more. Its regions as they came, and where the keeper holds it.
+    Firecracker {
+        regions: Vec<handshake::GuestRegion>,
+        kept: Option<handover::Kept>,
+    },
     /// The project's: requests; the memfd views must outlive the pager.
     Pvisor { _views: Vec<MemfdView> },
+}
+
+/// Firecracker regions: the peer's anonymous memory, reachable only through its uffd.
+fn anon_specs(regions: &[handshake::Region]) -> Vec<RegionSpec> {
+    regions
+        .iter()
+        .map(|r| RegionSpec {
+            kind: RamKind::Anon,
+            range: r.range,
+            image_offset: r.offset,
+            memfd: None,
+            memfd_offset: 0,
+            view: None,
+        })
+        .collect()
 }
 
 /// The server's own read-only mapping of a VM's memfd, to read its RAM for offload.
