@@ -243,6 +243,18 @@ impl Vmm {
         assert_eq!(self.reply(command), "ok", "{command}");
     }
 
+    /// Waits for the child to exit (a refused VM's VMM is killed).
+    fn wait_exit(&mut self) -> std::process::ExitStatus {
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "the VMM was not refused");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// Pages touched so far by running `touch` commands.
     fn progress(&self) -> u64 {
         self.progress.load(Ordering::Relaxed)
@@ -352,6 +364,54 @@ fn restart_kill_after_discard_serves_zeros_there() {
 }
 
 #[test]
+fn restart_upgrade_with_keeper_gone_serves_on() {
+    if skip() {
+        return;
+    }
+    let mut rig = Rig::new();
+    rig.start_server();
+    let mut vmm = rig.vmm();
+    vmm.run("touch 0 64 1");
+    let _ = rig.keeper.kill();
+    let _ = rig.keeper.wait();
+    let server = rig.server.as_ref().unwrap();
+    let pid = nix::unistd::Pid::from_raw(server.id().cast_signed());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    // No keeper to leave the VM to: the server goes on serving it.
+    vmm.run(&format!("touch 64 {PAGES} 2"));
+    assert!(
+        rig.server_log().contains("the keeper is gone"),
+        "{}",
+        rig.server_log()
+    );
+    assert!(rig.server.as_mut().unwrap().try_wait().unwrap().is_none());
+}
+
+#[test]
+fn restart_on_another_image_is_refused() {
+    if skip() {
+        return;
+    }
+    let mut rig = Rig::new();
+    rig.start_server();
+    let mut vmm = rig.vmm();
+    vmm.run("touch 0 64 1");
+    rig.stop_server(nix::sys::signal::Signal::SIGKILL);
+    // The memory file is replaced (same size, other bytes) before the restart.
+    let mem = rig.dir.path().join("mem");
+    let mut other = image(IMAGE);
+    other.reverse();
+    std::fs::write(mem.with_extension("new"), other).unwrap();
+    std::fs::rename(mem.with_extension("new"), &mem).unwrap();
+    vmm.send("touch 64 128 1");
+    rig.start_server();
+    let status = vmm.wait_exit();
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
+    let log = rig.server_log();
+    assert!(log.contains("it was restored from image"), "{log}");
+}
+
+#[test]
 fn restart_journal_with_read_marker_set_is_refused() {
     if skip() {
         return;
@@ -385,18 +445,7 @@ fn restart_journal_with_read_marker_set_is_refused() {
     };
     vmm.send("touch 0 16 1");
     rig.start_server();
-    let deadline = Instant::now() + PATIENCE;
-    let status = loop {
-        if let Some(status) = vmm.child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the VM was not refused: {}",
-            rig.server_log()
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let status = vmm.wait_exit();
     assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
     let log = rig.server_log();
     assert!(log.contains("cannot take the VM over"), "{log}");

@@ -72,6 +72,7 @@ pub fn serve(
     )
     .map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?
     .allow_peers(peers);
+    let server = server.with_image_id(&image_id(mem_file, store)?);
     let server = match keeper {
         Some(path) => {
             let server = server
@@ -94,16 +95,14 @@ pub fn serve(
         let accept = scope.spawn(|| server.run(&stop));
         let signal = signals.wait()?;
         stop.store(true, Ordering::Relaxed);
-        if server.has_keeper() {
-            // An upgrade: the keeper holds the VMs for the next server. Served VMs stop at
-            // once; one accepted before the accept loop ends is handed over as it starts.
-            server.hand_over();
-            let _ = accept.join();
-            server.hand_over();
-            tracing::info!("{signal}: VMs left to the keeper; stopped");
-            return Ok(ExitCode::SUCCESS);
-        }
+        // An upgrade: the VMs the keeper holds stop being served at once and are left to the
+        // next server; one accepted before the accept loop ends is handed over as it starts.
+        let handed_over = server.hand_over();
         let _ = accept.join();
+        if handed_over {
+            server.hand_over();
+            tracing::info!("{signal}: VMs held by the keeper left to the next server");
+        }
         // VMs still attached would freeze on their next fault if the server left now: serve
         // them until they go, unless told again to stop.
         let active = || server.stats().active.load(Ordering::Relaxed);
@@ -122,6 +121,34 @@ pub fn serve(
         tracing::info!("stopped");
         Ok(ExitCode::SUCCESS)
     })
+}
+
+/// What names the image served, for takeovers: the raw file's device, inode, size and
+/// modification time, or the store's directory and index generation.
+fn image_id(
+    mem_file: Option<&Path>,
+    store: Option<&Path>,
+) -> Result<String, Box<dyn std::error::Error>> {
+    use std::os::unix::fs::MetadataExt;
+    let (kind, path) = match (mem_file, store) {
+        (Some(path), _) => ("raw", path),
+        (None, Some(dir)) => ("store", dir),
+        (None, None) => return Err("give --mem-file FILE or --store DIR".into()),
+    };
+    let path = path.canonicalize()?;
+    let meta = match kind {
+        "raw" => std::fs::metadata(&path)?,
+        _ => std::fs::metadata(path.join("index"))?,
+    };
+    Ok(format!(
+        "{kind} {} dev {} ino {} size {} mtime {}.{:09}",
+        path.display(),
+        meta.dev(),
+        meta.ino(),
+        meta.size(),
+        meta.mtime(),
+        meta.mtime_nsec()
+    ))
 }
 
 /// Waits up to `timeout_ms` for one of `signals`; true if one arrived.

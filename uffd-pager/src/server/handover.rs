@@ -46,6 +46,9 @@ struct Meta {
     session: String,
     /// The regions as the VMM sent them.
     regions: Vec<handshake::GuestRegion>,
+    /// The image it was restored from ([`Server::with_image_id`]).
+    #[serde(default)]
+    image: String,
 }
 
 /// A VM the keeper holds for this server.
@@ -72,6 +75,7 @@ impl Connection {
                 let meta = serde_json::to_value(Meta {
                     session: "firecracker".into(),
                     regions: regions.to_vec(),
+                    image: self.image_id.to_string(),
                 })
                 .expect("regions serialize");
                 let id = keeper
@@ -198,6 +202,12 @@ impl Server {
                 "the journal has pages in states it cannot prove: {counts:?}"
             ));
         }
+        if meta.image != *self.image_id {
+            return Err(format!(
+                "it was restored from image `{}`, this server serves `{}`",
+                meta.image, self.image_id
+            ));
+        }
         let (uffd, features) = Userfaultfd::adopt(vm.uffd).map_err(|e| error_chain(&e))?;
         let remove_events = features & feature::EVENT_REMOVE != 0;
         let clean = journal.clean();
@@ -245,17 +255,32 @@ impl Server {
         Ok(())
     }
 
-    /// Stops serving every VM, leaving those the keeper holds for the next server (an
-    /// upgrade); returns once no VM is served any more. Without a keeper, VMs are served
-    /// until they leave, as before.
-    pub fn hand_over(&self) {
-        if self.keeper.is_none() {
-            return;
+    /// Names the image this server serves (e.g. its file's device, inode, size and mtime):
+    /// VMs are taken over only by a server whose image has the same name, so that a restore
+    /// never goes on from another image.
+    pub fn with_image_id(mut self, id: &str) -> Self {
+        self.image_id = Arc::from(id);
+        self
+    }
+
+    /// Stops serving the VMs the keeper holds, leaving them for the next server (an upgrade),
+    /// and ends `pvisor-uffd/1` sessions ([`PVISOR_NOT_HANDED_OVER`]); returns once none of
+    /// those is served any more, true if it handed over. Without a keeper, or if the keeper is
+    /// gone (they would freeze), nothing is handed over: VMs are served until they leave.
+    /// A Firecracker VM the keeper does not hold is served on too.
+    pub fn hand_over(&self) -> bool {
+        let Some(keeper) = &self.keeper else {
+            return false;
+        };
+        if !keeper.alive() {
+            tracing::error!("the keeper is gone: its VMs are served here until they leave");
+            return false;
         }
         self.handover.store(true, Ordering::Relaxed);
-        while self.stats.active.load(Ordering::Relaxed) > 0 {
-            std::thread::sleep(Duration::from_millis(10));
+        while self.stats.kept.load(Ordering::Relaxed) > 0 {
+            std::thread::sleep(Duration::from_millis(5));
         }
+        true
     }
 
     /// True if VMs are handed to a keeper.

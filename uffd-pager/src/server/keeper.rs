@@ -449,6 +449,15 @@ impl KeeperClient {
         }
     }
 
+    /// True while the keeper's end of the connection is open.
+    pub fn alive(&self) -> bool {
+        let stream = self.stream.lock();
+        let mut fd = pollfd(stream.as_fd(), libc::POLLRDHUP);
+        // SAFETY: one valid pollfd for a descriptor we hold; no waiting.
+        let rc = unsafe { libc::poll(&mut fd, 1, 0) };
+        rc == 0 || (rc > 0 && fd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) == 0)
+    }
+
     /// Has the keeper hold a VM; returns its id.
     pub fn hold(
         &self,

@@ -70,6 +70,8 @@ pub struct ServerStats {
     pub taken_over: AtomicU64,
     /// VMs the keeper held that could not be taken over (their VMMs were killed).
     pub takeovers_refused: AtomicU64,
+    /// VMs served right now that the keeper holds (a handover leaves them to the next server).
+    pub kept: AtomicU64,
 }
 
 /// Allows a burst of messages, then one per interval, counting what it suppresses.
@@ -127,6 +129,8 @@ pub struct Server {
     keeper: Option<Arc<keeper::KeeperClient>>,
     /// Set to stop serving every VM and leave them to the keeper (an upgrade).
     handover: Arc<AtomicBool>,
+    /// What identifies the image served (a VM is taken over only by a server of the same).
+    image_id: Arc<str>,
 }
 
 impl Server {
@@ -151,6 +155,7 @@ impl Server {
             peers: Arc::new(PeerPolicy::default()),
             keeper: None,
             handover: Arc::new(AtomicBool::new(false)),
+            image_id: Arc::from(""),
         })
     }
 
@@ -206,6 +211,7 @@ impl Server {
             peers: Arc::clone(&self.peers),
             keeper: self.keeper.clone(),
             handover: Arc::clone(&self.handover),
+            image_id: Arc::clone(&self.image_id),
         }
     }
 }
@@ -237,6 +243,7 @@ struct Connection {
     peers: Arc<PeerPolicy>,
     keeper: Option<Arc<keeper::KeeperClient>>,
     handover: Arc<AtomicBool>,
+    image_id: Arc<str>,
 }
 
 impl Connection {
@@ -269,16 +276,23 @@ impl Connection {
     /// Serves a VM until its VMM leaves or the server hands its VMs over.
     fn serve_vm(&self, pid: i32, pager: Pager, session: Session) {
         self.stats.active.fetch_add(1, Ordering::Relaxed);
+        let kept = matches!(session, Session::Firecracker { kept: Some(_), .. });
+        if kept {
+            self.stats.kept.fetch_add(1, Ordering::Relaxed);
+        }
         match &session {
             // Firecracker keeps the socket open and sends nothing more: its end of file (or the
             // end of its address space) ends the service.
-            Session::Firecracker { .. } => self.wait_for_end(&pager),
+            Session::Firecracker { .. } => self.wait_for_end(&pager, kept),
             Session::Pvisor { .. } => self.answer_requests(&pager),
         }
         let metrics = pager.metrics().snapshot();
         // Its threads are joined here: every event they read is applied to the journal.
         drop(pager);
         let handed_over = self.handed_over(&session);
+        if kept {
+            self.stats.kept.fetch_sub(1, Ordering::Relaxed);
+        }
         self.stats.active.fetch_sub(1, Ordering::Relaxed);
         if handed_over {
             tracing::info!(peer_pid = pid, "VM left to the keeper for the next server");
@@ -294,10 +308,12 @@ impl Connection {
         drop(session);
     }
 
-    fn wait_for_end(&self, pager: &Pager) {
+    /// Until the VMM leaves, or a handover if the keeper holds the VM (`kept`).
+    fn wait_for_end(&self, pager: &Pager, kept: bool) {
         let mut stream = &self.stream;
         let mut discard = [0u8; 256];
-        while !pager.owner_gone() && !self.handover.load(Ordering::Relaxed) {
+        let handing_over = || kept && self.handover.load(Ordering::Relaxed);
+        while !pager.owner_gone() && !handing_over() {
             // Short enough for a handover to stop serving within a few faults' time.
             if !wait_readable(self.stream.as_raw_fd(), 50) {
                 continue;
