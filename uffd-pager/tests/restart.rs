@@ -335,6 +335,49 @@ fn restart_upgrade_mid_restore_completes_with_image_bytes() {
     restart_mid_restore(nix::sys::signal::Signal::SIGTERM);
 }
 
+/// `RESTART_KILLS` (default 50) kills at random points of restores: each VM either
+/// completes with the image's bytes or is refused (the kill landed inside an unjournaled read
+/// of events). Prints how many were refused. A measurement: run it on its own.
+#[test]
+#[ignore = "a measurement: cargo test --release --test restart -- --ignored --nocapture"]
+fn restart_random_kills_complete_or_are_refused() {
+    if skip() {
+        return;
+    }
+    let kills: u32 = std::env::var("RESTART_KILLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(50);
+    let mut rig = Rig::new();
+    let (mut completed, mut refused) = (0, 0);
+    let mut seed = 0x2545_F491_4F6C_DD1D_u64;
+    for _ in 0..kills {
+        rig.start_server();
+        let mut vmm = rig.vmm();
+        vmm.send(&format!("touch 0 {PAGES} 4"));
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        vmm.wait_progress(PAGES as u64 / 20 + seed % (PAGES as u64 * 17 / 20));
+        rig.stop_server(nix::sys::signal::Signal::SIGKILL);
+        rig.start_server();
+        match vmm.lines.recv_timeout(PATIENCE) {
+            Ok(line) => {
+                assert_eq!(line, "ok");
+                completed += 1;
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                assert_eq!(vmm.wait_exit().signal(), Some(libc::SIGKILL));
+                refused += 1;
+            }
+            Err(RecvTimeoutError::Timeout) => panic!("the guest froze"),
+        }
+        drop(vmm);
+        rig.stop_server(nix::sys::signal::Signal::SIGKILL);
+    }
+    eprintln!("{kills} kills mid-restore: {completed} completed, {refused} refused");
+}
+
 #[test]
 fn restart_kill_after_discard_serves_zeros_there() {
     if skip() {

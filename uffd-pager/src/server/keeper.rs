@@ -536,6 +536,41 @@ mod tests {
     }
 
     #[test]
+    fn keeper_one_server_at_a_time_and_vm_released_on_hangup() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keeper.sock");
+        let socket = KeeperSocket::bind(&path).unwrap();
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| socket.run(&stop));
+            let first = KeeperClient::attach(&path, Duration::ZERO).unwrap();
+            assert!(KeeperClient::attach(&path, Duration::ZERO).is_err());
+            let (vmm, conn) = UnixStream::pair().unwrap();
+            let journal =
+                crate::journal::Journal::create(1, crate::state::PageState::Zero).unwrap();
+            let meta = serde_json::json!({"session": "firecracker"});
+            first
+                .hold(meta.clone(), conn.as_fd(), conn.as_fd(), journal.fd())
+                .unwrap();
+            let held = first.list().unwrap();
+            assert_eq!((held.len(), &held[0].meta), (1, &meta));
+            drop(held);
+            // The VMM leaves: the keeper lets the VM go.
+            drop(vmm);
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            while !first.list().unwrap().is_empty() {
+                assert!(std::time::Instant::now() < deadline, "the VM is still held");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            // The first server's end frees the attachment.
+            drop(first);
+            let second = KeeperClient::attach(&path, Duration::from_secs(5)).unwrap();
+            assert!(second.list().unwrap().is_empty());
+            stop.store(true, Ordering::Relaxed);
+        });
+    }
+
+    #[test]
     fn keeper_message_oversized_length_is_refused() {
         let (a, b) = UnixStream::pair().unwrap();
         (&a).write_all(&u32::MAX.to_le_bytes()).unwrap();
