@@ -631,6 +631,55 @@ impl Drop for Mapping {
     }
 }
 
+#[test]
+fn keeper_refuses_servers_of_other_uids() {
+    if skip() {
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let rig = Rig::new();
+    // Only the keeper's own credential check stands in the way of uid 65534.
+    std::fs::set_permissions(rig.dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    std::fs::set_permissions(rig.keeper_socket(), std::fs::Permissions::from_mode(0o666)).unwrap();
+    let output = Command::new("setpriv")
+        .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "probe_child_connects_when_spawned",
+            "--nocapture",
+        ])
+        .env("RESTART_PROBE_SOCKET", rig.keeper_socket())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("probe: closed"), "{stdout}");
+    let log = std::fs::read_to_string(rig.dir.path().join("keeper.log")).unwrap();
+    assert!(log.contains("runs as uid 65534"), "{log}");
+}
+
+/// The other-uid child of the test above: connects, says whether the keeper closed the
+/// connection without a word.
+#[test]
+fn probe_child_connects_when_spawned() {
+    let Some(socket) = std::env::var_os("RESTART_PROBE_SOCKET") else {
+        return;
+    };
+    let Ok(mut stream) = UnixStream::connect(socket) else {
+        println!("probe: connect failed");
+        return;
+    };
+    stream
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .unwrap();
+    let mut buf = [0u8; 64];
+    match std::io::Read::read(&mut stream, &mut buf) {
+        Ok(0) => println!("probe: closed"),
+        Ok(n) => println!("probe: answered {n} bytes"),
+        Err(e) => println!("probe: {e}"),
+    }
+}
+
 /// The VMM child's side: only when spawned by a test above (else it returns at once).
 #[test]
 fn vmm_child_serves_commands_when_spawned() {

@@ -336,6 +336,9 @@ impl Keeper {
             }
         };
         let reply = match message {
+            Message::Hold { .. } if fds.first().is_some_and(|fd| !is_socket(fd.as_fd())) => {
+                Err("hold: the first descriptor is not the VMM's connection socket".into())
+            }
             Message::Hold { meta } if fds.len() == MAX_FDS && self.vms.len() < MAX_VMS => {
                 self.next_id += 1;
                 let id = self.next_id;
@@ -378,6 +381,11 @@ impl Keeper {
             count: self.vms.len() as u64,
         })
     }
+}
+
+/// True if `fd` is a socket (whose hang-up the keeper can watch).
+fn is_socket(fd: BorrowedFd<'_>) -> bool {
+    nix::sys::stat::fstat(fd).is_ok_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFSOCK)
 }
 
 fn pollfd(fd: BorrowedFd<'_>, events: libc::c_short) -> libc::pollfd {
@@ -568,6 +576,43 @@ mod tests {
             assert!(second.list().unwrap().is_empty());
             stop.store(true, Ordering::Relaxed);
         });
+    }
+
+    #[test]
+    fn keeper_hold_without_a_socket_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keeper.sock");
+        let socket = KeeperSocket::bind(&path).unwrap();
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| socket.run(&stop));
+            let client = KeeperClient::attach(&path, Duration::ZERO).unwrap();
+            let journal =
+                crate::journal::Journal::create(1, crate::state::PageState::Zero).unwrap();
+            let fd = journal.fd();
+            assert!(client.hold(serde_json::json!({}), fd, fd, fd).is_err());
+            assert!(client.list().unwrap().is_empty());
+            stop.store(true, Ordering::Relaxed);
+        });
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn fuzz_keeper_recv_random_frames_never_panic(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512),
+            small_len in proptest::prelude::any::<bool>(),
+        ) {
+            let (a, b) = UnixStream::pair().unwrap();
+            let mut bytes = bytes;
+            if small_len && bytes.len() >= 4 {
+                // A plausible length, so that the body is parsed.
+                let len = (bytes.len() - 4) as u32;
+                bytes[..4].copy_from_slice(&len.to_le_bytes());
+            }
+            (&a).write_all(&bytes).unwrap();
+            drop(a);
+            let _ = recv(&b);
+        }
     }
 
     #[test]
