@@ -431,6 +431,42 @@ fn restart_upgrade_with_keeper_gone_serves_on() {
 }
 
 #[test]
+fn restart_upgrade_ends_pvisor_sessions_with_an_error() {
+    if skip() {
+        return;
+    }
+    let mut rig = Rig::new();
+    rig.start_server();
+    let mem = Mapping::new(4 * MIB);
+    let uffd = Userfaultfd::create(feature::EVENT_REMOVE).unwrap();
+    // SAFETY: the mapping outlives the server's use of it (this test's end).
+    unsafe { uffd.register(mem.range(), Mode::MISSING).unwrap() };
+    let hello = format!(
+        r#"{{"protocol":"pvisor-uffd/1","regions":[{{"base_host_virt_addr":{},"size":{},"offset":0}}]}}"#,
+        mem.ptr as u64, mem.len
+    );
+    let stream = UnixStream::connect(rig.socket()).unwrap();
+    let fds = [uffd.as_raw_fd()];
+    sendmsg::<()>(
+        stream.as_raw_fd(),
+        &[IoSlice::new(hello.as_bytes())],
+        &[ControlMessage::ScmRights(&fds)],
+        MsgFlags::empty(),
+        None,
+    )
+    .unwrap();
+    stream.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut lines = BufReader::new(&stream).lines();
+    let first = lines.next().unwrap().unwrap();
+    assert!(first.contains("\"ok\""), "{first}");
+    let status = rig.stop_server(nix::sys::signal::Signal::SIGTERM);
+    assert!(status.success(), "{status:?}");
+    let last = lines.next().unwrap().unwrap();
+    assert!(last.contains("not handed over"), "{last}");
+    assert!(lines.next().is_none(), "the connection stayed open");
+}
+
+#[test]
 fn restart_on_another_image_is_refused() {
     if skip() {
         return;
