@@ -404,6 +404,14 @@ fn restart_kill_after_discard_serves_zeros_there() {
     rig.start_server();
     vmm.run("zeros 1000 1010");
     vmm.run("touch 1010 2000 1");
+    // A discard while no server runs waits for its event to be read: by the next server.
+    rig.stop_server(nix::sys::signal::Signal::SIGKILL);
+    vmm.send("discard 3000 3100");
+    std::thread::sleep(Duration::from_millis(50));
+    rig.start_server();
+    assert_eq!(vmm.reply("a discard across a restart"), "ok");
+    vmm.run("zeros 3000 3100");
+    vmm.run("touch 3100 3200 1");
 }
 
 #[test]
