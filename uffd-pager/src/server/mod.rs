@@ -14,8 +14,11 @@
 //! must be size-sealed and large enough (so that reading them cannot raise `SIGBUS` here),
 //! events outside the peer's regions are ignored, and thread counts it asks for are capped.
 //! One peer's misbehaviour ends its own connection at most.
+//!
+//! With a keeper ([`keeper`], [`handover`]) the server can be killed or upgraded under its VMs:
+//! a new server takes over every VM the keeper holds.
 
-mod handover;
+pub mod handover;
 pub mod handshake;
 pub mod keeper;
 pub mod protocol;
