@@ -475,6 +475,28 @@ fn restart_upgrade_ends_pvisor_sessions_with_an_error() {
 }
 
 #[test]
+fn restart_serve_with_no_keeper_listening_fails_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("mem"), vec![0u8; MIB]).unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_uffd-pager"))
+        .args(["serve", "--socket"])
+        .arg(dir.path().join("uffd.sock"))
+        .arg("--mem-file")
+        .arg(dir.path().join("mem"))
+        .arg("--keeper")
+        .arg(dir.path().join("no-keeper.sock"))
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("cannot attach to the keeper"), "{stderr}");
+    assert!(
+        !dir.path().join("uffd.sock").exists(),
+        "the socket was left behind"
+    );
+}
+
+#[test]
 fn restart_on_another_image_is_refused() {
     if skip() {
         return;
