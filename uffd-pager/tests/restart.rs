@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
 use uffd_pager::addr::{HostAddr, HostRange, PAGE_SIZE};
 use uffd_pager::journal::Journal;
+use uffd_pager::server::handover::image_id;
 use uffd_pager::server::handshake;
 use uffd_pager::server::keeper::KeeperClient;
 use uffd_pager::state::PageState;
@@ -520,38 +521,44 @@ fn restart_on_another_image_is_refused() {
     assert!(log.contains("it was restored from image"), "{log}");
 }
 
+/// Plays an old server: takes the VMM's handshake, lets `before_death` act on the VM (its
+/// uffd, the region's base address, the journal), hands the VM to the keeper and dies.
+fn old_server_died(
+    rig: &Rig,
+    before_death: impl FnOnce(&mut Vmm, &Userfaultfd, u64, &Journal),
+) -> Vmm {
+    use std::os::fd::AsFd;
+    let listener = UnixListener::bind(rig.socket()).unwrap();
+    let (socket, mem) = (rig.socket(), rig.dir.path().join("mem"));
+    let spawn = std::thread::spawn(move || Vmm::spawn(&socket, &mem));
+    let (conn, _) = listener.accept().unwrap();
+    let received = handshake::receive(&conn, Duration::from_secs(10)).unwrap();
+    let handshake::Message::Firecracker(regions) = received.message else {
+        panic!("not a Firecracker handshake");
+    };
+    let mut vmm = spawn.join().unwrap();
+    let uffd = Userfaultfd::from_fd(received.uffd);
+    let journal = Journal::create(PAGES as u64, PageState::Source).unwrap();
+    before_death(&mut vmm, &uffd, regions[0].base_host_virt_addr, &journal);
+    let keeper = KeeperClient::attach(&rig.keeper_socket(), Duration::from_secs(5)).unwrap();
+    let image = image_id(&rig.dir.path().join("mem"), false).unwrap();
+    let meta = serde_json::json!({"session": "firecracker", "regions": regions, "image": image});
+    keeper
+        .hold(meta, conn.as_fd(), uffd.as_fd(), journal.fd())
+        .unwrap();
+    drop((keeper, conn, uffd, journal, listener));
+    std::fs::remove_file(rig.socket()).unwrap();
+    vmm
+}
+
 #[test]
 fn restart_journal_with_read_marker_set_is_refused() {
     if skip() {
         return;
     }
     let mut rig = Rig::new();
-    // This test plays the old server: it takes the VMM's handshake and hands the VM to the
-    // keeper with a journal whose read marker is set, as a server killed inside a read of its
-    // events leaves it.
-    let listener = UnixListener::bind(rig.socket()).unwrap();
-    let mut vmm = {
-        let (socket, mem) = (rig.socket(), rig.dir.path().join("mem"));
-        let spawn = std::thread::spawn(move || Vmm::spawn(&socket, &mem));
-        let (conn, _) = listener.accept().unwrap();
-        let received = handshake::receive(&conn, Duration::from_secs(10)).unwrap();
-        let handshake::Message::Firecracker(regions) = received.message else {
-            panic!("not a Firecracker handshake");
-        };
-        let journal = Journal::create(PAGES as u64, PageState::Source).unwrap();
-        journal.begin_read();
-        let keeper = KeeperClient::attach(&rig.keeper_socket(), Duration::from_secs(5)).unwrap();
-        let meta = serde_json::json!({"session": "firecracker", "regions": regions});
-        use std::os::fd::AsFd;
-        keeper
-            .hold(meta, conn.as_fd(), received.uffd.as_fd(), journal.fd())
-            .unwrap();
-        // The "server" answers the handshake's faults no more: it is dead.
-        let vmm = spawn.join().unwrap();
-        drop((keeper, conn, received.uffd, journal, listener));
-        std::fs::remove_file(rig.socket()).unwrap();
-        vmm
-    };
+    // As a server killed inside a read of its events leaves it.
+    let mut vmm = old_server_died(&rig, |_, _, _, journal| journal.begin_read());
     vmm.send("touch 0 16 1");
     rig.start_server();
     let status = vmm.wait_exit();
@@ -559,6 +566,49 @@ fn restart_journal_with_read_marker_set_is_refused() {
     let log = rig.server_log();
     assert!(log.contains("cannot take the VM over"), "{log}");
     assert!(log.contains("died while reading its events"), "{log}");
+}
+
+#[test]
+fn restart_fault_read_and_pages_installed_by_the_dead_server_are_served() {
+    if skip() {
+        return;
+    }
+    let mut rig = Rig::new();
+    let data = image(IMAGE);
+    let page = PAGE_SIZE as usize;
+    let mut vmm = old_server_died(&rig, |vmm, uffd, base, _| {
+        // The old server reads the child's first fault and dies before resolving it, after
+        // installing pages 64..128 that its journal does not say are resident yet.
+        vmm.send("touch 0 128 1");
+        let mut events = Vec::new();
+        let deadline = Instant::now() + PATIENCE;
+        while events.is_empty() {
+            assert!(Instant::now() < deadline, "no fault came");
+            uffd.poll(None, 100).unwrap();
+            uffd.read_events(&mut events).unwrap();
+        }
+        assert!(matches!(
+            events[0],
+            uffd_pager::uffd::Event::Pagefault { .. }
+        ));
+        let installed = uffd
+            .copy_missing(
+                HostAddr(base + 64 * PAGE_SIZE),
+                &data[64 * page..128 * page],
+                false,
+            )
+            .unwrap();
+        assert_eq!(installed, 64 * PAGE_SIZE);
+    });
+    rig.start_server();
+    // Without the wake, the child's read fault stays asleep for good.
+    assert_eq!(
+        vmm.reply("the fault the old server read"),
+        "ok",
+        "{}",
+        rig.server_log()
+    );
+    vmm.run(&format!("touch 0 {PAGES} 2"));
 }
 
 /// How often a kill at a random moment of a busy restore lands inside a read of events that

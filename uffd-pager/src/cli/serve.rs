@@ -72,7 +72,12 @@ pub fn serve(
     )
     .map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?
     .allow_peers(peers);
-    let server = server.with_image_id(&image_id(mem_file, store)?);
+    let image_id = match (mem_file, store) {
+        (Some(path), _) => uffd_pager::server::handover::image_id(path, false)?,
+        (None, Some(dir)) => uffd_pager::server::handover::image_id(dir, true)?,
+        (None, None) => return Err("give --mem-file FILE or --store DIR".into()),
+    };
+    let server = server.with_image_id(&image_id);
     let server = match keeper {
         Some(path) => {
             let server = server
@@ -121,34 +126,6 @@ pub fn serve(
         tracing::info!("stopped");
         Ok(ExitCode::SUCCESS)
     })
-}
-
-/// What names the image served, for takeovers: the raw file's device, inode, size and
-/// modification time, or the store's directory and index generation.
-fn image_id(
-    mem_file: Option<&Path>,
-    store: Option<&Path>,
-) -> Result<String, Box<dyn std::error::Error>> {
-    use std::os::unix::fs::MetadataExt;
-    let (kind, path) = match (mem_file, store) {
-        (Some(path), _) => ("raw", path),
-        (None, Some(dir)) => ("store", dir),
-        (None, None) => return Err("give --mem-file FILE or --store DIR".into()),
-    };
-    let path = path.canonicalize()?;
-    let meta = match kind {
-        "raw" => std::fs::metadata(&path)?,
-        _ => std::fs::metadata(path.join("index"))?,
-    };
-    Ok(format!(
-        "{kind} {} dev {} ino {} size {} mtime {}.{:09}",
-        path.display(),
-        meta.dev(),
-        meta.ino(),
-        meta.size(),
-        meta.mtime(),
-        meta.mtime_nsec()
-    ))
 }
 
 /// Waits up to `timeout_ms` for one of `signals`; true if one arrived.

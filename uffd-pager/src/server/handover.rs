@@ -39,6 +39,28 @@ pub const PVISOR_NOT_HANDED_OVER: &str = "{\"status\":\"error\",\"error\":\"uffd
      restarting: pvisor-uffd/1 sessions are not handed over (offloaded pages are not \
      journaled); stop the VM or connect again\"}\n";
 
+/// What names an image for takeovers ([`Server::with_image_id`]): a raw memory file's path,
+/// device, inode, size and modification time, or a store directory's (`store`) and its index
+/// file's: replacing or repacking the image changes it.
+pub fn image_id(path: &Path, store: bool) -> std::io::Result<String> {
+    use std::os::unix::fs::MetadataExt;
+    let path = path.canonicalize()?;
+    let (kind, meta) = if store {
+        ("store", std::fs::metadata(path.join("index"))?)
+    } else {
+        ("raw", std::fs::metadata(&path)?)
+    };
+    Ok(format!(
+        "{kind} {} dev {} ino {} size {} mtime {}.{:09}",
+        path.display(),
+        meta.dev(),
+        meta.ino(),
+        meta.size(),
+        meta.mtime(),
+        meta.mtime_nsec()
+    ))
+}
+
 /// What the server tells the keeper about a VM, to serve it again.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 struct Meta {
