@@ -569,6 +569,23 @@ fn restart_journal_with_read_marker_set_is_refused() {
 }
 
 #[test]
+fn restart_journal_with_unprovable_states_is_refused() {
+    if skip() {
+        return;
+    }
+    let mut rig = Rig::new();
+    // A page whose bytes were in the dead server's offload store.
+    let mut vmm = old_server_died(&rig, |_, _, _, journal| {
+        journal.slots()[7].store(PageState::Stored as u8, Ordering::Relaxed);
+    });
+    rig.start_server();
+    let status = vmm.wait_exit();
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
+    let log = rig.server_log();
+    assert!(log.contains("states it cannot prove"), "{log}");
+}
+
+#[test]
 fn restart_fault_read_and_pages_installed_by_the_dead_server_are_served() {
     if skip() {
         return;
