@@ -131,6 +131,15 @@ impl Rig {
         }
     }
 
+    /// A rig with a server and a VMM whose first 64 pages are restored.
+    fn serving() -> (Self, Vmm) {
+        let mut rig = Self::new();
+        rig.start_server();
+        let mut vmm = rig.vmm();
+        vmm.run("touch 0 64 1");
+        (rig, vmm)
+    }
+
     fn vmm(&self) -> Vmm {
         Vmm::spawn(&self.socket(), &self.dir.path().join("mem"))
     }
@@ -420,10 +429,7 @@ fn restart_upgrade_with_keeper_gone_serves_on() {
     if skip() {
         return;
     }
-    let mut rig = Rig::new();
-    rig.start_server();
-    let mut vmm = rig.vmm();
-    vmm.run("touch 0 64 1");
+    let (mut rig, mut vmm) = Rig::serving();
     let _ = rig.keeper.kill();
     let _ = rig.keeper.wait();
     let server = rig.server.as_ref().unwrap();
@@ -502,10 +508,7 @@ fn restart_on_another_image_is_refused() {
     if skip() {
         return;
     }
-    let mut rig = Rig::new();
-    rig.start_server();
-    let mut vmm = rig.vmm();
-    vmm.run("touch 0 64 1");
+    let (mut rig, mut vmm) = Rig::serving();
     rig.stop_server(nix::sys::signal::Signal::SIGKILL);
     // The memory file is replaced (same size, other bytes) before the restart.
     let mem = rig.dir.path().join("mem");

@@ -543,16 +543,24 @@ mod tests {
         assert!(fds.is_empty());
     }
 
-    #[test]
-    fn keeper_one_server_at_a_time_and_vm_released_on_hangup() {
+    /// Runs `f` against a keeper running on a thread, stopped after it.
+    fn with_keeper(f: impl FnOnce(&Path)) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("keeper.sock");
         let socket = KeeperSocket::bind(&path).unwrap();
         let stop = AtomicBool::new(false);
         std::thread::scope(|s| {
             s.spawn(|| socket.run(&stop));
-            let first = KeeperClient::attach(&path, Duration::ZERO).unwrap();
-            assert!(KeeperClient::attach(&path, Duration::ZERO).is_err());
+            f(&path);
+            stop.store(true, Ordering::Relaxed);
+        });
+    }
+
+    #[test]
+    fn keeper_one_server_at_a_time_and_vm_released_on_hangup() {
+        with_keeper(|path| {
+            let first = KeeperClient::attach(path, Duration::ZERO).unwrap();
+            assert!(KeeperClient::attach(path, Duration::ZERO).is_err());
             let (vmm, conn) = UnixStream::pair().unwrap();
             let journal =
                 crate::journal::Journal::create(1, crate::state::PageState::Zero).unwrap();
@@ -572,27 +580,20 @@ mod tests {
             }
             // The first server's end frees the attachment.
             drop(first);
-            let second = KeeperClient::attach(&path, Duration::from_secs(5)).unwrap();
+            let second = KeeperClient::attach(path, Duration::from_secs(5)).unwrap();
             assert!(second.list().unwrap().is_empty());
-            stop.store(true, Ordering::Relaxed);
         });
     }
 
     #[test]
     fn keeper_hold_without_a_socket_is_refused() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("keeper.sock");
-        let socket = KeeperSocket::bind(&path).unwrap();
-        let stop = AtomicBool::new(false);
-        std::thread::scope(|s| {
-            s.spawn(|| socket.run(&stop));
-            let client = KeeperClient::attach(&path, Duration::ZERO).unwrap();
+        with_keeper(|path| {
+            let client = KeeperClient::attach(path, Duration::ZERO).unwrap();
             let journal =
                 crate::journal::Journal::create(1, crate::state::PageState::Zero).unwrap();
             let fd = journal.fd();
             assert!(client.hold(serde_json::json!({}), fd, fd, fd).is_err());
             assert!(client.list().unwrap().is_empty());
-            stop.store(true, Ordering::Relaxed);
         });
     }
 
