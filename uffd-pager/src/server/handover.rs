@@ -111,9 +111,11 @@ impl Connection {
         match kept {
             Ok(kept) => Some(kept),
             Err(e) => {
-                tracing::error!(
-                    "the keeper does not hold this VM (a restart would freeze it): {e}"
-                );
+                if self.log_limit.allow() {
+                    tracing::error!(
+                        "the keeper does not hold this VM (a restart would freeze it): {e}"
+                    );
+                }
                 None
             }
         }
