@@ -7,6 +7,7 @@
 //! - [`state`]: the flat per-page state table.
 //! - [`pager`]: [`Pager`](pager::Pager): regions, fault threads, fault resolution.
 //! - [`cold`]: live cold-RAM compression into the memory pool.
+//! - [`journal`]: a VM's page-state table in a memfd, to outlive a server restart.
 //! - [`load`]: bringing offloaded RAM back, lazily with prefetch or eagerly.
 //! - [`offload`]: offload of a paused VM's RAM to a store.
 //! - [`pagemap`]: which pages were written (`PAGEMAP_SCAN`).
@@ -17,6 +18,7 @@
 
 pub mod addr;
 pub mod cold;
+pub mod journal;
 pub mod load;
 pub mod metrics;
 pub mod offload;

@@ -25,6 +25,7 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::addr::{HostAddr, HostRange, PAGE_SIZE};
 use crate::cold::{Cold, ColdConfig, ColdError, ColdStats};
+use crate::journal::Journal;
 use crate::metrics::Metrics;
 use crate::source::{Content, PageSource, SourceError, StoreSource};
 use crate::state::{PageState, PageStates, StateCounts};
@@ -272,6 +273,9 @@ pub(crate) struct Shared {
     /// Cold compression, once started.
     pub cold: OnceLock<Cold>,
     pub on_error: ErrorHandler,
+    /// Where `states` lives when it must outlive the process; its read marker brackets every
+    /// read of events until the read's discards are in the table.
+    pub journal: Option<Arc<Journal>>,
 }
 
 /// The order in which blocks were first faulted in.
@@ -375,13 +379,51 @@ impl Pager {
     pub unsafe fn with_uffd(
         uffd: Userfaultfd,
         remove_events: bool,
-        mut regions: Vec<RegionSpec>,
+        regions: Vec<RegionSpec>,
         config: PagerConfig,
         restore: Option<Arc<dyn PageSource>>,
         on_error: ErrorHandler,
     ) -> Result<Self, PagerError> {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            Self::with_journal(
+                uffd,
+                remove_events,
+                regions,
+                config,
+                restore,
+                on_error,
+                None,
+            )
+        }
+    }
+
+    /// As [`Pager::with_uffd`], with the page states kept in `journal` if given (in the
+    /// states it holds: `config.initial` is not applied) so that they outlive this process.
+    ///
+    /// # Safety
+    ///
+    /// As [`Pager::with_uffd`].
+    pub unsafe fn with_journal(
+        uffd: Userfaultfd,
+        remove_events: bool,
+        mut regions: Vec<RegionSpec>,
+        config: PagerConfig,
+        restore: Option<Arc<dyn PageSource>>,
+        on_error: ErrorHandler,
+        journal: Option<Arc<Journal>>,
+    ) -> Result<Self, PagerError> {
         regions.sort_by_key(|r| r.range.start());
         let image_size = check_regions(&regions, restore.as_deref())?;
+        let pages = image_size / PAGE_SIZE;
+        if let Some(journal) = &journal {
+            if journal.pages() != pages {
+                return Err(PagerError::Regions(format!(
+                    "the journal describes {} pages, the regions {pages}",
+                    journal.pages()
+                )));
+            }
+        }
         if config.register {
             for region in &regions {
                 let mode = match region.kind {
@@ -394,7 +436,6 @@ impl Pager {
                 unsafe { uffd.register(region.range, mode)? };
             }
         }
-        let pages = image_size / PAGE_SIZE;
         let blocks = config.block_size.blocks_for(image_size);
         let shared = Arc::new(Shared {
             uffd,
@@ -407,7 +448,10 @@ impl Pager {
                     spec,
                 })
                 .collect(),
-            states: PageStates::new(pages, config.initial),
+            states: match &journal {
+                Some(journal) => PageStates::journaled(Arc::clone(journal)),
+                None => PageStates::new(pages, config.initial),
+            },
             block_size: config.block_size,
             image_size,
             restore,
@@ -422,6 +466,7 @@ impl Pager {
             prefetch_stop: AtomicBool::new(false),
             cold: OnceLock::new(),
             on_error,
+            journal,
         });
         // SAFETY: eventfd with valid flags; the result is checked.
         let stop = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
@@ -653,6 +698,9 @@ impl Shared {
             }
             if ready || !pending.is_empty() {
                 let _write = self.layout.write();
+                if let Some(journal) = &self.journal {
+                    journal.begin_read();
+                }
                 match self.uffd.read_events(&mut events) {
                     Ok(_) => {}
                     Err(_) => {
@@ -697,6 +745,10 @@ impl Shared {
                             (self.on_error)(&FaultError::Unexpected { kind });
                         }
                     }
+                }
+                // Every discard of this read is in the table now.
+                if let Some(journal) = &self.journal {
+                    journal.end_read();
                 }
             }
             let mut retry = Vec::new();

@@ -2,6 +2,9 @@
 //! with atomics from fault threads, the prefetcher and offload. No per-fault map lookups.
 
 use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+
+use crate::journal::Journal;
 
 /// Where a page's bytes are right now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
@@ -60,14 +63,40 @@ pub struct StateCounts {
 /// One state byte per page.
 #[derive(Debug)]
 pub struct PageStates {
-    states: Box<[AtomicU8]>,
+    states: Slots,
+}
+
+/// Where the state bytes live.
+#[derive(Debug)]
+enum Slots {
+    Heap(Box<[AtomicU8]>),
+    /// In a journal that outlives the process (see [`crate::journal`]).
+    Journal(Arc<Journal>),
+}
+
+impl std::ops::Deref for Slots {
+    type Target = [AtomicU8];
+
+    fn deref(&self) -> &[AtomicU8] {
+        match self {
+            Self::Heap(slots) => slots,
+            Self::Journal(journal) => journal.slots(),
+        }
+    }
 }
 
 impl PageStates {
     /// A table of `pages` pages, all in `initial`.
     pub fn new(pages: u64, initial: PageState) -> Self {
         Self {
-            states: (0..pages).map(|_| AtomicU8::new(initial as u8)).collect(),
+            states: Slots::Heap((0..pages).map(|_| AtomicU8::new(initial as u8)).collect()),
+        }
+    }
+
+    /// The table kept in `journal`, in the states it holds.
+    pub fn journaled(journal: Arc<Journal>) -> Self {
+        Self {
+            states: Slots::Journal(journal),
         }
     }
 

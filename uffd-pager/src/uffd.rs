@@ -794,6 +794,12 @@ impl AsRawFd for Userfaultfd {
     }
 }
 
+impl std::os::fd::AsFd for Userfaultfd {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
 /// Issues a userfaultfd ioctl.
 ///
 /// # Safety

@@ -1,6 +1,7 @@
 //! Command-line parsing and dispatch.
 
 mod demo;
+mod keeper;
 mod serve;
 mod store;
 
@@ -125,6 +126,20 @@ enum Command {
         /// Also serve peers whose primary group is this gid (repeatable).
         #[arg(long, value_name = "GID")]
         allow_gid: Vec<u32>,
+        /// Hand every VM to the keeper listening on this socket (`uffd-pager keeper`), take
+        /// over those it already holds at start, and on SIGTERM leave them to the next server
+        /// instead of serving them until they leave (docs/pager.md, "Restarting the server").
+        #[arg(long, value_name = "PATH", conflicts_with = "memory_pool")]
+        keeper: Option<PathBuf>,
+    },
+    /// Hold what must outlive `serve --keeper` for each of its VMs (the VMM's connection, its
+    /// userfaultfd, the page-state journal), so that a server killed or upgraded can be
+    /// restarted without freezing them. Never touches guest memory. Runs until SIGINT or
+    /// SIGTERM.
+    Keeper {
+        /// The Unix socket to listen on (private to this user).
+        #[arg(long, value_name = "PATH")]
+        socket: PathBuf,
     },
     /// Mount a store so its image appears as one plain file (MOUNTPOINT/ram) that any VMM can
     /// read, write or mmap. Runs until SIGINT or SIGTERM, then writes back, commits and
@@ -185,6 +200,7 @@ pub fn run(cli: Cli) -> CliResult {
             threads,
             allow_uid,
             allow_gid,
+            keeper,
             ..
         } => serve::serve(
             &socket,
@@ -195,7 +211,9 @@ pub fn run(cli: Cli) -> CliResult {
                 uids: allow_uid,
                 gids: allow_gid,
             },
+            keeper.as_deref(),
         ),
+        Command::Keeper { socket } => keeper::keeper(&socket),
         Command::Demo { size, keep } => demo::demo(size, keep.as_deref()),
         Command::Mount {
             store,

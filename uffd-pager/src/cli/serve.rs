@@ -22,7 +22,7 @@ pub fn memory_pool(socket: &Path, peers: PeerPolicy) -> CliResult {
     Ok(ExitCode::SUCCESS)
 }
 
-fn init_logging() {
+pub(super) fn init_logging() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -38,6 +38,7 @@ pub fn serve(
     store: Option<&Path>,
     threads: usize,
     peers: PeerPolicy,
+    keeper: Option<&Path>,
 ) -> CliResult {
     init_logging();
     // Only the wait below receives the stop signals; every thread inherits the mask.
@@ -69,6 +70,23 @@ pub fn serve(
     )
     .map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?
     .allow_peers(peers);
+    let image_id = match (mem_file, store) {
+        (Some(path), _) => uffd_pager::server::handover::image_id(path, false)?,
+        (None, Some(dir)) => uffd_pager::server::handover::image_id(dir, true)?,
+        (None, None) => return Err("give --mem-file FILE or --store DIR".into()),
+    };
+    let server = server.with_image_id(&image_id);
+    let server = match keeper {
+        Some(path) => {
+            let server = server
+                .with_keeper(path)
+                .map_err(|e| format!("cannot attach to the keeper {}: {e}", path.display()))?;
+            let taken = server.take_over()?;
+            tracing::info!(keeper = %path.display(), vms = taken, "attached to the keeper");
+            server
+        }
+        None => server,
+    };
     tracing::info!(
         socket = %socket.display(),
         image_bytes = source.image_size(),
@@ -80,7 +98,14 @@ pub fn serve(
         let accept = scope.spawn(|| server.run(&stop));
         let signal = signals.wait()?;
         stop.store(true, Ordering::Relaxed);
+        // An upgrade: the VMs the keeper holds stop being served at once and are left to the
+        // next server; one accepted before the accept loop ends is handed over as it starts.
+        let handed_over = server.hand_over();
         let _ = accept.join();
+        if handed_over {
+            server.hand_over();
+            tracing::info!("{signal}: VMs held by the keeper left to the next server");
+        }
         // VMs still attached would freeze on their next fault if the server left now: serve
         // them until they go, unless told again to stop.
         let active = || server.stats().active.load(Ordering::Relaxed);

@@ -15,8 +15,13 @@
 //! must be size-sealed and large enough (so that reading them cannot raise `SIGBUS` here),
 //! events outside the peer's regions are ignored, and thread counts it asks for are capped.
 //! One peer's misbehaviour ends its own connection at most.
+//!
+//! With a keeper ([`keeper`], [`handover`]) the server can be killed or upgraded under its VMs:
+//! a new server takes over every VM the keeper holds.
 
+pub mod handover;
 pub mod handshake;
+pub mod keeper;
 pub mod protocol;
 
 use std::fs::File;
@@ -30,7 +35,8 @@ use std::time::{Duration, Instant};
 
 use compressed_backing::BlockSize;
 
-use crate::pager::{Pager, PagerConfig, RamKind, RegionSpec};
+use crate::journal::Journal;
+use crate::pager::{ErrorHandler, Pager, PagerConfig, RamKind, RegionSpec};
 use crate::socket::PeerPolicy;
 use crate::source::PageSource;
 use crate::state::PageState;
@@ -62,6 +68,12 @@ pub struct ServerStats {
     pub peers_killed: AtomicU64,
     /// Connections refused because the peer's uid or gid is not allowed.
     pub peers_refused: AtomicU64,
+    /// VMs taken over from the keeper at start.
+    pub taken_over: AtomicU64,
+    /// VMs the keeper held that could not be taken over (their VMMs were killed).
+    pub takeovers_refused: AtomicU64,
+    /// VMs served right now that the keeper holds (a handover leaves them to the next server).
+    pub kept: AtomicU64,
 }
 
 /// Allows a burst of messages, then one per interval, counting what it suppresses.
@@ -115,6 +127,12 @@ pub struct Server {
     stats: Arc<ServerStats>,
     log_limit: Arc<RateLimit>,
     peers: Arc<PeerPolicy>,
+    /// The keeper that holds this server's VMs across restarts, if any.
+    keeper: Option<Arc<keeper::KeeperClient>>,
+    /// Set to stop serving every VM and leave them to the keeper (an upgrade).
+    handover: Arc<AtomicBool>,
+    /// What identifies the image served (a VM is taken over only by a server of the same).
+    image_id: Arc<str>,
 }
 
 impl Server {
@@ -137,6 +155,9 @@ impl Server {
             stats: Arc::new(ServerStats::default()),
             log_limit: Arc::new(RateLimit::new(20, Duration::from_secs(1))),
             peers: Arc::new(PeerPolicy::default()),
+            keeper: None,
+            handover: Arc::new(AtomicBool::new(false)),
+            image_id: Arc::from(""),
         })
     }
 
@@ -159,14 +180,7 @@ impl Server {
             match self.listener.accept() {
                 Ok((stream, _)) => {
                     self.stats.connections.fetch_add(1, Ordering::Relaxed);
-                    let connection = Connection {
-                        stream,
-                        source: Arc::clone(&self.source),
-                        config: self.config.clone(),
-                        stats: Arc::clone(&self.stats),
-                        log_limit: Arc::clone(&self.log_limit),
-                        peers: Arc::clone(&self.peers),
-                    };
+                    let connection = self.connection(stream);
                     let spawned = std::thread::Builder::new()
                         .name("uffd-conn".into())
                         .spawn(move || connection.serve());
@@ -184,6 +198,22 @@ impl Server {
                     std::thread::sleep(Duration::from_millis(50));
                 }
             }
+        }
+    }
+}
+
+impl Server {
+    fn connection(&self, stream: UnixStream) -> Connection {
+        Connection {
+            stream,
+            source: Arc::clone(&self.source),
+            config: self.config.clone(),
+            stats: Arc::clone(&self.stats),
+            log_limit: Arc::clone(&self.log_limit),
+            peers: Arc::clone(&self.peers),
+            keeper: self.keeper.clone(),
+            handover: Arc::clone(&self.handover),
+            image_id: Arc::clone(&self.image_id),
         }
     }
 }
@@ -213,6 +243,9 @@ struct Connection {
     stats: Arc<ServerStats>,
     log_limit: Arc<RateLimit>,
     peers: Arc<PeerPolicy>,
+    keeper: Option<Arc<keeper::KeeperClient>>,
+    handover: Arc<AtomicBool>,
+    image_id: Arc<str>,
 }
 
 impl Connection {
@@ -227,43 +260,65 @@ impl Connection {
                 return;
             }
         };
-        let (pager, session) =
-            match self.start(pid, crate::socket::PeerProcess::of(&self.stream, pid)) {
-                Ok(started) => started,
-                Err(e) => {
-                    self.stats.bad_handshakes.fetch_add(1, Ordering::Relaxed);
-                    if self.log_limit.allow() {
-                        tracing::warn!(peer_pid = pid, "connection refused: {}", error_chain(&*e));
-                    }
-                    return;
+        let (pager, session) = match self.start(crate::socket::PeerProcess::of(&self.stream, pid)) {
+            Ok(started) => started,
+            Err(e) => {
+                self.stats.bad_handshakes.fetch_add(1, Ordering::Relaxed);
+                if self.log_limit.allow() {
+                    tracing::warn!(peer_pid = pid, "connection refused: {}", error_chain(&*e));
                 }
-            };
+                return;
+            }
+        };
         self.stats.vms.fetch_add(1, Ordering::Relaxed);
-        self.stats.active.fetch_add(1, Ordering::Relaxed);
         tracing::info!(peer_pid = pid, bytes = pager.image_size(), "serving a VM");
+        self.serve_vm(pid, uid, pager, session);
+    }
+
+    /// Serves a VM (its VMM runs as `pid`, `uid`) until its VMM leaves or the server hands
+    /// its VMs over.
+    fn serve_vm(&self, pid: i32, uid: u32, pager: Pager, session: Session) {
+        self.stats.active.fetch_add(1, Ordering::Relaxed);
+        let kept = matches!(session, Session::Firecracker { kept: Some(_), .. });
+        if kept {
+            self.stats.kept.fetch_add(1, Ordering::Relaxed);
+        }
         match &session {
             // Firecracker keeps the socket open and sends nothing more: its end of file (or the
             // end of its address space) ends the service.
-            Session::Firecracker => self.wait_for_end(&pager),
+            Session::Firecracker { .. } => self.wait_for_end(&pager, kept),
             Session::Pvisor { .. } => self.answer_requests(&pager, uid),
         }
         let metrics = pager.metrics().snapshot();
+        // Its threads are joined here: every event they read is applied to the journal.
         drop(pager);
-        drop(session);
+        let handed_over = self.handed_over(&session);
+        if kept {
+            self.stats.kept.fetch_sub(1, Ordering::Relaxed);
+        }
         self.stats.active.fetch_sub(1, Ordering::Relaxed);
+        if handed_over {
+            tracing::info!(peer_pid = pid, "VM left to the keeper for the next server");
+            return;
+        }
+        self.release(&session);
         tracing::info!(
             peer_pid = pid,
             faults = metrics.faults_copy + metrics.faults_zero + metrics.faults_minor,
             errors = metrics.fault_errors,
             "VM gone"
         );
+        drop(session);
     }
 
-    fn wait_for_end(&self, pager: &Pager) {
+    /// Until the VMM leaves, or a handover if the keeper holds the VM (`kept`).
+    fn wait_for_end(&self, pager: &Pager, kept: bool) {
         let mut stream = &self.stream;
         let mut discard = [0u8; 256];
-        while !pager.owner_gone() {
-            if !wait_readable(self.stream.as_raw_fd(), 200) {
+        let handing_over = || kept && self.handover.load(Ordering::Relaxed);
+        while !pager.owner_gone() && !handing_over() {
+            // Short enough for a handover to stop serving within a few faults' time.
+            if !wait_readable(self.stream.as_raw_fd(), 50) {
                 continue;
             }
             match stream.read(&mut discard) {
@@ -280,6 +335,10 @@ impl Connection {
         let mut pending = Vec::new();
         let mut chunk = [0u8; 4096];
         while !pager.owner_gone() {
+            if self.handover.load(Ordering::Relaxed) {
+                let _ = stream.write_all(handover::PVISOR_NOT_HANDED_OVER.as_bytes());
+                return;
+            }
             if !wait_readable(self.stream.as_raw_fd(), 200) {
                 continue;
             }
@@ -311,7 +370,6 @@ impl Connection {
 
     fn start(
         &self,
-        pid: i32,
         peer: crate::socket::PeerProcess,
     ) -> Result<(Pager, Session), Box<dyn std::error::Error>> {
         let received = handshake::receive(&self.stream, handshake::HANDSHAKE_TIMEOUT)?;
@@ -319,18 +377,11 @@ impl Connection {
         let (specs, session, initial) = match received.message {
             handshake::Message::Firecracker(raw) => {
                 let regions = handshake::validate(&raw, image_size)?;
-                let specs = regions
-                    .iter()
-                    .map(|r| RegionSpec {
-                        kind: RamKind::Anon,
-                        range: r.range,
-                        image_offset: r.offset,
-                        memfd: None,
-                        memfd_offset: 0,
-                        view: None,
-                    })
-                    .collect();
-                (specs, Session::Firecracker, PageState::Source)
+                let session = Session::Firecracker {
+                    regions: raw,
+                    kept: None,
+                };
+                (anon_specs(&regions), session, PageState::Source)
             }
             handshake::Message::Pvisor(hello) => {
                 let initial = match hello.initial.as_deref() {
@@ -344,10 +395,90 @@ impl Connection {
                 (specs, Session::Pvisor { _views: views }, initial)
             }
         };
+        self.stream.set_read_timeout(None)?;
+        let (uffd, features) = Userfaultfd::adopt(received.uffd)?;
+        let remove_events = features & crate::uffd::feature::EVENT_REMOVE != 0;
+        let mut session = session;
+        let journal = match &mut session {
+            Session::Firecracker { regions, kept } => {
+                *kept = self.deposit(regions, &uffd, &specs, initial);
+                kept.as_ref().map(|k| Arc::clone(&k.journal))
+            }
+            Session::Pvisor { .. } => None,
+        };
+        // SAFETY: the regions belong to the peer's address space and were registered by the
+        // peer; their views are the server's own memfd mappings, which `session` keeps alive
+        // as long as the pager.
+        let pager = unsafe { self.pager(peer, uffd, remove_events, specs, initial, journal) };
+        let pager = match pager {
+            Ok(pager) => pager,
+            Err(e) => {
+                self.release(&session);
+                return Err(e.into());
+            }
+        };
+        if let Session::Pvisor { .. } = session {
+            let hello = serde_json::json!({
+                "status": "ok",
+                "value": {
+                    "protocol": handshake::PVISOR_PROTOCOL,
+                    "image_bytes": pager.image_size(),
+                    "block_bytes": pager.block_size().bytes_u64(),
+                },
+            });
+            (&self.stream).write_all(format!("{hello}\n").as_bytes())?;
+        }
+        Ok((pager, session))
+    }
+
+    /// A pager for the peer's regions on its uffd, its states in `journal` if given.
+    ///
+    /// # Safety
+    ///
+    /// The regions are registered by the peer in its own address space; every `view` is a
+    /// mapping of this process that outlives the pager.
+    unsafe fn pager(
+        &self,
+        peer: crate::socket::PeerProcess,
+        uffd: Userfaultfd,
+        remove_events: bool,
+        specs: Vec<RegionSpec>,
+        initial: PageState,
+        journal: Option<Arc<Journal>>,
+    ) -> Result<Pager, crate::pager::PagerError> {
+        let config = PagerConfig {
+            threads: self.config.threads,
+            block_size: self.config.block_size,
+            initial,
+            register: false,
+            // Firecracker asks for them; the pager never discards remote memory itself.
+            remove_events,
+            track_writes: false,
+        };
+        let source = Some(Arc::clone(&self.source));
+        let on_error = self.error_handler(peer);
+        // SAFETY: the pager only resolves faults on the peer's registered regions through the
+        // uffd; the views are forwarded from the caller.
+        unsafe {
+            Pager::with_journal(
+                uffd,
+                remove_events,
+                specs,
+                config,
+                source,
+                on_error,
+                journal,
+            )
+        }
+    }
+
+    /// What to do with a fault that cannot be served: log it and kill the peer (once).
+    fn error_handler(&self, peer: crate::socket::PeerProcess) -> ErrorHandler {
+        let pid = peer.pid();
         let killed = AtomicBool::new(false);
         let stats = Arc::clone(&self.stats);
         let log_limit = Arc::clone(&self.log_limit);
-        let on_error = Box::new(move |e: &crate::pager::FaultError| {
+        Box::new(move |e: &crate::pager::FaultError| {
             // What the peer's own address space does outside its regions harms nobody else:
             // ignored, never applied to another range.
             if e.is_ignored() {
@@ -371,51 +502,34 @@ impl Connection {
                 );
                 let _ = peer.kill();
             }
-        });
-        let (uffd, features) = Userfaultfd::adopt(received.uffd)?;
-        // SAFETY: the regions belong to the peer's address space and were registered by the
-        // peer; the pager only resolves faults on them through the uffd. Their views are the
-        // server's own memfd mappings, which `session` keeps alive as long as the pager.
-        let pager = unsafe {
-            Pager::with_uffd(
-                uffd,
-                features & crate::uffd::feature::EVENT_REMOVE != 0,
-                specs,
-                PagerConfig {
-                    threads: self.config.threads,
-                    block_size: self.config.block_size,
-                    initial,
-                    register: false,
-                    // Firecracker asks for them; the pager never discards remote memory itself.
-                    remove_events: features & crate::uffd::feature::EVENT_REMOVE != 0,
-                    track_writes: false,
-                },
-                Some(Arc::clone(&self.source)),
-                on_error,
-            )?
-        };
-        self.stream.set_read_timeout(None)?;
-        if let Session::Pvisor { .. } = session {
-            let hello = serde_json::json!({
-                "status": "ok",
-                "value": {
-                    "protocol": handshake::PVISOR_PROTOCOL,
-                    "image_bytes": pager.image_size(),
-                    "block_bytes": pager.block_size().bytes_u64(),
-                },
-            });
-            (&self.stream).write_all(format!("{hello}\n").as_bytes())?;
-        }
-        Ok((pager, session))
+        })
     }
 }
 
 /// What a connection speaks after its handshake.
 enum Session {
-    /// Firecracker's: nothing more.
-    Firecracker,
+    /// Firecracker's: nothing more. Its regions as they came, and where the keeper holds it.
+    Firecracker {
+        regions: Vec<handshake::GuestRegion>,
+        kept: Option<handover::Kept>,
+    },
     /// The project's: requests; the memfd views must outlive the pager.
     Pvisor { _views: Vec<MemfdView> },
+}
+
+/// Firecracker regions: the peer's anonymous memory, reachable only through its uffd.
+fn anon_specs(regions: &[handshake::Region]) -> Vec<RegionSpec> {
+    regions
+        .iter()
+        .map(|r| RegionSpec {
+            kind: RamKind::Anon,
+            range: r.range,
+            image_offset: r.offset,
+            memfd: None,
+            memfd_offset: 0,
+            view: None,
+        })
+        .collect()
 }
 
 /// The server's own read-only mapping of a VM's memfd, to read its RAM for offload.
