@@ -232,11 +232,10 @@ pub fn serve(
     tx: mpsc::Sender<Job>,
     on_stop: OnStop,
 ) -> std::io::Result<Listening> {
-    if path.symlink_metadata().is_ok() {
-        std::fs::remove_file(path)?;
-    }
-    let listener = UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    // Private from its creation (made 0600 elsewhere, then renamed into place): no other
+    // user can connect in a window between bind and chmod. A stale socket is replaced, a
+    // live one or anything that is not a socket refused (never removed).
+    let listener = uffd_pager::socket::bind_private(path)?;
     listener.set_nonblocking(true)?;
     let in_flight = Arc::new(AtomicUsize::new(0));
     let server = Server {
@@ -774,6 +773,25 @@ mod tests {
             (reply.request_id.as_str(), reply.status.as_str()),
             ("r9", "ok")
         );
+    }
+
+    fn own_identity() -> Identity {
+        Identity {
+            // SAFETY: geteuid cannot fail.
+            owner: unsafe { libc::geteuid() },
+            ..who()
+        }
+    }
+
+    #[test]
+    fn control_serve_on_a_path_that_is_not_a_socket_refuses_and_keeps_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("control.sock");
+        std::fs::write(&path, b"not a socket").unwrap();
+        let (tx, _rx) = mpsc::channel();
+        let served = serve(&path, own_identity(), tx, Arc::new(|| {}));
+        assert!(served.is_err());
+        assert_eq!(std::fs::read(&path).unwrap(), b"not a socket");
     }
 
     #[test]
