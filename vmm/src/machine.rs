@@ -250,15 +250,20 @@ impl Interrupter {
         }
         let until = Instant::now() + KICK_FOR;
         while Instant::now() < until {
-            let vcpu = *self
-                .inner
-                .vcpu
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let Some(thread) = vcpu else { return };
-            // SAFETY: the thread is registered only while it runs the vCPU loop (it
-            // unregisters itself under the same lock before it returns), so it is alive.
-            unsafe { libc::pthread_kill(thread, kick_signal()) };
+            {
+                // Held while the signal is sent: the thread cannot unregister (and exit, and
+                // its id be reused) between the look-up and the kill.
+                let vcpu = self
+                    .inner
+                    .vcpu
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                let Some(thread) = *vcpu else { return };
+                // SAFETY: the thread is registered only while it runs the vCPU loop (it
+                // unregisters itself under this lock, which is held, before it returns), so
+                // it is alive.
+                unsafe { libc::pthread_kill(thread, kick_signal()) };
+            }
             std::thread::sleep(Duration::from_millis(5));
         }
     }
