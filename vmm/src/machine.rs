@@ -652,8 +652,23 @@ impl Machine {
         self.filled
     }
 
-    /// The vCPU's registers (between commands: the guest waits for the next one).
+    /// Refuses a machine whose guest an earlier command left stopped in the middle of it (it
+    /// crashed, or the VMM failed serving it): it takes no more commands, and a snapshot of
+    /// it would resume the guest mid-command.
+    pub fn check_usable(&self) -> Result<(), MachineError> {
+        match &self.broken {
+            None => Ok(()),
+            Some(why) => Err(MachineError::GuestCrashed(format!(
+                "an earlier command left the guest stopped in the middle of it ({why}); \
+                 the VM takes no more commands"
+            ))),
+        }
+    }
+
+    /// The vCPU's registers (between commands: the guest waits for the next one); refused
+    /// for a machine that [`Machine::check_usable`] refuses.
     pub fn vcpu_state(&self) -> Result<VcpuState, MachineError> {
+        self.check_usable()?;
         Ok(VcpuState {
             regs: self.vcpu.get_regs().map_err(kvm("get regs"))?,
             sregs: self.vcpu.get_sregs().map_err(kvm("get sregs"))?,
@@ -811,12 +826,7 @@ impl Machine {
     /// Runs one guest command; returns its results. Everything read back is the guest's word:
     /// its filled size is clamped to the application memory, an unknown status is an error.
     fn guest(&mut self, command: &Command, op: Op, args: &[u64]) -> Result<[u64; 6], MachineError> {
-        if let Some(why) = &self.broken {
-            return Err(MachineError::GuestCrashed(format!(
-                "an earlier command left the guest stopped in the middle of it ({why}); \
-                 the VM takes no more commands"
-            )));
-        }
+        self.check_usable()?;
         self.model_error = None;
         self.release_error = None;
         let mut mailbox: Mailbox = self.read(guest::MAILBOX_GPA)?;

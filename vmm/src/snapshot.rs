@@ -237,6 +237,7 @@ pub fn write(
     codec: Option<CodecConfig>,
 ) -> Result<SnapshotReport, SnapshotError> {
     let started = Instant::now();
+    machine.check_usable()?;
     if std::fs::symlink_metadata(out).is_ok() {
         return Err(SnapshotError::Exists(out.to_path_buf()));
     }
