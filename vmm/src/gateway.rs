@@ -91,12 +91,20 @@ pub fn check_upstream(url: &str) -> Result<(), GatewayError> {
 /// all. The oldest go first.
 const MAX_KEPT: usize = 256;
 
+/// Most requests out to the upstream at once. The guest picks its request ids and comes back
+/// to the model port after each of its timers (1 ms at the shortest) with the same id or a new
+/// one: a new id each time must not open connection after connection until the process runs
+/// out of descriptors. A request beyond it is answered at once with an error.
+pub const MAX_IN_FLIGHT: usize = 64;
+
 #[derive(Debug, Default)]
 struct State {
     answers: HashMap<u64, Answer>,
     /// The answers' ids, oldest first (some may have been taken).
     order: VecDeque<u64>,
     events: VecDeque<WaitEvent>,
+    /// Requests sent and not answered yet (at most [`MAX_IN_FLIGHT`]).
+    in_flight: usize,
 }
 
 impl State {
@@ -169,10 +177,29 @@ impl Gateway {
 
     /// Sends `request` upstream; its answer is kept until taken.
     pub fn send(&self, request: u64) {
-        self.lock().push_event(WaitEvent::WaitStart {
-            request,
-            epoch: self.epoch,
-        });
+        {
+            let mut state = self.lock();
+            state.push_event(WaitEvent::WaitStart {
+                request,
+                epoch: self.epoch,
+            });
+            if state.in_flight >= MAX_IN_FLIGHT {
+                state.keep_answer(
+                    request,
+                    Answer::Error(format!(
+                        "request {request} refused: {MAX_IN_FLIGHT} model requests are in \
+                         flight already"
+                    )),
+                );
+                state.push_event(WaitEvent::DataReady {
+                    request,
+                    epoch: self.epoch,
+                });
+                self.shared.1.notify_all();
+                return;
+            }
+            state.in_flight += 1;
+        }
         let shared = Arc::clone(&self.shared);
         let (upstream, label, epoch, timeout) = (
             self.upstream.clone(),
@@ -190,6 +217,7 @@ impl Gateway {
             let mut state = lock
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
+            state.in_flight = state.in_flight.saturating_sub(1);
             state.keep_answer(request, answer);
             state.push_event(WaitEvent::DataReady { request, epoch });
             ready.notify_all();
@@ -314,6 +342,26 @@ mod tests {
         }
         assert!(state.answers.contains_key(&5));
         assert!(state.order.len() <= 4 * MAX_KEPT);
+    }
+
+    #[test]
+    fn gateway_requests_in_flight_beyond_the_cap_are_answered_with_an_error_at_once() {
+        // An upstream that takes connections and never answers.
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("a local port");
+        let url = format!("http://{}", silent.local_addr().expect("bound"));
+        let gateway = Gateway::new(&url, "t", 0, Duration::from_secs(60)).expect("a gateway");
+        for request in 0..MAX_IN_FLIGHT as u64 {
+            gateway.send(request);
+        }
+        // A guest that asks for request after request (a new id after each of its timers).
+        gateway.send(u64::MAX);
+        let answer = ModelPort::wait_for(&gateway, u64::MAX, Duration::from_secs(2));
+        match answer {
+            Some(Answer::Error(why)) => assert!(why.contains("in flight"), "{why}"),
+            other => panic!("request over the cap got {other:?}"),
+        }
+        // The ones within the cap are still waiting for the upstream.
+        assert_eq!(gateway.take(0), None);
     }
 
     #[test]
