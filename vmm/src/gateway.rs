@@ -97,6 +97,10 @@ const MAX_KEPT: usize = 256;
 /// out of descriptors. A request beyond it is answered at once with an error.
 pub const MAX_IN_FLIGHT: usize = 64;
 
+/// The largest answer read from the upstream: the guest's I/O buffer, which no larger one
+/// could reach.
+const MAX_ANSWER_BYTES: usize = crate::guest::IO_BUF_SIZE as usize;
+
 #[derive(Debug, Default)]
 struct State {
     answers: HashMap<u64, Answer>,
@@ -306,8 +310,17 @@ async fn post(upstream: &Upstream, label: &str, request: u64) -> Answer {
         }
     };
     let status = response.status();
-    let bytes = match response.into_body().collect().await {
+    // No answer larger than the guest's buffer can be delivered: read no more than that.
+    let limit = MAX_ANSWER_BYTES;
+    let body = http_body_util::Limited::new(response.into_body(), limit);
+    let bytes = match body.collect().await {
         Ok(body) => body.to_bytes(),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            return Answer::Error(format!(
+                "request {request}: the answer is larger than {limit} bytes (the guest's I/O \
+                 buffer)"
+            ))
+        }
         Err(e) => return Answer::Error(format!("request {request}: reading the answer: {e}")),
     };
     if status.is_success() {
@@ -362,6 +375,34 @@ mod tests {
         }
         // The ones within the cap are still waiting for the upstream.
         assert_eq!(gateway.take(0), None);
+    }
+
+    #[test]
+    fn gateway_answer_larger_than_the_guest_buffer_is_an_error_read_no_further() {
+        use std::io::{Read as _, Write as _};
+        // An upstream that answers with a body far larger than any guest can take.
+        let upstream = std::net::TcpListener::bind("127.0.0.1:0").expect("a local port");
+        let url = format!("http://{}", upstream.local_addr().expect("bound"));
+        let server = std::thread::spawn(move || {
+            let (mut stream, _) = upstream.accept().expect("the gateway connects");
+            let mut request = [0u8; 4096];
+            let _ = stream.read(&mut request);
+            let huge = 64u64 << 20;
+            let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {huge}\r\n\r\n");
+            let _ = stream.write_all(head.as_bytes());
+            let chunk = vec![b'x'; 1 << 20];
+            // Stops once the gateway hangs up.
+            (0..64)
+                .take_while(|_| stream.write_all(&chunk).is_ok())
+                .count()
+        });
+        let gateway = Gateway::new(&url, "t", 0, Duration::from_secs(30)).expect("a gateway");
+        match gateway.exchange(1) {
+            Answer::Error(why) => assert!(why.contains("larger than"), "{why}"),
+            Answer::Data(bytes) => panic!("an answer of {} bytes was read whole", bytes.len()),
+        }
+        let sent = server.join().expect("the upstream thread panicked");
+        assert!(sent < 64, "the whole 64 MiB body was read");
     }
 
     #[test]
