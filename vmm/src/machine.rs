@@ -300,9 +300,22 @@ impl Interrupter {
         }
     }
 
-    /// Registers the calling thread as the vCPU's until the guard drops.
+    /// Registers the calling thread as the vCPU's until the guard drops. The kick signal is
+    /// unblocked in the thread meanwhile (a caller may block every signal, and a blocked kick
+    /// never makes `KVM_RUN` return); the thread's mask is restored afterwards.
     fn enter(&self) -> VcpuThread<'_> {
         install_kick_handler();
+        // SAFETY: the sets are plain data, initialized by sigemptyset before any other use;
+        // pthread_sigmask only changes the calling thread's mask and fills `previous`.
+        let previous = unsafe {
+            let mut kick: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&raw mut kick);
+            libc::sigaddset(&raw mut kick, kick_signal());
+            let mut previous: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&raw mut previous);
+            (libc::pthread_sigmask(libc::SIG_UNBLOCK, &raw const kick, &raw mut previous) == 0)
+                .then_some(previous)
+        };
         // SAFETY: pthread_self cannot fail.
         let me = unsafe { libc::pthread_self() };
         *self
@@ -310,21 +323,33 @@ impl Interrupter {
             .vcpu
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(me);
-        VcpuThread(self)
+        VcpuThread {
+            interrupter: self,
+            previous,
+        }
     }
 }
 
 /// The vCPU thread's registration with its [`Interrupter`].
-struct VcpuThread<'a>(&'a Interrupter);
+struct VcpuThread<'a> {
+    interrupter: &'a Interrupter,
+    /// The thread's signal mask before [`Interrupter::enter`].
+    previous: Option<libc::sigset_t>,
+}
 
 impl Drop for VcpuThread<'_> {
     fn drop(&mut self) {
         *self
-            .0
+            .interrupter
             .inner
             .vcpu
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        if let Some(previous) = &self.previous {
+            // SAFETY: restores the calling thread's own mask from a valid set (the guard
+            // lives in `run_until_done`'s frame, on the thread that made it).
+            unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, previous, std::ptr::null_mut()) };
+        }
     }
 }
 
