@@ -140,6 +140,9 @@ pub const MAX_BUFFERED_BYTES: usize = 16 << 20;
 pub const MAX_CONNECTIONS: usize = 128;
 /// Requests handed to the VM and not answered yet; beyond it a request is refused at once.
 pub const MAX_IN_FLIGHT: usize = 64;
+/// Places beyond [`MAX_IN_FLIGHT`] kept for `stop`: requests queued behind a command that
+/// does not end must not keep the stop that would end it from being heard.
+pub const STOP_RESERVE: usize = 8;
 /// How long a connection has, from its accept, to send its whole request line.
 pub const REQUEST_DEADLINE: Duration = Duration::from_secs(5);
 /// How long writing a reply may take.
@@ -224,19 +227,18 @@ pub type OnStop = Arc<dyn Fn() + Send + Sync>;
 /// Listens on `path` (mode 0600) and hands every valid request for `who` to `tx`. One thread
 /// reads every connection with `poll` (bounded: [`MAX_CONNECTIONS`], [`MAX_REQUEST_BYTES`],
 /// [`MAX_BUFFERED_BYTES`], [`REQUEST_DEADLINE`] for the whole request); each complete request
-/// waits for its answer on a thread of its own (at most [`MAX_IN_FLIGHT`]). A `stop` calls
-/// `on_stop` first.
+/// waits for its answer on a thread of its own (at most [`MAX_IN_FLIGHT`], and
+/// [`STOP_RESERVE`] more for `stop`). A `stop` calls `on_stop` first.
 pub fn serve(
     path: &Path,
     who: Identity,
     tx: mpsc::Sender<Job>,
     on_stop: OnStop,
 ) -> std::io::Result<Listening> {
-    if path.symlink_metadata().is_ok() {
-        std::fs::remove_file(path)?;
-    }
-    let listener = UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    // Private from its creation (made 0600 elsewhere, then renamed into place): no other
+    // user can connect in a window between bind and chmod. A stale socket is replaced, a
+    // live one or anything that is not a socket refused (never removed).
+    let listener = uffd_pager::socket::bind_private(path)?;
     listener.set_nonblocking(true)?;
     let in_flight = Arc::new(AtomicUsize::new(0));
     let server = Server {
@@ -499,16 +501,26 @@ impl Server {
     /// Answers a complete request on a thread of its own.
     fn dispatch(&self, p: Pending) {
         let peer = getsockopt(&p.stream, PeerCredentials).map(|c| c.uid()).ok();
-        if self.in_flight.load(Ordering::SeqCst) >= MAX_IN_FLIGHT {
+        let in_flight = self.in_flight.load(Ordering::SeqCst);
+        if in_flight >= MAX_IN_FLIGHT {
             let reply = match check_request(&p.line, peer, &self.who) {
-                Ok(request) => Reply::error(
+                // A stop interrupts the command the others wait for.
+                Ok(request)
+                    if request.method == Method::Stop
+                        && in_flight < MAX_IN_FLIGHT + STOP_RESERVE =>
+                {
+                    None
+                }
+                Ok(request) => Some(Reply::error(
                     &request.request_id,
                     format!("busy: {MAX_IN_FLIGHT} requests wait for the VM already"),
-                ),
-                Err(reply) => reply,
+                )),
+                Err(reply) => Some(reply),
             };
-            let _ = (&p.stream).write(reply.to_line().as_bytes());
-            return;
+            if let Some(reply) = reply {
+                let _ = (&p.stream).write(reply.to_line().as_bytes());
+                return;
+            }
         }
         self.in_flight.fetch_add(1, Ordering::SeqCst);
         let in_flight = Arc::clone(&self.in_flight);
@@ -773,6 +785,65 @@ mod tests {
         assert_eq!(
             (reply.request_id.as_str(), reply.status.as_str()),
             ("r9", "ok")
+        );
+    }
+
+    fn request_line(method: &str) -> String {
+        format!(
+            "{{\"version\":1,\"request_id\":\"r\",\"job\":\"vm-1\",\"attempt\":\"a-1\",\
+             \"method\":\"{method}\"}}\n"
+        )
+    }
+
+    fn own_identity() -> Identity {
+        Identity {
+            // SAFETY: geteuid cannot fail.
+            owner: unsafe { libc::geteuid() },
+            ..who()
+        }
+    }
+
+    #[test]
+    fn control_serve_on_a_path_that_is_not_a_socket_refuses_and_keeps_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("control.sock");
+        std::fs::write(&path, b"not a socket").unwrap();
+        let (tx, _rx) = mpsc::channel();
+        let served = serve(&path, own_identity(), tx, Arc::new(|| {}));
+        assert!(served.is_err());
+        assert_eq!(std::fs::read(&path).unwrap(), b"not a socket");
+    }
+
+    #[test]
+    fn control_stop_with_every_request_slot_taken_still_interrupts_the_vm() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("control.sock");
+        // A VM busy with a command that never ends: it takes no request.
+        let (tx, _rx) = mpsc::channel();
+        let (stopped_tx, stopped_rx) = mpsc::channel();
+        let stopped_tx = std::sync::Mutex::new(stopped_tx);
+        let on_stop: OnStop = Arc::new(move || {
+            let _ = stopped_tx.lock().unwrap().send(());
+        });
+        let listening = serve(&path, own_identity(), tx, on_stop).unwrap();
+        let mut waiting = Vec::new();
+        for _ in 0..MAX_IN_FLIGHT {
+            let stream = UnixStream::connect(&path).unwrap();
+            (&stream)
+                .write_all(request_line("status").as_bytes())
+                .unwrap();
+            waiting.push(stream);
+        }
+        let until = Instant::now() + Duration::from_secs(5);
+        while listening.in_flight() < MAX_IN_FLIGHT && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(listening.in_flight(), MAX_IN_FLIGHT);
+        let stop = UnixStream::connect(&path).unwrap();
+        (&stop).write_all(request_line("stop").as_bytes()).unwrap();
+        assert!(
+            stopped_rx.recv_timeout(Duration::from_secs(3)).is_ok(),
+            "a stop behind {MAX_IN_FLIGHT} waiting requests did not interrupt the VM"
         );
     }
 

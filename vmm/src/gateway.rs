@@ -91,12 +91,24 @@ pub fn check_upstream(url: &str) -> Result<(), GatewayError> {
 /// all. The oldest go first.
 const MAX_KEPT: usize = 256;
 
+/// Most requests out to the upstream at once. The guest picks its request ids and comes back
+/// to the model port after each of its timers (1 ms at the shortest) with the same id or a new
+/// one: a new id each time must not open connection after connection until the process runs
+/// out of descriptors. A request beyond it is answered at once with an error.
+pub const MAX_IN_FLIGHT: usize = 64;
+
+/// The largest answer read from the upstream: the guest's I/O buffer, which no larger one
+/// could reach.
+const MAX_ANSWER_BYTES: usize = crate::guest::IO_BUF_SIZE as usize;
+
 #[derive(Debug, Default)]
 struct State {
     answers: HashMap<u64, Answer>,
     /// The answers' ids, oldest first (some may have been taken).
     order: VecDeque<u64>,
     events: VecDeque<WaitEvent>,
+    /// Requests sent and not answered yet (at most [`MAX_IN_FLIGHT`]).
+    in_flight: usize,
 }
 
 impl State {
@@ -169,10 +181,29 @@ impl Gateway {
 
     /// Sends `request` upstream; its answer is kept until taken.
     pub fn send(&self, request: u64) {
-        self.lock().push_event(WaitEvent::WaitStart {
-            request,
-            epoch: self.epoch,
-        });
+        {
+            let mut state = self.lock();
+            state.push_event(WaitEvent::WaitStart {
+                request,
+                epoch: self.epoch,
+            });
+            if state.in_flight >= MAX_IN_FLIGHT {
+                state.keep_answer(
+                    request,
+                    Answer::Error(format!(
+                        "request {request} refused: {MAX_IN_FLIGHT} model requests are in \
+                         flight already"
+                    )),
+                );
+                state.push_event(WaitEvent::DataReady {
+                    request,
+                    epoch: self.epoch,
+                });
+                self.shared.1.notify_all();
+                return;
+            }
+            state.in_flight += 1;
+        }
         let shared = Arc::clone(&self.shared);
         let (upstream, label, epoch, timeout) = (
             self.upstream.clone(),
@@ -190,6 +221,7 @@ impl Gateway {
             let mut state = lock
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
+            state.in_flight = state.in_flight.saturating_sub(1);
             state.keep_answer(request, answer);
             state.push_event(WaitEvent::DataReady { request, epoch });
             ready.notify_all();
@@ -278,8 +310,17 @@ async fn post(upstream: &Upstream, label: &str, request: u64) -> Answer {
         }
     };
     let status = response.status();
-    let bytes = match response.into_body().collect().await {
+    // No answer larger than the guest's buffer can be delivered: read no more than that.
+    let limit = MAX_ANSWER_BYTES;
+    let body = http_body_util::Limited::new(response.into_body(), limit);
+    let bytes = match body.collect().await {
         Ok(body) => body.to_bytes(),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            return Answer::Error(format!(
+                "request {request}: the answer is larger than {limit} bytes (the guest's I/O \
+                 buffer)"
+            ))
+        }
         Err(e) => return Answer::Error(format!("request {request}: reading the answer: {e}")),
     };
     if status.is_success() {
@@ -314,6 +355,54 @@ mod tests {
         }
         assert!(state.answers.contains_key(&5));
         assert!(state.order.len() <= 4 * MAX_KEPT);
+    }
+
+    #[test]
+    fn gateway_requests_in_flight_beyond_the_cap_are_answered_with_an_error_at_once() {
+        // An upstream that takes connections and never answers.
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("a local port");
+        let url = format!("http://{}", silent.local_addr().expect("bound"));
+        let gateway = Gateway::new(&url, "t", 0, Duration::from_secs(60)).expect("a gateway");
+        for request in 0..MAX_IN_FLIGHT as u64 {
+            gateway.send(request);
+        }
+        // A guest that asks for request after request (a new id after each of its timers).
+        gateway.send(u64::MAX);
+        let answer = ModelPort::wait_for(&gateway, u64::MAX, Duration::from_secs(2));
+        match answer {
+            Some(Answer::Error(why)) => assert!(why.contains("in flight"), "{why}"),
+            other => panic!("request over the cap got {other:?}"),
+        }
+        // The ones within the cap are still waiting for the upstream.
+        assert_eq!(gateway.take(0), None);
+    }
+
+    #[test]
+    fn gateway_answer_larger_than_the_guest_buffer_is_an_error_read_no_further() {
+        use std::io::{Read as _, Write as _};
+        // An upstream that answers with a body far larger than any guest can take.
+        let upstream = std::net::TcpListener::bind("127.0.0.1:0").expect("a local port");
+        let url = format!("http://{}", upstream.local_addr().expect("bound"));
+        let server = std::thread::spawn(move || {
+            let (mut stream, _) = upstream.accept().expect("the gateway connects");
+            let mut request = [0u8; 4096];
+            let _ = stream.read(&mut request);
+            let huge = 64u64 << 20;
+            let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {huge}\r\n\r\n");
+            let _ = stream.write_all(head.as_bytes());
+            let chunk = vec![b'x'; 1 << 20];
+            // Stops once the gateway hangs up.
+            (0..64)
+                .take_while(|_| stream.write_all(&chunk).is_ok())
+                .count()
+        });
+        let gateway = Gateway::new(&url, "t", 0, Duration::from_secs(30)).expect("a gateway");
+        match gateway.exchange(1) {
+            Answer::Error(why) => assert!(why.contains("larger than"), "{why}"),
+            Answer::Data(bytes) => panic!("an answer of {} bytes was read whole", bytes.len()),
+        }
+        let sent = server.join().expect("the upstream thread panicked");
+        assert!(sent < 64, "the whole 64 MiB body was read");
     }
 
     #[test]

@@ -250,15 +250,20 @@ impl Interrupter {
         }
         let until = Instant::now() + KICK_FOR;
         while Instant::now() < until {
-            let vcpu = *self
-                .inner
-                .vcpu
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let Some(thread) = vcpu else { return };
-            // SAFETY: the thread is registered only while it runs the vCPU loop (it
-            // unregisters itself under the same lock before it returns), so it is alive.
-            unsafe { libc::pthread_kill(thread, kick_signal()) };
+            {
+                // Held while the signal is sent: the thread cannot unregister (and exit, and
+                // its id be reused) between the look-up and the kill.
+                let vcpu = self
+                    .inner
+                    .vcpu
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                let Some(thread) = *vcpu else { return };
+                // SAFETY: the thread is registered only while it runs the vCPU loop (it
+                // unregisters itself under this lock, which is held, before it returns), so
+                // it is alive.
+                unsafe { libc::pthread_kill(thread, kick_signal()) };
+            }
             std::thread::sleep(Duration::from_millis(5));
         }
     }
@@ -295,9 +300,22 @@ impl Interrupter {
         }
     }
 
-    /// Registers the calling thread as the vCPU's until the guard drops.
+    /// Registers the calling thread as the vCPU's until the guard drops. The kick signal is
+    /// unblocked in the thread meanwhile (a caller may block every signal, and a blocked kick
+    /// never makes `KVM_RUN` return); the thread's mask is restored afterwards.
     fn enter(&self) -> VcpuThread<'_> {
         install_kick_handler();
+        // SAFETY: the sets are plain data, initialized by sigemptyset before any other use;
+        // pthread_sigmask only changes the calling thread's mask and fills `previous`.
+        let previous = unsafe {
+            let mut kick: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&raw mut kick);
+            libc::sigaddset(&raw mut kick, kick_signal());
+            let mut previous: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&raw mut previous);
+            (libc::pthread_sigmask(libc::SIG_UNBLOCK, &raw const kick, &raw mut previous) == 0)
+                .then_some(previous)
+        };
         // SAFETY: pthread_self cannot fail.
         let me = unsafe { libc::pthread_self() };
         *self
@@ -305,21 +323,33 @@ impl Interrupter {
             .vcpu
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(me);
-        VcpuThread(self)
+        VcpuThread {
+            interrupter: self,
+            previous,
+        }
     }
 }
 
 /// The vCPU thread's registration with its [`Interrupter`].
-struct VcpuThread<'a>(&'a Interrupter);
+struct VcpuThread<'a> {
+    interrupter: &'a Interrupter,
+    /// The thread's signal mask before [`Interrupter::enter`].
+    previous: Option<libc::sigset_t>,
+}
 
 impl Drop for VcpuThread<'_> {
     fn drop(&mut self) {
         *self
-            .0
+            .interrupter
             .inner
             .vcpu
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        if let Some(previous) = &self.previous {
+            // SAFETY: restores the calling thread's own mask from a valid set (the guard
+            // lives in `run_until_done`'s frame, on the thread that made it).
+            unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, previous, std::ptr::null_mut()) };
+        }
     }
 }
 
@@ -647,8 +677,23 @@ impl Machine {
         self.filled
     }
 
-    /// The vCPU's registers (between commands: the guest waits for the next one).
+    /// Refuses a machine whose guest an earlier command left stopped in the middle of it (it
+    /// crashed, or the VMM failed serving it): it takes no more commands, and a snapshot of
+    /// it would resume the guest mid-command.
+    pub fn check_usable(&self) -> Result<(), MachineError> {
+        match &self.broken {
+            None => Ok(()),
+            Some(why) => Err(MachineError::GuestCrashed(format!(
+                "an earlier command left the guest stopped in the middle of it ({why}); \
+                 the VM takes no more commands"
+            ))),
+        }
+    }
+
+    /// The vCPU's registers (between commands: the guest waits for the next one); refused
+    /// for a machine that [`Machine::check_usable`] refuses.
     pub fn vcpu_state(&self) -> Result<VcpuState, MachineError> {
+        self.check_usable()?;
         Ok(VcpuState {
             regs: self.vcpu.get_regs().map_err(kvm("get regs"))?,
             sregs: self.vcpu.get_sregs().map_err(kvm("get sregs"))?,
@@ -806,12 +851,7 @@ impl Machine {
     /// Runs one guest command; returns its results. Everything read back is the guest's word:
     /// its filled size is clamped to the application memory, an unknown status is an error.
     fn guest(&mut self, command: &Command, op: Op, args: &[u64]) -> Result<[u64; 6], MachineError> {
-        if let Some(why) = &self.broken {
-            return Err(MachineError::GuestCrashed(format!(
-                "an earlier command left the guest stopped in the middle of it ({why}); \
-                 the VM takes no more commands"
-            )));
-        }
+        self.check_usable()?;
         self.model_error = None;
         self.release_error = None;
         let mut mailbox: Mailbox = self.read(guest::MAILBOX_GPA)?;

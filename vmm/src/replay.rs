@@ -306,24 +306,48 @@ impl Drop for ReplayServer {
     }
 }
 
+/// Most bytes of a request's head (request line and headers) the replay server reads.
+const MAX_REQUEST_HEAD: u64 = 64 << 10;
+/// Most bytes of a request's body it reads (the gateway's are a few dozen).
+const MAX_REQUEST_BODY: usize = 1 << 20;
+/// How long reading one request may wait for its peer.
+const REQUEST_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One line of a request's head; a line the head's limit cut off is an error.
+fn read_head_line(reader: &mut impl BufRead, line: &mut String) -> std::io::Result<usize> {
+    let n = reader.read_line(line)?;
+    if n > 0 && !line.ends_with('\n') {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("request head longer than {MAX_REQUEST_HEAD} bytes"),
+        ));
+    }
+    Ok(n)
+}
+
 /// One request: read it, wait its recorded time, answer (404 for an id not in the trajectory).
 fn serve(stream: TcpStream, requests: &[(u64, Duration, u64)]) -> std::io::Result<()> {
     stream.set_nonblocking(false)?;
-    let mut reader = BufReader::new(stream.try_clone()?);
+    // Anyone on the host can connect to 127.0.0.1: a request is read bounded (its head, its
+    // body) and in bounded time, or dropped.
+    stream.set_read_timeout(Some(REQUEST_READ_TIMEOUT))?;
+    let mut reader = BufReader::new(stream.try_clone()?.take(MAX_REQUEST_HEAD));
     let mut line = String::new();
-    reader.read_line(&mut line)?;
+    read_head_line(&mut reader, &mut line)?;
     let path = line.split_whitespace().nth(1).unwrap_or("").to_owned();
     let mut length = 0usize;
     loop {
         let mut header = String::new();
-        if reader.read_line(&mut header)? == 0 || header.trim().is_empty() {
+        if read_head_line(&mut reader, &mut header)? == 0 || header.trim().is_empty() {
             break;
         }
         if let Some(value) = header.to_ascii_lowercase().strip_prefix("content-length:") {
             length = value.trim().parse().unwrap_or(0);
         }
     }
-    let mut body = vec![0u8; length.min(1 << 20)];
+    let length = length.min(MAX_REQUEST_BODY);
+    reader.get_mut().set_limit(length as u64);
+    let mut body = vec![0u8; length];
     reader.read_exact(&mut body)?;
     let id: Option<u64> = path.rsplit('/').next().and_then(|id| id.parse().ok());
     let found = id.and_then(|id| requests.iter().find(|r| r.0 == id));
@@ -433,6 +457,32 @@ mod tests {
         assert_eq!(answer(3, 64), answer(3, 64));
         assert_ne!(answer(3, 64), answer(4, 64));
         assert_eq!(answer(9, 5).len(), 5);
+    }
+
+    #[test]
+    fn replay_server_endless_request_line_is_cut_off_not_buffered() {
+        let server = ReplayServer::start(&sample()).expect("listens");
+        let mut stream = TcpStream::connect(server.address).expect("connects");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("a timeout");
+        // A local peer (any user can reach 127.0.0.1) that never ends its request line.
+        let line = vec![b'a'; 1 << 20];
+        let mut sent = 0usize;
+        while sent < 16 && stream.write_all(&line).is_ok() {
+            sent += 1;
+        }
+        let mut rest = Vec::new();
+        let read = stream.read_to_end(&mut rest);
+        // Closed (or reset) by the server, not left reading for ever.
+        let waiting = matches!(&read, Err(e) if matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ));
+        assert!(
+            !waiting,
+            "the server kept reading {sent} MiB of one line: {read:?}"
+        );
     }
 
     #[test]

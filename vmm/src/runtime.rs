@@ -150,14 +150,27 @@ pub fn write_tombstone(tombstone: &Tombstone) -> std::io::Result<()> {
     std::fs::rename(&temporary, &path)
 }
 
-/// Whether process `pid` exists.
+/// Whether process `pid` runs. A zombie does not: it has ended, and only waits for a parent
+/// to reap it (one whose supervisor is gone may wait for ever under an init that does not).
 pub fn process_alive(pid: u32) -> bool {
-    let Ok(pid) = i32::try_from(pid) else {
+    let Ok(signed) = i32::try_from(pid) else {
         return false;
     };
     // SAFETY: kill with signal 0 only checks that the process exists.
-    let sent = unsafe { libc::kill(pid, 0) };
-    sent == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+    let sent = unsafe { libc::kill(signed, 0) };
+    let exists = sent == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+    exists && !ended(pid)
+}
+
+/// Whether `/proc` says process `pid` has ended (a zombie, or dead); false when it cannot
+/// tell.
+fn ended(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        // The state follows the command's closing parenthesis (the command may hold any).
+        stat.rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next())
+            .is_some_and(|state| matches!(state, 'Z' | 'X'))
+    })
 }
 
 /// Removes what a VM process that ended leaves behind in its job directory: its socket,
@@ -402,6 +415,27 @@ pub fn create_private_dir(dir: &Path) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn runtime_process_alive_counts_a_zombie_as_gone() {
+        let child = std::process::Command::new("true")
+            .spawn()
+            .expect("`true` starts");
+        let pid = child.id();
+        // Not reaped yet: a zombie once it has exited.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+            stat.rsplit_once(") ")
+                .is_some_and(|(_, s)| s.starts_with('Z'))
+        }) {
+            assert!(std::time::Instant::now() < deadline, "`true` did not exit");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let alive = process_alive(pid);
+        drop(child.wait_with_output());
+        assert!(!alive, "a zombie counted as a running VM");
+        assert!(process_alive(std::process::id()));
+    }
 
     #[test]
     fn runtime_job_ids_are_checked_and_fresh_ids_differ() {

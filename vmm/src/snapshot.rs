@@ -237,6 +237,7 @@ pub fn write(
     codec: Option<CodecConfig>,
 ) -> Result<SnapshotReport, SnapshotError> {
     let started = Instant::now();
+    machine.check_usable()?;
     if std::fs::symlink_metadata(out).is_ok() {
         return Err(SnapshotError::Exists(out.to_path_buf()));
     }
@@ -488,6 +489,15 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, SnapshotError> {
     }
     if manifest.ram.bytes != manifest.memory {
         return Err(bad("the RAM image's size is not the RAM size".into()));
+    }
+    // The seals cover the files, not the manifest's own numbers: each is checked here.
+    crate::guest::check_memory(manifest.memory).map_err(&bad)?;
+    let app_size = manifest.memory - crate::guest::APP_BASE;
+    if manifest.app_bytes > app_size {
+        return Err(bad(format!(
+            "app_bytes {} is more than the {app_size} bytes of application memory",
+            manifest.app_bytes
+        )));
     }
     // The files are the ones `write` makes, in this directory: a manifest naming another
     // file (`../x`, `/x`, or the RAM image as the disk) would have that file checked and

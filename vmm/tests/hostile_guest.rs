@@ -247,6 +247,20 @@ fn hostile_guest_that_crashed_gets_no_more_commands() {
     assert!(err.to_string().contains("crashed"), "{err}");
     let err = run(&mut machine, "digest").unwrap_err();
     assert!(err.to_string().contains("takes no more commands"), "{err}");
+    // Nor is it snapshotted: a restore would resume the guest in the middle of the command
+    // that crashed, with nothing to say it cannot take another.
+    let out = dir.path().join("snap");
+    let err = vmm::snapshot::write(&machine, 1, &out, None).unwrap_err();
+    assert!(
+        compressed_backing::store::error_chain(&err).contains("takes no more commands"),
+        "{err}"
+    );
+    assert!(!out.exists());
+    assert!(std::fs::read_dir(dir.path()).unwrap().all(|e| !e
+        .unwrap()
+        .file_name()
+        .to_string_lossy()
+        .contains("partial")));
 }
 
 #[test]

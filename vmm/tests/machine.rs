@@ -88,3 +88,33 @@ fn machine_too_large_fill_is_refused_by_the_host() {
     // The VM still works.
     run(&mut machine, "fill 4MiB zero; digest");
 }
+
+#[test]
+fn machine_stop_kicks_a_vcpu_whose_thread_blocks_every_signal() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut machine = boot(dir.path(), 1 << 30, RamKind::Anon);
+    let interrupter = machine.interrupter();
+    let fill = script::parse("fill 1000MiB random").unwrap().remove(0);
+    let command = std::thread::spawn(move || {
+        // A caller that keeps every signal to itself (as signal-handling code does).
+        let all = nix::sys::signal::SigSet::all();
+        all.thread_block().unwrap();
+        let started = Instant::now();
+        let result = machine.run(&fill);
+        (result.map(|_| ()), started.elapsed())
+    });
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    interrupter.stop();
+    let (result, took) = command.join().unwrap();
+    assert!(
+        matches!(result, Err(vmm::machine::MachineError::Stopped)),
+        "{result:?} after {took:?}"
+    );
+    assert!(
+        took < std::time::Duration::from_millis(1500),
+        "the stop waited for the fill ({took:?})"
+    );
+}

@@ -220,6 +220,21 @@ fn snapshot_changed_or_unusable_is_refused_with_the_reason() {
     );
     std::fs::write(&manifest_path, &honest).unwrap();
     std::fs::write(&disk_image, &disk_honest).unwrap();
+    // Filled application data beyond the application memory (the guest would be asked to
+    // digest past its RAM).
+    let mut manifest: serde_json::Value = serde_json::from_slice(&honest).unwrap();
+    manifest["app_bytes"] = serde_json::json!(u64::MAX);
+    std::fs::write(&manifest_path, serde_json::to_vec(&manifest).unwrap()).unwrap();
+    let Err(err) = Vm::start(options(
+        dir.path(),
+        "filled",
+        RamKind::Snapshot,
+        Some(&snap),
+    )) else {
+        panic!("a snapshot with more filled data than application memory was restored");
+    };
+    assert!(err.to_string().contains("app_bytes"), "{err}");
+    std::fs::write(&manifest_path, &honest).unwrap();
     // The disk copy's path taken by a file of another user (who would read the guest's
     // disk through it): refused, and nothing written into it.
     let planted = dir.path().join("planted.disk");

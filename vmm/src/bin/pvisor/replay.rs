@@ -109,20 +109,16 @@ fn call(id: &Identity, method: Method) -> Result<serde_json::Value, control::Cli
     control::call(&id.socket, &id.job, &id.attempt, method)
 }
 
-/// Whether process `pid` is still running (a zombie has left its cgroup already).
-fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-        // The state follows the command's closing parenthesis.
-        let state = stat.rsplit_once(')').map(|(_, rest)| rest.trim_start());
-        !matches!(state.and_then(|s| s.chars().next()), Some('Z' | 'X') | None)
-    })
-}
-
 /// Waits until none of `pids` runs, at most `timeout`; returns those still running.
 fn wait_gone(pids: &[u32], timeout: Duration) -> Vec<u32> {
     let deadline = Instant::now() + timeout;
     loop {
-        let left: Vec<u32> = pids.iter().copied().filter(|&pid| alive(pid)).collect();
+        // (A zombie has left its cgroup already.)
+        let left: Vec<u32> = pids
+            .iter()
+            .copied()
+            .filter(|&pid| runtime::process_alive(pid))
+            .collect();
         if left.is_empty() || Instant::now() >= deadline {
             return left;
         }
