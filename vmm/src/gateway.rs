@@ -91,6 +91,14 @@ pub fn check_upstream(url: &str) -> Result<(), GatewayError> {
 /// all. The oldest go first.
 const MAX_KEPT: usize = 256;
 
+/// Most bytes of an answer's body read: what fits the guest's I/O buffer. A larger answer is
+/// refused as soon as it passes this (or announces a length over it), never read whole.
+const MAX_ANSWER: u64 = crate::guest::IO_BUF_SIZE;
+
+/// Most bytes buffered for a response head (status line and headers): an upstream that sends
+/// an endless header is refused after this much.
+const MAX_HEAD: usize = 64 << 10;
+
 #[derive(Debug, Default)]
 struct State {
     answers: HashMap<u64, Answer>,
@@ -257,7 +265,11 @@ async fn post(upstream: &Upstream, label: &str, request: u64) -> Answer {
         Err(e) => return Answer::Error(format!("cannot connect to {}: {e}", upstream.authority)),
     };
     let io = hyper_util::rt::TokioIo::new(stream);
-    let (mut sender, connection) = match hyper::client::conn::http1::handshake(io).await {
+    let handshake = hyper::client::conn::http1::Builder::new()
+        .max_buf_size(MAX_HEAD)
+        .handshake(io)
+        .await;
+    let (mut sender, connection) = match handshake {
         Ok(pair) => pair,
         Err(e) => return Answer::Error(format!("HTTP handshake with {}: {e}", upstream.authority)),
     };
@@ -273,23 +285,68 @@ async fn post(upstream: &Upstream, label: &str, request: u64) -> Answer {
     };
     let response = match sender.send_request(built).await {
         Ok(response) => response,
+        // hyper tells a head over `max_buf_size` from other parse errors only with its
+        // `server` feature: name the limit for both.
+        Err(e) if e.is_parse() => {
+            return Answer::Error(format!(
+                "request {request} to {}: the answer's head (status line and headers, at most {} KiB) is invalid: {e}",
+                upstream.authority,
+                MAX_HEAD >> 10
+            ))
+        }
         Err(e) => {
             return Answer::Error(format!("request {request} to {}: {e}", upstream.authority))
         }
     };
     let status = response.status();
-    let bytes = match response.into_body().collect().await {
-        Ok(body) => body.to_bytes(),
-        Err(e) => return Answer::Error(format!("request {request}: reading the answer: {e}")),
+    let bytes = match read_bounded(response.into_body(), MAX_ANSWER).await {
+        Ok(bytes) => bytes,
+        Err(BodyError::TooLarge) => {
+            return Answer::Error(format!(
+                "request {request}: the answer is over {MAX_ANSWER} bytes (the guest's I/O buffer)"
+            ))
+        }
+        Err(BodyError::Read(e)) => {
+            return Answer::Error(format!("request {request}: reading the answer: {e}"))
+        }
     };
     if status.is_success() {
-        Answer::Data(bytes.to_vec())
+        Answer::Data(bytes)
     } else {
         Answer::Error(format!(
             "request {request}: upstream answered {status}: {}",
             String::from_utf8_lossy(&bytes[..bytes.len().min(200)]).trim()
         ))
     }
+}
+
+/// Why a body was not read.
+#[derive(Debug)]
+enum BodyError {
+    /// It announced, or sent, more than the limit.
+    TooLarge,
+    /// The connection failed.
+    Read(hyper::Error),
+}
+
+/// Reads `body` whole if it has at most `limit` bytes; stops (and drops the connection) as soon
+/// as it announces or sends more.
+async fn read_bounded(mut body: hyper::body::Incoming, limit: u64) -> Result<Vec<u8>, BodyError> {
+    use hyper::body::Body;
+    if body.size_hint().lower() > limit {
+        return Err(BodyError::TooLarge);
+    }
+    let mut bytes = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(BodyError::Read)?;
+        if let Ok(data) = frame.into_data() {
+            if (bytes.len() as u64).saturating_add(data.len() as u64) > limit {
+                return Err(BodyError::TooLarge);
+            }
+            bytes.extend_from_slice(&data);
+        }
+    }
+    Ok(bytes)
 }
 
 #[cfg(test)]
