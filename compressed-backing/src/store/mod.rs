@@ -1363,6 +1363,7 @@ fn load_index<F: Read + io::Seek>(
         return Err(too_large(size, limit));
     }
     let mut check = index::PrefixCheck::new(&head).map_err(corrupt)?;
+    let check_segments = check.segments_left() as usize;
     let mut stream = index::StreamCheck::default();
     stream.update(&head);
     let mut piece = vec![0u8; INDEX_PIECE];
@@ -1393,8 +1394,11 @@ fn load_index<F: Read + io::Seek>(
         }));
     }
     if size > INDEX_READ_WHOLE {
+        // Up to the size checked, even if the file grows meanwhile.
+        let consumed = (index::HEADER_LEN + check_segments * index::SEGMENT_ENTRY_LEN) as u64;
+        let mut rest = (&mut *file).take(size.saturating_sub(consumed));
         loop {
-            let got = read_full(file, &mut piece).map_err(read_error)?;
+            let got = read_full(&mut rest, &mut piece).map_err(read_error)?;
             stream.update(&piece[..got]);
             if got < piece.len() {
                 break;
