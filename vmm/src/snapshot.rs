@@ -252,7 +252,11 @@ pub fn write(
     let result =
         write_into(machine, vcpus, &partial, codec).and_then(|(ram_data_bytes, disk_bytes)| {
             seal(&partial)?;
-            std::fs::rename(&partial, out).map_err(io("rename into place", out))?;
+            rename_no_replace(&partial, out).map_err(|e| match e.kind() {
+                // `out` appeared since the check above: it is left as it is.
+                std::io::ErrorKind::AlreadyExists => SnapshotError::Exists(out.to_path_buf()),
+                _ => io("rename into place", out)(e),
+            })?;
             if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
                 File::open(parent)
                     .and_then(|d| d.sync_all())
@@ -271,6 +275,35 @@ pub fn write(
             let _ = std::fs::remove_dir_all(&partial);
             Err(e)
         }
+    }
+}
+
+/// Renames `from` to `to` unless `to` exists, whatever it is (`renameat2` with
+/// `RENAME_NOREPLACE`; `EEXIST` if it does): plain `rename` would replace an empty directory
+/// that appeared at `to` since it was checked.
+fn rename_no_replace(from: &Path, to: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |path: &Path| {
+        std::ffi::CString::new(path.as_os_str().as_bytes())
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))
+    };
+    let (from, to) = (c(from)?, c(to)?);
+    // SAFETY: both paths are NUL-terminated strings that live across the call; `AT_FDCWD`
+    // resolves relative paths as `rename` does; the call touches no memory of ours beyond
+    // reading the two strings.
+    let rc = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            from.as_ptr(),
+            libc::AT_FDCWD,
+            to.as_ptr(),
+            libc::RENAME_NOREPLACE,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
     }
 }
 
@@ -733,4 +766,32 @@ pub fn load_private(ram: &GuestRam, dir: &Path) -> Result<PrivateLoadReport, Sna
         pages,
         elapsed_ms: started.elapsed().as_secs_f64() * 1e3,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rename_no_replace_existing_target_is_refused_and_both_kept() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let (from, to) = (root.path().join("from"), root.path().join("to"));
+        std::fs::create_dir(&from).expect("from");
+        std::fs::write(from.join("ram.img"), b"guest").expect("file");
+        // An empty directory (which `rename` would replace) and a file.
+        std::fs::create_dir(&to).expect("to");
+        let err = rename_no_replace(&from, &to).expect_err("an existing directory");
+        assert_eq!(err.kind(), std::io::ErrorKind::AlreadyExists);
+        std::fs::remove_dir(&to).expect("remove");
+        std::fs::write(&to, b"other").expect("file");
+        let err = rename_no_replace(&from, &to).expect_err("an existing file");
+        assert_eq!(err.kind(), std::io::ErrorKind::AlreadyExists);
+        assert_eq!(std::fs::read(&to).expect("kept"), b"other");
+        assert_eq!(std::fs::read(from.join("ram.img")).expect("kept"), b"guest");
+        // Nothing there: renamed.
+        std::fs::remove_file(&to).expect("remove");
+        rename_no_replace(&from, &to).expect("renamed");
+        assert_eq!(std::fs::read(to.join("ram.img")).expect("moved"), b"guest");
+        assert!(!from.exists());
+    }
 }

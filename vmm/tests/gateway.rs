@@ -341,3 +341,131 @@ fn gateway_wait_management_pause_strategy_never_offloads() {
     );
     assert_eq!(stats.pager.pages_offloaded, 0);
 }
+
+/// A hostile upstream on a thread: reads the request head, then writes `head` and up to
+/// `body` bytes (in 64 KiB writes, each after `pause`) until the client hangs up. Returns its
+/// address and a counter of the bytes it managed to write.
+fn hostile_upstream(
+    head: Vec<u8>,
+    body: u64,
+    pause: Duration,
+) -> (String, std::sync::Arc<std::sync::atomic::AtomicU64>) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = listener.local_addr().unwrap();
+    let written = std::sync::Arc::new(AtomicU64::new(0));
+    let counter = std::sync::Arc::clone(&written);
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let counter = std::sync::Arc::clone(&counter);
+            let head = head.clone();
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                loop {
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 || line.trim().is_empty() {
+                        break;
+                    }
+                }
+                if stream.write_all(&head).is_err() {
+                    return;
+                }
+                counter.fetch_add(head.len() as u64, Ordering::Relaxed);
+                let chunk = vec![b'x'; 64 << 10];
+                let mut left = body;
+                while left > 0 {
+                    std::thread::sleep(pause);
+                    let n = left.min(chunk.len() as u64) as usize;
+                    if stream.write_all(&chunk[..n]).is_err() {
+                        return;
+                    }
+                    counter.fetch_add(n as u64, Ordering::Relaxed);
+                    left -= n as u64;
+                }
+            });
+        }
+    });
+    (format!("http://{address}"), written)
+}
+
+/// An answer of `len` bytes from `head`'s upstream, through a gateway with `timeout`.
+fn hostile_answer(head: &str, body: u64, pause: Duration, timeout: Duration) -> (Answer, u64) {
+    let (url, written) = hostile_upstream(head.as_bytes().to_vec(), body, pause);
+    let gateway = Gateway::new(&url, "test", 0, timeout).unwrap();
+    gateway.send(1);
+    let answer = gateway.wait(1);
+    // Let the upstream notice the hang-up (or run into a full socket).
+    std::thread::sleep(Duration::from_millis(200));
+    (answer, written.load(std::sync::atomic::Ordering::Relaxed))
+}
+
+#[test]
+fn gateway_answer_larger_than_the_guest_buffer_is_refused_unread() {
+    const BODY: u64 = 100 << 20;
+    let limit = vmm::guest::IO_BUF_SIZE.to_string();
+    // Announced by its length, and sent without one (until the connection closes).
+    for head in [
+        format!("HTTP/1.1 200 OK\r\ncontent-length: {BODY}\r\n\r\n"),
+        "HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n".to_owned(),
+    ] {
+        let (answer, written) =
+            hostile_answer(&head, BODY, Duration::ZERO, Duration::from_secs(20));
+        let Answer::Error(why) = answer else {
+            panic!("a 100 MiB answer was taken: {head:?}")
+        };
+        assert!(why.contains(&limit), "{why}");
+        // The gateway stopped reading near the limit: what the upstream could write is that
+        // and the sockets' buffers, far from 100 MiB.
+        assert!(written < 32 << 20, "{written} bytes written for {head:?}");
+    }
+    // Exactly the guest's buffer still goes through.
+    let head = format!(
+        "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n",
+        vmm::guest::IO_BUF_SIZE
+    );
+    let (answer, _) = hostile_answer(
+        &head,
+        vmm::guest::IO_BUF_SIZE,
+        Duration::ZERO,
+        Duration::from_secs(20),
+    );
+    assert_eq!(
+        answer,
+        Answer::Data(vec![b'x'; vmm::guest::IO_BUF_SIZE as usize])
+    );
+}
+
+#[test]
+fn gateway_endless_header_is_refused_after_a_bounded_read() {
+    // One header line that never ends: 100 MiB of it.
+    let (answer, written) = hostile_answer(
+        "HTTP/1.1 200 OK\r\nx-endless: ",
+        100 << 20,
+        Duration::ZERO,
+        Duration::from_secs(20),
+    );
+    let Answer::Error(why) = answer else {
+        panic!("an answer from an endless header")
+    };
+    assert!(why.contains("header") && why.contains("KiB"), "{why}");
+    assert!(written < 32 << 20, "{written} bytes written");
+}
+
+#[test]
+fn gateway_trickling_answer_is_an_error_after_the_timeout() {
+    // 64 KiB every 100 ms: 1 MiB would take 1.6 s, the gateway waits 500 ms.
+    let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", 1 << 20);
+    let started = std::time::Instant::now();
+    let (answer, _) = hostile_answer(
+        &head,
+        1 << 20,
+        Duration::from_millis(100),
+        Duration::from_millis(500),
+    );
+    let Answer::Error(why) = answer else {
+        panic!("a trickled answer")
+    };
+    assert!(why.contains("no answer within 0.5 s"), "{why}");
+    assert!(started.elapsed() < Duration::from_secs(3));
+}

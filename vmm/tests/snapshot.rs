@@ -329,3 +329,40 @@ fn snapshot_compressed_is_small_and_restores_lazily() {
     let err = Vm::start(options(dir.path(), "bad", RamKind::Snapshot, Some(&snap))).unwrap_err();
     assert!(err.to_string().contains("anon or memfd RAM"), "{err}");
 }
+
+#[test]
+fn snapshot_out_appearing_while_written_is_never_replaced() {
+    if skip() {
+        return;
+    }
+    let dir = open_tempdir();
+    let mut vm = Vm::start(options(dir.path(), "origin", RamKind::Anon, None)).unwrap();
+    exec(&mut vm, "fill 128MiB random seed=4");
+    let out = dir.path().join("snap");
+    let partial = out.with_extension(format!("partial-{}", std::process::id()));
+    // Another process's empty directory appears at `out` once the snapshot is being written:
+    // after the check that `out` does not exist, before the rename into place.
+    let planter = {
+        let (out, partial) = (out.clone(), partial.clone());
+        std::thread::spawn(move || {
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            while !partial.exists() {
+                assert!(std::time::Instant::now() < deadline, "no partial directory");
+                std::thread::yield_now();
+            }
+            std::fs::create_dir(&out).unwrap();
+        })
+    };
+    let result = vm.snapshot(&out, None);
+    planter.join().unwrap();
+    assert!(
+        matches!(
+            result,
+            Err(VmError::Snapshot(vmm::snapshot::SnapshotError::Exists(_)))
+        ),
+        "{result:?}"
+    );
+    // The planted directory is still there, empty; the partial one is gone.
+    assert_eq!(std::fs::read_dir(&out).unwrap().count(), 0);
+    assert!(!partial.exists());
+}

@@ -180,3 +180,145 @@ fn store_pack_over_a_hostile_index_is_refused_and_the_old_image_kept() {
     assert_eq!(fs::read(&path).unwrap(), hostile);
     assert!(fs::read(&segment).unwrap() == segment_before);
 }
+
+/// Bytes this thread has read through `read(2)` and friends so far.
+fn thread_read_bytes() -> u64 {
+    let io = fs::read_to_string("/proc/thread-self/io").unwrap();
+    io.lines()
+        .find_map(|line| line.strip_prefix("rchar: "))
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// Replaces the store's index with a valid header claiming `blocks` blocks, `segments`
+/// segments and the last segment ids, over a sparse file of `len(limit)` bytes, where
+/// `limit` is the old header-only size limit; returns the file's size.
+fn plant_lying_header(dir: &Path, segments: u32, len: impl FnOnce(u64) -> u64) -> u64 {
+    let path = dir.join(INDEX_FILE);
+    let mut head = fs::read(&path).unwrap()[..index::HEADER_LEN].to_vec();
+    // Image size (bytes 29..37), next segment (45..49), segment count (49..53).
+    head[29..37].copy_from_slice(&(index::MAX_BLOCKS * BS).to_le_bytes());
+    head[45..49].copy_from_slice(&(segment::MAX_ID + 1).to_le_bytes());
+    head[49..53].copy_from_slice(&segments.to_le_bytes());
+    let size = len(Index::size_limit(&head).unwrap());
+    let file = fs::File::create(&path).unwrap();
+    (&file).write_all(&head).unwrap();
+    file.set_len(size).unwrap();
+    size
+}
+
+#[test]
+fn store_index_header_claiming_the_most_segments_over_a_sparse_file_is_refused_early() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("store");
+    drop(filled_store(&dir, 2, 19));
+    // 10^8 segments and 2^25 blocks: the header allows about 2.2 GiB, all holes.
+    let size = plant_lying_header(&dir, segment::MAX_ID + 1, |limit| limit);
+    assert!(size > 2 << 30, "{size}");
+    let before = thread_read_bytes();
+    let err = DiskStore::open_read_only(&dir).unwrap_err();
+    let read = thread_read_bytes() - before;
+    assert!(matches!(err, StoreError::IndexCorrupt { .. }), "{err}");
+    // The segment table's second entry (id 0 again) is refused: a few bytes were read.
+    assert!(read < 4 << 20, "{read} bytes read of a {size} byte index");
+}
+
+#[test]
+fn store_index_without_segments_longer_than_its_block_tags_allow_is_refused_unread() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("store");
+    drop(filled_store(&dir, 2, 21));
+    // No segment: every block entry is a one- or two-byte tag, not 25 bytes, so a file of
+    // the old limit (about 1.1 GiB) is far too long for its header.
+    let size = plant_lying_header(&dir, 0, |limit| limit);
+    let before = thread_read_bytes();
+    let err = DiskStore::open_read_only(&dir).unwrap_err();
+    let read = thread_read_bytes() - before;
+    let text = error_chain(&err);
+    assert!(text.contains("limit"), "{text}");
+    assert!(read < 4 << 20, "{read} bytes read of a {size} byte index");
+}
+
+/// A file that remembers the largest buffer it was asked to fill.
+struct Watched {
+    file: fs::File,
+    largest_read: usize,
+}
+
+impl io::Read for Watched {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.largest_read = self.largest_read.max(buf.len());
+        self.file.read(buf)
+    }
+}
+
+impl io::Seek for Watched {
+    fn seek(&mut self, to: io::SeekFrom) -> io::Result<u64> {
+        self.file.seek(to)
+    }
+}
+
+#[test]
+fn store_index_lying_within_its_limits_is_checked_in_bounded_pieces() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("store");
+    drop(filled_store(&dir, 2, 23));
+    // No segment, 2^25 one-byte tags and the most metadata: within the limits, all holes,
+    // refused by its checksum before the file is read into a buffer of its size.
+    let size = plant_lying_header(&dir, 0, |_| {
+        index::HEADER_LEN as u64
+            + 8
+            + 2 * index::MAX_BLOCKS
+            + 4
+            + index::meta_limit(index::MAX_BLOCKS)
+            + 16
+    });
+    let path = dir.join(INDEX_FILE);
+    // A plausible trailer: a checksum of zero and the end magic.
+    {
+        use std::os::unix::fs::FileExt;
+        let planted = fs::OpenOptions::new().write(true).open(&path).unwrap();
+        planted.write_all_at(b"PVSTEND1", size - 8).unwrap();
+    }
+    let mut file = Watched {
+        file: fs::File::open(&path).unwrap(),
+        largest_read: 0,
+    };
+    let err = load_index(&mut file, size, &path).unwrap_err();
+    let text = error_chain(&err);
+    assert!(text.contains("checksum"), "{text}");
+    assert!(file.largest_read <= INDEX_PIECE, "{}", file.largest_read);
+}
+
+#[test]
+fn store_index_larger_than_read_whole_is_checked_streaming_and_opens() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("store");
+    // 5 Mi blocks, two written: an index of about 5 MiB, checked in pieces first.
+    let blocks = 5 << 20;
+    let mut store = DiskStore::create(&dir, config(blocks)).unwrap();
+    store.put(0, &vec![3; BS as usize]).unwrap();
+    store.put(blocks - 1, &vec![0; BS as usize]).unwrap();
+    store.commit().unwrap();
+    drop(store);
+    let size = fs::metadata(dir.join(INDEX_FILE)).unwrap().len();
+    assert!(size > INDEX_READ_WHOLE, "{size}");
+    let store = DiskStore::open_read_only(&dir).unwrap();
+    let mut out = vec![0; BS as usize];
+    store.get(0, &mut out).unwrap();
+    assert_eq!(out, vec![3; BS as usize]);
+    // One flipped byte in the middle: refused by the streamed checksum.
+    drop(store);
+    let path = dir.join(INDEX_FILE);
+    let mut bytes = fs::read(&path).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x55;
+    fs::write(&path, &bytes).unwrap();
+    let err = DiskStore::open_read_only(&dir).unwrap_err();
+    assert!(
+        error_chain(&err).contains("checksum"),
+        "{}",
+        error_chain(&err)
+    );
+}

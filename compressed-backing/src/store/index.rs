@@ -215,21 +215,9 @@ impl Index {
         for _ in 0..segment_count {
             let id = r.u32("segment id")?;
             let len = r.u64("segment length")?;
-            // In ascending order, as written: one encoding per index.
-            let ascending = segments.last_key_value().is_none_or(|(&last, _)| id > last);
-            if id >= next_segment || !ascending {
-                return Err(invalid(
-                    "segment table",
-                    format!("segment {id} out of order, listed twice or beyond next id"),
-                ));
-            }
+            let last = segments.last_key_value().map(|(&last, _)| last);
+            check_segment(id, len, last, next_segment)?;
             segments.insert(id, len);
-            if len > MAX_SEGMENT_LEN {
-                return Err(invalid(
-                    "segment table",
-                    format!("segment {id} of {len} bytes (at most {MAX_SEGMENT_LEN})"),
-                ));
-            }
         }
         let block_count = r.u64("block count")?;
         if block_count != header.blocks() {
@@ -332,12 +320,141 @@ impl Index {
         // Cannot overflow: segments are at most MAX_SEGMENT_ID + 1, blocks at most
         // MAX_BLOCKS, so this is about 2.5 GiB at most.
         Ok(HEADER_LEN as u64
-            + u64::from(header.segment_count) * SEGMENT_ENTRY_LEN
+            + u64::from(header.segment_count) * SEGMENT_ENTRY_LEN as u64
             + 8
             + header.blocks() * MAX_BLOCK_ENTRY_LEN
             + 4
             + meta_limit(header.blocks())
             + TRAILER_LEN as u64)
+    }
+}
+
+/// An index file's first bytes, checked before the rest is read: the header, then the
+/// segment table entry by entry (a hostile header may claim 10^8 segments over a file of
+/// zeros: the second entry is refused), then the file's size against what they imply.
+#[derive(Debug)]
+pub(crate) struct PrefixCheck {
+    header: Header,
+    /// Entries of the segment table not checked yet.
+    segments_left: u32,
+    /// The last id checked.
+    last_id: Option<u32>,
+    /// Whether a listed segment has bytes (else no block can be stored data).
+    any_data: bool,
+}
+
+impl PrefixCheck {
+    /// Checks the header, the file's first [`HEADER_LEN`] bytes.
+    pub(crate) fn new(head: &[u8]) -> Result<Self, IndexError> {
+        let header = Header::read(&mut Reader {
+            bytes: head,
+            pos: 0,
+        })?;
+        Ok(Self {
+            header,
+            segments_left: header.segment_count,
+            last_id: None,
+            any_data: false,
+        })
+    }
+
+    /// Entries of the segment table still to check.
+    pub(crate) fn segments_left(&self) -> u32 {
+        self.segments_left
+    }
+
+    /// Checks the next segment table entry (`entry` holds [`SEGMENT_ENTRY_LEN`] bytes).
+    pub(crate) fn segment(&mut self, entry: &[u8]) -> Result<(), IndexError> {
+        let mut r = Reader {
+            bytes: entry,
+            pos: 0,
+        };
+        let (id, len) = (r.u32("segment id")?, r.u64("segment length")?);
+        if self.segments_left == 0 {
+            return Err(invalid("segment table", "more entries than its count"));
+        }
+        check_segment(id, len, self.last_id, self.header.next_segment)?;
+        self.segments_left -= 1;
+        self.last_id = Some(id);
+        self.any_data |= len > 0;
+        Ok(())
+    }
+
+    /// The sizes the whole file can have, once the segment table is checked: each block entry
+    /// takes one byte at least, and two at most when no segment has bytes.
+    pub(crate) fn size_range(&self) -> std::ops::RangeInclusive<u64> {
+        let blocks = self.header.blocks();
+        let fixed = HEADER_LEN as u64
+            + u64::from(self.header.segment_count) * SEGMENT_ENTRY_LEN as u64
+            + 8
+            + 4
+            + TRAILER_LEN as u64;
+        let entry = if self.any_data {
+            MAX_BLOCK_ENTRY_LEN
+        } else {
+            2
+        };
+        // Cannot overflow: see `size_limit`.
+        fixed + blocks..=fixed + blocks * entry + meta_limit(blocks)
+    }
+}
+
+/// Checks a segment table entry: ids ascending (one encoding per index) and below the next
+/// id, lengths file offsets.
+fn check_segment(
+    id: u32,
+    len: u64,
+    last: Option<u32>,
+    next_segment: u32,
+) -> Result<(), IndexError> {
+    if id >= next_segment || last.is_some_and(|last| id <= last) {
+        return Err(invalid(
+            "segment table",
+            format!("segment {id} out of order, listed twice or beyond next id"),
+        ));
+    }
+    if len > MAX_SEGMENT_LEN {
+        return Err(invalid(
+            "segment table",
+            format!("segment {id} of {len} bytes (at most {MAX_SEGMENT_LEN})"),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks an index's checksum and end magic from its bytes fed in order, without holding
+/// them: what a large file must pass before it is read into memory.
+#[derive(Default)]
+pub(crate) struct StreamCheck {
+    hasher: xxhash_rust::xxh3::Xxh3Default,
+    /// The last [`TRAILER_LEN`] bytes seen, not hashed yet (they may be the trailer).
+    tail: Vec<u8>,
+}
+
+impl StreamCheck {
+    /// Feeds the next bytes.
+    pub(crate) fn update(&mut self, bytes: &[u8]) {
+        self.tail.extend_from_slice(bytes);
+        let hashed = self.tail.len().saturating_sub(TRAILER_LEN);
+        self.hasher.update(&self.tail[..hashed]);
+        self.tail.drain(..hashed);
+    }
+
+    /// Checks the trailer of the bytes fed (the whole file).
+    pub(crate) fn finish(self, len: u64) -> Result<(), IndexError> {
+        let truncated = IndexError::Truncated {
+            len: usize::try_from(len).unwrap_or(usize::MAX),
+            what: "end marker",
+        };
+        if self.tail.len() < TRAILER_LEN || &self.tail[8..] != END_MAGIC {
+            return Err(truncated);
+        }
+        let stored = u64::from_le_bytes(self.tail[..8].try_into().expect("slice of 8 bytes"));
+        let computed = self.hasher.digest();
+        if stored != computed {
+            return Err(IndexError::Checksum { stored, computed });
+        }
+        Ok(())
     }
 }
 
@@ -347,7 +464,7 @@ pub(crate) const HEADER_LEN: usize = 8 + 4 + 4 + 1 + 4 + 4 + 4 + 8 + 8 + 4 + 4;
 /// Checksum and end magic.
 const TRAILER_LEN: usize = 8 + 8;
 /// Id and length.
-const SEGMENT_ENTRY_LEN: u64 = 4 + 8;
+pub(crate) const SEGMENT_ENTRY_LEN: usize = 4 + 8;
 /// Tag, segment, offset, length, checksum.
 const MAX_BLOCK_ENTRY_LEN: u64 = 1 + 4 + 8 + 4 + 8;
 /// The most blocks an image may have: 2 TiB of 64 KiB blocks, 128 GiB of 4 KiB blocks; its
@@ -595,6 +712,34 @@ mod tests {
     }
 
     #[test]
+    fn stream_check_in_any_pieces_agrees_with_decode() {
+        let bytes = sample().encode();
+        for piece in [1, 7, 16, 17, bytes.len()] {
+            let mut check = StreamCheck::default();
+            bytes.chunks(piece).for_each(|p| check.update(p));
+            assert_eq!(
+                check.finish(bytes.len() as u64),
+                Ok(()),
+                "pieces of {piece}"
+            );
+        }
+        let mut bad = bytes.clone();
+        bad[20] ^= 1;
+        let mut check = StreamCheck::default();
+        check.update(&bad);
+        assert!(matches!(
+            check.finish(bad.len() as u64),
+            Err(IndexError::Checksum { .. })
+        ));
+        let mut check = StreamCheck::default();
+        check.update(&bytes[..bytes.len() - 1]);
+        assert!(matches!(
+            check.finish(bytes.len() as u64 - 1),
+            Err(IndexError::Truncated { .. })
+        ));
+    }
+
+    #[test]
     fn index_flipped_bit_is_rejected_by_checksum() {
         let bytes = sample().encode();
         let mut bad = bytes.clone();
@@ -705,6 +850,17 @@ mod tests {
             }
         }
         prop_assert!(bytes.len() as u64 <= Index::size_limit(bytes).unwrap());
+        // What the reader checks before reading it whole lets it through.
+        let mut prefix = PrefixCheck::new(bytes).unwrap();
+        let table = &bytes[HEADER_LEN..HEADER_LEN + index.segments.len() * SEGMENT_ENTRY_LEN];
+        for entry in table.chunks(SEGMENT_ENTRY_LEN) {
+            prop_assert!(prefix.segment(entry).is_ok());
+        }
+        prop_assert_eq!(prefix.segments_left(), 0);
+        prop_assert!(prefix.size_range().contains(&(bytes.len() as u64)));
+        let mut stream = StreamCheck::default();
+        stream.update(bytes);
+        prop_assert!(stream.finish(bytes.len() as u64).is_ok());
         // Re-encoding gives the same bytes: what is committed next loads again.
         prop_assert_eq!(&index.encode()[..], bytes);
         Ok(())
