@@ -22,9 +22,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use nix::sys::signal::{kill, Signal};
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
-use nix::unistd::Pid;
 
 use super::keeper::{HeldVm, KeeperClient, KeeperError};
 use super::{anon_specs, error_chain, handshake, Connection, Server, Session};
@@ -174,6 +172,9 @@ impl Server {
         for vm in keeper.list()? {
             let id = vm.id;
             let pid = getsockopt(&vm.conn, PeerCredentials).map_or(0, |c| c.pid());
+            // Held before the connection is consumed, so that a refused VMM is killed through
+            // its pidfd: a pid reused since it connected is never signalled.
+            let peer = crate::socket::PeerProcess::of(&vm.conn, pid);
             match self.take_one(pid, vm) {
                 Ok(()) => {
                     served += 1;
@@ -188,7 +189,9 @@ impl Server {
                             peer_pid = pid,
                             "killing the VMM: its memory cannot be served right"
                         );
-                        let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+                        if let Err(e) = peer.kill() {
+                            tracing::warn!(peer_pid = pid, "cannot kill the VMM: {e}");
+                        }
                     }
                     if let Err(e) = keeper.drop_vm(id) {
                         tracing::warn!("cannot release a VM at the keeper: {}", error_chain(&e));
