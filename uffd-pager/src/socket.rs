@@ -49,12 +49,102 @@ pub fn bind_private(path: &Path) -> io::Result<UnixListener> {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
+    remove_stale_staging(parent);
     let staging = Staging::create(parent)?;
     let temp = staging.dir.join("s");
     let listener = UnixListener::bind(&temp)?;
     std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(0o600))?;
     std::fs::rename(&temp, path)?;
     Ok(listener)
+}
+
+/// How old one of this process's own staging directories must be to count as left behind
+/// (a bind in progress on another thread is younger).
+const OWN_STAGING_STALE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Removes the staging directories (`.sock-PID-N`) in `parent` that a process killed inside
+/// [`bind_private`] left behind: those of a pid that is not alive, and this process's own
+/// older than [`OWN_STAGING_STALE`]. Only a directory of this user, holding at most its
+/// socket `s`, is removed, through a descriptor of the directory itself (never following a
+/// symlink); anything else is left alone. Best effort: errors are ignored.
+fn remove_stale_staging(parent: &Path) {
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    let own = std::process::id();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(staging_pid) else {
+            continue;
+        };
+        if pid == own {
+            let old = std::fs::symlink_metadata(entry.path())
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .is_some_and(|age| age >= OWN_STAGING_STALE);
+            if !old {
+                continue;
+            }
+        } else if process_alive(pid) {
+            continue;
+        }
+        remove_staging(parent, &entry.path());
+    }
+}
+
+/// The pid in a staging directory's name, `.sock-PID-N`.
+fn staging_pid(name: &str) -> Option<u32> {
+    let (pid, n) = name.strip_prefix(".sock-")?.split_once('-')?;
+    let all_digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if !all_digits(pid) || !all_digits(n) {
+        return None;
+    }
+    pid.parse().ok().filter(|&pid| pid > 0)
+}
+
+/// True unless no process has this pid (`kill(pid, 0)` fails with `ESRCH`).
+fn process_alive(pid: u32) -> bool {
+    let Ok(raw) = i32::try_from(pid) else {
+        return true;
+    };
+    !matches!(
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(raw), None),
+        Err(nix::errno::Errno::ESRCH)
+    )
+}
+
+/// Removes the staging directory `dir` in `parent` if it is a directory of this user: its
+/// socket `s` through a descriptor of the directory, then the directory (only if empty).
+fn remove_staging(parent: &Path, dir: &Path) {
+    use nix::fcntl::{open, OFlag};
+    use nix::sys::stat::{fstat, Mode};
+    use nix::unistd::{unlinkat, UnlinkatFlags};
+    let Ok(fd) = open(
+        dir,
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    ) else {
+        return;
+    };
+    let Ok(stat) = fstat(&fd) else {
+        return;
+    };
+    if stat.st_uid != nix::unistd::geteuid().as_raw() {
+        return;
+    }
+    let _ = unlinkat(&fd, "s", UnlinkatFlags::NoRemoveDir);
+    drop(fd);
+    if let (Ok(parent), Some(name)) = (
+        open(
+            parent,
+            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        ),
+        dir.file_name(),
+    ) {
+        let _ = unlinkat(&parent, name, UnlinkatFlags::RemoveDir);
+    }
 }
 
 /// A fresh 0700 directory next to the target, removed with whatever is left in it on drop.
@@ -276,6 +366,47 @@ mod tests {
         assert!(bind_private(&link).is_err());
         assert_eq!(std::fs::read(&path).unwrap(), b"data");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
+    }
+
+    /// A staging directory as a process killed inside `bind_private` leaves it.
+    fn plant_staging(parent: &Path, pid: i32, n: u64) -> PathBuf {
+        let dir = parent.join(format!(".sock-{pid}-{n}"));
+        std::fs::DirBuilder::new().mode(0o700).create(&dir).unwrap();
+        let _bound = UnixListener::bind(dir.join("s")).unwrap();
+        dir
+    }
+
+    #[test]
+    fn bind_private_stale_staging_of_dead_or_old_own_pid_is_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        // A pid that is dead: a child that has exited and been reaped.
+        let dead = std::process::Command::new("true").spawn().unwrap();
+        let dead_pid = dead.id().cast_signed();
+        let status = { dead }.wait().unwrap();
+        assert!(status.success());
+        let ours = std::process::id().cast_signed();
+        let stale = plant_staging(dir.path(), dead_pid, 7);
+        let fresh_own = plant_staging(dir.path(), ours, 1_000_001);
+        let old_own = plant_staging(dir.path(), ours, 1_000_002);
+        let old = std::time::SystemTime::now() - std::time::Duration::from_secs(120);
+        std::fs::File::open(&old_own)
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+        // Not staging directories: never touched.
+        std::fs::create_dir(dir.path().join(".sock-notapid-0")).unwrap();
+        std::fs::write(dir.path().join(format!(".sock-{dead_pid}-8")), b"x").unwrap();
+
+        let _listener = bind_private(&dir.path().join("a.sock")).unwrap();
+
+        assert!(!stale.exists(), "a dead pid's staging directory was left");
+        assert!(!old_own.exists(), "our own old staging directory was left");
+        assert!(
+            fresh_own.join("s").exists(),
+            "a live bind's staging was removed"
+        );
+        assert!(dir.path().join(".sock-notapid-0").exists());
+        assert!(dir.path().join(format!(".sock-{dead_pid}-8")).exists());
     }
 
     #[test]
