@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use compressed_backing::{pack_file, BlockSize, Codec, CodecConfig, DiskStore, PackOptions};
 use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
 use uffd_pager::addr::{HostAddr, HostRange, PAGE_SIZE};
-use uffd_pager::server::{Server, ServerConfig};
+use uffd_pager::server::{Server, ServerConfig, MAX_HANDSHAKES};
 use uffd_pager::source::{PageSource, RawFileSource, StoreSource};
 use uffd_pager::uffd::{feature, Mode, Userfaultfd};
 
@@ -194,10 +194,13 @@ fn send(stream: &UnixStream, bytes: &[u8], fd: Option<i32>) {
 }
 
 /// True once the server has closed the connection.
-fn closed_by_server(mut stream: &UnixStream) -> bool {
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
+fn closed_by_server(stream: &UnixStream) -> bool {
+    closed_within(stream, Duration::from_secs(10))
+}
+
+/// True if the server closes the connection within `within`.
+fn closed_within(mut stream: &UnixStream, within: Duration) -> bool {
+    stream.set_read_timeout(Some(within)).unwrap();
     let mut buf = [0u8; 16];
     // A close with our bytes still unread reads as a reset.
     match stream.read(&mut buf) {
@@ -1212,4 +1215,61 @@ mod fuzz {
             })?;
         }
     }
+}
+
+#[test]
+fn server_idle_handshakes_over_the_cap_push_the_oldest_out_and_a_vm_still_gets_through() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let data = image(4 * MIB, 5);
+    let running = Running::start(raw_file(dir.path(), &data), BlockSize::default());
+    let stats = || running.server.stats();
+    let in_handshake = |s: &Server| s.stats().handshaking.load(Ordering::Relaxed);
+    let cap = usize::try_from(MAX_HANDSHAKES).unwrap();
+    // Same-uid peers that connect and send nothing: each holds a handshake place.
+    let idle: Vec<UnixStream> = (0..cap)
+        .map(|_| UnixStream::connect(&running.socket).unwrap())
+        .collect();
+    running.wait_until("the idle connections to be in their handshake", |s| {
+        in_handshake(s) == MAX_HANDSHAKES
+    });
+    // Six more: the six oldest are closed at once, not held for the handshake timeout.
+    let newer: Vec<UnixStream> = (0..6)
+        .map(|_| UnixStream::connect(&running.socket).unwrap())
+        .collect();
+    for (n, oldest) in idle[..6].iter().enumerate() {
+        assert!(
+            closed_within(oldest, Duration::from_secs(3)),
+            "idle connection {n} was not pushed out"
+        );
+    }
+    assert!(!closed_within(&idle[6], Duration::from_millis(100)));
+    assert!(!closed_within(&newer[5], Duration::from_millis(100)));
+    assert_eq!(stats().handshakes_pushed_out.load(Ordering::Relaxed), 6);
+    assert_eq!(in_handshake(&running.server), MAX_HANDSHAKES);
+    // Every place is held by an idle peer, and a VM is still served at once.
+    let vm = Vm::new(&[4 * MIB]);
+    let started = Instant::now();
+    let stream = vm.connect(&running.socket, &vm.json(true));
+    assert!(vm.bytes(0) == &data[..]);
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the VM waited for the idle peers"
+    );
+    assert_eq!(stats().handshakes_pushed_out.load(Ordering::Relaxed), 7);
+    // An attached VM holds no handshake place.
+    running.wait_until("the VM to leave its handshake", |s| {
+        in_handshake(s) == MAX_HANDSHAKES - 1
+    });
+    assert_eq!(stats().active.load(Ordering::Relaxed), 1);
+    drop((idle, newer));
+    running.wait_until("the idle connections to be closed", |s| {
+        in_handshake(s) == 0
+    });
+    drop(stream);
+    running.wait_until("the VM to be released", |s| {
+        s.stats().active.load(Ordering::Relaxed) == 0
+    });
 }

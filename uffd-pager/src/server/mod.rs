@@ -74,7 +74,19 @@ pub struct ServerStats {
     pub takeovers_refused: AtomicU64,
     /// VMs served right now that the keeper holds (a handover leaves them to the next server).
     pub kept: AtomicU64,
+    /// Connections in their handshake right now (at most [`MAX_HANDSHAKES`]).
+    pub handshaking: AtomicU64,
+    /// Connections closed in their handshake to make room for a new one ([`MAX_HANDSHAKES`]
+    /// were in their handshake already).
+    pub handshakes_pushed_out: AtomicU64,
 }
+
+/// How many connections may be in their handshake at once (each holds a thread for up to
+/// [`handshake::HANDSHAKE_TIMEOUT`]): one more pushes the oldest out (its connection is shut
+/// down). A Firecracker VMM sends its handshake as it connects, so it is through long before
+/// 64 newer connections come; idle peers cannot hold more threads than this. Attached VMs do
+/// not count.
+pub const MAX_HANDSHAKES: u64 = 64;
 
 /// Allows a burst of messages, then one per interval, counting what it suppresses.
 #[derive(Debug)]
@@ -126,6 +138,10 @@ pub struct Server {
     config: ServerConfig,
     stats: Arc<ServerStats>,
     log_limit: Arc<RateLimit>,
+    /// The connections in their handshake, oldest first.
+    handshakes: Arc<Handshakes>,
+    /// For connections pushed out of their handshake (a flood must not silence other logs).
+    cap_log_limit: RateLimit,
     peers: Arc<PeerPolicy>,
     /// The keeper that holds this server's VMs across restarts, if any.
     keeper: Option<Arc<keeper::KeeperClient>>,
@@ -154,6 +170,8 @@ impl Server {
             config,
             stats: Arc::new(ServerStats::default()),
             log_limit: Arc::new(RateLimit::new(20, Duration::from_secs(1))),
+            handshakes: Arc::new(Handshakes::default()),
+            cap_log_limit: RateLimit::new(1, Duration::from_secs(10)),
             peers: Arc::new(PeerPolicy::default()),
             keeper: None,
             handover: Arc::new(AtomicBool::new(false)),
@@ -174,16 +192,33 @@ impl Server {
     }
 
     /// Accepts connections until `stop` is set, each served on its own thread. Connections
-    /// still open when it returns go on being served until their peers leave.
+    /// still open when it returns go on being served until their peers leave. While
+    /// [`MAX_HANDSHAKES`] connections are in their handshake, a new one pushes the oldest out.
     pub fn run(&self, stop: &AtomicBool) {
         while !stop.load(Ordering::Relaxed) {
             match self.listener.accept() {
                 Ok((stream, _)) => {
                     self.stats.connections.fetch_add(1, Ordering::Relaxed);
+                    let slot = match Handshakes::admit(&self.handshakes, &stream, &self.stats) {
+                        Ok(slot) => slot,
+                        Err(e) => {
+                            if self.log_limit.allow() {
+                                tracing::warn!("cannot hold a new connection: {e}");
+                            }
+                            continue;
+                        }
+                    };
+                    if slot.pushed_out && self.cap_log_limit.allow() {
+                        tracing::warn!(
+                            pushed_out = self.stats.handshakes_pushed_out.load(Ordering::Relaxed),
+                            "{MAX_HANDSHAKES} connections are in their handshake: the oldest \
+                             was closed to make room"
+                        );
+                    }
                     let connection = self.connection(stream);
                     let spawned = std::thread::Builder::new()
                         .name("uffd-conn".into())
-                        .spawn(move || connection.serve());
+                        .spawn(move || connection.serve(slot));
                     if let Err(e) = spawned {
                         tracing::error!("cannot start a connection thread: {e}");
                     }
@@ -224,6 +259,83 @@ impl Drop for Server {
     }
 }
 
+/// The connections in their handshake, oldest first, each with a handle to shut it down.
+#[derive(Debug, Default)]
+struct Handshakes {
+    queue: Mutex<std::collections::VecDeque<(u64, UnixStream)>>,
+    next_id: AtomicU64,
+}
+
+impl Handshakes {
+    /// Holds `stream` as in its handshake, pushing the oldest out (shut down) if
+    /// [`MAX_HANDSHAKES`] are held already.
+    fn admit(
+        this: &Arc<Self>,
+        stream: &UnixStream,
+        stats: &Arc<ServerStats>,
+    ) -> std::io::Result<HandshakeSlot> {
+        let handle = stream.try_clone()?;
+        let id = this.next_id.fetch_add(1, Ordering::Relaxed);
+        let mut queue = this.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let mut pushed_out = false;
+        while queue.len() as u64 >= MAX_HANDSHAKES {
+            let Some((_, oldest)) = queue.pop_front() else {
+                break;
+            };
+            // Its thread's read ends at once; the thread then leaves.
+            let _ = oldest.shutdown(std::net::Shutdown::Both);
+            stats.handshakes_pushed_out.fetch_add(1, Ordering::Relaxed);
+            pushed_out = true;
+        }
+        queue.push_back((id, handle));
+        stats
+            .handshaking
+            .store(queue.len() as u64, Ordering::Relaxed);
+        Ok(HandshakeSlot {
+            handshakes: Arc::clone(this),
+            stats: Arc::clone(stats),
+            id,
+            pushed_out,
+        })
+    }
+}
+
+/// A connection's place among the [`Handshakes`], given up on [`HandshakeSlot::finish`] or
+/// drop.
+struct HandshakeSlot {
+    handshakes: Arc<Handshakes>,
+    stats: Arc<ServerStats>,
+    id: u64,
+    /// True if taking it pushed another connection out.
+    pushed_out: bool,
+}
+
+impl HandshakeSlot {
+    /// Gives the place up; false if the connection was pushed out (shut down) meanwhile.
+    /// Once this returns true, the connection can no longer be pushed out.
+    fn finish(&self) -> bool {
+        let mut queue = self
+            .handshakes
+            .queue
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let held = queue.iter().position(|(id, _)| *id == self.id);
+        if let Some(at) = held {
+            queue.remove(at);
+        }
+        self.stats
+            .handshaking
+            .store(queue.len() as u64, Ordering::Relaxed);
+        held.is_some()
+    }
+}
+
+impl Drop for HandshakeSlot {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
 fn wait_readable(fd: i32, timeout_ms: i32) -> bool {
     let mut pfd = libc::pollfd {
         fd,
@@ -249,7 +361,8 @@ struct Connection {
 }
 
 impl Connection {
-    fn serve(self) {
+    /// Takes the handshake (in `slot` until it is read), then serves the VM.
+    fn serve(self, slot: HandshakeSlot) {
         let (pid, uid) = match self.peers.check(&self.stream) {
             Ok(cred) => (cred.pid, cred.uid),
             Err(e) => {
@@ -260,7 +373,8 @@ impl Connection {
                 return;
             }
         };
-        let (pager, session) = match self.start(crate::socket::PeerProcess::of(&self.stream, pid)) {
+        let peer = crate::socket::PeerProcess::of(&self.stream, pid);
+        let (pager, session) = match self.start(peer, slot) {
             Ok(started) => started,
             Err(e) => {
                 self.stats.bad_handshakes.fetch_add(1, Ordering::Relaxed);
@@ -371,8 +485,13 @@ impl Connection {
     fn start(
         &self,
         peer: crate::socket::PeerProcess,
+        slot: HandshakeSlot,
     ) -> Result<(Pager, Session), Box<dyn std::error::Error>> {
         let received = handshake::receive(&self.stream, handshake::HANDSHAKE_TIMEOUT)?;
+        if !slot.finish() {
+            return Err("pushed out of its handshake by newer connections".into());
+        }
+        drop(slot);
         let image_size = self.source.image_size();
         let (specs, session, initial) = match received.message {
             handshake::Message::Firecracker(raw) => {
