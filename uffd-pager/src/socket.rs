@@ -62,9 +62,13 @@ pub fn bind_private(path: &Path) -> io::Result<UnixListener> {
 /// (a bind in progress on another thread is younger).
 const OWN_STAGING_STALE: std::time::Duration = std::time::Duration::from_secs(60);
 
+/// How old another pid's staging directory must be to count as left behind: a pid that does
+/// not exist here may be a bind in progress in another pid namespace sharing the directory.
+const STAGING_STALE: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Removes the staging directories (`.sock-PID-N`) in `parent` that a process killed inside
-/// [`bind_private`] left behind: those of a pid that is not alive, and this process's own
-/// older than [`OWN_STAGING_STALE`]. Only a directory of this user, holding at most its
+/// [`bind_private`] left behind: those of a pid that is not alive, older than
+/// [`STAGING_STALE`], and this process's own older than [`OWN_STAGING_STALE`]. Only a directory of this user, holding at most its
 /// socket `s`, is removed, through a descriptor of the directory itself (never following a
 /// symlink); anything else is left alone. Best effort: errors are ignored.
 fn remove_stale_staging(parent: &Path) {
@@ -77,19 +81,21 @@ fn remove_stale_staging(parent: &Path) {
         let Some(pid) = name.to_str().and_then(staging_pid) else {
             continue;
         };
-        if pid == own {
-            let old = std::fs::symlink_metadata(entry.path())
+        let older_than = |limit| {
+            std::fs::symlink_metadata(entry.path())
                 .and_then(|m| m.modified())
                 .ok()
                 .and_then(|t| t.elapsed().ok())
-                .is_some_and(|age| age >= OWN_STAGING_STALE);
-            if !old {
-                continue;
-            }
-        } else if process_alive(pid) {
-            continue;
+                .is_some_and(|age| age >= limit)
+        };
+        let stale = if pid == own {
+            older_than(OWN_STAGING_STALE)
+        } else {
+            older_than(STAGING_STALE) && !process_alive(pid)
+        };
+        if stale {
+            remove_staging(parent, &entry.path());
         }
-        remove_staging(parent, &entry.path());
     }
 }
 
@@ -386,13 +392,19 @@ mod tests {
         assert!(status.success());
         let ours = std::process::id().cast_signed();
         let stale = plant_staging(dir.path(), dead_pid, 7);
+        // A pid we cannot see may be a bind in progress in another pid namespace.
+        let fresh_dead = plant_staging(dir.path(), dead_pid, 9);
         let fresh_own = plant_staging(dir.path(), ours, 1_000_001);
         let old_own = plant_staging(dir.path(), ours, 1_000_002);
-        let old = std::time::SystemTime::now() - std::time::Duration::from_secs(120);
-        std::fs::File::open(&old_own)
-            .unwrap()
-            .set_modified(old)
-            .unwrap();
+        let age = |dir: &Path, secs| {
+            let then = std::time::SystemTime::now() - std::time::Duration::from_secs(secs);
+            std::fs::File::open(dir)
+                .unwrap()
+                .set_modified(then)
+                .unwrap();
+        };
+        age(&stale, 30);
+        age(&old_own, 120);
         // Not staging directories: never touched.
         std::fs::create_dir(dir.path().join(".sock-notapid-0")).unwrap();
         std::fs::write(dir.path().join(format!(".sock-{dead_pid}-8")), b"x").unwrap();
@@ -404,6 +416,10 @@ mod tests {
         assert!(
             fresh_own.join("s").exists(),
             "a live bind's staging was removed"
+        );
+        assert!(
+            fresh_dead.join("s").exists(),
+            "a fresh staging directory was removed"
         );
         assert!(dir.path().join(".sock-notapid-0").exists());
         assert!(dir.path().join(format!(".sock-{dead_pid}-8")).exists());
