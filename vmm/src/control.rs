@@ -170,6 +170,9 @@ pub const STOP_RESERVE: usize = 8;
 pub const REQUEST_DEADLINE: Duration = Duration::from_secs(5);
 /// How long writing a reply may take.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections accepted per poll round, at most: a connect flood cannot keep the poll thread
+/// accepting while the connections it holds wait (and pass their deadlines) unread.
+pub const ACCEPTS_PER_ROUND: usize = 16;
 /// The wait after the process ran out of descriptors with no connection to give up.
 const EMFILE_BACKOFF: Duration = Duration::from_millis(100);
 
@@ -382,7 +385,7 @@ impl Server {
             for &(i, _) in ready.iter().rev().filter(|(i, _)| *i > 0) {
                 self.service(i - 1);
             }
-            if ready.first().is_some_and(|(i, _)| *i == 0) && !self.accept_all() {
+            if ready.first().is_some_and(|(i, _)| *i == 0) && !self.accept_some() {
                 // Out of descriptors and nothing of ours to give up: wait a little.
                 listening = false;
                 backoff_until = Some(Instant::now() + EMFILE_BACKOFF);
@@ -390,9 +393,10 @@ impl Server {
         }
     }
 
-    /// Accepts every waiting connection; false when out of descriptors with none to free.
-    fn accept_all(&mut self) -> bool {
-        loop {
+    /// Accepts waiting connections, at most [`ACCEPTS_PER_ROUND`] (the listener stays ready
+    /// for the next round if more wait); false when out of descriptors with none to free.
+    fn accept_some(&mut self) -> bool {
+        for _ in 0..ACCEPTS_PER_ROUND {
             match self.listener.accept() {
                 Ok((stream, _)) => {
                     if self.pending.len() >= MAX_CONNECTIONS {
@@ -425,6 +429,7 @@ impl Server {
                 Err(_) => return true,
             }
         }
+        true
     }
 
     /// Drops the connections whose deadline passed.
@@ -918,6 +923,33 @@ mod tests {
         };
         assert_eq!(exec.deadline(), None);
         assert_eq!(Method::Resume { eager: true }.deadline(), None);
+    }
+
+    #[test]
+    fn control_accept_flood_is_taken_at_most_a_round_cap_at_a_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("flood.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let (tx, _rx) = mpsc::channel();
+        let mut server = Server {
+            listener,
+            who: who(),
+            tx,
+            on_stop: Arc::new(|| {}),
+            pending: VecDeque::new(),
+            buffered: 0,
+            in_flight: Arc::new(AtomicUsize::new(0)),
+        };
+        // A flood of connections that send nothing, all queued before the round.
+        let flood: Vec<UnixStream> = (0..ACCEPTS_PER_ROUND * 3)
+            .map(|_| UnixStream::connect(&path).unwrap())
+            .collect();
+        assert!(server.accept_some());
+        assert_eq!(server.pending.len(), ACCEPTS_PER_ROUND);
+        assert!(server.accept_some());
+        assert_eq!(server.pending.len(), 2 * ACCEPTS_PER_ROUND);
+        drop(flood);
     }
 
     #[test]
