@@ -549,6 +549,17 @@ impl std::fmt::Debug for Machine {
     }
 }
 
+/// The workload guest's code selector (GDT entry 3, RPL 3): it runs at CPL3.
+pub const USER_CODE_SELECTOR: u16 = 0x1b;
+/// Its data and stack selector (GDT entry 4, RPL 3).
+pub const USER_DATA_SELECTOR: u16 = 0x23;
+/// CR0 the VMM sets: PG | PE | WP.
+pub const GUEST_CR0: u64 = 0x8000_0001 | (1 << 16);
+/// CR4 the VMM sets: PAE.
+pub const GUEST_CR4: u64 = 1 << 5;
+/// EFER the VMM sets: LME | LMA.
+pub const GUEST_EFER: u64 = 0x500;
+
 /// A user code segment (selector with RPL 3).
 fn segment(selector: u16, type_: u8, long: bool) -> kvm_segment {
     kvm_segment {
@@ -659,11 +670,11 @@ impl Machine {
         let vcpu = vcpus.remove(0);
         let mut sregs = vcpu.get_sregs().map_err(kvm("get sregs"))?;
         sregs.cr3 = guest::PML4_GPA;
-        sregs.cr4 = 1 << 5; // PAE
-        sregs.cr0 = 0x8000_0001 | (1 << 16); // PG | PE | WP
-        sregs.efer = 0x500; // LME | LMA
-        sregs.cs = segment(0x1b, 11, true);
-        let data = segment(0x23, 3, false);
+        sregs.cr4 = GUEST_CR4;
+        sregs.cr0 = GUEST_CR0;
+        sregs.efer = GUEST_EFER;
+        sregs.cs = segment(USER_CODE_SELECTOR, 11, true);
+        let data = segment(USER_DATA_SELECTOR, 3, false);
         (sregs.ds, sregs.es, sregs.fs, sregs.gs, sregs.ss) = (data, data, data, data, data);
         let regs = kvm_bindings::kvm_regs {
             rip: guest::CODE_GPA,

@@ -532,6 +532,7 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, SnapshotError> {
             manifest.app_bytes
         )));
     }
+    check_vcpu(&manifest.vcpu, manifest.memory).map_err(&bad)?;
     // The files are the ones `write` makes, in this directory: a manifest naming another
     // file (`../x`, `/x`, or the RAM image as the disk) would have that file checked and
     // another one used.
@@ -546,6 +547,77 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, SnapshotError> {
         )));
     }
     Ok(manifest)
+}
+
+/// Checks that restored registers are the workload guest's own state, as the VMM set it up
+/// and a CPL3 program can leave it: user code and data segments (RPL and DPL 3, 64-bit
+/// code), the VMM's paging (CR0, CR3, CR4, EFER), RIP inside the guest program and RSP
+/// inside its stack. A manifest's numbers are not sealed: without this, an edited one could
+/// start the guest at CPL0, with its own page tables, anywhere.
+fn check_vcpu(vcpu: &VcpuState, memory: u64) -> Result<(), String> {
+    use crate::guest::{BINARY, CODE_GPA, IO_BUF_GPA, PML4_GPA};
+    use crate::machine::{
+        GUEST_CR0, GUEST_CR4, GUEST_EFER, USER_CODE_SELECTOR, USER_DATA_SELECTOR,
+    };
+    let sregs = &vcpu.sregs;
+    let segment = |name: &str, s: &kvm_bindings::kvm_segment, selector: u16| {
+        if s.selector != selector || s.dpl != 3 || s.present != 1 || s.s != 1 {
+            return Err(format!(
+                "vcpu {name} is selector {:#x} with DPL {}, not the guest's user segment                  {selector:#x} with DPL 3",
+                s.selector, s.dpl
+            ));
+        }
+        if s.base != 0 {
+            return Err(format!("vcpu {name} has base {:#x}, not 0", s.base));
+        }
+        Ok(())
+    };
+    segment("cs", &sregs.cs, USER_CODE_SELECTOR)?;
+    if sregs.cs.l != 1 || sregs.cs.type_ & 0x8 == 0 {
+        return Err("vcpu cs is not a 64-bit code segment".into());
+    }
+    for (name, s) in [
+        ("ss", &sregs.ss),
+        ("ds", &sregs.ds),
+        ("es", &sregs.es),
+        ("fs", &sregs.fs),
+        ("gs", &sregs.gs),
+    ] {
+        segment(name, s, USER_DATA_SELECTOR)?;
+    }
+    if sregs.cr3 != PML4_GPA {
+        return Err(format!(
+            "vcpu cr3 is {:#x}, not the VMM's page tables at {PML4_GPA:#x}",
+            sregs.cr3
+        ));
+    }
+    let bits = [
+        ("cr0", sregs.cr0, GUEST_CR0),
+        ("cr4", sregs.cr4, GUEST_CR4),
+        ("efer", sregs.efer, GUEST_EFER),
+    ];
+    for (name, value, set) in bits {
+        if value & set != set {
+            return Err(format!(
+                "vcpu {name} is {value:#x}, without the bits {set:#x} the VMM sets"
+            ));
+        }
+    }
+    let code_end = CODE_GPA + BINARY.len() as u64;
+    let rip = vcpu.regs.rip;
+    if !(CODE_GPA..code_end).contains(&rip) {
+        return Err(format!(
+            "vcpu rip {rip:#x} is outside the guest program ({CODE_GPA:#x}..{code_end:#x})"
+        ));
+    }
+    // The stack grows down from STACK_TOP to the program's end (below the I/O buffer).
+    let rsp = vcpu.regs.rsp;
+    if !(code_end..IO_BUF_GPA.min(memory)).contains(&rsp) {
+        return Err(format!(
+            "vcpu rsp {rsp:#x} is outside the guest's stack ({code_end:#x}..{IO_BUF_GPA:#x})"
+        ));
+    }
+    Ok(())
 }
 
 /// A snapshot whose seal has been checked.
