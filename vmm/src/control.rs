@@ -11,7 +11,7 @@
 //! ```
 
 use std::collections::VecDeque;
-use std::io::{BufRead, BufReader, Read as _, Write};
+use std::io::{Read as _, Write};
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -62,6 +62,29 @@ pub enum Method {
     },
     /// Stop the VM.
     Stop,
+}
+
+/// How long a client waits for a VM to answer a query (`status`, `stats`): a VM that does not
+/// answer by then is reported as not answering, not waited for.
+pub const QUERY_DEADLINE: Duration = Duration::from_secs(10);
+
+/// How long a client waits for a VM to answer `stop` (the VM interrupts its command first).
+pub const STOP_DEADLINE: Duration = Duration::from_secs(30);
+
+impl Method {
+    /// How long [`call`] waits, from before its connect to the reply's end: a query's answer
+    /// comes at once, so a short deadline; `exec`, `suspend`, `resume` and `snapshot`
+    /// legitimately wait for the work they do, so none.
+    pub fn deadline(&self) -> Option<Duration> {
+        match self {
+            Method::Status | Method::Stats => Some(QUERY_DEADLINE),
+            Method::Stop => Some(STOP_DEADLINE),
+            Method::Exec { .. }
+            | Method::Suspend { .. }
+            | Method::Resume { .. }
+            | Method::Snapshot { .. } => None,
+        }
+    }
 }
 
 /// A request envelope.
@@ -147,6 +170,9 @@ pub const STOP_RESERVE: usize = 8;
 pub const REQUEST_DEADLINE: Duration = Duration::from_secs(5);
 /// How long writing a reply may take.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections accepted per poll round, at most: a connect flood cannot keep the poll thread
+/// accepting while the connections it holds wait (and pass their deadlines) unread.
+pub const ACCEPTS_PER_ROUND: usize = 16;
 /// The wait after the process ran out of descriptors with no connection to give up.
 const EMFILE_BACKOFF: Duration = Duration::from_millis(100);
 
@@ -359,7 +385,7 @@ impl Server {
             for &(i, _) in ready.iter().rev().filter(|(i, _)| *i > 0) {
                 self.service(i - 1);
             }
-            if ready.first().is_some_and(|(i, _)| *i == 0) && !self.accept_all() {
+            if ready.first().is_some_and(|(i, _)| *i == 0) && !self.accept_some() {
                 // Out of descriptors and nothing of ours to give up: wait a little.
                 listening = false;
                 backoff_until = Some(Instant::now() + EMFILE_BACKOFF);
@@ -367,9 +393,10 @@ impl Server {
         }
     }
 
-    /// Accepts every waiting connection; false when out of descriptors with none to free.
-    fn accept_all(&mut self) -> bool {
-        loop {
+    /// Accepts waiting connections, at most [`ACCEPTS_PER_ROUND`] (the listener stays ready
+    /// for the next round if more wait); false when out of descriptors with none to free.
+    fn accept_some(&mut self) -> bool {
+        for _ in 0..ACCEPTS_PER_ROUND {
             match self.listener.accept() {
                 Ok((stream, _)) => {
                     if self.pending.len() >= MAX_CONNECTIONS {
@@ -402,6 +429,7 @@ impl Server {
                 Err(_) => return true,
             }
         }
+        true
     }
 
     /// Drops the connections whose deadline passed.
@@ -570,6 +598,14 @@ pub enum ClientError {
         #[source]
         source: std::io::Error,
     },
+    /// The VM did not answer in time.
+    #[error("the VM at {path} did not answer within {deadline:?}")]
+    Timeout {
+        /// The socket.
+        path: PathBuf,
+        /// The method's deadline.
+        deadline: Duration,
+    },
     /// The reply is not an envelope.
     #[error("the VM answered something that is not a reply: {0}")]
     BadReply(String),
@@ -581,21 +617,100 @@ pub enum ClientError {
 /// The longest reply a client reads.
 const MAX_REPLY_BYTES: u64 = 64 << 20;
 
-/// Sends one request and returns the reply's value.
+/// Connects to `socket`, giving up at `until` (a listener whose queue is full makes a plain
+/// connect block).
+fn connect(socket: &Path, until: Option<Instant>) -> Result<UnixStream, std::io::Error> {
+    use nix::sys::socket::{self as sock, sockopt};
+    let Some(until) = until else {
+        return UnixStream::connect(socket);
+    };
+    let fd = sock::socket(
+        sock::AddressFamily::Unix,
+        sock::SockType::Stream,
+        sock::SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    let left = until.saturating_duration_since(Instant::now());
+    let left = nix::sys::time::TimeVal::new(
+        i64::try_from(left.as_secs()).unwrap_or(i64::MAX),
+        i64::from(left.subsec_micros()).max(1),
+    );
+    // A Unix socket's connect waits for room in the queue at most its send timeout.
+    sock::setsockopt(&fd, sockopt::SendTimeout, &left)?;
+    sock::connect(
+        std::os::fd::AsRawFd::as_raw_fd(&fd),
+        &sock::UnixAddr::new(socket)?,
+    )?;
+    Ok(UnixStream::from(fd))
+}
+
+/// Whether an I/O error is a socket timeout's.
+fn timed_out(error: &std::io::Error) -> bool {
+    matches!(
+        error.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    )
+}
+
+/// Reads one reply line of at most [`MAX_REPLY_BYTES`], all of it before `until`.
+fn read_reply(stream: &UnixStream, until: Option<Instant>) -> Result<String, std::io::Error> {
+    let mut line = Vec::new();
+    let mut chunk = [0u8; 64 << 10];
+    let limit = usize::try_from(MAX_REPLY_BYTES).unwrap_or(usize::MAX);
+    loop {
+        if let Some(until) = until {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(std::io::ErrorKind::TimedOut.into());
+            }
+            stream.set_read_timeout(Some(left))?;
+        }
+        let want = chunk.len().min(limit - line.len());
+        let n = match (&*stream).read(&mut chunk[..want]) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        let got = &chunk[..n];
+        if let Some(end) = got.iter().position(|&b| b == b'\n') {
+            line.extend_from_slice(&got[..=end]);
+            break;
+        }
+        line.extend_from_slice(got);
+        if n == 0 || line.len() >= limit {
+            break;
+        }
+    }
+    Ok(String::from_utf8_lossy(&line).into_owned())
+}
+
+/// Sends one request and returns the reply's value, within the method's
+/// [deadline](Method::deadline) (connect and reply together).
 pub fn call(
     socket: &Path,
     job: &str,
     attempt: &str,
     method: Method,
 ) -> Result<serde_json::Value, ClientError> {
-    let stream = UnixStream::connect(socket).map_err(|source| ClientError::Connect {
-        path: socket.to_path_buf(),
-        source,
-    })?;
-    let io = |source| ClientError::Io {
-        path: socket.to_path_buf(),
-        source,
-    };
+    let deadline = method.deadline();
+    let until = deadline.and_then(|d| Instant::now().checked_add(d));
+    let timeout =
+        |source: std::io::Error, or: fn(PathBuf, std::io::Error) -> ClientError| match deadline {
+            Some(deadline) if timed_out(&source) => ClientError::Timeout {
+                path: socket.to_path_buf(),
+                deadline,
+            },
+            _ => or(socket.to_path_buf(), source),
+        };
+    let stream = connect(socket, until)
+        .map_err(|e| timeout(e, |path, source| ClientError::Connect { path, source }))?;
+    let io = |e| timeout(e, |path, source| ClientError::Io { path, source });
+    if let Some(until) = until {
+        let left = until.saturating_duration_since(Instant::now());
+        stream
+            .set_write_timeout(Some(left.max(Duration::from_millis(1))))
+            .map_err(io)?;
+    }
     let request = Request {
         version: VERSION,
         request_id: crate::runtime::new_id("r-"),
@@ -607,10 +722,7 @@ pub fn call(
         serde_json::to_string(&request).map_err(|e| ClientError::BadReply(e.to_string()))?;
     text.push('\n');
     (&stream).write_all(text.as_bytes()).map_err(io)?;
-    let mut line = String::new();
-    BufReader::new((&stream).take(MAX_REPLY_BYTES))
-        .read_line(&mut line)
-        .map_err(io)?;
+    let line = read_reply(&stream, until).map_err(io)?;
     let reply: Reply =
         serde_json::from_str(&line).map_err(|_| ClientError::BadReply(line.clone()))?;
     if reply.request_id != request.request_id && !reply.request_id.is_empty() {
@@ -771,6 +883,73 @@ mod tests {
                 _ => prop_assert!(false, "dispatched {dispatched:?} for {checked:?}"),
             }
         }
+    }
+
+    #[test]
+    fn control_call_status_to_a_socket_that_never_answers_times_out_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("silent.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        // Accepts and holds every connection, never answers.
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for stream in listener.incoming() {
+                held.push(stream);
+            }
+        });
+        let (tx, rx) = mpsc::channel();
+        let socket = path.clone();
+        std::thread::spawn(move || {
+            let started = Instant::now();
+            let result = call(&socket, "vm-1", "a-1", Method::Status);
+            let _ = tx.send((result, started.elapsed()));
+        });
+        let (result, took) = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("status waited for ever on a VM that never answers");
+        let message = result.unwrap_err().to_string();
+        assert!(message.contains(&path.display().to_string()), "{message}");
+        assert!(message.contains("10s"), "{message}");
+        assert!(took >= Duration::from_secs(9) && took < Duration::from_secs(20));
+    }
+
+    #[test]
+    fn control_call_deadlines_are_short_for_queries_and_absent_for_waiting_methods() {
+        assert_eq!(Method::Status.deadline(), Some(Duration::from_secs(10)));
+        assert_eq!(Method::Stats.deadline(), Some(Duration::from_secs(10)));
+        assert!(Method::Stop.deadline().is_some());
+        let exec = Method::Exec {
+            script: "sleep 1".into(),
+        };
+        assert_eq!(exec.deadline(), None);
+        assert_eq!(Method::Resume { eager: true }.deadline(), None);
+    }
+
+    #[test]
+    fn control_accept_flood_is_taken_at_most_a_round_cap_at_a_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("flood.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let (tx, _rx) = mpsc::channel();
+        let mut server = Server {
+            listener,
+            who: who(),
+            tx,
+            on_stop: Arc::new(|| {}),
+            pending: VecDeque::new(),
+            buffered: 0,
+            in_flight: Arc::new(AtomicUsize::new(0)),
+        };
+        // A flood of connections that send nothing, all queued before the round.
+        let flood: Vec<UnixStream> = (0..ACCEPTS_PER_ROUND * 3)
+            .map(|_| UnixStream::connect(&path).unwrap())
+            .collect();
+        assert!(server.accept_some());
+        assert_eq!(server.pending.len(), ACCEPTS_PER_ROUND);
+        assert!(server.accept_some());
+        assert_eq!(server.pending.len(), 2 * ACCEPTS_PER_ROUND);
+        drop(flood);
     }
 
     #[test]

@@ -190,9 +190,11 @@ pub struct CommandOutput {
 /// Ends the command a machine runs, from any thread: `stop` and SIGTERM use it so that they
 /// need not wait for a command that may never end (`sleep` for ever, a model answer that does
 /// not come, a guest that does not come back). Host-side waits notice it at once; a vCPU in
-/// `KVM_RUN` is kicked out by a signal (sent again until the run loop has seen it, so that one
-/// sent just before `KVM_RUN` is entered is not lost). The command ends with
-/// [`MachineError::Stopped`]; once stopped, a machine stays stopped.
+/// `KVM_RUN` is kicked out by a signal, and a vCPU about to enter `KVM_RUN` finds the run
+/// structure's `immediate_exit` set (written by [`Interrupter::stop`] before it signals), so
+/// that `KVM_RUN` returns `EINTR` at once however long the vCPU thread was descheduled before
+/// entering it. The command ends with [`MachineError::Stopped`]; once stopped, a machine stays
+/// stopped.
 #[derive(Debug, Clone, Default)]
 pub struct Interrupter {
     inner: std::sync::Arc<InterruptState>,
@@ -201,11 +203,35 @@ pub struct Interrupter {
 #[derive(Debug, Default)]
 struct InterruptState {
     stopped: std::sync::atomic::AtomicBool,
-    /// The thread running the vCPU, while it does, and whether it has seen the stop.
-    vcpu: std::sync::Mutex<Option<libc::pthread_t>>,
+    /// The thread running the vCPU, while it does.
+    vcpu: std::sync::Mutex<Option<Registered>>,
     /// Host-side waits (`sleep`) wait on this.
     wake: std::sync::Condvar,
     wake_lock: std::sync::Mutex<()>,
+}
+
+/// The vCPU thread registered with an [`Interrupter`].
+#[derive(Debug, Clone, Copy)]
+struct Registered {
+    thread: libc::pthread_t,
+    /// The `immediate_exit` byte of the vCPU's `kvm_run` mapping (valid while registered:
+    /// [`Interrupter::enter`]'s caller keeps the vCPU alive until the registration ends).
+    immediate_exit: *mut u8,
+}
+
+// SAFETY: the pointer is only dereferenced (atomically) under the registration's lock, while
+// the registering thread keeps the mapping alive; the thread id is plain data.
+unsafe impl Send for Registered {}
+
+/// Sets or clears a vCPU's `immediate_exit` byte.
+///
+/// # Safety
+/// `byte` points into a live `kvm_run` mapping.
+unsafe fn store_immediate_exit(byte: *mut u8, value: u8) {
+    // SAFETY: the caller guarantees the byte is live; it is only accessed atomically here
+    // (the kernel reads it at KVM_RUN entry).
+    unsafe { std::sync::atomic::AtomicU8::from_ptr(byte) }
+        .store(value, std::sync::atomic::Ordering::SeqCst);
 }
 
 /// How long [`Interrupter::stop`] keeps kicking a vCPU that does not come out.
@@ -258,11 +284,15 @@ impl Interrupter {
                     .vcpu
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner);
-                let Some(thread) = *vcpu else { return };
+                let Some(registered) = *vcpu else { return };
+                // SAFETY: registered, so the vCPU (and its kvm_run mapping) is alive while
+                // this lock is held. Set before the signal: a vCPU thread that takes the
+                // signal outside KVM_RUN still finds it when it enters.
+                unsafe { store_immediate_exit(registered.immediate_exit, 1) };
                 // SAFETY: the thread is registered only while it runs the vCPU loop (it
                 // unregisters itself under this lock, which is held, before it returns), so
                 // it is alive.
-                unsafe { libc::pthread_kill(thread, kick_signal()) };
+                unsafe { libc::pthread_kill(registered.thread, kick_signal()) };
             }
             std::thread::sleep(Duration::from_millis(5));
         }
@@ -303,7 +333,11 @@ impl Interrupter {
     /// Registers the calling thread as the vCPU's until the guard drops. The kick signal is
     /// unblocked in the thread meanwhile (a caller may block every signal, and a blocked kick
     /// never makes `KVM_RUN` return); the thread's mask is restored afterwards.
-    fn enter(&self) -> VcpuThread<'_> {
+    ///
+    /// # Safety
+    /// `vcpu` must outlive the returned guard (its `kvm_run` mapping is written by
+    /// [`Interrupter::stop`] while the thread is registered).
+    unsafe fn enter(&self, vcpu: &mut VcpuFd) -> VcpuThread<'_> {
         install_kick_handler();
         // SAFETY: the sets are plain data, initialized by sigemptyset before any other use;
         // pthread_sigmask only changes the calling thread's mask and fills `previous`.
@@ -318,14 +352,21 @@ impl Interrupter {
         };
         // SAFETY: pthread_self cannot fail.
         let me = unsafe { libc::pthread_self() };
+        let immediate_exit = &raw mut vcpu.get_kvm_run().immediate_exit;
+        // SAFETY: the byte is in the vCPU's live mapping (borrowed here).
+        unsafe { store_immediate_exit(immediate_exit, 0) };
         *self
             .inner
             .vcpu
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(me);
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Registered {
+            thread: me,
+            immediate_exit,
+        });
         VcpuThread {
             interrupter: self,
             previous,
+            immediate_exit,
         }
     }
 }
@@ -335,6 +376,33 @@ struct VcpuThread<'a> {
     interrupter: &'a Interrupter,
     /// The thread's signal mask before [`Interrupter::enter`].
     previous: Option<libc::sigset_t>,
+    /// The vCPU's `immediate_exit` byte (alive as long as the guard, by `enter`'s contract).
+    immediate_exit: *mut u8,
+}
+
+impl VcpuThread<'_> {
+    /// Runs the vCPU once. `Ok(None)`: `KVM_RUN` was interrupted (a kick, another signal, or
+    /// `immediate_exit`), run again; [`MachineError::Stopped`] once the machine is stopped.
+    /// `vcpu` is the one the guard was made for.
+    fn run<'v>(&self, vcpu: &'v mut VcpuFd) -> Result<Option<VcpuExit<'v>>, MachineError> {
+        if self.interrupter.stopped() {
+            return Err(MachineError::Stopped);
+        }
+        match vcpu.run() {
+            Ok(exit) => Ok(Some(exit)),
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                // Handled: clear it before the stop is looked at again (a stop that sets it
+                // after this is seen by that look, or makes the next KVM_RUN return at once).
+                // SAFETY: the guard's byte is alive while the guard is (enter's contract).
+                unsafe { store_immediate_exit(self.immediate_exit, 0) };
+                if self.interrupter.stopped() {
+                    return Err(MachineError::Stopped);
+                }
+                Ok(None)
+            }
+            Err(e) => Err(kvm("run vCPU")(e)),
+        }
+    }
 }
 
 impl Drop for VcpuThread<'_> {
@@ -481,6 +549,17 @@ impl std::fmt::Debug for Machine {
     }
 }
 
+/// The workload guest's code selector (GDT entry 3, RPL 3): it runs at CPL3.
+pub const USER_CODE_SELECTOR: u16 = 0x1b;
+/// Its data and stack selector (GDT entry 4, RPL 3).
+pub const USER_DATA_SELECTOR: u16 = 0x23;
+/// CR0 the VMM sets: PG | PE | WP.
+pub const GUEST_CR0: u64 = 0x8000_0001 | (1 << 16);
+/// CR4 the VMM sets: PAE.
+pub const GUEST_CR4: u64 = 1 << 5;
+/// EFER the VMM sets: LME | LMA.
+pub const GUEST_EFER: u64 = 0x500;
+
 /// A user code segment (selector with RPL 3).
 fn segment(selector: u16, type_: u8, long: bool) -> kvm_segment {
     kvm_segment {
@@ -591,11 +670,11 @@ impl Machine {
         let vcpu = vcpus.remove(0);
         let mut sregs = vcpu.get_sregs().map_err(kvm("get sregs"))?;
         sregs.cr3 = guest::PML4_GPA;
-        sregs.cr4 = 1 << 5; // PAE
-        sregs.cr0 = 0x8000_0001 | (1 << 16); // PG | PE | WP
-        sregs.efer = 0x500; // LME | LMA
-        sregs.cs = segment(0x1b, 11, true);
-        let data = segment(0x23, 3, false);
+        sregs.cr4 = GUEST_CR4;
+        sregs.cr0 = GUEST_CR0;
+        sregs.efer = GUEST_EFER;
+        sregs.cs = segment(USER_CODE_SELECTOR, 11, true);
+        let data = segment(USER_DATA_SELECTOR, 3, false);
         (sregs.ds, sregs.es, sregs.fs, sregs.gs, sregs.ss) = (data, data, data, data, data);
         let regs = kvm_bindings::kvm_regs {
             rip: guest::CODE_GPA,
@@ -893,21 +972,18 @@ impl Machine {
     /// Runs the vCPU until the guest writes `PORT_DONE`.
     fn run_until_done(&mut self) -> Result<(), MachineError> {
         let interrupter = self.interrupter.clone();
-        let _vcpu_thread = interrupter.enter();
+        // SAFETY: `self.vcpu` outlives the guard, a local of this frame (`&mut self`).
+        let vcpu_thread = unsafe { interrupter.enter(&mut self.vcpu) };
         loop {
-            if interrupter.stopped() {
-                return Err(MachineError::Stopped);
-            }
-            let exit = match self.vcpu.run() {
-                Ok(VcpuExit::IoOut(port, _)) => Ok(port),
+            let exit = match vcpu_thread.run(&mut self.vcpu)? {
+                None => continue,
+                Some(VcpuExit::IoOut(port, _)) => Ok(port),
                 // No port answers reads: an `in` reads all ones, as from an empty bus.
-                Ok(VcpuExit::IoIn(_, data)) => {
+                Some(VcpuExit::IoIn(_, data)) => {
                     data.fill(0xFF);
                     continue;
                 }
-                Ok(exit) => Err(format!("{exit:?}")),
-                Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => continue,
-                Err(e) => return Err(kvm("run vCPU")(e)),
+                Some(exit) => Err(format!("{exit:?}")),
             };
             let port = match exit {
                 Ok(port) => port,
@@ -1476,5 +1552,78 @@ mod interrupt_tests {
         assert!(started.elapsed() < Duration::from_secs(2));
         // Stopped stays stopped.
         assert!(interrupter.sleep(Duration::from_secs(10)));
+    }
+
+    /// A vCPU that spins in `jmp $` in real mode, with its memory (which must outlive it).
+    fn spinning_vcpu() -> (VmFd, VcpuFd, *mut libc::c_void) {
+        let vm = Kvm::new()
+            .expect("open /dev/kvm")
+            .create_vm()
+            .expect("create VM");
+        // SAFETY: a fresh anonymous mapping, checked below; the test leaks it on purpose.
+        let memory = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(memory, libc::MAP_FAILED);
+        // SAFETY: the mapping is 4096 writable bytes; `jmp $` is EB FE.
+        unsafe { std::ptr::copy_nonoverlapping([0xEBu8, 0xFE].as_ptr(), memory.cast(), 2) };
+        let region = kvm_userspace_memory_region {
+            slot: 0,
+            guest_phys_addr: 0,
+            memory_size: 4096,
+            userspace_addr: memory as u64,
+            flags: 0,
+        };
+        // SAFETY: the mapping is never unmapped (leaked), so it outlives the VM.
+        unsafe { vm.set_user_memory_region(region) }.expect("set memory region");
+        let vcpu = vm.create_vcpu(0).expect("create vCPU");
+        let mut sregs = vcpu.get_sregs().expect("get sregs");
+        sregs.cs.base = 0;
+        sregs.cs.selector = 0;
+        vcpu.set_sregs(&sregs).expect("set sregs");
+        let mut regs = vcpu.get_regs().expect("get regs");
+        regs.rip = 0;
+        regs.rflags = 2;
+        vcpu.set_regs(&regs).expect("set regs");
+        (vm, vcpu, memory)
+    }
+
+    #[test]
+    fn interrupter_stop_while_vcpu_thread_descheduled_before_kvm_run_still_stops_it() {
+        let interrupter = Interrupter::default();
+        let runner = interrupter.clone();
+        let (registered_tx, registered) = std::sync::mpsc::channel();
+        let (go, go_rx) = std::sync::mpsc::channel::<()>();
+        let (done_tx, done) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let (_vm, mut vcpu, _memory) = spinning_vcpu();
+            // SAFETY: `vcpu` lives until the end of this closure, after the guard.
+            let guard = unsafe { runner.enter(&mut vcpu) };
+            registered_tx.send(()).expect("send");
+            // "Descheduled" right before KVM_RUN for longer than the stop kicks: every kick
+            // signal arrives here, outside KVM_RUN.
+            go_rx.recv().expect("go");
+            // The thread looked at `stopped` before it was descheduled: it enters KVM_RUN.
+            let entered = vcpu.run().err().map(|e| e.errno());
+            // The run loop then sees the stop.
+            let next = guard.run(&mut vcpu).err().map(|e| e.to_string());
+            drop(guard);
+            done_tx.send((entered, next)).expect("send");
+        });
+        registered.recv().expect("registered");
+        interrupter.stop();
+        go.send(()).expect("go");
+        let (entered, next) = done
+            .recv_timeout(Duration::from_secs(5))
+            .expect("KVM_RUN did not return after the stop");
+        assert_eq!(entered, Some(libc::EINTR));
+        assert_eq!(next.as_deref(), Some("stopped"));
     }
 }

@@ -242,7 +242,7 @@ pub fn write(
         return Err(SnapshotError::Exists(out.to_path_buf()));
     }
     let partial = out.with_extension(format!("partial-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&partial);
+    remove_partial(&partial);
     if let Some(parent) = partial.parent().filter(|p| !p.as_os_str().is_empty()) {
         safe_file::create_private_dir(parent).map_err(io("create", parent))?;
     }
@@ -272,8 +272,32 @@ pub fn write(
             elapsed_ms: started.elapsed().as_secs_f64() * 1e3,
         }),
         Err(e) => {
-            let _ = std::fs::remove_dir_all(&partial);
+            remove_partial(&partial);
             Err(e)
+        }
+    }
+}
+
+/// Removes a partial snapshot directory, best effort: sealed ones included (a sealed 0500
+/// directory's entries cannot be removed by a non-root owner until it is writable again).
+fn remove_partial(dir: &Path) {
+    unseal_dirs(dir);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Makes `dir` and the directories under it 0700 again, top down (a 0500 directory cannot
+/// be listed-and-emptied by its owner otherwise); links are never followed.
+fn unseal_dirs(dir: &Path) {
+    let is_dir = std::fs::symlink_metadata(dir).is_ok_and(|m| m.file_type().is_dir());
+    if !is_dir || std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).is_err() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            unseal_dirs(&entry.path());
         }
     }
 }
@@ -532,6 +556,7 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, SnapshotError> {
             manifest.app_bytes
         )));
     }
+    check_vcpu(&manifest.vcpu, manifest.memory).map_err(&bad)?;
     // The files are the ones `write` makes, in this directory: a manifest naming another
     // file (`../x`, `/x`, or the RAM image as the disk) would have that file checked and
     // another one used.
@@ -546,6 +571,77 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, SnapshotError> {
         )));
     }
     Ok(manifest)
+}
+
+/// Checks that restored registers are the workload guest's own state, as the VMM set it up
+/// and a CPL3 program can leave it: user code and data segments (RPL and DPL 3, 64-bit
+/// code), the VMM's paging (CR0, CR3, CR4, EFER), RIP inside the guest program and RSP
+/// inside its stack. A manifest's numbers are not sealed: without this, an edited one could
+/// start the guest at CPL0, with its own page tables, anywhere.
+fn check_vcpu(vcpu: &VcpuState, memory: u64) -> Result<(), String> {
+    use crate::guest::{BINARY, CODE_GPA, IO_BUF_GPA, PML4_GPA};
+    use crate::machine::{
+        GUEST_CR0, GUEST_CR4, GUEST_EFER, USER_CODE_SELECTOR, USER_DATA_SELECTOR,
+    };
+    let sregs = &vcpu.sregs;
+    let segment = |name: &str, s: &kvm_bindings::kvm_segment, selector: u16| {
+        if s.selector != selector || s.dpl != 3 || s.present != 1 || s.s != 1 {
+            return Err(format!(
+                "vcpu {name} is selector {:#x} with DPL {}, not the guest's user segment                  {selector:#x} with DPL 3",
+                s.selector, s.dpl
+            ));
+        }
+        if s.base != 0 {
+            return Err(format!("vcpu {name} has base {:#x}, not 0", s.base));
+        }
+        Ok(())
+    };
+    segment("cs", &sregs.cs, USER_CODE_SELECTOR)?;
+    if sregs.cs.l != 1 || sregs.cs.type_ & 0x8 == 0 {
+        return Err("vcpu cs is not a 64-bit code segment".into());
+    }
+    for (name, s) in [
+        ("ss", &sregs.ss),
+        ("ds", &sregs.ds),
+        ("es", &sregs.es),
+        ("fs", &sregs.fs),
+        ("gs", &sregs.gs),
+    ] {
+        segment(name, s, USER_DATA_SELECTOR)?;
+    }
+    if sregs.cr3 != PML4_GPA {
+        return Err(format!(
+            "vcpu cr3 is {:#x}, not the VMM's page tables at {PML4_GPA:#x}",
+            sregs.cr3
+        ));
+    }
+    let bits = [
+        ("cr0", sregs.cr0, GUEST_CR0),
+        ("cr4", sregs.cr4, GUEST_CR4),
+        ("efer", sregs.efer, GUEST_EFER),
+    ];
+    for (name, value, set) in bits {
+        if value & set != set {
+            return Err(format!(
+                "vcpu {name} is {value:#x}, without the bits {set:#x} the VMM sets"
+            ));
+        }
+    }
+    let code_end = CODE_GPA + BINARY.len() as u64;
+    let rip = vcpu.regs.rip;
+    if !(CODE_GPA..code_end).contains(&rip) {
+        return Err(format!(
+            "vcpu rip {rip:#x} is outside the guest program ({CODE_GPA:#x}..{code_end:#x})"
+        ));
+    }
+    // The stack grows down from STACK_TOP to the program's end (below the I/O buffer).
+    let rsp = vcpu.regs.rsp;
+    if !(code_end..IO_BUF_GPA.min(memory)).contains(&rsp) {
+        return Err(format!(
+            "vcpu rsp {rsp:#x} is outside the guest's stack ({code_end:#x}..{IO_BUF_GPA:#x})"
+        ));
+    }
+    Ok(())
 }
 
 /// A snapshot whose seal has been checked.
@@ -771,6 +867,60 @@ pub fn load_private(ram: &GuestRam, dir: &Path) -> Result<PrivateLoadReport, Sna
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn remove_partial_sealed_tree_is_removed_by_its_non_root_owner() {
+        use std::os::unix::ffi::OsStrExt;
+        let root = tempfile::tempdir().expect("tempdir");
+        let partial = root.path().join("snap.partial-1");
+        std::fs::create_dir_all(partial.join(RAM_STORE).join("segments")).expect("dirs");
+        std::fs::write(partial.join(RAM), b"guest").expect("file");
+        std::fs::write(partial.join(RAM_STORE).join("index"), b"i").expect("file");
+        std::fs::write(partial.join(RAM_STORE).join("segments/0"), b"s").expect("file");
+        seal(&partial).expect("seal");
+        // Everything owned by `nobody`, who then cleans up (root would not need the chmod).
+        let nobody = 65534;
+        let chown = |path: &Path| {
+            let c = std::ffi::CString::new(path.as_os_str().as_bytes()).expect("path");
+            // SAFETY: a NUL-terminated path that lives across the call.
+            assert_eq!(unsafe { libc::lchown(c.as_ptr(), nobody, nobody) }, 0);
+        };
+        chown(root.path());
+        for dir in [
+            partial.clone(),
+            partial.join(RAM),
+            partial.join(RAM_STORE),
+            partial.join(RAM_STORE).join("index"),
+            partial.join(RAM_STORE).join("segments"),
+            partial.join(RAM_STORE).join("segments/0"),
+        ] {
+            chown(&dir);
+        }
+        // SAFETY: the child only changes its ids, removes the tree and exits with `_exit`
+        // (glibc's fork keeps malloc usable in the child).
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork");
+        if pid == 0 {
+            // SAFETY: plain syscalls in the child; `_exit` skips the parent's atexit work.
+            unsafe {
+                if libc::setgid(nobody) != 0 || libc::setuid(nobody) != 0 {
+                    libc::_exit(2);
+                }
+                remove_partial(&partial);
+                libc::_exit(i32::from(partial.exists()));
+            }
+        }
+        let mut status = 0;
+        // SAFETY: waits for our own child.
+        assert_eq!(unsafe { libc::waitpid(pid, &raw mut status, 0) }, pid);
+        assert!(libc::WIFEXITED(status), "{status}");
+        assert_eq!(
+            libc::WEXITSTATUS(status),
+            0,
+            "the partial directory is left"
+        );
+        assert!(!partial.exists());
+    }
 
     #[test]
     fn rename_no_replace_existing_target_is_refused_and_both_kept() {

@@ -67,6 +67,26 @@ fn digest(vm: &mut Vm) -> String {
     exec(vm, "digest")[0].digest.clone().unwrap()
 }
 
+/// A VM that ran `script`, its snapshot, the snapshot's manifest path and honest bytes.
+fn snapshot_to_edit(
+    script: &str,
+) -> (
+    tempfile::TempDir,
+    Vm,
+    std::path::PathBuf,
+    std::path::PathBuf,
+    Vec<u8>,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut origin = Vm::start(options(dir.path(), "origin", RamKind::Anon, None)).unwrap();
+    exec(&mut origin, script);
+    let snap = dir.path().join("snap");
+    origin.snapshot(&snap, None).unwrap();
+    let manifest_path = snap.join("manifest.json");
+    let honest = std::fs::read(&manifest_path).unwrap();
+    (dir, origin, snap, manifest_path, honest)
+}
+
 #[test]
 fn snapshot_restores_continue_share_the_image_and_keep_writes_apart() {
     if skip() {
@@ -196,15 +216,10 @@ fn snapshot_changed_or_unusable_is_refused_with_the_reason() {
     if skip() {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let mut origin = Vm::start(options(dir.path(), "origin", RamKind::Anon, None)).unwrap();
-    exec(&mut origin, "fill 8MiB random seed=23");
-    let snap = dir.path().join("snap");
-    origin.snapshot(&snap, None).unwrap();
+    let (dir, mut origin, snap, manifest_path, honest) =
+        snapshot_to_edit("fill 8MiB random seed=23");
     // A manifest that seals another file as the disk (here the RAM image, whose seal it
     // copies) while disk.img is changed: the file checked must be the file used.
-    let manifest_path = snap.join("manifest.json");
-    let honest = std::fs::read(&manifest_path).unwrap();
     let mut manifest: serde_json::Value = serde_json::from_slice(&honest).unwrap();
     manifest["disk"] = manifest["ram"].clone();
     std::fs::write(&manifest_path, serde_json::to_vec(&manifest).unwrap()).unwrap();
@@ -365,4 +380,41 @@ fn snapshot_out_appearing_while_written_is_never_replaced() {
     // The planted directory is still there, empty; the partial one is gone.
     assert_eq!(std::fs::read_dir(&out).unwrap().count(), 0);
     assert!(!partial.exists());
+}
+
+#[test]
+fn snapshot_manifest_registers_not_the_guests_cpl3_state_are_refused_naming_the_field() {
+    if skip() {
+        return;
+    }
+    let (dir, mut origin, snap, manifest_path, honest) =
+        snapshot_to_edit("fill 4MiB random seed=5");
+    // The registers are serialized as the structures' bytes: edit them as structures.
+    type Edit = fn(&mut vmm::machine::VcpuState);
+    let edits: [(&str, Edit); 8] = [
+        // The guest at CPL0 (kernel code and stack selectors).
+        ("cs", |v| v.sregs.cs.selector = 0x18),
+        ("cs", |v| v.sregs.cs.dpl = 0),
+        ("ss", |v| v.sregs.ss.selector = 0x20),
+        ("ds", |v| v.sregs.ds.dpl = 0),
+        ("cr3", |v| v.sregs.cr3 = 0x20_0000),
+        ("cr0", |v| v.sregs.cr0 = 0x11),
+        ("rip", |v| v.regs.rip = 64 << 20),
+        ("rsp", |v| v.regs.rsp = 0x8000),
+    ];
+    for (i, (field, edit)) in edits.iter().enumerate() {
+        let mut manifest: vmm::snapshot::Manifest = serde_json::from_slice(&honest).unwrap();
+        edit(&mut manifest.vcpu);
+        std::fs::write(&manifest_path, serde_json::to_vec(&manifest).unwrap()).unwrap();
+        let name = format!("edited-{i}");
+        let Err(err) = Vm::start(options(dir.path(), &name, RamKind::Snapshot, Some(&snap))) else {
+            panic!("a snapshot whose manifest's {field} was edited was restored");
+        };
+        let message = err.to_string();
+        assert!(message.contains(field), "{field}: {message}");
+    }
+    // The honest registers restore and continue.
+    std::fs::write(&manifest_path, &honest).unwrap();
+    let mut restored = restore(dir.path(), "honest", &snap);
+    assert_eq!(digest(&mut restored), digest(&mut origin));
 }
