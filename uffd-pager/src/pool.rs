@@ -250,7 +250,12 @@ struct Inner {
     memfd: File,
     read_only: File,
     state: Mutex<State>,
-    streams: Mutex<Vec<UnixStream>>,
+    /// A clone of each open connection, so that `disconnect_all` can shut them down; a
+    /// connection's entry goes when its thread ends (else every VM that ever connected would
+    /// keep a descriptor of the daemon until it runs out).
+    streams: Mutex<HashMap<u64, UnixStream>>,
+    /// The key of the next connection in `streams`.
+    next_stream: std::sync::atomic::AtomicU64,
     peers: PeerPolicy,
     refusals: RateLimit,
 }
@@ -310,7 +315,8 @@ impl PoolServer {
                 memfd,
                 read_only,
                 state: Mutex::new(State::default()),
-                streams: Mutex::new(Vec::new()),
+                streams: Mutex::new(HashMap::new()),
+                next_stream: std::sync::atomic::AtomicU64::new(0),
                 peers: PeerPolicy::default(),
                 refusals: RateLimit::new(20, Duration::from_secs(1)),
             }),
@@ -345,15 +351,15 @@ impl PoolServer {
         while !stop.load(Ordering::Relaxed) {
             match self.listener.accept() {
                 Ok((stream, _)) => {
+                    let key = self.inner.next_stream.fetch_add(1, Ordering::Relaxed);
                     if let Ok(clone) = stream.try_clone() {
-                        self.inner
-                            .streams
-                            .lock()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner)
-                            .push(clone);
+                        self.inner.streams().insert(key, clone);
                     }
                     let inner = Arc::clone(&self.inner);
-                    std::thread::spawn(move || inner.serve(stream));
+                    std::thread::spawn(move || {
+                        inner.serve(stream);
+                        inner.streams().remove(&key);
+                    });
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     std::thread::sleep(Duration::from_millis(50));
@@ -411,20 +417,20 @@ impl PoolServer {
     /// Closes every VM's connection (what the daemon's exit does): VMs keep the pages they
     /// mapped and stop merging.
     pub fn disconnect_all(&self) {
-        let streams = std::mem::take(
-            &mut *self
-                .inner
-                .streams
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner),
-        );
-        for stream in streams {
+        let streams = std::mem::take(&mut *self.inner.streams());
+        for stream in streams.into_values() {
             let _ = stream.shutdown(std::net::Shutdown::Both);
         }
     }
 }
 
 impl Inner {
+    fn streams(&self) -> std::sync::MutexGuard<'_, HashMap<u64, UnixStream>> {
+        self.streams
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state
             .lock()
