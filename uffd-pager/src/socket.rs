@@ -12,13 +12,17 @@
 //! explicitly allowed uids and gids (Firecracker under its jailer runs as another uid).
 
 use std::io;
-use std::os::fd::AsFd;
+use std::io::IoSliceMut;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+use nix::errno::Errno;
+use nix::sys::socket::{
+    getsockopt, recvmsg, sockopt::PeerCredentials, ControlMessageOwned, MsgFlags,
+};
 
 /// Listens on `path`, a Unix socket of mode 0600 that no other user could ever connect to.
 ///
@@ -321,6 +325,53 @@ impl PeerProcess {
             Err(io::Error::last_os_error())
         }
     }
+}
+
+/// What one [`recv_with_fds`] got.
+#[derive(Debug)]
+pub struct Received {
+    /// Bytes read into the buffer (0 at end of stream).
+    pub bytes: usize,
+    /// The descriptors that came with them, close-on-exec, owned here.
+    pub fds: Vec<OwnedFd>,
+    /// The peer sent more descriptors than `MAX_FDS`: the kernel dropped (closed) the rest
+    /// (`MSG_CTRUNC`). The caller decides whether that is an error.
+    pub truncated: bool,
+}
+
+/// One `recvmsg` on `socket` into `buf`, taking up to `MAX_FDS` descriptors passed with
+/// `SCM_RIGHTS`, close-on-exec from the start (`MSG_CMSG_CLOEXEC`), each wrapped in an
+/// [`OwnedFd`] at once. The errno of `recvmsg` (or of reading its control messages) is
+/// returned as is, for the caller to give it a meaning.
+pub fn recv_with_fds<const MAX_FDS: usize>(
+    socket: impl AsFd,
+    buf: &mut [u8],
+) -> Result<Received, Errno> {
+    let mut cmsg = nix::cmsg_space!([RawFd; MAX_FDS]);
+    let mut iov = [IoSliceMut::new(buf)];
+    let msg = recvmsg::<()>(
+        socket.as_fd().as_raw_fd(),
+        &mut iov,
+        Some(&mut cmsg),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    )?;
+    let mut fds = Vec::new();
+    for control in msg.cmsgs()? {
+        if let ControlMessageOwned::ScmRights(received) = control {
+            // SAFETY: the kernel just installed these descriptors in this process for this
+            // message; nothing else knows their numbers, so each gets exactly one owner.
+            fds.extend(
+                received
+                    .into_iter()
+                    .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+            );
+        }
+    }
+    Ok(Received {
+        bytes: msg.bytes,
+        fds,
+        truncated: msg.flags.intersects(MsgFlags::MSG_CTRUNC),
+    })
 }
 
 #[cfg(test)]

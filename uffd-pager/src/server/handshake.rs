@@ -3,12 +3,9 @@
 //! bytes despite the name of one; versions before 1.7 send neither (4096 is assumed); unknown
 //! fields are ignored. `offset` is the region's offset in the memory file.
 
-use std::io::IoSliceMut;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
-
-use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
 
 use crate::addr::{HostAddr, HostRange, PAGE_SIZE};
 
@@ -202,34 +199,15 @@ fn recv_some(
     buf: &mut [u8],
     timeout: Duration,
 ) -> Result<(usize, Vec<OwnedFd>), HandshakeError> {
-    let mut cmsg = nix::cmsg_space!([RawFd; MAX_FDS]);
-    let mut iov = [IoSliceMut::new(buf)];
-    let msg = match recvmsg::<()>(
-        stream.as_raw_fd(),
-        &mut iov,
-        Some(&mut cmsg),
-        MsgFlags::MSG_CMSG_CLOEXEC,
-    ) {
-        Ok(msg) => msg,
+    let received = match crate::socket::recv_with_fds::<MAX_FDS>(stream, buf) {
+        Ok(received) => received,
         Err(nix::errno::Errno::EAGAIN) => return Err(HandshakeError::Timeout(timeout)),
         Err(e) => return Err(HandshakeError::Recv(e.into())),
     };
-    let mut fds = Vec::new();
-    for control in msg.cmsgs().map_err(|e| HandshakeError::Recv(e.into()))? {
-        if let ControlMessageOwned::ScmRights(received) = control {
-            // SAFETY: the kernel just installed these descriptors for us; nobody else owns
-            // them.
-            fds.extend(
-                received
-                    .into_iter()
-                    .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
-            );
-        }
-    }
-    if msg.flags.intersects(MsgFlags::MSG_CTRUNC) {
+    if received.truncated {
         return Err(HandshakeError::TooManyFds(MAX_FDS + 1));
     }
-    Ok((msg.bytes, fds))
+    Ok((received.bytes, received.fds))
 }
 
 /// Finds where a JSON array or object ends, fed in pieces (strings and escapes tracked), so

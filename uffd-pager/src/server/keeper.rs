@@ -15,14 +15,14 @@
 //! `vm` message per VM with its descriptors, then `end`) and `drop` (a VM the server refused).
 //! The attachment ends with the server's connection: the next server may then attach.
 
-use std::io::{IoSlice, IoSliceMut, Read, Write};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::io::{IoSlice, Read, Write};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
+use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
 
 use crate::socket::PeerPolicy;
 
@@ -139,35 +139,19 @@ pub fn recv(stream: &UnixStream) -> Result<(Message, Vec<OwnedFd>), KeeperError>
     let mut got = 0;
     let mut fds = Vec::new();
     while got < len.len() {
-        let mut cmsg = nix::cmsg_space!([RawFd; MAX_FDS]);
-        let mut iov = [IoSliceMut::new(&mut len[got..])];
-        let msg = recvmsg::<()>(
-            stream.as_raw_fd(),
-            &mut iov,
-            Some(&mut cmsg),
-            MsgFlags::MSG_CMSG_CLOEXEC,
-        )
-        .map_err(|e| io("receive")(e.into()))?;
-        for control in msg.cmsgs().map_err(|e| io("receive")(e.into()))? {
-            if let ControlMessageOwned::ScmRights(received) = control {
-                // SAFETY: the kernel just installed these descriptors for us.
-                fds.extend(
-                    received
-                        .into_iter()
-                        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
-                );
-            }
-        }
-        if msg.flags.intersects(MsgFlags::MSG_CTRUNC) {
+        let received = crate::socket::recv_with_fds::<MAX_FDS>(stream, &mut len[got..])
+            .map_err(|e| io("receive")(e.into()))?;
+        fds.extend(received.fds);
+        if received.truncated {
             return Err(KeeperError::Protocol("too many descriptors".into()));
         }
-        if msg.bytes == 0 {
+        if received.bytes == 0 {
             return Err(KeeperError::Io {
                 what: "receive",
                 source: std::io::ErrorKind::UnexpectedEof.into(),
             });
         }
-        got += msg.bytes;
+        got += received.bytes;
     }
     let len = u32::from_le_bytes(len) as usize;
     if len > MAX_MESSAGE {
