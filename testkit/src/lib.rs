@@ -253,3 +253,69 @@ pub fn open_to_everyone(socket: &Path) {
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o666))
         .expect("chmod 0666 the socket");
 }
+
+/// Guest memory for a test VM: a mapping of `len` bytes, unmapped on drop. Declare it before
+/// whatever serves faults on it (a pager, a userfaultfd), so that it is unmapped after.
+#[derive(Debug)]
+pub struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: plain memory; the tests synchronise access themselves.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// A fresh private anonymous read-write mapping (`MAP_NORESERVE`); panics if it fails.
+    pub fn anon(len: usize) -> Self {
+        // SAFETY: a fresh private anonymous mapping, checked below.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(ptr, libc::MAP_FAILED, "mmap of {len} bytes");
+        Self {
+            ptr: ptr.cast(),
+            len,
+        }
+    }
+
+    /// Takes ownership of a mapping made by the caller (a memfd mapped shared, say).
+    ///
+    /// # Safety
+    ///
+    /// `ptr` must be the start of a live mapping of `len` bytes that nothing else unmaps.
+    pub unsafe fn from_raw(ptr: *mut u8, len: usize) -> Self {
+        Self { ptr, len }
+    }
+
+    /// The first byte.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for an empty mapping.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mapping, which nothing else unmaps.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}

@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use compressed_backing::bulk::BulkOptions;
 use compressed_backing::{Codec, CodecConfig};
+use testkit::Mapping;
 use uffd_pager::addr::{HostAddr, HostRange, PAGE_SIZE};
 use uffd_pager::load::LoadMode;
 use uffd_pager::offload::{OffloadConfig, OffloadError};
@@ -26,39 +27,21 @@ fn skip() -> bool {
 
 /// Guest RAM for a test: an anonymous or memfd mapping, unmapped on drop (after the pager).
 struct Ram {
-    ptr: *mut u8,
-    len: usize,
+    map: Mapping,
     memfd: Option<Arc<File>>,
 }
 
-// SAFETY: plain memory; the tests synchronise access themselves.
-unsafe impl Send for Ram {}
-// SAFETY: as above.
-unsafe impl Sync for Ram {}
-
 impl Ram {
     fn anon(len: usize) -> Self {
-        // SAFETY: a fresh private anonymous mapping, checked below.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(ptr, libc::MAP_FAILED);
         Self {
-            ptr: ptr.cast(),
-            len,
+            map: Mapping::anon(len),
             memfd: None,
         }
     }
 
     fn memfd(len: usize) -> Self {
-        // SAFETY: creating and sizing our own memfd, mapping it shared; all checked.
+        // SAFETY: creating and sizing our own memfd, mapping it shared, all checked; the
+        // mapping is handed to `Mapping`, which alone unmaps it.
         unsafe {
             let fd = libc::memfd_create(c"guest-ram".as_ptr(), libc::MFD_CLOEXEC);
             assert!(fd >= 0);
@@ -73,8 +56,7 @@ impl Ram {
             );
             assert_ne!(ptr, libc::MAP_FAILED);
             Self {
-                ptr: ptr.cast(),
-                len,
+                map: Mapping::from_raw(ptr.cast(), len),
                 memfd: Some(Arc::new(File::from_raw_fd(fd))),
             }
         }
@@ -87,22 +69,23 @@ impl Ram {
             } else {
                 RamKind::Anon
             },
-            range: HostRange::new(HostAddr::from_ptr(self.ptr), self.len as u64).unwrap(),
+            range: HostRange::new(HostAddr::from_ptr(self.map.as_ptr()), self.map.len() as u64)
+                .unwrap(),
             image_offset: 0,
             memfd: self.memfd.clone(),
             memfd_offset: 0,
-            view: Some(HostAddr::from_ptr(self.ptr)),
+            view: Some(HostAddr::from_ptr(self.map.as_ptr())),
         }
     }
 
     fn bytes(&self) -> &[u8] {
         // SAFETY: the mapping is live and `len` long.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+        unsafe { std::slice::from_raw_parts(self.map.as_ptr(), self.map.len()) }
     }
 
     fn bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: the mapping is live and `len` long, and borrowed mutably.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+        unsafe { std::slice::from_raw_parts_mut(self.map.as_ptr(), self.map.len()) }
     }
 
     fn digest(&self) -> u64 {
@@ -111,18 +94,12 @@ impl Ram {
 
     /// Bytes of this mapping resident in memory (mincore).
     fn resident(&self) -> usize {
-        let mut vec = vec![0u8; self.len / PAGE_SIZE as usize];
+        let mut vec = vec![0u8; self.map.len() / PAGE_SIZE as usize];
         // SAFETY: `vec` has one byte per page of the mapping.
-        let rc = unsafe { libc::mincore(self.ptr.cast(), self.len, vec.as_mut_ptr()) };
+        let rc =
+            unsafe { libc::mincore(self.map.as_ptr().cast(), self.map.len(), vec.as_mut_ptr()) };
         assert_eq!(rc, 0);
         vec.iter().filter(|&&b| b & 1 == 1).count() * PAGE_SIZE as usize
-    }
-}
-
-impl Drop for Ram {
-    fn drop(&mut self) {
-        // SAFETY: unmapping our own mapping.
-        unsafe { libc::munmap(self.ptr.cast(), self.len) };
     }
 }
 
@@ -314,7 +291,8 @@ fn pager_discarded_range_reads_back_as_zeros() {
     fill(ram.bytes_mut(), 9);
     // A resident range discarded by the VMM (a balloon) reads as zeros.
     // SAFETY: discarding part of our own mapping.
-    let value = unsafe { libc::madvise(ram.ptr.add(MIB).cast(), MIB, libc::MADV_DONTNEED) };
+    let value =
+        unsafe { libc::madvise(ram.map.as_ptr().add(MIB).cast(), MIB, libc::MADV_DONTNEED) };
     assert_eq!(value, 0);
     assert!(ram.bytes()[MIB..2 * MIB].iter().all(|&b| b == 0));
     // Offloaded, then discarded before loading: zeros too, never the stored bytes.
@@ -322,7 +300,13 @@ fn pager_discarded_range_reads_back_as_zeros() {
         .offload(&offload_config(dir.path(), Codec::Lz4))
         .unwrap();
     // SAFETY: as above.
-    let value = unsafe { libc::madvise(ram.ptr.add(3 * MIB).cast(), MIB, libc::MADV_DONTNEED) };
+    let value = unsafe {
+        libc::madvise(
+            ram.map.as_ptr().add(3 * MIB).cast(),
+            MIB,
+            libc::MADV_DONTNEED,
+        )
+    };
     assert_eq!(value, 0);
     assert_eq!(pager.page_state(3 * MIB as u64), PageState::Zero);
     pager.load(LoadMode::Eager, 1).unwrap();
@@ -359,10 +343,10 @@ fn pager_concurrent_faults_from_eight_threads_get_the_right_bytes() {
             let (ram, expect) = (&ram, &expect);
             s.spawn(move || {
                 // Interleaved pages, so threads race on the same blocks.
-                for page in (t..ram.len / PAGE_SIZE as usize).step_by(8) {
+                for page in (t..ram.map.len() / PAGE_SIZE as usize).step_by(8) {
                     let at = page * PAGE_SIZE as usize + (page % 4000);
                     // SAFETY: reading a byte of the live mapping.
-                    let got = unsafe { ram.ptr.add(at).read_volatile() };
+                    let got = unsafe { ram.map.as_ptr().add(at).read_volatile() };
                     assert_eq!(got, expect[at], "page {page}");
                 }
             });
@@ -417,7 +401,7 @@ fn pager_memfd_ram_offloads_by_punching_holes_and_serves_minor_faults() {
     let digest = ram.digest();
     // A zapped mapping of data still in the page cache comes back as MINOR faults.
     // SAFETY: zapping our own shared mapping; the memfd keeps the data.
-    let value = unsafe { libc::madvise(ram.ptr.cast(), MIB, libc::MADV_DONTNEED) };
+    let value = unsafe { libc::madvise(ram.map.as_ptr().cast(), MIB, libc::MADV_DONTNEED) };
     assert_eq!(value, 0);
     assert_eq!(ram.digest(), digest);
     let minors = pager.metrics().snapshot().faults_minor;
@@ -522,7 +506,7 @@ fn pager_events_outside_regions_are_ignored_and_reported() {
     use uffd_pager::uffd::{feature, Mode, Userfaultfd};
 
     let ram = Ram::anon(2 * MIB);
-    let whole = HostRange::new(HostAddr::from_ptr(ram.ptr), 2 * MIB as u64).unwrap();
+    let whole = HostRange::new(HostAddr::from_ptr(ram.map.as_ptr()), 2 * MIB as u64).unwrap();
     let uffd = Userfaultfd::create(feature::EVENT_REMOVE).unwrap();
     // SAFETY: `ram` outlives the pager and the registration.
     unsafe { uffd.register(whole, Mode::MISSING).unwrap() };
@@ -532,7 +516,7 @@ fn pager_events_outside_regions_are_ignored_and_reported() {
     // SAFETY: a fresh descriptor owned by nobody else.
     let mine = Userfaultfd::from_fd(unsafe { <OwnedFd as FromRawFd>::from_raw_fd(mine) });
     let mut declared = ram.spec();
-    declared.range = HostRange::new(HostAddr::from_ptr(ram.ptr), MIB as u64).unwrap();
+    declared.range = HostRange::new(HostAddr::from_ptr(ram.map.as_ptr()), MIB as u64).unwrap();
     let errors = Arc::new(Mutex::new(Vec::<String>::new()));
     let sink = Arc::clone(&errors);
     // SAFETY: `ram` outlives the pager (declared before it, dropped after).
@@ -560,11 +544,11 @@ fn pager_events_outside_regions_are_ignored_and_reported() {
     assert!(ram.bytes()[..MIB].iter().all(|&b| b == 0));
     // A discard of the undeclared half.
     // SAFETY: discarding part of our own mapping.
-    let rc = unsafe { libc::madvise(ram.ptr.add(MIB).cast(), MIB, libc::MADV_DONTNEED) };
+    let rc = unsafe { libc::madvise(ram.map.as_ptr().add(MIB).cast(), MIB, libc::MADV_DONTNEED) };
     assert_eq!(rc, 0);
     wait_for("discard of");
     // A fault in the undeclared half: reported, left to its owner (here: us).
-    let addr = ram.ptr as usize + MIB;
+    let addr = ram.map.as_ptr() as usize + MIB;
     let toucher = std::thread::spawn(move || {
         // SAFETY: reading a byte of the live mapping; it faults.
         unsafe { std::ptr::read_volatile(addr as *const u8) }

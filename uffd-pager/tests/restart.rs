@@ -23,6 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+use testkit::Mapping;
 use uffd_pager::addr::{HostAddr, HostRange, PAGE_SIZE};
 use uffd_pager::journal::Journal;
 use uffd_pager::server::handover::image_id;
@@ -452,13 +453,14 @@ fn restart_upgrade_ends_pvisor_sessions_with_an_error() {
     }
     let mut rig = Rig::new();
     rig.start_server();
-    let mem = Mapping::new(4 * MIB);
+    let mem = Mapping::anon(4 * MIB);
     let uffd = Userfaultfd::create(feature::EVENT_REMOVE).unwrap();
     // SAFETY: the mapping outlives the server's use of it (this test's end).
     unsafe { uffd.register(mem.range(), Mode::MISSING).unwrap() };
     let hello = format!(
         r#"{{"protocol":"pvisor-uffd/1","regions":[{{"base_host_virt_addr":{},"size":{},"offset":0}}]}}"#,
-        mem.ptr as u64, mem.len
+        mem.as_ptr() as u64,
+        mem.len()
     );
     let stream = UnixStream::connect(rig.socket()).unwrap();
     let fds = [uffd.as_raw_fd()];
@@ -647,7 +649,7 @@ fn journal_marker_window_share_is_small_during_a_restore() {
         Arc::new(uffd_pager::source::RawFileSource::open(&path).unwrap());
     let mut rounds = Vec::new();
     for _ in 0..3 {
-        let mem = Mapping::new(IMAGE);
+        let mem = Mapping::anon(IMAGE);
         let journal = Arc::new(Journal::create(PAGES as u64, PageState::Source).unwrap());
         let spec = uffd_pager::pager::RegionSpec {
             kind: uffd_pager::pager::RamKind::Anon,
@@ -719,51 +721,20 @@ fn journal_marker_window_share_is_small_during_a_restore() {
     );
 }
 
-/// An anonymous private mapping, unmapped on drop.
-struct Mapping {
-    ptr: *mut u8,
-    len: usize,
+/// Helpers on the test VM's memory.
+trait MappingExt {
+    fn range(&self) -> HostRange;
+    fn bytes(&self) -> &[u8];
 }
 
-// SAFETY: plain memory; the tests synchronise access themselves.
-unsafe impl Send for Mapping {}
-// SAFETY: as above; it is only read through shared references.
-unsafe impl Sync for Mapping {}
-
-impl Mapping {
-    fn new(len: usize) -> Self {
-        // SAFETY: a fresh private anonymous mapping, checked below.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(ptr, libc::MAP_FAILED);
-        Self {
-            ptr: ptr.cast(),
-            len,
-        }
-    }
-
+impl MappingExt for Mapping {
     fn range(&self) -> HostRange {
-        HostRange::new(HostAddr::from_ptr(self.ptr), self.len as u64).unwrap()
+        HostRange::new(HostAddr::from_ptr(self.as_ptr()), self.len() as u64).unwrap()
     }
 
     fn bytes(&self) -> &[u8] {
         // SAFETY: a live mapping of `len` bytes; reading it may fault to a pager.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY: unmapping our own mapping.
-        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len()) }
     }
 }
 
@@ -826,13 +797,14 @@ fn vmm_child_serves_commands_when_spawned() {
         return;
     };
     let data = std::fs::read(image).unwrap();
-    let mem = Mapping::new(data.len());
+    let mem = Mapping::anon(data.len());
     let uffd = Userfaultfd::create(feature::EVENT_REMOVE).unwrap();
     // SAFETY: the mapping lives until this process exits.
     unsafe { uffd.register(mem.range(), Mode::MISSING).unwrap() };
     let json = format!(
         r#"[{{"base_host_virt_addr":{},"size":{},"offset":0,"page_size":4096,"page_size_kib":4096}}]"#,
-        mem.ptr as u64, mem.len
+        mem.as_ptr() as u64,
+        mem.len()
     );
     let stream = UnixStream::connect(socket).unwrap();
     let fds = [uffd.as_raw_fd()];
@@ -895,7 +867,7 @@ fn vmm_child_serves_commands_when_spawned() {
                 // SAFETY: discarding pages of our own mapping.
                 let rc = unsafe {
                     libc::madvise(
-                        mem.ptr.add(first * page).cast(),
+                        mem.as_ptr().add(first * page).cast(),
                         (end - first) * page,
                         libc::MADV_DONTNEED,
                     )

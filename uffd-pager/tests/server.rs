@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use compressed_backing::{pack_file, BlockSize, Codec, CodecConfig, DiskStore, PackOptions};
 use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+use testkit::Mapping;
 use uffd_pager::addr::{HostAddr, HostRange, PAGE_SIZE};
 use uffd_pager::server::{Server, ServerConfig, MAX_HANDSHAKES};
 use uffd_pager::source::{PageSource, RawFileSource, StoreSource};
@@ -102,7 +103,7 @@ impl Drop for Running {
 
 /// Guest memory the way Firecracker has it: private anonymous regions registered on a uffd.
 struct Vm {
-    maps: Vec<(*mut u8, usize)>,
+    maps: Vec<Mapping>,
     uffd: Userfaultfd,
 }
 
@@ -120,22 +121,11 @@ impl Vm {
         let maps = sizes
             .iter()
             .map(|&len| {
-                // SAFETY: a fresh private anonymous mapping, checked below.
-                let ptr = unsafe {
-                    libc::mmap(
-                        std::ptr::null_mut(),
-                        len,
-                        libc::PROT_READ | libc::PROT_WRITE,
-                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                        -1,
-                        0,
-                    )
-                };
-                assert_ne!(ptr, libc::MAP_FAILED);
-                let range = HostRange::new(HostAddr::from_ptr(ptr), len as u64).unwrap();
+                let map = Mapping::anon(len);
+                let range = HostRange::new(HostAddr::from_ptr(map.as_ptr()), len as u64).unwrap();
                 // SAFETY: the mapping lives until `Vm` is dropped, after the server is done.
                 unsafe { uffd.register(range, Mode::MISSING).unwrap() };
-                (ptr.cast::<u8>(), len)
+                map
             })
             .collect();
         Self { maps, uffd }
@@ -147,7 +137,8 @@ impl Vm {
         let regions: Vec<String> = self
             .maps
             .iter()
-            .map(|&(ptr, len)| {
+            .map(|map| {
+                let (ptr, len) = (map.as_ptr(), map.len());
                 let sizes = if page_size_fields {
                     r#","page_size":4096,"page_size_kib":4096"#
                 } else {
@@ -171,18 +162,9 @@ impl Vm {
     }
 
     fn bytes(&self, region: usize) -> &[u8] {
-        let (ptr, len) = self.maps[region];
+        let (ptr, len) = (self.maps[region].as_ptr(), self.maps[region].len());
         // SAFETY: a live mapping of `len` bytes; reading it faults to the server.
         unsafe { std::slice::from_raw_parts(ptr, len) }
-    }
-}
-
-impl Drop for Vm {
-    fn drop(&mut self) {
-        for &(ptr, len) in &self.maps {
-            // SAFETY: unmapping our own mappings.
-            unsafe { libc::munmap(ptr.cast(), len) };
-        }
     }
 }
 
@@ -229,7 +211,7 @@ fn server_serves_a_firecracker_vm_from_a_raw_memory_file() {
     assert!(vm.bytes(0) == &data[..3 * MIB]);
     assert!(vm.bytes(1) == &data[3 * MIB..]);
     // A balloon-style discard: the range faults back as zeros.
-    let (ptr, _) = vm.maps[1];
+    let ptr = vm.maps[1].as_ptr();
     // SAFETY: discarding part of our own mapping.
     let rc = unsafe { libc::madvise(ptr.add(MIB).cast(), MIB, libc::MADV_DONTNEED) };
     assert_eq!(rc, 0);
@@ -297,7 +279,7 @@ fn server_refuses_bad_handshakes_and_keeps_serving() {
     let data = image(2 * MIB, 4);
     let running = Running::start(raw_file(dir.path(), &data), BlockSize::default());
     let vm = Vm::new(&[2 * MIB]);
-    let base = vm.maps[0].0 as u64;
+    let base = vm.maps[0].as_ptr() as u64;
     let fd = Some(vm.uffd.as_raw_fd());
     let cases: Vec<(String, Option<i32>)> = vec![
         ("this is not json".into(), fd),
@@ -986,7 +968,7 @@ fn server_child_hostile() {
         Some(read_end.as_raw_fd()),
     );
     std::thread::sleep(Duration::from_millis(50));
-    let base = decoy.maps[0].0 as u64;
+    let base = decoy.maps[0].as_ptr() as u64;
     let mut events = Vec::new();
     for fd in 0..1024u64 {
         events.extend_from_slice(&fake_event(EVENT_FORK, fd, 0));
@@ -1080,26 +1062,15 @@ mod fuzz {
     /// An in-process pager over a small anonymous mapping, to answer request lines.
     struct Target {
         pager: Option<Pager>,
-        ptr: *mut libc::c_void,
-        len: usize,
+        /// Declared after the pager, so unmapped after it is gone.
+        _ram: Mapping,
     }
 
     impl Target {
         fn new() -> Self {
             let len = 256 << 10;
-            // SAFETY: a fresh private anonymous mapping, checked below.
-            let ptr = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                    -1,
-                    0,
-                )
-            };
-            assert_ne!(ptr, libc::MAP_FAILED);
-            let range = HostRange::new(HostAddr::from_ptr(ptr), len as u64).unwrap();
+            let ram = Mapping::anon(len);
+            let range = HostRange::new(HostAddr::from_ptr(ram.as_ptr()), len as u64).unwrap();
             let spec = RegionSpec {
                 kind: RamKind::Anon,
                 range,
@@ -1114,17 +1085,8 @@ mod fuzz {
             };
             Self {
                 pager: Some(pager),
-                ptr,
-                len,
+                _ram: ram,
             }
-        }
-    }
-
-    impl Drop for Target {
-        fn drop(&mut self) {
-            drop(self.pager.take());
-            // SAFETY: unmapping our own mapping, after the pager is gone.
-            unsafe { libc::munmap(self.ptr, self.len) };
         }
     }
 

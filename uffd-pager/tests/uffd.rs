@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use testkit::Mapping;
 use uffd_pager::addr::{HostAddr, HostRange, PAGE_SIZE};
 use uffd_pager::uffd::{feature, Event, Mode, Resolved, UffdError, Userfaultfd};
 
@@ -15,59 +16,29 @@ fn skip() -> bool {
     testkit::skip_unless(&["/dev/userfaultfd"])
 }
 
-/// An anonymous private mapping, unmapped on drop.
-struct Anon {
-    ptr: *mut u8,
-    len: usize,
+/// Helpers on a test mapping.
+trait MappingExt {
+    fn range(&self) -> HostRange;
+    fn discard(&self, len: usize);
+    fn read(&self, offset: usize) -> u8;
 }
 
-// SAFETY: the mapping is plain memory; the tests synchronise access themselves.
-unsafe impl Send for Anon {}
-// SAFETY: as above.
-unsafe impl Sync for Anon {}
-
-impl Anon {
-    fn new(len: usize) -> Self {
-        // SAFETY: a fresh private anonymous mapping; the result is checked.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(ptr, libc::MAP_FAILED);
-        Self {
-            ptr: ptr.cast(),
-            len,
-        }
-    }
-
+impl MappingExt for Mapping {
     fn range(&self) -> HostRange {
-        HostRange::new(HostAddr::from_ptr(self.ptr), self.len as u64).unwrap()
+        HostRange::new(HostAddr::from_ptr(self.as_ptr()), self.len() as u64).unwrap()
     }
 
     fn discard(&self, len: usize) {
-        assert!(len <= self.len);
+        assert!(len <= self.len());
         // SAFETY: discarding pages of our own mapping.
-        let rc = unsafe { libc::madvise(self.ptr.cast(), len, libc::MADV_DONTNEED) };
+        let rc = unsafe { libc::madvise(self.as_ptr().cast(), len, libc::MADV_DONTNEED) };
         assert_eq!(rc, 0);
     }
 
     fn read(&self, offset: usize) -> u8 {
-        assert!(offset < self.len);
+        assert!(offset < self.len());
         // SAFETY: in bounds of the live mapping; volatile so the access really happens.
-        unsafe { self.ptr.add(offset).read_volatile() }
-    }
-}
-
-impl Drop for Anon {
-    fn drop(&mut self) {
-        // SAFETY: unmapping our own mapping.
-        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+        unsafe { self.as_ptr().add(offset).read_volatile() }
     }
 }
 
@@ -111,7 +82,7 @@ fn uffd_missing_faults_are_served_by_copy_and_zeropage() {
     if skip() {
         return;
     }
-    let mem = Anon::new(64 * PAGE_SIZE as usize);
+    let mem = Mapping::anon(64 * PAGE_SIZE as usize);
     let uffd = Userfaultfd::create(feature::EVENT_REMOVE).unwrap();
     // SAFETY: `mem` outlives the userfaultfd's use below (it is dropped last).
     unsafe { uffd.register(mem.range(), Mode::MISSING).unwrap() };
@@ -147,7 +118,7 @@ fn uffd_copy_over_a_mapped_page_reports_already_mapped() {
     if skip() {
         return;
     }
-    let mem = Anon::new(4 * PAGE_SIZE as usize);
+    let mem = Mapping::anon(4 * PAGE_SIZE as usize);
     let uffd = Userfaultfd::create(0).unwrap();
     // SAFETY: `mem` outlives every use of the registration.
     unsafe { uffd.register(mem.range(), Mode::MISSING).unwrap() };
@@ -187,7 +158,7 @@ fn uffd_pending_remove_makes_copy_retry_and_is_reported() {
     if skip() {
         return;
     }
-    let mem = Anon::new(16 * PAGE_SIZE as usize);
+    let mem = Mapping::anon(16 * PAGE_SIZE as usize);
     let uffd = Userfaultfd::create(feature::EVENT_REMOVE).unwrap();
     // SAFETY: `mem` outlives every use of the registration.
     unsafe { uffd.register(mem.range(), Mode::MISSING).unwrap() };
@@ -325,20 +296,20 @@ fn uffd_written_pages_and_move_on_write_tracked_anon() {
     }
     const BLOCK: usize = 64 << 10;
     let uffd = Userfaultfd::create(feature::WP_ASYNC | feature::MOVE).unwrap();
-    let guest = Anon::new(16 * BLOCK);
-    let scratch = Anon::new(BLOCK);
+    let guest = Mapping::anon(16 * BLOCK);
+    let scratch = Mapping::anon(BLOCK);
     // SAFETY: both mappings outlive the userfaultfd and are only touched through it here.
     unsafe {
         uffd.register(guest.range(), Mode::MISSING_WP).unwrap();
         uffd.register(scratch.range(), Mode::MISSING_WP).unwrap();
     }
-    let pattern: Vec<u8> = (0..guest.len)
+    let pattern: Vec<u8> = (0..guest.len())
         .map(|i| (i / 4096 * 7 + i % 251) as u8)
         .collect();
     assert_eq!(
         uffd.copy_missing(guest.range().start(), &pattern, true)
             .unwrap(),
-        guest.len as u64
+        guest.len() as u64
     );
     let mut written = uffd_pager::pagemap::WrittenPages::open().unwrap();
     let mut take = || {
@@ -352,7 +323,7 @@ fn uffd_written_pages_and_move_on_write_tracked_anon() {
     assert_eq!(take(), vec![guest.range()]);
     assert_eq!(take(), vec![]);
     // SAFETY: in bounds of the live, fully mapped guest mapping.
-    unsafe { guest.ptr.add(5 * 4096 + 9).write_volatile(0xEE) };
+    unsafe { guest.as_ptr().add(5 * 4096 + 9).write_volatile(0xEE) };
     let page5 = HostRange::new(guest.range().page_addr(5), PAGE_SIZE).unwrap();
     assert_eq!(take(), vec![page5]);
     assert_eq!(guest.read(5 * 4096 + 9), 0xEE);
@@ -375,7 +346,7 @@ fn uffd_written_pages_and_move_on_write_tracked_anon() {
         (true, pagemap_entry(scratch.range().start()).1)
     );
     // SAFETY: the scratch is fully mapped after the move.
-    let moved = unsafe { std::slice::from_raw_parts(scratch.ptr, BLOCK) };
+    let moved = unsafe { std::slice::from_raw_parts(scratch.as_ptr(), BLOCK) };
     let first_diff = moved
         .iter()
         .zip(&pattern[16 * 4096..])
