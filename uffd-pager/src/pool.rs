@@ -30,7 +30,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
+use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
 
 use crate::server::RateLimit;
 use crate::socket::PeerPolicy;
@@ -780,30 +780,30 @@ impl PoolClient {
             .map_err(io("send to the pool daemon"))?;
         // The reply line and the descriptor come in one message.
         let mut buf = vec![0u8; 64 << 10];
-        let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
-        let mut iov = [std::io::IoSliceMut::new(&mut buf)];
-        let msg = recvmsg::<()>(
-            stream.as_raw_fd(),
-            &mut iov,
-            Some(&mut space),
-            MsgFlags::empty(),
-        )
-        .map_err(errno("read the pool daemon's reply"))?;
-        let mut fd = None;
-        for control in msg.cmsgs().map_err(errno("read the pool daemon's reply"))? {
-            if let ControlMessageOwned::ScmRights(received) = control {
-                fd = received.first().copied();
-            }
+        // Close-on-exec from the start, and a daemon that sends more descriptors than the one
+        // memfd gets them closed, not leaked into the VM.
+        let received = crate::socket::recv_with_fds::<1>(&stream, &mut buf)
+            .map_err(errno("read the pool daemon's reply"))?;
+        if received.truncated {
+            return Err(PoolError::Protocol(
+                "the reply came with more than one descriptor".into(),
+            ));
         }
-        let len = msg.bytes;
-        let reply: Reply = serde_json::from_slice(&buf[..len])
+        let reply: Reply = serde_json::from_slice(&buf[..received.bytes])
             .map_err(|e| PoolError::Protocol(format!("unreadable reply: {e}")))?;
         if let Some(error) = reply.error {
             return Err(PoolError::Protocol(error));
         }
-        let fd = fd.ok_or_else(|| PoolError::Protocol("no memfd in the reply".into()))?;
-        // SAFETY: a descriptor just received, owned by nobody else in this process.
-        let pool = unsafe { File::from_raw_fd(fd) };
+        let mut fds = received.fds.into_iter();
+        let pool = File::from(
+            fds.next()
+                .ok_or_else(|| PoolError::Protocol("no memfd in the reply".into()))?,
+        );
+        if fds.next().is_some() {
+            return Err(PoolError::Protocol(
+                "the reply came with more than one descriptor".into(),
+            ));
+        }
         let reader = BufReader::new(stream.try_clone().map_err(io("clone the socket"))?);
         Ok(Self {
             socket: socket.to_path_buf(),
