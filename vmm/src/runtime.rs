@@ -36,6 +36,12 @@ pub struct Tombstone {
     pub signal: Option<i32>,
     /// Whether its memory cgroup counted an OOM kill.
     pub oom_kill: bool,
+    /// Its memory cgroup's OOM kill counter (`oom_kill`), when it was read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oom_kills: Option<u64>,
+    /// The hard memory limit (a budget) that bound its cgroup, bytes, when one did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_limit_bytes: Option<u64>,
     /// In words.
     pub reason: String,
     /// When it was found ended, seconds since the epoch.
@@ -51,7 +57,12 @@ impl Tombstone {
         cgroup: Option<&Path>,
     ) -> Self {
         use std::os::unix::process::ExitStatusExt;
-        let oom_kill = cgroup.is_some_and(oom_killed);
+        let cgroup = cgroup.map(crate::stats::MemoryCgroup::at);
+        let oom_kills = cgroup
+            .as_ref()
+            .and_then(crate::stats::MemoryCgroup::oom_kills);
+        let oom_kill = oom_kills.is_some_and(|n| n > 0);
+        let memory_limit_bytes = cgroup.as_ref().and_then(crate::stats::MemoryCgroup::limit);
         let signal = status.signal();
         let mut reason = match (status.code(), signal) {
             (Some(code), _) => format!("the VM process exited with status {code}"),
@@ -61,8 +72,12 @@ impl Tombstone {
             ),
             (None, None) => format!("the VM process ended: {status}"),
         };
-        if oom_kill {
-            reason.push_str(" after an OOM kill in its memory cgroup");
+        if let Some(kills) = oom_kills.filter(|_| oom_kill) {
+            reason =
+                format!("the VM process was killed by the kernel's OOM killer (oom_kill {kills})");
+            if let Some(limit) = memory_limit_bytes {
+                reason.push_str(&format!(": memory budget {} reached", size_text(limit)));
+            }
         }
         Self {
             job: job.to_owned(),
@@ -70,6 +85,8 @@ impl Tombstone {
             exit_code: status.code(),
             signal,
             oom_kill,
+            oom_kills,
+            memory_limit_bytes,
             reason,
             ended_unix_s: now_unix_s(),
         }
@@ -80,6 +97,16 @@ fn now_unix_s() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
+}
+
+/// `bytes` as a person writes a size: `64 MiB`, `1 GiB`, `1000 bytes`.
+pub fn size_text(bytes: u64) -> String {
+    for (shift, unit) in [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")] {
+        if bytes >= 1 << shift && bytes.is_multiple_of(1 << shift) {
+            return format!("{} {unit}", bytes >> shift);
+        }
+    }
+    format!("{bytes} bytes")
 }
 
 /// `SIGKILL` and the like.
@@ -231,6 +258,8 @@ pub fn reap(job: &str) -> Option<Tombstone> {
         exit_code: None,
         signal: None,
         oom_kill: identity.cgroup.as_deref().is_some_and(oom_killed),
+        oom_kills: None,
+        memory_limit_bytes: None,
         reason: format!(
             "the VM process {} is gone and nobody saw how it ended; its stale files were removed",
             identity.pid
@@ -415,6 +444,15 @@ pub fn create_private_dir(dir: &Path) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn size_text_whole_units_are_named_and_others_are_bytes() {
+        assert_eq!(size_text(64 << 20), "64 MiB");
+        assert_eq!(size_text(1 << 30), "1 GiB");
+        assert_eq!(size_text(3 << 10), "3 KiB");
+        assert_eq!(size_text(1000), "1000 bytes");
+        assert_eq!(size_text((1 << 30) + (1 << 20)), "1025 MiB");
+    }
 
     #[test]
     fn runtime_process_alive_counts_a_zombie_as_gone() {

@@ -139,13 +139,7 @@ impl MemoryCgroup {
     /// host has its memory controller, else v1 — and moves this process into it. Call it
     /// before allocating guest RAM: v1 does not move charges made earlier.
     pub fn join(name: &Path) -> Result<Self, CgroupError> {
-        let (base, v2) = Self::own_base()?;
-        let dir = base.join(name);
-        std::fs::create_dir_all(&dir).map_err(|source| CgroupError::Io {
-            op: "create",
-            path: dir.clone(),
-            source,
-        })?;
+        let Self { dir, v2 } = Self::create(name)?;
         let procs = dir.join("cgroup.procs");
         std::fs::write(&procs, std::process::id().to_string()).map_err(|source| {
             CgroupError::Io {
@@ -153,6 +147,19 @@ impl MemoryCgroup {
                 path: procs,
                 source,
             }
+        })?;
+        Ok(Self { dir, v2 })
+    }
+
+    /// Creates `name` (a relative path, and what leads to it) under this process's own memory
+    /// cgroup.
+    fn create(name: &Path) -> Result<Self, CgroupError> {
+        let (base, v2) = Self::own_base()?;
+        let dir = base.join(name);
+        std::fs::create_dir_all(&dir).map_err(|source| CgroupError::Io {
+            op: "create",
+            path: dir.clone(),
+            source,
         })?;
         Ok(Self { dir, v2 })
     }
@@ -175,6 +182,63 @@ impl MemoryCgroup {
         let _ = std::fs::remove_dir(&self.dir);
     }
 
+    /// Creates `name` (a relative path) under this process's own memory cgroup without
+    /// joining it, with a hard limit of `limit` bytes (v2 `memory.max`, v1
+    /// `memory.limit_in_bytes`); on v2 its children get the memory controller too. A cgroup
+    /// that cannot be limited is removed again.
+    pub fn create_limited(name: &Path, limit: u64) -> Result<Self, CgroupError> {
+        let cgroup = Self::create(name)?;
+        let (file, children) = if cgroup.v2 {
+            ("memory.max", Some("cgroup.subtree_control"))
+        } else {
+            ("memory.limit_in_bytes", None)
+        };
+        let write = |file: &str, value: &str| {
+            let path = cgroup.dir.join(file);
+            std::fs::write(&path, value).map_err(|source| CgroupError::Io {
+                op: "write",
+                path,
+                source,
+            })
+        };
+        let limited = write(file, &limit.to_string())
+            .and_then(|()| children.map_or(Ok(()), |c| write(c, "+memory")));
+        if let Err(e) = limited {
+            let _ = std::fs::remove_dir(&cgroup.dir);
+            return Err(e);
+        }
+        Ok(cgroup)
+    }
+
+    /// The hard memory limit that binds this cgroup: the smallest of its own and its
+    /// ancestors' (v2 `memory.max`, v1 `memory.limit_in_bytes`), `None` where none is set.
+    pub fn limit(&self) -> Option<u64> {
+        let file = if self.v2 {
+            "memory.max"
+        } else {
+            "memory.limit_in_bytes"
+        };
+        self.dir
+            .ancestors()
+            .map_while(|dir| std::fs::read_to_string(dir.join(file)).ok())
+            // v2 says `max`; v1's "unlimited" is the largest page-aligned i64.
+            .filter_map(|text| text.trim().parse::<u64>().ok())
+            .filter(|&limit| limit < 1 << 62)
+            .min()
+    }
+
+    /// How many processes of this cgroup the kernel's OOM killer has killed: `oom_kill` of
+    /// v2 `memory.events` or v1 `memory.oom_control` (`None` where the file is gone or the
+    /// kernel does not count it).
+    pub fn oom_kills(&self) -> Option<u64> {
+        let file = if self.v2 {
+            "memory.events"
+        } else {
+            "memory.oom_control"
+        };
+        parse_oom_kill(&std::fs::read_to_string(self.dir.join(file)).ok()?)
+    }
+
     /// The cgroup's directory.
     pub fn dir(&self) -> &Path {
         &self.dir
@@ -194,9 +258,25 @@ impl MemoryCgroup {
     }
 }
 
+/// The `oom_kill N` line of a v2 `memory.events` or v1 `memory.oom_control`.
+fn parse_oom_kill(text: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix("oom_kill "))
+        .and_then(|n| n.trim().parse().ok())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parse_oom_kill_v1_and_v2_files_give_the_counter() {
+        let v1 = "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n";
+        assert_eq!(parse_oom_kill(v1), Some(3));
+        let v2 = "low 0\nhigh 0\nmax 9\noom 2\noom_kill 2\noom_group_kill 0\n";
+        assert_eq!(parse_oom_kill(v2), Some(2));
+        assert_eq!(parse_oom_kill("oom_kill_disable 0\nunder_oom 0\n"), None);
+    }
 
     #[test]
     fn stats_process_pss_is_positive_and_range_pss_finds_a_mapping() {
