@@ -266,3 +266,113 @@ fn replay_stopped_by_a_signal_stops_its_vms_and_removes_their_cgroups() {
         assert_eq!(cgroups.left(), Vec::<PathBuf>::new());
     }
 }
+
+/// A replay of 2 VMs of 64 MiB that fill 48 MiB each, under `budget`, with its summary.
+/// `dir` is its runtime directory.
+fn replay_under_budget(
+    dir: &Path,
+    tag: &str,
+    budget: &str,
+) -> (Output, serde_json::Value, Vec<PathBuf>) {
+    let path = write_trajectory(
+        dir,
+        r#"{"model": {"wait_ms": 1, "answer_bytes": 8}},
+           {"tool": {"script": "fill 48MiB random seed=1; digest"}},
+           {"model": {"wait_ms": 1, "answer_bytes": 8}}"#,
+    );
+    let cgroups = CgroupParent::new(tag);
+    let out = pvisor(
+        dir,
+        &[
+            "replay",
+            path.to_str().unwrap(),
+            "--vms",
+            "2",
+            "--memory",
+            "64MiB",
+            "--strategy",
+            "off",
+            "--memory-budget",
+            budget,
+            "--cgroup-parent",
+            &cgroups.name,
+            "--json",
+        ],
+    );
+    let stdout = text(&out.stdout);
+    let summary = serde_json::from_str(stdout.lines().last().unwrap_or("null")).unwrap();
+    let left = cgroups.left();
+    (out, summary, left)
+}
+
+#[test]
+fn replay_over_its_memory_budget_reports_the_oom_killed_vms_by_name() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (out, summary, left) = replay_under_budget(dir.path(), "budget-small", "64MiB");
+    let stdout = text(&out.stdout);
+    let all = format!("{stdout}{}", text(&out.stderr));
+    assert!(!out.status.success(), "{all}");
+    assert_eq!(summary["memory_budget_bytes"], 64 << 20, "{all}");
+    let killed = summary["oom_killed"].as_array().unwrap();
+    assert!(!killed.is_empty(), "{all}");
+    for vm in killed {
+        let job = vm["job"].as_str().unwrap();
+        assert!(vm["oom_kill"].as_u64().unwrap() >= 1, "{all}");
+        assert!(
+            stdout.contains(&format!(
+                "({job}): killed by the kernel's OOM killer (oom_kill"
+            )),
+            "{all}"
+        );
+        // The detached VM's own status says it too.
+        let status = pvisor(dir.path(), &["status", job]);
+        let status = text(&status.stdout);
+        assert!(
+            status.contains(
+                "killed by the kernel's OOM killer (oom_kill 1): memory budget 64 MiB reached"
+            ),
+            "{status}"
+        );
+    }
+    assert!(stdout.contains("memory budget 64 MiB reached"), "{all}");
+    assert!(!all.contains("not a reply"), "{all}");
+    assert_eq!(left, Vec::<PathBuf>::new(), "{all}");
+}
+
+#[test]
+fn replay_within_its_memory_budget_passes() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (out, summary, left) = replay_under_budget(dir.path(), "budget-large", "1GiB");
+    let all = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{all}");
+    assert_eq!(summary["oom_kills"], 0, "{all}");
+    assert_eq!(summary["integrity_passed"], true, "{all}");
+    assert_eq!(left, Vec::<PathBuf>::new(), "{all}");
+}
+
+#[test]
+fn replay_memory_budget_of_zero_or_nonsense_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_trajectory(
+        dir.path(),
+        r#"{"model": {"wait_ms": 1, "answer_bytes": 8}}"#,
+    );
+    for (budget, expected) in [
+        ("0", "must be more than 0"),
+        ("lots", "--memory-budget lots"),
+    ] {
+        let out = pvisor(
+            dir.path(),
+            &["replay", path.to_str().unwrap(), "--memory-budget", budget],
+        );
+        let stderr = text(&out.stderr);
+        assert!(!out.status.success(), "{budget}: {stderr}");
+        assert!(stderr.contains(expected), "{budget}: {stderr}");
+    }
+}

@@ -39,6 +39,11 @@ pub struct ReplayArgs {
     /// Put the VMs' cgroups under this one (relative to pvisor's own memory cgroup).
     #[arg(long, value_name = "P")]
     pub cgroup_parent: Option<PathBuf>,
+    /// Run all the VMs under one memory cgroup with this hard limit (v2 `memory.max`, v1
+    /// `memory.limit_in_bytes`; under --cgroup-parent when given), removed afterwards. A VM
+    /// the kernel's OOM killer kills is reported by name.
+    #[arg(long, value_name = "SIZE")]
+    pub memory_budget: Option<String>,
     /// A `pvisor run` config file (TOML, `[vm]` keys) every VM starts with, e.g. to tune the
     /// wait policy (`wait-cooldown-ms = 1000`); the strategy's flags win over it.
     #[arg(long, value_name = "FILE")]
@@ -88,8 +93,9 @@ const MAX_SAMPLE_MS: u64 = 60_000;
 const STOP_GRACE: Duration = Duration::from_secs(10);
 const TERM_GRACE: Duration = Duration::from_secs(5);
 
-/// Checks the numeric options before anything starts; returns the memory of each VM.
-fn check_args(args: &ReplayArgs) -> Result<u64, String> {
+/// Checks the numeric options before anything starts; returns the memory of each VM and the
+/// budget of all of them.
+fn check_args(args: &ReplayArgs) -> Result<(u64, Option<u64>), String> {
     if args.vms == 0 || args.vms > MAX_VMS {
         return Err(format!("--vms {}: 1 to {MAX_VMS}", args.vms));
     }
@@ -102,7 +108,16 @@ fn check_args(args: &ReplayArgs) -> Result<u64, String> {
     let memory = compressed_backing::layout::parse_size(&args.memory)
         .map_err(|e| format!("--memory {}: {e}", args.memory))?;
     vmm::guest::check_memory(memory).map_err(|e| format!("--memory {}: {e}", args.memory))?;
-    Ok(memory)
+    let budget = args
+        .memory_budget
+        .as_deref()
+        .map(|text| match compressed_backing::layout::parse_size(text) {
+            Ok(0) => Err(format!("--memory-budget {text}: must be more than 0")),
+            Ok(bytes) => Ok(bytes),
+            Err(e) => Err(format!("--memory-budget {text}: {e}")),
+        })
+        .transpose()?;
+    Ok((memory, budget))
 }
 
 fn call(id: &Identity, method: Method) -> Result<serde_json::Value, control::ClientError> {
@@ -121,6 +136,31 @@ fn wait_gone(pids: &[u32], timeout: Duration) -> Vec<u32> {
             .collect();
         if left.is_empty() || Instant::now() >= deadline {
             return left;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// How long a VM that failed gets for its supervisor's tombstone to appear.
+const TOMBSTONE_WAIT: Duration = Duration::from_secs(5);
+
+/// How many times the kernel's OOM killer killed in `vm`'s cgroup: its counter while the
+/// cgroup is there; for a VM that `failed` and is gone, what its tombstone says (its
+/// supervisor reads the counter, then removes the cgroup).
+fn oom_kills_of(vm: &Identity, cgroup: Option<&std::path::Path>, failed: bool) -> u64 {
+    let counter = cgroup.and_then(|dir| MemoryCgroup::at(dir).oom_kills());
+    if counter.is_some_and(|n| n > 0) || !failed {
+        return counter.unwrap_or(0);
+    }
+    let deadline = Instant::now() + TOMBSTONE_WAIT;
+    loop {
+        if let Some(tombstone) = runtime::read_tombstone(&vm.job) {
+            return tombstone
+                .oom_kills
+                .unwrap_or_else(|| u64::from(tombstone.oom_kill));
+        }
+        if runtime::process_alive(vm.pid) || Instant::now() >= deadline {
+            return counter.unwrap_or(0);
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -235,7 +275,7 @@ fn watch_signals(teardown: &Arc<Teardown>) -> Result<SigSet, Box<dyn std::error:
 pub fn replay(args: &ReplayArgs) -> CliResult {
     let trajectory = Trajectory::load(&args.trajectory)?;
     let extra = strategy_args(&args.strategy)?;
-    check_args(args)?;
+    let (_, budget) = check_args(args)?;
     if let Some(config) = &args.vm_config {
         // Read here too, so that a missing file is one error, not one per VM.
         std::fs::metadata(config).map_err(|e| format!("--vm-config {}: {e}", config.display()))?;
@@ -243,7 +283,7 @@ pub fn replay(args: &ReplayArgs) -> CliResult {
     // Before any thread starts, so that the signals reach the signal thread only.
     let teardown = Arc::new(Teardown::default());
     let signals = watch_signals(&teardown)?;
-    let result = run_replay(args, &trajectory, &extra, &teardown, signals);
+    let result = run_replay(args, &trajectory, &extra, budget, &teardown, signals);
     teardown.run();
     result
 }
@@ -252,6 +292,7 @@ fn run_replay(
     args: &ReplayArgs,
     trajectory: &Trajectory,
     extra: &[&str],
+    budget: Option<u64>,
     teardown: &Teardown,
     signals: SigSet,
 ) -> CliResult {
@@ -268,6 +309,15 @@ fn run_replay(
             .cgroups
             .extend((0..args.vms).map(|i| dir.join(format!("vm-{i}"))));
         state.cgroups.push(dir);
+    }
+    if let Some(budget) = budget {
+        // The VMs' parent, limited before any VM joins it; the teardown removes it.
+        MemoryCgroup::create_limited(&parent.join(&run), budget).map_err(|e| {
+            format!(
+                "--memory-budget: {}",
+                compressed_backing::store::error_chain(&e)
+            )
+        })?;
     }
     eprintln!(
         "pvisor replay: {} ({} steps, {:.3} s of model waits, time scale {}) in {} VM(s) of {}, \
@@ -318,8 +368,10 @@ fn run_replay(
         vms.push(identity);
     }
     let mut probes: Vec<Box<dyn Probe>> = Vec::new();
+    let mut vm_cgroups = Vec::new();
     for vm in &vms {
         let stats = call(vm, Method::Stats)?;
+        vm_cgroups.push(stats["cgroup_dir"].as_str().map(PathBuf::from));
         probes.push(Box::new(VmProbe {
             pid: vm.pid,
             ram: (
@@ -417,8 +469,23 @@ fn run_replay(
             }
         }
     }
+    // Which VMs the kernel's OOM killer killed, from their cgroups' counters (read before
+    // the cgroups go).
+    let oom_kills: Vec<u64> = vms
+        .iter()
+        .zip(&vm_cgroups)
+        .zip(&outcomes)
+        .map(|((vm, dir), outcome)| oom_kills_of(vm, dir.as_deref(), outcome.results.is_err()))
+        .collect();
     // The VMs and their cgroups go before the results are checked and printed.
     teardown.run();
+    let oom_killed: Vec<serde_json::Value> = vms
+        .iter()
+        .zip(&oom_kills)
+        .enumerate()
+        .filter(|(_, (_, &kills))| kills > 0)
+        .map(|(i, (vm, &kills))| serde_json::json!({"vm": i, "job": vm.job, "oom_kill": kills}))
+        .collect();
 
     // Every result against the trajectory: each answer's digest, each command's success, and
     // the same digests in every VM.
@@ -427,6 +494,17 @@ fn run_replay(
     let mut failures = Vec::new();
     let mut reference: Option<Vec<Option<String>>> = None;
     for (i, outcome) in outcomes.iter().enumerate() {
+        if oom_kills[i] > 0 {
+            // What the VM answered (a broken connection) says nothing more.
+            let budget = budget.map_or_else(String::new, |b| {
+                format!(": memory budget {} reached", runtime::size_text(b))
+            });
+            failures.push(format!(
+                "VM {i} ({}): killed by the kernel's OOM killer (oom_kill {}){budget}",
+                vms[i].job, oom_kills[i]
+            ));
+            continue;
+        }
         let results = match &outcome.results {
             Ok(results) => results,
             Err(e) => {
@@ -508,6 +586,9 @@ fn run_replay(
         "model_requests_served": server.served(),
         "sampling": integrity,
         "wait": wait,
+        "memory_budget_bytes": budget,
+        "oom_killed": oom_killed,
+        "oom_kills": oom_kills.iter().sum::<u64>(),
     });
     println!(
         "replay {}: {} VM(s), {}: window {:.2} s, guest PSS×time {:.4} GiB·s per task, cgroup \
