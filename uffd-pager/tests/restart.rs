@@ -248,6 +248,17 @@ impl Vmm {
         }
     }
 
+    /// The next reply; `None` if the VMM died first (a panic if none comes in time).
+    fn try_reply(&mut self) -> Option<String> {
+        match self.lines.recv_timeout(PATIENCE) {
+            Ok(line) => Some(line),
+            Err(RecvTimeoutError::Timeout) => {
+                panic!("no answer in {PATIENCE:?}: the guest froze")
+            }
+            Err(RecvTimeoutError::Disconnected) => None,
+        }
+    }
+
     /// Runs a command and expects `ok`.
     fn run(&mut self, command: &str) {
         self.send(command);
@@ -291,6 +302,21 @@ impl Drop for Vmm {
 /// Kills (`SIGKILL`) or upgrades (`SIGTERM`) the server while the child touches its whole
 /// region, starts a new one, and checks that the restore finishes with the image's bytes.
 fn restart_mid_restore(signal: nix::sys::signal::Signal) {
+    // A `kill -9` lands inside the read marker's window (a read of events not yet journaled)
+    // a few times in a thousand while four threads fault (docs/pager.md); the next server
+    // then rightly refuses the VM. That is a correct outcome but not the one this test is
+    // about: try again, a few times at most; wrong bytes fail at once whatever the attempt.
+    for _ in 0..3 {
+        if restart_mid_restore_once(signal) {
+            return;
+        }
+    }
+    panic!("three kills in a row landed inside the read marker's window");
+}
+
+/// One restore stopped by `signal` in its middle; false if the next server refused the VM
+/// because the kill landed inside the read marker's window.
+fn restart_mid_restore_once(signal: nix::sys::signal::Signal) -> bool {
     let mut rig = Rig::new();
     rig.start_server();
     let mut vmm = rig.vmm();
@@ -316,18 +342,23 @@ fn restart_mid_restore(signal: nix::sys::signal::Signal) {
         assert_eq!(status.signal(), Some(libc::SIGKILL));
     }
     rig.start_server();
-    assert_eq!(
-        vmm.reply("the rest of the restore"),
-        "ok",
-        "{}",
-        rig.server_log()
-    );
+    let Some(rest) = vmm.try_reply() else {
+        let log = rig.server_log();
+        assert!(
+            signal == nix::sys::signal::Signal::SIGKILL
+                && log.contains("died while reading its events"),
+            "the VMM died after the restart: {log}"
+        );
+        return false;
+    };
+    assert_eq!(rest, "ok", "{}", rig.server_log());
     assert!(
         rig.server_log().contains("took a VM over"),
         "{}",
         rig.server_log()
     );
     eprintln!("stopped at {at_stop} of {PAGES} pages");
+    true
 }
 
 #[test]
@@ -402,6 +433,11 @@ fn restart_kill_after_discard_serves_zeros_there() {
     // A balloon-style discard of touched pages and of pages never touched.
     vmm.run("discard 100 300");
     vmm.run(&format!("discard {} {}", half + 100, half + 400));
+    // A discard returns once the server has read its event, which is before the server has
+    // journaled it: a kill right now would land in the read marker's window, and the VM would
+    // be refused (rightly). A fault served after it (one fault thread) says the discards are in
+    // the journal.
+    vmm.run(&format!("touch {half} {} 1", half + 1));
     rig.stop_server(nix::sys::signal::Signal::SIGKILL);
     rig.start_server();
     vmm.run("zeros 100 300");
