@@ -209,10 +209,7 @@ impl Extra {
             let _ = daemon.wait();
         }
         if let Some(dir) = self.snapshot.take() {
-            // Sealed: the directory is read-only until told otherwise.
-            use std::os::unix::fs::PermissionsExt;
-            let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755));
-            let _ = std::fs::remove_dir_all(&dir);
+            vmm::snapshot::remove(&dir);
         }
     }
 }

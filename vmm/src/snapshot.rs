@@ -242,7 +242,7 @@ pub fn write(
         return Err(SnapshotError::Exists(out.to_path_buf()));
     }
     let partial = out.with_extension(format!("partial-{}", std::process::id()));
-    remove_partial(&partial);
+    remove(&partial);
     if let Some(parent) = partial.parent().filter(|p| !p.as_os_str().is_empty()) {
         safe_file::create_private_dir(parent).map_err(io("create", parent))?;
     }
@@ -272,15 +272,16 @@ pub fn write(
             elapsed_ms: started.elapsed().as_secs_f64() * 1e3,
         }),
         Err(e) => {
-            remove_partial(&partial);
+            remove(&partial);
             Err(e)
         }
     }
 }
 
-/// Removes a partial snapshot directory, best effort: sealed ones included (a sealed 0500
-/// directory's entries cannot be removed by a non-root owner until it is writable again).
-fn remove_partial(dir: &Path) {
+/// Removes a snapshot directory, partial or sealed, best effort (a sealed 0500 directory's
+/// entries cannot be removed by a non-root owner until it is its owner's alone again: 0700,
+/// never opened to others on the way).
+pub fn remove(dir: &Path) {
     unseal_dirs(dir);
     let _ = std::fs::remove_dir_all(dir);
 }
@@ -869,7 +870,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn remove_partial_sealed_tree_is_removed_by_its_non_root_owner() {
+    fn remove_sealed_tree_is_removed_by_its_non_root_owner() {
         use std::os::unix::ffi::OsStrExt;
         let root = tempfile::tempdir().expect("tempdir");
         let partial = root.path().join("snap.partial-1");
@@ -906,7 +907,7 @@ mod tests {
                 if libc::setgid(nobody) != 0 || libc::setuid(nobody) != 0 {
                     libc::_exit(2);
                 }
-                remove_partial(&partial);
+                remove(&partial);
                 libc::_exit(i32::from(partial.exists()));
             }
         }
