@@ -50,6 +50,24 @@ pub struct MachineConfig {
     pub restore: Option<Restore>,
 }
 
+impl MachineConfig {
+    /// A fresh boot of `memory` bytes of `ram_kind` RAM with its disk at `disk`, and the
+    /// defaults for the rest: one vCPU, one fault thread, the default block size, no write
+    /// tracking.
+    pub fn new(memory: u64, ram_kind: RamKind, disk: PathBuf) -> Self {
+        Self {
+            memory,
+            vcpus: 1,
+            ram_kind,
+            disk,
+            pager_threads: 1,
+            block_size: BlockSize::default(),
+            track_writes: false,
+            restore: None,
+        }
+    }
+}
+
 /// The vCPU's registers at a command boundary (the workload guest is built with general
 /// registers only, so these are all of its state).
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]

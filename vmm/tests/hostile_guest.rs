@@ -9,7 +9,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use compressed_backing::BlockSize;
 use uffd_pager::pager::RamKind;
 use vmm::gateway::Gateway;
 use vmm::guest::{self, FillKind};
@@ -34,16 +33,7 @@ const BLK_BUF: u64 = guest::BLK_GPA + 24;
 
 fn boot(dir: &std::path::Path, kind: RamKind) -> Machine {
     Machine::boot(
-        &MachineConfig {
-            memory: RAM,
-            vcpus: 1,
-            ram_kind: kind,
-            disk: dir.join("disk"),
-            pager_threads: 1,
-            block_size: BlockSize::default(),
-            track_writes: false,
-            restore: None,
-        },
+        &MachineConfig::new(RAM, kind, dir.join("disk")),
         Box::new(|e| panic!("fault error: {e}")),
     )
     .unwrap()

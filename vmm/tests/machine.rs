@@ -5,7 +5,6 @@
 
 use std::time::Instant;
 
-use compressed_backing::BlockSize;
 use uffd_pager::pager::RamKind;
 use vmm::guest::{self, FillKind};
 use vmm::machine::{Machine, MachineConfig};
@@ -17,16 +16,7 @@ fn skip() -> bool {
 
 fn boot(dir: &std::path::Path, memory: u64, kind: RamKind) -> Machine {
     Machine::boot(
-        &MachineConfig {
-            memory,
-            vcpus: 1,
-            ram_kind: kind,
-            disk: dir.join("disk"),
-            pager_threads: 1,
-            block_size: BlockSize::default(),
-            track_writes: false,
-            restore: None,
-        },
+        &MachineConfig::new(memory, kind, dir.join("disk")),
         Box::new(|e| panic!("fault error: {e}")),
     )
     .unwrap()
