@@ -21,6 +21,7 @@
 pub mod control;
 pub mod dedup;
 pub mod gateway;
+pub mod governor;
 pub mod guest;
 pub mod machine;
 pub mod memory;

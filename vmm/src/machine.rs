@@ -19,6 +19,8 @@ use uffd_pager::state::PageState;
 use vm_memory::{Bytes, GuestAddress};
 
 use crate::gateway::{Answer, ModelPort};
+use crate::governor::client::{GovernorLink, Order};
+use crate::governor::protocol::WireState;
 use crate::guest::{self, status, BlkRequest, BlockIo, Mailbox, Op, Refused};
 use crate::memory::{GuestRam, MemoryError};
 use crate::operator::{Operator, OperatorRequest};
@@ -486,6 +488,8 @@ pub struct Machine {
     wait_failures: (u64, u64),
     /// Operator requests during model waits (the control socket), if anyone sends them.
     operator: Option<Box<dyn Operator>>,
+    /// The link to the host's memory governor, if the VM joined one.
+    governor: Option<GovernorLink>,
     /// An operator stopped the VM during a model wait.
     stop_requested: bool,
     /// Ends the running command from another thread (`stop`, SIGTERM).
@@ -724,6 +728,7 @@ impl Machine {
             coordinator: None,
             wait_failures: (0, 0),
             operator: None,
+            governor: None,
             stop_requested: false,
             interrupter: Interrupter::default(),
             model_pending: None,
@@ -816,6 +821,22 @@ impl Machine {
         }
     }
 
+    /// Joins the host's memory governor through `link`: model waits report to it and carry
+    /// out its offload orders (see [`crate::governor`]).
+    pub fn set_governor(&mut self, link: GovernorLink) {
+        self.governor = Some(link);
+    }
+
+    /// The link to the memory governor, if the VM joined one.
+    pub fn governor(&self) -> Option<&GovernorLink> {
+        self.governor.as_ref()
+    }
+
+    /// Guest RAM resident now, bytes.
+    fn resident_bytes(&self) -> u64 {
+        self.pager.state_counts().resident * uffd_pager::addr::PAGE_SIZE
+    }
+
     /// Where operator requests come from while the VM waits for a model answer.
     pub fn set_operator(&mut self, operator: Box<dyn Operator>) {
         self.operator = Some(operator);
@@ -844,6 +865,13 @@ impl Machine {
         // SAFETY: malloc_trim only releases free memory of the allocator.
         unsafe { libc::malloc_trim(0) };
         result
+    }
+
+    /// Between commands, for the memory governor: offloads the VM's RAM to its wait
+    /// management's store (`None`: no wait management, so no store).
+    pub fn idle_offload(&self) -> Option<Result<OffloadReport, OffloadError>> {
+        let wait = self.wait.as_ref()?;
+        Some(self.offload(&wait.offload))
     }
 
     /// Where the guest's `model` requests go.
@@ -1197,10 +1225,22 @@ impl Machine {
         );
         // Back from a timer, the request keeps the start it had.
         let mut actions = coordinator.handle(now, WaitEvent::WaitStart { request, epoch: 0 });
+        if let Some(link) = &self.governor {
+            link.set_waiting(true);
+            link.report(
+                WireState::Waiting,
+                coordinator.expected_remaining(now.saturating_duration_since(began)),
+            );
+        }
+        // An offload the governor ordered is under way: its outcome goes back to it.
+        let mut reclaiming = false;
         let outcome = loop {
             for action in actions.drain(..) {
                 if let Some(took) = self.carry_out(action, wait, &mut w.offloaded) {
                     coordinator.offload_took(took);
+                }
+                if action == WaitAction::Offload {
+                    self.report_offload(&coordinator, &w, std::mem::take(&mut reclaiming));
                 }
             }
             if coordinator.phase() != Phase::Manual {
@@ -1262,8 +1302,24 @@ impl Machine {
                     actions.extend(more);
                 }
             }
+            if let Some(link) = &self.governor {
+                while let Some(Order::Offload { .. }) = link.take_order() {
+                    let ordered = coordinator.handle(Instant::now(), WaitEvent::Reclaim);
+                    if ordered.contains(&WaitAction::Offload) {
+                        reclaiming = true;
+                        actions.extend(ordered);
+                    } else {
+                        // Offloaded already, or an operator's: nothing to give.
+                        link.offloaded(false, self.resident_bytes());
+                    }
+                }
+            }
             actions.extend(coordinator.tick(Instant::now()));
         };
+        if let Some(link) = &self.governor {
+            link.set_waiting(false);
+            link.report(WireState::Running, None);
+        }
         // The guest runs on (after the answer, or its timer's work): its idleness is reported
         // anew next time.
         coordinator.handle(Instant::now(), WaitEvent::GuestBusy { epoch: 0 });
@@ -1397,6 +1453,23 @@ impl Machine {
                 self.stop_requested = true;
                 (Ok(serde_json::json!({ "stopped": true })), Vec::new())
             }
+        }
+    }
+
+    /// Tells the governor what an offload of wait `w` gave: the answer to its order if it
+    /// `ordered` it, and the VM's new state if the RAM went out.
+    fn report_offload(&self, coordinator: &WaitCoordinator, w: &ModelWait, ordered: bool) {
+        let Some(link) = &self.governor else {
+            return;
+        };
+        if ordered {
+            link.offloaded(w.offloaded, self.resident_bytes());
+        }
+        if w.offloaded {
+            link.report(
+                WireState::Offloaded,
+                coordinator.expected_remaining(w.began.elapsed()),
+            );
         }
     }
 

@@ -98,12 +98,24 @@ impl MemoryCgroup {
     /// This process's own memory cgroup's directory, and whether it is v2 (where the host
     /// has the v2 memory controller) or v1: where [`MemoryCgroup::join`] creates its names.
     pub fn own_base() -> Result<(PathBuf, bool), CgroupError> {
-        let own =
-            std::fs::read_to_string("/proc/self/cgroup").map_err(|source| CgroupError::Io {
-                op: "read",
-                path: "/proc/self/cgroup".into(),
-                source,
-            })?;
+        Self::base_of("self")
+    }
+
+    /// The memory cgroup process `pid` is in (e.g. a VM connected to the governor, found by
+    /// its peer credentials rather than by what it claims).
+    pub fn of_process(pid: u32) -> Result<Self, CgroupError> {
+        let (dir, v2) = Self::base_of(&pid.to_string())?;
+        Ok(Self { dir, v2 })
+    }
+
+    /// The memory cgroup directory of `/proc/PROC` and whether it is v2.
+    fn base_of(proc: &str) -> Result<(PathBuf, bool), CgroupError> {
+        let path = PathBuf::from(format!("/proc/{proc}/cgroup"));
+        let own = std::fs::read_to_string(&path).map_err(|source| CgroupError::Io {
+            op: "read",
+            path: path.clone(),
+            source,
+        })?;
         let v2_root = Path::new("/sys/fs/cgroup");
         let v2_has_memory = std::fs::read_to_string(v2_root.join("cgroup.controllers"))
             .map(|c| c.split_whitespace().any(|c| c == "memory"))
@@ -242,6 +254,20 @@ impl MemoryCgroup {
     /// The cgroup's directory.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// How often the cgroup's usage hit its limit: v1 `memory.failcnt`, v2 the `max` line of
+    /// `memory.events` (`None` where neither can be read).
+    pub fn failcnt(&self) -> Option<u64> {
+        if self.v2 {
+            let text = std::fs::read_to_string(self.dir.join("memory.events")).ok()?;
+            text.lines()
+                .find_map(|l| l.strip_prefix("max "))
+                .and_then(|n| n.trim().parse().ok())
+        } else {
+            let text = std::fs::read_to_string(self.dir.join("memory.failcnt")).ok()?;
+            text.trim().parse().ok()
+        }
     }
 
     /// Memory charged to the cgroup, bytes (page cache included).

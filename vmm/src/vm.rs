@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use compressed_backing::bulk::BulkOptions;
 use compressed_backing::fuse::{self, FuseOptions, MountedStore};
@@ -17,6 +17,8 @@ use uffd_pager::pager::RamKind;
 use uffd_pager::state::StateCounts;
 
 use crate::dedup::{Dedup, DedupError, DedupOptions, DedupStats};
+use crate::governor::client::{GovernorLink, LinkConfig, LinkStats, Order, ResidentControl};
+use crate::governor::protocol::WireState;
 use crate::machine::{CommandOutput, Machine, MachineConfig, MachineError};
 use crate::pool::{PoolLink, PoolLinkStats};
 use crate::script::Command;
@@ -68,6 +70,21 @@ pub struct VmOptions {
     /// Pause, and offload if the policy says so, while a model request is out.
     #[serde(default)]
     pub wait: Option<crate::wait::WaitPolicy>,
+    /// Join the host's memory governor (`pvisor serve --memory-governor`).
+    #[serde(default)]
+    pub governor: Option<GovernorOptions>,
+}
+
+/// How a VM joins the memory governor.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct GovernorOptions {
+    /// The governor's socket.
+    pub socket: PathBuf,
+    /// The name the VM has there (its job id).
+    pub name: String,
+    /// A fault held this long lifts the limit (milliseconds; the link's default if absent).
+    #[serde(default)]
+    pub hold_timeout_ms: Option<u64>,
 }
 
 impl VmOptions {
@@ -94,6 +111,7 @@ impl VmOptions {
             pool: None,
             model_upstream: None,
             wait: None,
+            governor: None,
         }
     }
 }
@@ -154,7 +172,30 @@ pub enum VmError {
     /// A snapshot could not be written, opened, or its private pages moved.
     #[error(transparent)]
     Snapshot(#[from] SnapshotError),
+    /// The link to the memory governor could not start.
+    #[error("cannot start the memory governor's link (--vm-governor)")]
+    Governor(#[source] std::io::Error),
 }
+
+/// The pager's resident limit as the governor's link drives it.
+struct PagerControl(uffd_pager::pager::ResidentHandle);
+
+impl ResidentControl for PagerControl {
+    fn set_limit(&self, limit: Option<u64>) {
+        self.0.set_resident_limit(limit);
+    }
+
+    fn resident_bytes(&self) -> u64 {
+        self.0.resident_bytes()
+    }
+
+    fn held_bytes(&self) -> u64 {
+        self.0.held_bytes()
+    }
+}
+
+/// How often a governed VM looks at the governor's orders between commands.
+const GOVERNOR_POLL: Duration = Duration::from_millis(50);
 
 /// How long a model request may take before the guest gets an error instead.
 pub const MODEL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
@@ -192,6 +233,10 @@ pub struct VmStats {
     /// What the memory pool did, with `--vm-memory-pool`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pool: Option<PoolLinkStats>,
+    /// The link to the memory governor, with `--vm-governor`: its counters and the resident
+    /// limit in force now.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub governor: Option<GovernorStats>,
     /// Bytes allocated on disk by the offload store.
     pub backing_disk_bytes: u64,
     /// Bytes allocated on disk by the virtual disk.
@@ -211,6 +256,18 @@ pub struct VmStats {
     pub pager: MetricsSnapshot,
     /// Faults that could not be served.
     pub fault_errors: u64,
+}
+
+/// A governed VM's side of the governor.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct GovernorStats {
+    /// The link's counters.
+    #[serde(flatten)]
+    pub link: LinkStats,
+    /// The resident limit in force (`None`: none).
+    pub resident_limit_bytes: Option<u64>,
+    /// What the faults held now would install.
+    pub held_bytes: u64,
 }
 
 /// What `suspend` did.
@@ -371,6 +428,23 @@ impl Vm {
                 io_threads: options.io_threads.max(1),
             });
         }
+        if let Some(governor) = &options.governor {
+            let mut config = LinkConfig::new(
+                governor.socket.clone(),
+                governor.name.clone(),
+                options.memory,
+            );
+            if let Some(ms) = governor.hold_timeout_ms {
+                config.hold_timeout = Duration::from_millis(ms);
+            }
+            let control = Arc::new(PagerControl(machine.pager().resident_handle()));
+            let link = GovernorLink::start(config, control).map_err(VmError::Governor)?;
+            let requester = link.requester();
+            machine
+                .pager()
+                .on_held(Box::new(move |bytes| requester.request(bytes)));
+            machine.set_governor(link);
+        }
         let dedup = options
             .dedup
             .as_ref()
@@ -442,10 +516,20 @@ impl Vm {
         if let Some(dedup) = &mut self.dedup {
             dedup.wrote();
         }
-        commands
+        if let Some(link) = self.machine.governor() {
+            link.set_waiting(false);
+            link.report(WireState::Running, None);
+        }
+        let results = commands
             .iter()
             .map(|c| self.machine.run(c).map_err(VmError::from))
-            .collect()
+            .collect();
+        if let Some(link) = self.machine.governor() {
+            // Between commands the governor may take the VM's RAM (see `background_tick`).
+            link.report(WireState::Idle, None);
+            link.set_waiting(true);
+        }
+        results
     }
 
     /// How long until the memory pool wants a tick (`None`: no pool, or it is gone).
@@ -457,10 +541,11 @@ impl Vm {
     /// the next command).
     pub fn background_wait(&self) -> Option<std::time::Duration> {
         let dedup = self.dedup.as_ref().and_then(Dedup::wait);
-        match (self.pool_wait(), dedup) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        let governor = self.machine.governor().map(|_| GOVERNOR_POLL);
+        [self.pool_wait(), dedup, governor]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// Between commands: the memory pool's tick when due, and KSM's return to its idle rate
@@ -471,6 +556,24 @@ impl Vm {
         }
         if let Some(dedup) = &mut self.dedup {
             dedup.govern();
+        }
+        self.governor_tick();
+    }
+
+    /// Between commands: the governor's offload orders. The VM stays `Running` (its vCPU runs
+    /// only inside a command); its next command faults back what it touches, through the
+    /// resident limit. A VM without wait management has no offload store and refuses.
+    fn governor_tick(&mut self) {
+        let Some(link) = self.machine.governor() else {
+            return;
+        };
+        while let Some(Order::Offload { .. }) = link.take_order() {
+            let ok = self.state == VmState::Running
+                && self.machine.idle_offload().is_some_and(|r| r.is_ok());
+            link.offloaded(ok, self.machine.pager().resident_handle().resident_bytes());
+            if ok {
+                link.report(WireState::Offloaded, None);
+            }
         }
     }
 
@@ -708,6 +811,11 @@ impl Vm {
             cold,
             dedup: self.dedup.as_ref().map(Dedup::stats),
             pool: self.pool.as_ref().map(PoolLink::stats),
+            governor: self.machine.governor().map(|link| GovernorStats {
+                link: link.stats(),
+                resident_limit_bytes: pager.resident_limit(),
+                held_bytes: pager.held_bytes(),
+            }),
             wait: self.machine.wait_stats(),
             state: self.state,
             memory_bytes: self.options.memory,

@@ -135,6 +135,11 @@ pub enum WaitEvent {
     ManualResume,
     /// Something else needs the VM running (a signal, a host request).
     External,
+    /// The host's memory governor needs this VM's memory back now (the budget binds): a VM
+    /// waiting with its guest idle offloads at once, the cooldown, the break-even and the
+    /// guest's timer budget overridden (the governor has weighed the cost). Anything else
+    /// (running, already offloaded, an operator's) is left as it is.
+    Reclaim,
 }
 
 /// What the VMM is to do, in order.
@@ -196,6 +201,8 @@ pub struct WaitStats {
     pub failed_offloads: u64,
     /// Loads after an offload that failed.
     pub failed_loads: u64,
+    /// Offloads the host's memory governor asked for (counted in `offloads` too).
+    pub reclaims: u64,
     /// Milliseconds the offloads took, in all.
     pub offload_ms: u64,
     /// What the next offload is expected to take (the moving average), milliseconds.
@@ -419,6 +426,22 @@ impl WaitCoordinator {
                 }
             }
             WaitEvent::External => self.resume(&mut out),
+            WaitEvent::Reclaim => {
+                let idle_wait = self.wait_began().is_some();
+                if idle_wait && matches!(self.phase, Phase::Running | Phase::Paused) {
+                    if self.phase == Phase::Running {
+                        out.push(Action::Pause);
+                        self.stats.pauses += 1;
+                    }
+                    out.push(Action::Offload);
+                    self.stats.offloads += 1;
+                    self.stats.reclaims += 1;
+                    self.phase = Phase::Offloaded;
+                    self.last_offload = Some(now);
+                    self.recheck = None;
+                }
+                return out;
+            }
         }
         out.extend(self.tick(now));
         out
@@ -910,6 +933,50 @@ mod tests {
         assert_eq!(p.offload_cooldown, Duration::from_millis(250));
         assert_eq!(p.min_timer_budget, Duration::from_millis(50));
         assert!(p.offload);
+    }
+
+    #[test]
+    fn wait_reclaim_offloads_a_waiting_vm_at_once_overriding_cooldown_and_gain() {
+        let base = Instant::now();
+        // A cooldown and a break-even that would forbid any offload here.
+        let policy = WaitPolicy {
+            offload_cooldown: Duration::from_secs(3600),
+            break_even: 1e9,
+            ..WaitPolicy::default()
+        };
+        let mut c = waiting_idle(base, policy, Some(100));
+        // 5 ms into the wait: not even paused yet, the guest's timer 95 ms away.
+        assert_eq!(
+            c.handle(at(base, 5), WaitEvent::Reclaim),
+            vec![Action::Pause, Action::Offload]
+        );
+        assert_eq!(c.phase(), Phase::Offloaded);
+        assert_eq!((c.stats().offloads, c.stats().reclaims), (1, 1));
+        // Already offloaded: a second ask changes nothing.
+        assert!(c.handle(at(base, 6), WaitEvent::Reclaim).is_empty());
+        // The answer brings it back as usual.
+        let done = c.handle(
+            at(base, 50),
+            WaitEvent::DataReady {
+                request: 7,
+                epoch: 1,
+            },
+        );
+        assert_eq!(done, vec![Action::Resume, Action::Deliver { request: 7 }]);
+        // Running a command (no wait): nothing to reclaim from wait management.
+        c.handle(at(base, 51), WaitEvent::GuestBusy { epoch: 1 });
+        assert!(c.handle(at(base, 52), WaitEvent::Reclaim).is_empty());
+        assert_eq!(c.stats().reclaims, 1);
+    }
+
+    #[test]
+    fn wait_reclaim_leaves_an_operator_s_suspended_vm_alone() {
+        let base = Instant::now();
+        let mut c = waiting_idle(base, WaitPolicy::default(), None);
+        c.handle(at(base, 1), WaitEvent::ManualSuspend);
+        assert!(c.handle(at(base, 2), WaitEvent::Reclaim).is_empty());
+        assert_eq!(c.phase(), Phase::Manual);
+        assert_eq!(c.stats().reclaims, 0);
     }
 
     #[test]

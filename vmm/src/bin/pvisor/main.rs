@@ -5,6 +5,7 @@ mod demo;
 mod options;
 mod replay;
 mod run;
+mod serve;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -105,26 +106,19 @@ enum Command {
         #[arg(long, value_name = "CODEC")]
         codec: Option<String>,
     },
-    /// Run the memory pool: pages that `pvisor run --vm-memory-pool SOCKET` VMs have in common
-    /// are kept once and shared read-only, copied on write (docs/sharing.md). Prints the
-    /// socket's path once it listens; runs until SIGINT or SIGTERM. The same daemon as
-    /// `uffd-pager serve --memory-pool`; run from pvisor's binary, its code pages are shared
-    /// with the VMs'.
-    Serve {
-        /// Serve the memory pool (the only service of `pvisor serve`).
-        #[arg(long, required = true)]
-        memory_pool: bool,
-        /// The Unix socket to listen on (a stale one is replaced; mode 0600 from its creation).
+    /// Run a host daemon until SIGINT or SIGTERM; prints the socket's path once it listens.
+    /// `--memory-pool`: pages that `pvisor run --vm-memory-pool SOCKET` VMs have in common
+    /// are kept once and shared read-only, copied on write (docs/sharing.md; the same daemon
+    /// as `uffd-pager serve --memory-pool`, whose code pages run from pvisor's binary are
+    /// shared with the VMs'). `--memory-governor --memory-budget SIZE`: `pvisor run
+    /// --vm-governor SOCKET` VMs are kept inside the budget together (docs/governor.md).
+    Serve(serve::ServeArgs),
+    /// Show the memory governor's status as JSON: budget, usage, each VM's state, resident
+    /// bytes and limit, and its decisions.
+    GovernorStatus {
+        /// The governor's socket.
         #[arg(long, value_name = "PATH")]
         socket: PathBuf,
-        /// Also let VMs running as this uid join (repeatable). VMs of the pool's own uid are
-        /// always let in, others are refused (`SO_PEERCRED`). The socket stays 0600: give the
-        /// uid access to it (chown, an ACL).
-        #[arg(long, value_name = "UID")]
-        allow_uid: Vec<u32>,
-        /// Also let VMs whose primary group is this gid join (repeatable).
-        #[arg(long, value_name = "GID")]
-        allow_gid: Vec<u32>,
     },
     /// Replay a recorded agent run (model waits and tool phases) in N VMs at once against a
     /// local model server that answers after the recorded waits; check every result and
@@ -160,20 +154,8 @@ fn main() -> ExitCode {
         } => client::suspend(&target, offload, ram_file.as_deref()),
         Command::Resume { target, eager, .. } => client::resume(&target, eager),
         Command::Snapshot { target, out, codec } => client::snapshot(&target, &out, codec),
-        Command::Serve {
-            socket,
-            allow_uid,
-            allow_gid,
-            ..
-        } => uffd_pager::pool::run_daemon_with(
-            &socket,
-            uffd_pager::socket::PeerPolicy {
-                uids: allow_uid,
-                gids: allow_gid,
-            },
-        )
-        .map(|_| ExitCode::SUCCESS)
-        .map_err(Into::into),
+        Command::Serve(args) => serve::serve(&args),
+        Command::GovernorStatus { socket } => serve::status(&socket),
         Command::Replay(args) => replay::replay(&args),
         Command::Demo(args) => demo::demo(&args),
     };

@@ -67,6 +67,16 @@ pub struct RunArgs {
     /// write makes a private copy). Anon RAM only; not with cold compression or offload.
     #[arg(long = "vm-memory-pool", value_name = "SOCKET")]
     pub memory_pool: Option<PathBuf>,
+    /// Join the host's memory governor at SOCKET (`pvisor serve --memory-governor`): the VM
+    /// reports its waits, holds a fault that would take it past the resident limit the
+    /// governor sets until room is made, and offloads when the governor needs its memory.
+    /// Without the governor (not started yet, or gone) the VM runs as if not given.
+    #[arg(long = "vm-governor", value_name = "SOCKET")]
+    pub governor: Option<PathBuf>,
+    /// A fault the governor holds longer than MS lifts the VM's resident limit, with a message
+    /// (120000).
+    #[arg(long = "vm-governor-hold-timeout-ms", value_name = "MS")]
+    pub governor_hold_timeout_ms: Option<u64>,
     /// Where the guest's `model REQUEST_ID` commands go: an upstream model endpoint,
     /// http://HOST:PORT[/PATH] (the gateway POSTs to PATH/requests/ID and hands the guest the
     /// response body; an error status reaches the guest as an error).
@@ -154,6 +164,8 @@ struct ConfigVm {
     ram_codec: Option<String>,
     restore: Option<PathBuf>,
     memory_pool: Option<PathBuf>,
+    governor: Option<PathBuf>,
+    governor_hold_timeout_ms: Option<u64>,
     model_upstream: Option<String>,
     wait_management: Option<bool>,
     wait_strategy: Option<String>,
@@ -191,6 +203,8 @@ pub struct Resolved {
     pub dedup: Option<vmm::dedup::DedupOptions>,
     pub restore: Option<PathBuf>,
     pub pool: Option<PathBuf>,
+    pub governor: Option<PathBuf>,
+    pub governor_hold_timeout_ms: Option<u64>,
     pub model_upstream: Option<String>,
     pub wait: Option<vmm::wait::WaitPolicy>,
 }
@@ -533,7 +547,31 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
         ));
     }
     let wait = wait_management.then(|| policy.scaled(wait_scale.unwrap_or(1.0)));
+    let governor = args
+        .governor
+        .clone()
+        .or(config.governor)
+        .map(std::path::absolute)
+        .transpose()
+        .map_err(|e| format!("--vm-governor: {e}"))?;
+    let governor_hold_timeout_ms = args
+        .governor_hold_timeout_ms
+        .or(config.governor_hold_timeout_ms);
+    if governor_hold_timeout_ms.is_some() && governor.is_none() {
+        return Err("--vm-governor-hold-timeout-ms needs --vm-governor".into());
+    }
+    if governor_hold_timeout_ms.is_some_and(|ms| ms == 0 || ms > 3_600_000) {
+        return Err("--vm-governor-hold-timeout-ms: 1 to 3600000 milliseconds".into());
+    }
+    if governor.is_some() && (pool.is_some() || restore.is_some()) {
+        return Err(
+            "--vm-governor limits RAM the pager serves: not with --vm-memory-pool or --restore"
+                .into(),
+        );
+    }
     Ok(Resolved {
+        governor,
+        governor_hold_timeout_ms,
         cold,
         dedup,
         restore,

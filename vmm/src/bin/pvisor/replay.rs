@@ -29,8 +29,10 @@ pub struct ReplayArgs {
     /// VMs replaying it at once.
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub vms: usize,
-    /// What is done while the agents wait: off, pause, offload, offload-compressed, or
-    /// cold-compression (no wait management; cold RAM compressed while the VM runs).
+    /// What is done while the agents wait: off, pause, offload, offload-compressed,
+    /// cold-compression (no wait management; cold RAM compressed while the VM runs), or
+    /// governed (offload, and a memory governor started for the replay keeps all the VMs
+    /// inside --memory-budget, which it needs).
     #[arg(long, default_value = "offload", value_name = "STRATEGY")]
     pub strategy: String,
     /// Guest RAM of each VM.
@@ -48,6 +50,10 @@ pub struct ReplayArgs {
     /// wait policy (`wait-cooldown-ms = 1000`); the strategy's flags win over it.
     #[arg(long, value_name = "FILE")]
     pub vm_config: Option<PathBuf>,
+    /// With --strategy governed: write the governor's log (every decision and its reason)
+    /// to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub governor_log: Option<PathBuf>,
     /// Sampling period of memory, milliseconds.
     #[arg(long, default_value_t = 100, value_name = "MS")]
     pub sample_ms: u64,
@@ -68,10 +74,11 @@ fn strategy_args(strategy: &str) -> Result<Vec<&'static str>, String> {
         "offload" => vec!["--vm-wait-management"],
         "offload-compressed" => vec!["--vm-wait-management", "--vm-ram-compression"],
         "cold-compression" => vec!["--vm-cold-ram-compression"],
+        "governed" => vec!["--vm-wait-management"],
         other => {
             return Err(format!(
-                "--strategy `{other}`: expected off, pause, offload, offload-compressed or \
-                 cold-compression"
+                "--strategy `{other}`: expected off, pause, offload, offload-compressed, \
+                 cold-compression or governed"
             ))
         }
     })
@@ -180,6 +187,8 @@ struct Started {
     /// The VMs' cgroup directories, then the replay's own (their parent): the paths they are
     /// given, whether or not a VM got as far as creating its own.
     cgroups: Vec<PathBuf>,
+    /// The memory governor of a `governed` replay.
+    governor: Option<std::process::Child>,
     /// Torn down: nothing more may start.
     done: bool,
 }
@@ -237,6 +246,19 @@ impl Teardown {
             }
             left = wait_gone(&left, TERM_GRACE);
         }
+        if let Some(mut governor) = state.governor.take() {
+            // After the VMs: none of them may be left waiting on it.
+            if let Ok(pid) = libc::pid_t::try_from(governor.id()) {
+                // SAFETY: kill(2) sends a signal to our own child; no memory is involved.
+                unsafe { libc::kill(pid, libc::SIGTERM) };
+            }
+            let deadline = Instant::now() + TERM_GRACE;
+            while governor.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = governor.kill();
+            let _ = governor.wait();
+        }
         for dir in &state.cgroups {
             // A cgroup whose last process has just left may be busy for a moment.
             for _ in 0..50 {
@@ -248,6 +270,66 @@ impl Teardown {
                 }
             }
         }
+    }
+}
+
+impl Teardown {
+    /// Starts the replay's memory governor (`pvisor serve --memory-governor`) over `budget`,
+    /// reading the replay's cgroup; returns its socket once it listens. The teardown stops it.
+    fn start_governor(
+        &self,
+        run: &str,
+        budget: u64,
+        parent: &std::path::Path,
+        signals: SigSet,
+        log: Option<&std::path::Path>,
+    ) -> Result<PathBuf, Box<dyn std::error::Error>> {
+        let socket = runtime::runtime_dir().join(format!("{run}-governor.sock"));
+        let mut command = Process::new(std::env::current_exe()?);
+        command
+            .args(["serve", "--memory-governor", "--memory-budget"])
+            .arg(budget.to_string())
+            .arg("--socket")
+            .arg(&socket);
+        if let Ok((base, _)) = MemoryCgroup::own_base() {
+            command
+                .arg("--budget-cgroup")
+                .arg(base.join(parent).join(run));
+        }
+        let stderr = match log {
+            Some(path) => Stdio::from(
+                std::fs::File::create(path)
+                    .map_err(|e| format!("--governor-log {}: {e}", path.display()))?,
+            ),
+            None => Stdio::null(),
+        };
+        command.stdout(Stdio::piped()).stderr(stderr);
+        // SAFETY: between fork and exec the child only changes its own signal mask
+        // (pthread_sigmask is async-signal-safe): it takes SIGTERM as its stop.
+        unsafe {
+            command.pre_exec(move || signals.thread_unblock().map_err(std::io::Error::from));
+        }
+        let mut state = self.lock();
+        if state.done {
+            return Err("the replay is stopping".into());
+        }
+        let mut child = command.spawn()?;
+        let stdout = child.stdout.take();
+        state.governor = Some(child);
+        drop(state);
+        // The governor prints its socket once it listens (or exits on a bad option).
+        let mut line = String::new();
+        if let Some(stdout) = stdout {
+            use std::io::BufRead;
+            let _ = std::io::BufReader::new(stdout).read_line(&mut line);
+        }
+        if line.trim().is_empty() {
+            return Err(
+                "the memory governor did not start (run with --governor-log FILE to see why)"
+                    .into(),
+            );
+        }
+        Ok(socket)
     }
 }
 
@@ -276,6 +358,9 @@ pub fn replay(args: &ReplayArgs) -> CliResult {
     let trajectory = Trajectory::load(&args.trajectory)?;
     let extra = strategy_args(&args.strategy)?;
     let (_, budget) = check_args(args)?;
+    if args.strategy == "governed" && budget.is_none() {
+        return Err("--strategy governed keeps the VMs inside --memory-budget: give one".into());
+    }
     if let Some(config) = &args.vm_config {
         // Read here too, so that a missing file is one error, not one per VM.
         std::fs::metadata(config).map_err(|e| format!("--vm-config {}: {e}", config.display()))?;
@@ -319,6 +404,16 @@ fn run_replay(
             )
         })?;
     }
+    let governor = match budget.filter(|_| args.strategy == "governed") {
+        Some(budget) => Some(teardown.start_governor(
+            &run,
+            budget,
+            &parent,
+            signals,
+            args.governor_log.as_deref(),
+        )?),
+        None => None,
+    };
     eprintln!(
         "pvisor replay: {} ({} steps, {:.3} s of model waits, time scale {}) in {} VM(s) of {}, \
          strategy {}",
@@ -340,6 +435,9 @@ fn run_replay(
         command.args(["run", "--detach", "--job", &job, "--memory", &args.memory]);
         command.args(["--vm-model-upstream", &url, "--cgroup", &cgroup]);
         command.args(extra);
+        if let Some(socket) = &governor {
+            command.arg("--vm-governor").arg(socket);
+        }
         if let Some(config) = &args.vm_config {
             command.arg("--config").arg(config);
         }
@@ -477,6 +575,11 @@ fn run_replay(
         .zip(&outcomes)
         .map(|((vm, dir), outcome)| oom_kills_of(vm, dir.as_deref(), outcome.results.is_err()))
         .collect();
+    // What the governor did, asked before it stops.
+    let governor_status = governor.as_deref().map(|socket| {
+        vmm::governor::server::query_status(socket, Duration::from_secs(5))
+            .unwrap_or_else(|e| serde_json::json!({ "error": e }))
+    });
     // The VMs and their cgroups go before the results are checked and printed.
     teardown.run();
     let oom_killed: Vec<serde_json::Value> = vms
@@ -589,6 +692,7 @@ fn run_replay(
         "memory_budget_bytes": budget,
         "oom_killed": oom_killed,
         "oom_kills": oom_kills.iter().sum::<u64>(),
+        "governor": governor_status,
     });
     println!(
         "replay {}: {} VM(s), {}: window {:.2} s, guest PSS×time {:.4} GiB·s per task, cgroup \
@@ -618,6 +722,14 @@ fn run_replay(
             n("skipped_for_gain"),
             n("failed_offloads"),
             n("failed_loads"),
+        );
+    }
+    if let Some(status) = &governor_status {
+        println!(
+            "  memory governor: {}",
+            status
+                .get("decisions")
+                .map_or_else(|| status.to_string(), ToString::to_string)
         );
     }
     for failure in summary["failures"].as_array().into_iter().flatten() {

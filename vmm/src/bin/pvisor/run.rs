@@ -74,6 +74,14 @@ pub fn run(args: RunArgs) -> CliResult {
             pool: resolved.pool.clone(),
             model_upstream: resolved.model_upstream.clone(),
             wait: resolved.wait,
+            governor: resolved
+                .governor
+                .clone()
+                .map(|socket| vmm::vm::GovernorOptions {
+                    socket,
+                    name: job.clone(),
+                    hold_timeout_ms: resolved.governor_hold_timeout_ms,
+                }),
         },
         temporary_disk: resolved.disk.is_none(),
         job,

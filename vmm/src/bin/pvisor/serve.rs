@@ -1,0 +1,149 @@
+//! `pvisor serve`: the host daemons, the memory pool or the memory governor.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Args;
+use uffd_pager::socket::PeerPolicy;
+use vmm::governor::{policy, server};
+
+use crate::CliResult;
+
+/// Options of `pvisor serve`.
+#[derive(Debug, Clone, Args)]
+#[command(group(clap::ArgGroup::new("service").required(true).args(["memory_pool", "memory_governor"])))]
+pub struct ServeArgs {
+    /// Serve the memory pool: pages that `pvisor run --vm-memory-pool SOCKET` VMs have in
+    /// common are kept once and shared read-only, copied on write (docs/sharing.md).
+    #[arg(long)]
+    pub memory_pool: bool,
+    /// Serve the memory governor: `pvisor run --vm-governor SOCKET` VMs are kept inside
+    /// --memory-budget together (docs/governor.md).
+    #[arg(long, requires = "memory_budget")]
+    pub memory_governor: bool,
+    /// The Unix socket to listen on (a stale one is replaced; mode 0600 from its creation).
+    #[arg(long, value_name = "PATH")]
+    pub socket: PathBuf,
+    /// Also let processes running as this uid in (repeatable). The daemon's own uid is always
+    /// let in, others are refused (`SO_PEERCRED`). The socket stays 0600: give the uid access
+    /// to it (chown, an ACL).
+    #[arg(long, value_name = "UID")]
+    pub allow_uid: Vec<u32>,
+    /// Also let processes whose primary group is this gid in (repeatable).
+    #[arg(long, value_name = "GID")]
+    pub allow_gid: Vec<u32>,
+    /// The governor: memory all its VMs may use together (e.g. 1GiB).
+    #[arg(long, value_name = "SIZE", requires = "memory_governor")]
+    pub memory_budget: Option<String>,
+    /// The governor: keep usage under this share of the budget (0.9).
+    #[arg(long, value_name = "SHARE", requires = "memory_governor")]
+    pub high_watermark: Option<f64>,
+    /// The governor: once over the high watermark, reclaim down to this share (0.8).
+    #[arg(long, value_name = "SHARE", requires = "memory_governor")]
+    pub low_watermark: Option<f64>,
+    /// The governor: the least a VM's limit grows by when its faults are held (16MiB).
+    #[arg(long, value_name = "SIZE", requires = "memory_governor")]
+    pub grant: Option<String>,
+    /// The governor: the resident limit a joining VM gets when it fits (64MiB).
+    #[arg(long, value_name = "SIZE", requires = "memory_governor")]
+    pub initial_limit: Option<String>,
+    /// The governor: what a VM costs besides its guest RAM until its cgroup is read (24MiB).
+    #[arg(long, value_name = "SIZE", requires = "memory_governor")]
+    pub default_overhead: Option<String>,
+    /// The governor: how often cgroups and pressure are read, milliseconds (100).
+    #[arg(long, value_name = "MS", requires = "memory_governor")]
+    pub tick_ms: Option<u64>,
+    /// The governor: a VM silent this long is counted at its last reading and never asked
+    /// to give memory back, milliseconds (3000).
+    #[arg(long, value_name = "MS", requires = "memory_governor")]
+    pub stale_ms: Option<u64>,
+    /// The governor: an offload order not answered in this time may go to another VM,
+    /// milliseconds (5000).
+    #[arg(long, value_name = "MS", requires = "memory_governor")]
+    pub order_timeout_ms: Option<u64>,
+    /// The governor: the cold age asked of running VMs' cold compression under pressure,
+    /// milliseconds (500).
+    #[arg(long, value_name = "MS", requires = "memory_governor")]
+    pub pressure_cold_age_ms: Option<u64>,
+    /// The governor: the memory cgroup all its VMs live under, if any: its usage is the
+    /// measured total and its failures count as pressure.
+    #[arg(long, value_name = "DIR", requires = "memory_governor")]
+    pub budget_cgroup: Option<PathBuf>,
+}
+
+fn size(flag: &str, text: Option<&str>, default: u64) -> Result<u64, String> {
+    match text {
+        None => Ok(default),
+        Some(text) => match compressed_backing::layout::parse_size(text) {
+            Ok(0) => Err(format!("{flag} {text}: must be more than 0")),
+            Ok(bytes) => Ok(bytes),
+            Err(e) => Err(format!("{flag} {text}: {e}")),
+        },
+    }
+}
+
+/// The governor's configuration from the flags (checked).
+pub fn governor_config(args: &ServeArgs) -> Result<server::ServerConfig, String> {
+    let budget = size("--memory-budget", args.memory_budget.as_deref(), 0)?;
+    let defaults = policy::Config::new(budget);
+    let ms = |value: Option<u64>, default: Duration| value.map_or(default, Duration::from_millis);
+    let config = policy::Config {
+        high_watermark: args.high_watermark.unwrap_or(defaults.high_watermark),
+        low_watermark: args.low_watermark.unwrap_or(defaults.low_watermark),
+        grant: size("--grant", args.grant.as_deref(), defaults.grant)?,
+        initial_limit: size(
+            "--initial-limit",
+            args.initial_limit.as_deref(),
+            defaults.initial_limit,
+        )?,
+        default_overhead: size(
+            "--default-overhead",
+            args.default_overhead.as_deref(),
+            defaults.default_overhead,
+        )?,
+        stale_after: ms(args.stale_ms, defaults.stale_after),
+        order_timeout: ms(args.order_timeout_ms, defaults.order_timeout),
+        pressure_cold_age: ms(args.pressure_cold_age_ms, defaults.pressure_cold_age),
+        ..defaults
+    };
+    config.check()?;
+    let tick = ms(args.tick_ms, Duration::from_millis(100));
+    Ok(server::ServerConfig {
+        policy: config,
+        tick,
+        budget_cgroup: args.budget_cgroup.clone(),
+        peers: PeerPolicy {
+            uids: args.allow_uid.clone(),
+            gids: args.allow_gid.clone(),
+        },
+    })
+}
+
+/// `pvisor serve`.
+pub fn serve(args: &ServeArgs) -> CliResult {
+    let peers = PeerPolicy {
+        uids: args.allow_uid.clone(),
+        gids: args.allow_gid.clone(),
+    };
+    if args.memory_pool {
+        uffd_pager::pool::run_daemon_with(&args.socket, peers)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let config = governor_config(args)?;
+    eprintln!(
+        "pvisor governor: budget {}, watermarks {:.0}%/{:.0}%",
+        vmm::runtime::size_text(config.policy.budget),
+        config.policy.high_watermark * 100.0,
+        config.policy.low_watermark * 100.0
+    );
+    server::run_daemon(&args.socket, config)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `pvisor governor-status`.
+pub fn status(socket: &std::path::Path) -> CliResult {
+    let status = server::query_status(socket, Duration::from_secs(5))?;
+    println!("{}", serde_json::to_string_pretty(&status)?);
+    Ok(ExitCode::SUCCESS)
+}

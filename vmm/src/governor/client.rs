@@ -1,0 +1,424 @@
+//! A VM's link to the memory governor (`pvisor run --vm-governor SOCKET`): a thread that joins
+//! the governor, reports the VM's state and readings, carries the governor's limits to the
+//! pager, and queues its offload orders for the VM's wait loop.
+//!
+//! Fail-safe: when the governor goes away (or never answers) the link lifts the resident
+//! limit, so nothing waits on a dead governor, and the VM goes on under its own wait policy;
+//! the link reconnects by itself and joins a restarted governor anew. A fault held longer
+//! than the hold timeout (the governor alive but unable to make room) lifts the limit too,
+//! with a message on stderr: running on past the budget beats hanging for ever.
+
+use std::collections::VecDeque;
+use std::io::{BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::protocol::{self, FromGovernor, LineError, LineReader, ToGovernor, WireState};
+
+/// What the link needs of the VM's pager.
+pub trait ResidentControl: Send + Sync {
+    /// Holds faults past `limit` resident bytes (`None`: no limit).
+    fn set_limit(&self, limit: Option<u64>);
+    /// Guest RAM resident now, bytes.
+    fn resident_bytes(&self) -> u64;
+    /// What the faults held now would install, bytes.
+    fn held_bytes(&self) -> u64;
+}
+
+/// How the link behaves.
+#[derive(Debug, Clone)]
+pub struct LinkConfig {
+    /// The governor's socket.
+    pub socket: PathBuf,
+    /// The VM's name (its job id).
+    pub name: String,
+    /// Its guest RAM.
+    pub memory: u64,
+    /// How often it sends a reading.
+    pub report_every: Duration,
+    /// How long it waits between connection attempts.
+    pub retry_every: Duration,
+    /// A fault held this long lifts the limit.
+    pub hold_timeout: Duration,
+}
+
+impl LinkConfig {
+    /// The defaults: a reading every 100 ms, a retry every second, a two-minute hold timeout.
+    pub fn new(socket: PathBuf, name: String, memory: u64) -> Self {
+        Self {
+            socket,
+            name,
+            memory,
+            report_every: Duration::from_millis(100),
+            retry_every: Duration::from_secs(1),
+            hold_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// An order of the governor for the VM's wait loop.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Order {
+    /// Offload now (answer with [`GovernorLink::offloaded`]).
+    Offload {
+        /// The governor's reason.
+        reason: String,
+    },
+}
+
+/// The link's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct LinkStats {
+    /// Connected (welcomed) now.
+    pub connected: bool,
+    /// Times it joined a governor.
+    pub joins: u64,
+    /// Times the connection was lost.
+    pub disconnects: u64,
+    /// Limits set by the governor.
+    pub limits: u64,
+    /// Offload orders received.
+    pub offload_orders: u64,
+    /// Offload orders it could not carry out (the VM was not waiting).
+    pub orders_refused: u64,
+    /// Requests for room it sent.
+    pub requests: u64,
+    /// Times a held fault outlasted the hold timeout and the limit was lifted.
+    pub hold_timeouts: u64,
+}
+
+struct Shared {
+    config: LinkConfig,
+    control: Arc<dyn ResidentControl>,
+    outbox: Mutex<VecDeque<ToGovernor>>,
+    orders: Mutex<VecDeque<Order>>,
+    /// The state last reported, sent again on each join.
+    state: Mutex<Option<ToGovernor>>,
+    /// The VM is in a managed model wait: an offload order can be carried out.
+    waiting: AtomicBool,
+    /// A request for room is out and not answered yet.
+    requested: AtomicBool,
+    stop: AtomicBool,
+    connected: AtomicBool,
+    counters: [AtomicU64; 7],
+}
+
+// Indices of `Shared::counters`.
+const JOINS: usize = 0;
+const DISCONNECTS: usize = 1;
+const LIMITS: usize = 2;
+const ORDERS: usize = 3;
+const REFUSED: usize = 4;
+const REQUESTS: usize = 5;
+const HOLD_TIMEOUTS: usize = 6;
+
+/// Asks the governor for room on the link's behalf (see [`GovernorLink::requester`]).
+#[derive(Clone)]
+#[allow(
+    missing_debug_implementations,
+    reason = "a handle with nothing to show"
+)]
+pub struct Requester(Weak<Shared>);
+
+impl Requester {
+    /// As [`GovernorLink::request`] (nothing once the link is gone). Weak: the pager holds
+    /// this, and the link holds the pager's handle.
+    pub fn request(&self, bytes: u64) {
+        if let Some(shared) = self.0.upgrade() {
+            shared.request(bytes);
+        }
+    }
+}
+
+/// The running link; dropping it disconnects (and lifts the limit).
+pub struct GovernorLink {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for GovernorLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GovernorLink")
+            .field("socket", &self.shared.config.socket)
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl GovernorLink {
+    /// Starts the link's thread (it connects in the background: a governor not there yet is
+    /// tried again every `retry_every`).
+    pub fn start(config: LinkConfig, control: Arc<dyn ResidentControl>) -> std::io::Result<Self> {
+        let shared = Arc::new(Shared {
+            config,
+            control,
+            outbox: Mutex::new(VecDeque::new()),
+            orders: Mutex::new(VecDeque::new()),
+            state: Mutex::new(None),
+            waiting: AtomicBool::new(false),
+            requested: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            connected: AtomicBool::new(false),
+            counters: Default::default(),
+        });
+        let thread = {
+            let shared = Arc::clone(&shared);
+            std::thread::Builder::new()
+                .name("governor-link".into())
+                .spawn(move || shared.run())?
+        };
+        Ok(Self {
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    /// What the pager's held-fault callback calls: [`GovernorLink::request`] from another
+    /// thread.
+    pub fn requester(&self) -> Requester {
+        Requester(Arc::downgrade(&self.shared))
+    }
+
+    /// Reports the VM's state (sent now, and again on each join).
+    pub fn report(&self, state: WireState, expected_remaining: Option<Duration>) {
+        let message = ToGovernor::State {
+            state,
+            expected_remaining_ms: expected_remaining
+                .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+        };
+        *lock(&self.shared.state) = Some(message.clone());
+        self.shared.send(message);
+    }
+
+    /// The VM's faults are held: asks for room (at most one request is out at a time; called
+    /// from the pager's fault thread, it never blocks).
+    pub fn request(&self, bytes: u64) {
+        self.shared.request(bytes);
+    }
+
+    /// What came of an offload order.
+    pub fn offloaded(&self, ok: bool, resident_bytes: u64) {
+        self.shared
+            .send(ToGovernor::Offloaded { ok, resident_bytes });
+    }
+
+    /// Whether the VM is in a managed model wait, where offload orders are carried out. Orders
+    /// still queued when the wait ends are answered as not carried out.
+    /// Orders left from an earlier wait are answered so at its start too.
+    pub fn set_waiting(&self, waiting: bool) {
+        let left: Vec<Order> = lock(&self.shared.orders).drain(..).collect();
+        for _ in left {
+            self.shared.refuse_order();
+        }
+        self.shared.waiting.store(waiting, Ordering::SeqCst);
+    }
+
+    /// The next order for the wait loop.
+    pub fn take_order(&self) -> Option<Order> {
+        lock(&self.shared.orders).pop_front()
+    }
+
+    /// The link's counters.
+    pub fn stats(&self) -> LinkStats {
+        let n = |i: usize| self.shared.counters[i].load(Ordering::Relaxed);
+        LinkStats {
+            connected: self.shared.connected.load(Ordering::Relaxed),
+            joins: n(JOINS),
+            disconnects: n(DISCONNECTS),
+            limits: n(LIMITS),
+            offload_orders: n(ORDERS),
+            orders_refused: n(REFUSED),
+            requests: n(REQUESTS),
+            hold_timeouts: n(HOLD_TIMEOUTS),
+        }
+    }
+}
+
+impl Drop for GovernorLink {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// How often the link's thread looks at its outbox and the stop flag while no line arrives.
+const SLICE: Duration = Duration::from_millis(20);
+
+impl Shared {
+    fn count(&self, i: usize) {
+        self.counters[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn send(&self, message: ToGovernor) {
+        lock(&self.outbox).push_back(message);
+    }
+
+    fn request(&self, bytes: u64) {
+        if self.connected.load(Ordering::SeqCst) && !self.requested.swap(true, Ordering::SeqCst) {
+            self.count(REQUESTS);
+            self.send(ToGovernor::Request { bytes });
+        }
+    }
+
+    fn refuse_order(&self) {
+        self.count(REFUSED);
+        self.send(ToGovernor::Offloaded {
+            ok: false,
+            resident_bytes: self.control.resident_bytes(),
+        });
+    }
+
+    fn sleep(&self, duration: Duration) {
+        let until = Instant::now() + duration;
+        while !self.stop.load(Ordering::SeqCst) && Instant::now() < until {
+            std::thread::sleep(SLICE.min(until.saturating_duration_since(Instant::now())));
+        }
+    }
+
+    fn run(&self) {
+        let mut warned = false;
+        while !self.stop.load(Ordering::SeqCst) {
+            match UnixStream::connect(&self.config.socket) {
+                Ok(stream) => {
+                    warned = false;
+                    let why = self.session(stream);
+                    // Fail-safe: nothing may stay held on a governor that is gone.
+                    self.control.set_limit(None);
+                    if self.connected.swap(false, Ordering::SeqCst) {
+                        self.count(DISCONNECTS);
+                        if !self.stop.load(Ordering::SeqCst) {
+                            eprintln!(
+                                "pvisor: {}: lost the memory governor ({why}); going on under \
+                                 the VM's own wait policy, rejoining when it is back",
+                                self.config.name
+                            );
+                        }
+                    }
+                }
+                Err(e) => {
+                    if !warned {
+                        warned = true;
+                        eprintln!(
+                            "pvisor: {}: no memory governor at {} ({e}); trying again every {:?}",
+                            self.config.name,
+                            self.config.socket.display(),
+                            self.config.retry_every
+                        );
+                    }
+                }
+            }
+            self.sleep(self.config.retry_every);
+        }
+    }
+
+    /// One connection; returns why it ended.
+    fn session(&self, stream: UnixStream) -> String {
+        let Ok(writer) = stream.try_clone() else {
+            return "cannot use the socket".into();
+        };
+        let _ = writer.set_write_timeout(Some(Duration::from_secs(2)));
+        let _ = stream.set_read_timeout(Some(SLICE));
+        let mut input = BufReader::new(stream);
+        let mut lines = LineReader::default();
+        let write = |message: &ToGovernor| (&writer).write_all(&protocol::line(message));
+        let hello = ToGovernor::Hello {
+            name: self.config.name.clone(),
+            memory_bytes: self.config.memory,
+            resident_bytes: self.control.resident_bytes(),
+        };
+        if let Err(e) = write(&hello) {
+            return format!("hello: {e}");
+        }
+        // What was queued for an earlier governor means nothing to this one; the state does.
+        lock(&self.outbox).clear();
+        self.requested.store(false, Ordering::SeqCst);
+        if let Some(state) = lock(&self.state).clone() {
+            self.send(state);
+        }
+        let mut next_reading = Instant::now();
+        let mut held_since: Option<Instant> = None;
+        loop {
+            if self.stop.load(Ordering::SeqCst) {
+                return "the VM is stopping".into();
+            }
+            let now = Instant::now();
+            if now >= next_reading {
+                next_reading = now + self.config.report_every;
+                self.send(ToGovernor::Reading {
+                    resident_bytes: self.control.resident_bytes(),
+                    held_bytes: self.control.held_bytes(),
+                });
+            }
+            let queued: Vec<ToGovernor> = lock(&self.outbox).drain(..).collect();
+            for message in &queued {
+                if let Err(e) = write(message) {
+                    return format!("write: {e}");
+                }
+            }
+            let held = self.control.held_bytes();
+            if held == 0 {
+                held_since = None;
+            } else if let Some(bytes) = Some(held).filter(|_| {
+                !self.requested.load(Ordering::SeqCst) && self.connected.load(Ordering::SeqCst)
+            }) {
+                // A hold the pager's callback did not report (or that outlived its answer).
+                self.request(bytes);
+            }
+            if held > 0 {
+                let since = *held_since.get_or_insert(now);
+                if now.duration_since(since) >= self.config.hold_timeout {
+                    self.count(HOLD_TIMEOUTS);
+                    eprintln!(
+                        "pvisor: {}: a fault held for {:?} without the governor making room; \
+                         lifting the limit (the VM may now exceed the memory budget)",
+                        self.config.name, self.config.hold_timeout
+                    );
+                    self.control.set_limit(None);
+                    held_since = None;
+                }
+            }
+            let message = match lines.next::<FromGovernor>(&mut input) {
+                Ok(message) => message,
+                Err(LineError::Timeout) => continue,
+                Err(e) => return e.to_string(),
+            };
+            match message {
+                FromGovernor::Welcome { .. } => {
+                    self.connected.store(true, Ordering::SeqCst);
+                    self.count(JOINS);
+                }
+                FromGovernor::SetLimit { bytes, .. } => {
+                    self.count(LIMITS);
+                    self.control.set_limit(Some(bytes));
+                    self.requested.store(false, Ordering::SeqCst);
+                }
+                FromGovernor::Unlimit { .. } => {
+                    self.count(LIMITS);
+                    self.control.set_limit(None);
+                    self.requested.store(false, Ordering::SeqCst);
+                }
+                FromGovernor::Offload { reason } => {
+                    self.count(ORDERS);
+                    if self.waiting.load(Ordering::SeqCst) {
+                        lock(&self.orders).push_back(Order::Offload { reason });
+                    } else {
+                        self.refuse_order();
+                    }
+                }
+                // Cold compression runs with its own age; the order is advice it cannot take.
+                FromGovernor::ColdCompress { .. } | FromGovernor::Status(_) => {}
+                FromGovernor::Error { message } => return format!("refused: {message}"),
+            }
+        }
+    }
+}
