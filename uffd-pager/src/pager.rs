@@ -1051,9 +1051,8 @@ impl Shared {
             Err(UffdError::Retry { .. }) => return Ok(None),
             Err(e) => return Err(e),
         };
-        for p in pages {
-            self.states.transition(p, state, PageState::Resident);
-        }
+        self.states
+            .transition_range(pages, state, PageState::Resident);
         let m = &self.metrics;
         let (pages_counter, faults_counter) = match data {
             None => (&m.zero_pages, &m.faults_zero),
