@@ -708,6 +708,8 @@ struct Pending {
     since: Instant,
     /// Pages it was held for at the resident limit when last tried (0: not held).
     held: u64,
+    /// It was held at least once (counted in `faults_held`).
+    ever_held: bool,
 }
 
 /// Outcome of one resolution attempt.
@@ -786,6 +788,7 @@ impl Shared {
                                 minor,
                                 since: Instant::now(),
                                 held: 0,
+                                ever_held: false,
                             });
                         }
                         Event::Remove { start, end } | Event::Unmap { start, end } => {
@@ -840,8 +843,11 @@ impl Shared {
                     Ok(Attempt::Held { pages }) => {
                         if fault.held == 0 {
                             newly_held = true;
-                            self.metrics.faults_held.fetch_add(1, Ordering::Relaxed);
                             self.metrics.held_now.fetch_add(1, Ordering::Relaxed);
+                        }
+                        if !fault.ever_held {
+                            fault.ever_held = true;
+                            self.metrics.faults_held.fetch_add(1, Ordering::Relaxed);
                         }
                         self.limit.held_changed(fault.held, pages);
                         fault.held = pages;
@@ -872,7 +878,8 @@ impl Shared {
             if only_held || retry.iter().any(|f| f.held > 0) {
                 let shortfall = self.limit.shortfall(self.states.resident());
                 report_due |= newly_held || shortfall != reported_shortfall;
-                if report_due && self.limit.report(shortfall) {
+                // No shortfall: room was made since the pass; the faults go through next time.
+                if report_due && shortfall > 0 && self.limit.report(shortfall) {
                     reported_shortfall = shortfall;
                     report_due = false;
                 }

@@ -376,3 +376,47 @@ fn limit_holds_an_eager_load_until_raised() {
     assert_eq!(vm.digest(), digest);
     assert_eq!(vm.counts().resident, (8 * MIB) as u64 / PAGE_SIZE);
 }
+
+/// CPU time (ns) of every fault thread of this process, by thread id.
+fn fault_threads_cpu() -> std::collections::HashMap<String, u64> {
+    let mut cpu = std::collections::HashMap::new();
+    for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        let dir = task.path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        if !comm.starts_with("uffd-fault") {
+            continue;
+        }
+        // schedstat: time on CPU (ns), time waiting, slices.
+        if let Ok(stat) = std::fs::read_to_string(dir.join("schedstat")) {
+            let ns = stat.split_whitespace().next().unwrap().parse().unwrap();
+            cpu.insert(task.file_name().to_string_lossy().into_owned(), ns);
+        }
+    }
+    cpu
+}
+
+#[test]
+fn limit_held_fault_keeps_its_thread_polling_not_spinning() {
+    if skip() {
+        return;
+    }
+    let (vm, toucher) = held_at_the_fifth_block();
+    let window = Duration::from_millis(500);
+    let before = fault_threads_cpu();
+    std::thread::sleep(window);
+    let after = fault_threads_cpu();
+    // Every fault thread of the process (other tests' too, which serve few faults): a spinning
+    // thread would use the whole window.
+    let used: u64 = after
+        .iter()
+        .filter_map(|(tid, ns)| before.get(tid).map(|b| ns - b))
+        .sum();
+    eprintln!(
+        "fault threads used {:.2} ms of CPU in {window:?} with one fault held",
+        used as f64 / 1e6
+    );
+    assert!(Duration::from_nanos(used) < window / 10, "{used} ns");
+    assert!(toucher.try_recv().is_err());
+    vm.pager.set_resident_limit(None);
+    released(&toucher);
+}
