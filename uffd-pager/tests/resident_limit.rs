@@ -6,6 +6,8 @@
 // Test code: a failed setup step should stop the test on the spot.
 #![allow(clippy::unwrap_used)]
 
+use std::fs::File;
+use std::os::fd::FromRawFd;
 use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -43,12 +45,48 @@ struct Vm {
 
 impl Vm {
     fn new(len: usize) -> Self {
-        let map = Mapping::anon(len);
+        Self::serve(Mapping::anon(len), None, PagerConfig::default())
+    }
+
+    /// Memfd RAM whose discards the pager is not told about (no `REMOVE` events): a page
+    /// discarded with `MADV_DONTNEED` stays in the page cache and its next touch is a MINOR
+    /// fault.
+    fn memfd_without_remove_events(len: usize) -> Self {
+        // SAFETY: creating and sizing our own memfd, mapping it shared, all checked; the
+        // mapping is handed to `Mapping`, which alone unmaps it.
+        let (map, memfd) = unsafe {
+            let fd = libc::memfd_create(c"guest-ram".as_ptr(), libc::MFD_CLOEXEC);
+            assert!(fd >= 0);
+            let memfd = File::from_raw_fd(fd);
+            memfd.set_len(len as u64).unwrap();
+            let ptr = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            );
+            assert_ne!(ptr, libc::MAP_FAILED);
+            (Mapping::from_raw(ptr.cast(), len), memfd)
+        };
+        let config = PagerConfig {
+            remove_events: false,
+            ..PagerConfig::default()
+        };
+        Self::serve(map, Some(Arc::new(memfd)), config)
+    }
+
+    fn serve(map: Mapping, memfd: Option<Arc<File>>, config: PagerConfig) -> Self {
         let spec = RegionSpec {
-            kind: RamKind::Anon,
-            range: HostRange::new(HostAddr::from_ptr(map.as_ptr()), len as u64).unwrap(),
+            kind: if memfd.is_some() {
+                RamKind::Memfd
+            } else {
+                RamKind::Anon
+            },
+            range: HostRange::new(HostAddr::from_ptr(map.as_ptr()), map.len() as u64).unwrap(),
             image_offset: 0,
-            memfd: None,
+            memfd,
             memfd_offset: 0,
             view: Some(HostAddr::from_ptr(map.as_ptr())),
         };
@@ -56,7 +94,7 @@ impl Vm {
         let pager = unsafe {
             Pager::new(
                 vec![spec],
-                PagerConfig::default(),
+                config,
                 None,
                 Box::new(|e| panic!("fault error: {e}")),
             )
@@ -282,6 +320,34 @@ fn limit_without_one_nothing_is_held() {
     let m = vm.pager.metrics().snapshot();
     assert_eq!((m.faults_held, m.held_now), (0, 0));
     assert!(vm.reports().is_empty());
+}
+
+#[test]
+fn limit_minor_fault_of_a_page_in_memory_is_never_held() {
+    if skip() {
+        return;
+    }
+    let vm = Vm::memfd_without_remove_events(4 * MIB);
+    vm.pager
+        .set_resident_limit(Some(4 * BLOCK_PAGES * PAGE_SIZE));
+    for block in 0..4 {
+        assert_eq!(vm.touch(block * BLOCK), 0);
+    }
+    // The mapping goes, the page cache stays: the pager still counts the block resident.
+    vm.discard(0, BLOCK);
+    assert_eq!(vm.counts().resident, 4 * BLOCK_PAGES);
+    let toucher = vm.touch_in_thread(3 * PAGE_SIZE as usize);
+    released(&toucher);
+    let m = vm.pager.metrics().snapshot();
+    assert!(m.faults_minor >= 1, "{m:?}");
+    assert_eq!(m.faults_held, 0, "{m:?}");
+    // A page not in memory is still held.
+    let past = vm.touch_in_thread(4 * BLOCK);
+    std::thread::sleep(HELD_FOR);
+    assert!(past.try_recv().is_err());
+    assert_eq!(vm.pager.held_faults(), 1);
+    vm.pager.set_resident_limit(None);
+    released(&past);
 }
 
 /// A VM of 8 MiB written and offloaded, then lazily loaded under a 1 MiB limit: the prefetcher
