@@ -7,7 +7,6 @@
 #![allow(clippy::unwrap_used)]
 
 use std::fs::File;
-use std::os::fd::FromRawFd;
 use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -52,24 +51,19 @@ impl Vm {
     /// discarded with `MADV_DONTNEED` stays in the page cache and its next touch is a MINOR
     /// fault.
     fn memfd_without_remove_events(len: usize) -> Self {
-        // SAFETY: creating and sizing our own memfd, mapping it shared, all checked; the
-        // mapping is handed to `Mapping`, which alone unmaps it.
-        let (map, memfd) = unsafe {
-            let fd = libc::memfd_create(c"guest-ram".as_ptr(), libc::MFD_CLOEXEC);
-            assert!(fd >= 0);
-            let memfd = File::from_raw_fd(fd);
-            memfd.set_len(len as u64).unwrap();
-            let ptr = libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd,
-                0,
-            );
-            assert_ne!(ptr, libc::MAP_FAILED);
-            (Mapping::from_raw(ptr.cast(), len), memfd)
-        };
+        use nix::sys::memfd::{memfd_create, MFdFlags};
+        use nix::sys::mman::{mmap, MapFlags, ProtFlags};
+        let memfd = File::from(memfd_create(c"guest-ram", MFdFlags::MFD_CLOEXEC).unwrap());
+        memfd.set_len(len as u64).unwrap();
+        let size = std::num::NonZeroUsize::new(len).unwrap();
+        let shared_rw = (
+            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+            MapFlags::MAP_SHARED,
+        );
+        // SAFETY: a fresh shared mapping of our own memfd, which nothing else maps.
+        let ptr = unsafe { mmap(None, size, shared_rw.0, shared_rw.1, &memfd, 0) }.unwrap();
+        // SAFETY: `ptr` starts a live mapping of `len` bytes, handed to `Mapping` alone.
+        let map = unsafe { Mapping::from_raw(ptr.as_ptr().cast(), len) };
         let config = PagerConfig {
             remove_events: false,
             ..PagerConfig::default()
