@@ -268,6 +268,51 @@ fn limit_raised_serves_the_held_fault_at_once() {
 }
 
 #[test]
+fn limit_raised_by_one_block_serves_one_of_two_held_faults() {
+    if skip() {
+        return;
+    }
+    let config = PagerConfig {
+        threads: 2,
+        ..PagerConfig::default()
+    };
+    let vm = Vm::serve(Mapping::anon(4 * MIB), None, config);
+    vm.pager
+        .set_resident_limit(Some(4 * BLOCK_PAGES * PAGE_SIZE));
+    for block in 0..4 {
+        vm.touch(block * BLOCK);
+    }
+    let touchers = [vm.touch_in_thread(4 * BLOCK), vm.touch_in_thread(5 * BLOCK)];
+    std::thread::sleep(HELD_FOR);
+    assert_eq!(vm.pager.held_faults(), 2);
+    assert_eq!(vm.pager.held_bytes(), 2 * BLOCK as u64);
+    // The last report asks for both blocks (the first may have come before the second fault).
+    assert_eq!(vm.reports().last(), Some(&(2 * BLOCK as u64)));
+
+    vm.pager
+        .set_resident_limit(Some(5 * BLOCK_PAGES * PAGE_SIZE));
+    let deadline = Instant::now() + RELEASED_WITHIN;
+    let first = loop {
+        if let Some(i) = touchers.iter().position(|t| t.try_recv().is_ok()) {
+            break i;
+        }
+        assert!(Instant::now() < deadline, "neither held fault was served");
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    let other = &touchers[1 - first];
+    std::thread::sleep(HELD_FOR);
+    assert!(other.try_recv().is_err(), "both were served past the limit");
+    assert_eq!(vm.pager.held_faults(), 1);
+    assert_eq!(vm.counts().resident, 5 * BLOCK_PAGES);
+
+    vm.pager
+        .set_resident_limit(Some(6 * BLOCK_PAGES * PAGE_SIZE));
+    released(other);
+    assert_eq!(vm.counts().resident, 6 * BLOCK_PAGES);
+    assert_eq!(vm.pager.metrics().snapshot().faults_held, 2);
+}
+
+#[test]
 fn limit_removed_serves_the_held_fault_and_every_later_one() {
     if skip() {
         return;
