@@ -8,6 +8,7 @@
 //! - [`pager`]: [`Pager`](pager::Pager): regions, fault threads, fault resolution.
 //! - [`cold`]: live cold-RAM compression into the memory pool.
 //! - [`journal`]: a VM's page-state table in a memfd, to outlive a server restart.
+//! - [`limit`]: the resident limit, at which faults and loads are held.
 //! - [`load`]: bringing offloaded RAM back, lazily with prefetch or eagerly.
 //! - [`offload`]: offload of a paused VM's RAM to a store.
 //! - [`pagemap`]: which pages were written (`PAGEMAP_SCAN`).
@@ -19,6 +20,7 @@
 pub mod addr;
 pub mod cold;
 pub mod journal;
+pub mod limit;
 pub mod load;
 pub mod metrics;
 pub mod offload;

@@ -3,6 +3,13 @@
 //! pause while faults are pending), `eager` (everything installed in parallel before
 //! returning) or `faults` (faults only: what the VM does not touch stays in the store). The order of blocks faulted during a resume is recorded and saved with the
 //! next offload, so the next lazy load prefetches that working set first (REAP-style).
+//!
+//! Loads obey the resident limit ([`crate::limit`]): while one is set, every run of pages is
+//! installed only if it fits under the limit, else the load waits for room in steps of
+//! [`LIMIT_WAIT`] (until the limit is raised or removed, or pages are discarded or offloaded).
+//! The prefetcher also waits while faults are held, so that room goes to them first, and stops
+//! waiting as soon as it is stopped or the pager is dropped. An eager load waits the same way
+//! (until the owner of the memory exits): under a limit that nobody raises it does not return.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -16,6 +23,8 @@ use crate::state::PageState;
 const MIN_CHUNK_BYTES: u64 = 64 << 10;
 /// Largest prefetch chunk (CRIU caps at 4 MiB).
 const MAX_CHUNK_BYTES: u64 = 4 << 20;
+/// How long a load waiting for room under the resident limit sleeps before it looks again.
+pub const LIMIT_WAIT: Duration = Duration::from_millis(1);
 
 /// How to bring offloaded RAM back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -96,8 +105,14 @@ impl Shared {
             .collect()
     }
 
-    /// Installs every `Stored` page of `block`; returns the pages filled.
-    pub(crate) fn fill_block(&self, block: u64, buf: &mut [u8]) -> Result<u64, LoadError> {
+    /// Installs every `Stored` page of `block`, waiting for room under the resident limit
+    /// unless `stop` says to give up; returns the pages filled.
+    pub(crate) fn fill_block(
+        &self,
+        block: u64,
+        buf: &mut [u8],
+        stop: &dyn Fn() -> bool,
+    ) -> Result<u64, LoadError> {
         let per_block = self.block_size.pages() as u64;
         let first = block * per_block;
         let block_pages = first..(first + per_block).min(self.states.len());
@@ -141,6 +156,15 @@ impl Shared {
                         // A fault thread installed it between the two reads.
                         continue;
                     }
+                    let Some(_room) = self.limit.reserve(self.states.resident(), page - start)
+                    else {
+                        drop(_read);
+                        if stop() {
+                            return Ok(filled);
+                        }
+                        std::thread::sleep(LIMIT_WAIT);
+                        continue 'retry;
+                    };
                     match self
                         .install_run(region, start..page, PageState::Stored, data, None)
                         .map_err(|source| LoadError::Install { block, source })?
@@ -246,7 +270,9 @@ fn eager(shared: &Shared, blocks: &[u64], threads: usize) -> Result<u64, LoadErr
                         let Some(&block) = blocks.get(i) else {
                             return Ok(filled);
                         };
-                        filled += shared.fill_block(block, &mut buf)?;
+                        filled += shared.fill_block(block, &mut buf, &|| {
+                            shared.owner_gone.load(Ordering::Relaxed)
+                        })?;
                     }
                 })
             })
@@ -261,6 +287,20 @@ fn eager(shared: &Shared, blocks: &[u64], threads: usize) -> Result<u64, LoadErr
         total += result?;
     }
     Ok(total)
+}
+
+/// Lets pending faults go first: sleeps [`LIMIT_WAIT`] while faults are held at the resident
+/// limit (the room is theirs), yields while others are pending; false if none are.
+fn yield_to_faults(shared: &Shared) -> bool {
+    if shared.metrics.held_now.load(Ordering::Relaxed) > 0 {
+        std::thread::sleep(LIMIT_WAIT);
+        true
+    } else if shared.faults_in_flight.load(Ordering::Relaxed) > 0 {
+        std::thread::yield_now();
+        true
+    } else {
+        false
+    }
 }
 
 /// The prefetcher. The recorded working set (`order[..hot]`) goes first, installed by
@@ -285,7 +325,10 @@ fn prefetch(shared: &Shared, order: &[u64], hot: usize, threads: usize) {
     let mut buf = vec![0u8; shared.block_size.bytes()];
     let mut skipped: Vec<std::ops::Range<usize>> = Vec::new();
     let mut faults = shared.faults_seen.load(Ordering::Relaxed);
-    let fill = |i: usize, buf: &mut [u8]| match shared.fill_block(order[i], buf) {
+    let stop = || {
+        shared.prefetch_stop.load(Ordering::Relaxed) || shared.owner_gone.load(Ordering::Relaxed)
+    };
+    let fill = |i: usize, buf: &mut [u8]| match shared.fill_block(order[i], buf, &stop) {
         Ok(0) => {}
         Ok(pages) => {
             shared
@@ -309,8 +352,7 @@ fn prefetch(shared: &Shared, order: &[u64], hot: usize, threads: usize) {
                     if shared.prefetch_stop.load(Ordering::Relaxed) {
                         return;
                     }
-                    if shared.faults_in_flight.load(Ordering::Relaxed) > 0 {
-                        std::thread::yield_now();
+                    if yield_to_faults(shared) {
                         continue;
                     }
                     let i = next.fetch_add(1, Ordering::Relaxed);
@@ -327,8 +369,7 @@ fn prefetch(shared: &Shared, order: &[u64], hot: usize, threads: usize) {
         if shared.prefetch_stop.load(Ordering::Relaxed) {
             return;
         }
-        if shared.faults_in_flight.load(Ordering::Relaxed) > 0 {
-            std::thread::yield_now();
+        if yield_to_faults(shared) {
             continue;
         }
         let now = shared.faults_seen.load(Ordering::Relaxed);

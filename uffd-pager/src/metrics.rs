@@ -193,6 +193,10 @@ counters! {
         pages_offloaded,
         /// Pages dropped from memory after a durable offload.
         pages_dropped,
+        /// Faults held at the resident limit at least once (see [`crate::limit`]).
+        faults_held,
+        /// Faults held at the resident limit right now (a gauge, not a counter).
+        held_now,
         /// Events ignored: kinds the pager never enables (`REMAP`, `FORK`, unknown), and
         /// faults or discards outside every region (reported to the error handler).
         events_ignored,

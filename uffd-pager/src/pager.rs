@@ -26,6 +26,7 @@ use parking_lot::{Mutex, RwLock};
 use crate::addr::{HostAddr, HostRange, PAGE_SIZE};
 use crate::cold::{Cold, ColdConfig, ColdError, ColdStats};
 use crate::journal::Journal;
+use crate::limit::{HeldHandler, Reservation, ResidentLimit};
 use crate::metrics::Metrics;
 use crate::source::{Content, PageSource, SourceError, StoreSource};
 use crate::state::{PageState, PageStates, StateCounts};
@@ -158,7 +159,7 @@ pub enum PagerError {
     /// A thread could not be started.
     #[error("cannot start a pager thread")]
     Thread(#[source] std::io::Error),
-    /// The stop eventfd could not be created.
+    /// The eventfd that stops and wakes the fault threads could not be created.
     #[error("cannot create an eventfd")]
     EventFd(#[source] std::io::Error),
 }
@@ -270,6 +271,13 @@ pub(crate) struct Shared {
     pub owner_gone: AtomicBool,
     /// Asks the prefetcher to stop.
     pub prefetch_stop: AtomicBool,
+    /// The resident limit, and what is held at it.
+    pub limit: ResidentLimit,
+    /// Signalled to stop the fault threads (with `stopping` set) or to wake them (a raised
+    /// limit or a discard may let held faults through).
+    signal: OwnedFd,
+    /// The pager is being dropped: the fault threads return.
+    stopping: AtomicBool,
     /// Cold compression, once started.
     pub cold: OnceLock<Cold>,
     pub on_error: ErrorHandler,
@@ -324,7 +332,6 @@ impl WorkingSet {
 pub struct Pager {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
-    stop: OwnedFd,
     prefetcher: Mutex<Option<JoinHandle<()>>>,
     cold_scanner: Mutex<Option<JoinHandle<()>>>,
 }
@@ -437,6 +444,13 @@ impl Pager {
             }
         }
         let blocks = config.block_size.blocks_for(image_size);
+        // SAFETY: eventfd with valid flags; the result is checked.
+        let signal = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if signal < 0 {
+            return Err(PagerError::EventFd(std::io::Error::last_os_error()));
+        }
+        // SAFETY: a fresh descriptor owned by nobody else.
+        let signal = unsafe { OwnedFd::from_raw_fd(signal) };
         let shared = Arc::new(Shared {
             uffd,
             remove_events,
@@ -464,31 +478,25 @@ impl Pager {
             working_set: WorkingSet::new(blocks),
             owner_gone: AtomicBool::new(false),
             prefetch_stop: AtomicBool::new(false),
+            limit: ResidentLimit::new(),
+            signal,
+            stopping: AtomicBool::new(false),
             cold: OnceLock::new(),
             on_error,
             journal,
         });
-        // SAFETY: eventfd with valid flags; the result is checked.
-        let stop = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if stop < 0 {
-            return Err(PagerError::EventFd(std::io::Error::last_os_error()));
-        }
-        // SAFETY: a fresh descriptor owned by nobody else.
-        let stop = unsafe { OwnedFd::from_raw_fd(stop) };
         let mut threads = Vec::new();
         for index in 0..config.threads.max(1) {
             let shared = Arc::clone(&shared);
-            let stop_fd = stop.as_raw_fd();
             let thread = std::thread::Builder::new()
                 .name(format!("uffd-fault-{index}"))
-                .spawn(move || shared.serve(stop_fd))
+                .spawn(move || shared.serve())
                 .map_err(PagerError::Thread)?;
             threads.push(thread);
         }
         Ok(Self {
             shared,
             threads,
-            stop,
             prefetcher: Mutex::new(None),
             cold_scanner: Mutex::new(None),
         })
@@ -580,8 +588,43 @@ impl Pager {
     /// Tells the pager that the VMM discarded `range` itself without a `REMOVE` event (for
     /// userfaultfds without that feature): its pages read as zeros from now on.
     pub fn discarded(&self, range: HostRange) {
-        let _write = self.shared.layout.write();
-        self.shared.apply_remove(range.start(), range.end());
+        {
+            let _write = self.shared.layout.write();
+            self.shared.apply_remove(range.start(), range.end());
+        }
+        self.shared.wake_held();
+    }
+
+    /// Sets (`Some(bytes)`) or removes (`None`, the default) the resident limit: while it is
+    /// set, a fault or load that would map pages past it waits until there is room (see
+    /// [`crate::limit`]). Held faults are retried at once when the limit is raised or removed.
+    pub fn set_resident_limit(&self, limit: Option<u64>) {
+        self.shared.limit.set(limit);
+        self.shared.wake_held();
+    }
+
+    /// The resident limit in bytes, if one is set.
+    pub fn resident_limit(&self) -> Option<u64> {
+        self.shared.limit.get()
+    }
+
+    /// Faults held at the resident limit right now (a count of faults, not of pages).
+    pub fn held_faults(&self) -> u64 {
+        self.shared.metrics.held_now.load(Ordering::Relaxed)
+    }
+
+    /// Bytes the faults held right now would install (whole block spans).
+    pub fn held_bytes(&self) -> u64 {
+        self.shared.limit.held_pages() * PAGE_SIZE
+    }
+
+    /// Sets the callback a fault thread calls when faults are held at the resident limit,
+    /// with the bytes by which the limit falls short of serving every held fault: when a fault
+    /// first becomes held and whenever that figure changes while faults stay held, at most
+    /// once per 10 ms. It runs on a fault thread: it must return quickly and must not call
+    /// `on_held` itself.
+    pub fn on_held(&self, handler: HeldHandler) {
+        self.shared.limit.on_held(handler);
     }
 }
 
@@ -595,15 +638,8 @@ impl Drop for Pager {
             scanner.thread().unpark();
             let _ = scanner.join();
         }
-        let one: u64 = 1;
-        // SAFETY: writing 8 bytes from a valid u64 to our own eventfd.
-        unsafe {
-            libc::write(
-                self.stop.as_raw_fd(),
-                (&one as *const u64).cast(),
-                std::mem::size_of::<u64>(),
-            )
-        };
+        self.shared.stopping.store(true, Ordering::Relaxed);
+        self.shared.signal();
         for thread in self.threads.drain(..) {
             let _ = thread.join();
         }
@@ -670,6 +706,10 @@ struct Pending {
     addr: HostAddr,
     minor: bool,
     since: Instant,
+    /// Pages it was held for at the resident limit when last tried (0: not held).
+    held: u64,
+    /// It was held at least once (counted in `faults_held`).
+    ever_held: bool,
 }
 
 /// Outcome of one resolution attempt.
@@ -677,24 +717,44 @@ enum Attempt {
     Resolved,
     /// EAGAIN: read events, then try again.
     Retry,
+    /// Installing would cross the resident limit: try again when there is room.
+    Held {
+        /// The pages it would install.
+        pages: u64,
+    },
 }
+
+/// How long a fault thread with only held faults waits for an event before it looks again
+/// (a raised limit or a discard wakes it at once; an offload that frees room does not).
+const HELD_POLL_MS: i32 = 5;
 
 impl Shared {
     /// A fault thread: poll, read events, resolve, until `stop_fd` is signalled.
-    fn serve(&self, stop_fd: i32) {
+    fn serve(&self) {
         let mut events = Vec::with_capacity(64);
         let mut pending: Vec<Pending> = Vec::new();
         let mut buf = vec![0u8; self.block_size.bytes()];
         let mut repeat = (HostAddr(0), 0u32);
+        // Held faults: the shortfall last reported, and whether a report is due.
+        let mut reported_shortfall = 0;
+        let mut report_due = false;
+        let mut only_held = false;
         loop {
-            let timeout = if pending.is_empty() { -1 } else { 1 };
+            let timeout = match (pending.is_empty(), only_held) {
+                (true, _) => -1,
+                (false, true) => HELD_POLL_MS,
+                (false, false) => 1,
+            };
             // A poll that fails cannot recover: stop this thread.
-            let (ready, stop) = self
+            let (ready, signalled) = self
                 .uffd
-                .poll(Some(stop_fd), timeout)
+                .poll(Some(self.signal.as_raw_fd()), timeout)
                 .unwrap_or((false, true));
-            if stop || self.owner_gone.load(Ordering::Relaxed) {
+            if self.stopping.load(Ordering::Relaxed) || self.owner_gone.load(Ordering::Relaxed) {
                 return;
+            }
+            if signalled {
+                self.drain_signal();
             }
             if ready || !pending.is_empty() {
                 let _write = self.layout.write();
@@ -727,6 +787,8 @@ impl Shared {
                                 addr,
                                 minor,
                                 since: Instant::now(),
+                                held: 0,
+                                ever_held: false,
                             });
                         }
                         Event::Remove { start, end } | Event::Unmap { start, end } => {
@@ -752,7 +814,8 @@ impl Shared {
                 }
             }
             let mut retry = Vec::new();
-            for fault in pending.drain(..) {
+            let mut newly_held = false;
+            for mut fault in pending.drain(..) {
                 // A page that keeps faulting although resident has lost its data.
                 if repeat.0 == fault.addr.page_down() {
                     repeat.1 += 1;
@@ -764,12 +827,32 @@ impl Shared {
                 } else {
                     self.resolve(fault.addr, fault.minor, fault.since, &mut buf)
                 };
+                if !matches!(result, Ok(Attempt::Held { .. })) && fault.held > 0 {
+                    self.metrics.held_now.fetch_sub(1, Ordering::Relaxed);
+                    self.limit.held_changed(fault.held, 0);
+                    fault.held = 0;
+                }
                 match result {
                     Ok(Attempt::Resolved) => {
                         self.faults_in_flight.fetch_sub(1, Ordering::Relaxed);
                     }
                     Ok(Attempt::Retry) => {
                         self.metrics.eagain_retries.fetch_add(1, Ordering::Relaxed);
+                        retry.push(fault);
+                    }
+                    Ok(Attempt::Held { pages }) => {
+                        if fault.held == 0 {
+                            newly_held = true;
+                            self.metrics.held_now.fetch_add(1, Ordering::Relaxed);
+                        }
+                        if !fault.ever_held {
+                            fault.ever_held = true;
+                            self.metrics.faults_held.fetch_add(1, Ordering::Relaxed);
+                        }
+                        self.limit.held_changed(fault.held, pages);
+                        fault.held = pages;
+                        // A held fault is no repeat: the page is not resident.
+                        repeat = (HostAddr(0), 0);
                         retry.push(fault);
                     }
                     Err(FaultError::Install {
@@ -791,8 +874,55 @@ impl Shared {
                     }
                 }
             }
+            only_held = !retry.is_empty() && retry.iter().all(|f| f.held > 0);
+            if only_held || retry.iter().any(|f| f.held > 0) {
+                let shortfall = self.limit.shortfall(self.states.resident());
+                report_due |= newly_held || shortfall != reported_shortfall;
+                // No shortfall: room was made since the pass; the faults go through next time.
+                if report_due && shortfall > 0 && self.limit.report(shortfall) {
+                    reported_shortfall = shortfall;
+                    report_due = false;
+                }
+            } else {
+                reported_shortfall = 0;
+                report_due = false;
+            }
             pending = retry;
         }
+    }
+
+    /// Wakes the fault threads (they return if `stopping` is set, else retry held faults).
+    fn signal(&self) {
+        let one: u64 = 1;
+        // SAFETY: writing 8 bytes from a valid u64 to our own eventfd.
+        unsafe {
+            libc::write(
+                self.signal.as_raw_fd(),
+                (&one as *const u64).cast(),
+                std::mem::size_of::<u64>(),
+            )
+        };
+    }
+
+    /// Wakes the fault threads if faults are held (room may have been made for them).
+    pub(crate) fn wake_held(&self) {
+        if self.metrics.held_now.load(Ordering::Relaxed) > 0 {
+            self.signal();
+        }
+    }
+
+    /// Resets the signal after a wake (another fault thread may have reset it first).
+    fn drain_signal(&self) {
+        let mut count: u64 = 0;
+        // SAFETY: reading 8 bytes into a valid u64 from our own non-blocking eventfd; EAGAIN
+        // (already drained) is fine.
+        unsafe {
+            libc::read(
+                self.signal.as_raw_fd(),
+                (&mut count as *mut u64).cast(),
+                std::mem::size_of::<u64>(),
+            )
+        };
     }
 
     /// Marks pages of `[start, end)` as discarded: they read as zeros from now on, except
@@ -868,6 +998,17 @@ impl Shared {
         }
         loop {
             let state = self.states.get(page);
+            // Room under the resident limit for what this fault would install, reserved
+            // until the install is done (always there without a limit).
+            let room = if state.is_resident() {
+                None
+            } else {
+                match self.admit(region, page, state) {
+                    Ok(room) => Some(room),
+                    Err(pages) => return Ok(Attempt::Held { pages }),
+                }
+            };
+            let max_pages = room.as_ref().map_or(u64::MAX, Reservation::max_pages);
             match state {
                 PageState::Resident | PageState::Dropping => {
                     let one = HostRange::new(region.addr_of(page), PAGE_SIZE).expect("one page");
@@ -882,7 +1023,7 @@ impl Shared {
                         continue;
                     }
                     return self
-                        .install(region, page, state, None, since)
+                        .install(region, page, state, None, since, max_pages)
                         .map_err(install);
                 }
                 PageState::Pooled => {
@@ -911,7 +1052,7 @@ impl Shared {
                     let data =
                         (kind != compressed_backing::BlockKind::Zero).then(|| (first, &buf[..len]));
                     let attempt = self
-                        .install(region, page, state, data, since)
+                        .install(region, page, state, data, since, max_pages)
                         .map_err(install)?;
                     if matches!(attempt, Attempt::Resolved) && !self.states.any(span, state) {
                         let _ = cold.pool.remove(block);
@@ -953,7 +1094,7 @@ impl Shared {
                     // offload right after sees it.
                     self.working_set.record(block);
                     return self
-                        .install(region, page, state, data, since)
+                        .install(region, page, state, data, since, max_pages)
                         .map_err(install);
                 }
             }
@@ -995,9 +1136,34 @@ impl Shared {
         Ok(Attempt::Resolved)
     }
 
-    /// Installs the block span of `page` if all its pages are in `state`, else the page alone:
-    /// from `data` (first image page of the buffer, bytes) or as zero pages. Marks what it
-    /// installed resident. Called under the read lock.
+    /// Reserves room under the resident limit for what a fault on `page` (in `state`, not
+    /// resident) installs: its block span if all of the span is in `state`, else the page
+    /// alone; if the span does not fit, the page alone. Without a limit, one relaxed load and
+    /// an empty reservation. `Err(pages)`: no room for it, which would install `pages`.
+    fn admit(&self, region: &Region, page: u64, state: PageState) -> Result<Reservation<'_>, u64> {
+        if !self.limit.is_set() {
+            return Ok(Reservation::unlimited());
+        }
+        let span = self.block_span(region, page);
+        let wanted = if self.states.all(span.clone(), state) {
+            span.end - span.start
+        } else {
+            1
+        };
+        let resident = self.states.resident();
+        self.limit
+            .reserve(resident, wanted)
+            .or_else(|| {
+                (wanted > 1)
+                    .then(|| self.limit.reserve(resident, 1))
+                    .flatten()
+            })
+            .ok_or(wanted)
+    }
+
+    /// Installs the block span of `page` if all its pages are in `state` and it has at most
+    /// `max_pages` pages, else the page alone: from `data` (first image page of the buffer,
+    /// bytes) or as zero pages. Marks what it installed resident. Called under the read lock.
     fn install(
         &self,
         region: &Region,
@@ -1005,9 +1171,10 @@ impl Shared {
         state: PageState,
         data: Option<(u64, &[u8])>,
         since: Instant,
+        max_pages: u64,
     ) -> Result<Attempt, UffdError> {
         let span = self.block_span(region, page);
-        let pages = if self.states.all(span.clone(), state) {
+        let pages = if span.end - span.start <= max_pages && self.states.all(span.clone(), state) {
             span
         } else {
             page..page + 1
@@ -1051,9 +1218,8 @@ impl Shared {
             Err(UffdError::Retry { .. }) => return Ok(None),
             Err(e) => return Err(e),
         };
-        for p in pages {
-            self.states.transition(p, state, PageState::Resident);
-        }
+        self.states
+            .transition_range(pages, state, PageState::Resident);
         let m = &self.metrics;
         let (pages_counter, faults_counter) = match data {
             None => (&m.zero_pages, &m.faults_zero),
