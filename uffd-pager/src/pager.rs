@@ -628,6 +628,45 @@ impl Pager {
     }
 }
 
+impl Pager {
+    /// A handle on the resident limit that another thread keeps (a governor's link): it
+    /// sets the limit and reads what is resident and held, like the pager's own methods.
+    pub fn resident_handle(&self) -> ResidentHandle {
+        ResidentHandle(Arc::clone(&self.shared))
+    }
+}
+
+/// See [`Pager::resident_handle`]. It keeps the pager's shared state alive, not its fault
+/// threads: once the pager is dropped, a limit set through it holds nothing.
+#[derive(Clone)]
+pub struct ResidentHandle(Arc<Shared>);
+
+impl std::fmt::Debug for ResidentHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResidentHandle")
+            .field("limit", &self.0.limit.get())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ResidentHandle {
+    /// As [`Pager::set_resident_limit`].
+    pub fn set_resident_limit(&self, limit: Option<u64>) {
+        self.0.limit.set(limit);
+        self.0.wake_held();
+    }
+
+    /// Guest RAM resident now, bytes (O(1)).
+    pub fn resident_bytes(&self) -> u64 {
+        self.0.states.resident() * PAGE_SIZE
+    }
+
+    /// As [`Pager::held_bytes`].
+    pub fn held_bytes(&self) -> u64 {
+        self.0.limit.held_pages() * PAGE_SIZE
+    }
+}
+
 impl Drop for Pager {
     fn drop(&mut self) {
         self.stop_prefetch();

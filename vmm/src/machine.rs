@@ -467,6 +467,9 @@ pub struct ChaosReport {
 /// A running VM. Fields drop in order: the vCPU and VM before the pager, the pager before
 /// the RAM it serves.
 pub struct Machine {
+    /// The link to the host's memory governor, if the VM joined one: it goes first, its
+    /// thread holds a handle on the pager's limit.
+    governor: Option<GovernorLink>,
     vcpu: VcpuFd,
     _idle_vcpus: Vec<VcpuFd>,
     _vm: VmFd,
@@ -488,8 +491,6 @@ pub struct Machine {
     wait_failures: (u64, u64),
     /// Operator requests during model waits (the control socket), if anyone sends them.
     operator: Option<Box<dyn Operator>>,
-    /// The link to the host's memory governor, if the VM joined one.
-    governor: Option<GovernorLink>,
     /// An operator stopped the VM during a model wait.
     stop_requested: bool,
     /// Ends the running command from another thread (`stop`, SIGTERM).

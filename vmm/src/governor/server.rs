@@ -193,8 +193,8 @@ impl GovernorServer {
             Ok(peer) => peer,
             Err(e) => {
                 inner.refused.fetch_add(1, Ordering::Relaxed);
+                // Closed without a word: another user learns nothing from the governor.
                 eprintln!("pvisor governor: refused a connection: {e}");
-                refuse(&stream, &e.to_string());
                 return;
             }
         };

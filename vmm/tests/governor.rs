@@ -1,0 +1,250 @@
+//! The memory governor (`pvisor serve --memory-governor`): a daemon that starts, answers its
+//! status and stops cleanly; refuses what a hostile peer sends; and keeps governed VMs inside a
+//! budget that kills unmanaged ones.
+
+// Test code: a failed setup step should stop the test on the spot.
+#![allow(clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn skip() -> bool {
+    testkit::skip_unless(&["/dev/kvm", "/dev/userfaultfd"])
+}
+
+fn pvisor(runtime: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_pvisor"))
+        .args(args)
+        .env("PVISOR_RUNTIME_DIR", runtime)
+        .output()
+        .unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// A governor daemon, stopped with SIGTERM on drop.
+struct Daemon {
+    child: Child,
+    socket: PathBuf,
+}
+
+impl Daemon {
+    fn start(dir: &Path, args: &[&str]) -> Self {
+        let socket = dir.join("governor.sock");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_pvisor"))
+            .args(["serve", "--memory-governor", "--socket"])
+            .arg(&socket)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line.trim(), socket.to_str().unwrap());
+        Self { child, socket }
+    }
+
+    fn status(&self) -> serde_json::Value {
+        let out = Command::new(env!("CARGO_BIN_EXE_pvisor"))
+            .args(["governor-status", "--socket"])
+            .arg(&self.socket)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
+    /// SIGTERM; returns its exit status and its log.
+    fn stop(mut self) -> (std::process::ExitStatus, String) {
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(self.child.id().cast_signed(), libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the governor did not stop on SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut log = String::new();
+        self.child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut log)
+            .unwrap();
+        (status, log)
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn governor_daemon_answers_its_status_and_stops_cleanly_on_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(dir.path(), &["--memory-budget", "384MiB"]);
+    assert_eq!(testkit::mode(&daemon.socket), 0o600);
+    let status = daemon.status();
+    assert_eq!(status["budget"], 384 << 20, "{status}");
+    assert_eq!(status["connections"], 0, "{status}");
+    let socket = daemon.socket.clone();
+    let (exit, log) = daemon.stop();
+    assert!(exit.success(), "{exit:?}: {log}");
+    assert!(log.contains("stopped"), "{log}");
+    assert!(!socket.exists(), "the socket outlived the daemon");
+}
+
+#[test]
+fn governor_serve_needs_exactly_one_service_and_a_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("s.sock");
+    let socket = socket.to_str().unwrap();
+    for (args, expected) in [
+        (vec!["serve", "--socket", socket], "--memory-pool"),
+        (
+            vec![
+                "serve",
+                "--memory-pool",
+                "--memory-governor",
+                "--socket",
+                socket,
+            ],
+            "cannot be used with",
+        ),
+        (
+            vec!["serve", "--memory-governor", "--socket", socket],
+            "--memory-budget",
+        ),
+        (
+            vec![
+                "serve",
+                "--memory-governor",
+                "--memory-budget",
+                "0",
+                "--socket",
+                socket,
+            ],
+            "must be more than 0",
+        ),
+        (
+            vec![
+                "serve",
+                "--memory-governor",
+                "--memory-budget",
+                "1GiB",
+                "--high-watermark",
+                "0.5",
+                "--low-watermark",
+                "0.7",
+                "--socket",
+                socket,
+            ],
+            "watermark",
+        ),
+        (
+            vec![
+                "serve",
+                "--memory-pool",
+                "--memory-budget",
+                "1GiB",
+                "--socket",
+                socket,
+            ],
+            "--memory-governor",
+        ),
+    ] {
+        let out = pvisor(dir.path(), &args);
+        let stderr = text(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
+    assert!(!dir.path().join("s.sock").exists());
+}
+
+/// Sends `bytes` on a new connection and returns what the governor answered before closing.
+fn exchange(socket: &Path, bytes: &[u8]) -> String {
+    let mut stream = UnixStream::connect(socket).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(15)))
+        .unwrap();
+    // A peer that is refused may see its write fail: the answer is what counts.
+    let _ = stream.write_all(bytes);
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    answer
+}
+
+#[test]
+fn governor_hostile_peers_are_dropped_and_it_keeps_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(dir.path(), &["--memory-budget", "1GiB"]);
+    let hello = |name: &str| {
+        format!(r#"{{"hello":{{"name":"{name}","memory_bytes":1,"resident_bytes":0}}}}"#)
+    };
+    let cases: Vec<(Vec<u8>, &str)> = vec![
+        (b"not json\n".to_vec(), "before its hello"),
+        (b"{\"request\":{\"bytes\":5}}\n".to_vec(), "not hello"),
+        (vec![b'x'; 2 << 20], "longer than"),
+        (format!("{}\n", hello("a b")).into_bytes(), "a VM name"),
+        (
+            format!("{}\n", hello(&"n".repeat(500))).into_bytes(),
+            "a VM name",
+        ),
+        (
+            format!("{}\n{}\n", hello("twice"), hello("twice")).into_bytes(),
+            "welcome",
+        ),
+    ];
+    for (bytes, expected) in &cases {
+        let answer = exchange(&daemon.socket, bytes);
+        assert!(answer.contains(expected), "{expected}: {answer}");
+    }
+    // A connection that says nothing is dropped after the hello deadline, not kept for ever;
+    // meanwhile the status is answered.
+    let silent = UnixStream::connect(&daemon.socket).unwrap();
+    let status = daemon.status();
+    assert_eq!(status["protocol_errors"], 6, "{status}");
+    assert_eq!(status["connections"], 0, "{status}");
+    silent
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let started = Instant::now();
+    let mut answer = String::new();
+    let _ = (&silent).read_to_string(&mut answer);
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "a silent peer was kept {:?}",
+        started.elapsed()
+    );
+    assert!(answer.contains("before its hello"), "{answer}");
+    let (exit, log) = daemon.stop();
+    assert!(exit.success(), "{log}");
+}
+
+#[test]
+fn governor_refuses_another_user() {
+    let dir = testkit::open_tempdir();
+    let daemon = Daemon::start(dir.path(), &["--memory-budget", "1GiB"]);
+    // The socket is 0600 in a 0700 directory; opened up, SO_PEERCRED still keeps nobody out.
+    testkit::open_to_everyone(&daemon.socket);
+    assert!(testkit::closed_for_nobody(&daemon.socket, 10));
+    let status = daemon.status();
+    assert_eq!(status["refused_connections"], 1, "{status}");
+}
