@@ -248,3 +248,114 @@ fn governor_refuses_another_user() {
     let status = daemon.status();
     assert_eq!(status["refused_connections"], 1, "{status}");
 }
+
+/// A cgroup parent of this test's own, removed on drop (with what is left under it).
+struct CgroupParent {
+    name: String,
+    dir: PathBuf,
+}
+
+impl CgroupParent {
+    fn new(tag: &str) -> Self {
+        let (base, _) = vmm::stats::MemoryCgroup::own_base().unwrap();
+        let name = format!("test-{tag}-{}", std::process::id());
+        let dir = base.join(&name);
+        Self { name, dir }
+    }
+}
+
+impl Drop for CgroupParent {
+    fn drop(&mut self) {
+        let mut left: Vec<PathBuf> = Vec::new();
+        let mut todo = vec![self.dir.clone()];
+        while let Some(dir) = todo.pop() {
+            for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+                if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                    left.push(entry.path());
+                    todo.push(entry.path());
+                }
+            }
+        }
+        left.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+        for dir in left {
+            let _ = std::fs::remove_dir(dir);
+        }
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// 8 VMs that each fill 64 MiB, wait for the model, read it all back, wait, and rewrite half
+/// of it: unmanaged, their peak (about 8 × 66 MiB) is far over a 384 MiB budget.
+const EIGHT_VMS: &str = r#"{"tool": {"script": "fill 64MiB random seed=1; digest"}},
+    {"model": {"wait_ms": 2500, "answer_bytes": 64}},
+    {"tool": {"script": "digest"}},
+    {"model": {"wait_ms": 1500, "answer_bytes": 64}},
+    {"tool": {"script": "rewrite 50 seed=2; digest"}}"#;
+
+fn replay_eight(dir: &Path, strategy: &str) -> (Output, serde_json::Value) {
+    let path = dir.join(format!("{strategy}.json"));
+    std::fs::write(
+        &path,
+        format!(r#"{{"name": "eight", "steps": [{EIGHT_VMS}]}}"#),
+    )
+    .unwrap();
+    let cgroups = CgroupParent::new(&format!("gov-{strategy}"));
+    let log = dir.join(format!("{strategy}-governor.log"));
+    let out = pvisor(
+        dir,
+        &[
+            "replay",
+            path.to_str().unwrap(),
+            "--vms",
+            "8",
+            "--memory",
+            "256MiB",
+            "--strategy",
+            strategy,
+            "--memory-budget",
+            "384MiB",
+            "--cgroup-parent",
+            &cgroups.name,
+            "--governor-log",
+            log.to_str().unwrap(),
+            "--json",
+        ],
+    );
+    let stdout = text(&out.stdout);
+    let summary = serde_json::from_str(stdout.lines().last().unwrap_or("null"))
+        .unwrap_or(serde_json::Value::Null);
+    (out, summary)
+}
+
+#[test]
+fn governor_keeps_eight_vms_inside_a_budget_that_kills_them_unmanaged() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (out, summary) = replay_eight(dir.path(), "governed");
+    let log = std::fs::read_to_string(dir.path().join("governed-governor.log")).unwrap_or_default();
+    let all = format!("{}{}\n--- governor log ---\n{log}", text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{all}");
+    assert_eq!(summary["oom_kills"], 0, "{all}");
+    assert_eq!(summary["integrity_passed"], true, "{all}");
+    let governor = &summary["governor"];
+    // It had to act: VMs were held at their faults and others offloaded to make room.
+    assert!(governor["decisions"]["offload"].as_u64().unwrap() > 0, "{all}");
+    assert!(governor["events"]["requests"].as_u64().unwrap() > 0, "{all}");
+    assert!(log.contains("offload ("), "{all}");
+
+    // The same under `off`: the kernel's OOM killer, reported by name.
+    let (out, summary) = replay_eight(dir.path(), "off");
+    let all = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    assert!(!out.status.success(), "{all}");
+    let killed = summary["oom_killed"].as_array().unwrap();
+    assert!(!killed.is_empty(), "{all}");
+    for vm in killed {
+        let job = vm["job"].as_str().unwrap();
+        assert!(
+            text(&out.stdout).contains(&format!("({job}): killed by the kernel's OOM killer")),
+            "{all}"
+        );
+    }
+}
