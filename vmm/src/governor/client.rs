@@ -415,8 +415,13 @@ impl Shared {
                         self.refuse_order();
                     }
                 }
-                // Cold compression runs with its own age; the order is advice it cannot take.
-                FromGovernor::ColdCompress { .. } | FromGovernor::Status(_) => {}
+                // Cold compression runs with its own age, set at its start: the order is
+                // answered as not carried out, so the governor looks elsewhere.
+                FromGovernor::ColdCompress { .. } => {
+                    self.count(ORDERS);
+                    self.refuse_order();
+                }
+                FromGovernor::Status(_) => {}
                 FromGovernor::Error { message } => return format!("refused: {message}"),
             }
         }
