@@ -1899,4 +1899,158 @@ mod tests {
         assert!(log[LOG_LINES - 1].contains("vm299:"));
         assert_eq!(g.status(base).decisions.join, 300);
     }
+
+    /// Property-test cases: PROPTEST_CASES, else a small number (the long run is
+    /// `PROPTEST_CASES=100000 cargo test --release -p vmm --lib fuzz_governor`).
+    fn cases() -> u32 {
+        std::env::var("PROPTEST_CASES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(64)
+    }
+
+    /// What the fuzz test knows of the VMs from the events it sent.
+    #[derive(Default)]
+    struct Seen {
+        live: Vec<VmId>,
+        resident: BTreeMap<VmId, u64>,
+        ordered: std::collections::BTreeSet<VmId>,
+    }
+
+    impl Seen {
+        /// Checks one answer: no limit below what the VM holds, no second order to a VM
+        /// before it reports, no raise that takes projected usage over the budget (or over
+        /// the high watermark but for a last resort).
+        fn check(&mut self, g: &Governor, out: &[Decision]) -> Result<(), String> {
+            let mut raised = false;
+            let mut last_resort = false;
+            for d in out {
+                let vm = d.vm();
+                if !self.live.contains(&vm) {
+                    return Err(format!("{d:?} for a VM that is not there"));
+                }
+                match *d {
+                    Decision::SetLimit { limit, reason, .. } => {
+                        let resident = self.resident.get(&vm).copied().unwrap_or(0);
+                        if limit < resident {
+                            return Err(format!("{d:?} below its resident {resident}"));
+                        }
+                        raised |= matches!(
+                            reason,
+                            Reason::Join | Reason::Admission | Reason::Grant | Reason::LastResort
+                        );
+                        last_resort |= reason == Reason::LastResort;
+                    }
+                    Decision::Offload { .. } | Decision::ColdCompress { .. } => {
+                        if !self.ordered.insert(vm) {
+                            return Err(format!("{d:?}: a second order before a report"));
+                        }
+                    }
+                }
+            }
+            let status = g.status(Instant::now());
+            let charges = status.vms.iter().map(|v| v.charge).sum::<u64>();
+            if charges != status.projected {
+                return Err(format!(
+                    "projected {} is not the sum of charges {charges}",
+                    status.projected
+                ));
+            }
+            if raised && status.projected > status.budget {
+                return Err(format!(
+                    "{out:?} took projected usage to {} over the budget",
+                    status.projected
+                ));
+            }
+            if raised && !last_resort && status.projected > status.high_bytes {
+                return Err(format!(
+                    "{out:?} took projected usage to {} over the high watermark",
+                    status.projected
+                ));
+            }
+            Ok(())
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(cases()))]
+
+        /// Whatever the VMs and the host say, in any order: no grant takes projected usage
+        /// over the budget, no limit goes below a VM's resident, no VM gets a second order
+        /// before it reports the first.
+        #[test]
+        fn fuzz_governor_any_events_keep_the_budget_residents_and_one_order_per_vm(
+            steps in proptest::collection::vec(
+                (0u8..9, 0usize..8, 0u64..700, 0u64..101, proptest::bool::ANY),
+                1..150,
+            )
+        ) {
+            let base = Instant::now();
+            let mut g = Governor::new(Config {
+                budget: 1000 * M,
+                initial_limit: 64 * M,
+                default_overhead: 24 * M,
+                ..Config::default()
+            });
+            let mut seen = Seen::default();
+            let mut now = base;
+            let mut failcnt = 0;
+            for (op, pick, a, b, flag) in steps {
+                now += Duration::from_millis(b * 10);
+                let vm = (!seen.live.is_empty()).then(|| seen.live[pick % seen.live.len()]);
+                let out = match (op, vm) {
+                    (0, _) | (_, None) => {
+                        let reading = Reading { cgroup: flag.then_some((a + b) * M), ..res(a) };
+                        let (id, out) = g.join(now, format!("vm{}", seen.live.len()), 1024 * M, reading);
+                        seen.live.push(id);
+                        seen.resident.insert(id, a * M);
+                        out
+                    }
+                    (1, Some(vm)) => {
+                        g.leave(vm);
+                        seen.live.retain(|&v| v != vm);
+                        seen.ordered.remove(&vm);
+                        Vec::new()
+                    }
+                    (2, Some(vm)) => {
+                        let state = match a % 4 {
+                            0 => VmState::Running,
+                            1 => waiting(flag.then_some(b)),
+                            2 => VmState::Idle,
+                            _ => VmState::Offloaded,
+                        };
+                        g.state(now, vm, state)
+                    }
+                    (3, Some(vm)) => {
+                        let held = if flag { b * M } else { 0 };
+                        g.reading(now, vm, Reading { cgroup: flag.then_some((a + b) * M), held, ..res(a) });
+                        seen.resident.insert(vm, a * M);
+                        Vec::new()
+                    }
+                    (4, Some(vm)) => g.request(now, vm, a * M),
+                    (5, Some(vm)) => {
+                        let after = seen.resident.get(&vm).copied().unwrap_or(0) / 100 * b;
+                        seen.resident.insert(vm, after);
+                        seen.ordered.remove(&vm);
+                        g.offloaded(now, vm, after, flag)
+                    }
+                    (6, _) => {
+                        failcnt += u64::from(flag);
+                        g.tick(now, Pressure {
+                            total_usage: (a > 100).then_some(a * 2 * M),
+                            psi_some_avg10: Some(b as f64 / 2.0),
+                            failcnt: Some(failcnt),
+                        })
+                    }
+                    (7, _) => {
+                        now += Duration::from_millis(a * 20);
+                        g.tick(now, Pressure::default())
+                    }
+                    (_, Some(vm)) => g.request(now, vm, M),
+                };
+                let checked = seen.check(&g, &out);
+                proptest::prop_assert!(checked.is_ok(), "{}", checked.err().unwrap_or_default());
+            }
+        }
+    }
 }
