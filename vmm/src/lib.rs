@@ -4,6 +4,7 @@
 //! - [`control`]: the control socket's protocol, server and client.
 //! - [`dedup`]: KSM dedup of guest RAM (`--vm-ram-dedup`).
 //! - [`gateway`]: the model gateway: a VM's model requests over HTTP, answers kept until taken.
+//! - [`governor`]: the memory governor: many VMs inside one host memory budget.
 //! - [`guest`]: the workload guest's binary, layout, mailbox and digest.
 //! - [`machine`]: one VM: RAM, pager, vCPU, block device; runs commands.
 //! - [`memory`]: guest RAM (anon, memfd, or a snapshot image mapped privately).

@@ -1,89 +1,557 @@
-//! TEMPORARY STUB (not committed): the shape of the policy being written by a helper.
-#![allow(missing_docs, unused)]
+//! The memory governor's policy: which VM gets memory, and which gives it back, so that a set
+//! of VMs stays inside one host memory budget.
+//!
+//! This is the decision part only, deterministic and free of I/O, threads and clocks: the
+//! server feeds it what VMs say (join, state, readings, requests, order reports) and what the
+//! host says (`tick` with the kernel's pressure signals), each with the time it happened, and
+//! carries out the [`Decision`]s it answers.
+//!
+//! # The model
+//! Each VM's pager has a *resident limit*: the bytes of guest RAM it may hold resident. A fault
+//! that would cross it is held until the limit is raised; the VM then asks for more
+//! ([`Governor::request`]). With no swap the kernel cannot reclaim anonymous guest RAM at all,
+//! so the limits are the budget's only enforcement short of the OOM killer, and the governor
+//! is the only reclaim there is.
+//!
+//! # Accounting
+//! A VM is charged `overhead + max(resident, limit)`: `overhead` is its cgroup usage minus its
+//! resident guest RAM (the VMM's own memory, page cache, the pager's buffers), learned from
+//! each reading that has a cgroup figure and never below 0, [`Config::default_overhead`] until
+//! the first one; `limit` is its current resident limit (none yet: charged at resident). The
+//! sum of charges is the *projected* usage: what the VMs may come to hold without asking
+//! again. The *measured* usage is the total the server gives with [`Governor::tick`] (e.g. the
+//! budget cgroup's own usage; less, until the next tick, what orders reported since freed and
+//! what VMs that left since held), else the sum of the VMs' cgroup readings. *Usage* is the
+//! larger of the two.
+//!
+//! # Rules (every knob is in [`Config`])
+//! - **Grants.** Requests queue in arrival order (one entry per VM; a new request of a queued
+//!   VM raises its entry's bytes). The head is granted when projected usage plus what it adds
+//!   stays at or under `high_watermark × budget`; it adds `max(bytes, grant)`, and more, up to
+//!   the VM's learned peak (the largest resident seen) minus its resident, when that fits: a
+//!   VM coming back from an offload gets what it held before in one step instead of a grant
+//!   per fault storm. Later requests never overtake the head.
+//! - **Admission.** A joining VM gets `initial_limit` (at least its resident) only if that
+//!   fits and nobody is queued; otherwise its limit is its resident and it queues for the rest
+//!   like any request. An offloaded VM whose answer arrives holds little and has a small
+//!   limit: its faults request and go through the same queue, no special case.
+//! - **Reclaim, with hysteresis.** When usage is over the high watermark, the kernel signals
+//!   pressure, or the head request does not fit, the governor reclaims until usage, less what
+//!   the orders it has outstanding are expected to free, is at or under the low watermark (or
+//!   lower, where the head request needs more room than the gap between the two). Once usage
+//!   is at or under the low watermark it stops, and starts again only over the high watermark,
+//!   under pressure or for a request that does not fit: between the two nothing flaps.
+//! - **Victims, in this order.** (1) Revoke reservations: lower to its resident the limit of
+//!   an offloaded VM, or of a waiting or idle VM whose limit is more than `revoke_slack` above
+//!   its resident, largest reservation first. It is free and immediate, and such a VM faults
+//!   little. (2) Offload waiting VMs, the longest expected remaining wait first: their RAM is
+//!   not needed before the answer comes, and the longer the wait the more memory × time the
+//!   offload saves for the same cost. A wait with no expected remaining time counts as
+//!   `unknown_wait`. (3) Offload idle VMs, largest resident first: they have no wait that
+//!   ends on its own, but they may be told to run at any time. (4) Cold-compress running VMs,
+//!   largest resident first, with the shorter `pressure_cold_age`: it costs a running VM the
+//!   least (only RAM it has not touched for that long), but frees an unknown part of it. A VM
+//!   with held faults, a queued request, an order not yet reported (see below), an order that
+//!   failed less than `order_timeout` ago, or that cannot be reached, is never a victim.
+//! - **Orders are paced.** An order counts the bytes it is expected to free (an offload: the
+//!   VM's charged RAM minus `offload_remainder`; a cold compression: `cold_expect_fraction` of
+//!   its resident), so one reclaim does not order everyone. An order not reported within
+//!   `order_timeout` stops counting, and its bytes are sought from the next victim; its VM is
+//!   not given another order until it reports back, so two orders never overlap on one VM.
+//! - **Deadlock-free.** If the head request does not fit, nothing was left to reclaim and no
+//!   order is outstanding, it is granted `max(bytes, grant)` if projected usage stays at or
+//!   under the budget itself (beyond the watermark): reason [`Reason::LastResort`], counted.
+//!   Otherwise it stays queued; the VM's client has its own timeout.
+//! - **Unreachable VMs.** A VM that has sent nothing for `stale_after` is unreachable: it is
+//!   still charged (at its last readings, which do not change), never a victim, and its queued
+//!   request is dropped. Its next message makes it reachable again.
+//! - **Pressure.** PSI `some avg10` above `psi_threshold`, or a `failcnt` that grew since the
+//!   last tick, counts as usage over the high watermark for that tick.
+//! - **Log.** Every decision is counted (per VM and in total, by kind) and logged in a ring of
+//!   the last [`LOG_LINES`] lines with its time, VM name and reason.
+//!
+//! # What the server does with each decision
+//! - [`Decision::SetLimit`]: set the VM's pager resident limit to `limit` (raise: wake the held
+//!   faults that now fit; lower: it is never below the VM's resident).
+//! - [`Decision::Offload`]: offload that waiting or idle VM now, overriding its wait policy's
+//!   cooldown and break-even; then call [`Governor::offloaded`] with what stays resident (its
+//!   limit becomes that, set by the VM itself) and whether it worked.
+//! - [`Decision::ColdCompress`]: compress that running VM's RAM colder than `age` once; then
+//!   call [`Governor::offloaded`] with its resident after it. The governor answers with a
+//!   [`Decision::SetLimit`] lowering its limit to that plus one grant.
+//!
+//! Messages about an unknown VM id (one that left) are ignored. [`Governor::leave`] and
+//! [`Governor::reading`] answer nothing: the room they make is used at the next call, at the
+//! latest the next tick.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fmt;
 use std::time::{Duration, Instant};
-#[derive(Debug, Clone)]
+
+/// How many decision lines the log keeps.
+pub const LOG_LINES: usize = 256;
+
+const MIB: u64 = 1 << 20;
+
+/// The policy's knobs.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct Config {
+    /// The host memory budget, bytes: the hard limit of the VMs' parent cgroup.
     pub budget: u64,
+    /// Usage is kept at or under this fraction of the budget.
     pub high_watermark: f64,
+    /// A reclaim goes on until usage is at or under this fraction of the budget.
     pub low_watermark: f64,
+    /// The least a grant adds to a limit, bytes.
     pub grant: u64,
+    /// The limit a VM gets when it joins, if it fits (at least its resident).
     pub initial_limit: u64,
+    /// A VM's overhead (cgroup usage beyond its resident guest RAM) until a reading says.
     pub default_overhead: u64,
+    /// A VM silent this long is unreachable.
     pub stale_after: Duration,
+    /// An order not reported in this time stops counting; its bytes are sought elsewhere.
     pub order_timeout: Duration,
+    /// The cold age asked of running VMs under pressure; also the least time between two cold
+    /// compressions of one VM (RAM gets no colder than that sooner).
     pub pressure_cold_age: Duration,
+    /// PSI `some avg10` (percent) above which the host is under pressure.
+    pub psi_threshold: f64,
+    /// The expected remaining wait of a waiting VM that gives none, for the victim order.
+    pub unknown_wait: Duration,
+    /// A waiting or idle VM's limit this far above its resident is a reservation to revoke.
+    pub revoke_slack: u64,
+    /// What an offload is expected to leave resident, bytes (pacing only: the report corrects).
+    pub offload_remainder: u64,
+    /// The part of a running VM's resident a cold compression is expected to free (pacing
+    /// only: the report corrects it; not measured: the cold bench frees 0–95% by content).
+    pub cold_expect_fraction: f64,
+    /// How many log lines [`Governor::status`] shows (the newest).
+    pub status_log_lines: usize,
 }
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            budget: 1 << 30,
+            high_watermark: 0.90,
+            low_watermark: 0.80,
+            grant: 16 * MIB,
+            initial_limit: 64 * MIB,
+            default_overhead: 24 * MIB,
+            stale_after: Duration::from_secs(5),
+            order_timeout: Duration::from_secs(10),
+            pressure_cold_age: Duration::from_millis(500),
+            psi_threshold: 10.0,
+            unknown_wait: Duration::from_secs(10),
+            revoke_slack: 16 * MIB,
+            offload_remainder: 4 * MIB,
+            cold_expect_fraction: 0.25,
+            status_log_lines: 32,
+        }
+    }
+}
+
 impl Config {
+    /// Refuses knobs the rules make no sense with.
     pub fn check(&self) -> Result<(), String> {
+        if self.budget == 0 {
+            return Err("the memory budget must be above 0".into());
+        }
+        if !(self.low_watermark > 0.0
+            && self.low_watermark < self.high_watermark
+            && self.high_watermark <= 1.0)
+        {
+            return Err(format!(
+                "the watermarks must satisfy 0 < low < high <= 1 (low {}, high {})",
+                self.low_watermark, self.high_watermark
+            ));
+        }
+        if self.grant == 0 {
+            return Err("the grant must be above 0".into());
+        }
+        if self.grant > self.budget {
+            return Err(format!(
+                "the grant ({} bytes) is larger than the budget ({} bytes)",
+                self.grant, self.budget
+            ));
+        }
+        if self.stale_after.is_zero() || self.order_timeout.is_zero() {
+            return Err("stale_after and order_timeout must be above 0".into());
+        }
+        if !(self.psi_threshold >= 0.0 && self.psi_threshold <= 100.0) {
+            return Err(format!(
+                "the PSI threshold must be 0 to 100 (percent), not {}",
+                self.psi_threshold
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.cold_expect_fraction) {
+            return Err(format!(
+                "cold_expect_fraction must be 0 to 1, not {}",
+                self.cold_expect_fraction
+            ));
+        }
         Ok(())
     }
+
+    fn high_bytes(&self) -> u64 {
+        fraction_of(self.budget, self.high_watermark)
+    }
+
+    fn low_bytes(&self) -> u64 {
+        fraction_of(self.budget, self.low_watermark)
+    }
 }
+
+/// `fraction × bytes`, for a fraction in 0..=1 (checked by [`Config::check`]; clamped here).
+#[allow(clippy::cast_sign_loss)] // clamped to 0..=1 first, so the product is not negative
+fn fraction_of(bytes: u64, fraction: f64) -> u64 {
+    let f = if fraction.is_nan() {
+        0.0
+    } else {
+        fraction.clamp(0.0, 1.0)
+    };
+    (bytes as f64 * f) as u64
+}
+
+/// A VM's id, given by [`Governor::join`].
 pub type VmId = u64;
-#[derive(Debug, Clone, Copy, PartialEq)]
+
+/// What a VM is doing, as it reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum VmState {
+    /// Running a command.
     Running,
+    /// Waiting for the model; the coordinator's expected remaining wait, if it has one.
     Waiting {
+        /// How much longer the wait is expected to last.
         expected_remaining: Option<Duration>,
     },
+    /// Nothing to do.
     Idle,
+    /// Its RAM is offloaded (it holds little).
     Offloaded,
 }
-#[derive(Debug, Clone, Copy, Default)]
+
+/// A VM's memory readings.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Reading {
+    /// Guest RAM resident, bytes.
     pub resident: u64,
+    /// Its memory cgroup's usage, bytes, where it has one.
     pub cgroup: Option<u64>,
+    /// Its process's PSS, bytes, where read.
     pub pss: Option<u64>,
+    /// Bytes its held faults need (0: none held).
     pub held: u64,
 }
-#[derive(Debug, Clone, Copy, Default)]
+
+/// The host's readings, given with each tick.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Pressure {
+    /// The VMs' total memory usage, bytes (e.g. the budget cgroup's own usage).
     pub total_usage: Option<u64>,
+    /// PSI memory `some avg10`, percent.
     pub psi_some_avg10: Option<f64>,
+    /// The budget cgroup's `failcnt` (times usage hit the limit).
     pub failcnt: Option<u64>,
 }
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+
+/// Why a decision was taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Reason {
+    /// It joined and its initial limit fits.
     Join,
+    /// It joined, its initial limit does not fit: its limit is its resident until admitted.
+    Queued,
+    /// A queued join admitted: room was made.
+    Admission,
+    /// Its held faults granted, under the high watermark.
+    Grant,
+    /// Granted beyond the high watermark, within the budget: nothing was left to reclaim.
+    LastResort,
+    /// A reservation (limit above resident, not needed now) revoked.
+    Revoke,
+    /// Reclaim: usage over the high watermark.
+    OverWatermark,
+    /// Reclaim: the kernel's pressure signals.
+    Pressure,
+    /// Reclaim: the oldest queued request does not fit.
+    MakeRoom,
+    /// Its cold RAM was compressed: the limit follows it down.
+    Compressed,
 }
-impl std::fmt::Display for Reason {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "join")
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Reason::Join => "joined; its initial limit fits under the high watermark",
+            Reason::Queued => {
+                "joined; its initial limit does not fit: held at its resident, queued for room"
+            }
+            Reason::Admission => "queued join admitted: room was made",
+            Reason::Grant => "its held faults fit under the high watermark",
+            Reason::LastResort => {
+                "nothing left to reclaim: granted beyond the high watermark, within the budget"
+            }
+            Reason::Revoke => "a reservation above its resident, not needed now: free to revoke",
+            Reason::OverWatermark => "usage over the high watermark",
+            Reason::Pressure => "the kernel signals memory pressure",
+            Reason::MakeRoom => "the oldest queued request does not fit",
+            Reason::Compressed => "its cold RAM was compressed: the limit follows it down",
+        })
     }
 }
-#[derive(Debug, Clone, PartialEq)]
+
+/// What the server carries out (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case", tag = "decision")]
 pub enum Decision {
+    /// Set the VM's resident limit to `limit` bytes (never below its resident).
     SetLimit {
+        /// The VM.
         vm: VmId,
+        /// The new limit, bytes.
         limit: u64,
+        /// Why.
         reason: Reason,
     },
+    /// Offload this waiting or idle VM now, cooldown and break-even overridden.
     Offload {
+        /// The VM.
         vm: VmId,
+        /// Why.
         reason: Reason,
     },
+    /// Compress this running VM's RAM colder than `age`.
     ColdCompress {
+        /// The VM.
         vm: VmId,
+        /// The cold age.
         age: Duration,
-        reason: Reason,
-    },
-    Unlimit {
-        vm: VmId,
+        /// Why.
         reason: Reason,
     },
 }
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct Status {
-    pub budget: u64,
+
+impl Decision {
+    /// The VM it is for.
+    pub fn vm(&self) -> VmId {
+        match *self {
+            Decision::SetLimit { vm, .. }
+            | Decision::Offload { vm, .. }
+            | Decision::ColdCompress { vm, .. } => vm,
+        }
+    }
+
+    /// Why it was taken.
+    pub fn reason(&self) -> Reason {
+        match *self {
+            Decision::SetLimit { reason, .. }
+            | Decision::Offload { reason, .. }
+            | Decision::ColdCompress { reason, .. } => reason,
+        }
+    }
 }
+
+/// Decisions counted by kind (limits by their reason).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct DecisionCounts {
+    /// Initial limits given at join.
+    pub join: u64,
+    /// Joins that did not fit and were queued.
+    pub queued: u64,
+    /// Queued joins admitted.
+    pub admission: u64,
+    /// Requests granted under the high watermark.
+    pub grant: u64,
+    /// Requests granted beyond the high watermark, within the budget.
+    pub last_resort: u64,
+    /// Reservations revoked.
+    pub revoke: u64,
+    /// Offloads ordered.
+    pub offload: u64,
+    /// Cold compressions ordered.
+    pub cold_compress: u64,
+    /// Limits lowered after a cold compression.
+    pub compressed: u64,
+}
+
+impl DecisionCounts {
+    fn count(&mut self, decision: &Decision) {
+        let field = match *decision {
+            Decision::Offload { .. } => &mut self.offload,
+            Decision::ColdCompress { .. } => &mut self.cold_compress,
+            Decision::SetLimit { reason, .. } => match reason {
+                Reason::Join => &mut self.join,
+                Reason::Queued => &mut self.queued,
+                Reason::Admission => &mut self.admission,
+                Reason::Grant => &mut self.grant,
+                Reason::LastResort => &mut self.last_resort,
+                Reason::Compressed => &mut self.compressed,
+                Reason::Revoke | Reason::OverWatermark | Reason::Pressure | Reason::MakeRoom => {
+                    &mut self.revoke
+                }
+            },
+        };
+        *field += 1;
+    }
+}
+
+/// Events that are not decisions, counted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct EventCounts {
+    /// Requests received (held faults).
+    pub requests: u64,
+    /// Queued requests dropped because their VM became unreachable.
+    pub requests_dropped: u64,
+    /// Orders reported done.
+    pub orders_done: u64,
+    /// Orders reported failed.
+    pub orders_failed: u64,
+    /// Orders not reported within the order timeout.
+    pub orders_timed_out: u64,
+    /// Times a VM became unreachable.
+    pub unreachable: u64,
+}
+
+/// The kind of an order a VM carries out and reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OrderKind {
+    /// [`Decision::Offload`].
+    Offload,
+    /// [`Decision::ColdCompress`].
+    ColdCompress,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Order {
+    kind: OrderKind,
+    at: Instant,
+    /// Bytes it is expected to free; stops counting once timed out.
+    expect_free: u64,
+    timed_out: bool,
+}
+
+#[derive(Debug)]
+struct Vm {
+    name: String,
+    memory_bytes: u64,
+    state: VmState,
+    reading: Reading,
+    overhead: Option<u64>,
+    limit: Option<u64>,
+    peak: u64,
+    last_heard: Instant,
+    reachable: bool,
+    order: Option<Order>,
+    failed_at: Option<Instant>,
+    cold_at: Option<Instant>,
+    offloaded_bytes: u64,
+    counts: DecisionCounts,
+}
+
+impl Vm {
+    fn overhead(&self, config: &Config) -> u64 {
+        self.overhead.unwrap_or(config.default_overhead)
+    }
+
+    /// The RAM it is charged for: the larger of its resident and its limit.
+    fn charged_ram(&self) -> u64 {
+        self.limit
+            .map_or(self.reading.resident, |l| l.max(self.reading.resident))
+    }
+
+    fn charge(&self, config: &Config) -> u64 {
+        self.overhead(config).saturating_add(self.charged_ram())
+    }
+
+    fn set_reading(&mut self, reading: Reading) {
+        self.peak = self.peak.max(reading.resident);
+        if let Some(cgroup) = reading.cgroup {
+            self.overhead = Some(cgroup.saturating_sub(reading.resident));
+        }
+        self.reading = reading;
+    }
+}
+
+/// What a queued request waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QueueKind {
+    /// A join waiting for its initial limit.
+    Admission,
+    /// Held faults.
+    Grant,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Queued {
+    vm: VmId,
+    kind: QueueKind,
+    /// Admission: the limit wanted; grant: the bytes to add.
+    bytes: u64,
+    since: Instant,
+}
+
+/// A victim and what to do with it.
+#[derive(Debug, Clone, Copy)]
+enum Victim {
+    Revoke(VmId),
+    Order(VmId, OrderKind, u64),
+}
+
+/// The governor's state: the VMs, the queue of requests, the log.
 #[derive(Debug)]
 pub struct Governor {
-    c: Config,
-    n: u64,
+    config: Config,
+    vms: BTreeMap<VmId, Vm>,
+    next_id: VmId,
+    queue: VecDeque<Queued>,
+    /// Why the reclaim under way started (none: usage was last at or under the low watermark).
+    reclaiming: Option<Reason>,
+    total_usage: Option<u64>,
+    psi: Option<f64>,
+    failcnt: Option<u64>,
+    under_pressure: bool,
+    base: Option<Instant>,
+    log: VecDeque<String>,
+    counts: DecisionCounts,
+    events: EventCounts,
 }
+
 impl Governor {
+    /// A governor with these knobs (see [`Config::check`]) and no VMs.
     pub fn new(config: Config) -> Self {
-        Self { c: config, n: 0 }
+        Self {
+            config,
+            vms: BTreeMap::new(),
+            next_id: 1,
+            queue: VecDeque::new(),
+            reclaiming: None,
+            total_usage: None,
+            psi: None,
+            failcnt: None,
+            under_pressure: false,
+            base: None,
+            log: VecDeque::with_capacity(LOG_LINES),
+            counts: DecisionCounts::default(),
+            events: EventCounts::default(),
+        }
     }
+
+    /// The knobs.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// A VM joins with its guest RAM size and first readings: it gets its id and, where the
+    /// initial limit fits and nobody is queued, that limit; otherwise its resident as limit
+    /// and a place in the queue.
     pub fn join(
         &mut self,
         now: Instant,
@@ -91,17 +559,118 @@ impl Governor {
         memory_bytes: u64,
         reading: Reading,
     ) -> (VmId, Vec<Decision>) {
-        self.n += 1;
-        (self.n, vec![])
+        self.base.get_or_insert(now);
+        let id = self.next_id;
+        self.next_id += 1;
+        let mut vm = Vm {
+            name,
+            memory_bytes,
+            state: VmState::Running,
+            reading: Reading::default(),
+            overhead: None,
+            limit: None,
+            peak: 0,
+            last_heard: now,
+            reachable: true,
+            order: None,
+            failed_at: None,
+            cold_at: None,
+            offloaded_bytes: 0,
+            counts: DecisionCounts::default(),
+        };
+        vm.set_reading(reading);
+        self.vms.insert(id, vm);
+        let mut out = Vec::new();
+        let wanted = self.config.initial_limit.max(reading.resident);
+        let add = wanted - reading.resident;
+        self.sweep(now);
+        if self.queue.is_empty() && self.fits(add, self.config.high_bytes()) {
+            self.decide(
+                now,
+                &mut out,
+                Decision::SetLimit {
+                    vm: id,
+                    limit: wanted,
+                    reason: Reason::Join,
+                },
+            );
+        } else {
+            let limit = reading.resident;
+            self.decide(
+                now,
+                &mut out,
+                Decision::SetLimit {
+                    vm: id,
+                    limit,
+                    reason: Reason::Queued,
+                },
+            );
+            self.queue.push_back(Queued {
+                vm: id,
+                kind: QueueKind::Admission,
+                bytes: wanted,
+                since: now,
+            });
+        }
+        self.evaluate(now, &mut out);
+        (id, out)
     }
-    pub fn leave(&mut self, vm: VmId) {}
+
+    /// A VM leaves: it is no longer charged; its queued request goes.
+    pub fn leave(&mut self, vm: VmId) {
+        if let Some(v) = self.vms.remove(&vm) {
+            // Out of the last measured total too, until the next tick measures again.
+            let held = v.reading.cgroup.unwrap_or_else(|| v.charge(&self.config));
+            self.total_usage = self.total_usage.map(|t| t.saturating_sub(held));
+        }
+        self.queue.retain(|q| q.vm != vm);
+    }
+
+    /// A VM reports a state change.
     pub fn state(&mut self, now: Instant, vm: VmId, state: VmState) -> Vec<Decision> {
-        vec![]
+        let Some(v) = self.heard(now, vm) else {
+            return Vec::new();
+        };
+        v.state = state;
+        let mut out = Vec::new();
+        self.evaluate(now, &mut out);
+        out
     }
-    pub fn reading(&mut self, now: Instant, vm: VmId, reading: Reading) {}
+
+    /// A VM reports its readings.
+    pub fn reading(&mut self, now: Instant, vm: VmId, reading: Reading) {
+        if let Some(v) = self.heard(now, vm) {
+            v.set_reading(reading);
+        }
+    }
+
+    /// A VM's faults are held: it wants its limit raised by at least `bytes`.
     pub fn request(&mut self, now: Instant, vm: VmId, bytes: u64) -> Vec<Decision> {
-        vec![]
+        if self.heard(now, vm).is_none() {
+            return Vec::new();
+        }
+        self.events.requests += 1;
+        if let Some(q) = self.queue.iter_mut().find(|q| q.vm == vm) {
+            // A queued join's own faults are covered by its admission; a queued grant asks
+            // for the larger of the two.
+            if q.kind == QueueKind::Grant {
+                q.bytes = q.bytes.max(bytes);
+            }
+        } else {
+            self.queue.push_back(Queued {
+                vm,
+                kind: QueueKind::Grant,
+                bytes,
+                since: now,
+            });
+        }
+        let mut out = Vec::new();
+        self.evaluate(now, &mut out);
+        out
     }
+
+    /// A VM's order (offload or cold compression) was carried out (`ok`) or failed;
+    /// `resident_after` is what it holds resident now.
     pub fn offloaded(
         &mut self,
         now: Instant,
@@ -109,29 +678,1379 @@ impl Governor {
         resident_after: u64,
         ok: bool,
     ) -> Vec<Decision> {
-        vec![]
+        let grant = self.config.grant;
+        if self.heard(now, vm).is_none() {
+            return Vec::new();
+        }
+        let Some(v) = self.vms.get_mut(&vm) else {
+            return Vec::new();
+        };
+        let order = v.order.take();
+        let before = v.reading.resident;
+        v.reading.resident = resident_after;
+        // The last measured total still holds what this order freed: take it out until the
+        // next tick measures again, or the reclaim would go on for memory already freed.
+        let freed = before.saturating_sub(resident_after);
+        self.total_usage = self.total_usage.map(|t| t.saturating_sub(freed));
+        let mut compressed_limit = None;
+        if !ok {
+            v.failed_at = Some(now);
+            self.events.orders_failed += u64::from(order.is_some());
+        } else if let Some(order) = order {
+            self.events.orders_done += 1;
+            match order.kind {
+                OrderKind::Offload => {
+                    // The VM sets its own limit to what stays resident.
+                    v.limit = Some(resident_after);
+                    v.state = VmState::Offloaded;
+                    v.offloaded_bytes = before.saturating_sub(resident_after);
+                }
+                OrderKind::ColdCompress => {
+                    let lower = resident_after.saturating_add(grant);
+                    if v.limit.is_some_and(|l| l > lower) {
+                        compressed_limit = Some(lower);
+                    }
+                }
+            }
+        }
+        let mut out = Vec::new();
+        if let Some(limit) = compressed_limit {
+            self.decide(
+                now,
+                &mut out,
+                Decision::SetLimit {
+                    vm,
+                    limit,
+                    reason: Reason::Compressed,
+                },
+            );
+        }
+        self.evaluate(now, &mut out);
+        out
     }
+
+    /// Time passes; the host's readings and pressure signals.
     pub fn tick(&mut self, now: Instant, pressure: Pressure) -> Vec<Decision> {
-        vec![]
+        self.base.get_or_insert(now);
+        self.total_usage = pressure.total_usage;
+        self.psi = pressure.psi_some_avg10;
+        let failcnt_grew = match (self.failcnt, pressure.failcnt) {
+            (Some(before), Some(now)) => now > before,
+            _ => false,
+        };
+        if pressure.failcnt.is_some() {
+            self.failcnt = pressure.failcnt;
+        }
+        let psi_high = pressure
+            .psi_some_avg10
+            .is_some_and(|p| p > self.config.psi_threshold);
+        self.under_pressure = psi_high || failcnt_grew;
+        let mut out = Vec::new();
+        self.evaluate(now, &mut out);
+        self.under_pressure = false;
+        out
     }
+
+    /// The VM's record, marked heard now (reachable again).
+    fn heard(&mut self, now: Instant, vm: VmId) -> Option<&mut Vm> {
+        self.base.get_or_insert(now);
+        let v = self.vms.get_mut(&vm)?;
+        v.last_heard = now;
+        v.reachable = true;
+        Some(v)
+    }
+
+    /// The sum of charges.
+    pub fn projected(&self) -> u64 {
+        self.vms
+            .values()
+            .map(|v| v.charge(&self.config))
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// The measured usage: the last tick's total, else the sum of cgroup readings (none: no
+    /// VM has one).
+    pub fn measured(&self) -> Option<u64> {
+        self.total_usage.or_else(|| {
+            self.vms
+                .values()
+                .filter_map(|v| v.reading.cgroup)
+                .reduce(u64::saturating_add)
+        })
+    }
+
+    /// The larger of projected and measured usage.
+    pub fn usage(&self) -> u64 {
+        self.projected().max(self.measured().unwrap_or(0))
+    }
+
+    /// Adding `add` to the projected usage stays at or under `ceiling`.
+    fn fits(&self, add: u64, ceiling: u64) -> bool {
+        self.projected()
+            .checked_add(add)
+            .is_some_and(|total| total <= ceiling)
+    }
+
+    /// Marks silent VMs unreachable (dropping their queued requests) and orders past their
+    /// timeout as timed out.
+    fn sweep(&mut self, now: Instant) {
+        let mut dropped = Vec::new();
+        for (&id, v) in &mut self.vms {
+            if v.reachable && now.saturating_duration_since(v.last_heard) >= self.config.stale_after
+            {
+                v.reachable = false;
+                self.events.unreachable += 1;
+                dropped.push(id);
+            }
+            if let Some(order) = v.order.as_mut() {
+                if !order.timed_out
+                    && now.saturating_duration_since(order.at) >= self.config.order_timeout
+                {
+                    order.timed_out = true;
+                    self.events.orders_timed_out += 1;
+                }
+            }
+        }
+        for id in dropped {
+            let before = self.queue.len();
+            self.queue.retain(|q| q.vm != id);
+            self.events.requests_dropped += (before - self.queue.len()) as u64;
+        }
+    }
+
+    /// Bytes the outstanding (not timed out) orders are expected to free.
+    fn outstanding(&self) -> u64 {
+        self.vms
+            .values()
+            .filter_map(|v| v.order)
+            .filter(|o| !o.timed_out)
+            .map(|o| o.expect_free)
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// What granting the queue's head would raise its limit to, if it fits under `ceiling`
+    /// (`extend`: also up to its learned peak, where that fits too).
+    fn head_limit(&self, head: &Queued, ceiling: u64, extend: bool) -> Option<(u64, Reason)> {
+        let v = self.vms.get(&head.vm)?;
+        let base = v.charged_ram();
+        let resident = v.reading.resident;
+        let (need, reason) = match head.kind {
+            QueueKind::Admission => (head.bytes.saturating_sub(base), Reason::Admission),
+            QueueKind::Grant => (head.bytes.max(self.config.grant), Reason::Grant),
+        };
+        if !self.fits(need, ceiling) {
+            return None;
+        }
+        let mut add = need;
+        if extend && head.kind == QueueKind::Grant {
+            let room = ceiling - self.projected();
+            add = add.max(v.peak.saturating_sub(resident).min(room));
+            // No more than its RAM, unless what it asked for already is.
+            let cap = v.memory_bytes.max(base.saturating_add(need));
+            add = add.min(cap.saturating_sub(base));
+        }
+        Some((base.saturating_add(add), reason))
+    }
+
+    /// Grants what fits, reclaims where needed, and grants a last resort where nothing else
+    /// can move.
+    fn evaluate(&mut self, now: Instant, out: &mut Vec<Decision>) {
+        self.sweep(now);
+        let high = self.config.high_bytes();
+        let low = self.config.low_bytes();
+        if self.usage() <= low && !self.under_pressure {
+            self.reclaiming = None;
+        }
+        let mut trigger = None;
+        if self.under_pressure {
+            trigger = Some(Reason::Pressure);
+        } else if self.usage() > high {
+            trigger = Some(Reason::OverWatermark);
+        }
+        self.grant_fitting(now, out);
+        if trigger.is_none() && !self.queue.is_empty() {
+            trigger = Some(Reason::MakeRoom);
+        }
+        if trigger.is_some() {
+            self.reclaiming = trigger;
+        }
+        let Some(reason) = self.reclaiming else {
+            return;
+        };
+        let before = out.len();
+        self.reclaim(now, reason, out);
+        let reclaimed = out.len() > before;
+        self.grant_fitting(now, out);
+        if !reclaimed && self.outstanding() == 0 {
+            self.last_resort(now, out);
+        }
+    }
+
+    /// Grants queued requests in order while the head fits under the high watermark.
+    fn grant_fitting(&mut self, now: Instant, out: &mut Vec<Decision>) {
+        while let Some(head) = self.queue.front().copied() {
+            let Some((limit, reason)) = self.head_limit(&head, self.config.high_bytes(), true)
+            else {
+                return;
+            };
+            self.queue.pop_front();
+            self.decide(
+                now,
+                out,
+                Decision::SetLimit {
+                    vm: head.vm,
+                    limit,
+                    reason,
+                },
+            );
+        }
+    }
+
+    /// Grants queued requests in order while the head fits under the budget itself.
+    fn last_resort(&mut self, now: Instant, out: &mut Vec<Decision>) {
+        while let Some(head) = self.queue.front().copied() {
+            let Some((limit, _)) = self.head_limit(&head, self.config.budget, false) else {
+                return;
+            };
+            self.queue.pop_front();
+            self.decide(
+                now,
+                out,
+                Decision::SetLimit {
+                    vm: head.vm,
+                    limit,
+                    reason: Reason::LastResort,
+                },
+            );
+        }
+    }
+
+    /// The usage a reclaim aims for: the low watermark, or lower where the queue's head needs
+    /// more room under the high watermark than that leaves.
+    fn target(&self) -> u64 {
+        let low = self.config.low_bytes();
+        let Some(head) = self.queue.front() else {
+            return low;
+        };
+        let Some(v) = self.vms.get(&head.vm) else {
+            return low;
+        };
+        let need = match head.kind {
+            QueueKind::Admission => head.bytes.saturating_sub(v.charged_ram()),
+            QueueKind::Grant => head.bytes.max(self.config.grant),
+        };
+        low.min(self.config.high_bytes().saturating_sub(need))
+    }
+
+    /// Orders victims until usage, less what outstanding orders are expected to free, is at
+    /// or under the target.
+    fn reclaim(&mut self, now: Instant, reason: Reason, out: &mut Vec<Decision>) {
+        let target = self.target();
+        loop {
+            let mut usage = self.usage();
+            if self.under_pressure {
+                usage = usage.max(self.config.high_bytes().saturating_add(1));
+            }
+            if usage.saturating_sub(self.outstanding()) <= target {
+                return;
+            }
+            let Some(victim) = self.next_victim(now) else {
+                return;
+            };
+            let (decision, order) = match victim {
+                Victim::Revoke(vm) => {
+                    let limit = self.vms.get(&vm).map_or(0, |v| v.reading.resident);
+                    (
+                        Decision::SetLimit {
+                            vm,
+                            limit,
+                            reason: Reason::Revoke,
+                        },
+                        None,
+                    )
+                }
+                Victim::Order(vm, OrderKind::Offload, free) => (
+                    Decision::Offload { vm, reason },
+                    Some((OrderKind::Offload, free)),
+                ),
+                Victim::Order(vm, OrderKind::ColdCompress, free) => (
+                    Decision::ColdCompress {
+                        vm,
+                        age: self.config.pressure_cold_age,
+                        reason,
+                    },
+                    Some((OrderKind::ColdCompress, free)),
+                ),
+            };
+            if let (Some((kind, expect_free)), Some(v)) = (order, self.vms.get_mut(&decision.vm()))
+            {
+                v.order = Some(Order {
+                    kind,
+                    at: now,
+                    expect_free,
+                    timed_out: false,
+                });
+                if kind == OrderKind::ColdCompress {
+                    v.cold_at = Some(now);
+                }
+            }
+            self.decide(now, out, decision);
+        }
+    }
+
+    /// The next victim in the order of the module doc, if any.
+    fn next_victim(&self, now: Instant) -> Option<Victim> {
+        let c = &self.config;
+        let eligible = self.vms.iter().filter(|(id, v)| {
+            v.reachable
+                && v.order.is_none()
+                && v.reading.held == 0
+                && !self.queue.iter().any(|q| q.vm == **id)
+                && v.failed_at
+                    .is_none_or(|at| now.saturating_duration_since(at) >= c.order_timeout)
+        });
+        // (tier, key, id, victim): the lowest tier first, the largest key within it.
+        let candidate = |id: VmId, v: &Vm| -> Option<(u8, (Duration, u64), Victim)> {
+            let resident = v.reading.resident;
+            let reserved = v.limit.map_or(0, |l| l.saturating_sub(resident));
+            let offload_free = v.charged_ram().saturating_sub(c.offload_remainder);
+            let order = |kind, free| Victim::Order(id, kind, free);
+            match v.state {
+                VmState::Offloaded if reserved > 0 => {
+                    Some((0, (Duration::ZERO, reserved), Victim::Revoke(id)))
+                }
+                VmState::Waiting { .. } | VmState::Idle if reserved > c.revoke_slack => {
+                    Some((0, (Duration::ZERO, reserved), Victim::Revoke(id)))
+                }
+                VmState::Waiting { expected_remaining } if offload_free > 0 => Some((
+                    1,
+                    (expected_remaining.unwrap_or(c.unknown_wait), resident),
+                    order(OrderKind::Offload, offload_free),
+                )),
+                VmState::Idle if offload_free > 0 => Some((
+                    2,
+                    (Duration::ZERO, resident),
+                    order(OrderKind::Offload, offload_free),
+                )),
+                VmState::Running
+                    if resident > 0
+                        && v.cold_at.is_none_or(|at| {
+                            now.saturating_duration_since(at) >= c.pressure_cold_age
+                        }) =>
+                {
+                    let free = fraction_of(resident, c.cold_expect_fraction);
+                    Some((
+                        3,
+                        (Duration::ZERO, resident),
+                        order(OrderKind::ColdCompress, free),
+                    ))
+                }
+                _ => None,
+            }
+        };
+        eligible
+            .filter_map(|(&id, v)| {
+                candidate(id, v).map(|(tier, key, victim)| (tier, key, id, victim))
+            })
+            .min_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)).then(a.2.cmp(&b.2)))
+            .map(|(_, _, _, victim)| victim)
+    }
+
+    /// Applies a decision to the model, counts and logs it, and hands it out.
+    fn decide(&mut self, now: Instant, out: &mut Vec<Decision>, decision: Decision) {
+        let Some(v) = self.vms.get_mut(&decision.vm()) else {
+            return;
+        };
+        let what = match decision {
+            Decision::SetLimit { limit, .. } => {
+                v.limit = Some(limit);
+                format!("limit {}", Mib(limit))
+            }
+            Decision::Offload { .. } => format!("offload ({} resident)", Mib(v.reading.resident)),
+            Decision::ColdCompress { age, .. } => format!(
+                "cold-compress, age {} ms ({} resident)",
+                age.as_millis(),
+                Mib(v.reading.resident)
+            ),
+        };
+        v.counts.count(&decision);
+        self.counts.count(&decision);
+        let at = self
+            .base
+            .map_or(Duration::ZERO, |b| now.saturating_duration_since(b));
+        let line = format!(
+            "+{:.3}s {}: {what}: {}",
+            at.as_secs_f64(),
+            v.name,
+            decision.reason()
+        );
+        if self.log.len() == LOG_LINES {
+            self.log.pop_front();
+        }
+        self.log.push_back(line);
+        out.push(decision);
+    }
+
+    /// Everything the governor knows, for its status command.
     pub fn status(&self, now: Instant) -> Status {
+        let c = &self.config;
+        let vms = self
+            .vms
+            .iter()
+            .map(|(&id, v)| VmStatus {
+                id,
+                name: v.name.clone(),
+                state: v.state,
+                memory_bytes: v.memory_bytes,
+                resident: v.reading.resident,
+                cgroup: v.reading.cgroup,
+                pss: v.reading.pss,
+                held: v.reading.held,
+                limit: v.limit,
+                charge: v.charge(c),
+                overhead: v.overhead(c),
+                overhead_learned: v.overhead.is_some(),
+                peak: v.peak,
+                offloaded_bytes: v.offloaded_bytes,
+                reachable: v.reachable,
+                silent_ms: millis(now.saturating_duration_since(v.last_heard)),
+                order: v.order.map(|o| OrderStatus {
+                    kind: o.kind,
+                    age_ms: millis(now.saturating_duration_since(o.at)),
+                    expect_free: o.expect_free,
+                    timed_out: o.timed_out,
+                }),
+                decisions: v.counts,
+            })
+            .collect();
+        let queue = self
+            .queue
+            .iter()
+            .map(|q| QueueStatus {
+                vm: q.vm,
+                name: self
+                    .vms
+                    .get(&q.vm)
+                    .map(|v| v.name.clone())
+                    .unwrap_or_default(),
+                kind: q.kind,
+                bytes: q.bytes,
+                waited_ms: millis(now.saturating_duration_since(q.since)),
+            })
+            .collect();
+        let skip = self.log.len().saturating_sub(c.status_log_lines);
         Status {
-            budget: self.c.budget,
+            budget: c.budget,
+            high_watermark: c.high_watermark,
+            low_watermark: c.low_watermark,
+            high_bytes: c.high_bytes(),
+            low_bytes: c.low_bytes(),
+            projected: self.projected(),
+            measured: self.measured(),
+            usage: self.usage(),
+            reclaiming: self.reclaiming.is_some(),
+            psi_some_avg10: self.psi,
+            failcnt: self.failcnt,
+            outstanding: self.outstanding(),
+            queue,
+            vms,
+            decisions: self.counts,
+            events: self.events,
+            log: self.log.iter().skip(skip).cloned().collect(),
         }
     }
 }
-impl Config {
-    pub fn new(budget: u64) -> Self {
-        Self {
-            budget,
-            high_watermark: 0.9,
-            low_watermark: 0.8,
-            grant: 16 << 20,
-            initial_limit: 64 << 20,
-            default_overhead: 24 << 20,
-            stale_after: Duration::from_secs(3),
-            order_timeout: Duration::from_secs(5),
-            pressure_cold_age: Duration::from_millis(500),
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Bytes shown as MiB, for the log.
+struct Mib(u64);
+
+impl fmt::Display for Mib {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:.1} MiB", self.0 as f64 / MIB as f64)
+    }
+}
+
+/// The governor's status (see [`Governor::status`]); bytes unless named otherwise.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Status {
+    /// The budget.
+    pub budget: u64,
+    /// The high watermark, a fraction of the budget.
+    pub high_watermark: f64,
+    /// The low watermark, a fraction of the budget.
+    pub low_watermark: f64,
+    /// The high watermark in bytes.
+    pub high_bytes: u64,
+    /// The low watermark in bytes.
+    pub low_bytes: u64,
+    /// The sum of the VMs' charges.
+    pub projected: u64,
+    /// The measured usage, where known.
+    pub measured: Option<u64>,
+    /// The larger of projected and measured.
+    pub usage: u64,
+    /// A reclaim is under way (usage not yet back under the low watermark).
+    pub reclaiming: bool,
+    /// The last tick's PSI `some avg10`.
+    pub psi_some_avg10: Option<f64>,
+    /// The last `failcnt` seen.
+    pub failcnt: Option<u64>,
+    /// Bytes outstanding orders are expected to free.
+    pub outstanding: u64,
+    /// Queued requests, oldest first.
+    pub queue: Vec<QueueStatus>,
+    /// The VMs, by id.
+    pub vms: Vec<VmStatus>,
+    /// All decisions, counted by kind.
+    pub decisions: DecisionCounts,
+    /// Other events, counted.
+    pub events: EventCounts,
+    /// The newest decision log lines, oldest first.
+    pub log: Vec<String>,
+}
+
+/// A queued request in [`Status`].
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct QueueStatus {
+    /// The VM.
+    pub vm: VmId,
+    /// Its name.
+    pub name: String,
+    /// `admission` (a join: `bytes` is the limit wanted) or `grant` (held faults: `bytes` to
+    /// add).
+    pub kind: QueueKind,
+    /// See `kind`.
+    pub bytes: u64,
+    /// How long it has waited, ms.
+    pub waited_ms: u64,
+}
+
+/// An outstanding order in [`VmStatus`].
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct OrderStatus {
+    /// `offload` or `cold_compress`.
+    pub kind: OrderKind,
+    /// Since it was given, ms.
+    pub age_ms: u64,
+    /// Bytes it is expected to free.
+    pub expect_free: u64,
+    /// Not reported within the order timeout (no longer counted).
+    pub timed_out: bool,
+}
+
+/// One VM in [`Status`]; bytes unless named otherwise.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct VmStatus {
+    /// Its id.
+    pub id: VmId,
+    /// Its name.
+    pub name: String,
+    /// Its state as last reported.
+    pub state: VmState,
+    /// Its guest RAM size.
+    pub memory_bytes: u64,
+    /// Guest RAM resident.
+    pub resident: u64,
+    /// Its cgroup usage, if read.
+    pub cgroup: Option<u64>,
+    /// Its PSS, if read.
+    pub pss: Option<u64>,
+    /// Bytes its held faults need.
+    pub held: u64,
+    /// Its resident limit (none yet: charged at resident).
+    pub limit: Option<u64>,
+    /// What it is charged: overhead + max(resident, limit).
+    pub charge: u64,
+    /// Its overhead (cgroup usage beyond resident guest RAM).
+    pub overhead: u64,
+    /// The overhead comes from a reading (else it is the default).
+    pub overhead_learned: bool,
+    /// The largest resident seen.
+    pub peak: u64,
+    /// What its last offload took out of residence.
+    pub offloaded_bytes: u64,
+    /// It has been heard from within `stale_after`.
+    pub reachable: bool,
+    /// Since it was last heard from, ms.
+    pub silent_ms: u64,
+    /// Its outstanding order, if any.
+    pub order: Option<OrderStatus>,
+    /// Its decisions, counted by kind.
+    pub decisions: DecisionCounts,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const M: u64 = MIB;
+
+    /// A 1000 MiB budget (high 900, low 800), no default overhead, no initial limit beyond
+    /// a VM's resident: the arithmetic of each test is in whole MiB.
+    fn config() -> Config {
+        Config {
+            budget: 1000 * M,
+            initial_limit: 0,
+            default_overhead: 0,
+            ..Config::default()
+        }
+    }
+
+    fn at(base: Instant, ms: u64) -> Instant {
+        base + Duration::from_millis(ms)
+    }
+
+    fn res(mib: u64) -> Reading {
+        Reading {
+            resident: mib * M,
+            ..Reading::default()
+        }
+    }
+
+    /// The host's readings: this total usage, no pressure signal.
+    fn total(mib: u64) -> Pressure {
+        Pressure {
+            total_usage: Some(mib * M),
+            ..Pressure::default()
+        }
+    }
+
+    fn waiting(secs: Option<u64>) -> VmState {
+        VmState::Waiting {
+            expected_remaining: secs.map(Duration::from_secs),
+        }
+    }
+
+    /// Joins a VM with `mib` resident (its limit: that) in `state`.
+    fn vm(g: &mut Governor, now: Instant, name: &str, mib: u64, state: VmState) -> VmId {
+        let (id, _) = g.join(now, name.into(), 1024 * M, res(mib));
+        g.state(now, id, state);
+        id
+    }
+
+    fn limit(g: &Governor, now: Instant, id: VmId) -> Option<u64> {
+        g.status(now)
+            .vms
+            .iter()
+            .find(|v| v.id == id)
+            .and_then(|v| v.limit)
+    }
+
+    fn set(vm: VmId, mib: u64, reason: Reason) -> Decision {
+        Decision::SetLimit {
+            vm,
+            limit: mib * M,
+            reason,
+        }
+    }
+
+    #[test]
+    fn governor_config_check_refuses_bad_knobs() {
+        assert_eq!(Config::default().check(), Ok(()));
+        let bad = [
+            Config {
+                budget: 0,
+                ..Config::default()
+            },
+            Config {
+                low_watermark: 0.9,
+                high_watermark: 0.9,
+                ..Config::default()
+            },
+            Config {
+                high_watermark: 1.1,
+                ..Config::default()
+            },
+            Config {
+                low_watermark: 0.0,
+                ..Config::default()
+            },
+            Config {
+                low_watermark: f64::NAN,
+                ..Config::default()
+            },
+            Config {
+                grant: 0,
+                ..Config::default()
+            },
+            Config {
+                stale_after: Duration::ZERO,
+                ..Config::default()
+            },
+            Config {
+                psi_threshold: -1.0,
+                ..Config::default()
+            },
+            Config {
+                cold_expect_fraction: 2.0,
+                ..Config::default()
+            },
+        ];
+        for config in bad {
+            assert!(config.check().is_err(), "{config:?} accepted");
+        }
+    }
+
+    #[test]
+    fn governor_charge_counts_learned_overhead_and_the_larger_of_resident_and_limit() {
+        let base = Instant::now();
+        let mut g = Governor::new(Config {
+            default_overhead: 24 * M,
+            initial_limit: 64 * M,
+            ..config()
+        });
+        let (a, out) = g.join(base, "a".into(), 512 * M, res(10));
+        assert_eq!(out, vec![set(a, 64, Reason::Join)]);
+        // Default overhead until a cgroup figure; charged at the limit above resident.
+        assert_eq!(g.projected(), 88 * M);
+        g.reading(
+            base,
+            a,
+            Reading {
+                cgroup: Some(130 * M),
+                ..res(100)
+            },
+        );
+        // Overhead 30, resident above the limit: charged at resident.
+        assert_eq!(g.projected(), 130 * M);
+        g.reading(
+            base,
+            a,
+            Reading {
+                cgroup: Some(40 * M),
+                ..res(50)
+            },
+        );
+        // Overhead never below 0.
+        assert_eq!(g.projected(), 64 * M);
+        assert_eq!(g.measured(), Some(40 * M));
+        assert_eq!(g.usage(), 64 * M);
+        g.tick(base, total(300));
+        assert_eq!(g.measured(), Some(300 * M));
+        assert_eq!(g.usage(), 300 * M);
+    }
+
+    #[test]
+    fn governor_join_that_does_not_fit_waits_until_another_vm_offloads_and_reports() {
+        let base = Instant::now();
+        let mut g = Governor::new(Config {
+            initial_limit: 400 * M,
+            ..config()
+        });
+        let w = vm(&mut g, base, "w", 400, waiting(Some(30)));
+        let r = vm(&mut g, base, "r", 400, VmState::Running);
+        assert_eq!(limit(&g, base, r), Some(400 * M));
+        // 850 projected: 350 more for the newcomer does not fit under 900.
+        let (c, out) = g.join(at(base, 1), "c".into(), 1024 * M, res(50));
+        assert_eq!(
+            out,
+            vec![
+                set(c, 50, Reason::Queued),
+                Decision::Offload {
+                    vm: w,
+                    reason: Reason::MakeRoom
+                }
+            ]
+        );
+        assert_eq!(g.status(base).queue.len(), 1);
+        // Nothing more while the offload is under way.
+        assert!(g.tick(at(base, 2), Pressure::default()).is_empty());
+        let out = g.offloaded(at(base, 3), w, 4 * M, true);
+        assert_eq!(out, vec![set(c, 400, Reason::Admission)]);
+        let s = g.status(at(base, 3));
+        assert!(s.queue.is_empty());
+        assert_eq!(s.projected, 804 * M);
+        assert_eq!(s.decisions.admission, 1);
+        assert_eq!(s.vms[0].offloaded_bytes, 396 * M);
+        assert_eq!(s.vms[0].limit, Some(4 * M));
+    }
+
+    #[test]
+    fn governor_join_behind_a_queue_waits_its_turn() {
+        let base = Instant::now();
+        let mut g = Governor::new(config());
+        let a = vm(&mut g, base, "a", 850, VmState::Running);
+        // Nothing to reclaim, and 1050 would pass the budget: it stays queued.
+        assert!(g.request(base, a, 200 * M).is_empty());
+        // It would fit by itself (adds nothing), but the queue goes first.
+        let (b, out) = g.join(base, "b".into(), 1024 * M, res(0));
+        assert_eq!(out[0], set(b, 0, Reason::Queued));
+        assert_eq!(g.status(base).queue.len(), 2);
+    }
+
+    #[test]
+    fn governor_victims_revocations_then_longest_wait_then_idle_then_largest_cold() {
+        let base = Instant::now();
+        let mut g = Governor::new(config());
+        let r_small = vm(&mut g, base, "r-small", 100, VmState::Running);
+        let r_big = vm(&mut g, base, "r-big", 200, VmState::Running);
+        let idle = vm(&mut g, base, "idle", 100, VmState::Idle);
+        let w_short = vm(&mut g, base, "w-short", 100, waiting(Some(5)));
+        let w_long = vm(&mut g, base, "w-long", 100, waiting(Some(30)));
+        let w_unknown = vm(&mut g, base, "w-unknown", 100, waiting(None));
+        // Offloaded by its own wait policy: 10 resident under a limit of 110.
+        let off = vm(&mut g, base, "off", 110, VmState::Running);
+        g.reading(base, off, res(10));
+        g.state(base, off, VmState::Offloaded);
+        // Far over the high watermark, measured: everything reclaimable is ordered.
+        let out = g.tick(at(base, 1), total(3000));
+        let reason = Reason::OverWatermark;
+        let age = Config::default().pressure_cold_age;
+        assert_eq!(
+            out,
+            vec![
+                set(off, 10, Reason::Revoke),
+                Decision::Offload { vm: w_long, reason },
+                // Unknown counts as `unknown_wait` (10 s): between 30 s and 5 s.
+                Decision::Offload {
+                    vm: w_unknown,
+                    reason
+                },
+                Decision::Offload {
+                    vm: w_short,
+                    reason
+                },
+                Decision::Offload { vm: idle, reason },
+                Decision::ColdCompress {
+                    vm: r_big,
+                    age,
+                    reason
+                },
+                Decision::ColdCompress {
+                    vm: r_small,
+                    age,
+                    reason
+                },
+            ]
+        );
+        // Each VM has one order: nothing more until they report or time out.
+        assert!(g.tick(at(base, 2), total(3000)).is_empty());
+    }
+
+    #[test]
+    fn governor_one_reclaim_orders_only_what_it_needs() {
+        let base = Instant::now();
+        let mut g = Governor::new(config());
+        let a = vm(&mut g, base, "a", 300, waiting(Some(30)));
+        let _b = vm(&mut g, base, "b", 300, waiting(Some(20)));
+        let _c = vm(&mut g, base, "c", 300, waiting(Some(10)));
+        // 900 projected, 950 measured: 150 to free to reach 800; one offload frees ~296.
+        let out = g.tick(at(base, 1), total(950));
+        assert_eq!(
+            out,
+            vec![Decision::Offload {
+                vm: a,
+                reason: Reason::OverWatermark
+            }]
+        );
+        assert_eq!(g.status(at(base, 1)).outstanding, 296 * M);
+    }
+
+    #[test]
+    fn governor_requests_are_granted_in_arrival_order() {
+        let base = Instant::now();
+        let mut g = Governor::new(config());
+        let a = vm(&mut g, base, "a", 300, VmState::Running);
+        let b = vm(&mut g, base, "b", 300, VmState::Running);
+        let w = vm(&mut g, base, "w", 200, waiting(Some(30)));
+        // 800 projected: a's 200 does not fit under 900; w is offloaded to make room.
+        let out = g.request(at(base, 1), a, 200 * M);
+        assert_eq!(
+            out,
+            vec![Decision::Offload {
+                vm: w,
+                reason: Reason::MakeRoom
+            }]
+        );
+        // b's 16 would fit, but a is first.
+        assert!(g.request(at(base, 2), b, M).is_empty());
+        let out = g.offloaded(at(base, 3), w, 4 * M, true);
+        assert_eq!(
+            out,
+            vec![set(a, 500, Reason::Grant), set(b, 316, Reason::Grant)]
+        );
+        assert_eq!(g.status(at(base, 3)).decisions.grant, 2);
+    }
+
+    #[test]
+    fn governor_grant_back_from_offload_extends_to_learned_peak_where_it_fits() {
+        let base = Instant::now();
+        let mut g = Governor::new(config());
+        let a = vm(&mut g, base, "a", 300, waiting(Some(30)));
+        let big = vm(&mut g, base, "big", 400, VmState::Running);
+        let over = total(950);
+        let offload = Decision::Offload {
+            vm: a,
+            reason: Reason::OverWatermark,
+        };
+        assert_eq!(g.tick(base, over), vec![offload]);
+        assert!(g.offloaded(at(base, 1), a, 4 * M, true).is_empty());
+        assert_eq!(limit(&g, base, a), Some(4 * M));
+        // Its answer arrives; it faults: 404 projected, room for its whole peak (296 more).
+        g.state(at(base, 2), a, VmState::Running);
+        assert_eq!(
+            g.request(at(base, 2), a, M),
+            vec![set(a, 300, Reason::Grant)]
+        );
+        // Again, with less room: the extension stops at the high watermark.
+        g.reading(at(base, 3), a, res(300));
+        g.state(at(base, 3), a, waiting(Some(30)));
+        assert_eq!(g.tick(at(base, 4), over), vec![offload]);
+        assert!(g.offloaded(at(base, 5), a, 4 * M, true).is_empty());
+        g.reading(at(base, 5), big, res(700));
+        g.state(at(base, 6), a, VmState::Running);
+        assert_eq!(
+            g.request(at(base, 6), a, M),
+            vec![set(a, 200, Reason::Grant)]
+        );
+        assert_eq!(g.projected(), 900 * M);
+    }
+
+    #[test]
+    fn governor_between_watermarks_no_reclaim_over_high_reclaims_down_to_low() {
+        let base = Instant::now();
+        let mut g = Governor::new(config());
+        let w: Vec<VmId> = (0..6)
+            .map(|i| vm(&mut g, base, &format!("w{i}"), 100, waiting(Some(60 - i))))
+            .collect();
+        let offload = |vm| Decision::Offload {
+            vm,
+            reason: Reason::OverWatermark,
+        };
+        // 850 measured: between the watermarks, nothing.
+        assert!(g.tick(at(base, 1), total(850)).is_empty());
+        assert!(!g.status(at(base, 1)).reclaiming);
+        // 950: over high: 150 to free, two offloads of ~96.
+        assert_eq!(
+            g.tick(at(base, 2), total(950)),
+            vec![offload(w[0]), offload(w[1])]
+        );
+        // The first freed only 50: 900 less the 96 still expected is over low: the reclaim
+        // goes on, between the watermarks, down to the low one.
+        assert_eq!(
+            g.offloaded(at(base, 3), w[0], 50 * M, true),
+            vec![offload(w[2])]
+        );
+        assert!(g.offloaded(at(base, 4), w[1], 4 * M, true).is_empty());
+        assert!(g.status(at(base, 4)).reclaiming);
+        assert!(g.offloaded(at(base, 5), w[2], 4 * M, true).is_empty());
+        // Under low: done; back between the watermarks: still nothing.
+        assert!(!g.status(at(base, 5)).reclaiming);
+        assert!(g.tick(at(base, 6), total(790)).is_empty());
+        assert!(g.tick(at(base, 7), total(890)).is_empty());
+        assert!(!g.status(at(base, 7)).reclaiming);
+        // Over high again: a new reclaim.
+        assert_eq!(
+            g.tick(at(base, 8), total(910)),
+            vec![offload(w[3]), offload(w[4])]
+        );
+    }
+
+    #[test]
+    fn governor_silent_vm_is_charged_and_never_a_victim_until_it_speaks() {
+        let base = Instant::now();
+        let mut g = Governor::new(config());
+        let silent = vm(&mut g, base, "silent", 300, waiting(Some(60)));
+        let other = vm(&mut g, base, "other", 300, waiting(Some(5)));
+        let later = at(base, 6000);
+        g.reading(later, other, res(300));
+        let over = total(950);
+        let out = g.tick(later, over);
+        // The longest wait is silent: the other is ordered instead.
+        assert_eq!(
+            out,
+            vec![Decision::Offload {
+                vm: other,
+                reason: Reason::OverWatermark
+            }]
+        );
+        let s = g.status(later);
+        assert!(!s.vms[0].reachable);
+        assert_eq!(s.vms[0].charge, 300 * M);
+        assert_eq!(s.events.unreachable, 1);
+        // It speaks again: a victim again.
+        g.reading(at(base, 6001), silent, res(300));
+        let more = total(1300);
+        let out = g.tick(at(base, 6002), more);
+        assert_eq!(
+            out,
+            vec![Decision::Offload {
+                vm: silent,
+                reason: Reason::OverWatermark
+            }]
+        );
+        assert!(g.status(at(base, 6002)).vms[0].reachable);
+    }
+
+    #[test]
+    fn governor_silent_vm_queued_request_is_dropped() {
+        let base = Instant::now();
+        let mut g = Governor::new(config());
+        let a = vm(&mut g, base, "a", 450, VmState::Running);
+        let b = vm(&mut g, base, "b", 450, VmState::Running);
+        // Nothing to reclaim but b's cold RAM: ordered, so a's request waits.
+        let out = g.request(base, a, 20 * M);
+        assert!(matches!(out[..], [Decision::ColdCompress { vm, .. }] if vm == b));
+        assert_eq!(g.status(base).queue.len(), 1);
+        g.reading(at(base, 4000), b, res(450));
+        // a is silent past stale_after: its request goes.
+        let out = g.offloaded(at(base, 6000), b, 450 * M, true);
+        assert!(out.iter().all(|d| d.vm() != a), "{out:?}");
+        let s = g.status(at(base, 6000));
+        assert!(s.queue.is_empty());
+        assert_eq!(s.events.requests_dropped, 1);
+        assert_eq!(s.projected, 900 * M);
+    }
+
+    #[test]
+    fn governor_order_timeout_seeks_the_bytes_from_the_next_victim_only() {
+        let base = Instant::now();
+        let mut g = Governor::new(config());
+        let first = vm(&mut g, base, "first", 300, waiting(Some(60)));
+        let second = vm(&mut g, base, "second", 300, waiting(Some(30)));
+        let _third = vm(&mut g, base, "third", 300, waiting(Some(10)));
+        let over = total(950);
+        let offload = |vm| Decision::Offload {
+            vm,
+            reason: Reason::OverWatermark,
+        };
+        assert_eq!(g.tick(base, over), vec![offload(first)]);
+        // All keep talking; first never reports its offload.
+        for vm in [first, second, _third] {
+            g.reading(at(base, 9000), vm, res(300));
+        }
+        assert!(g.tick(at(base, 9999), over).is_empty());
+        assert_eq!(g.tick(at(base, 10_000), over), vec![offload(second)]);
+        let s = g.status(at(base, 10_000));
+        assert_eq!(s.events.orders_timed_out, 1);
+        assert!(s.vms[0].order.as_ref().is_some_and(|o| o.timed_out));
+        // first still has its (timed out) order: not ordered again until it reports.
+        g.offloaded(at(base, 10_001), second, 300 * M, false);
+        let out = g.tick(at(base, 10_002), over);
+        assert!(
+            out.iter().all(|d| d.vm() != first && d.vm() != second),
+            "{out:?}"
+        );
+        g.offloaded(at(base, 10_003), first, 300 * M, false);
+        assert!(g.status(at(base, 10_003)).vms[0].order.is_none());
+        // A failed order: not retried before order_timeout.
+        let out = g.tick(at(base, 10_004), over);
+        assert!(out.iter().all(|d| d.vm() != first), "{out:?}");
+    }
+
+    #[test]
+    fn governor_last_resort_grant_when_nothing_moves_never_above_budget() {
+        let base = Instant::now();
+        let mut g = Governor::new(config());
+        let a = vm(&mut g, base, "a", 450, VmState::Running);
+        let b = vm(&mut g, base, "b", 450, VmState::Running);
+        let out = g.request(base, a, 20 * M);
+        assert!(matches!(out[..], [Decision::ColdCompress { vm, .. }] if vm == b));
+        // The compression freed nothing; b cannot be asked again so soon: last resort.
+        let out = g.offloaded(at(base, 1), b, 450 * M, true);
+        assert_eq!(out, vec![set(a, 470, Reason::LastResort)]);
+        // 920 + 100 would pass the budget: it stays queued.
+        let out = g.request(at(base, 2), a, 100 * M);
+        assert!(out.is_empty(), "{out:?}");
+        let s = g.status(at(base, 2));
+        assert_eq!(s.queue.len(), 1);
+        assert_eq!(s.decisions.last_resort, 1);
+        assert!(s.projected <= s.budget);
+        // 80 fits the budget exactly: a last resort, once b's cold age has passed again and it
+        // freed nothing.
+        let mut g2 = Governor::new(config());
+        let a = vm(&mut g2, base, "a", 450, VmState::Running);
+        let b = vm(&mut g2, base, "b", 370, VmState::Running);
+        g2.reading(base, b, res(470));
+        g2.request(base, a, 80 * M);
+        let out = g2.offloaded(at(base, 1), b, 470 * M, true);
+        assert_eq!(out, vec![set(a, 530, Reason::LastResort)]);
+        assert_eq!(g2.projected(), g2.config().budget);
+    }
+
+    #[test]
+    fn governor_cold_compression_report_lowers_the_limit_to_what_stays_plus_a_grant() {
+        let base = Instant::now();
+        let mut g = Governor::new(config());
+        let r = vm(&mut g, base, "r", 500, VmState::Running);
+        let out = g.tick(base, total(950));
+        assert!(matches!(out[..], [Decision::ColdCompress { vm, .. }] if vm == r));
+        let out = g.offloaded(at(base, 1), r, 100 * M, true);
+        assert_eq!(out, vec![set(r, 116, Reason::Compressed)]);
+        assert_eq!(g.projected(), 116 * M);
+    }
+
+    #[test]
+    fn governor_pressure_from_psi_or_a_growing_failcnt_reclaims() {
+        let base = Instant::now();
+        let mut g = Governor::new(config());
+        let w1 = vm(&mut g, base, "w1", 200, waiting(Some(30)));
+        let w2 = vm(&mut g, base, "w2", 200, waiting(Some(20)));
+        let calm = Pressure {
+            psi_some_avg10: Some(5.0),
+            failcnt: Some(7),
+            ..Pressure::default()
+        };
+        // 400 projected, well under low: only pressure reclaims.
+        assert!(g.tick(base, calm).is_empty());
+        let out = g.tick(
+            at(base, 1),
+            Pressure {
+                psi_some_avg10: Some(40.0),
+                ..calm
+            },
+        );
+        assert_eq!(
+            out,
+            vec![Decision::Offload {
+                vm: w1,
+                reason: Reason::Pressure
+            }]
+        );
+        g.offloaded(at(base, 2), w1, 4 * M, true);
+        // The same failcnt: calm.
+        assert!(g.tick(at(base, 3), calm).is_empty());
+        let out = g.tick(
+            at(base, 4),
+            Pressure {
+                failcnt: Some(8),
+                ..calm
+            },
+        );
+        assert_eq!(
+            out,
+            vec![Decision::Offload {
+                vm: w2,
+                reason: Reason::Pressure
+            }]
+        );
+    }
+
+    #[test]
+    fn governor_status_json_has_the_documented_shape() {
+        let base = Instant::now();
+        let mut g = Governor::new(config());
+        let a = vm(&mut g, base, "agent-a", 850, VmState::Running);
+        g.request(at(base, 1500), a, 200 * M);
+        let json = serde_json::to_value(g.status(at(base, 2000))).expect("serializes");
+        for key in [
+            "budget",
+            "high_watermark",
+            "low_watermark",
+            "high_bytes",
+            "low_bytes",
+            "projected",
+            "measured",
+            "usage",
+            "reclaiming",
+            "queue",
+            "vms",
+            "decisions",
+            "events",
+            "log",
+        ] {
+            assert!(json.get(key).is_some(), "no {key} in {json}");
+        }
+        assert_eq!(json["budget"], 1000 * M);
+        assert_eq!(json["queue"][0]["name"], "agent-a");
+        assert_eq!(json["queue"][0]["kind"], "grant");
+        assert_eq!(json["queue"][0]["waited_ms"], 500);
+        let v = &json["vms"][0];
+        for key in [
+            "name",
+            "state",
+            "resident",
+            "limit",
+            "charge",
+            "overhead",
+            "peak",
+            "offloaded_bytes",
+            "reachable",
+            "order",
+            "decisions",
+        ] {
+            assert!(v.get(key).is_some(), "no {key} in {v}");
+        }
+        assert_eq!(v["state"], "running");
+        assert_eq!(v["decisions"]["join"], 1);
+        assert_eq!(json["decisions"]["cold_compress"], 0);
+        let log = json["log"].as_array().expect("log lines");
+        assert_eq!(log[0], "+0.000s agent-a: limit 850.0 MiB: joined; its initial limit fits under the high watermark");
+    }
+
+    #[test]
+    fn governor_log_keeps_the_newest_lines() {
+        let base = Instant::now();
+        let mut g = Governor::new(Config {
+            status_log_lines: LOG_LINES + 10,
+            ..config()
+        });
+        for i in 0..300 {
+            let (id, _) = g.join(at(base, i), format!("vm{i}"), M, res(0));
+            g.leave(id);
+        }
+        let log = g.status(at(base, 300)).log;
+        assert_eq!(log.len(), LOG_LINES);
+        assert!(log[0].contains("vm44:"), "{}", log[0]);
+        assert!(log[LOG_LINES - 1].contains("vm299:"));
+        assert_eq!(g.status(base).decisions.join, 300);
+    }
+
+    /// Property-test cases: PROPTEST_CASES, else a small number (the long run is
+    /// `PROPTEST_CASES=100000 cargo test --release -p vmm --lib fuzz_governor`).
+    fn cases() -> u32 {
+        std::env::var("PROPTEST_CASES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(64)
+    }
+
+    /// What the fuzz test knows of the VMs from the events it sent.
+    #[derive(Default)]
+    struct Seen {
+        live: Vec<VmId>,
+        resident: BTreeMap<VmId, u64>,
+        ordered: std::collections::BTreeSet<VmId>,
+    }
+
+    impl Seen {
+        /// Checks one answer: no limit below what the VM holds, no second order to a VM
+        /// before it reports, no raise that takes projected usage over the budget (or over
+        /// the high watermark but for a last resort).
+        fn check(&mut self, g: &Governor, out: &[Decision]) -> Result<(), String> {
+            let mut raised = false;
+            let mut last_resort = false;
+            for d in out {
+                let vm = d.vm();
+                if !self.live.contains(&vm) {
+                    return Err(format!("{d:?} for a VM that is not there"));
+                }
+                match *d {
+                    Decision::SetLimit { limit, reason, .. } => {
+                        let resident = self.resident.get(&vm).copied().unwrap_or(0);
+                        if limit < resident {
+                            return Err(format!("{d:?} below its resident {resident}"));
+                        }
+                        raised |= matches!(
+                            reason,
+                            Reason::Join | Reason::Admission | Reason::Grant | Reason::LastResort
+                        );
+                        last_resort |= reason == Reason::LastResort;
+                    }
+                    Decision::Offload { .. } | Decision::ColdCompress { .. } => {
+                        if !self.ordered.insert(vm) {
+                            return Err(format!("{d:?}: a second order before a report"));
+                        }
+                    }
+                }
+            }
+            let status = g.status(Instant::now());
+            let charges = status.vms.iter().map(|v| v.charge).sum::<u64>();
+            if charges != status.projected {
+                return Err(format!(
+                    "projected {} is not the sum of charges {charges}",
+                    status.projected
+                ));
+            }
+            if raised && status.projected > status.budget {
+                return Err(format!(
+                    "{out:?} took projected usage to {} over the budget",
+                    status.projected
+                ));
+            }
+            if raised && !last_resort && status.projected > status.high_bytes {
+                return Err(format!(
+                    "{out:?} took projected usage to {} over the high watermark",
+                    status.projected
+                ));
+            }
+            Ok(())
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(cases()))]
+
+        /// Whatever the VMs and the host say, in any order: no grant takes projected usage
+        /// over the budget, no limit goes below a VM's resident, no VM gets a second order
+        /// before it reports the first.
+        #[test]
+        fn fuzz_governor_any_events_keep_the_budget_residents_and_one_order_per_vm(
+            steps in proptest::collection::vec(
+                (0u8..9, 0usize..8, 0u64..700, 0u64..101, proptest::bool::ANY),
+                1..150,
+            )
+        ) {
+            let base = Instant::now();
+            let mut g = Governor::new(Config {
+                budget: 1000 * M,
+                initial_limit: 64 * M,
+                default_overhead: 24 * M,
+                ..Config::default()
+            });
+            let mut seen = Seen::default();
+            let mut now = base;
+            let mut failcnt = 0;
+            for (op, pick, a, b, flag) in steps {
+                now += Duration::from_millis(b * 10);
+                let vm = (!seen.live.is_empty()).then(|| seen.live[pick % seen.live.len()]);
+                let out = match (op, vm) {
+                    (0, _) | (_, None) => {
+                        let reading = Reading { cgroup: flag.then_some((a + b) * M), ..res(a) };
+                        let (id, out) = g.join(now, format!("vm{}", seen.live.len()), 1024 * M, reading);
+                        seen.live.push(id);
+                        seen.resident.insert(id, a * M);
+                        out
+                    }
+                    (1, Some(vm)) => {
+                        g.leave(vm);
+                        seen.live.retain(|&v| v != vm);
+                        seen.ordered.remove(&vm);
+                        Vec::new()
+                    }
+                    (2, Some(vm)) => {
+                        let state = match a % 4 {
+                            0 => VmState::Running,
+                            1 => waiting(flag.then_some(b)),
+                            2 => VmState::Idle,
+                            _ => VmState::Offloaded,
+                        };
+                        g.state(now, vm, state)
+                    }
+                    (3, Some(vm)) => {
+                        let held = if flag { b * M } else { 0 };
+                        g.reading(now, vm, Reading { cgroup: flag.then_some((a + b) * M), held, ..res(a) });
+                        seen.resident.insert(vm, a * M);
+                        Vec::new()
+                    }
+                    (4, Some(vm)) => g.request(now, vm, a * M),
+                    (5, Some(vm)) => {
+                        let after = seen.resident.get(&vm).copied().unwrap_or(0) / 100 * b;
+                        seen.resident.insert(vm, after);
+                        seen.ordered.remove(&vm);
+                        g.offloaded(now, vm, after, flag)
+                    }
+                    (6, _) => {
+                        failcnt += u64::from(flag);
+                        g.tick(now, Pressure {
+                            total_usage: (a > 100).then_some(a * 2 * M),
+                            psi_some_avg10: Some(b as f64 / 2.0),
+                            failcnt: Some(failcnt),
+                        })
+                    }
+                    (7, _) => {
+                        now += Duration::from_millis(a * 20);
+                        g.tick(now, Pressure::default())
+                    }
+                    (_, Some(vm)) => g.request(now, vm, M),
+                };
+                let checked = seen.check(&g, &out);
+                proptest::prop_assert!(checked.is_ok(), "{}", checked.err().unwrap_or_default());
+            }
         }
     }
 }
