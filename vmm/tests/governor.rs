@@ -335,14 +335,24 @@ fn governor_keeps_eight_vms_inside_a_budget_that_kills_them_unmanaged() {
     let dir = tempfile::tempdir().unwrap();
     let (out, summary) = replay_eight(dir.path(), "governed");
     let log = std::fs::read_to_string(dir.path().join("governed-governor.log")).unwrap_or_default();
-    let all = format!("{}{}\n--- governor log ---\n{log}", text(&out.stdout), text(&out.stderr));
+    let all = format!(
+        "{}{}\n--- governor log ---\n{log}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
     assert!(out.status.success(), "{all}");
     assert_eq!(summary["oom_kills"], 0, "{all}");
     assert_eq!(summary["integrity_passed"], true, "{all}");
     let governor = &summary["governor"];
     // It had to act: VMs were held at their faults and others offloaded to make room.
-    assert!(governor["decisions"]["offload"].as_u64().unwrap() > 0, "{all}");
-    assert!(governor["events"]["requests"].as_u64().unwrap() > 0, "{all}");
+    assert!(
+        governor["decisions"]["offload"].as_u64().unwrap() > 0,
+        "{all}"
+    );
+    assert!(
+        governor["events"]["requests"].as_u64().unwrap() > 0,
+        "{all}"
+    );
     assert!(log.contains("offload ("), "{all}");
 
     // The same under `off`: the kernel's OOM killer, reported by name.

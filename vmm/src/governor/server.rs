@@ -496,12 +496,6 @@ impl Inner {
                         reason: reason.to_string(),
                     },
                 ),
-                Decision::Unlimit { vm, reason } => (
-                    *vm,
-                    FromGovernor::Unlimit {
-                        reason: reason.to_string(),
-                    },
-                ),
                 Decision::Offload { vm, reason } => (
                     *vm,
                     FromGovernor::Offload {

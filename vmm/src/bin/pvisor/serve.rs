@@ -86,7 +86,10 @@ fn size(flag: &str, text: Option<&str>, default: u64) -> Result<u64, String> {
 /// The governor's configuration from the flags (checked).
 pub fn governor_config(args: &ServeArgs) -> Result<server::ServerConfig, String> {
     let budget = size("--memory-budget", args.memory_budget.as_deref(), 0)?;
-    let defaults = policy::Config::new(budget);
+    let defaults = policy::Config {
+        budget,
+        ..policy::Config::default()
+    };
     let ms = |value: Option<u64>, default: Duration| value.map_or(default, Duration::from_millis);
     let config = policy::Config {
         high_watermark: args.high_watermark.unwrap_or(defaults.high_watermark),
