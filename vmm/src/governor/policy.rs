@@ -58,8 +58,9 @@
 //!   its resident), so one reclaim does not order everyone. An order not reported within
 //!   `order_timeout` stops counting, and its bytes are sought from the next victim; its VM is
 //!   not given another order until it reports back, so two orders never overlap on one VM.
-//! - **Deadlock-free.** If the head request does not fit, nothing was left to reclaim and no
-//!   order is outstanding, it is granted `max(bytes, grant)` if projected usage stays at or
+//! - **Deadlock-free.** If the head request does not fit, nothing was left to reclaim (a
+//!   running VM's cold compression counts as reclaim: the last resort comes once it reported
+//!   and freed too little) and no order is outstanding, it is granted `max(bytes, grant)` if projected usage stays at or
 //!   under the budget itself (beyond the watermark): reason [`Reason::LastResort`], counted.
 //!   Otherwise it stays queued; the VM's client has its own timeout.
 //! - **Unreachable VMs.** A VM that has sent nothing for `stale_after` is unreachable: it is
@@ -834,9 +835,10 @@ impl Governor {
         let v = self.vms.get(&head.vm)?;
         let base = v.charged_ram();
         let resident = v.reading.resident;
-        let (need, reason) = match head.kind {
-            QueueKind::Admission => (head.bytes.saturating_sub(base), Reason::Admission),
-            QueueKind::Grant => (head.bytes.max(self.config.grant), Reason::Grant),
+        let need = self.need(head, v);
+        let reason = match head.kind {
+            QueueKind::Admission => Reason::Admission,
+            QueueKind::Grant => Reason::Grant,
         };
         if !self.fits(need, ceiling) {
             return None;
@@ -935,11 +937,15 @@ impl Governor {
         let Some(v) = self.vms.get(&head.vm) else {
             return low;
         };
-        let need = match head.kind {
+        low.min(self.config.high_bytes().saturating_sub(self.need(head, v)))
+    }
+
+    /// What granting a queued request adds to its VM's charge at the least.
+    fn need(&self, head: &Queued, v: &Vm) -> u64 {
+        match head.kind {
             QueueKind::Admission => head.bytes.saturating_sub(v.charged_ram()),
             QueueKind::Grant => head.bytes.max(self.config.grant),
-        };
-        low.min(self.config.high_bytes().saturating_sub(need))
+        }
     }
 
     /// Orders victims until usage, less what outstanding orders are expected to free, is at
