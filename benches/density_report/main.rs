@@ -513,7 +513,10 @@ fn measure(outcome: &Outcome, job: Job, vms: usize, round: usize) -> Measured {
 /// (`-- --unit`). An error when one failed.
 #[cfg(test)]
 fn unit_tests() -> Res<bool> {
-    let tests = judge::tests::ALL.iter().chain(plan::tests::ALL);
+    let tests = judge::tests::ALL
+        .iter()
+        .chain(plan::tests::ALL)
+        .chain(tests::ALL);
     let mut failed = Vec::new();
     let mut count = 0;
     for (name, test) in tests {
@@ -540,4 +543,68 @@ fn unit_tests() -> Res<bool> {
 #[cfg(not(test))]
 fn unit_tests() -> Res<bool> {
     Ok(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(stderr: &str) -> Outcome {
+        Outcome {
+            status: None,
+            wall_s: 0.1,
+            summary: None,
+            problem: Some("no JSON summary".into()),
+            timeline: None,
+            stderr: stderr.into(),
+            cpu: None,
+        }
+    }
+
+    fn unavailable_unknown_strategy_gives_pvisors_words() {
+        let outcome = refused(
+            "pvisor: --strategy `governed`: expected off, pause, offload, offload-compressed or \
+             cold-compression\n",
+        );
+        let why = unavailable(&outcome, "governed").unwrap();
+        assert!(
+            why.starts_with("pvisor: --strategy `governed`: expected off"),
+            "{why}"
+        );
+    }
+
+    fn unavailable_other_failure_is_none() {
+        assert_eq!(
+            unavailable(&refused("VM 0 did not start\n"), "governed"),
+            None
+        );
+        // Another strategy's refusal says nothing about this one.
+        let other = refused("pvisor: --strategy `swap`: expected off\n");
+        assert_eq!(unavailable(&other, "governed"), None);
+        let mut ran = refused("pvisor: --strategy `governed`: expected off\n");
+        ran.summary = Some(serde_json::json!({"integrity_passed": false}));
+        assert_eq!(unavailable(&ran, "governed"), None);
+    }
+
+    fn duration_text_hours_minutes_seconds() {
+        assert_eq!(duration_text(59.4), "0m59s");
+        assert_eq!(duration_text(3723.0), "1h02m03s");
+        assert_eq!(duration_text(f64::NAN), "0m00s");
+        assert_eq!(duration_text(-5.0), "0m00s");
+    }
+
+    pub const ALL: &[(&str, fn())] = &[
+        (
+            "unavailable_unknown_strategy_gives_pvisors_words",
+            unavailable_unknown_strategy_gives_pvisors_words,
+        ),
+        (
+            "unavailable_other_failure_is_none",
+            unavailable_other_failure_is_none,
+        ),
+        (
+            "duration_text_hours_minutes_seconds",
+            duration_text_hours_minutes_seconds,
+        ),
+    ];
 }

@@ -51,7 +51,7 @@ pub fn previous_size(s: &Settings, vms: usize) -> usize {
 /// passed)`, `not available: …`.
 pub fn density_text(log: &Log, s: &Settings, b: usize, i: usize) -> String {
     if let Some(why) = log.unavailable.get(&i) {
-        return format!("not available (`{why}`)");
+        return format!("not available (pvisor replay: “{why}”)");
     }
     match log.density(b, i) {
         None => "not measured".to_owned(),
@@ -133,7 +133,7 @@ pub fn targets(log: &Log, s: &Settings) -> Vec<Verdict> {
     verdicts.push(if runs.is_empty() {
         let why = governed.and_then(|g| log.unavailable.get(&g)).map_or_else(
             || "no governed run".to_owned(),
-            |why| format!("governed not available (`{why}`)"),
+            |why| format!("governed not available (pvisor replay: “{why}”)"),
         );
         Verdict {
             target,
@@ -273,7 +273,11 @@ fn sweep_table(t: &mut String, cx: &Context<'_>, b: usize, i: usize) {
         let ratios =
             (0..s.rounds).filter_map(|r| log.verdicts.get(&(b, i, vms, r)).map(|v| v.ratio));
         let verdict = if size.passed {
-            format!("pass ({} rounds)", budgeted.len())
+            format!(
+                "pass ({} round{})",
+                budgeted.len(),
+                if budgeted.len() == 1 { "" } else { "s" }
+            )
         } else {
             format!("**fail**: {}", size.reasons.join("; "))
         };
@@ -440,7 +444,8 @@ pub fn markdown(targets: &[Verdict], cx: &Context<'_>) -> String {
         "Figures are `median (min–max)` over the rounds of the budgeted runs (a failed run ends its N: later rounds \
          of that N are not run, so an N that failed may have fewer rounds). *Ratio*: budgeted window / unbudgeted \
          window, within a round. *Peak memory*: the largest sum of the VMs' memory cgroup usage over the run's \
-         samples. *CPU*: user + system seconds of the replay and all it started; *cores busy*: that over the \
+         samples (each VM samples on its own thread, so a sum of readings taken a few milliseconds apart can pass \
+         the budget by a little). *CPU*: user + system seconds of the replay and all it started; *cores busy*: that over the \
          command's wall time. *Offloads*: summed over the VMs, with their mean time.\n"
     );
     for b in 0..s.budgets.len() {
@@ -501,7 +506,7 @@ fn method(t: &mut String, cx: &Context<'_>) {
             cx.log
                 .unavailable
                 .iter()
-                .map(|(i, why)| format!("{} (`{why}`)", s.strategies[*i]))
+                .map(|(i, why)| format!("{} (“{why}”)", s.strategies[*i]))
                 .collect::<Vec<_>>()
                 .join(", ")
         },
