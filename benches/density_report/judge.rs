@@ -166,6 +166,24 @@ pub fn density(sizes: &[SizeVerdict]) -> Density {
     result
 }
 
+/// Whether `density` is at least `factor` times `base`'s: `met`, `missed`, or `not
+/// measured` when a sweep that passed every N leaves the answer open (its density is only a
+/// lower bound).
+pub fn at_least_times(density: &Density, base: &Density, factor: usize) -> &'static str {
+    let wanted = factor * base.vms;
+    let base_exact = base.stopped_at.is_some();
+    let exact = density.stopped_at.is_some();
+    if density.vms == 0 {
+        "missed"
+    } else if density.vms >= wanted && base_exact {
+        "met"
+    } else if density.vms < wanted && exact {
+        "missed"
+    } else {
+        "not measured"
+    }
+}
+
 #[cfg(test)]
 pub mod tests {
     use super::*;
@@ -296,7 +314,33 @@ pub mod tests {
         assert_eq!((d.vms, d.stopped_at, d.cpu_limit_at), (0, Some(1), None));
     }
 
+    fn at_least_times_open_sweeps_are_not_measured() {
+        let d = |vms, stopped_at| Density {
+            vms,
+            stopped_at,
+            cpu_limit_at: None,
+        };
+        assert_eq!(at_least_times(&d(24, Some(32)), &d(6, Some(8)), 4), "met");
+        assert_eq!(
+            at_least_times(&d(16, Some(24)), &d(6, Some(8)), 4),
+            "missed"
+        );
+        // Off passed every N: governed's 24 is ≥ 4 × a lower bound only.
+        assert_eq!(at_least_times(&d(24, None), &d(6, None), 4), "not measured");
+        assert_eq!(
+            at_least_times(&d(24, Some(32)), &d(6, None), 4),
+            "not measured"
+        );
+        // Governed stopped below 4 × even a lower bound of off's.
+        assert_eq!(at_least_times(&d(16, Some(24)), &d(6, None), 4), "missed");
+        assert_eq!(at_least_times(&d(0, Some(1)), &d(0, Some(1)), 4), "missed");
+    }
+
     pub const ALL: &[(&str, fn())] = &[
+        (
+            "at_least_times_open_sweeps_are_not_measured",
+            at_least_times_open_sweeps_are_not_measured,
+        ),
         (
             "judge_run_within_limit_passes",
             judge_run_within_limit_passes,

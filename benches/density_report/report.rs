@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use crate::common::host::BenchRun;
 use crate::common::results::{num, Summary};
-use crate::judge::{MEMORY_SHARE_CPU_BOUND, WINDOW_LIMIT};
+use crate::judge::{self, MEMORY_SHARE_CPU_BOUND, WINDOW_LIMIT};
 use crate::plan::Job;
 use crate::{duration_text, Log, Measured, Settings};
 
@@ -102,18 +102,15 @@ pub fn targets(log: &Log, s: &Settings) -> Vec<Verdict> {
             result: "not measured",
         },
         (Some(b), Some(g), Some(o)) => match (log.density(b, g), log.density(b, o)) {
-            (Some(dg), Some(d_off)) => {
-                let met = dg.vms >= 4 * d_off.vms && dg.vms > 0;
-                Verdict {
-                    target,
-                    figure: format!(
-                        "governed {}, off {}",
-                        density_text(log, s, b, g),
-                        density_text(log, s, b, o)
-                    ),
-                    result: if met { "met" } else { "missed" },
-                }
-            }
+            (Some(dg), Some(d_off)) => Verdict {
+                target,
+                figure: format!(
+                    "governed {}, off {}",
+                    density_text(log, s, b, g),
+                    density_text(log, s, b, o)
+                ),
+                result: judge::at_least_times(&dg, &d_off, 4),
+            },
             _ => Verdict {
                 target,
                 figure: format!(
