@@ -43,9 +43,9 @@ mod svg;
 mod targets;
 
 use common::host::TempRoot;
+use common::replay::Timeline;
 use common::results::Results;
 use common::Res;
-use replay::Timeline;
 
 /// The trajectory of the scaled bench, from the workspace root.
 const TRAJECTORY: &str = "docs/trajectories/qutebrowser-667-scaled.json";
@@ -195,11 +195,8 @@ fn settings(tmp: &Path) -> Res<Result<Settings, String>> {
             Ok(pvisor) => pvisor,
             Err(why) => return Ok(Err(why)),
         };
-        let mut short = trajectory;
-        short.steps.truncate(SMOKE_STEPS);
-        short.name = format!("{} (first {SMOKE_STEPS} steps)", short.name);
-        let path = tmp.join("smoke-trajectory.json");
-        fs::write(&path, serde_json::to_string_pretty(&short)?)?;
+        let (path, short) =
+            common::replay::prefix(&full, SMOKE_STEPS, tmp, "smoke-trajectory.json")?;
         return Ok(Ok(Settings {
             runs: 1,
             write_docs: false,

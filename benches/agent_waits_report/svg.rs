@@ -3,7 +3,7 @@
 //! most VMs, then the guest-RAM PSS of each other group size.
 
 use crate::common::results::{num, Results};
-use crate::common::svg::{document, legend, text, ChartFrame, LineChart};
+use crate::common::svg::{document, heading, legend, memory_time_frame, text, LineChart};
 use crate::replay::key;
 use crate::report::Context;
 use crate::targets::vms_label;
@@ -22,17 +22,6 @@ fn style(strategy: Strategy) -> &'static str {
         Strategy::Offload => r##"stroke="#c63" stroke-width="1.8""##,
         Strategy::OffloadCompressed => r##"stroke="#283" stroke-width="1.8""##,
         Strategy::OffloadLazy => r##"stroke="#c63" stroke-width="1.8" stroke-dasharray="2,2""##,
-    }
-}
-
-/// Tick values: whole numbers bare, others to one or two decimals.
-fn tick(v: f64) -> String {
-    if v.fract() == 0.0 {
-        num(v, 0)
-    } else if (v * 10.0).fract().abs() < 1e-9 {
-        num(v, 1)
-    } else {
-        num(v, 2)
     }
 }
 
@@ -65,13 +54,7 @@ fn panel(
         vms_label(vms),
         cx.chosen + 1
     );
-    text(
-        out,
-        10.0,
-        y0 + 16.0,
-        r#"font-weight="bold" font-size="14""#,
-        &title,
-    );
+    heading(out, y0 + 16.0, &title);
     let entries: Vec<(&str, String)> = lines
         .iter()
         .map(|(strategy, _)| {
@@ -107,15 +90,7 @@ fn panel(
         );
         return top + 40.0;
     }
-    let frame = ChartFrame {
-        left: PLOT_X,
-        top,
-        width: PLOT_W,
-        height: PLOT_H,
-        x_title: "seconds after the common release",
-        y_title: "GiB",
-        tick,
-    };
+    let frame = memory_time_frame(PLOT_X, top, PLOT_W, PLOT_H);
     let points = lines.iter().flat_map(|(_, p)| p.iter().copied());
     let (xs, ys): (Vec<f64>, Vec<f64>) = points.unzip();
     let chart = LineChart::begin(out, &frame, xs, ys);

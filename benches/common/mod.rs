@@ -24,7 +24,9 @@
 // Each bench uses a part of this module.
 #![allow(dead_code)]
 
+pub mod cpu;
 pub mod host;
+pub mod replay;
 pub mod results;
 pub mod svg;
 pub mod vmproc;

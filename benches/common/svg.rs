@@ -4,6 +4,8 @@
 
 use std::fmt::Write as _;
 
+use super::results::num;
+
 /// The height of a panel's row.
 pub const ROW_H: f64 = 22.0;
 
@@ -366,6 +368,42 @@ impl LineChart {
             );
         }
     }
+}
+
+/// A tick value: whole numbers bare, others to one or two decimals.
+pub fn tick_value(v: f64) -> String {
+    if v.fract() == 0.0 {
+        num(v, 0)
+    } else if (v * 10.0).fract().abs() < 1e-9 {
+        num(v, 1)
+    } else {
+        num(v, 2)
+    }
+}
+
+/// The frame of a chart of memory (GiB) over the seconds of a replay, in the box from
+/// (`left`, `top`) of `width` × `height`.
+pub fn memory_time_frame(left: f64, top: f64, width: f64, height: f64) -> ChartFrame<'static> {
+    ChartFrame {
+        left,
+        top,
+        width,
+        height,
+        x_title: "seconds after the common release",
+        y_title: "GiB",
+        tick: tick_value,
+    }
+}
+
+/// A panel's bold title at (10, `y`).
+pub fn heading(out: &mut String, y: f64, content: &str) {
+    text(
+        out,
+        10.0,
+        y,
+        r#"font-weight="bold" font-size="14""#,
+        content,
+    );
 }
 
 /// A legend in one row from (`x`, `y`): a short line in each entry's style (`stroke="…"`),

@@ -1,0 +1,610 @@
+//! Scenario bench of density under a host memory budget (issue 13): how many VMs replaying a
+//! recorded-wait agent trajectory fit in a memory budget under each wait strategy.
+//!
+//! *Density* of a strategy at a budget is the largest N of the sweep (1, 2, 4, 6, 8, 12, 16,
+//! 24, 32, 48, 64) for which every run of the rounds passes every check of `pvisor replay`, with
+//! zero OOM kills and a window (release to the last VM's end) at most 1.10× the window of the
+//! unbudgeted run of the same N and strategy in the same round (`judge`). Each run is the real
+//! `pvisor replay TRAJECTORY --vms N --strategy S [--memory-budget SIZE] --memory 512MiB
+//! --sample-ms 100 --json --samples FILE` (`common::replay`), the trajectory the first
+//! `DENSITY_BENCH_STEPS` steps of `docs/trajectories/qutebrowser-667.json`, waits as recorded.
+//!
+//! The sweep goes up N by N. At each N it runs `DENSITY_BENCH_ROUNDS` rounds; a round runs
+//! every (strategy, budget or none) still swept once, in an order that differs from round to
+//! round (`plan::round_order`). A (strategy, budget) whose run failed runs no more rounds at
+//! that N, and no larger N: its sweep stops there. A strategy that `pvisor replay` does not
+//! know (`--strategy S: expected …`) is reported as not available. The CPU time of each run
+//! (the replay, its VMs and everything they start) is read from a `cpuacct` cgroup
+//! (`common::cpu`).
+//!
+//! Options, from the environment:
+//! - `DENSITY_BENCH_ROUNDS` (default 3), `DENSITY_BENCH_BUDGETS` (`512MiB,1GiB`),
+//!   `DENSITY_BENCH_STRATEGIES` (`off,offload,offload-compressed,cold-compression,governed`),
+//!   `DENSITY_BENCH_VMS` (the sweep), `DENSITY_BENCH_STEPS` (24), `DENSITY_BENCH_MEMORY`
+//!   (guest RAM of each VM, `512MiB`);
+//! - `DENSITY_BENCH_QUICK=1`: 1 round, 512 MiB only, N up to 8, the first 12 steps (each still
+//!   overridden by its own variable).
+//!
+//! `cargo bench --bench density_report` writes `docs/bench/density.md`, `.csv` and `.svg`.
+//! Run without `--bench` (`cargo test --bench density_report`), it runs its unit tests, then a
+//! smoke run (6 steps, 1 and 2 VMs, off, 512 MiB, one round; no report), skipped when
+//! `target/release/pvisor` is missing or stale or with `PVISOR_SKIP_DEVICE_TESTS=1`;
+//! `cargo test --bench density_report -- --unit` runs the unit tests only.
+
+#![allow(clippy::cast_possible_truncation, clippy::cast_precision_loss)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use vmm::replay::Trajectory;
+
+#[path = "../common/mod.rs"]
+mod common;
+mod judge;
+mod plan;
+mod report;
+mod svg;
+
+use common::cpu::{CpuGroup, CpuUse};
+use common::host::TempRoot;
+use common::replay::{Outcome, Replay, Timeline};
+use common::Res;
+use judge::{Density, Facts, RunVerdict, SizeVerdict};
+use plan::Job;
+
+const BENCH: &str = "density_report";
+/// The trajectory, from the workspace root.
+const TRAJECTORY: &str = "docs/trajectories/qutebrowser-667.json";
+
+/// Sizes and places of one bench run.
+#[derive(Debug)]
+pub struct Settings {
+    pub rounds: usize,
+    pub write_docs: bool,
+    /// `DENSITY_BENCH_QUICK=1`.
+    pub quick: bool,
+    pub strategies: Vec<String>,
+    /// As given (`512MiB`) and in bytes.
+    pub budgets: Vec<(String, u64)>,
+    pub sweep: Vec<usize>,
+    pub steps: usize,
+    pub memory: String,
+    pub sample_ms: u64,
+    /// The prefix as given to `pvisor replay`, and what it holds.
+    pub trajectory: PathBuf,
+    pub replayed: Trajectory,
+    pub pvisor: PathBuf,
+}
+
+impl Settings {
+    /// The longest one replay of `vms` VMs may take: four times its waits, and 10 s a VM.
+    pub fn run_limit(&self, vms: usize) -> Duration {
+        let waits = self.replayed.total_wait().as_secs_f64();
+        Duration::from_secs_f64((4.0 * waits + 10.0 * vms as f64).max(300.0))
+    }
+}
+
+/// One run as measured.
+#[derive(Debug)]
+pub struct Measured {
+    pub job: Job,
+    pub vms: usize,
+    pub round: usize,
+    pub facts: Facts,
+    pub cgroup_gib_s: f64,
+    pub guest_gib_s: f64,
+    pub cpu: Option<CpuUse>,
+    /// Offloads and their time, summed over the VMs (NaN without wait management).
+    pub offloads: f64,
+    pub offload_ms: f64,
+    pub wall_s: f64,
+    pub timeline: Option<Timeline>,
+}
+
+/// Everything the sweep gave.
+#[derive(Debug, Default)]
+pub struct Log {
+    pub runs: Vec<Measured>,
+    /// Why a strategy is not available, by its index: `pvisor replay`'s own words.
+    pub unavailable: BTreeMap<usize, String>,
+    /// The verdict on each budgeted run, by (budget, strategy, N, round).
+    pub verdicts: BTreeMap<(usize, usize, usize, usize), RunVerdict>,
+    /// The verdicts on the group sizes of each (budget, strategy), in the sweep's order.
+    pub sizes: BTreeMap<(usize, usize), Vec<SizeVerdict>>,
+}
+
+impl Log {
+    /// The run of `job` with `vms` VMs in `round`.
+    pub fn run(&self, job: Job, vms: usize, round: usize) -> Option<&Measured> {
+        self.runs
+            .iter()
+            .find(|m| m.job == job && m.vms == vms && m.round == round)
+    }
+
+    /// The density of (budget, strategy); `None` when the strategy is not available.
+    pub fn density(&self, budget: usize, strategy: usize) -> Option<Density> {
+        if self.unavailable.contains_key(&strategy) {
+            return None;
+        }
+        self.sizes
+            .get(&(budget, strategy))
+            .map(|sizes| judge::density(sizes))
+    }
+}
+
+fn main() {
+    common::main(BENCH, run);
+}
+
+/// The value of the environment variable `name`, or `default`.
+fn env_text(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_owned())
+}
+
+/// The settings, or why the smoke run is skipped.
+fn settings(tmp: &Path) -> Res<Result<Settings, String>> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let pvisor = match common::vmproc::find_binary(&root, &common::host::target_dir()) {
+        Ok(pvisor) => pvisor,
+        Err(why) if !common::is_bench_run() => return Ok(Err(why)),
+        Err(why) => return Err(why.into()),
+    };
+    let bench = common::is_bench_run();
+    let quick = bench && std::env::var_os("DENSITY_BENCH_QUICK").is_some_and(|v| v == "1");
+    let (rounds, budgets, vms, steps, strategies) = if !bench {
+        (1, "512MiB", "1,2", 6, "off")
+    } else if quick {
+        (1, "512MiB", "1,2,4,6,8", 12, "off,offload")
+    } else {
+        (
+            3,
+            "512MiB,1GiB",
+            "1,2,4,6,8,12,16,24,32,48,64",
+            24,
+            "off,offload,offload-compressed,cold-compression,governed",
+        )
+    };
+    let (rounds, steps) = if bench {
+        (
+            common::env_number("DENSITY_BENCH_ROUNDS", rounds, 1)? as usize,
+            common::env_number("DENSITY_BENCH_STEPS", steps, 1)? as usize,
+        )
+    } else {
+        (rounds as usize, steps as usize)
+    };
+    let pick = |name: &str, default: &str| {
+        if bench {
+            env_text(name, default)
+        } else {
+            default.to_owned()
+        }
+    };
+    let strategies = plan::parse_strategies(&pick("DENSITY_BENCH_STRATEGIES", strategies))
+        .map_err(|e| format!("DENSITY_BENCH_STRATEGIES: {e}"))?;
+    let budgets = plan::parse_budgets(&pick("DENSITY_BENCH_BUDGETS", budgets))
+        .map_err(|e| format!("DENSITY_BENCH_BUDGETS: {e}"))?;
+    let sweep = plan::parse_vms(&pick("DENSITY_BENCH_VMS", vms))
+        .map_err(|e| format!("DENSITY_BENCH_VMS: {e}"))?;
+    let (trajectory, replayed) =
+        common::replay::prefix(&root.join(TRAJECTORY), steps, tmp, "trajectory.json")?;
+    Ok(Ok(Settings {
+        rounds,
+        write_docs: bench,
+        quick,
+        strategies,
+        budgets,
+        sweep,
+        steps,
+        memory: pick("DENSITY_BENCH_MEMORY", "512MiB"),
+        sample_ms: 100,
+        trajectory,
+        replayed,
+        pvisor,
+    }))
+}
+
+/// `pvisor replay`'s words when it does not know `strategy`, if that is why it did not run.
+fn unavailable(outcome: &Outcome, strategy: &str) -> Option<String> {
+    if outcome.summary.is_some() {
+        return None;
+    }
+    let marker = format!("--strategy `{strategy}`: expected");
+    outcome
+        .stderr
+        .lines()
+        .find(|line| line.contains(&marker))
+        .map(|line| line.trim().to_owned())
+}
+
+/// The facts of a run for the verdicts.
+fn facts(outcome: &Outcome) -> Facts {
+    let summary = outcome.summary.as_ref();
+    let oom_killed = summary
+        .and_then(|s| s["oom_killed"].as_array())
+        .into_iter()
+        .flatten()
+        .map(|v| {
+            format!(
+                "VM {} ({}): oom_kill {}",
+                v["vm"],
+                v["job"].as_str().unwrap_or("?"),
+                v["oom_kill"]
+            )
+        })
+        .collect();
+    let peak_gib = outcome.timeline.as_ref().map_or(f64::NAN, |t| {
+        t.points(true)
+            .iter()
+            .map(|&(_, v)| v)
+            .filter(|v| v.is_finite())
+            .fold(f64::NAN, f64::max)
+    });
+    Facts {
+        passed: outcome.passed(),
+        failures: if outcome.passed() {
+            Vec::new()
+        } else {
+            outcome.failure_parts()
+        },
+        oom_kills: summary.and_then(|s| s["oom_kills"].as_u64()).unwrap_or(0),
+        oom_killed,
+        window_s: outcome.number(&["completion_window_s"]),
+        peak_bytes: peak_gib * (1u64 << 30) as f64,
+    }
+}
+
+/// `1h02m03s`.
+pub fn duration_text(seconds: f64) -> String {
+    // NaN and negative times read 0.
+    let s = Duration::try_from_secs_f64(seconds + 0.5).map_or(0, |d| d.as_secs());
+    if s >= 3600 {
+        format!("{}h{:02}m{:02}s", s / 3600, s % 3600 / 60, s % 60)
+    } else {
+        format!("{}m{:02}s", s / 60, s % 60)
+    }
+}
+
+fn run() -> Res<()> {
+    let started = Instant::now();
+    if !common::is_bench_run() && unit_tests()? {
+        return Ok(());
+    }
+    let bench_run = common::host::BenchRun::begin();
+    if common::skip_smoke(BENCH, common::is_bench_run()) {
+        return Ok(());
+    }
+    let relative = Path::new("density").join(format!("p{}", std::process::id()));
+    let tmp = TempRoot::create(BENCH, &relative)?;
+    let settings = match settings(&tmp.path)? {
+        Ok(settings) => settings,
+        Err(why) => {
+            eprintln!("{BENCH}: smoke run skipped: {why}");
+            return Ok(());
+        }
+    };
+    common::host::check_vm_devices()?;
+    let run_dir = tmp.path.join("run");
+    std::fs::create_dir_all(&run_dir)?;
+    // Read by `vmm::runtime` here and inherited by every `pvisor` started; set before any
+    // thread exists.
+    std::env::set_var("PVISOR_RUNTIME_DIR", &run_dir);
+    let cpu = CpuGroup::create(&format!("density-bench-{}", std::process::id()))?;
+    let s = &settings;
+    eprintln!(
+        "{BENCH}: {} round(s); strategies {}; budgets {}; N {:?}; {} ({} steps, {} model waits, {:.1} s of waits), \
+         VMs of {}; {}; temporary files in {} ({})",
+        s.rounds,
+        s.strategies.join(", "),
+        s.budgets.iter().map(|(t, _)| t.as_str()).collect::<Vec<_>>().join(", "),
+        s.sweep,
+        s.replayed.name,
+        s.steps,
+        s.replayed.requests().len(),
+        s.replayed.total_wait().as_secs_f64(),
+        s.memory,
+        s.pvisor.display(),
+        tmp.path.display(),
+        tmp.filesystem
+    );
+    let log = sweep(s, &tmp.path, &cpu)?;
+    let cpu_method = cpu.describe();
+    drop(cpu);
+    drop(tmp);
+    let targets = report::targets(&log, s);
+    for t in &targets {
+        eprintln!("{BENCH}: {}: {} ({})", t.target, t.result, t.figure);
+    }
+    for (b, (budget, _)) in s.budgets.iter().enumerate() {
+        for (i, strategy) in s.strategies.iter().enumerate() {
+            eprintln!(
+                "{BENCH}: density at {budget}, {strategy}: {}",
+                report::density_text(&log, s, b, i)
+            );
+        }
+    }
+    let context = report::Context {
+        settings: s,
+        run: &bench_run,
+        log: &log,
+        cpu_method,
+    };
+    let outputs = [
+        ("csv", report::csv(&log, s)),
+        ("svg", svg::svg(&context)),
+        ("md", report::markdown(&targets, &context)),
+    ];
+    if !s.write_docs && log.runs.iter().any(|m| m.facts.window_s.is_nan()) {
+        return Err("a smoke run gave no summary".into());
+    }
+    common::finish(BENCH, s.write_docs, "density", &outputs, started)
+}
+
+/// Runs the sweep.
+fn sweep(s: &Settings, tmp: &Path, cpu: &CpuGroup) -> Res<Log> {
+    let mut log = Log::default();
+    // Where each (budget, strategy) stopped: the N that failed.
+    let mut stopped: BTreeMap<(usize, usize), usize> = BTreeMap::new();
+    let samples = tmp.join("samples.csv");
+    let started = Instant::now();
+    let mut done = 0usize;
+    for (stage, &vms) in s.sweep.iter().enumerate() {
+        // (budget, strategy) failed at this N, by the round it failed in.
+        let mut failed_here: BTreeMap<(usize, usize), usize> = BTreeMap::new();
+        for round in 0..s.rounds {
+            let swept = |strategy: usize, budget: usize| {
+                !log.unavailable.contains_key(&strategy)
+                    && !stopped.contains_key(&(budget, strategy))
+                    && !failed_here.contains_key(&(budget, strategy))
+            };
+            let jobs = plan::jobs(s.strategies.len(), s.budgets.len(), swept);
+            if jobs.is_empty() {
+                break;
+            }
+            for job in plan::round_order(&jobs, round) {
+                if log.unavailable.contains_key(&job.strategy) {
+                    continue;
+                }
+                let strategy = &s.strategies[job.strategy];
+                let budget = job.budget.map(|b| s.budgets[b].0.as_str());
+                let outcome = Replay {
+                    pvisor: &s.pvisor,
+                    trajectory: &s.trajectory,
+                    vms,
+                    strategy,
+                    config: None,
+                    budget,
+                    memory: &s.memory,
+                    sample_ms: s.sample_ms,
+                    limit: s.run_limit(vms),
+                }
+                .run(&samples, Some(cpu))?;
+                done += 1;
+                let elapsed = started.elapsed().as_secs_f64();
+                let done_here = log.runs.iter().filter(|m| m.vms == vms).count() + 1;
+                let left = runs_left(s, &log, &stopped, stage, done_here);
+                let eta = elapsed / done as f64 * left as f64;
+                let under =
+                    budget.map_or_else(|| "no budget".to_owned(), |b| format!("budget {b}"));
+                if let Some(why) = unavailable(&outcome, strategy) {
+                    eprintln!(
+                        "{BENCH}: [{done}] {strategy}: not available ({why}); its sweep is skipped"
+                    );
+                    log.unavailable.insert(job.strategy, why);
+                    continue;
+                }
+                if outcome.summary.is_none() && log.runs.iter().all(|m| m.facts.window_s.is_nan()) {
+                    return Err(format!(
+                        "`pvisor replay` did not run: {}",
+                        outcome.problem.as_deref().unwrap_or("no summary")
+                    )
+                    .into());
+                }
+                let measured = measure(&outcome, job, vms, round);
+                eprintln!(
+                    "{BENCH}: [{done}, ~{left} left] N={vms}, round {}/{}, {strategy}, {under}: {}; cpu {}; \
+                     elapsed {}, ETA ≤ {}",
+                    round + 1,
+                    s.rounds,
+                    outcome.describe(),
+                    measured
+                        .cpu
+                        .map_or_else(|| "–".to_owned(), |c| format!("{:.1} s", c.total_s())),
+                    duration_text(elapsed),
+                    duration_text(eta),
+                );
+                log.runs.push(measured);
+            }
+            // The verdicts of this round's budgeted runs.
+            for (b, (_, bytes)) in s.budgets.iter().enumerate() {
+                for i in 0..s.strategies.len() {
+                    let job = Job {
+                        strategy: i,
+                        budget: Some(b),
+                    };
+                    let Some(budgeted) = log.run(job, vms, round) else {
+                        continue;
+                    };
+                    let reference = log.run(
+                        Job {
+                            strategy: i,
+                            budget: None,
+                        },
+                        vms,
+                        round,
+                    );
+                    let verdict =
+                        judge::judge_run(&budgeted.facts, reference.map(|m| &m.facts), *bytes);
+                    if !verdict.passed {
+                        eprintln!(
+                            "{BENCH}: N={vms}, {}, budget {}: round {} FAILED: {}",
+                            s.strategies[i],
+                            s.budgets[b].0,
+                            round + 1,
+                            verdict.reasons.join("; ")
+                        );
+                        failed_here.entry((b, i)).or_insert(round);
+                    }
+                    log.verdicts.insert((b, i, vms, round), verdict);
+                }
+            }
+        }
+        // The size verdicts of this N; a failed (budget, strategy) stops here.
+        for b in 0..s.budgets.len() {
+            for i in 0..s.strategies.len() {
+                if stopped.contains_key(&(b, i)) || log.unavailable.contains_key(&i) {
+                    continue;
+                }
+                let runs: Vec<(usize, RunVerdict)> = (0..s.rounds)
+                    .filter_map(|r| log.verdicts.get(&(b, i, vms, r)).map(|v| (r, v.clone())))
+                    .collect();
+                let verdict = judge::judge_size(vms, &runs);
+                if !verdict.passed {
+                    eprintln!(
+                        "{BENCH}: {} at {}: the sweep stops at N={vms} (density {})",
+                        s.strategies[i],
+                        s.budgets[b].0,
+                        report::previous_size(s, vms)
+                    );
+                    stopped.insert((b, i), vms);
+                }
+                log.sizes.entry((b, i)).or_default().push(verdict);
+            }
+        }
+    }
+    Ok(log)
+}
+
+/// An upper bound of the runs still to go after this one: every (budget, strategy) still
+/// swept running every round of this N (stage `stage` of the sweep) and of every larger one;
+/// `done_here` runs of this N are done.
+fn runs_left(
+    s: &Settings,
+    log: &Log,
+    stopped: &BTreeMap<(usize, usize), usize>,
+    stage: usize,
+    done_here: usize,
+) -> usize {
+    let swept =
+        |i: usize, b: usize| !log.unavailable.contains_key(&i) && !stopped.contains_key(&(b, i));
+    let per_stage = plan::jobs(s.strategies.len(), s.budgets.len(), swept).len() * s.rounds;
+    per_stage.saturating_sub(done_here) + per_stage * (s.sweep.len() - stage - 1)
+}
+
+/// What a run gave, for the tables.
+fn measure(outcome: &Outcome, job: Job, vms: usize, round: usize) -> Measured {
+    let number = |path: &[&str]| outcome.number(path);
+    Measured {
+        job,
+        vms,
+        round,
+        facts: facts(outcome),
+        cgroup_gib_s: number(&["cgroup_mem_gib_s_per_task"]),
+        guest_gib_s: number(&["guest_pss_gib_s_per_task"]),
+        cpu: outcome.cpu,
+        offloads: number(&["wait", "offloads"]),
+        offload_ms: number(&["wait", "offload_ms"]),
+        wall_s: outcome.wall_s,
+        timeline: outcome.timeline.clone(),
+    }
+}
+
+/// Runs the unit tests (built by `cargo test`); true when they are all that is to run
+/// (`-- --unit`). An error when one failed.
+#[cfg(test)]
+fn unit_tests() -> Res<bool> {
+    let tests = judge::tests::ALL
+        .iter()
+        .chain(plan::tests::ALL)
+        .chain(tests::ALL);
+    let mut failed = Vec::new();
+    let mut count = 0;
+    for (name, test) in tests {
+        count += 1;
+        let ok = std::panic::catch_unwind(test).is_ok();
+        eprintln!("test {name} ... {}", if ok { "ok" } else { "FAILED" });
+        if !ok {
+            failed.push(*name);
+        }
+    }
+    if !failed.is_empty() {
+        return Err(format!(
+            "{} of {count} unit tests failed: {}",
+            failed.len(),
+            failed.join(", ")
+        )
+        .into());
+    }
+    eprintln!("{BENCH}: {count} unit tests passed");
+    Ok(std::env::args().any(|a| a == "--unit"))
+}
+
+/// Without `cargo test` there are no unit tests to run.
+#[cfg(not(test))]
+fn unit_tests() -> Res<bool> {
+    Ok(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(stderr: &str) -> Outcome {
+        Outcome {
+            status: None,
+            wall_s: 0.1,
+            summary: None,
+            problem: Some("no JSON summary".into()),
+            timeline: None,
+            stderr: stderr.into(),
+            cpu: None,
+        }
+    }
+
+    fn unavailable_unknown_strategy_gives_pvisors_words() {
+        let outcome = refused(
+            "pvisor: --strategy `governed`: expected off, pause, offload, offload-compressed or \
+             cold-compression\n",
+        );
+        let why = unavailable(&outcome, "governed").unwrap();
+        assert!(
+            why.starts_with("pvisor: --strategy `governed`: expected off"),
+            "{why}"
+        );
+    }
+
+    fn unavailable_other_failure_is_none() {
+        assert_eq!(
+            unavailable(&refused("VM 0 did not start\n"), "governed"),
+            None
+        );
+        // Another strategy's refusal says nothing about this one.
+        let other = refused("pvisor: --strategy `swap`: expected off\n");
+        assert_eq!(unavailable(&other, "governed"), None);
+        let mut ran = refused("pvisor: --strategy `governed`: expected off\n");
+        ran.summary = Some(serde_json::json!({"integrity_passed": false}));
+        assert_eq!(unavailable(&ran, "governed"), None);
+    }
+
+    fn duration_text_hours_minutes_seconds() {
+        assert_eq!(duration_text(59.4), "0m59s");
+        assert_eq!(duration_text(3723.0), "1h02m03s");
+        assert_eq!(duration_text(f64::NAN), "0m00s");
+        assert_eq!(duration_text(-5.0), "0m00s");
+    }
+
+    pub const ALL: &[(&str, fn())] = &[
+        (
+            "unavailable_unknown_strategy_gives_pvisors_words",
+            unavailable_unknown_strategy_gives_pvisors_words,
+        ),
+        (
+            "unavailable_other_failure_is_none",
+            unavailable_other_failure_is_none,
+        ),
+        (
+            "duration_text_hours_minutes_seconds",
+            duration_text_hours_minutes_seconds,
+        ),
+    ];
+}
