@@ -948,6 +948,23 @@ impl DiskStore {
         Ok(self.generation)
     }
 
+    /// Runs compaction if the store's options ask for it after every commit
+    /// (`auto_compact`): for a writer that committed its steps with
+    /// [`commit_uncached`](Self::commit_uncached), once at the end. `None` when the options
+    /// say not to.
+    pub fn compact_if_auto(&mut self) -> Result<Option<CompactionReport>, StoreError> {
+        if !self.options.auto_compact {
+            return Ok(None);
+        }
+        match self.compact() {
+            Ok(report) => Ok(Some(report)),
+            Err(source) => Err(StoreError::CompactionFailed {
+                generation: self.generation,
+                source: Box::new(source),
+            }),
+        }
+    }
+
     /// Whether reads (of this store and of the readers taken from it from now on) drop what
     /// they read from the page cache at once: for a reader that copies each block elsewhere
     /// and will not read it again soon (a pager installing blocks into guest RAM), where a
