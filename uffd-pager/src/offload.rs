@@ -58,6 +58,11 @@ pub struct OffloadConfig {
 /// 32 MiB and one batch).
 pub const DEFAULT_BATCH_BYTES: u64 = 8 << 20;
 
+/// Most image bytes per append of an offload's writer threads (each holds a buffer of this
+/// size): 1 MiB, beside 4 MiB for other bulk writes, measured no slower in
+/// docs/bench/offload.md, where the fsyncs of each batch dominate.
+const APPEND_BYTES: usize = 1 << 20;
+
 /// How an offload is cut into batches, each written, made durable and committed, its pages
 /// then dropped, before the next is written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,8 +74,9 @@ pub struct Batching {
 }
 
 impl Batching {
-    /// One batch: every block written, one commit, then every page dropped (the order of the
-    /// offload before batches, kept to measure against).
+    /// One batch: every block written, one commit, then every page dropped, with appends of
+    /// the configured size (the order and the buffers of the offload before batches, kept to
+    /// measure against).
     pub const WHOLE: Self = Self { bytes: u64::MAX };
 
     /// Batches of `bytes` image bytes.
@@ -476,11 +482,28 @@ impl Pager {
             shared,
             stored: &reader,
         };
+        // Appends of at most 1 MiB, and of at most a batch shared among the threads: each
+        // thread has a share of every batch to write, and their buffers (touched up front)
+        // stay small beside the batch's page cache.
+        let block_bytes = shared.block_size.bytes();
+        let threads = config.bulk.threads.max(1);
+        let bulk = if batching == Batching::WHOLE {
+            config.bulk
+        } else {
+            BulkOptions {
+                threads,
+                batch_bytes: config
+                    .bulk
+                    .batch_bytes
+                    .min(APPEND_BYTES)
+                    .min((batch_blocks.saturating_mul(block_bytes) / threads).max(block_bytes)),
+            }
+        };
         let written = bulk::write_groups(
             &turn,
             &composer,
             &blocks,
-            &config.bulk,
+            &bulk,
             batch_blocks,
             &|_| {},
             |group, _| {
