@@ -1,7 +1,7 @@
 //! Scenario bench of the offload under a memory budget (issue 13, item 1); regenerates
 //! `docs/bench/offload.md` and `docs/bench/offload.csv`.
 //!
-//! `cargo bench --bench offload_report` runs `OFFLOAD_BENCH_RUNS` (default 5) rounds. Each
+//! `cargo bench --bench offload_report` runs `OFFLOAD_BENCH_RUNS` (default 7) rounds. Each
 //! measured offload runs in a child process of its own (this binary re-executed with
 //! `--offload-child`), inside a fresh cgroup v1 memory cgroup that the bench creates and
 //! removes: the child joins it before it allocates anything, maps a VM-shaped region
@@ -67,7 +67,7 @@ fn settings() -> Res<Settings> {
     let quick = std::env::args().any(|a| a == "--quick")
         || std::env::var_os("OFFLOAD_BENCH_QUICK").is_some_and(|v| v == "1")
         || !common::is_bench_run();
-    let runs = env_number("OFFLOAD_BENCH_RUNS", if quick { 2 } else { 5 }, 1)? as usize;
+    let runs = env_number("OFFLOAD_BENCH_RUNS", if quick { 2 } else { 7 }, 1)? as usize;
     let margin = env_number("OFFLOAD_BENCH_MARGIN_MIB", 24, 1)? << 20;
     let (layout, batches) = if quick {
         (
