@@ -14,7 +14,8 @@
 //! (`Batching::WHOLE`: the single-commit order of the offload before batches) × unbudgeted and
 //! budgeted; within a round the two budget states of a case run back to back (their order
 //! alternating by round) and the cases rotate. Each round also times one index commit of a
-//! 512 MiB image's store (what every batch adds).
+//! 512 MiB image's store (what every batch adds), and the write engine alone (`engine`:
+//! buffered write-back + drop against `O_DIRECT`, the touched bytes in 8 MiB batches).
 //!
 //! `--quick` (or `OFFLOAD_BENCH_QUICK=1`), and a run without `--bench` (`cargo test
 //! --benches`): 2 rounds of a 128 MiB region with 24 MiB touched, 8 MiB batches and one
@@ -31,6 +32,7 @@ mod cgroup;
 mod child;
 #[path = "../common/mod.rs"]
 mod common;
+mod engine;
 mod report;
 
 use cgroup::MemCgroup;
@@ -156,6 +158,12 @@ fn run() -> Res<()> {
             );
         }
         index_commit(round, &tmp.path, &settings, &mut results)?;
+        for i in 0..engine::ENGINES.len() {
+            let name = engine::ENGINES[(i + round) % engine::ENGINES.len()];
+            let batch = uffd_pager::offload::DEFAULT_BATCH_BYTES as usize;
+            let ms = engine::measure(&tmp.path, name, settings.layout.touched(), batch)?;
+            results.put(&format!("engine.{name}.ms_per_mib"), "ms/MiB", round, ms);
+        }
         common::end_round(BENCH, &mut results, round, started);
     }
     let markdown = report::markdown(&bench, &settings, &results, &tmp.filesystem);
