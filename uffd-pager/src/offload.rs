@@ -25,11 +25,11 @@
 //! then all dropped), the order before batches.
 //!
 //! Figures (docs/bench/offload.md, medians of 7 rounds, 72 MiB touched in a 512 MiB region,
-//! two threads): 8 MiB batches need 11.0 MiB (raw) and 6.2 MiB (lz4) beyond the VM's memory,
-//! against 83.0 and 42.8 MiB as one batch, at 1.00 and 0.80 ms/MiB (one batch 1.31 and 0.71);
-//! under a limit of the usage + 24 MiB they take 1.08× and 1.02× the unbudgeted time and never
-//! hit it. 2 MiB batches cost 65% more time (index commits); 16 and 32 MiB gain nothing
-//! measurable for twice and four times the memory.
+//! two threads): 8 MiB batches need 11.2 MiB (raw) and 6.2 MiB (lz4) beyond the VM's memory,
+//! against 82.8 and 43.0 MiB as one batch, at 1.01 and 0.80 ms/MiB (one batch 1.12 and 0.63);
+//! under a limit of the usage + 24 MiB they take 1.06× and 1.05× the unbudgeted time and never
+//! hit it. 2 MiB batches cost 49–66% more time (index commits); 16 and 32 MiB save at most 8%
+//! for 1.7× and 3× the memory.
 
 use std::cell::RefCell;
 use std::path::PathBuf;
