@@ -11,7 +11,7 @@
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Barrier, Mutex};
 use std::thread;
 
 use crate::codec::{BlockKind, Encoder};
@@ -24,6 +24,11 @@ pub trait BlockSource: Sync {
     /// whole transfer (a block stored raw is then written from it without a copy), or `None`
     /// after filling `scratch`.
     fn block<'s>(&'s self, block: u64, scratch: &mut [u8]) -> io::Result<Option<&'s [u8]>>;
+
+    /// Called once on each worker thread before its first block, with the block size: a
+    /// source with per-thread buffers allocates them here, so that a transfer allocates
+    /// nothing once it has begun. Nothing by default.
+    fn prepare(&self, _block_bytes: usize) {}
 }
 
 /// A RAM image in a file.
@@ -169,78 +174,240 @@ pub fn write_blocks<'s>(
     options: &BulkOptions,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<BulkReport, StoreError> {
-    if let Some(&block) = blocks.iter().find(|&&b| b >= store.blocks()) {
-        return Err(StoreError::BlockOutOfRange {
-            block,
-            blocks: store.blocks(),
-        });
+    let store = Mutex::new(store);
+    let turn = || Turn(lock(&store));
+    write_groups(
+        &turn,
+        source,
+        blocks,
+        options,
+        usize::MAX,
+        progress,
+        |_, _| Ok::<(), StoreError>(()),
+    )
+}
+
+/// The store of a [`write_blocks`], one writer at a time.
+struct Turn<'a, 'b>(std::sync::MutexGuard<'a, &'b mut DiskStore>);
+
+impl std::ops::Deref for Turn<'_, '_> {
+    type Target = DiskStore;
+    fn deref(&self) -> &DiskStore {
+        &self.0
     }
-    let codec = store.codec();
-    let block_size = store.block_size();
-    let image_size = store.image_size();
+}
+
+impl std::ops::DerefMut for Turn<'_, '_> {
+    fn deref_mut(&mut self) -> &mut DiskStore {
+        &mut self.0
+    }
+}
+
+/// Like [`write_blocks`], in groups of `group_blocks` consecutive entries of `blocks`: the
+/// workers write one group, then wait while `on_group` runs on the caller's thread with the
+/// group's blocks and what was written of them (to make the group durable and act on it),
+/// then go on with the next group. The store is reached through `store`, which locks it; it
+/// is not locked while `on_group` runs. The workers' buffers are allocated once, before the
+/// first write, and [`BlockSource::prepare`] is called on each worker thread first. The first
+/// error (of a worker or of `on_group`) ends the transfer after the group being written:
+/// groups that `on_group` already took stay as it left them, the rest is not written, or
+/// partly written and never committed.
+pub fn write_groups<'s, G, E>(
+    store: &(dyn Fn() -> G + Sync),
+    source: &'s (dyn BlockSource + 's),
+    blocks: &[u64],
+    options: &BulkOptions,
+    group_blocks: usize,
+    progress: &(dyn Fn(u64) + Sync),
+    mut on_group: impl FnMut(&[u64], &BulkReport) -> Result<(), E>,
+) -> Result<BulkReport, E>
+where
+    G: std::ops::DerefMut<Target = DiskStore>,
+    E: From<StoreError>,
+{
+    let (codec, block_size, image_size) = {
+        let store = store();
+        if let Some(&block) = blocks.iter().find(|&&b| b >= store.blocks()) {
+            return Err(StoreError::BlockOutOfRange {
+                block,
+                blocks: store.blocks(),
+            }
+            .into());
+        }
+        (store.codec(), store.block_size(), store.image_size())
+    };
     let batch_blocks = options.batch_blocks(block_size.bytes());
+    let threads = options.threads.max(1);
+    // The workers and this thread meet at `start` (a group is set, or `quit`) and at `done`
+    // (the group is written).
+    let start = Barrier::new(threads + 1);
+    let done = Barrier::new(threads + 1);
+    let quit = AtomicBool::new(false);
     let next = AtomicUsize::new(0);
+    let end = AtomicUsize::new(0);
     let abort = AtomicBool::new(false);
     let first_error: Mutex<Option<StoreError>> = Mutex::new(None);
-    let total = Mutex::new(BulkReport::default());
-    let store = Mutex::new(store);
+    let panicked: Mutex<Option<Box<dyn std::any::Any + Send>>> = Mutex::new(None);
+    let group_report = Mutex::new(BulkReport::default());
     let fail = |e: StoreError| {
         abort.store(true, Ordering::Relaxed);
         lock(&first_error).get_or_insert(e);
     };
-    thread::scope(|scope| {
-        for _ in 0..options.threads.max(1) {
+    let result = thread::scope(|scope| {
+        for _ in 0..threads {
             scope.spawn(|| {
-                let mut encoder = match Encoder::new(codec) {
-                    Ok(encoder) => encoder,
-                    Err(e) => return fail(StoreError::Codec(e)),
+                let mut worker = match Encoder::new(codec) {
+                    Ok(encoder) => Some(Worker {
+                        encoder,
+                        block_size,
+                        scratch: vec![0u8; block_size.bytes()],
+                        batch: EncodedBatch::with_capacity(batch_blocks, block_size.bytes()),
+                    }),
+                    Err(e) => {
+                        fail(StoreError::Codec(e));
+                        None
+                    }
                 };
-                let mut scratch = vec![0u8; block_size.bytes()];
-                let mut batch: EncodedBatch<'s> =
-                    EncodedBatch::with_capacity(batch_blocks, block_size.bytes());
-                let mut report = BulkReport::default();
-                while !abort.load(Ordering::Relaxed) {
-                    let start = next.fetch_add(batch_blocks, Ordering::Relaxed);
-                    if start >= blocks.len() {
+                source.prepare(block_size.bytes());
+                loop {
+                    start.wait();
+                    if quit.load(Ordering::Acquire) {
                         break;
                     }
-                    batch.clear();
-                    let mut bytes = 0;
-                    for &block in &blocks[start..(start + batch_blocks).min(blocks.len())] {
-                        let len = block_size.len_in_image(block, image_size);
-                        let shared = match source.block(block, &mut scratch[..len]) {
-                            Ok(shared) => shared,
-                            Err(source) => return fail(StoreError::Source { block, source }),
-                        };
-                        let encoded = encoder.encode(shared.unwrap_or(&scratch[..len]));
-                        let stored = if encoded.kind.has_data() {
-                            encoded.payload.len()
-                        } else {
-                            0
-                        };
-                        report.count(Some(encoded.kind), len, stored);
-                        match shared {
-                            // Raw bytes of the source's own memory: written from there.
-                            Some(bytes) if encoded.kind == BlockKind::Raw => {
-                                batch.push_shared(block, bytes)
+                    if let Some(worker) = &mut worker {
+                        let written =
+                            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                let mut report = BulkReport::default();
+                                let group = ..end.load(Ordering::Acquire);
+                                let result = worker.write(
+                                    store,
+                                    source,
+                                    blocks,
+                                    group,
+                                    &next,
+                                    &abort,
+                                    batch_blocks,
+                                    image_size,
+                                    &mut report,
+                                    progress,
+                                );
+                                lock(&group_report).merge(&report);
+                                result
+                            }));
+                        match written {
+                            Ok(Ok(())) => {}
+                            Ok(Err(e)) => fail(e),
+                            Err(payload) => {
+                                abort.store(true, Ordering::Relaxed);
+                                lock(&panicked).get_or_insert(payload);
                             }
-                            _ => batch.push(block, encoded),
                         }
-                        bytes += len as u64;
                     }
-                    if let Err(e) = lock(&store).put_batch(&batch) {
-                        return fail(e);
-                    }
-                    progress(bytes);
+                    done.wait();
                 }
-                lock(&total).merge(&report);
             });
         }
+        // Whatever happens below (an error, a panic of `on_group`), the workers are let go.
+        let _release = Release {
+            quit: &quit,
+            start: &start,
+        };
+        let mut total = BulkReport::default();
+        for (i, group) in blocks.chunks(group_blocks.max(1)).enumerate() {
+            let first = i * group_blocks.max(1);
+            next.store(first, Ordering::Relaxed);
+            end.store(first + group.len(), Ordering::Release);
+            start.wait();
+            done.wait();
+            if abort.load(Ordering::Relaxed) {
+                break;
+            }
+            let report = std::mem::take(&mut *lock(&group_report));
+            total.merge(&report);
+            on_group(group, &report)?;
+        }
+        Ok(total)
     });
-    if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        return Err(e);
+    if let Some(payload) = panicked.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        std::panic::resume_unwind(payload);
     }
-    Ok(total.into_inner().unwrap_or_else(|p| p.into_inner()))
+    if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e.into());
+    }
+    result
+}
+
+/// Lets the workers of a [`write_groups`] go when dropped.
+struct Release<'a> {
+    quit: &'a AtomicBool,
+    start: &'a Barrier,
+}
+
+impl Drop for Release<'_> {
+    fn drop(&mut self) {
+        self.quit.store(true, Ordering::Release);
+        self.start.wait();
+    }
+}
+
+/// One worker's encoder and buffers, kept for the whole transfer.
+struct Worker<'s> {
+    encoder: Encoder,
+    block_size: crate::layout::BlockSize,
+    scratch: Vec<u8>,
+    batch: EncodedBatch<'s>,
+}
+
+impl<'s> Worker<'s> {
+    /// Claims batches of `blocks[..group.end]` from `next` and writes them, until none is
+    /// left or `abort`.
+    #[allow(clippy::too_many_arguments)]
+    fn write<G: std::ops::DerefMut<Target = DiskStore>>(
+        &mut self,
+        store: &(dyn Fn() -> G + Sync),
+        source: &'s (dyn BlockSource + 's),
+        blocks: &[u64],
+        group: std::ops::RangeTo<usize>,
+        next: &AtomicUsize,
+        abort: &AtomicBool,
+        batch_blocks: usize,
+        image_size: u64,
+        report: &mut BulkReport,
+        progress: &(dyn Fn(u64) + Sync),
+    ) -> Result<(), StoreError> {
+        while !abort.load(Ordering::Relaxed) {
+            let start = next.fetch_add(batch_blocks, Ordering::Relaxed);
+            if start >= group.end {
+                break;
+            }
+            self.batch.clear();
+            let mut bytes = 0;
+            for &block in &blocks[start..(start + batch_blocks).min(group.end)] {
+                let len = self.block_size.len_in_image(block, image_size);
+                let shared = source
+                    .block(block, &mut self.scratch[..len])
+                    .map_err(|source| StoreError::Source { block, source })?;
+                let encoded = self.encoder.encode(shared.unwrap_or(&self.scratch[..len]));
+                let stored = if encoded.kind.has_data() {
+                    encoded.payload.len()
+                } else {
+                    0
+                };
+                report.count(Some(encoded.kind), len, stored);
+                match shared {
+                    // Raw bytes of the source's own memory: written from there.
+                    Some(bytes) if encoded.kind == BlockKind::Raw => {
+                        self.batch.push_shared(block, bytes)
+                    }
+                    _ => self.batch.push(block, encoded),
+                }
+                bytes += len as u64;
+            }
+            store().put_batch(&self.batch)?;
+            progress(bytes);
+        }
+        Ok(())
+    }
 }
 
 /// Locks a mutex, ignoring poisoning (a panicking worker aborts the whole transfer anyway).
@@ -428,6 +595,112 @@ mod tests {
         store.get(20, &mut out).unwrap();
         assert_eq!(out, [7u8; 4096]);
         assert_eq!(store.kind(21).unwrap(), None);
+    }
+
+    fn small_store(dir: &std::path::Path, blocks: u64) -> DiskStore {
+        DiskStore::create(
+            dir,
+            StoreConfig {
+                block_size: BlockSize::new(4096).unwrap(),
+                codec: CodecConfig::new(Codec::Lz4),
+                image_size: blocks * 4096,
+            },
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn bulk_write_groups_hands_over_each_group_once_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Mutex::new(small_store(dir.path(), 38));
+        let data = image(38 * 4096);
+        let blocks: Vec<u64> = (0..38).collect();
+        let mut groups = Vec::new();
+        let report = write_groups(
+            &|| lock(&store),
+            &SliceSource::new(&data, 4096),
+            &blocks,
+            &BulkOptions::with_threads(3),
+            8,
+            &|_| {},
+            |group, report| {
+                // Every block of the group is in the store when it is handed over.
+                let mut store = lock(&store);
+                for &b in group {
+                    let mut out = [0u8; 4096];
+                    store.get(b, &mut out).unwrap();
+                    assert!(out[..] == data[b as usize * 4096..][..4096], "block {b}");
+                }
+                assert_eq!(report.blocks, group.len() as u64);
+                store.commit_uncached()?;
+                groups.push(group.to_vec());
+                Ok::<(), StoreError>(())
+            },
+        )
+        .unwrap();
+        assert_eq!(report.blocks, 38);
+        let want: Vec<Vec<u64>> = blocks.chunks(8).map(<[u64]>::to_vec).collect();
+        assert_eq!(groups, want);
+    }
+
+    #[test]
+    fn bulk_write_groups_error_ends_after_the_groups_already_handed_over() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Mutex::new(small_store(dir.path(), 64));
+        let blocks: Vec<u64> = (0..64).collect();
+        let mut handed = Vec::new();
+        let err = write_groups(
+            &|| lock(&store),
+            &FailingSource,
+            &blocks,
+            &BulkOptions::with_threads(2),
+            8,
+            &|_| {},
+            |group, _| {
+                lock(&store).commit_uncached()?;
+                handed.extend_from_slice(group);
+                Ok::<(), StoreError>(())
+            },
+        )
+        .unwrap_err();
+        assert!(matches!(err, StoreError::Source { block: 20, .. }), "{err}");
+        assert_eq!(handed, (0..16).collect::<Vec<u64>>());
+        let mut store = store.into_inner().unwrap();
+        store.rollback().unwrap();
+        let mut out = [0u8; 4096];
+        for b in 0..16 {
+            store.get(b, &mut out).unwrap();
+            assert_eq!(out, [b as u8; 4096], "block {b}");
+        }
+        assert_eq!(store.kind(20).unwrap(), None);
+    }
+
+    #[test]
+    fn bulk_write_groups_error_of_the_caller_stops_the_workers() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Mutex::new(small_store(dir.path(), 64));
+        let data = image(64 * 4096);
+        let blocks: Vec<u64> = (0..64).collect();
+        let mut calls = 0;
+        let err = write_groups(
+            &|| lock(&store),
+            &SliceSource::new(&data, 4096),
+            &blocks,
+            &BulkOptions::with_threads(2),
+            8,
+            &|_| {},
+            |_, _| {
+                calls += 1;
+                Err(StoreError::GenerationsExhausted {
+                    dir: std::path::PathBuf::from("x"),
+                })
+            },
+        )
+        .unwrap_err();
+        assert!(matches!(err, StoreError::GenerationsExhausted { .. }));
+        assert_eq!(calls, 1);
+        // The second group was never written.
+        assert_eq!(lock(&store).kind(8).unwrap(), None);
     }
 
     #[test]

@@ -8,13 +8,15 @@
 use std::fs::File;
 use std::os::fd::FromRawFd;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use compressed_backing::bulk::BulkOptions;
 use compressed_backing::{Codec, CodecConfig};
 use testkit::Mapping;
 use uffd_pager::addr::{HostAddr, HostRange, PAGE_SIZE};
+use uffd_pager::cold::ColdConfig;
 use uffd_pager::load::LoadMode;
-use uffd_pager::offload::{OffloadConfig, OffloadError};
+use uffd_pager::offload::{Batching, OffloadConfig, OffloadError};
 use uffd_pager::pager::{Pager, PagerConfig, RamKind, RegionSpec};
 use uffd_pager::source::RawFileSource;
 use uffd_pager::state::PageState;
@@ -362,22 +364,50 @@ fn pager_offload_that_fails_half_way_leaves_memory_intact() {
     if skip() {
         return;
     }
-    let small = testkit::Tmpfs::mount("2m");
+    // 16 MiB of raw blocks in batches of 4 MiB onto a 10 MiB disk: two batches fit.
+    let small = testkit::Tmpfs::mount("10m");
     let mut ram = Ram::anon(16 * MIB);
     let pager = pager(&ram, PagerConfig::default());
     fill(ram.bytes_mut(), 13);
-    let digest = ram.digest();
-    // Random-ish content does not fit in 2 MiB: the write fails with ENOSPC part-way.
+    let expect = ram.bytes().to_vec();
+    let pages = (16 * MIB) as u64 / PAGE_SIZE;
+    let written: Vec<bool> = (0..pages)
+        .map(|p| pager.page_state(p * PAGE_SIZE) == PageState::Resident)
+        .collect();
     let err = pager
-        .offload(&offload_config(&small.path().join("store"), Codec::None))
+        .offload_with(
+            &offload_config(&small.path().join("store"), Codec::None),
+            Batching::of(4 * MIB as u64),
+        )
         .unwrap_err();
     assert!(
-        matches!(err, OffloadError::Store(ref e) if e.is_no_space()),
+        matches!(err, OffloadError::Store { ref source, .. } if source.is_no_space()),
         "{err}"
     );
-    assert_eq!(ram.resident(), 16 * MIB);
-    assert_eq!(pager.state_counts().resident, (16 * MIB) as u64 / PAGE_SIZE);
-    assert_eq!(ram.digest(), digest);
+    assert_eq!(err.batches(), 2, "{err}");
+    // Pages of the two committed batches (the first 8 MiB) are stored, the rest resident.
+    let committed = (8 * MIB) as u64 / PAGE_SIZE;
+    for page in 0..pages {
+        let state = pager.page_state(page * PAGE_SIZE);
+        let want = match (written[page as usize], page < committed) {
+            (false, _) => PageState::Zero,
+            (true, true) => PageState::Stored,
+            (true, false) => PageState::Resident,
+        };
+        assert_eq!(state, want, "page {page}");
+    }
+    let resident_pages = written[committed as usize..].iter().filter(|&&w| w).count();
+    assert_eq!(ram.resident(), resident_pages * PAGE_SIZE as usize);
+    // Every byte is there: the stored pages are served from the store on fault.
+    let copies = pager.metrics().snapshot().pages_copied;
+    for (page, want) in expect.chunks(PAGE_SIZE as usize).enumerate() {
+        let at = page * PAGE_SIZE as usize;
+        assert!(ram.bytes()[at..at + want.len()] == *want, "page {page}");
+    }
+    let stored = written[..committed as usize].iter().filter(|&&w| w).count() as u64;
+    assert!(pager.metrics().snapshot().pages_copied - copies >= stored);
+    assert_eq!(pager.metrics().snapshot().fault_errors, 0);
+    assert_eq!(pager.state_counts().stored, 0);
     // A later offload to a disk with room works.
     let dir = tempfile::tempdir().unwrap();
     drop(small);
@@ -387,6 +417,81 @@ fn pager_offload_that_fails_half_way_leaves_memory_intact() {
     pager2
         .offload(&offload_config(dir.path(), Codec::Lz4))
         .unwrap();
+}
+
+#[test]
+fn pager_offload_of_pooled_blocks_that_fails_half_way_keeps_the_committed_ones_stored() {
+    if skip() {
+        return;
+    }
+    // 8 MiB that lz4 halves, all in the cold pool, passed through in batches of 1 MiB of
+    // image (about 512 KiB stored each) onto a 2 MiB disk: a few batches fit, not all.
+    let small = testkit::Tmpfs::mount("2m");
+    let mut ram = Ram::memfd(8 * MIB);
+    let pager = pager(
+        &ram,
+        PagerConfig {
+            remove_events: false,
+            ..PagerConfig::default()
+        },
+    );
+    let mut state = 7u64;
+    for page in ram.bytes_mut().chunks_mut(PAGE_SIZE as usize) {
+        for b in &mut page[..PAGE_SIZE as usize / 2] {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            *b = state as u8;
+        }
+    }
+    let expect = ram.bytes().to_vec();
+    pager
+        .start_cold(ColdConfig {
+            cold_age: Duration::from_millis(50),
+            scan_period: Duration::from_millis(20),
+            cpu_budget: 1.0,
+            idle_cpu_budget: 1.0,
+            pool_cap_share: 1.0,
+            ..ColdConfig::default()
+        })
+        .unwrap();
+    pager.set_idle(true);
+    let pages = (8 * MIB) as u64 / PAGE_SIZE;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while pager.state_counts().pooled < pages {
+        assert!(Instant::now() < deadline, "{:?}", pager.state_counts());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let err = pager
+        .offload_with(
+            &offload_config(&small.path().join("store"), Codec::Lz4),
+            Batching::of(MIB as u64),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, OffloadError::Store { ref source, .. } if source.is_no_space()),
+        "{err}"
+    );
+    let batches = err.batches();
+    assert!((1..8).contains(&batches), "{err}");
+    // The committed batches' blocks are stored and out of the pool, the rest pooled.
+    let committed = batches * MIB as u64 / PAGE_SIZE;
+    for page in 0..pages {
+        let want = if page < committed {
+            PageState::Stored
+        } else {
+            PageState::Pooled
+        };
+        assert_eq!(pager.page_state(page * PAGE_SIZE), want, "page {page}");
+    }
+    let blocks_left = (pages - committed) / 16;
+    assert_eq!(pager.cold_stats().unwrap().pool.blocks, blocks_left);
+    // Every byte is there, from the store or from the pool.
+    for (page, want) in expect.chunks(PAGE_SIZE as usize).enumerate() {
+        let at = page * PAGE_SIZE as usize;
+        assert!(ram.bytes()[at..at + want.len()] == *want, "page {page}");
+    }
+    assert_eq!(pager.metrics().snapshot().fault_errors, 0);
 }
 
 #[test]

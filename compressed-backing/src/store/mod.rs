@@ -893,6 +893,78 @@ impl DiskStore {
         Ok(self.generation)
     }
 
+    /// Makes the writes since the last commit durable and commits them without compacting,
+    /// leaving none of them in the page cache: the pending part of each segment written to
+    /// disk was just written is written back and waited for (`sync_file_range`), then dropped
+    /// from the page cache (`POSIX_FADV_DONTNEED`), then the index is written as by
+    /// [`commit`](Self::commit). For a writer that commits in steps under a memory budget
+    /// (the pager's offload): each step leaves no dirty or cached pages behind, and no step
+    /// moves data that a later step will replace anyway. Returns the new generation.
+    pub fn commit_uncached(&mut self) -> Result<u64, StoreError> {
+        use std::os::fd::AsRawFd;
+        self.check_writable()?;
+        for &id in &self.dirty {
+            let seg = &self.segments[&id];
+            // From the page holding the first pending byte: that page was left cached by the
+            // step before, clean now.
+            let from = seg.committed_len & !(crate::layout::PAGE_SIZE as u64 - 1);
+            let (Ok(offset), Ok(len)) = (
+                libc::off64_t::try_from(from),
+                libc::off64_t::try_from(seg.len - from),
+            ) else {
+                return Err(StoreError::Io {
+                    op: "write back",
+                    path: seg.path.clone(),
+                    source: io::Error::from_raw_os_error(libc::EFBIG),
+                });
+            };
+            let flags = libc::SYNC_FILE_RANGE_WAIT_BEFORE
+                | libc::SYNC_FILE_RANGE_WRITE
+                | libc::SYNC_FILE_RANGE_WAIT_AFTER;
+            // SAFETY: sync_file_range on our own open descriptor; it only starts and waits
+            // for writeback.
+            let rc = unsafe { libc::sync_file_range(seg.file.as_raw_fd(), offset, len, flags) };
+            if rc != 0 {
+                return Err(StoreError::Io {
+                    op: "write back",
+                    path: seg.path.clone(),
+                    source: io::Error::last_os_error(),
+                });
+            }
+            // SAFETY: fadvise on our own open descriptor; it only affects caching.
+            let rc = unsafe {
+                // Length 0: to the end of the file, its last partial page included.
+                libc::posix_fadvise(seg.file.as_raw_fd(), offset, 0, libc::POSIX_FADV_DONTNEED)
+            };
+            if rc != 0 {
+                return Err(StoreError::Io {
+                    op: "drop the page cache of",
+                    path: seg.path.clone(),
+                    source: io::Error::from_raw_os_error(rc),
+                });
+            }
+        }
+        self.write_index()?;
+        Ok(self.generation)
+    }
+
+    /// Runs compaction if the store's options ask for it after every commit
+    /// (`auto_compact`): for a writer that committed its steps with
+    /// [`commit_uncached`](Self::commit_uncached), once at the end. `None` when the options
+    /// say not to.
+    pub fn compact_if_auto(&mut self) -> Result<Option<CompactionReport>, StoreError> {
+        if !self.options.auto_compact {
+            return Ok(None);
+        }
+        match self.compact() {
+            Ok(report) => Ok(Some(report)),
+            Err(source) => Err(StoreError::CompactionFailed {
+                generation: self.generation,
+                source: Box::new(source),
+            }),
+        }
+    }
+
     /// Whether reads (of this store and of the readers taken from it from now on) drop what
     /// they read from the page cache at once: for a reader that copies each block elsewhere
     /// and will not read it again soon (a pager installing blocks into guest RAM), where a

@@ -632,3 +632,31 @@ fn store_drop_behind_reads_leave_nothing_cached() {
     reader.get(3, &mut out).unwrap();
     assert_eq!(cached_pages(&segment), 0);
 }
+
+#[test]
+fn store_commit_uncached_leaves_no_page_cache_and_survives_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = DiskStore::create(dir.path(), config(64, Codec::None)).unwrap();
+    for step in 0..2u64 {
+        for block in step * 32..(step + 1) * 32 {
+            store.put(block, &random_bytes(block, BS as usize)).unwrap();
+        }
+        store.commit_uncached().unwrap();
+        let segments: Vec<_> = fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| {
+                segment::parse_file_name(&p.file_name().unwrap().to_string_lossy()).is_some()
+            })
+            .collect();
+        assert!(!segments.is_empty());
+        for seg in &segments {
+            assert_eq!(cached_pages(seg), 0, "step {step}: {seg:?} is cached");
+        }
+    }
+    drop(store);
+    let store = DiskStore::open(dir.path()).unwrap();
+    for block in 0..64 {
+        assert!(read(&store, block) == random_bytes(block, BS as usize));
+    }
+}
