@@ -969,8 +969,17 @@ impl DiskStore {
     /// they read from the page cache at once: for a reader that copies each block elsewhere
     /// and will not read it again soon (a pager installing blocks into guest RAM), where a
     /// cached copy would only double the memory. Off by default.
+    ///
+    /// With it on, the segments are read without readahead (`POSIX_FADV_RANDOM` on their
+    /// descriptors, shared with the readers): readahead of one reader's block brings in
+    /// blocks another has read and dropped already, and nobody drops them again (measured:
+    /// 4016 of 4096 pages stayed cached after two threads read a store this way, 60 of 64 MiB
+    /// after a VM's load).
     pub fn set_drop_behind(&mut self, on: bool) {
         self.drop_behind = on;
+        for seg in self.segments.values() {
+            advise_readahead(&seg.file, on);
+        }
     }
 
     /// Asks the kernel to drop the page cache of the committed segments (they are durable, so
@@ -1256,6 +1265,9 @@ impl DiskStore {
                 });
             }
             let seg = Segment::create(&self.dir, id).map_err(StoreError::File)?;
+            if self.drop_behind {
+                advise_readahead(&seg.file, true);
+            }
             self.next_segment = id + 1;
             self.segments.insert(id, seg);
             self.active = Some(id);
@@ -1566,3 +1578,16 @@ pub fn error_chain(err: &dyn std::error::Error) -> String {
 mod hostile_tests;
 #[cfg(test)]
 mod tests;
+
+/// Turns readahead off (`random`) or back on for reads through `file`'s open description
+/// (see [`DiskStore::set_drop_behind`]). Best effort: it only affects caching.
+fn advise_readahead(file: &File, random: bool) {
+    use std::os::fd::AsRawFd;
+    let advice = if random {
+        libc::POSIX_FADV_RANDOM
+    } else {
+        libc::POSIX_FADV_NORMAL
+    };
+    // SAFETY: fadvise on an open descriptor of ours; it does not touch memory.
+    unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, advice) };
+}
