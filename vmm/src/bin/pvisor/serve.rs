@@ -34,41 +34,41 @@ pub struct ServeArgs {
     #[arg(long, value_name = "GID")]
     pub allow_gid: Vec<u32>,
     /// The governor: memory all its VMs may use together (e.g. 1GiB).
-    #[arg(long, value_name = "SIZE", requires = "memory_governor")]
+    #[arg(long, value_name = "SIZE")]
     pub memory_budget: Option<String>,
     /// The governor: keep usage under this share of the budget (0.9).
-    #[arg(long, value_name = "SHARE", requires = "memory_governor")]
+    #[arg(long, value_name = "SHARE")]
     pub high_watermark: Option<f64>,
     /// The governor: once over the high watermark, reclaim down to this share (0.8).
-    #[arg(long, value_name = "SHARE", requires = "memory_governor")]
+    #[arg(long, value_name = "SHARE")]
     pub low_watermark: Option<f64>,
     /// The governor: the least a VM's limit grows by when its faults are held (16MiB).
-    #[arg(long, value_name = "SIZE", requires = "memory_governor")]
+    #[arg(long, value_name = "SIZE")]
     pub grant: Option<String>,
     /// The governor: the resident limit a joining VM gets when it fits (64MiB).
-    #[arg(long, value_name = "SIZE", requires = "memory_governor")]
+    #[arg(long, value_name = "SIZE")]
     pub initial_limit: Option<String>,
     /// The governor: what a VM costs besides its guest RAM until its cgroup is read (24MiB).
-    #[arg(long, value_name = "SIZE", requires = "memory_governor")]
+    #[arg(long, value_name = "SIZE")]
     pub default_overhead: Option<String>,
     /// The governor: how often cgroups and pressure are read, milliseconds (100).
-    #[arg(long, value_name = "MS", requires = "memory_governor")]
+    #[arg(long, value_name = "MS")]
     pub tick_ms: Option<u64>,
     /// The governor: a VM silent this long is counted at its last reading and never asked
     /// to give memory back, milliseconds (3000).
-    #[arg(long, value_name = "MS", requires = "memory_governor")]
+    #[arg(long, value_name = "MS")]
     pub stale_ms: Option<u64>,
     /// The governor: an offload order not answered in this time may go to another VM,
     /// milliseconds (5000).
-    #[arg(long, value_name = "MS", requires = "memory_governor")]
+    #[arg(long, value_name = "MS")]
     pub order_timeout_ms: Option<u64>,
     /// The governor: the cold age asked of running VMs' cold compression under pressure,
     /// milliseconds (500).
-    #[arg(long, value_name = "MS", requires = "memory_governor")]
+    #[arg(long, value_name = "MS")]
     pub pressure_cold_age_ms: Option<u64>,
     /// The governor: the memory cgroup all its VMs live under, if any: its usage is the
     /// measured total and its failures count as pressure.
-    #[arg(long, value_name = "DIR", requires = "memory_governor")]
+    #[arg(long, value_name = "DIR")]
     pub budget_cgroup: Option<PathBuf>,
 }
 
@@ -130,6 +130,28 @@ pub fn serve(args: &ServeArgs) -> CliResult {
         gids: args.allow_gid.clone(),
     };
     if args.memory_pool {
+        // (clap's `requires` counts a flag's default as given: checked here.)
+        let governor_only = [
+            ("--memory-budget", args.memory_budget.is_some()),
+            ("--high-watermark", args.high_watermark.is_some()),
+            ("--low-watermark", args.low_watermark.is_some()),
+            ("--grant", args.grant.is_some()),
+            ("--initial-limit", args.initial_limit.is_some()),
+            ("--default-overhead", args.default_overhead.is_some()),
+            ("--tick-ms", args.tick_ms.is_some()),
+            ("--stale-ms", args.stale_ms.is_some()),
+            ("--order-timeout-ms", args.order_timeout_ms.is_some()),
+            (
+                "--pressure-cold-age-ms",
+                args.pressure_cold_age_ms.is_some(),
+            ),
+            ("--budget-cgroup", args.budget_cgroup.is_some()),
+        ];
+        if let Some((flag, _)) = governor_only.iter().find(|(_, given)| *given) {
+            return Err(
+                format!("{flag} is an option of --memory-governor, not --memory-pool").into(),
+            );
+        }
         uffd_pager::pool::run_daemon_with(&args.socket, peers)?;
         return Ok(ExitCode::SUCCESS);
     }
