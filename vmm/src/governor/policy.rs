@@ -129,6 +129,13 @@ pub struct Config {
     pub unknown_wait: Duration,
     /// A waiting or idle VM's limit this far above its resident is a reservation to revoke.
     pub revoke_slack: u64,
+    /// A last-resort grant keeps usage at or under this share of the budget (0.95): the rest
+    /// is for what no VM's accounting sees in time (the kernel's page and shadow tables, a
+    /// reading a tick old).
+    pub last_resort_watermark: f64,
+    /// A VM's overhead is the largest seen over this long (5 s): it grows while the VM
+    /// touches memory and its cgroup reading trails its resident figure.
+    pub overhead_window: Duration,
     /// What an offload is expected to leave resident, bytes (pacing only: the report corrects).
     pub offload_remainder: u64,
     /// The part of a running VM's resident a cold compression is expected to free (pacing
@@ -153,6 +160,8 @@ impl Default for Config {
             psi_threshold: 10.0,
             unknown_wait: Duration::from_secs(10),
             revoke_slack: 16 * MIB,
+            last_resort_watermark: 0.95,
+            overhead_window: Duration::from_secs(5),
             offload_remainder: 4 * MIB,
             cold_expect_fraction: 0.25,
             status_log_lines: 32,
@@ -173,6 +182,13 @@ impl Config {
             return Err(format!(
                 "the watermarks must satisfy 0 < low < high <= 1 (low {}, high {})",
                 self.low_watermark, self.high_watermark
+            ));
+        }
+        if !(self.high_watermark <= self.last_resort_watermark && self.last_resort_watermark <= 1.0)
+        {
+            return Err(format!(
+                "the last-resort watermark must be between the high watermark and 1 ({})",
+                self.last_resort_watermark
             ));
         }
         if self.grant == 0 {
@@ -208,6 +224,10 @@ impl Config {
 
     fn low_bytes(&self) -> u64 {
         fraction_of(self.budget, self.low_watermark)
+    }
+
+    fn last_resort_bytes(&self) -> u64 {
+        fraction_of(self.budget, self.last_resort_watermark)
     }
 }
 
@@ -451,6 +471,8 @@ struct Vm {
     state: VmState,
     reading: Reading,
     overhead: Option<u64>,
+    /// When `overhead` was read.
+    overhead_at: Option<Instant>,
     limit: Option<u64>,
     peak: u64,
     last_heard: Instant,
@@ -477,10 +499,23 @@ impl Vm {
         self.overhead(config).saturating_add(self.charged_ram())
     }
 
-    fn set_reading(&mut self, reading: Reading) {
+    fn set_reading(&mut self, now: Instant, reading: Reading, window: Duration) {
         self.peak = self.peak.max(reading.resident);
         if let Some(cgroup) = reading.cgroup {
-            self.overhead = Some(cgroup.saturating_sub(reading.resident));
+            // The largest over the window: a reading lower than the one held replaces it
+            // only once that one is older than the window.
+            let overhead = cgroup.saturating_sub(reading.resident);
+            let held = self
+                .overhead
+                .filter(|_| {
+                    self.overhead_at
+                        .is_some_and(|at| now.saturating_duration_since(at) < window)
+                })
+                .unwrap_or(0);
+            if overhead >= held {
+                self.overhead = Some(overhead);
+                self.overhead_at = Some(now);
+            }
         }
         self.reading = reading;
     }
@@ -575,6 +610,7 @@ impl Governor {
             state: VmState::Running,
             reading: Reading::default(),
             overhead: None,
+            overhead_at: None,
             limit: None,
             peak: 0,
             last_heard: now,
@@ -585,7 +621,7 @@ impl Governor {
             offloaded_bytes: 0,
             counts: DecisionCounts::default(),
         };
-        vm.set_reading(reading);
+        vm.set_reading(now, reading, self.config.overhead_window);
         self.vms.insert(id, vm);
         let mut out = Vec::new();
         let wanted = self.config.initial_limit.max(reading.resident);
@@ -646,8 +682,9 @@ impl Governor {
 
     /// A VM reports its readings.
     pub fn reading(&mut self, now: Instant, vm: VmId, reading: Reading) {
+        let window = self.config.overhead_window;
         if let Some(v) = self.heard(now, vm) {
-            v.set_reading(reading);
+            v.set_reading(now, reading, window);
         }
     }
 
@@ -919,10 +956,11 @@ impl Governor {
         }
     }
 
-    /// Grants queued requests in order while the head fits under the budget itself.
+    /// Grants queued requests in order while the head fits under the last-resort watermark.
     fn last_resort(&mut self, now: Instant, out: &mut Vec<Decision>) {
         while let Some(head) = self.queue.front().copied() {
-            let Some((limit, _)) = self.head_limit(&head, self.config.budget, false) else {
+            let ceiling = self.config.last_resort_bytes();
+            let Some((limit, _)) = self.head_limit(&head, ceiling, false) else {
                 return;
             };
             self.queue.pop_front();
@@ -1036,7 +1074,9 @@ impl Governor {
                 VmState::Offloaded if reserved > 0 => {
                     Some((0, (Duration::ZERO, reserved), Victim::Revoke(id)))
                 }
-                VmState::Waiting { .. } | VmState::Idle if reserved > c.revoke_slack => {
+                // Not an idle VM's: between commands it is about to run the next one, and
+                // taking its room to admit a younger VM leaves both part-way (measured).
+                VmState::Waiting { .. } if reserved > c.revoke_slack => {
                     Some((0, (Duration::ZERO, reserved), Victim::Revoke(id)))
                 }
                 VmState::Waiting { expected_remaining } if offload_free > 0 => Some((
@@ -1313,6 +1353,8 @@ mod tests {
             budget: 1000 * M,
             initial_limit: 0,
             default_overhead: 0,
+            // Most tests grant up to the budget itself; the default reserve has its own.
+            last_resort_watermark: 1.0,
             ..Config::default()
         }
     }
@@ -1434,15 +1476,25 @@ mod tests {
         );
         // Overhead 30, resident above the limit: charged at resident.
         assert_eq!(g.projected(), 130 * M);
+        // A lower overhead within the window does not replace the larger one.
         g.reading(
-            base,
+            at(base, 1000),
+            a,
+            Reading {
+                cgroup: Some(110 * M),
+                ..res(100)
+            },
+        );
+        assert_eq!(g.projected(), 130 * M);
+        g.reading(
+            at(base, 6000),
             a,
             Reading {
                 cgroup: Some(40 * M),
                 ..res(50)
             },
         );
-        // Overhead never below 0.
+        // Past the window, the new figure; overhead never below 0.
         assert_eq!(g.projected(), 64 * M);
         assert_eq!(g.measured(), Some(40 * M));
         assert_eq!(g.usage(), 64 * M);
@@ -1595,6 +1647,29 @@ mod tests {
             .any(|d| matches!(d, Decision::SetLimit { vm, .. } if *vm == young)));
         let queue: Vec<VmId> = g.status(at(base, 3)).queue.iter().map(|q| q.vm).collect();
         assert_eq!(queue, vec![young]);
+    }
+
+    #[test]
+    fn governor_idle_vm_keeps_its_reservation_when_a_younger_vm_joins() {
+        let base = Instant::now();
+        let mut g = Governor::new(Config {
+            initial_limit: 400 * M,
+            ..config()
+        });
+        let (a, _) = g.join(base, "a".into(), 512 * M, res(1));
+        g.state(base, a, VmState::Idle);
+        let (_b, _) = g.join(at(base, 1), "b".into(), 512 * M, res(1));
+        // 800 + 400 > 900: c waits; a's room (idle, about to run) is not taken for it.
+        let (c, out) = g.join(at(base, 2), "c".into(), 512 * M, res(1));
+        assert_eq!(out[0], set(c, 1, Reason::Queued));
+        assert!(
+            !out.iter().any(|d| matches!(
+                d,
+                Decision::SetLimit { vm, reason: Reason::Revoke, .. } if *vm == a
+            )),
+            "{out:?}"
+        );
+        assert_eq!(limit(&g, at(base, 2), a), Some(400 * M));
     }
 
     #[test]
@@ -1817,6 +1892,18 @@ mod tests {
         let out = g2.offloaded(at(base, 1), b, 470 * M, true);
         assert_eq!(out, vec![set(a, 530, Reason::LastResort)]);
         assert_eq!(g2.projected(), g2.config().budget);
+        // With the default reserve the same grant stays queued: 1000 > 950.
+        let mut g3 = Governor::new(Config {
+            last_resort_watermark: 0.95,
+            ..config()
+        });
+        let a = vm(&mut g3, base, "a", 450, VmState::Running);
+        let b = vm(&mut g3, base, "b", 370, VmState::Running);
+        g3.reading(base, b, res(470));
+        g3.request(base, a, 80 * M);
+        assert!(g3.offloaded(at(base, 1), b, 470 * M, true).is_empty());
+        assert_eq!(g3.status(at(base, 1)).queue.len(), 1);
+        assert_eq!(g3.request(at(base, 2), a, 30 * M), vec![]);
     }
 
     #[test]

@@ -366,6 +366,7 @@ impl Inner {
             .ok()
             .and_then(|pid| MemoryCgroup::of_process(pid).ok());
         let cgroup_usage = cgroup.as_ref().and_then(|c| c.usage().ok());
+        let own_cgroup = cgroup.clone();
         let id = {
             let mut state = self.lock();
             let (id, decisions) = state.governor.join(
@@ -418,6 +419,10 @@ impl Inner {
                     break format!("protocol error: {e}");
                 }
             };
+            // (Read before the lock: a slow cgroup file holds no other VM up.)
+            let fresh = matches!(message, ToGovernor::Reading { .. })
+                .then(|| own_cgroup.as_ref().and_then(|c| c.usage().ok()))
+                .flatten();
             let now = Instant::now();
             let mut state = self.lock();
             let decisions = match message {
@@ -439,7 +444,11 @@ impl Inner {
                     resident_bytes,
                     held_bytes,
                 } => {
-                    let cgroup = state.conns.get(&id).and_then(|c| c.cgroup_usage);
+                    // Read with the VM's figure, not a tick earlier: a VM that is filling
+                    // memory would otherwise show its resident ahead of its cgroup, and its
+                    // overhead (the difference) as nothing.
+                    let cgroup =
+                        fresh.or_else(|| state.conns.get(&id).and_then(|c| c.cgroup_usage));
                     state.governor.reading(
                         now,
                         id,
