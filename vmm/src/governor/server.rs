@@ -362,9 +362,17 @@ impl Inner {
             return;
         }
         // The VM's cgroup from its pid: a VM cannot point the governor at another's.
-        let cgroup = u32::try_from(peer.pid)
-            .ok()
-            .and_then(|pid| MemoryCgroup::of_process(pid).ok());
+        // Only a cgroup of its own says what the VM uses: a VM started without one shares
+        // its launcher's (a shell's, a whole service's), which would be charged to it.
+        let cgroup = u32::try_from(peer.pid).ok().and_then(|pid| {
+            let cgroup = MemoryCgroup::of_process(pid).ok()?;
+            let procs = std::fs::read_to_string(cgroup.dir().join("cgroup.procs")).ok()?;
+            let pid_text = pid.to_string();
+            procs
+                .lines()
+                .all(|line| line.trim() == pid_text)
+                .then_some(cgroup)
+        });
         let cgroup_usage = cgroup.as_ref().and_then(|c| c.usage().ok());
         let own_cgroup = cgroup.clone();
         let id = {
