@@ -530,7 +530,12 @@ impl Inner {
             let Some(conn) = state.conns.get(&vm) else {
                 continue;
             };
-            eprintln!("pvisor governor: {}: {}", conn.name, describe(&message));
+            eprintln!(
+                "pvisor governor: +{:.3}s {}: {}",
+                self.started.elapsed().as_secs_f64(),
+                conn.name,
+                describe(&message)
+            );
             if (&conn.writer).write_all(&protocol::line(&message)).is_err() {
                 let _ = conn.writer.shutdown(std::net::Shutdown::Both);
             }
