@@ -1278,6 +1278,13 @@ impl Machine {
                 if let Some(answer) = port.wait_for(request, slice) {
                     let done = coordinator
                         .handle(Instant::now(), WaitEvent::DataReady { request, epoch: 0 });
+                    if coordinator.phase() != Phase::Manual {
+                        if let Some(link) = &self.governor {
+                            // Running from here: the copy of the answer faults RAM back.
+                            link.set_waiting(false);
+                            link.report(WireState::Running, None);
+                        }
+                    }
                     if coordinator.phase() == Phase::Manual {
                         // An operator holds the VM: the answer waits for their resume.
                         w.held = Some(answer);

@@ -307,7 +307,12 @@ mod tests {
     #[test]
     fn stats_process_pss_is_positive_and_range_pss_finds_a_mapping() {
         assert!(process_pss().unwrap() > 0);
-        let data = vec![1u8; 8 << 20];
+        // Every page its own content: pages of equal bytes could be merged by KSM (other
+        // tests of this process turn merging on), and their PSS would then be shared.
+        let mut data = vec![1u8; 8 << 20];
+        for (i, page) in data.chunks_mut(4096).enumerate() {
+            page[..8].copy_from_slice(&(i as u64).to_le_bytes());
+        }
         let start = data.as_ptr() as u64;
         // The vector's mapping may start below its pointer (malloc header); look it up.
         let text = std::fs::read_to_string("/proc/self/maps").unwrap();

@@ -694,6 +694,12 @@ impl Governor {
             return Vec::new();
         }
         self.events.requests += 1;
+        // Held until its next reading says otherwise: a VM asking for room is never the one
+        // whose room is taken back meanwhile (readings come every 100 ms; a grant followed at
+        // once by a revocation left a VM held at the copy of its model answer, over and over).
+        if let Some(v) = self.vms.get_mut(&vm) {
+            v.reading.held = v.reading.held.max(bytes.max(1));
+        }
         if let Some(q) = self.queue.iter_mut().find(|q| q.vm == vm) {
             // A queued join's own faults are covered by its admission; a queued grant asks
             // for the larger of the two.
@@ -1719,6 +1725,31 @@ mod tests {
                 d,
                 Decision::SetLimit { vm, reason: Reason::Revoke, .. } if *vm == old || *vm == mid
             )),
+            "{out:?}"
+        );
+    }
+
+    #[test]
+    fn governor_a_vm_granted_room_for_held_faults_keeps_it_until_its_next_reading() {
+        let base = Instant::now();
+        let mut g = Governor::new(config());
+        let a = vm(&mut g, base, "a", 100, VmState::Offloaded);
+        let b = vm(&mut g, base, "b", 700, VmState::Running);
+        g.reading(base, a, res(1));
+        // a's answer came and its copy faults: 100 MiB granted.
+        let out = g.request(at(base, 1), a, 100 * M);
+        assert!(
+            out.iter().any(
+                |d| matches!(d, Decision::SetLimit { vm, reason: Reason::Grant, .. } if *vm == a)
+            ),
+            "{out:?}"
+        );
+        // b asks for more than fits; a (still reported offloaded, its reading not in yet)
+        // is not the one whose room is taken back.
+        let out = g.request(at(base, 2), b, 200 * M);
+        assert!(
+            !out.iter()
+                .any(|d| matches!(d, Decision::SetLimit { vm, .. } if *vm == a)),
             "{out:?}"
         );
     }
