@@ -861,16 +861,19 @@ impl Shared {
                 } else {
                     repeat = (fault.addr.page_down(), 0);
                 }
+                // A held fault stops counting as held before it is tried again: if it is
+                // served, the install wakes its thread, which must not see it held still.
+                let was_held = fault.held > 0;
+                if was_held {
+                    self.metrics.held_now.fetch_sub(1, Ordering::Relaxed);
+                    self.limit.held_changed(fault.held, 0);
+                    fault.held = 0;
+                }
                 let result = if repeat.1 > 10_000 {
                     Err(FaultError::Lost { addr: fault.addr })
                 } else {
                     self.resolve(fault.addr, fault.minor, fault.since, &mut buf)
                 };
-                if !matches!(result, Ok(Attempt::Held { .. })) && fault.held > 0 {
-                    self.metrics.held_now.fetch_sub(1, Ordering::Relaxed);
-                    self.limit.held_changed(fault.held, 0);
-                    fault.held = 0;
-                }
                 match result {
                     Ok(Attempt::Resolved) => {
                         self.faults_in_flight.fetch_sub(1, Ordering::Relaxed);
@@ -880,10 +883,8 @@ impl Shared {
                         retry.push(fault);
                     }
                     Ok(Attempt::Held { pages }) => {
-                        if fault.held == 0 {
-                            newly_held = true;
-                            self.metrics.held_now.fetch_add(1, Ordering::Relaxed);
-                        }
+                        newly_held |= !was_held;
+                        self.metrics.held_now.fetch_add(1, Ordering::Relaxed);
                         if !fault.ever_held {
                             fault.ever_held = true;
                             self.metrics.faults_held.fetch_add(1, Ordering::Relaxed);
