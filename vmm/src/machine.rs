@@ -834,7 +834,7 @@ impl Machine {
     }
 
     /// Guest RAM resident now, bytes.
-    fn resident_bytes(&self) -> u64 {
+    pub fn resident_bytes(&self) -> u64 {
         self.pager.state_counts().resident * uffd_pager::addr::PAGE_SIZE
     }
 

@@ -570,7 +570,7 @@ impl Vm {
         while let Some(Order::Offload { .. }) = link.take_order() {
             let ok = self.state == VmState::Running
                 && self.machine.idle_offload().is_some_and(|r| r.is_ok());
-            link.offloaded(ok, self.machine.pager().resident_handle().resident_bytes());
+            link.offloaded(ok, self.machine.resident_bytes());
             if ok {
                 link.report(WireState::Offloaded, None);
             }

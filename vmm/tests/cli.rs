@@ -5,26 +5,12 @@
 #![allow(clippy::unwrap_used)]
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Command;
 
 use serde_json::Value;
 
-fn skip() -> bool {
-    testkit::skip_unless(&["/dev/kvm", "/dev/userfaultfd"])
-}
-
-/// Runs `pvisor` with its runtime directory in `runtime`.
-fn pvisor(runtime: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_pvisor"))
-        .args(args)
-        .env("PVISOR_RUNTIME_DIR", runtime)
-        .output()
-        .unwrap()
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
+mod common;
+use common::{pvisor, skip, text};
 
 /// Runs and expects success; returns stdout's JSON lines.
 fn ok(runtime: &Path, args: &[&str]) -> Vec<Value> {

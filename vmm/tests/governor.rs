@@ -11,21 +11,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-fn skip() -> bool {
-    testkit::skip_unless(&["/dev/kvm", "/dev/userfaultfd"])
-}
-
-fn pvisor(runtime: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_pvisor"))
-        .args(args)
-        .env("PVISOR_RUNTIME_DIR", runtime)
-        .output()
-        .unwrap()
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
+mod common;
+use common::{pvisor, skip, text, CgroupParent};
 
 /// A governor daemon, stopped with SIGTERM on drop.
 struct Daemon {
@@ -247,41 +234,6 @@ fn governor_refuses_another_user() {
     assert!(testkit::closed_for_nobody(&daemon.socket, 10));
     let status = daemon.status();
     assert_eq!(status["refused_connections"], 1, "{status}");
-}
-
-/// A cgroup parent of this test's own, removed on drop (with what is left under it).
-struct CgroupParent {
-    name: String,
-    dir: PathBuf,
-}
-
-impl CgroupParent {
-    fn new(tag: &str) -> Self {
-        let (base, _) = vmm::stats::MemoryCgroup::own_base().unwrap();
-        let name = format!("test-{tag}-{}", std::process::id());
-        let dir = base.join(&name);
-        Self { name, dir }
-    }
-}
-
-impl Drop for CgroupParent {
-    fn drop(&mut self) {
-        let mut left: Vec<PathBuf> = Vec::new();
-        let mut todo = vec![self.dir.clone()];
-        while let Some(dir) = todo.pop() {
-            for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-                if entry.file_type().is_ok_and(|t| t.is_dir()) {
-                    left.push(entry.path());
-                    todo.push(entry.path());
-                }
-            }
-        }
-        left.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-        for dir in left {
-            let _ = std::fs::remove_dir(dir);
-        }
-        let _ = std::fs::remove_dir(&self.dir);
-    }
 }
 
 /// 8 VMs that each fill 64 MiB, wait for the model, read it all back, wait, and rewrite half

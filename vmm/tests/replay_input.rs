@@ -9,63 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-fn skip() -> bool {
-    testkit::skip_unless(&["/dev/kvm", "/dev/userfaultfd"])
-}
-
-fn pvisor(runtime: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_pvisor"))
-        .args(args)
-        .env("PVISOR_RUNTIME_DIR", runtime)
-        .output()
-        .unwrap()
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
-
-/// A cgroup parent of this test's own, under pvisor's memory cgroup; checked empty and removed
-/// on drop.
-struct CgroupParent {
-    name: String,
-    dir: PathBuf,
-}
-
-impl CgroupParent {
-    fn new(tag: &str) -> Self {
-        let (base, _) = vmm::stats::MemoryCgroup::own_base().unwrap();
-        let name = format!("test-{tag}-{}", std::process::id());
-        let dir = base.join(&name);
-        Self { name, dir }
-    }
-
-    /// What is left under it (cgroup directories of the replay or its VMs).
-    fn left(&self) -> Vec<PathBuf> {
-        let mut left = Vec::new();
-        let mut todo = vec![self.dir.clone()];
-        while let Some(dir) = todo.pop() {
-            for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-                if entry.file_type().is_ok_and(|t| t.is_dir()) {
-                    left.push(entry.path());
-                    todo.push(entry.path());
-                }
-            }
-        }
-        left
-    }
-}
-
-impl Drop for CgroupParent {
-    fn drop(&mut self) {
-        let mut left = self.left();
-        left.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-        for dir in left {
-            let _ = std::fs::remove_dir(dir);
-        }
-        let _ = std::fs::remove_dir(&self.dir);
-    }
-}
+mod common;
+use common::{pvisor, skip, text, CgroupParent};
 
 fn write_trajectory(dir: &Path, steps: &str) -> PathBuf {
     let path = dir.join("trajectory.json");

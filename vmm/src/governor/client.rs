@@ -368,13 +368,10 @@ impl Shared {
             let held = self.control.held_bytes();
             if held == 0 {
                 held_since = None;
-            } else if let Some(bytes) = Some(held).filter(|_| {
-                !self.requested.load(Ordering::SeqCst) && self.connected.load(Ordering::SeqCst)
-            }) {
-                // A hold the pager's callback did not report (or that outlived its answer).
-                self.request(bytes);
-            }
-            if held > 0 {
+            } else {
+                // A hold the pager's callback did not report (or that outlived its answer):
+                // `request` sends only while connected and with no request out.
+                self.request(held);
                 let since = *held_since.get_or_insert(now);
                 if now.duration_since(since) >= self.config.hold_timeout {
                     self.count(HOLD_TIMEOUTS);

@@ -1,8 +1,9 @@
 //! `pvisor serve --memory-governor`: the daemon that keeps a host's agent VMs inside one memory
 //! budget. It listens on a 0600 Unix socket ([`uffd_pager::socket::bind_private`]), lets in the
 //! processes its [`PeerPolicy`] allows, reads each VM's memory cgroup (found from the peer's
-//! pid, never from what the VM says), the budget cgroup's usage and failures and the kernel's
-//! pressure (`/proc/pressure/memory`) every tick, hands all of it to the [`Governor`], and
+//! pid, never from what the VM says) with each of the VM's readings, and the budget cgroup's
+//! usage and failures and the kernel's pressure (`/proc/pressure/memory`) every tick, hands
+//! all of it to the [`Governor`], and
 //! sends its decisions to the VMs. Every decision is logged on stderr with its reason.
 
 use std::collections::HashMap;
@@ -74,9 +75,6 @@ pub struct ServerConfig {
 struct Conn {
     name: String,
     writer: UnixStream,
-    cgroup: Option<MemoryCgroup>,
-    /// Its cgroup's usage at the last tick.
-    cgroup_usage: Option<u64>,
 }
 
 struct State {
@@ -219,34 +217,19 @@ impl GovernorServer {
         }
     }
 
-    /// Every `tick`: each VM's cgroup, the budget cgroup and pressure read, the policy ticked.
+    /// Every `tick`: the budget cgroup and pressure read, the policy ticked. (Each VM's own
+    /// cgroup is read with its reading, by its connection's thread.)
     fn tick_loop(&self, stop: &AtomicBool) {
         let inner = &self.inner;
         let budget = inner.config.budget_cgroup.as_deref().map(MemoryCgroup::at);
         while !stop.load(Ordering::Relaxed) {
             std::thread::sleep(inner.config.tick);
-            let cgroups: Vec<(VmId, MemoryCgroup)> = inner
-                .lock()
-                .conns
-                .iter()
-                .filter_map(|(&id, conn)| Some((id, conn.cgroup.clone()?)))
-                .collect();
-            // Read outside the lock: a slow cgroup file never holds a VM's request up.
-            let usages: Vec<(VmId, Option<u64>)> = cgroups
-                .into_iter()
-                .map(|(id, cgroup)| (id, cgroup.usage().ok()))
-                .collect();
             let pressure = Pressure {
                 total_usage: budget.as_ref().and_then(|c| c.usage().ok()),
                 psi_some_avg10: memory_psi_some_avg10(),
                 failcnt: budget.as_ref().and_then(MemoryCgroup::failcnt),
             };
             let mut state = inner.lock();
-            for (id, usage) in usages {
-                if let Some(conn) = state.conns.get_mut(&id) {
-                    conn.cgroup_usage = usage;
-                }
-            }
             let decisions = state.governor.tick(Instant::now(), pressure);
             inner.dispatch(&mut state, decisions);
         }
@@ -373,8 +356,8 @@ impl Inner {
                 .all(|line| line.trim() == pid_text)
                 .then_some(cgroup)
         });
-        let cgroup_usage = cgroup.as_ref().and_then(|c| c.usage().ok());
-        let own_cgroup = cgroup.clone();
+        // The last usage read: what a reading goes with if its own read fails.
+        let mut cgroup_usage = cgroup.as_ref().and_then(|c| c.usage().ok());
         let id = {
             let mut state = self.lock();
             let (id, decisions) = state.governor.join(
@@ -401,8 +384,6 @@ impl Inner {
                 Conn {
                     name: name.clone(),
                     writer,
-                    cgroup,
-                    cgroup_usage,
                 },
             );
             eprintln!(
@@ -429,7 +410,7 @@ impl Inner {
             };
             // (Read before the lock: a slow cgroup file holds no other VM up.)
             let fresh = matches!(message, ToGovernor::Reading { .. })
-                .then(|| own_cgroup.as_ref().and_then(|c| c.usage().ok()))
+                .then(|| cgroup.as_ref().and_then(|c| c.usage().ok()))
                 .flatten();
             let now = Instant::now();
             let mut state = self.lock();
@@ -455,14 +436,13 @@ impl Inner {
                     // Read with the VM's figure, not a tick earlier: a VM that is filling
                     // memory would otherwise show its resident ahead of its cgroup, and its
                     // overhead (the difference) as nothing.
-                    let cgroup =
-                        fresh.or_else(|| state.conns.get(&id).and_then(|c| c.cgroup_usage));
+                    cgroup_usage = fresh.or(cgroup_usage);
                     state.governor.reading(
                         now,
                         id,
                         Reading {
                             resident: resident_bytes,
-                            cgroup,
+                            cgroup: cgroup_usage,
                             pss: None,
                             held: held_bytes,
                         },
