@@ -318,6 +318,25 @@ impl Interrupter {
         }
     }
 
+    /// Kicks the vCPU out of `KVM_RUN` once, without stopping the machine: the command goes
+    /// on after the vCPU thread has looked at why (the governor's preemption). A vCPU thread
+    /// outside `KVM_RUN` comes back out of its next one at once (`immediate_exit`); no vCPU
+    /// thread registered: nothing happens.
+    pub fn kick(&self) {
+        let vcpu = self
+            .inner
+            .vcpu
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(registered) = *vcpu {
+            // SAFETY: as in `stop`: registered, so alive while the lock is held.
+            unsafe {
+                store_immediate_exit(registered.immediate_exit, 1);
+                libc::pthread_kill(registered.thread, kick_signal());
+            }
+        }
+    }
+
     /// Whether the machine was stopped.
     pub fn stopped(&self) -> bool {
         self.inner.stopped.load(std::sync::atomic::Ordering::SeqCst)
@@ -1016,14 +1035,51 @@ impl Machine {
         })
     }
 
-    /// Runs the vCPU until the guest writes `PORT_DONE`.
+    /// Runs the vCPU until the guest writes `PORT_DONE`; meanwhile the memory governor may
+    /// preempt it (see [`Machine::preempted`]).
     fn run_until_done(&mut self) -> Result<(), MachineError> {
+        if let Some(link) = &self.governor {
+            let interrupter = self.interrupter.clone();
+            link.set_preempter(Some(std::sync::Arc::new(move || interrupter.kick())));
+        }
+        let ran = self.run_vcpu_until_done();
+        if let Some(link) = &self.governor {
+            link.set_preempter(None);
+        }
+        ran
+    }
+
+    /// The governor kicked the vCPU out to take its RAM: a VM held at a fault in its command
+    /// cannot reach a wait where its RAM could go, and when every VM is so held nothing else
+    /// frees room (the deadlock of docs/governor.md). Offloaded here, between two `KVM_RUN`s
+    /// of the vCPU thread, the guest re-enters where it was; the faults that follow ask for
+    /// room again, behind the older VMs. A VM without wait management has no store: it
+    /// refuses.
+    fn preempted(&mut self) {
+        let Some(link) = &self.governor else {
+            return;
+        };
+        while let Some(Order::Offload { .. }) = link.take_order() {
+            let ok = self
+                .wait
+                .as_ref()
+                .is_some_and(|wait| self.offload(&wait.offload).is_ok());
+            link.offloaded(ok, self.resident_bytes());
+            // Still in its command.
+            link.report(WireState::Running, None);
+        }
+    }
+
+    fn run_vcpu_until_done(&mut self) -> Result<(), MachineError> {
         let interrupter = self.interrupter.clone();
         // SAFETY: `self.vcpu` outlives the guard, a local of this frame (`&mut self`).
         let vcpu_thread = unsafe { interrupter.enter(&mut self.vcpu) };
         loop {
             let exit = match vcpu_thread.run(&mut self.vcpu)? {
-                None => continue,
+                None => {
+                    self.preempted();
+                    continue;
+                }
                 Some(VcpuExit::IoOut(port, _)) => Ok(port),
                 // No port answers reads: an `in` reads all ones, as from an empty bus.
                 Some(VcpuExit::IoIn(_, data)) => {

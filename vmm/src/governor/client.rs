@@ -1,6 +1,7 @@
 //! A VM's link to the memory governor (`pvisor run --vm-governor SOCKET`): a thread that joins
 //! the governor, reports the VM's state and readings, carries the governor's limits to the
-//! pager, and queues its offload orders for the VM's wait loop.
+//! pager, and queues its offload orders for the VM's wait loop (or, while the guest runs a
+//! command, for its vCPU thread, which it kicks out of the guest: a preemption).
 //!
 //! Fail-safe: when the governor goes away (or never answers) the link lifts the resident
 //! limit, so nothing waits on a dead governor, and the VM goes on under its own wait policy;
@@ -83,8 +84,11 @@ pub struct LinkStats {
     pub limits: u64,
     /// Offload orders received.
     pub offload_orders: u64,
-    /// Offload orders it could not carry out (the VM was not waiting).
+    /// Offload orders it could not carry out (the VM was not waiting, or was between a
+    /// command's guest runs).
     pub orders_refused: u64,
+    /// Offload orders that stopped the vCPU in its command (preemptions).
+    pub preemptions: u64,
     /// Requests for room it sent.
     pub requests: u64,
     /// Times a held fault outlasted the hold timeout and the limit was lifted.
@@ -100,12 +104,17 @@ struct Shared {
     state: Mutex<Option<ToGovernor>>,
     /// The VM is in a managed model wait: an offload order can be carried out.
     waiting: AtomicBool,
+    /// While the guest runs a command: kicks its vCPU out, to carry out an order.
+    preempter: Mutex<Option<Preempter>>,
     /// A request for room is out and not answered yet.
     requested: AtomicBool,
     stop: AtomicBool,
     connected: AtomicBool,
-    counters: [AtomicU64; 7],
+    counters: [AtomicU64; 8],
 }
+
+/// Kicks the VM's vCPU out of the guest (see [`GovernorLink::set_preempter`]).
+pub type Preempter = Arc<dyn Fn() + Send + Sync>;
 
 // Indices of `Shared::counters`.
 const JOINS: usize = 0;
@@ -115,6 +124,7 @@ const ORDERS: usize = 3;
 const REFUSED: usize = 4;
 const REQUESTS: usize = 5;
 const HOLD_TIMEOUTS: usize = 6;
+const PREEMPTIONS: usize = 7;
 
 /// Asks the governor for room on the link's behalf (see [`GovernorLink::requester`]).
 #[derive(Clone)]
@@ -164,6 +174,7 @@ impl GovernorLink {
             orders: Mutex::new(VecDeque::new()),
             state: Mutex::new(None),
             waiting: AtomicBool::new(false),
+            preempter: Mutex::new(None),
             requested: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             connected: AtomicBool::new(false),
@@ -204,10 +215,22 @@ impl GovernorLink {
         self.shared.request(bytes);
     }
 
-    /// What came of an offload order.
+    /// What came of an offload order. Carried out, the limit is what stays resident (the
+    /// governor's model says so too): the faults that bring RAM back ask for it.
     pub fn offloaded(&self, ok: bool, resident_bytes: u64) {
+        if ok && self.shared.connected.load(Ordering::SeqCst) {
+            self.shared.control.set_limit(Some(resident_bytes));
+        }
         self.shared
             .send(ToGovernor::Offloaded { ok, resident_bytes });
+    }
+
+    /// While the guest runs a command (outside managed model waits), an offload order is
+    /// queued for the vCPU thread and `preempter` kicks it out of the guest to carry it out
+    /// ([`GovernorLink::take_order`]); `None` once the command's guest run ends. Without one,
+    /// such an order is refused.
+    pub fn set_preempter(&self, preempter: Option<Preempter>) {
+        *lock(&self.shared.preempter) = preempter;
     }
 
     /// Whether the VM is in a managed model wait, where offload orders are carried out. Orders
@@ -238,6 +261,7 @@ impl GovernorLink {
             orders_refused: n(REFUSED),
             requests: n(REQUESTS),
             hold_timeouts: n(HOLD_TIMEOUTS),
+            preemptions: n(PREEMPTIONS),
         }
     }
 }
@@ -408,6 +432,10 @@ impl Shared {
                     self.count(ORDERS);
                     if self.waiting.load(Ordering::SeqCst) {
                         lock(&self.orders).push_back(Order::Offload { reason });
+                    } else if let Some(kick) = lock(&self.preempter).clone() {
+                        self.count(PREEMPTIONS);
+                        lock(&self.orders).push_back(Order::Offload { reason });
+                        kick();
                     } else {
                         self.refuse_order();
                     }

@@ -56,15 +56,23 @@
 //!   `unknown_wait`. (3) Offload idle VMs, largest resident first: they have no wait that
 //!   ends on its own, but they may be told to run at any time. (4) Cold-compress running VMs,
 //!   largest resident first, with the shorter `pressure_cold_age`: it costs a running VM the
-//!   least (only RAM it has not touched for that long), but frees an unknown part of it. A VM
-//!   with held faults, a queued request, an order not yet reported (see below), an order that
-//!   failed less than `order_timeout` ago, or that cannot be reached, is never a victim.
+//!   least (only RAM it has not touched for that long), but frees an unknown part of it.
+//!   (5) Preempt: a running VM held at its faults, younger than the queue's head, the
+//!   youngest first. Held in its command it never reaches a wait where its RAM could go;
+//!   when every VM is so held (VMs that replay one trajectory start their steps together),
+//!   nothing else ever frees room. Its vCPU is kicked out of the guest, its RAM offloaded,
+//!   and it re-enters its command asking for room behind its elders. Otherwise a VM with
+//!   held faults or a queued request, an order not yet reported (see below), or that cannot
+//!   be reached, is never a victim; nor, for an order of the same kind, one whose order
+//!   failed less than `order_timeout` ago unless it reported a new state since (an idle VM
+//!   refuses an offload once its next command has begun: waiting, it can carry one out).
 //! - **Orders are paced.** An order counts the bytes it is expected to free (an offload: the
 //!   VM's charged RAM minus `offload_remainder`; a cold compression: `cold_expect_fraction` of
 //!   its resident), so one reclaim does not order everyone. An order not reported within
 //!   `order_timeout` stops counting, and its bytes are sought from the next victim; its VM is
 //!   not given another order until it reports back, so two orders never overlap on one VM.
-//! - **Deadlock-free.** If the head request does not fit, nothing was left to reclaim (a
+//! - **Deadlock-free.** Reclaim needs no memory (offloads write in bounded batches), and
+//!   preemption reaches the RAM of VMs held at their faults. If the head request does not fit, nothing was left to reclaim (a
 //!   running VM's cold compression counts as reclaim: the last resort comes once it reported
 //!   and freed too little) and no order is outstanding, it is granted `max(bytes, grant)` if projected usage stays at or
 //!   under the budget itself (beyond the watermark): reason [`Reason::LastResort`], counted.
@@ -81,8 +89,10 @@
 //! - [`Decision::SetLimit`]: set the VM's pager resident limit to `limit` (raise: wake the held
 //!   faults that now fit; lower: it is never below the VM's resident).
 //! - [`Decision::Offload`]: offload that waiting or idle VM now, overriding its wait policy's
-//!   cooldown and break-even; then call [`Governor::offloaded`] with what stays resident (its
-//!   limit becomes that, set by the VM itself) and whether it worked.
+//!   cooldown and break-even, or that running VM with its vCPU kicked out of the guest
+//!   ([`Reason::Preempt`]); then call [`Governor::offloaded`] with what stays resident and
+//!   whether it worked. Its limit becomes what stays resident: the VM sets it as it reports,
+//!   and the governor answers with a [`Decision::SetLimit`] saying so.
 //! - [`Decision::ColdCompress`]: compress that running VM's RAM colder than `age` once; then
 //!   call [`Governor::offloaded`] with its resident after it. The governor answers with a
 //!   [`Decision::SetLimit`] lowering its limit to that plus one grant.
@@ -310,6 +320,11 @@ pub enum Reason {
     MakeRoom,
     /// Its cold RAM was compressed: the limit follows it down.
     Compressed,
+    /// Reclaim: every VM that could give room runs held at its faults; the youngest is
+    /// stopped and offloaded so that the oldest queued request fits.
+    Preempt,
+    /// Its ordered offload was carried out: its limit is what stays resident.
+    Offloaded,
 }
 
 impl fmt::Display for Reason {
@@ -329,6 +344,12 @@ impl fmt::Display for Reason {
             Reason::Pressure => "the kernel signals memory pressure",
             Reason::MakeRoom => "the oldest queued request does not fit",
             Reason::Compressed => "its cold RAM was compressed: the limit follows it down",
+            Reason::Preempt => {
+                "preempted: the oldest queued request does not fit and every VM that could give \
+                 room runs held at its faults: the youngest is stopped in its command and \
+                 offloaded"
+            }
+            Reason::Offloaded => "its offload was carried out: the limit is what stays resident",
         })
     }
 }
@@ -399,16 +420,27 @@ pub struct DecisionCounts {
     pub last_resort: u64,
     /// Reservations revoked.
     pub revoke: u64,
-    /// Offloads ordered.
+    /// Offloads ordered (preemptions included).
     pub offload: u64,
+    /// Offloads ordered of a running VM held at its faults.
+    pub preempt: u64,
     /// Cold compressions ordered.
     pub cold_compress: u64,
     /// Limits lowered after a cold compression.
     pub compressed: u64,
+    /// Limits set to what an ordered offload left resident.
+    pub offloaded: u64,
 }
 
 impl DecisionCounts {
     fn count(&mut self, decision: &Decision) {
+        if let Decision::Offload {
+            reason: Reason::Preempt,
+            ..
+        } = *decision
+        {
+            self.preempt += 1;
+        }
         let field = match *decision {
             Decision::Offload { .. } => &mut self.offload,
             Decision::ColdCompress { .. } => &mut self.cold_compress,
@@ -419,9 +451,12 @@ impl DecisionCounts {
                 Reason::Grant => &mut self.grant,
                 Reason::LastResort => &mut self.last_resort,
                 Reason::Compressed => &mut self.compressed,
-                Reason::Revoke | Reason::OverWatermark | Reason::Pressure | Reason::MakeRoom => {
-                    &mut self.revoke
-                }
+                Reason::Offloaded => &mut self.offloaded,
+                Reason::Revoke
+                | Reason::OverWatermark
+                | Reason::Pressure
+                | Reason::MakeRoom
+                | Reason::Preempt => &mut self.revoke,
             },
         };
         *field += 1;
@@ -478,7 +513,9 @@ struct Vm {
     last_heard: Instant,
     reachable: bool,
     order: Option<Order>,
-    failed_at: Option<Instant>,
+    /// When an order of each kind ([`OrderKind`] as index) last failed: a VM that cannot
+    /// cold-compress may still offload.
+    failed_at: [Option<Instant>; 2],
     cold_at: Option<Instant>,
     offloaded_bytes: u64,
     counts: DecisionCounts,
@@ -616,7 +653,7 @@ impl Governor {
             last_heard: now,
             reachable: true,
             order: None,
-            failed_at: None,
+            failed_at: [None; 2],
             cold_at: None,
             offloaded_bytes: 0,
             counts: DecisionCounts::default(),
@@ -674,6 +711,13 @@ impl Governor {
         let Some(v) = self.heard(now, vm) else {
             return Vec::new();
         };
+        if v.state != state {
+            // An order refused in the state it was sent for (an idle VM whose next command
+            // had begun) says nothing of the new one: a VM that starts to wait is a victim
+            // again at once (shut out for the order timeout, waiting VMs were missed until
+            // every VM ran held).
+            v.failed_at = [None; 2];
+        }
         v.state = state;
         let mut out = Vec::new();
         self.evaluate(now, &mut out);
@@ -747,38 +791,34 @@ impl Governor {
         // next tick measures again, or the reclaim would go on for memory already freed.
         let freed = before.saturating_sub(resident_after);
         self.total_usage = self.total_usage.map(|t| t.saturating_sub(freed));
-        let mut compressed_limit = None;
+        let mut new_limit = None;
         if !ok {
-            v.failed_at = Some(now);
+            if let Some(order) = order {
+                v.failed_at[order.kind as usize] = Some(now);
+            }
             self.events.orders_failed += u64::from(order.is_some());
         } else if let Some(order) = order {
             self.events.orders_done += 1;
             match order.kind {
                 OrderKind::Offload => {
-                    // The VM sets its own limit to what stays resident.
-                    v.limit = Some(resident_after);
+                    // The VM lowers its own limit to what stays resident as it reports; the
+                    // decision says so again after any limit sent while the order ran, so
+                    // that both sides agree.
+                    new_limit = Some((resident_after, Reason::Offloaded));
                     v.state = VmState::Offloaded;
                     v.offloaded_bytes = before.saturating_sub(resident_after);
                 }
                 OrderKind::ColdCompress => {
                     let lower = resident_after.saturating_add(grant);
                     if v.limit.is_some_and(|l| l > lower) {
-                        compressed_limit = Some(lower);
+                        new_limit = Some((lower, Reason::Compressed));
                     }
                 }
             }
         }
         let mut out = Vec::new();
-        if let Some(limit) = compressed_limit {
-            self.decide(
-                now,
-                &mut out,
-                Decision::SetLimit {
-                    vm,
-                    limit,
-                    reason: Reason::Compressed,
-                },
-            );
+        if let Some((limit, reason)) = new_limit {
+            self.decide(now, &mut out, Decision::SetLimit { vm, limit, reason });
         }
         self.evaluate(now, &mut out);
         out
@@ -1031,10 +1071,17 @@ impl Governor {
                         None,
                     )
                 }
-                Victim::Order(vm, OrderKind::Offload, free) => (
-                    Decision::Offload { vm, reason },
-                    Some((OrderKind::Offload, free)),
-                ),
+                Victim::Order(vm, OrderKind::Offload, free) => {
+                    let running = self
+                        .vms
+                        .get(&vm)
+                        .is_some_and(|v| v.state == VmState::Running);
+                    let reason = if running { Reason::Preempt } else { reason };
+                    (
+                        Decision::Offload { vm, reason },
+                        Some((OrderKind::Offload, free)),
+                    )
+                }
                 Victim::Order(vm, OrderKind::ColdCompress, free) => (
                     Decision::ColdCompress {
                         vm,
@@ -1103,20 +1150,38 @@ impl Governor {
     /// The next victim in the order of the module doc, if any.
     fn next_victim(&self, now: Instant) -> Option<Victim> {
         let c = &self.config;
-        let eligible = self.vms.iter().filter(|(id, v)| {
-            v.reachable
-                && v.order.is_none()
-                && v.reading.held == 0
-                && !self.queue.iter().any(|q| q.vm == **id)
-                && v.failed_at
-                    .is_none_or(|at| now.saturating_duration_since(at) >= c.order_timeout)
-        });
+        // Only a VM younger than the queue's head may be preempted: seniority, as for grants.
+        let head = self.queue.front().map(|q| q.vm);
+        let eligible = self
+            .vms
+            .iter()
+            .filter(|(_, v)| v.reachable && v.order.is_none());
+        let failed = |v: &Vm, kind: OrderKind| {
+            v.failed_at[kind as usize]
+                .is_some_and(|at| now.saturating_duration_since(at) < c.order_timeout)
+        };
         // (tier, key, id, victim): the lowest tier first, the largest key within it.
         let candidate = |id: VmId, v: &Vm| -> Option<(u8, (Duration, u64), Victim)> {
             let resident = v.reading.resident;
             let reserved = v.limit.map_or(0, |l| l.saturating_sub(resident));
             let offload_free = v.charged_ram().saturating_sub(c.offload_remainder);
             let order = |kind, free| Victim::Order(id, kind, free);
+            let asking = v.reading.held > 0 || self.queue.iter().any(|q| q.vm == id);
+            if asking {
+                // (5) Preempt: a VM held at its faults cannot reach a wait where its RAM
+                // could go; when every other tier is empty, the youngest one younger than
+                // the head is stopped in its command and offloaded, and re-enters it asking
+                // for room behind its elders.
+                return (v.state == VmState::Running
+                    && head.is_some_and(|h| id > h)
+                    && resident > c.offload_remainder
+                    && !failed(v, OrderKind::Offload))
+                .then_some((
+                    4,
+                    (Duration::ZERO, id),
+                    Victim::Order(id, OrderKind::Offload, offload_free),
+                ));
+            }
             match v.state {
                 VmState::Offloaded if reserved > 0 => {
                     Some((0, (Duration::ZERO, reserved), Victim::Revoke(id)))
@@ -1126,18 +1191,23 @@ impl Governor {
                 VmState::Waiting { .. } if reserved > c.revoke_slack => {
                     Some((0, (Duration::ZERO, reserved), Victim::Revoke(id)))
                 }
-                VmState::Waiting { expected_remaining } if offload_free > 0 => Some((
-                    1,
-                    (expected_remaining.unwrap_or(c.unknown_wait), resident),
-                    order(OrderKind::Offload, offload_free),
-                )),
-                VmState::Idle if offload_free > 0 => Some((
+                VmState::Waiting { expected_remaining }
+                    if offload_free > 0 && !failed(v, OrderKind::Offload) =>
+                {
+                    Some((
+                        1,
+                        (expected_remaining.unwrap_or(c.unknown_wait), resident),
+                        order(OrderKind::Offload, offload_free),
+                    ))
+                }
+                VmState::Idle if offload_free > 0 && !failed(v, OrderKind::Offload) => Some((
                     2,
                     (Duration::ZERO, resident),
                     order(OrderKind::Offload, offload_free),
                 )),
                 VmState::Running
                     if resident > 0
+                        && !failed(v, OrderKind::ColdCompress)
                         && v.cold_at.is_none_or(|at| {
                             now.saturating_duration_since(at) >= c.pressure_cold_age
                         }) =>
@@ -1406,6 +1476,14 @@ mod tests {
         }
     }
 
+    /// [`config`] with the last resort at this share of the budget.
+    fn last_resort_at(share: f64) -> Governor {
+        Governor::new(Config {
+            last_resort_watermark: share,
+            ..config()
+        })
+    }
+
     fn at(base: Instant, ms: u64) -> Instant {
         base + Duration::from_millis(ms)
     }
@@ -1576,7 +1654,10 @@ mod tests {
         // Nothing more while the offload is under way.
         assert!(g.tick(at(base, 2), Pressure::default()).is_empty());
         let out = g.offloaded(at(base, 3), w, 4 * M, true);
-        assert_eq!(out, vec![set(c, 400, Reason::Admission)]);
+        assert_eq!(
+            out,
+            vec![set(w, 4, Reason::Offloaded), set(c, 400, Reason::Admission)]
+        );
         let s = g.status(at(base, 3));
         assert!(s.queue.is_empty());
         assert_eq!(s.projected, 804 * M);
@@ -1688,7 +1769,8 @@ mod tests {
         assert_eq!(queue, vec![old, young]);
         // The room w frees (196) goes to the old VM; the young one waits for more.
         let out = g.offloaded(at(base, 3), w, 4 * M, true);
-        assert_eq!(out[0], set(old, 500, Reason::Grant));
+        assert_eq!(out[0], set(w, 4, Reason::Offloaded));
+        assert_eq!(out[1], set(old, 500, Reason::Grant));
         assert!(!out
             .iter()
             .any(|d| matches!(d, Decision::SetLimit { vm, .. } if *vm == young)));
@@ -1798,7 +1880,11 @@ mod tests {
         let out = g.offloaded(at(base, 3), w, 4 * M, true);
         assert_eq!(
             out,
-            vec![set(a, 500, Reason::Grant), set(b, 316, Reason::Grant)]
+            vec![
+                set(w, 4, Reason::Offloaded),
+                set(a, 500, Reason::Grant),
+                set(b, 316, Reason::Grant)
+            ]
         );
         assert_eq!(g.status(at(base, 3)).decisions.grant, 2);
     }
@@ -1815,7 +1901,10 @@ mod tests {
             reason: Reason::OverWatermark,
         };
         assert_eq!(g.tick(base, over), vec![offload]);
-        assert!(g.offloaded(at(base, 1), a, 4 * M, true).is_empty());
+        assert_eq!(
+            g.offloaded(at(base, 1), a, 4 * M, true),
+            vec![set(a, 4, Reason::Offloaded)]
+        );
         assert_eq!(limit(&g, base, a), Some(4 * M));
         // Its answer arrives; it faults: 404 projected, room for its whole peak (296 more).
         g.state(at(base, 2), a, VmState::Running);
@@ -1827,7 +1916,10 @@ mod tests {
         g.reading(at(base, 3), a, res(300));
         g.state(at(base, 3), a, waiting(Some(30)));
         assert_eq!(g.tick(at(base, 4), over), vec![offload]);
-        assert!(g.offloaded(at(base, 5), a, 4 * M, true).is_empty());
+        assert_eq!(
+            g.offloaded(at(base, 5), a, 4 * M, true),
+            vec![set(a, 4, Reason::Offloaded)]
+        );
         g.reading(at(base, 5), big, res(700));
         g.state(at(base, 6), a, VmState::Running);
         assert_eq!(
@@ -1860,11 +1952,17 @@ mod tests {
         // goes on, between the watermarks, down to the low one.
         assert_eq!(
             g.offloaded(at(base, 3), w[0], 50 * M, true),
-            vec![offload(w[2])]
+            vec![set(w[0], 50, Reason::Offloaded), offload(w[2])]
         );
-        assert!(g.offloaded(at(base, 4), w[1], 4 * M, true).is_empty());
+        assert_eq!(
+            g.offloaded(at(base, 4), w[1], 4 * M, true),
+            vec![set(w[1], 4, Reason::Offloaded)]
+        );
         assert!(g.status(at(base, 4)).reclaiming);
-        assert!(g.offloaded(at(base, 5), w[2], 4 * M, true).is_empty());
+        assert_eq!(
+            g.offloaded(at(base, 5), w[2], 4 * M, true),
+            vec![set(w[2], 4, Reason::Offloaded)]
+        );
         // Under low: done; back between the watermarks: still nothing.
         assert!(!g.status(at(base, 5)).reclaiming);
         assert!(g.tick(at(base, 6), total(790)).is_empty());
@@ -1931,6 +2029,87 @@ mod tests {
         assert!(s.queue.is_empty());
         assert_eq!(s.events.requests_dropped, 1);
         assert_eq!(s.projected, 900 * M);
+    }
+
+    #[test]
+    fn governor_held_running_vms_the_youngest_behind_the_head_is_preempted() {
+        let base = Instant::now();
+        let mut g = last_resort_at(0.95);
+        let old = vm(&mut g, base, "old", 300, VmState::Running);
+        let mid = vm(&mut g, base, "mid", 300, VmState::Running);
+        let young = vm(&mut g, base, "young", 280, VmState::Running);
+        let cold = |vm| Decision::ColdCompress {
+            vm,
+            age: Duration::from_millis(500),
+            reason: Reason::MakeRoom,
+        };
+        // 880 projected: the old VM's 100 does not fit; its juniors run, unheld: cold RAM.
+        let out = g.request(at(base, 1), old, 100 * M);
+        assert_eq!(out, vec![cold(mid), cold(young)]);
+        // They cannot (a VM's cold age is its own): refused, and the last resort (980 over
+        // 950) does not fit either.
+        assert!(g.offloaded(at(base, 2), mid, 300 * M, false).is_empty());
+        assert!(g.offloaded(at(base, 3), young, 280 * M, false).is_empty());
+        // The young VM is held at its faults too: it is stopped and offloaded (a refused
+        // cold compression does not shut out an offload).
+        let preempt = |vm| Decision::Offload {
+            vm,
+            reason: Reason::Preempt,
+        };
+        assert_eq!(g.request(at(base, 4), young, 50 * M), vec![preempt(young)]);
+        // The middle one held as well: the young one's order is expected to free enough.
+        assert!(g.request(at(base, 5), mid, 50 * M).is_empty());
+        // It reports: its limit is what stays, and the old VM gets its room first.
+        let out = g.offloaded(at(base, 6), young, 4 * M, true);
+        assert_eq!(out[0], set(young, 4, Reason::Offloaded));
+        assert_eq!(out[1], set(old, 400, Reason::Grant));
+        let s = g.status(at(base, 6));
+        assert_eq!(s.decisions.preempt, 1);
+        assert_eq!(s.decisions.offload, 1);
+        // The head is never preempted, nor a VM older than it.
+        let g2 = {
+            let mut g = last_resort_at(0.95);
+            let a = vm(&mut g, base, "a", 450, VmState::Running);
+            let b = vm(&mut g, base, "b", 450, VmState::Running);
+            // b first: a runs unheld, so only its cold RAM is asked for (and refused).
+            let out = g.request(at(base, 1), b, 50 * M);
+            assert!(
+                !out.iter().any(|d| matches!(d, Decision::Offload { .. })),
+                "{out:?}"
+            );
+            g.offloaded(at(base, 1), a, 450 * M, false);
+            // Then a: the older, the head; b is preempted, never a.
+            let out = g.request(at(base, 2), a, 50 * M);
+            assert!(out.iter().any(|d| *d == preempt(b)), "{out:?}");
+            assert!(!out.iter().any(|d| *d == preempt(a)), "{out:?}");
+            g
+        };
+        assert_eq!(g2.status(at(base, 2)).decisions.preempt, 1);
+    }
+
+    #[test]
+    fn governor_a_refused_order_does_not_shut_out_a_vm_that_starts_to_wait() {
+        let base = Instant::now();
+        // No last resort: nothing but w can make room.
+        let mut g = last_resort_at(0.9);
+        let w = vm(&mut g, base, "w", 300, VmState::Idle);
+        let a = vm(&mut g, base, "a", 550, VmState::Running);
+        let offload = Decision::Offload {
+            vm: w,
+            reason: Reason::MakeRoom,
+        };
+        assert_eq!(g.request(at(base, 1), a, 100 * M), vec![offload]);
+        // Its next command had begun: refused. Not ordered again while it runs.
+        assert!(g.offloaded(at(base, 2), w, 300 * M, false).is_empty());
+        let out = g.state(at(base, 3), w, VmState::Running);
+        assert!(
+            !out.iter().any(|d| matches!(d, Decision::Offload { .. })),
+            "{out:?}"
+        );
+        // (Its cold RAM is asked for instead, and refused.)
+        g.offloaded(at(base, 3), w, 300 * M, false);
+        // It waits for the model: a victim again at once, not after the order timeout.
+        assert_eq!(g.state(at(base, 4), w, waiting(Some(5))), vec![offload]);
     }
 
     #[test]
