@@ -38,6 +38,7 @@ pub fn run(settings: &Settings, vms: usize, strategy: Strategy, samples: &Path) 
         budget: None,
         memory: settings.memory,
         sample_ms: settings.sample_ms,
+        stagger_ms: 0,
         limit: settings.run_limit,
     }
     .run(samples, None)

@@ -152,6 +152,8 @@ pub struct Replay<'a> {
     pub memory: &'a str,
     /// `--sample-ms`.
     pub sample_ms: u64,
+    /// `--stagger-ms` (0: every VM released at once).
+    pub stagger_ms: u64,
     /// The longest the replay may take before it is stopped and counted as failed.
     pub limit: Duration,
 }
@@ -180,6 +182,9 @@ impl Replay<'_> {
             command.args(["--memory-budget", budget]);
         }
         command.args(["--memory", self.memory, "--sample-ms", &sample_ms, "--json"]);
+        if self.stagger_ms > 0 {
+            command.args(["--stagger-ms", &self.stagger_ms.to_string()]);
+        }
         command.arg("--samples").arg(samples);
         command.stdout(File::create(&out_path)?);
         command.stderr(File::create(&err_path)?);

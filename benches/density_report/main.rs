@@ -6,8 +6,13 @@
 //! zero OOM kills and a window (release to the last VM's end) at most 1.10× the window of the
 //! unbudgeted run of the same N and strategy in the same round (`judge`). Each run is the real
 //! `pvisor replay TRAJECTORY --vms N --strategy S [--memory-budget SIZE] --memory 512MiB
-//! --sample-ms 100 --json --samples FILE` (`common::replay`), the trajectory the first
-//! `DENSITY_BENCH_STEPS` steps of `docs/trajectories/qutebrowser-667.json`, waits as recorded.
+//! --sample-ms 100 [--stagger-ms SPREAD/N] --json --samples FILE` (`common::replay`), the
+//! trajectory the first `DENSITY_BENCH_STEPS` steps of `docs/trajectories/qutebrowser-667.json`,
+//! waits as recorded. The *window* judged is the longest VM's task time, from its own start to
+//! its end: with every VM released at once (the default) that is the completion window; with
+//! `DENSITY_BENCH_SPREAD_S=S` the N VMs start S/N seconds apart, arrivals spread evenly over
+//! S seconds as on a host where agents come at their own times, and a VM's wait for its start
+//! is not counted against it.
 //!
 //! The sweep goes up N by N. At each N it runs `DENSITY_BENCH_ROUNDS` rounds; a round runs
 //! every (strategy, budget or none) still swept once, in an order that differs from round to
@@ -21,7 +26,7 @@
 //! - `DENSITY_BENCH_ROUNDS` (default 3), `DENSITY_BENCH_BUDGETS` (`512MiB,1GiB`),
 //!   `DENSITY_BENCH_STRATEGIES` (`off,offload,offload-compressed,cold-compression,governed`),
 //!   `DENSITY_BENCH_VMS` (the sweep), `DENSITY_BENCH_STEPS` (24), `DENSITY_BENCH_MEMORY`
-//!   (guest RAM of each VM, `512MiB`);
+//!   (guest RAM of each VM, `512MiB`), `DENSITY_BENCH_SPREAD_S` (0: lockstep);
 //! - `DENSITY_BENCH_QUICK=1`: 1 round, 512 MiB only, N up to 8, the first 12 steps (each still
 //!   overridden by its own variable).
 //!
@@ -71,6 +76,8 @@ pub struct Settings {
     pub steps: usize,
     pub memory: String,
     pub sample_ms: u64,
+    /// Arrivals spread over this many seconds (0: all VMs released at once).
+    pub spread_s: u64,
     /// The prefix as given to `pvisor replay`, and what it holds.
     pub trajectory: PathBuf,
     pub replayed: Trajectory,
@@ -78,10 +85,16 @@ pub struct Settings {
 }
 
 impl Settings {
-    /// The longest one replay of `vms` VMs may take: four times its waits, and 10 s a VM.
+    /// The longest one replay of `vms` VMs may take: four times its waits, 10 s a VM, and
+    /// the spread of its starts.
     pub fn run_limit(&self, vms: usize) -> Duration {
         let waits = self.replayed.total_wait().as_secs_f64();
-        Duration::from_secs_f64((4.0 * waits + 10.0 * vms as f64).max(300.0))
+        Duration::from_secs_f64((4.0 * waits + 10.0 * vms as f64).max(300.0) + self.spread_s as f64)
+    }
+
+    /// The time between two VMs' starts with `vms` VMs, milliseconds.
+    pub fn stagger_ms(&self, vms: usize) -> u64 {
+        self.spread_s * 1000 / vms.max(1) as u64
     }
 }
 
@@ -198,6 +211,11 @@ fn settings(tmp: &Path) -> Res<Result<Settings, String>> {
         steps,
         memory: pick("DENSITY_BENCH_MEMORY", "512MiB"),
         sample_ms: 100,
+        spread_s: if bench {
+            common::env_number("DENSITY_BENCH_SPREAD_S", 0, 0)?
+        } else {
+            0
+        },
         trajectory,
         replayed,
         pvisor,
@@ -249,7 +267,10 @@ fn facts(outcome: &Outcome) -> Facts {
         },
         oom_kills: summary.and_then(|s| s["oom_kills"].as_u64()).unwrap_or(0),
         oom_killed,
-        window_s: outcome.number(&["completion_window_s"]),
+        // Each VM's own task time, start to end: the completion window when all start at once.
+        window_s: Some(outcome.number(&["longest_task_s"]))
+            .filter(|w| w.is_finite())
+            .unwrap_or_else(|| outcome.number(&["completion_window_s"])),
         peak_bytes: peak_gib * (1u64 << 30) as f64,
     }
 }
@@ -293,7 +314,7 @@ fn run() -> Res<()> {
     let s = &settings;
     eprintln!(
         "{BENCH}: {} round(s); strategies {}; budgets {}; N {:?}; {} ({} steps, {} model waits, {:.1} s of waits), \
-         VMs of {}; {}; temporary files in {} ({})",
+         VMs of {}; arrivals {}; {}; temporary files in {} ({})",
         s.rounds,
         s.strategies.join(", "),
         s.budgets.iter().map(|(t, _)| t.as_str()).collect::<Vec<_>>().join(", "),
@@ -303,6 +324,7 @@ fn run() -> Res<()> {
         s.replayed.requests().len(),
         s.replayed.total_wait().as_secs_f64(),
         s.memory,
+        report::arrivals_text(s),
         s.pvisor.display(),
         tmp.path.display(),
         tmp.filesystem
@@ -376,6 +398,7 @@ fn sweep(s: &Settings, tmp: &Path, cpu: &CpuGroup) -> Res<Log> {
                     budget,
                     memory: &s.memory,
                     sample_ms: s.sample_ms,
+                    stagger_ms: s.stagger_ms(vms),
                     limit: s.run_limit(vms),
                 }
                 .run(&samples, Some(cpu))?;

@@ -37,6 +37,18 @@ pub fn size_text(bytes: u64) -> String {
     vmm::runtime::size_text(bytes)
 }
 
+/// How the VMs of a run start, in words.
+pub fn arrivals_text(s: &Settings) -> String {
+    if s.spread_s == 0 {
+        "all released at once (lockstep: their tool phases come together)".to_owned()
+    } else {
+        format!(
+            "spread evenly over {} s (N VMs start {} s / N apart)",
+            s.spread_s, s.spread_s
+        )
+    }
+}
+
 /// The size before `vms` in the sweep, or 0: the density when the sweep stops at `vms`.
 pub fn previous_size(s: &Settings, vms: usize) -> usize {
     s.sweep
@@ -419,8 +431,11 @@ pub fn markdown(targets: &[Verdict], cx: &Context<'_>) -> String {
          passed every check of `pvisor replay` (every answer's digest, every command, the same digests in every VM, \
          the memory sampling) with zero OOM kills, and a window at most {WINDOW_LIMIT:.2}× the window of the run of \
          the same N and strategy without a budget in the same round. A strategy's sweep stops at the first N that \
-         fails: larger N are not run.\n",
-        s.sweep.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+         fails: larger N are not run. *Window*: the longest of the VMs' task times, each from the VM's own start \
+         to its end (`longest_task_s`); VMs here start {} — with all released at once it is the completion \
+         window.\n",
+        s.sweep.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "),
+        arrivals_text(s)
     );
     t.push_str("## Targets (issue 13)\n\n| target | figure | result |\n|---|---|---|\n");
     for v in targets {
@@ -472,9 +487,9 @@ fn method(t: &mut String, cx: &Context<'_>) {
         t,
         "## Method\n\n\
          - **Trajectory**: {} — the first {} steps of `docs/trajectories/qutebrowser-667.json`, {} model waits \
-         replayed as recorded ({:.1} s of waits per task), in VMs of {} (`--memory`).\n\
+         replayed as recorded ({:.1} s of waits per task), in VMs of {} (`--memory`); VMs start {}.\n\
          - **Runs**: `pvisor replay TRAJECTORY --vms N --strategy S [--memory-budget SIZE] --memory {} --sample-ms {} \
-         --json --samples FILE`, the budget a hard limit on the parent memory cgroup of all the VMs; each run's JSON \
+         [--stagger-ms SPREAD/N] --json --samples FILE`, the budget a hard limit on the parent memory cgroup of all the VMs; each run's JSON \
          summary, exit status and samples are kept. A replay over its limit (four times its waits plus 10 s a VM, \
          at least 300 s) is stopped and counted as failed.\n\
          - **Rounds**: {} interleaved round(s) at each N (fewer than the usual 5: the sweep is long). Round r runs \
@@ -486,13 +501,14 @@ fn method(t: &mut String, cx: &Context<'_>) {
          - **Regenerate**: `cargo build --release -p vmm --bin pvisor && cargo bench --bench density_report` (the \
          whole sweep: hours). Options: `DENSITY_BENCH_ROUNDS`, `DENSITY_BENCH_BUDGETS` (`512MiB,1GiB`), \
          `DENSITY_BENCH_STRATEGIES`, `DENSITY_BENCH_VMS` (`1,2,4,…,64`), `DENSITY_BENCH_STEPS` (24), \
-         `DENSITY_BENCH_MEMORY`; `DENSITY_BENCH_QUICK=1` for a quick run (1 round, 512 MiB, N ≤ 8, 12 steps).\n\
+         `DENSITY_BENCH_MEMORY`, `DENSITY_BENCH_SPREAD_S` (0: lockstep; S: starts S/N s apart, `--stagger-ms`); `DENSITY_BENCH_QUICK=1` for a quick run (1 round, 512 MiB, N ≤ 8, 12 steps).\n\
          - **This run**: {} runs in {}.\n{}",
         s.replayed.name,
         s.steps,
         s.replayed.requests().len(),
         waits,
         s.memory,
+        arrivals_text(s),
         s.memory,
         s.sample_ms,
         s.rounds,

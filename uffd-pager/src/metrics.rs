@@ -197,6 +197,9 @@ counters! {
         faults_held,
         /// Faults held at the resident limit right now (a gauge, not a counter).
         held_now,
+        /// Microseconds faults spent held at the resident limit, summed over the faults
+        /// served after a hold.
+        held_us,
         /// Events ignored: kinds the pager never enables (`REMAP`, `FORK`, unknown), and
         /// faults or discards outside every region (reported to the error handler).
         events_ignored,

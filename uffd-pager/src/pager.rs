@@ -747,8 +747,9 @@ struct Pending {
     since: Instant,
     /// Pages it was held for at the resident limit when last tried (0: not held).
     held: u64,
-    /// It was held at least once (counted in `faults_held`).
-    ever_held: bool,
+    /// When it was first held (counted in `faults_held`); its wait goes to `held_us` once
+    /// it is served.
+    held_since: Option<Instant>,
 }
 
 /// Outcome of one resolution attempt.
@@ -827,7 +828,7 @@ impl Shared {
                                 minor,
                                 since: Instant::now(),
                                 held: 0,
-                                ever_held: false,
+                                held_since: None,
                             });
                         }
                         Event::Remove { start, end } | Event::Unmap { start, end } => {
@@ -877,6 +878,10 @@ impl Shared {
                 match result {
                     Ok(Attempt::Resolved) => {
                         self.faults_in_flight.fetch_sub(1, Ordering::Relaxed);
+                        if let Some(at) = fault.held_since {
+                            let us = u64::try_from(at.elapsed().as_micros()).unwrap_or(u64::MAX);
+                            self.metrics.held_us.fetch_add(us, Ordering::Relaxed);
+                        }
                     }
                     Ok(Attempt::Retry) => {
                         self.metrics.eagain_retries.fetch_add(1, Ordering::Relaxed);
@@ -885,8 +890,8 @@ impl Shared {
                     Ok(Attempt::Held { pages }) => {
                         newly_held |= !was_held;
                         self.metrics.held_now.fetch_add(1, Ordering::Relaxed);
-                        if !fault.ever_held {
-                            fault.ever_held = true;
+                        if fault.held_since.is_none() {
+                            fault.held_since = Some(Instant::now());
                             self.metrics.faults_held.fetch_add(1, Ordering::Relaxed);
                         }
                         self.limit.held_changed(fault.held, pages);

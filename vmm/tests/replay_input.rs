@@ -60,6 +60,7 @@ fn replay_bad_numeric_options_are_refused_before_any_vm_starts() {
         ("--memory", "lots"),
         ("--sample-ms", "0"),
         ("--sample-ms", "100000000000"),
+        ("--stagger-ms", "600001"),
     ] {
         let out = pvisor(
             dir.path(),
@@ -299,6 +300,69 @@ fn replay_within_its_memory_budget_passes() {
     assert_eq!(summary["oom_kills"], 0, "{all}");
     assert_eq!(summary["integrity_passed"], true, "{all}");
     assert_eq!(left, Vec::<PathBuf>::new(), "{all}");
+}
+
+#[test]
+fn replay_staggered_starts_each_vm_later_and_reports_its_own_task_time() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_trajectory(
+        dir.path(),
+        r#"{"tool": {"script": "fill 4MiB random seed=1; digest"}},
+           {"model": {"wait_ms": 300, "answer_bytes": 8}}"#,
+    );
+    let cgroups = CgroupParent::new("stagger");
+    let out = pvisor(
+        dir.path(),
+        &[
+            "replay",
+            path.to_str().unwrap(),
+            "--vms",
+            "3",
+            "--memory",
+            "64MiB",
+            "--strategy",
+            "offload",
+            "--stagger-ms",
+            "1000",
+            "--cgroup-parent",
+            &cgroups.name,
+            "--json",
+        ],
+    );
+    let stdout = text(&out.stdout);
+    let all = format!("{stdout}{}", text(&out.stderr));
+    assert!(out.status.success(), "{all}");
+    let summary: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(summary["integrity_passed"], true, "{all}");
+    assert_eq!(summary["stagger_ms"], 1000, "{all}");
+    let numbers = |key: &str| -> Vec<f64> {
+        summary[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect()
+    };
+    let (starts, ends, tasks) = (
+        numbers("start_s"),
+        numbers("completion_s"),
+        numbers("task_s"),
+    );
+    for i in 0..3 {
+        // VM i starts i s after the release (give or take a scheduling delay) and its task
+        // time is its end less its start; each takes at least its 300 ms wait.
+        let i_s = i as f64;
+        assert!(starts[i] >= i_s && starts[i] < i_s + 0.5, "{all}");
+        assert!((ends[i] - starts[i] - tasks[i]).abs() < 1e-6, "{all}");
+        assert!(tasks[i] >= 0.3, "{all}");
+    }
+    let longest = summary["longest_task_s"].as_f64().unwrap();
+    let window = summary["completion_window_s"].as_f64().unwrap();
+    assert!(longest + 1.5 < window, "{all}");
+    assert_eq!(cgroups.left(), Vec::<PathBuf>::new(), "{all}");
 }
 
 #[test]

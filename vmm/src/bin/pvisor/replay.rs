@@ -54,6 +54,11 @@ pub struct ReplayArgs {
     /// to FILE.
     #[arg(long, value_name = "FILE")]
     pub governor_log: Option<PathBuf>,
+    /// VM i starts its replay i × MS after the release. 0: all at once, the worst case under
+    /// a budget (their tool phases come together); agents on a real host arrive at their own
+    /// times. Each VM's task time (from its own start) is reported beside the window.
+    #[arg(long, default_value_t = 0, value_name = "MS")]
+    pub stagger_ms: u64,
     /// Sampling period of memory, milliseconds.
     #[arg(long, default_value_t = 100, value_name = "MS")]
     pub sample_ms: u64,
@@ -86,6 +91,8 @@ fn strategy_args(strategy: &str) -> Result<Vec<&'static str>, String> {
 
 /// What one VM's replay gave.
 struct Outcome {
+    /// When it started, from the release (its stagger).
+    started: Duration,
     elapsed: Duration,
     results: Result<Vec<serde_json::Value>, String>,
 }
@@ -95,6 +102,8 @@ const MAX_VMS: usize = 64;
 /// Longest sampling period, milliseconds: a minute (a replay's waits are seconds to minutes;
 /// a longer period would sample nothing).
 const MAX_SAMPLE_MS: u64 = 60_000;
+/// Longest stagger between two VMs' starts, milliseconds: ten minutes.
+const MAX_STAGGER_MS: u64 = 600_000;
 /// How long stopped VMs get to end by themselves before they are sent SIGTERM, and then
 /// SIGKILL.
 const STOP_GRACE: Duration = Duration::from_secs(10);
@@ -105,6 +114,12 @@ const TERM_GRACE: Duration = Duration::from_secs(5);
 fn check_args(args: &ReplayArgs) -> Result<(u64, Option<u64>), String> {
     if args.vms == 0 || args.vms > MAX_VMS {
         return Err(format!("--vms {}: 1 to {MAX_VMS}", args.vms));
+    }
+    if args.stagger_ms > MAX_STAGGER_MS {
+        return Err(format!(
+            "--stagger-ms {}: at most {MAX_STAGGER_MS} milliseconds",
+            args.stagger_ms
+        ));
     }
     if args.sample_ms == 0 || args.sample_ms > MAX_SAMPLE_MS {
         return Err(format!(
@@ -152,11 +167,12 @@ fn wait_gone(pids: &[u32], timeout: Duration) -> Vec<u32> {
 const TOMBSTONE_WAIT: Duration = Duration::from_secs(5);
 
 /// How many times the kernel's OOM killer killed in `vm`'s cgroup: its counter while the
-/// cgroup is there; for a VM that `failed` and is gone, what its tombstone says (its
-/// supervisor reads the counter, then removes the cgroup).
+/// cgroup is there; for a VM that `failed`, or whose cgroup is gone (killed after its script
+/// ended), what its tombstone says (its supervisor reads the counter, then removes the
+/// cgroup).
 fn oom_kills_of(vm: &Identity, cgroup: Option<&std::path::Path>, failed: bool) -> u64 {
     let counter = cgroup.and_then(|dir| MemoryCgroup::at(dir).oom_kills());
-    if counter.is_some_and(|n| n > 0) || !failed {
+    if counter.is_some_and(|n| n > 0) || (!failed && counter.is_some()) {
         return counter.unwrap_or(0);
     }
     let deadline = Instant::now() + TOMBSTONE_WAIT;
@@ -491,14 +507,20 @@ fn run_replay(
         .join("; ");
     let sampler = Sampler::start(Duration::from_millis(args.sample_ms), probes);
     let sampling_started = Instant::now();
-    // A common release: every VM starts its replay at once.
+    // A common release: VM i starts its replay i × the stagger after it (all at once by
+    // default).
     let release = Instant::now();
+    let stagger = Duration::from_millis(args.stagger_ms);
     let outcomes: Vec<Outcome> = std::thread::scope(|scope| {
         let handles: Vec<_> = vms
             .iter()
-            .map(|vm| {
+            .enumerate()
+            .map(|(i, vm)| {
                 let script = script.clone();
+                let start = stagger * u32::try_from(i).unwrap_or(u32::MAX);
                 scope.spawn(move || {
+                    std::thread::sleep(start.saturating_sub(release.elapsed()));
+                    let started = release.elapsed();
                     let results = call(vm, Method::Exec { script })
                         .map_err(|e| compressed_backing::store::error_chain(&e))
                         .and_then(|v| {
@@ -508,6 +530,7 @@ fn run_replay(
                                 .ok_or_else(|| format!("no results: {v}"))
                         });
                     Outcome {
+                        started,
                         elapsed: release.elapsed(),
                         results,
                     }
@@ -518,6 +541,7 @@ fn run_replay(
             .into_iter()
             .map(|h| {
                 h.join().unwrap_or(Outcome {
+                    started: Duration::ZERO,
                     elapsed: release.elapsed(),
                     results: Err("the replay thread failed".into()),
                 })
@@ -553,10 +577,20 @@ fn run_replay(
         }
         std::fs::write(path, csv).map_err(|e| format!("--samples {}: {e}", path.display()))?;
     }
-    // What wait management did, summed over the VMs (a VM without it has none).
+    // What wait management did, summed over the VMs (a VM without it has none); how long
+    // their faults were held at the resident limit, each VM's (its pager's `held_us`).
     let mut wait = serde_json::Map::new();
+    let mut held_s = Vec::new();
     for vm in &vms {
-        if let Ok(stats) = call(vm, Method::Stats) {
+        let stats = call(vm, Method::Stats).ok();
+        #[allow(clippy::cast_precision_loss, reason = "microseconds of one run")]
+        held_s.push(
+            stats
+                .as_ref()
+                .and_then(|s| s["pager"]["held_us"].as_u64())
+                .map_or(0.0, |us| us as f64 / 1e6),
+        );
+        if let Some(stats) = stats {
             for (name, value) in stats["wait"].as_object().into_iter().flatten() {
                 // A VM's own estimate, not a count: a sum over VMs means nothing.
                 if name == "offload_cost_ms" {
@@ -674,6 +708,11 @@ fn run_replay(
         .max()
         .unwrap_or_default()
         .as_secs_f64();
+    // Each VM's own time: from its start to its end.
+    let tasks: Vec<f64> = outcomes
+        .iter()
+        .map(|o| o.elapsed.saturating_sub(o.started).as_secs_f64())
+        .collect();
     let passed = failures.is_empty() && integrity.passed;
     #[allow(clippy::cast_precision_loss, reason = "a handful of VMs")]
     let summary = serde_json::json!({
@@ -689,6 +728,11 @@ fn run_replay(
         "cgroup_mem_gib_s_per_task": per_task(Quantity::Cgroup),
         "completion_window_s": window,
         "completion_s": outcomes.iter().map(|o| o.elapsed.as_secs_f64()).collect::<Vec<_>>(),
+        "stagger_ms": args.stagger_ms,
+        "start_s": outcomes.iter().map(|o| o.started.as_secs_f64()).collect::<Vec<_>>(),
+        "task_s": tasks,
+        "longest_task_s": tasks.iter().copied().fold(0.0, f64::max),
+        "held_s": held_s,
         "throughput_tasks_per_min": if window > 0.0 { n as f64 / window * 60.0 } else { 0.0 },
         "model_requests_served": server.served(),
         "sampling": integrity,
