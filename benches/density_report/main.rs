@@ -272,6 +272,10 @@ fn facts(outcome: &Outcome) -> Facts {
             .filter(|w| w.is_finite())
             .unwrap_or_else(|| outcome.number(&["completion_window_s"])),
         peak_bytes: peak_gib * (1u64 << 30) as f64,
+        cpu_share: outcome.cpu.map_or(f64::NAN, |cpu| {
+            let cores = std::thread::available_parallelism().map_or(1, usize::from);
+            cpu.total_s() / (outcome.wall_s * cores as f64)
+        }),
     }
 }
 

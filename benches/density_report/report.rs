@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use crate::common::host::BenchRun;
 use crate::common::results::{num, Summary};
-use crate::judge::{self, MEMORY_SHARE_CPU_BOUND, WINDOW_LIMIT};
+use crate::judge::{self, CPU_SHARE_BOUND, MEMORY_SHARE_CPU_BOUND, WINDOW_LIMIT};
 use crate::plan::Job;
 use crate::{duration_text, Log, Measured, Settings};
 
@@ -326,9 +326,11 @@ fn cpu_section(t: &mut String, cx: &Context<'_>) {
     let _ = writeln!(
         t,
         "A budgeted run is counted as CPU-bound when its window alone failed it (> {WINDOW_LIMIT:.2}× the unbudgeted \
-         run's) while it passed every check, had no OOM kill and its memory peaked below {:.0}% of the budget: the \
-         budget did not hold it back, the {} CPUs did.\n",
+         run's) while it passed every check, had no OOM kill, its memory peaked below {:.0}% of the budget and its \
+         CPU time was at least {:.0}% of what the {} CPUs had over its wall time: the budget did not hold it back, \
+         the CPUs did.\n",
         MEMORY_SHARE_CPU_BOUND * 100.0,
+        CPU_SHARE_BOUND * 100.0,
         cx.run.machine.nproc
     );
     let mut any = false;
