@@ -363,6 +363,8 @@ fn replay_staggered_starts_each_vm_later_and_reports_its_own_task_time() {
     let window = summary["completion_window_s"].as_f64().unwrap();
     assert!(longest + 1.5 < window, "{all}");
     assert_eq!(cgroups.left(), Vec::<PathBuf>::new(), "{all}");
+    // The --cgroup-parent the replay made goes with it.
+    assert!(!cgroups.exists(), "{all}");
 }
 
 #[test]

@@ -43,6 +43,11 @@ impl CgroupParent {
         Self { name, dir }
     }
 
+    /// Whether it is there (a replay removes it when it made it).
+    pub fn exists(&self) -> bool {
+        self.dir.exists()
+    }
+
     /// What is left under it (cgroup directories of the replay or its VMs).
     pub fn left(&self) -> Vec<PathBuf> {
         let mut left = Vec::new();

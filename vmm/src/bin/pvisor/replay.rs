@@ -414,6 +414,15 @@ fn run_replay(
             .cgroups
             .extend((0..args.vms).map(|i| dir.join(format!("vm-{i}"))));
         state.cgroups.push(dir);
+        // What of --cgroup-parent does not exist yet is made for this replay and goes with
+        // it, the deepest first (one that another replay still uses is not empty and stays).
+        let made: Vec<PathBuf> = parent
+            .ancestors()
+            .filter(|p| !p.as_os_str().is_empty())
+            .map(|p| base.join(p))
+            .take_while(|p| !p.exists())
+            .collect();
+        state.cgroups.extend(made);
     }
     if let Some(budget) = budget {
         // The VMs' parent, limited before any VM joins it; the teardown removes it.
