@@ -35,7 +35,7 @@
 //!   held until their two-minute hold timeout). The senior VM first finishes its step, waits,
 //!   is offloaded, and makes room for the next. Seniority is fixed for a run, so grants do not
 //!   go round; it starts anew with each run, so a VM that joined late is not last for its
-//!   whole life (by join order, the VMs started last of 16 with spread starts took up to 15%
+//!   whole life (by join order, the VMs started last of 16 with spread starts took up to 14%
 //!   longer than the first). The head
 //!   is granted when projected usage plus what it adds stays at or under
 //!   `high_watermark × budget`; it adds `max(bytes, grant)`, and more, up to the VM's learned
