@@ -202,7 +202,14 @@ pub struct PoolStats {
     /// Connections refused because the peer's uid or gid is not allowed.
     #[serde(default)]
     pub refused: u64,
+    /// Connections closed at once because [`MAX_PEERS`] were open already.
+    #[serde(default)]
+    pub over_cap: u64,
 }
+
+/// Most connections the pool serves at once, each on its own thread: one more is closed at
+/// once, so that a flood of connections cannot start threads without end.
+pub const MAX_PEERS: usize = 256;
 
 struct PoolPage {
     hash: u64,
@@ -346,10 +353,18 @@ impl PoolServer {
             .map_or(0, |m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
     }
 
-    /// Accepts VMs until `stop`; each is served on its own thread.
+    /// Accepts VMs until `stop`; each is served on its own thread, at most [`MAX_PEERS`] at
+    /// once.
     pub fn run(&self, stop: &AtomicBool) {
         while !stop.load(Ordering::Relaxed) {
             match self.listener.accept() {
+                Ok((stream, _)) if self.inner.streams().len() >= MAX_PEERS => {
+                    self.inner.lock().stats.over_cap += 1;
+                    tracing::warn!(
+                        "memory pool: {MAX_PEERS} connections open already; closing a new one"
+                    );
+                    drop(stream);
+                }
                 Ok((stream, _)) => {
                     let key = self.inner.next_stream.fetch_add(1, Ordering::Relaxed);
                     if let Ok(clone) = stream.try_clone() {
@@ -370,6 +385,50 @@ impl PoolServer {
                 }
             }
         }
+    }
+}
+
+/// A pool bound at a socket, accepting on a thread of its own until [`Running::stop`] or
+/// drop: for a process that embeds the pool beside its other work.
+#[derive(Debug)]
+pub struct Running {
+    /// The pool (its counters, `disconnect_all`).
+    pub server: Arc<PoolServer>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Running {
+    /// Binds the pool at `socket` (see [`PoolServer::bind`]) and starts its accept loop.
+    pub fn start(socket: &Path) -> Result<Self, PoolError> {
+        let server = Arc::new(PoolServer::bind(socket)?);
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (server, stop) = (Arc::clone(&server), Arc::clone(&stop));
+            std::thread::Builder::new()
+                .name("memory-pool".into())
+                .spawn(move || server.run(&stop))
+                .map_err(io("start the pool's accept thread"))?
+        };
+        Ok(Self {
+            server,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops accepting (within the accept loop's 50 ms poll); connections open stay served.
+    pub fn stop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.stop();
     }
 }
 

@@ -7,9 +7,9 @@
 #![allow(clippy::unwrap_used)]
 
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use uffd_pager::pool::Running;
 
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
@@ -39,12 +39,7 @@ fn pool_connections_that_left_hold_no_descriptor() {
     let _alone = alone();
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("pool.sock");
-    let server = Arc::new(uffd_pager::pool::PoolServer::bind(&socket).unwrap());
-    let stop = Arc::new(AtomicBool::new(false));
-    let thread = {
-        let (server, stop) = (Arc::clone(&server), Arc::clone(&stop));
-        std::thread::spawn(move || server.run(&stop))
-    };
+    let pool = Running::start(&socket).unwrap();
     let before = open_fds();
     const VMS: usize = 200;
     let clients: Vec<UnixStream> = (0..VMS)
@@ -60,8 +55,7 @@ fn pool_connections_that_left_hold_no_descriptor() {
     drop(clients);
     // Each connection's thread sees its end of file and ends.
     let now = wait_for(|fds| fds <= before + 8);
-    stop.store(true, Ordering::Relaxed);
-    thread.join().unwrap();
+    drop(pool);
     assert!(
         now <= before + 8,
         "{VMS} VMs came and went and the pool holds {} more descriptors",

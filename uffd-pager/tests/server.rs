@@ -844,20 +844,56 @@ fn server_refuses_peers_of_other_uids() {
 fn pool_refuses_peers_of_other_uids() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("pool.sock");
-    let server = Arc::new(uffd_pager::pool::PoolServer::bind(&socket).unwrap());
-    let stop = Arc::new(AtomicBool::new(false));
-    let thread = {
-        let (server, stop) = (Arc::clone(&server), Arc::clone(&stop));
-        std::thread::spawn(move || server.run(&stop))
-    };
+    let pool = uffd_pager::pool::Running::start(&socket).unwrap();
     testkit::open_to_everyone(&socket);
     let refused = {
         let _fork = fork_lock();
         testkit::closed_for_nobody(&socket, 3)
     };
-    stop.store(true, Ordering::Relaxed);
-    thread.join().unwrap();
+    drop(pool);
     assert!(refused, "a VM of another uid was let into the memory pool");
+}
+
+#[test]
+fn pool_closes_connections_over_its_cap_and_serves_again_below_it() {
+    use uffd_pager::pool::MAX_PEERS;
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("pool.sock");
+    let pool = uffd_pager::pool::Running::start(&socket).unwrap();
+    // Whether the pool closed `stream` (EOF) rather than waiting for its hello.
+    let closed = |stream: &mut UnixStream| {
+        stream
+            .set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        matches!(stream.read(&mut [0u8; 1]), Ok(0))
+    };
+    let held: Vec<UnixStream> = (0..MAX_PEERS)
+        .map(|_| UnixStream::connect(&socket).unwrap())
+        .collect();
+    // Every one of them is being served (a thread each) before the next comes.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut extra = UnixStream::connect(&socket).unwrap();
+    while !closed(&mut extra) {
+        assert!(
+            Instant::now() < deadline,
+            "a connection over the cap was served"
+        );
+        extra = UnixStream::connect(&socket).unwrap();
+    }
+    assert!(pool.server.stats().over_cap >= 1);
+    drop(held);
+    // Below the cap again: a new connection is served (it waits for its hello).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut again = UnixStream::connect(&socket).unwrap();
+        if !closed(&mut again) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the pool still refuses after its peers left"
+        );
+    }
 }
 
 /// The child of the next test: binds the server again and again under umask 000 while a

@@ -6,11 +6,10 @@
 #![allow(clippy::unwrap_used)]
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use uffd_pager::pager::RamKind;
-use uffd_pager::pool::PoolServer;
+use uffd_pager::pool::{PoolServer, Running};
 use vmm::script;
 use vmm::vm::{Vm, VmOptions};
 
@@ -23,32 +22,20 @@ fn skip() -> bool {
 
 /// A pool daemon on its own thread, stopped on drop.
 struct Daemon {
+    running: Running,
     server: Arc<PoolServer>,
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Daemon {
     fn start(socket: &Path) -> Self {
-        let server = Arc::new(PoolServer::bind(socket).unwrap());
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let (server, stop) = (Arc::clone(&server), Arc::clone(&stop));
-            std::thread::spawn(move || server.run(&stop))
-        };
-        Self {
-            server,
-            stop,
-            thread: Some(thread),
-        }
+        let running = Running::start(socket).unwrap();
+        let server = Arc::clone(&running.server);
+        Self { running, server }
     }
 
     /// As if the daemon died: no new VMs, every connection closed.
     fn kill(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            thread.join().unwrap();
-        }
+        self.running.stop();
         self.server.disconnect_all();
     }
 }
