@@ -165,6 +165,31 @@ pub enum MachineError {
     },
 }
 
+/// A restored vCPU's descriptor tables and task register must be the ones the VMM's vCPUs
+/// start with: the VMM never sets them, and the CPL3 guest cannot (`lgdt`, `lidt`, `lldt`
+/// and `ltr` are CPL0 instructions). A snapshot's manifest is not sealed: an edited GDT base
+/// would let the guest load descriptors (a call gate to CPL0) from its own memory.
+fn check_tables(
+    restored: &kvm_bindings::kvm_sregs,
+    fresh: &kvm_bindings::kvm_sregs,
+) -> Result<(), MachineError> {
+    let table = |t: &kvm_bindings::kvm_dtable| (t.base, t.limit);
+    let segment = |s: &kvm_bindings::kvm_segment| (s.base, s.limit, s.selector, s.type_, s.present);
+    let differs = [
+        ("gdt", table(&restored.gdt) != table(&fresh.gdt)),
+        ("idt", table(&restored.idt) != table(&fresh.idt)),
+        ("ldt", segment(&restored.ldt) != segment(&fresh.ldt)),
+        ("tr", segment(&restored.tr) != segment(&fresh.tr)),
+    ];
+    match differs.iter().find(|(_, d)| *d) {
+        Some((name, _)) => Err(MachineError::Config(format!(
+            "the snapshot's vcpu {name} is not the one the VMM's vCPUs start with (a CPL3 guest \
+             cannot change it)"
+        ))),
+        None => Ok(()),
+    }
+}
+
 fn kvm(op: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> MachineError {
     move |source| MachineError::Kvm { op, source }
 }
@@ -725,7 +750,10 @@ impl Machine {
             ..Default::default()
         };
         let (sregs, regs) = match &config.restore {
-            Some(restore) => (restore.vcpu.sregs, restore.vcpu.regs),
+            Some(restore) => {
+                check_tables(&restore.vcpu.sregs, &sregs)?;
+                (restore.vcpu.sregs, restore.vcpu.regs)
+            }
             None => (sregs, regs),
         };
         vcpu.set_sregs(&sregs).map_err(kvm("set sregs"))?;

@@ -574,6 +574,10 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, SnapshotError> {
     Ok(manifest)
 }
 
+/// RFLAGS bits a CPL3 program may hold: CF, bit 1, PF, AF, ZF, SF, TF, IF (IOPL 3), DF, OF,
+/// IOPL, NT, RF (`iretq`), AC, ID.
+const USER_RFLAGS: u64 = 0x0025_7FD7;
+
 /// Checks that restored registers are the workload guest's own state, as the VMM set it up
 /// and a CPL3 program can leave it: user code and data segments (RPL and DPL 3, 64-bit
 /// code), the VMM's paging (CR0, CR3, CR4, EFER), RIP inside the guest program and RSP
@@ -588,7 +592,8 @@ fn check_vcpu(vcpu: &VcpuState, memory: u64) -> Result<(), String> {
     let segment = |name: &str, s: &kvm_bindings::kvm_segment, selector: u16| {
         if s.selector != selector || s.dpl != 3 || s.present != 1 || s.s != 1 {
             return Err(format!(
-                "vcpu {name} is selector {:#x} with DPL {}, not the guest's user segment                  {selector:#x} with DPL 3",
+                "vcpu {name} is selector {:#x} with DPL {}, not the guest's user segment \
+                 {selector:#x} with DPL 3",
                 s.selector, s.dpl
             ));
         }
@@ -633,6 +638,15 @@ fn check_vcpu(vcpu: &VcpuState, memory: u64) -> Result<(), String> {
     if !(CODE_GPA..code_end).contains(&rip) {
         return Err(format!(
             "vcpu rip {rip:#x} is outside the guest program ({CODE_GPA:#x}..{code_end:#x})"
+        ));
+    }
+    // RFLAGS as a CPL3 program can leave it: bit 1 set, and no bit that `popf` or `iretq`
+    // at CPL3 cannot set (VM, VIF, VIP, reserved). IOPL is not checked: the VMM starts the
+    // guest with IOPL 3, and this host's paravirtual KVM reports 0 in the saved state.
+    let rflags = vcpu.regs.rflags;
+    if rflags & !USER_RFLAGS != 0 || rflags & 0x2 == 0 {
+        return Err(format!(
+            "vcpu rflags is {rflags:#x}: bits a CPL3 program cannot set, or bit 1 clear"
         ));
     }
     // The stack grows down from STACK_TOP to the program's end (below the I/O buffer).

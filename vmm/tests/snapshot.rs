@@ -391,7 +391,7 @@ fn snapshot_manifest_registers_not_the_guests_cpl3_state_are_refused_naming_the_
         snapshot_to_edit("fill 4MiB random seed=5");
     // The registers are serialized as the structures' bytes: edit them as structures.
     type Edit = fn(&mut vmm::machine::VcpuState);
-    let edits: [(&str, Edit); 8] = [
+    let edits: [(&str, Edit); 14] = [
         // The guest at CPL0 (kernel code and stack selectors).
         ("cs", |v| v.sregs.cs.selector = 0x18),
         ("cs", |v| v.sregs.cs.dpl = 0),
@@ -401,6 +401,14 @@ fn snapshot_manifest_registers_not_the_guests_cpl3_state_are_refused_naming_the_
         ("cr0", |v| v.sregs.cr0 = 0x11),
         ("rip", |v| v.regs.rip = 64 << 20),
         ("rsp", |v| v.regs.rsp = 0x8000),
+        // Flags a CPL3 program cannot set: virtual-8086 mode, a reserved bit, bit 1 clear.
+        ("rflags", |v| v.regs.rflags |= 1 << 17),
+        ("rflags", |v| v.regs.rflags &= !0x2),
+        ("rflags", |v| v.regs.rflags |= 1 << 40),
+        // Descriptor tables in the guest's own memory, and a task register of its choosing.
+        ("gdt", |v| v.sregs.gdt.base = 0x10_0000),
+        ("idt", |v| v.sregs.idt.limit = 0xfff),
+        ("tr", |v| v.sregs.tr.base = 0x10_0000),
     ];
     for (i, (field, edit)) in edits.iter().enumerate() {
         let mut manifest: vmm::snapshot::Manifest = serde_json::from_slice(&honest).unwrap();
