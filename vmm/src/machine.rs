@@ -320,27 +320,31 @@ impl Interrupter {
             self.inner.wake.notify_all();
         }
         let until = Instant::now() + KICK_FOR;
-        while Instant::now() < until {
-            {
-                // Held while the signal is sent: the thread cannot unregister (and exit, and
-                // its id be reused) between the look-up and the kill.
-                let vcpu = self
-                    .inner
-                    .vcpu
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                let Some(registered) = *vcpu else { return };
-                // SAFETY: registered, so the vCPU (and its kvm_run mapping) is alive while
-                // this lock is held. Set before the signal: a vCPU thread that takes the
-                // signal outside KVM_RUN still finds it when it enters.
-                unsafe { store_immediate_exit(registered.immediate_exit, 1) };
-                // SAFETY: the thread is registered only while it runs the vCPU loop (it
-                // unregisters itself under this lock, which is held, before it returns), so
-                // it is alive.
-                unsafe { libc::pthread_kill(registered.thread, kick_signal()) };
-            }
+        while Instant::now() < until && self.kick_registered() {
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+
+    /// Kicks the registered vCPU thread once; false if none is registered.
+    fn kick_registered(&self) -> bool {
+        // Held while the signal is sent: the thread cannot unregister (and exit, and its id
+        // be reused) between the look-up and the kill.
+        let vcpu = self
+            .inner
+            .vcpu
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Some(registered) = *vcpu else {
+            return false;
+        };
+        // SAFETY: registered, so the vCPU (and its kvm_run mapping) is alive while this lock
+        // is held. Set before the signal: a vCPU thread that takes the signal outside KVM_RUN
+        // still finds it when it enters.
+        unsafe { store_immediate_exit(registered.immediate_exit, 1) };
+        // SAFETY: the thread is registered only while it runs the vCPU loop (it unregisters
+        // itself under this lock, which is held, before it returns), so it is alive.
+        unsafe { libc::pthread_kill(registered.thread, kick_signal()) };
+        true
     }
 
     /// Kicks the vCPU out of `KVM_RUN` once, without stopping the machine: the command goes
@@ -348,18 +352,7 @@ impl Interrupter {
     /// outside `KVM_RUN` comes back out of its next one at once (`immediate_exit`); no vCPU
     /// thread registered: nothing happens.
     pub fn kick(&self) {
-        let vcpu = self
-            .inner
-            .vcpu
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(registered) = *vcpu {
-            // SAFETY: as in `stop`: registered, so alive while the lock is held.
-            unsafe {
-                store_immediate_exit(registered.immediate_exit, 1);
-                libc::pthread_kill(registered.thread, kick_signal());
-            }
-        }
+        self.kick_registered();
     }
 
     /// Whether the machine was stopped.
@@ -915,8 +908,9 @@ impl Machine {
         result
     }
 
-    /// Between commands, for the memory governor: offloads the VM's RAM to its wait
-    /// management's store (`None`: no wait management, so no store).
+    /// For the memory governor, with the vCPU out of the guest (between commands, or
+    /// preempted in one): offloads the VM's RAM to its wait management's store (`None`: no
+    /// wait management, so no store).
     pub fn idle_offload(&self) -> Option<Result<OffloadReport, OffloadError>> {
         let wait = self.wait.as_ref()?;
         Some(self.offload(&wait.offload))
@@ -1088,10 +1082,7 @@ impl Machine {
             return;
         };
         while let Some(Order::Offload { .. }) = link.take_order() {
-            let ok = self
-                .wait
-                .as_ref()
-                .is_some_and(|wait| self.offload(&wait.offload).is_ok());
+            let ok = self.idle_offload().is_some_and(|r| r.is_ok());
             link.offloaded(ok, self.resident_bytes());
             // Still in its command.
             link.report(WireState::Running, None);

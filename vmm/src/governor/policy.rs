@@ -524,7 +524,7 @@ struct Vm {
     limit: Option<u64>,
     peak: u64,
     /// When it began its current run: joined, or reported running from another state. The
-    /// earliest goes first (see [`Governor::seniority`]).
+    /// earliest goes first (see [`seniority`]).
     since: Instant,
     last_heard: Instant,
     reachable: bool,
@@ -731,7 +731,8 @@ impl Governor {
         let Some(v) = self.heard(now, vm) else {
             return Vec::new();
         };
-        if state == VmState::Running && v.state != VmState::Running {
+        let new_run = state == VmState::Running && v.state != VmState::Running;
+        if new_run {
             v.since = now;
         }
         if v.state != state {
@@ -742,10 +743,13 @@ impl Governor {
             v.failed_at = [None; 2];
         }
         v.state = state;
-        let vms = &self.vms;
-        self.queue
-            .make_contiguous()
-            .sort_by_key(|q| seniority(vms, q.vm));
+        if new_run {
+            // Its place in the queue follows its seniority.
+            let vms = &self.vms;
+            self.queue
+                .make_contiguous()
+                .sort_by_key(|q| seniority(vms, q.vm));
+        }
         let mut out = Vec::new();
         self.evaluate(now, &mut out);
         out
@@ -1212,20 +1216,16 @@ impl Governor {
                 // could go; when every other tier is empty, the youngest one younger than
                 // the head is stopped in its command and offloaded, and re-enters it asking
                 // for room behind its elders.
-                let key = seniority(&self.vms, id);
+                let junior = self
+                    .base
+                    .map_or(Duration::ZERO, |b| v.since.saturating_duration_since(b));
                 return (v.state == VmState::Running
-                    && head.is_some_and(|h| key > h)
+                    && head.is_some_and(|h| seniority(&self.vms, id) > h)
                     && resident > c.offload_remainder
                     && !failed(v, OrderKind::Offload))
                 .then_some((
                     4,
-                    (
-                        key.map_or(Duration::ZERO, |(since, _)| {
-                            self.base
-                                .map_or(Duration::ZERO, |b| since.saturating_duration_since(b))
-                        }),
-                        id,
-                    ),
+                    (junior, id),
                     Victim::Order(id, OrderKind::Offload, offload_free),
                 ));
             }
@@ -1563,6 +1563,11 @@ mod tests {
         id
     }
 
+    /// The queued VMs, in the queue's order.
+    fn queued(g: &Governor, now: Instant) -> Vec<VmId> {
+        g.status(now).queue.iter().map(|q| q.vm).collect()
+    }
+
     fn limit(g: &Governor, now: Instant, id: VmId) -> Option<u64> {
         g.status(now)
             .vms
@@ -1812,8 +1817,7 @@ mod tests {
         );
         // The old one asks after it, and goes before it.
         assert!(g.request(at(base, 2), old, 200 * M).is_empty());
-        let queue: Vec<VmId> = g.status(at(base, 2)).queue.iter().map(|q| q.vm).collect();
-        assert_eq!(queue, vec![old, young]);
+        assert_eq!(queued(&g, at(base, 2)), vec![old, young]);
         // The room w frees (196) goes to the old VM; the young one waits for more.
         let out = g.offloaded(at(base, 3), w, 4 * M, true);
         assert_eq!(out[0], set(w, 4, Reason::Offloaded));
@@ -1821,8 +1825,7 @@ mod tests {
         assert!(!out
             .iter()
             .any(|d| matches!(d, Decision::SetLimit { vm, .. } if *vm == young)));
-        let queue: Vec<VmId> = g.status(at(base, 3)).queue.iter().map(|q| q.vm).collect();
-        assert_eq!(queue, vec![young]);
+        assert_eq!(queued(&g, at(base, 3)), vec![young]);
     }
 
     #[test]
@@ -1844,16 +1847,14 @@ mod tests {
             }]
         );
         assert!(g.request(at(base, 7), b, 200 * M).is_empty());
-        let queue: Vec<VmId> = g.status(at(base, 7)).queue.iter().map(|q| q.vm).collect();
-        assert_eq!(queue, vec![b, a], "b began its run first");
+        assert_eq!(queued(&g, at(base, 7)), vec![b, a], "b began its run first");
         // The room w frees goes to b; a waits for more.
         let out = g.offloaded(at(base, 8), w, 4 * M, true);
         assert_eq!(
             out,
             vec![set(w, 4, Reason::Offloaded), set(b, 500, Reason::Grant)]
         );
-        let queue: Vec<VmId> = g.status(at(base, 8)).queue.iter().map(|q| q.vm).collect();
-        assert_eq!(queue, vec![a]);
+        assert_eq!(queued(&g, at(base, 8)), vec![a]);
     }
 
     #[test]
