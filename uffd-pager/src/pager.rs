@@ -665,6 +665,13 @@ impl ResidentHandle {
     pub fn held_bytes(&self) -> u64 {
         self.0.limit.held_pages() * PAGE_SIZE
     }
+
+    /// Bytes by which the limit, as it is now, falls short of serving every held fault (0:
+    /// no fault is held, there is no limit, or the last raise covers them and the faults go
+    /// through on their next try).
+    pub fn shortfall_bytes(&self) -> u64 {
+        self.0.limit.shortfall(self.0.states.resident())
+    }
 }
 
 impl Drop for Pager {

@@ -192,6 +192,10 @@ impl ResidentControl for PagerControl {
     fn held_bytes(&self) -> u64 {
         self.0.held_bytes()
     }
+
+    fn shortfall_bytes(&self) -> u64 {
+        self.0.shortfall_bytes()
+    }
 }
 
 /// How often a governed VM looks at the governor's orders between commands.

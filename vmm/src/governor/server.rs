@@ -115,7 +115,7 @@ impl GovernorServer {
             )));
         }
         if let Some(dir) = &config.budget_cgroup {
-            MemoryCgroup::at(dir).usage().map_err(|e| {
+            MemoryCgroup::at(dir).unreclaimable().map_err(|e| {
                 ServerError::Config(format!(
                     "budget cgroup {}: no readable memory usage: {e}",
                     dir.display()
@@ -225,7 +225,7 @@ impl GovernorServer {
         while !stop.load(Ordering::Relaxed) {
             std::thread::sleep(inner.config.tick);
             let pressure = Pressure {
-                total_usage: budget.as_ref().and_then(|c| c.usage().ok()),
+                total_usage: budget.as_ref().and_then(|c| c.unreclaimable().ok()),
                 psi_some_avg10: memory_psi_some_avg10(),
                 failcnt: budget.as_ref().and_then(MemoryCgroup::failcnt),
             };
@@ -357,7 +357,7 @@ impl Inner {
                 .then_some(cgroup)
         });
         // The last usage read: what a reading goes with if its own read fails.
-        let mut cgroup_usage = cgroup.as_ref().and_then(|c| c.usage().ok());
+        let mut cgroup_usage = cgroup.as_ref().and_then(|c| c.unreclaimable().ok());
         let id = {
             let mut state = self.lock();
             let (id, decisions) = state.governor.join(
@@ -410,7 +410,7 @@ impl Inner {
             };
             // (Read before the lock: a slow cgroup file holds no other VM up.)
             let fresh = matches!(message, ToGovernor::Reading { .. })
-                .then(|| cgroup.as_ref().and_then(|c| c.usage().ok()))
+                .then(|| cgroup.as_ref().and_then(|c| c.unreclaimable().ok()))
                 .flatten();
             let now = Instant::now();
             let mut state = self.lock();
