@@ -170,7 +170,7 @@ fn interleaved(
     let mut threads = Vec::new();
     for source in Source::ALL {
         let (initial, restore) = setup(source, sources);
-        let map = Mapping::anon(region)?;
+        let map = Mapping::try_anon(region)?;
         let before: Vec<u64> = ram::fault_thread_cpu().iter().map(|t| t.0).collect();
         let pager = ram::pager(
             &map,
@@ -347,7 +347,7 @@ fn measure(
 ) -> Res<()> {
     let (initial, restore) = setup(config.source, sources);
     ram::recycle(region + region / 2)?;
-    let map = Mapping::anon(region)?;
+    let map = Mapping::try_anon(region)?;
     let pager = ram::pager(
         &map,
         PagerConfig {

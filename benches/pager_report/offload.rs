@@ -76,7 +76,7 @@ fn measure(
     results: &mut Results,
 ) -> Res<()> {
     let len = setup.image.len();
-    let map = Mapping::anon(len)?;
+    let map = Mapping::try_anon(len)?;
     let pager = ram::pager(&map, PagerConfig::default(), None)?;
     let resident = match content {
         Content::Mixed => {

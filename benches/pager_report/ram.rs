@@ -18,82 +18,14 @@ use crate::Res;
 pub const PAGE: usize = PAGE_SIZE as usize;
 pub const BLOCK: usize = 64 << 10;
 
-/// A private mapping, unmapped on drop.
-pub struct Mapping {
-    ptr: *mut u8,
-    len: usize,
-}
+/// Guest RAM of the bench: testkit's mapping (private anonymous, as Firecracker maps guest
+/// memory, or a read-only private file mapping, as its example handler maps the memory file).
+pub use testkit::Mapping;
 
-// SAFETY: plain memory; the bench synchronises access itself (threads are scoped or joined).
-unsafe impl Send for Mapping {}
-// SAFETY: as above.
-unsafe impl Sync for Mapping {}
-
-impl Mapping {
-    /// Private anonymous RAM, as Firecracker maps guest memory.
-    pub fn anon(len: usize) -> Res<Self> {
-        Self::map(
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-        )
-    }
-
-    /// A read-only private mapping of `file`, as Firecracker's example handler maps the memory
-    /// file.
-    pub fn file(file: &std::fs::File, len: usize) -> Res<Self> {
-        Self::map(len, libc::PROT_READ, libc::MAP_PRIVATE, file.as_raw_fd())
-    }
-
-    fn map(len: usize, prot: i32, flags: i32, fd: i32) -> Res<Self> {
-        // SAFETY: a fresh mapping chosen by the kernel; the result is checked.
-        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, fd, 0) };
-        if ptr == libc::MAP_FAILED {
-            return Err(format!("mmap of {len} bytes: {}", std::io::Error::last_os_error()).into());
-        }
-        Ok(Self {
-            ptr: ptr.cast(),
-            len,
-        })
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn range(&self) -> HostRange {
-        HostRange::new(HostAddr::from_ptr(self.ptr), self.len as u64)
-            .expect("mmap returns a page-aligned, non-empty range")
-    }
-
-    /// Reads one byte (faulting through whoever serves the mapping).
-    #[inline]
-    pub fn read(&self, offset: usize) -> u8 {
-        assert!(offset < self.len);
-        // SAFETY: inside the live mapping.
-        unsafe { self.ptr.add(offset).read_volatile() }
-    }
-
-    /// The whole mapping (reading it faults every missing page in).
-    pub fn bytes(&self) -> &[u8] {
-        // SAFETY: the mapping is live and `len` long.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-
-    /// Writes `data` at `offset` (the application writing its memory).
-    pub fn write(&self, offset: usize, data: &[u8]) {
-        assert!(offset + data.len() <= self.len);
-        // SAFETY: inside the live, writable mapping; no other reference to these bytes lives.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(offset), data.len()) };
-    }
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY: unmapping our own mapping.
-        unsafe { libc::munmap(self.ptr.cast(), self.len) };
-    }
+/// A mapping as the pager's host range.
+fn range(map: &Mapping) -> HostRange {
+    HostRange::new(HostAddr::from_ptr(map.as_ptr()), map.len() as u64)
+        .expect("mmap returns a page-aligned, non-empty range")
 }
 
 /// Allocates `len` bytes of anonymous memory, populated, and frees them again, untimed, so
@@ -102,12 +34,13 @@ impl Drop for Mapping {
 /// first touch of a reported page costs a host fault: without this, whichever case happened to
 /// allocate first after a pause paid several times the fault cost of the others.
 pub fn recycle(len: usize) -> Res<()> {
-    let map = Mapping::map(
+    let map = Mapping::new(
         len,
         libc::PROT_READ | libc::PROT_WRITE,
         libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
-        -1,
-    )?;
+        None,
+    )
+    .map_err(|e| format!("mmap of {len} bytes: {e}"))?;
     drop(map);
     Ok(())
 }
@@ -249,11 +182,11 @@ pub fn pager(
 ) -> Res<Pager> {
     let spec = RegionSpec {
         kind: RamKind::Anon,
-        range: map.range(),
+        range: range(map),
         image_offset: 0,
         memfd: None,
         memfd_offset: 0,
-        view: Some(map.range().start()),
+        view: Some(range(map).start()),
     };
     let on_error = Box::new(|e: &uffd_pager::pager::FaultError| {
         // A fault that cannot be served leaves its thread blocked forever: stop the bench.
@@ -281,10 +214,10 @@ pub struct FirecrackerVm {
 impl FirecrackerVm {
     pub fn new(len: usize) -> Res<Self> {
         let uffd = Userfaultfd::create(feature::EVENT_REMOVE)?;
-        let map = Mapping::anon(len)?;
+        let map = Mapping::try_anon(len)?;
         // SAFETY: `map` lives as long as the uffd in this struct; whoever serves it only
         // resolves faults through the uffd.
-        unsafe { uffd.register(map.range(), Mode::MISSING)? };
+        unsafe { uffd.register(range(&map), Mode::MISSING)? };
         Ok(Self { uffd, map })
     }
 
@@ -294,7 +227,7 @@ impl FirecrackerVm {
         let stream = UnixStream::connect(socket)?;
         let json = format!(
             r#"[{{"base_host_virt_addr":{},"size":{},"offset":0,"page_size":4096,"page_size_kib":4096}}]"#,
-            self.map.range().start().0,
+            range(&self.map).start().0,
             self.map.len()
         );
         send_with_fd(&stream, json.as_bytes(), self.uffd.as_raw_fd())?;

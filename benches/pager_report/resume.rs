@@ -48,7 +48,7 @@ pub fn round(run: usize, setup: &Setup<'_>, results: &mut Results) -> Res<()> {
 }
 
 fn chain(run: usize, head_start_ms: u64, setup: &Setup<'_>, results: &mut Results) -> Res<()> {
-    let map = Mapping::anon(setup.image.len())?;
+    let map = Mapping::try_anon(setup.image.len())?;
     let pager = ram::pager(&map, PagerConfig::default(), None)?;
     map.write(0, setup.image);
     let dir = setup.dir.join(format!("resume-h{head_start_ms}"));

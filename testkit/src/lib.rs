@@ -270,22 +270,66 @@ unsafe impl Sync for Mapping {}
 impl Mapping {
     /// A fresh private anonymous read-write mapping (`MAP_NORESERVE`); panics if it fails.
     pub fn anon(len: usize) -> Self {
-        // SAFETY: a fresh private anonymous mapping, checked below.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(ptr, libc::MAP_FAILED, "mmap of {len} bytes");
-        Self {
+        Self::try_anon(len).unwrap_or_else(|e| panic!("mmap of {len} bytes: {e}"))
+    }
+
+    /// As [`Mapping::anon`], with the error returned.
+    pub fn try_anon(len: usize) -> std::io::Result<Self> {
+        Self::new(
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            None,
+        )
+    }
+
+    /// A read-only private mapping of `file`'s first `len` bytes (as Firecracker's example
+    /// handler maps the memory file).
+    pub fn file(file: &std::fs::File, len: usize) -> std::io::Result<Self> {
+        use std::os::fd::AsRawFd;
+        Self::new(
+            len,
+            libc::PROT_READ,
+            libc::MAP_PRIVATE,
+            Some(file.as_raw_fd()),
+        )
+    }
+
+    /// A fresh mapping with these `mmap` protections and flags, of `fd` from offset 0 or
+    /// anonymous (`None`).
+    pub fn new(len: usize, prot: i32, flags: i32, fd: Option<i32>) -> std::io::Result<Self> {
+        // SAFETY: a fresh mapping the kernel places; the result is checked.
+        let ptr =
+            unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, fd.unwrap_or(-1), 0) };
+        if ptr == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Self {
             ptr: ptr.cast(),
             len,
-        }
+        })
+    }
+
+    /// Reads the byte at `offset` (faulting through whoever serves the mapping).
+    #[inline]
+    pub fn read(&self, offset: usize) -> u8 {
+        assert!(offset < self.len);
+        // SAFETY: inside the live mapping.
+        unsafe { self.ptr.add(offset).read_volatile() }
+    }
+
+    /// The whole mapping (reading it faults every missing page in).
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: the mapping is live and `len` long.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// Writes `data` at `offset`.
+    pub fn write(&self, offset: usize, data: &[u8]) {
+        assert!(offset + data.len() <= self.len);
+        // SAFETY: inside the live, writable mapping; the caller keeps no other reference to
+        // these bytes.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(offset), data.len()) };
     }
 
     /// Takes ownership of a mapping made by the caller (a memfd mapped shared, say).

@@ -760,17 +760,11 @@ fn journal_marker_window_share_is_small_during_a_restore() {
 /// Helpers on the test VM's memory.
 trait MappingExt {
     fn range(&self) -> HostRange;
-    fn bytes(&self) -> &[u8];
 }
 
 impl MappingExt for Mapping {
     fn range(&self) -> HostRange {
         HostRange::new(HostAddr::from_ptr(self.as_ptr()), self.len() as u64).unwrap()
-    }
-
-    fn bytes(&self) -> &[u8] {
-        // SAFETY: a live mapping of `len` bytes; reading it may fault to a pager.
-        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len()) }
     }
 }
 

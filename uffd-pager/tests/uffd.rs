@@ -20,7 +20,6 @@ fn skip() -> bool {
 trait MappingExt {
     fn range(&self) -> HostRange;
     fn discard(&self, len: usize);
-    fn read(&self, offset: usize) -> u8;
 }
 
 impl MappingExt for Mapping {
@@ -33,12 +32,6 @@ impl MappingExt for Mapping {
         // SAFETY: discarding pages of our own mapping.
         let rc = unsafe { libc::madvise(self.as_ptr().cast(), len, libc::MADV_DONTNEED) };
         assert_eq!(rc, 0);
-    }
-
-    fn read(&self, offset: usize) -> u8 {
-        assert!(offset < self.len());
-        // SAFETY: in bounds of the live mapping; volatile so the access really happens.
-        unsafe { self.as_ptr().add(offset).read_volatile() }
     }
 }
 

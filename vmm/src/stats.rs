@@ -1,7 +1,11 @@
 //! What a VM costs the host: PSS of the whole process and of the guest-RAM mapping
 //! (`/proc/self/smaps_rollup`, `/proc/self/smaps`), and its memory cgroup's usage.
 
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::sys::eventfd::{EfdFlags, EventFd};
 
 /// PSS of the whole process, bytes.
 pub fn process_pss() -> std::io::Result<u64> {
@@ -286,6 +290,44 @@ impl MemoryCgroup {
         Ok(usage.saturating_sub(clean))
     }
 
+    /// The cgroup's own memory pressure, `some avg10` of v2 `memory.pressure`, percent (`None`
+    /// on v1, which has no per-cgroup PSI: see [`MemoryCgroup::pressure_events`]).
+    pub fn psi_some_avg10(&self) -> Option<f64> {
+        if !self.v2 {
+            return None;
+        }
+        parse_psi_some_avg10(&std::fs::read_to_string(self.dir.join("memory.pressure")).ok()?)
+    }
+
+    /// Registers for the kernel's memory pressure notifications of this v1 cgroup at `level`
+    /// and above (`memory.pressure_level` through `cgroup.event_control`). v2 has no such
+    /// file (its pressure is [`MemoryCgroup::psi_some_avg10`]): refused there.
+    pub fn pressure_events(&self, level: PressureLevel) -> std::io::Result<PressureEvents> {
+        if self.v2 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::Unsupported,
+                "cgroup v2 has no memory.pressure_level (its memory.pressure is read instead)",
+            ));
+        }
+        let level_path = self.dir.join("memory.pressure_level");
+        let level_file = std::fs::File::open(&level_path)
+            .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", level_path.display())))?;
+        let events = EventFd::from_flags(EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)?;
+        let control = self.dir.join("cgroup.event_control");
+        let line = format!(
+            "{} {} {}",
+            events.as_raw_fd(),
+            level_file.as_raw_fd(),
+            level.as_str()
+        );
+        std::fs::write(&control, line)
+            .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", control.display())))?;
+        Ok(PressureEvents {
+            events,
+            _level: level_file,
+        })
+    }
+
     /// Memory charged to the cgroup, bytes (page cache included).
     pub fn usage(&self) -> std::io::Result<u64> {
         let file = if self.v2 {
@@ -298,6 +340,76 @@ impl MemoryCgroup {
             .parse()
             .map_err(|_| std::io::Error::other(format!("unreadable {file}: {text}")))
     }
+}
+
+/// A level of the kernel's memory pressure notifications (cgroup v1
+/// `memory.pressure_level`): `low`, the kernel reclaims memory for new allocations; `medium`,
+/// it reclaims hard (with no swap: little is left that it can reclaim); `critical`, an OOM
+/// kill is near.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PressureLevel {
+    /// Any reclaim.
+    Low,
+    /// Reclaim that finds little to take.
+    #[default]
+    Medium,
+    /// About to OOM-kill.
+    Critical,
+}
+
+impl PressureLevel {
+    /// Its name in `cgroup.event_control`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Low => "low",
+            Self::Medium => "medium",
+            Self::Critical => "critical",
+        }
+    }
+}
+
+impl std::str::FromStr for PressureLevel {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "low" => Ok(Self::Low),
+            "medium" => Ok(Self::Medium),
+            "critical" => Ok(Self::Critical),
+            _ => Err(format!(
+                "a pressure level is low, medium or critical, not {text:?}"
+            )),
+        }
+    }
+}
+
+/// Registered memory pressure notifications of a v1 cgroup (see
+/// [`MemoryCgroup::pressure_events`]); dropping it ends the registration.
+#[derive(Debug)]
+pub struct PressureEvents {
+    events: EventFd,
+    /// Open for as long as the registration lasts.
+    _level: std::fs::File,
+}
+
+impl PressureEvents {
+    /// Notifications since the last call (0: none; it never blocks).
+    pub fn take(&self) -> std::io::Result<u64> {
+        match self.events.read() {
+            Ok(n) => Ok(n),
+            Err(Errno::EAGAIN) => Ok(0),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+/// `some avg10` of a PSI file (`/proc/pressure/memory`, v2 `memory.pressure`), percent.
+pub fn parse_psi_some_avg10(text: &str) -> Option<f64> {
+    let some = text.lines().find(|l| l.starts_with("some "))?;
+    some.split_whitespace()
+        .find_map(|field| field.strip_prefix("avg10="))
+        .and_then(|v| v.parse().ok())
 }
 
 /// Clean file pages of a cgroup's `memory.stat` (v2 keys, or v1's hierarchical `total_`

@@ -88,8 +88,9 @@
 //! - **Unreachable VMs.** A VM that has sent nothing for `stale_after` is unreachable: it is
 //!   still charged (at its last readings, which do not change), never a victim, and its queued
 //!   request is dropped. Its next message makes it reachable again.
-//! - **Pressure.** PSI `some avg10` above `psi_threshold`, or a `failcnt` that grew since the
-//!   last tick, counts as usage over the high watermark for that tick.
+//! - **Pressure.** PSI `some avg10` above `psi_threshold`, a `failcnt` that grew since the
+//!   last tick, or a notification of the kernel's since then (v1 `memory.pressure_level`),
+//!   counts as usage over the high watermark for that tick.
 //! - **Log.** Every decision is counted (per VM and in total, by kind) and logged in a ring of
 //!   the last [`LOG_LINES`] lines with its time, VM name and reason.
 //!
@@ -134,6 +135,8 @@ pub struct Config {
     pub low_watermark: f64,
     /// The least a grant adds to a limit, bytes.
     pub grant: u64,
+    /// A grant also raises the limit up to the VM's learned peak, where that fits.
+    pub grant_to_peak: bool,
     /// The limit a VM gets when it joins, if it fits (at least its resident).
     pub initial_limit: u64,
     /// A VM's overhead (cgroup usage beyond its resident guest RAM) until a reading says.
@@ -174,6 +177,7 @@ impl Default for Config {
             high_watermark: 0.90,
             low_watermark: 0.80,
             grant: 16 * MIB,
+            grant_to_peak: true,
             initial_limit: 64 * MIB,
             default_overhead: 24 * MIB,
             stale_after: Duration::from_secs(5),
@@ -313,6 +317,9 @@ pub struct Pressure {
     pub psi_some_avg10: Option<f64>,
     /// The budget cgroup's `failcnt` (times usage hit the limit).
     pub failcnt: Option<u64>,
+    /// The kernel's memory pressure notifications for the budget cgroup since the last tick
+    /// (cgroup v1 `memory.pressure_level`, at the server's level or above).
+    pub notifications: u64,
 }
 
 /// Why a decision was taken.
@@ -497,6 +504,8 @@ pub struct EventCounts {
     pub orders_timed_out: u64,
     /// Times a VM became unreachable.
     pub unreachable: u64,
+    /// The kernel's memory pressure notifications received (see [`Pressure::notifications`]).
+    pub pressure_notifications: u64,
 }
 
 /// The kind of an order a VM carries out and reports.
@@ -888,7 +897,8 @@ impl Governor {
         let psi_high = pressure
             .psi_some_avg10
             .is_some_and(|p| p > self.config.psi_threshold);
-        self.under_pressure = psi_high || failcnt_grew;
+        self.events.pressure_notifications += pressure.notifications;
+        self.under_pressure = psi_high || failcnt_grew || pressure.notifications > 0;
         let mut out = Vec::new();
         self.evaluate(now, &mut out);
         self.under_pressure = false;
@@ -986,7 +996,7 @@ impl Governor {
             return None;
         }
         let mut add = need;
-        if extend && head.kind == QueueKind::Grant {
+        if extend && self.config.grant_to_peak && head.kind == QueueKind::Grant {
             let room = ceiling - self.projected();
             // Up to the peak as a limit: from what it is charged, not from its resident. An
             // offloaded VM granted room whose faults have not filled it yet asked again and
@@ -2291,7 +2301,7 @@ mod tests {
     }
 
     #[test]
-    fn governor_pressure_from_psi_or_a_growing_failcnt_reclaims() {
+    fn governor_pressure_from_psi_a_growing_failcnt_or_a_notification_reclaims() {
         let base = Instant::now();
         let mut g = Governor::new(config());
         let w1 = vm(&mut g, base, "w1", 200, waiting(Some(30)));
@@ -2334,6 +2344,29 @@ mod tests {
                 reason: Reason::Pressure
             }]
         );
+        g.offloaded(at(base, 5), w2, 4 * M, true);
+        let w3 = vm(&mut g, at(base, 6), "w3", 200, waiting(Some(10)));
+        let calm = Pressure {
+            failcnt: Some(8),
+            ..calm
+        };
+        assert!(g.tick(at(base, 7), calm).is_empty());
+        // A notification of the kernel's: pressure, counted.
+        let out = g.tick(
+            at(base, 8),
+            Pressure {
+                notifications: 2,
+                ..calm
+            },
+        );
+        assert_eq!(
+            out,
+            vec![Decision::Offload {
+                vm: w3,
+                reason: Reason::Pressure
+            }]
+        );
+        assert_eq!(g.status(at(base, 8)).events.pressure_notifications, 2);
     }
 
     #[test]
@@ -2546,6 +2579,7 @@ mod tests {
                             total_usage: (a > 100).then_some(a * 2 * M),
                             psi_some_avg10: Some(b as f64 / 2.0),
                             failcnt: Some(failcnt),
+                            notifications: u64::from(flag && a % 3 == 0),
                         })
                     }
                     (7, _) => {

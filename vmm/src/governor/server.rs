@@ -18,7 +18,7 @@ use uffd_pager::socket::{PeerCred, PeerPolicy};
 
 use super::policy::{self, Decision, Governor, Pressure, Reading, VmId, VmState};
 use super::protocol::{self, FromGovernor, LineError, LineReader, ToGovernor, WireState};
-use crate::stats::MemoryCgroup;
+use crate::stats::{parse_psi_some_avg10, MemoryCgroup, PressureLevel};
 
 /// Most connections at once (VMs and status clients); more are refused with a message.
 pub const MAX_CONNECTIONS: usize = 512;
@@ -69,6 +69,9 @@ pub struct ServerConfig {
     pub budget_cgroup: Option<PathBuf>,
     /// Who may connect besides the governor's own uid.
     pub peers: PeerPolicy,
+    /// The kernel's memory pressure notifications of the budget cgroup (v1) taken as pressure
+    /// from this level up.
+    pub pressure_level: PressureLevel,
 }
 
 /// One VM's connection.
@@ -222,12 +225,34 @@ impl GovernorServer {
     fn tick_loop(&self, stop: &AtomicBool) {
         let inner = &self.inner;
         let budget = inner.config.budget_cgroup.as_deref().map(MemoryCgroup::at);
+        // v1: the kernel's notifications; v2 has the cgroup's own PSI instead (read below).
+        let notifications =
+            budget
+                .as_ref()
+                .and_then(|c| match c.pressure_events(inner.config.pressure_level) {
+                    Ok(events) => Some(events),
+                    Err(e) if e.kind() == std::io::ErrorKind::Unsupported => None,
+                    Err(e) => {
+                        eprintln!(
+                            "pvisor governor: no memory pressure notifications ({e}); PSI and \
+                         failcnt still count"
+                        );
+                        None
+                    }
+                });
         while !stop.load(Ordering::Relaxed) {
             std::thread::sleep(inner.config.tick);
             let pressure = Pressure {
                 total_usage: budget.as_ref().and_then(|c| c.unreclaimable().ok()),
-                psi_some_avg10: memory_psi_some_avg10(),
+                psi_some_avg10: budget
+                    .as_ref()
+                    .and_then(MemoryCgroup::psi_some_avg10)
+                    .or_else(memory_psi_some_avg10),
                 failcnt: budget.as_ref().and_then(MemoryCgroup::failcnt),
+                notifications: notifications
+                    .as_ref()
+                    .and_then(|n| n.take().ok())
+                    .unwrap_or(0),
             };
             let mut state = inner.lock();
             let decisions = state.governor.tick(Instant::now(), pressure);
@@ -250,11 +275,7 @@ fn refuse(stream: &UnixStream, message: &str) {
 
 /// `some avg10` of the system's memory pressure (`/proc/pressure/memory`), percent.
 fn memory_psi_some_avg10() -> Option<f64> {
-    let text = std::fs::read_to_string("/proc/pressure/memory").ok()?;
-    let some = text.lines().find(|l| l.starts_with("some "))?;
-    some.split_whitespace()
-        .find_map(|field| field.strip_prefix("avg10="))
-        .and_then(|v| v.parse().ok())
+    parse_psi_some_avg10(&std::fs::read_to_string("/proc/pressure/memory").ok()?)
 }
 
 /// A VM name as a log line may show it: short, printable, no spaces.

@@ -54,6 +54,11 @@ pub struct ReplayArgs {
     /// to FILE.
     #[arg(long, value_name = "FILE")]
     pub governor_log: Option<PathBuf>,
+    /// With --strategy governed: one more option of the governor's (`pvisor serve
+    /// --memory-governor`), e.g. `--governor-option=--grant=32MiB` (repeatable; the budget,
+    /// socket and budget cgroup are the replay's own).
+    #[arg(long, value_name = "OPTION", allow_hyphen_values = true)]
+    pub governor_option: Vec<String>,
     /// VM i starts its replay i × MS after the release. 0: all at once, the worst case under
     /// a budget (their tool phases come together); agents on a real host arrive at their own
     /// times. Each VM's task time (from its own start) is reported beside the window.
@@ -299,6 +304,7 @@ impl Teardown {
         parent: &std::path::Path,
         signals: SigSet,
         log: Option<&std::path::Path>,
+        options: &[String],
     ) -> Result<PathBuf, Box<dyn std::error::Error>> {
         let socket = runtime::runtime_dir().join(format!("{run}-governor.sock"));
         let mut command = Process::new(std::env::current_exe()?);
@@ -306,7 +312,8 @@ impl Teardown {
             .args(["serve", "--memory-governor", "--memory-budget"])
             .arg(budget.to_string())
             .arg("--socket")
-            .arg(&socket);
+            .arg(&socket)
+            .args(options);
         if let Ok((base, _)) = MemoryCgroup::own_base() {
             command
                 .arg("--budget-cgroup")
@@ -381,6 +388,14 @@ pub fn replay(args: &ReplayArgs) -> CliResult {
              VMs run as under offload"
         );
     }
+    let governed = args.strategy == "governed" && budget.is_some();
+    if !governed && (args.governor_log.is_some() || !args.governor_option.is_empty()) {
+        return Err(
+            "--governor-log and --governor-option need --strategy governed and \
+                    --memory-budget (no governor runs otherwise)"
+                .into(),
+        );
+    }
     if let Some(config) = &args.vm_config {
         // Read here too, so that a missing file is one error, not one per VM.
         std::fs::metadata(config).map_err(|e| format!("--vm-config {}: {e}", config.display()))?;
@@ -440,6 +455,7 @@ fn run_replay(
             &parent,
             signals,
             args.governor_log.as_deref(),
+            &args.governor_option,
         )?),
         None => None,
     };

@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::Args;
 use uffd_pager::socket::PeerPolicy;
 use vmm::governor::{policy, server};
+use vmm::stats::PressureLevel;
 
 use crate::CliResult;
 
@@ -45,6 +46,11 @@ pub struct ServeArgs {
     /// The governor: the least a VM's limit grows by when its faults are held (16MiB).
     #[arg(long, value_name = "SIZE")]
     pub grant: Option<String>,
+    /// The governor: whether a grant also raises a VM's limit up to the most it has held, where
+    /// that fits (true: a VM back from an offload gets its step's room in one grant; false:
+    /// grants of --grant each).
+    #[arg(long, value_name = "BOOL")]
+    pub grant_to_peak: Option<bool>,
     /// The governor: the resident limit a joining VM gets when it fits (64MiB).
     #[arg(long, value_name = "SIZE")]
     pub initial_limit: Option<String>,
@@ -55,11 +61,11 @@ pub struct ServeArgs {
     #[arg(long, value_name = "MS")]
     pub tick_ms: Option<u64>,
     /// The governor: a VM silent this long is counted at its last reading and never asked
-    /// to give memory back, milliseconds (3000).
+    /// to give memory back, milliseconds (5000).
     #[arg(long, value_name = "MS")]
     pub stale_ms: Option<u64>,
     /// The governor: an offload order not answered in this time may go to another VM,
-    /// milliseconds (5000).
+    /// milliseconds (10000).
     #[arg(long, value_name = "MS")]
     pub order_timeout_ms: Option<u64>,
     /// The governor: the cold age asked of running VMs' cold compression under pressure,
@@ -70,6 +76,31 @@ pub struct ServeArgs {
     /// measured total and its failures count as pressure.
     #[arg(long, value_name = "DIR")]
     pub budget_cgroup: Option<PathBuf>,
+    /// The governor: memory PSI `some avg10` (percent) above which the host is under pressure
+    /// (the budget cgroup's own on cgroup v2, the system's otherwise) (10).
+    #[arg(long, value_name = "PERCENT")]
+    pub psi_threshold: Option<f64>,
+    /// The governor, cgroup v1: the kernel's memory pressure notifications of the budget
+    /// cgroup count as pressure from this level up: low (any reclaim), medium (reclaim that
+    /// finds little to take), critical (an OOM kill is near) (medium).
+    #[arg(long, value_name = "LEVEL")]
+    pub pressure_level: Option<String>,
+    /// The governor: a waiting or idle VM's limit this far above its resident is a
+    /// reservation taken back when room is needed (16MiB).
+    #[arg(long, value_name = "SIZE")]
+    pub revoke_slack: Option<String>,
+    /// The governor: when nothing is left to reclaim, the first queued request may be granted
+    /// beyond the high watermark up to this share of the budget (0.95).
+    #[arg(long, value_name = "SHARE")]
+    pub last_resort_watermark: Option<f64>,
+    /// The governor: a VM's overhead (cgroup usage beyond its guest RAM) is the largest seen
+    /// over this long, milliseconds (5000).
+    #[arg(long, value_name = "MS")]
+    pub overhead_window_ms: Option<u64>,
+    /// The governor: the remaining wait counted for a waiting VM that gives none, for the
+    /// order in which waiting VMs are offloaded, milliseconds (10000).
+    #[arg(long, value_name = "MS")]
+    pub unknown_wait_ms: Option<u64>,
 }
 
 fn size(flag: &str, text: Option<&str>, default: u64) -> Result<u64, String> {
@@ -95,6 +126,7 @@ pub fn governor_config(args: &ServeArgs) -> Result<server::ServerConfig, String>
         high_watermark: args.high_watermark.unwrap_or(defaults.high_watermark),
         low_watermark: args.low_watermark.unwrap_or(defaults.low_watermark),
         grant: size("--grant", args.grant.as_deref(), defaults.grant)?,
+        grant_to_peak: args.grant_to_peak.unwrap_or(defaults.grant_to_peak),
         initial_limit: size(
             "--initial-limit",
             args.initial_limit.as_deref(),
@@ -108,7 +140,22 @@ pub fn governor_config(args: &ServeArgs) -> Result<server::ServerConfig, String>
         stale_after: ms(args.stale_ms, defaults.stale_after),
         order_timeout: ms(args.order_timeout_ms, defaults.order_timeout),
         pressure_cold_age: ms(args.pressure_cold_age_ms, defaults.pressure_cold_age),
+        psi_threshold: args.psi_threshold.unwrap_or(defaults.psi_threshold),
+        revoke_slack: size(
+            "--revoke-slack",
+            args.revoke_slack.as_deref(),
+            defaults.revoke_slack,
+        )?,
+        last_resort_watermark: args
+            .last_resort_watermark
+            .unwrap_or(defaults.last_resort_watermark),
+        overhead_window: ms(args.overhead_window_ms, defaults.overhead_window),
+        unknown_wait: ms(args.unknown_wait_ms, defaults.unknown_wait),
         ..defaults
+    };
+    let pressure_level = match args.pressure_level.as_deref() {
+        None => PressureLevel::default(),
+        Some(text) => text.parse().map_err(|e| format!("--pressure-level: {e}"))?,
     };
     config.check()?;
     let tick = ms(args.tick_ms, Duration::from_millis(100));
@@ -116,6 +163,7 @@ pub fn governor_config(args: &ServeArgs) -> Result<server::ServerConfig, String>
         policy: config,
         tick,
         budget_cgroup: args.budget_cgroup.clone(),
+        pressure_level,
         peers: PeerPolicy {
             uids: args.allow_uid.clone(),
             gids: args.allow_gid.clone(),
@@ -136,6 +184,7 @@ pub fn serve(args: &ServeArgs) -> CliResult {
             ("--high-watermark", args.high_watermark.is_some()),
             ("--low-watermark", args.low_watermark.is_some()),
             ("--grant", args.grant.is_some()),
+            ("--grant-to-peak", args.grant_to_peak.is_some()),
             ("--initial-limit", args.initial_limit.is_some()),
             ("--default-overhead", args.default_overhead.is_some()),
             ("--tick-ms", args.tick_ms.is_some()),
@@ -146,6 +195,15 @@ pub fn serve(args: &ServeArgs) -> CliResult {
                 args.pressure_cold_age_ms.is_some(),
             ),
             ("--budget-cgroup", args.budget_cgroup.is_some()),
+            ("--psi-threshold", args.psi_threshold.is_some()),
+            ("--pressure-level", args.pressure_level.is_some()),
+            ("--revoke-slack", args.revoke_slack.is_some()),
+            (
+                "--last-resort-watermark",
+                args.last_resort_watermark.is_some(),
+            ),
+            ("--overhead-window-ms", args.overhead_window_ms.is_some()),
+            ("--unknown-wait-ms", args.unknown_wait_ms.is_some()),
         ];
         if let Some((flag, _)) = governor_only.iter().find(|(_, given)| *given) {
             return Err(
