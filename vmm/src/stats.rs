@@ -252,7 +252,10 @@ impl MemoryCgroup {
         } else {
             "memory.oom_control"
         };
-        parse_oom_kill(&std::fs::read_to_string(self.dir.join(file)).ok()?)
+        stat_value(
+            &std::fs::read_to_string(self.dir.join(file)).ok()?,
+            "oom_kill",
+        )
     }
 
     /// The cgroup's directory.
@@ -264,10 +267,10 @@ impl MemoryCgroup {
     /// `memory.events` (`None` where neither can be read).
     pub fn failcnt(&self) -> Option<u64> {
         if self.v2 {
-            let text = std::fs::read_to_string(self.dir.join("memory.events")).ok()?;
-            text.lines()
-                .find_map(|l| l.strip_prefix("max "))
-                .and_then(|n| n.trim().parse().ok())
+            stat_value(
+                &std::fs::read_to_string(self.dir.join("memory.events")).ok()?,
+                "max",
+            )
         } else {
             let text = std::fs::read_to_string(self.dir.join("memory.failcnt")).ok()?;
             text.trim().parse().ok()
@@ -282,7 +285,7 @@ impl MemoryCgroup {
     pub fn unreclaimable(&self) -> std::io::Result<u64> {
         let usage = self.usage()?;
         let path = self.dir.join("memory.stat");
-        let stat = std::fs::read_to_string(&path)?;
+        let stat = std::fs::read_to_string(&path).map_err(at(&path))?;
         let clean = clean_file_bytes(&stat, self.v2).ok_or_else(|| {
             std::io::Error::other(format!("{}: no file page counts", path.display()))
         })?;
@@ -310,8 +313,7 @@ impl MemoryCgroup {
             ));
         }
         let level_path = self.dir.join("memory.pressure_level");
-        let level_file = std::fs::File::open(&level_path)
-            .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", level_path.display())))?;
+        let level_file = std::fs::File::open(&level_path).map_err(at(&level_path))?;
         let events = EventFd::from_flags(EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)?;
         let control = self.dir.join("cgroup.event_control");
         let line = format!(
@@ -320,8 +322,7 @@ impl MemoryCgroup {
             level_file.as_raw_fd(),
             level.as_str()
         );
-        std::fs::write(&control, line)
-            .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", control.display())))?;
+        std::fs::write(&control, line).map_err(at(&control))?;
         Ok(PressureEvents {
             events,
             _level: level_file,
@@ -431,24 +432,23 @@ fn clean_file_bytes(stat: &str, v2: bool) -> Option<u64> {
             "total_writeback",
         ]
     };
-    let value = |key: &str| {
-        stat.lines().find_map(|line| {
-            let (name, n) = line.split_once(' ')?;
-            (name == key)
-                .then(|| n.trim().parse::<u64>().ok())
-                .flatten()
-        })
-    };
-    let [inactive, active, dirty, writeback] = keys.map(value);
+    let [inactive, active, dirty, writeback] = keys.map(|key| stat_value(stat, key));
     let file = inactive?.saturating_add(active?);
     Some(file.saturating_sub(dirty?.saturating_add(writeback?)))
 }
 
-/// The `oom_kill N` line of a v2 `memory.events` or v1 `memory.oom_control`.
-fn parse_oom_kill(text: &str) -> Option<u64> {
+/// An I/O error that names the file it came from.
+fn at(path: &Path) -> impl FnOnce(std::io::Error) -> std::io::Error + '_ {
+    move |e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))
+}
+
+/// The number on the `KEY N` line of a cgroup's flat-keyed file (`memory.stat`,
+/// `memory.events`, v1 `memory.oom_control`); `None` if there is no such line or it is no
+/// number.
+fn stat_value(text: &str, key: &str) -> Option<u64> {
     text.lines()
-        .find_map(|l| l.strip_prefix("oom_kill "))
-        .and_then(|n| n.trim().parse().ok())
+        .find_map(|line| line.split_once(' ').filter(|(name, _)| *name == key))
+        .and_then(|(_, n)| n.trim().parse().ok())
 }
 
 #[cfg(test)]
@@ -475,12 +475,15 @@ mod tests {
     }
 
     #[test]
-    fn parse_oom_kill_v1_and_v2_files_give_the_counter() {
+    fn oom_kill_of_v1_and_v2_files_is_their_counter() {
         let v1 = "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n";
-        assert_eq!(parse_oom_kill(v1), Some(3));
+        assert_eq!(stat_value(v1, "oom_kill"), Some(3));
         let v2 = "low 0\nhigh 0\nmax 9\noom 2\noom_kill 2\noom_group_kill 0\n";
-        assert_eq!(parse_oom_kill(v2), Some(2));
-        assert_eq!(parse_oom_kill("oom_kill_disable 0\nunder_oom 0\n"), None);
+        assert_eq!(stat_value(v2, "oom_kill"), Some(2));
+        assert_eq!(
+            stat_value("oom_kill_disable 0\nunder_oom 0\n", "oom_kill"),
+            None
+        );
     }
 
     #[test]

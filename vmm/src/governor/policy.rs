@@ -19,12 +19,12 @@
 //! guest RAM (the VMM's own memory, the pager's buffers, kernel memory), learned from each
 //! reading that has a cgroup figure and whose resident held still since the one before
 //! (within 1 MiB), the largest over [`Config::overhead_window`], never below 0,
-//! [`Config::default_overhead`] until the first one; `limit` is its current resident limit (none yet: charged at resident). The
-//! sum of charges is the *projected* usage: what the VMs may come to hold without asking
-//! again. The *measured* usage is the total the server gives with [`Governor::tick`] (e.g. the
-//! budget cgroup's own usage; less, until the next tick, what orders reported since freed and
-//! what VMs that left since held), else the sum of the VMs' cgroup readings. *Usage* is the
-//! larger of the two.
+//! [`Config::default_overhead`] until the first one; `limit` is its current resident limit
+//! (none yet: charged at resident). The sum of charges is the *projected* usage: what the VMs
+//! may come to hold without asking again. The *measured* usage is the total the server gives
+//! with [`Governor::tick`] (e.g. the budget cgroup's own usage; less, until the next tick, what
+//! orders reported since freed and what VMs that left since held), else the sum of the VMs'
+//! cgroup readings. *Usage* is the larger of the two.
 //!
 //! # Rules (every knob is in [`Config`])
 //! - **Grants.** Requests queue by *seniority*: the VM that began its current run earliest

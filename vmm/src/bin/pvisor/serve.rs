@@ -84,7 +84,7 @@ pub struct ServeArgs {
     /// cgroup count as pressure from this level up: low (any reclaim), medium (reclaim that
     /// finds little to take), critical (an OOM kill is near) (medium).
     #[arg(long, value_name = "LEVEL")]
-    pub pressure_level: Option<String>,
+    pub pressure_level: Option<PressureLevel>,
     /// The governor: a waiting or idle VM's limit this far above its resident is a
     /// reservation taken back when room is needed (16MiB).
     #[arg(long, value_name = "SIZE")]
@@ -153,17 +153,13 @@ pub fn governor_config(args: &ServeArgs) -> Result<server::ServerConfig, String>
         unknown_wait: ms(args.unknown_wait_ms, defaults.unknown_wait),
         ..defaults
     };
-    let pressure_level = match args.pressure_level.as_deref() {
-        None => PressureLevel::default(),
-        Some(text) => text.parse().map_err(|e| format!("--pressure-level: {e}"))?,
-    };
     config.check()?;
     let tick = ms(args.tick_ms, Duration::from_millis(100));
     Ok(server::ServerConfig {
         policy: config,
         tick,
         budget_cgroup: args.budget_cgroup.clone(),
-        pressure_level,
+        pressure_level: args.pressure_level.unwrap_or_default(),
         peers: PeerPolicy {
             uids: args.allow_uid.clone(),
             gids: args.allow_gid.clone(),
