@@ -516,6 +516,7 @@ pub struct Machine {
     disk: File,
     disk_path: PathBuf,
     filled: u64,
+    /// The bounce buffer of disk requests, [`DISK_CHUNK`] bytes at most.
     io_buf: Vec<u8>,
     model: Option<std::sync::Arc<dyn crate::gateway::ModelPort>>,
     /// Why the last model request failed, for the command's error.
@@ -552,6 +553,27 @@ enum WaitOutcome {
 
 /// How often a model wait without wait management looks for a stop.
 const STOP_POLL: Duration = Duration::from_millis(50);
+
+/// A disk request goes through the bounce buffer this many bytes at a time. The buffer lives
+/// as long as the VM and holds guest data: sized for a whole request (1 MiB), it was the
+/// largest piece of an offloaded VM's own memory (4.6-4.8 MiB in all; at 24 VMs under a
+/// 512 MiB budget, 24 MiB of it).
+const DISK_CHUNK: usize = 64 << 10;
+
+/// `(offset, length)` of each [`DISK_CHUNK`] of a request of `len` bytes.
+fn chunks(len: usize) -> impl Iterator<Item = (u64, usize)> {
+    (0..len)
+        .step_by(DISK_CHUNK)
+        .map(move |at| (at as u64, DISK_CHUNK.min(len - at)))
+}
+
+/// The first `n` bytes of the bounce buffer (grown to [`DISK_CHUNK`] once).
+fn bounce(buf: &mut Vec<u8>, n: usize) -> &mut [u8] {
+    if buf.len() < n {
+        buf.resize(DISK_CHUNK.max(n), 0);
+    }
+    &mut buf[..n]
+}
 
 /// How often a model wait looks for operator requests while its answer is out.
 const OPERATOR_POLL: Duration = Duration::from_millis(20);
@@ -1127,7 +1149,8 @@ impl Machine {
         }
     }
 
-    /// Serves the block request in the mailbox's neighbour page. Every field is the guest's:
+    /// Serves the block request in the mailbox's neighbour page, [`DISK_CHUNK`] bytes at a
+    /// time through one bounce buffer. Every field is the guest's:
     /// a request that is not whole sectors of at most one I/O buffer, inside the disk's bounds
     /// and with its buffer inside RAM gets an errno back ([`guest::check_block`]); so does a
     /// disk error.
@@ -1135,25 +1158,22 @@ impl Machine {
         let mut request: BlkRequest = self.read(guest::BLK_GPA)?;
         let result: std::io::Result<()> = match guest::check_block(&request, self.ram.size()) {
             Err(Refused { errno, .. }) => Err(std::io::Error::from_raw_os_error(errno)),
-            Ok(BlockIo::Write { offset, len, buf }) => {
-                self.io_buf.resize(len, 0);
+            Ok(BlockIo::Write { offset, len, buf }) => chunks(len).try_for_each(|(at, n)| {
+                let chunk = bounce(&mut self.io_buf, n);
                 self.ram
                     .memory()
-                    .read_slice(&mut self.io_buf, GuestAddress(buf))
+                    .read_slice(chunk, GuestAddress(buf + at))
+                    .map_err(|_| std::io::Error::from_raw_os_error(libc::EFAULT))?;
+                self.disk.write_all_at(chunk, offset + at)
+            }),
+            Ok(BlockIo::Read { offset, len, buf }) => chunks(len).try_for_each(|(at, n)| {
+                let chunk = bounce(&mut self.io_buf, n);
+                self.disk.read_exact_at(chunk, offset + at)?;
+                self.ram
+                    .memory()
+                    .write_slice(chunk, GuestAddress(buf + at))
                     .map_err(|_| std::io::Error::from_raw_os_error(libc::EFAULT))
-                    .and_then(|()| self.disk.write_all_at(&self.io_buf, offset))
-            }
-            Ok(BlockIo::Read { offset, len, buf }) => {
-                self.io_buf.resize(len, 0);
-                self.disk
-                    .read_exact_at(&mut self.io_buf, offset)
-                    .and_then(|()| {
-                        self.ram
-                            .memory()
-                            .write_slice(&self.io_buf, GuestAddress(buf))
-                            .map_err(|_| std::io::Error::from_raw_os_error(libc::EFAULT))
-                    })
-            }
+            }),
             Ok(BlockIo::Flush) => self.disk.sync_data(),
         };
         // The guest sees the failure as an errno (EIO for a read past the disk's end).
@@ -1708,6 +1728,30 @@ fn write_boot_structures(ram: &GuestRam) -> Result<(), MachineError> {
     mem.write_obj(mailbox, GuestAddress(guest::MAILBOX_GPA))
         .map_err(fail(guest::MAILBOX_GPA))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod disk_tests {
+    use super::*;
+
+    #[test]
+    fn disk_requests_go_in_chunks_that_cover_them_through_a_bounded_buffer() {
+        assert_eq!(chunks(0).count(), 0);
+        assert_eq!(chunks(512).collect::<Vec<_>>(), vec![(0, 512)]);
+        assert_eq!(
+            chunks(DISK_CHUNK + 512).collect::<Vec<_>>(),
+            vec![(0, DISK_CHUNK), (DISK_CHUNK as u64, 512)]
+        );
+        let whole: Vec<_> = chunks(guest::MAX_BLK_LEN as usize).collect();
+        assert_eq!(whole.len(), guest::MAX_BLK_LEN as usize / DISK_CHUNK);
+        assert!(whole
+            .windows(2)
+            .all(|w| w[0].0 + w[0].1 as u64 == w[1].0 && w[0].1 == DISK_CHUNK));
+        let mut buf = Vec::new();
+        assert_eq!(bounce(&mut buf, 512).len(), 512);
+        assert_eq!(bounce(&mut buf, DISK_CHUNK).len(), DISK_CHUNK);
+        assert_eq!(buf.len(), DISK_CHUNK);
+    }
 }
 
 #[cfg(test)]
