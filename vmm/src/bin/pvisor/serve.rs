@@ -101,6 +101,11 @@ pub struct ServeArgs {
     /// order in which waiting VMs are offloaded, milliseconds (10000).
     #[arg(long, value_name = "MS")]
     pub unknown_wait_ms: Option<u64>,
+    /// The governor: while another VM runs unheld (its step will end in a wait that frees
+    /// its RAM), a VM held at its faults is preempted for the oldest queued request only
+    /// once that request has waited this long, milliseconds (1000).
+    #[arg(long, value_name = "MS")]
+    pub preempt_wait_ms: Option<u64>,
 }
 
 fn size(flag: &str, text: Option<&str>, default: u64) -> Result<u64, String> {
@@ -151,6 +156,7 @@ pub fn governor_config(args: &ServeArgs) -> Result<server::ServerConfig, String>
             .unwrap_or(defaults.last_resort_watermark),
         overhead_window: ms(args.overhead_window_ms, defaults.overhead_window),
         unknown_wait: ms(args.unknown_wait_ms, defaults.unknown_wait),
+        preempt_wait: ms(args.preempt_wait_ms, defaults.preempt_wait),
         ..defaults
     };
     config.check()?;
@@ -200,6 +206,7 @@ pub fn serve(args: &ServeArgs) -> CliResult {
             ),
             ("--overhead-window-ms", args.overhead_window_ms.is_some()),
             ("--unknown-wait-ms", args.unknown_wait_ms.is_some()),
+            ("--preempt-wait-ms", args.preempt_wait_ms.is_some()),
         ];
         if let Some((flag, _)) = governor_only.iter().find(|(_, given)| *given) {
             return Err(
