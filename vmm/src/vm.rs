@@ -177,8 +177,9 @@ pub enum VmError {
     Governor(#[source] std::io::Error),
 }
 
-/// The pager's resident limit as the governor's link drives it.
-struct PagerControl(uffd_pager::pager::ResidentHandle);
+/// The pager's resident limit as the governor's link drives it, and the guest RAM's span
+/// (host address, bytes) whose PSS it reports.
+struct PagerControl(uffd_pager::pager::ResidentHandle, (u64, u64));
 
 impl ResidentControl for PagerControl {
     fn set_limit(&self, limit: Option<u64>) {
@@ -195,6 +196,11 @@ impl ResidentControl for PagerControl {
 
     fn shortfall_bytes(&self) -> u64 {
         self.0.shortfall_bytes()
+    }
+
+    fn guest_pss_bytes(&self) -> Option<u64> {
+        let (start, len) = self.1;
+        stats::range_pss(start, len).ok()
     }
 }
 
@@ -441,7 +447,9 @@ impl Vm {
             if let Some(ms) = governor.hold_timeout_ms {
                 config.hold_timeout = Duration::from_millis(ms);
             }
-            let control = Arc::new(PagerControl(machine.pager().resident_handle()));
+            let ram = machine.ram();
+            let span = (ram.host_base().0, ram.size());
+            let control = Arc::new(PagerControl(machine.pager().resident_handle(), span));
             let link = GovernorLink::start(config, control).map_err(VmError::Governor)?;
             let requester = link.requester();
             machine

@@ -400,6 +400,10 @@ fn governor_keeps_eight_vms_inside_a_budget_that_kills_them_unmanaged() {
         "{all}"
     );
     assert!(!all.contains("lifting the limit"), "{all}");
+    // Each VM's guest PSS came with its readings (every second; an offloaded VM's may be 0).
+    let vms = governor["vms"].as_array().unwrap();
+    assert_eq!(vms.len(), 8, "{all}");
+    assert!(vms.iter().all(|vm| vm["pss"].is_u64()), "{all}");
 
     // The same under `off`: the kernel's OOM killer, reported by name.
     let (out, summary) = replay_eight(dir.path(), "off");

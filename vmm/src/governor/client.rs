@@ -34,6 +34,8 @@ pub trait ResidentControl: Send + Sync {
     /// Bytes by which the limit as it is now falls short of the held faults (0 once a raise
     /// covers them, before they are tried again).
     fn shortfall_bytes(&self) -> u64;
+    /// The PSS of the guest RAM's mappings, bytes, if it can be read.
+    fn guest_pss_bytes(&self) -> Option<u64>;
 }
 
 /// How the link behaves.
@@ -47,6 +49,8 @@ pub struct LinkConfig {
     pub memory: u64,
     /// How often it sends a reading.
     pub report_every: Duration,
+    /// How often a reading carries the guest RAM's PSS (read from smaps, which costs more).
+    pub pss_every: Duration,
     /// How long it waits between connection attempts.
     pub retry_every: Duration,
     /// A fault held this long lifts the limit.
@@ -54,13 +58,15 @@ pub struct LinkConfig {
 }
 
 impl LinkConfig {
-    /// The defaults: a reading every 100 ms, a retry every second, a two-minute hold timeout.
+    /// The defaults: a reading every 100 ms, with the guest RAM's PSS every second, a retry
+    /// every second, a two-minute hold timeout.
     pub fn new(socket: PathBuf, name: String, memory: u64) -> Self {
         Self {
             socket,
             name,
             memory,
             report_every: Duration::from_millis(100),
+            pss_every: Duration::from_secs(1),
             retry_every: Duration::from_secs(1),
             hold_timeout: Duration::from_secs(120),
         }
@@ -409,6 +415,7 @@ impl Shared {
             self.send(state);
         }
         let mut next_reading = Instant::now();
+        let mut next_pss = next_reading;
         let mut held_since: Option<Instant> = None;
         loop {
             if self.stop.load(Ordering::SeqCst) {
@@ -417,9 +424,16 @@ impl Shared {
             let now = Instant::now();
             if now >= next_reading {
                 next_reading = now + self.config.report_every;
+                let guest_pss_bytes = (now >= next_pss)
+                    .then(|| {
+                        next_pss = now + self.config.pss_every;
+                        self.control.guest_pss_bytes()
+                    })
+                    .flatten();
                 self.send(ToGovernor::Reading {
                     resident_bytes: self.control.resident_bytes(),
                     held_bytes: self.control.held_bytes(),
+                    guest_pss_bytes,
                 });
             }
             let queued: Vec<ToGovernor> = lock(&self.outbox).drain(..).collect();

@@ -37,6 +37,9 @@ pub enum ToGovernor {
         resident_bytes: u64,
         /// What the faults its resident limit holds would install.
         held_bytes: u64,
+        /// The PSS of its guest RAM mappings, in some readings (smaps costs more to read).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        guest_pss_bytes: Option<u64>,
     },
     /// Its faults are held: it asks for its resident limit to be raised by this much.
     Request {
@@ -204,6 +207,21 @@ mod tests {
         ));
         let status = String::from_utf8(line(&ToGovernor::Status)).unwrap();
         assert_eq!(status, "\"status\"\n");
+        // A reading carries the guest PSS only when it has one; one without still parses.
+        let reading = |pss| ToGovernor::Reading {
+            resident_bytes: 1,
+            held_bytes: 2,
+            guest_pss_bytes: pss,
+        };
+        let plain = String::from_utf8(line(&reading(None))).unwrap();
+        assert_eq!(
+            plain,
+            "{\"reading\":{\"resident_bytes\":1,\"held_bytes\":2}}\n"
+        );
+        for message in [reading(None), reading(Some(3))] {
+            let mut input = std::io::Cursor::new(line(&message));
+            assert_eq!(reader.next::<ToGovernor>(&mut input).unwrap(), message);
+        }
     }
 
     #[test]

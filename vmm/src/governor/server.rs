@@ -379,6 +379,8 @@ impl Inner {
         });
         // The last usage read: what a reading goes with if its own read fails.
         let mut cgroup_usage = cgroup.as_ref().and_then(|c| c.unreclaimable().ok());
+        // The last guest PSS the VM sent (it sends one every few readings).
+        let mut guest_pss = None;
         let id = {
             let mut state = self.lock();
             let (id, decisions) = state.governor.join(
@@ -453,18 +455,20 @@ impl Inner {
                 ToGovernor::Reading {
                     resident_bytes,
                     held_bytes,
+                    guest_pss_bytes,
                 } => {
                     // Read with the VM's figure, not a tick earlier: a VM that is filling
                     // memory would otherwise show its resident ahead of its cgroup, and its
                     // overhead (the difference) as nothing.
                     cgroup_usage = fresh.or(cgroup_usage);
+                    guest_pss = guest_pss_bytes.or(guest_pss);
                     state.governor.reading(
                         now,
                         id,
                         Reading {
                             resident: resident_bytes,
                             cgroup: cgroup_usage,
-                            pss: None,
+                            pss: guest_pss,
                             held: held_bytes,
                         },
                     );
