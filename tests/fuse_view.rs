@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use compressed_backing::fuse::{self, FuseOptions, MountedStore};
 use compressed_backing::{BlockSize, Codec, CodecConfig, DiskStore, StoreConfig, StoreOptions};
 use memmap2::{Mmap, MmapMut, MmapOptions};
+use testkit::random_bytes;
 
 const IMAGE_SIZE: u64 = 16 << 20;
 const BS: usize = 64 << 10;
@@ -42,19 +43,6 @@ fn structured(seed: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
-/// Bytes that do not compress.
-fn noise(seed: u64, len: usize) -> Vec<u8> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 24) as u8
-        })
-        .collect()
-}
-
 /// Creates a 16 MiB store of 64 KiB lz4 blocks holding absent, zero, same-byte, compressible
 /// and incompressible blocks; returns the image it holds.
 fn create_store(dir: &Path) -> Vec<u8> {
@@ -79,7 +67,7 @@ fn create_store_with(dir: &Path, options: StoreOptions) -> (DiskStore, Vec<u8>) 
             0 => continue, // absent: reads as zeros
             1 => vec![0; BS],
             2 => vec![block as u8 | 1; BS],
-            3 => noise(block as u64, BS),
+            3 => random_bytes(block as u64, BS),
             _ => structured(block as u64, BS),
         };
         store.put(block as u64, &data).expect("put");
@@ -168,7 +156,7 @@ fn broken_block(store: &DiskStore) -> usize {
 fn overwrite_and_commit(store: &mut DiskStore, seed: u64) {
     for block in 0..BLOCKS as u64 {
         let data = if block % 3 == 0 {
-            noise(block + seed, BS)
+            random_bytes(block + seed, BS)
         } else {
             structured(block + seed, BS)
         };
@@ -227,7 +215,7 @@ fn fuse_view_reads_writes_and_maps_round_trip_to_the_store() {
         map[unaligned.clone()].copy_from_slice(&fill);
         image[unaligned].copy_from_slice(&fill);
         let whole = 10 * BS..13 * BS;
-        let fill = noise(78, whole.len());
+        let fill = random_bytes(78, whole.len());
         map[whole.clone()].copy_from_slice(&fill);
         image[whole].copy_from_slice(&fill);
         map[IMAGE_SIZE as usize - 1] = 0x5A;
@@ -585,7 +573,7 @@ fn fuse_view_reader_mount_is_read_only_and_keeps_the_image_of_the_reader() {
     // The owner's store is untouched by the view and holds its own last writes.
     let mut block = vec![0u8; BS];
     store.get(3, &mut block).expect("get");
-    assert!(block == noise(3 + 2000, BS));
+    assert!(block == random_bytes(3 + 2000, BS));
     let report = store.verify();
     assert!(report.problems.is_empty(), "{:?}", report.problems);
 }

@@ -2,6 +2,7 @@ use super::*;
 use crate::codec::Codec;
 use proptest::prelude::*;
 use std::os::unix::fs::FileExt;
+use testkit::random_bytes;
 
 const BS: u64 = 16 << 10;
 
@@ -17,18 +18,6 @@ fn config(blocks: u64, codec: Codec) -> StoreConfig {
 fn block_bytes(seed: u64, len: usize) -> Vec<u8> {
     (0..len)
         .map(|i| ((i as u64 / 16).wrapping_mul(seed | 1) >> 3) as u8 ^ seed as u8)
-        .collect()
-}
-
-fn random_bytes(seed: u64, len: usize) -> Vec<u8> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 24) as u8
-        })
         .collect()
 }
 
