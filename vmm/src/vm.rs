@@ -402,9 +402,16 @@ impl Vm {
                 track_writes: options.cold.is_some() && options.ram_backing == RamKind::Anon,
                 restore,
             },
-            Box::new(move |e| {
-                counter.fetch_add(1, Ordering::Relaxed);
-                eprintln!("pvisor: guest memory fault cannot be served: {e}");
+            Box::new({
+                // The guest decides how many faults fail (every one counts in its stats); the
+                // log has a few a second.
+                let log = uffd_pager::server::RateLimit::new(10, Duration::from_secs(1));
+                move |e| {
+                    counter.fetch_add(1, Ordering::Relaxed);
+                    if log.allow() {
+                        eprintln!("pvisor: guest memory fault cannot be served: {e}");
+                    }
+                }
             }),
         )?;
         if let Some(config) = options.cold {

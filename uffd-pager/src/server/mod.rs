@@ -798,3 +798,22 @@ fn memfd_regions(
     }
     Ok((specs, views))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rate_limit_allows_a_burst_per_interval_and_counts_the_rest() {
+        let limit = RateLimit::new(2, Duration::from_secs(3600));
+        assert!(limit.allow());
+        assert!(limit.allow());
+        assert!(!limit.allow());
+        assert!(!limit.allow());
+        assert_eq!(limit.suppressed(), 2);
+        // Each interval starts a new burst (here every call is in a new one).
+        let every = RateLimit::new(1, Duration::ZERO);
+        assert!((0..5).all(|_| every.allow()));
+        assert_eq!(every.suppressed(), 0);
+    }
+}
