@@ -1457,8 +1457,7 @@ impl Machine {
                         "model_wait": w.describe(coordinator.phase()),
                         "memory_bytes": ram.size(),
                         "process_pss_bytes": crate::stats::process_pss().unwrap_or(0),
-                        "guest_ram_pss_bytes":
-                            crate::stats::range_pss(ram.host_base().0, ram.size()).unwrap_or(0),
+                        "guest_ram_pss_bytes": ram.pss(),
                         "guest_ram_host_base": ram.host_base().0,
                         "app_bytes": self.app_bytes(),
                         "pages": self.pager.state_counts(),

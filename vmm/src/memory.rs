@@ -147,6 +147,17 @@ impl GuestRam {
         HostAddr::from_ptr(ptr)
     }
 
+    /// Its host span: (address of guest-physical 0, bytes).
+    pub fn span(&self) -> (u64, u64) {
+        (self.host_base().0, self.size)
+    }
+
+    /// The PSS of its mappings in this process, bytes (0 if smaps cannot be read).
+    pub fn pss(&self) -> u64 {
+        let (start, len) = self.span();
+        crate::stats::range_pss(start, len).unwrap_or(0)
+    }
+
     /// The host range of `[gpa, gpa + len)`, if inside RAM and page-aligned.
     pub fn host_range(&self, gpa: u64, len: u64) -> Option<HostRange> {
         let end = gpa.checked_add(len)?;

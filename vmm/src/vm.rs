@@ -454,8 +454,7 @@ impl Vm {
             if let Some(ms) = governor.hold_timeout_ms {
                 config.hold_timeout = Duration::from_millis(ms);
             }
-            let ram = machine.ram();
-            let span = (ram.host_base().0, ram.size());
+            let span = machine.ram().span();
             let control = Arc::new(PagerControl(machine.pager().resident_handle(), span));
             let link = GovernorLink::start(config, control).map_err(VmError::Governor)?;
             let requester = link.requester();
@@ -812,7 +811,7 @@ impl Vm {
         let cold = pager.cold_stats();
         let process_pss_bytes = stats::process_pss().unwrap_or(0);
         let ram = self.machine.ram();
-        let guest_ram_pss_bytes = stats::range_pss(ram.host_base().0, ram.size()).unwrap_or(0);
+        let guest_ram_pss_bytes = ram.pss();
         let guest_ram_resident_bytes = match self.machine.ram().memfd() {
             Some(memfd) => memfd
                 .metadata()
