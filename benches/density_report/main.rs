@@ -28,11 +28,15 @@
 //!   `DENSITY_BENCH_VMS` (the sweep), `DENSITY_BENCH_STEPS` (24), `DENSITY_BENCH_MEMORY`
 //!   (guest RAM of each VM, `512MiB`), `DENSITY_BENCH_SPREAD_S` (0: lockstep);
 //! - `DENSITY_BENCH_QUICK=1`: 1 round, 512 MiB only, N up to 8, the first 12 steps (each still
-//!   overridden by its own variable).
+//!   overridden by its own variable);
+//! - `DENSITY_BENCH_RESUME=DIR`: a sweep in pieces (`resume`): each run is kept in DIR when it
+//!   ends, and runs found there are taken instead of run again; `DENSITY_BENCH_STOP_AFTER_MIN=M`
+//!   begins no round that would not end within M minutes (the report says what is not finished).
 //!
 //! `cargo bench --bench density_report` writes `docs/bench/density.md`, `.csv` and `.svg`.
 //! Run without `--bench` (`cargo test --bench density_report`), it runs its unit tests, then a
-//! smoke run (6 steps, 1 and 2 VMs, off, 512 MiB, one round; no report), skipped when
+//! smoke run (6 steps, 1 and 2 VMs, off, 512 MiB, one round; no report; then the same sweep
+//! again from the runs it kept, which must run nothing and judge alike), skipped when
 //! `target/release/pvisor` is missing or stale or with `PVISOR_SKIP_DEVICE_TESTS=1`;
 //! `cargo test --bench density_report -- --unit` runs the unit tests only.
 
@@ -49,6 +53,7 @@ mod common;
 mod judge;
 mod plan;
 mod report;
+mod resume;
 mod svg;
 
 use common::cpu::{CpuGroup, CpuUse};
@@ -57,6 +62,7 @@ use common::replay::{Outcome, Replay, Timeline};
 use common::Res;
 use judge::{Density, Facts, RunVerdict, SizeVerdict};
 use plan::Job;
+use resume::Resume;
 
 const BENCH: &str = "density_report";
 /// The trajectory, from the workspace root.
@@ -82,6 +88,10 @@ pub struct Settings {
     pub trajectory: PathBuf,
     pub replayed: Trajectory,
     pub pvisor: PathBuf,
+    /// `DENSITY_BENCH_RESUME`: where finished runs are kept and taken from.
+    pub resume: Option<PathBuf>,
+    /// `DENSITY_BENCH_STOP_AFTER_MIN`: no round begins that would not end within this long.
+    pub stop_after: Option<Duration>,
 }
 
 impl Settings {
@@ -125,6 +135,12 @@ pub struct Log {
     pub verdicts: BTreeMap<(usize, usize, usize, usize), RunVerdict>,
     /// The verdicts on the group sizes of each (budget, strategy), in the sweep's order.
     pub sizes: BTreeMap<(usize, usize), Vec<SizeVerdict>>,
+    /// The N the sweep was stopped in (`DENSITY_BENCH_STOP_AFTER_MIN`) before it finished;
+    /// its runs are not in `runs` (they stay in the resume directory).
+    pub unfinished: Option<usize>,
+    /// Runs of `runs` taken from the resume directory: how many, by (commit, first and last
+    /// time one finished).
+    pub loaded: BTreeMap<String, (usize, String, String)>,
 }
 
 impl Log {
@@ -201,6 +217,30 @@ fn settings(tmp: &Path) -> Res<Result<Settings, String>> {
         .map_err(|e| format!("DENSITY_BENCH_VMS: {e}"))?;
     let (trajectory, replayed) =
         common::replay::prefix(&root.join(TRAJECTORY), steps, tmp, "trajectory.json")?;
+    // The smoke run proves the pieces on its own runs: it keeps them, then sweeps again from
+    // them alone.
+    let resume = if bench {
+        std::env::var_os("DENSITY_BENCH_RESUME")
+            .filter(|d| !d.is_empty())
+            .map(PathBuf::from)
+    } else {
+        Some(tmp.join("resume"))
+    };
+    let stop_after = match std::env::var("DENSITY_BENCH_STOP_AFTER_MIN") {
+        Ok(_) if !bench => None,
+        Ok(_) => {
+            if resume.is_none() {
+                return Err(
+                    "DENSITY_BENCH_STOP_AFTER_MIN needs DENSITY_BENCH_RESUME=DIR: the runs of a \
+                            stopped sweep would be lost"
+                        .into(),
+                );
+            }
+            let minutes = common::env_number("DENSITY_BENCH_STOP_AFTER_MIN", 0, 1)?;
+            Some(Duration::from_secs(minutes * 60))
+        }
+        Err(_) => None,
+    };
     Ok(Ok(Settings {
         rounds,
         write_docs: bench,
@@ -219,6 +259,8 @@ fn settings(tmp: &Path) -> Res<Result<Settings, String>> {
         trajectory,
         replayed,
         pvisor,
+        resume,
+        stop_after,
     }))
 }
 
@@ -333,7 +375,39 @@ fn run() -> Res<()> {
         tmp.path.display(),
         tmp.filesystem
     );
-    let log = sweep(s, &tmp.path, &cpu)?;
+    let mut resume = match &s.resume {
+        Some(dir) => {
+            let resume = Resume::open(dir, s)?;
+            eprintln!(
+                "{BENCH}: runs are kept in {}; {} made before are taken from there",
+                dir.display(),
+                resume.len()
+            );
+            Some(resume)
+        }
+        None => None,
+    };
+    let commit = &bench_run.machine.commit;
+    let log = sweep(s, &tmp.path, &cpu, resume.as_mut(), commit)?;
+    if !s.write_docs {
+        // The pieces: a second sweep from the kept runs alone runs nothing and judges alike.
+        let dir = s.resume.as_deref().ok_or("the smoke run keeps its runs")?;
+        let again = sweep(s, &tmp.path, &cpu, Some(&mut Resume::open(dir, s)?), commit)?;
+        let loaded: usize = again.loaded.values().map(|(n, _, _)| n).sum();
+        if loaded != log.runs.len() || again.verdicts != log.verdicts || again.sizes != log.sizes {
+            return Err(format!(
+                "the sweep from its kept runs differs: {loaded} of {} runs taken back, verdicts {}",
+                log.runs.len(),
+                if again.verdicts == log.verdicts {
+                    "the same"
+                } else {
+                    "not the same"
+                }
+            )
+            .into());
+        }
+        eprintln!("{BENCH}: the sweep from its {loaded} kept runs judged alike");
+    }
     let cpu_method = cpu.describe();
     drop(cpu);
     drop(tmp);
@@ -366,8 +440,15 @@ fn run() -> Res<()> {
     common::finish(BENCH, s.write_docs, "density", &outputs, started)
 }
 
-/// Runs the sweep.
-fn sweep(s: &Settings, tmp: &Path, cpu: &CpuGroup) -> Res<Log> {
+/// Runs the sweep, taking the runs `resume` holds from there and keeping there each run
+/// made (as made at `commit`).
+fn sweep(
+    s: &Settings,
+    tmp: &Path,
+    cpu: &CpuGroup,
+    mut resume: Option<&mut Resume>,
+    commit: &str,
+) -> Res<Log> {
     let mut log = Log::default();
     // Where each (budget, strategy) stopped: the N that failed.
     let mut stopped: BTreeMap<(usize, usize), usize> = BTreeMap::new();
@@ -387,12 +468,48 @@ fn sweep(s: &Settings, tmp: &Path, cpu: &CpuGroup) -> Res<Log> {
             if jobs.is_empty() {
                 break;
             }
+            // A round is made in one piece, so that its budgeted runs and their references run
+            // side by side: one that would not end before the stop does not begin.
+            let to_make = jobs
+                .iter()
+                .filter(|job| {
+                    !resume
+                        .as_deref()
+                        .is_some_and(|r| r.holds(**job, vms, round))
+                })
+                .count();
+            if let Some(limit) = s.stop_after.filter(|_| to_make > 0) {
+                let estimate = Duration::from_secs_f64(round_estimate_s(&log, vms, to_make));
+                if started.elapsed() + estimate > limit {
+                    eprintln!(
+                        "{BENCH}: DENSITY_BENCH_STOP_AFTER_MIN: round {} of N={vms} ({to_make} runs, about {}) would \
+                         not end in time; the sweep stops here, and the same command resumes it",
+                        round + 1,
+                        duration_text(estimate.as_secs_f64())
+                    );
+                    log.runs.retain(|m| m.vms != vms);
+                    log.verdicts.retain(|&(_, _, n, _), _| n != vms);
+                    log.unfinished = Some(vms);
+                    return Ok(log);
+                }
+            }
             for job in plan::round_order(&jobs, round) {
                 if log.unavailable.contains_key(&job.strategy) {
                     continue;
                 }
                 let strategy = &s.strategies[job.strategy];
                 let budget = job.budget.map(|b| s.budgets[b].0.as_str());
+                if let Some(saved) = resume.as_deref_mut().and_then(|r| r.take(job, vms, round)) {
+                    let entry = log
+                        .loaded
+                        .entry(saved.commit)
+                        .or_insert_with(|| (0, saved.finished.clone(), saved.finished.clone()));
+                    entry.0 += 1;
+                    entry.1 = entry.1.clone().min(saved.finished.clone());
+                    entry.2 = entry.2.clone().max(saved.finished);
+                    log.runs.push(saved.measured);
+                    continue;
+                }
                 let outcome = Replay {
                     pvisor: &s.pvisor,
                     trajectory: &s.trajectory,
@@ -428,6 +545,9 @@ fn sweep(s: &Settings, tmp: &Path, cpu: &CpuGroup) -> Res<Log> {
                     .into());
                 }
                 let measured = measure(&outcome, job, vms, round);
+                if let Some(resume) = resume.as_deref() {
+                    resume.keep(s, &measured, commit, &common::host::utc_now())?;
+                }
                 eprintln!(
                     "{BENCH}: [{done}, ~{left} left] N={vms}, round {}/{}, {strategy}, {under}: {}; cpu {}; \
                      elapsed {}, ETA ≤ {}",
@@ -502,6 +622,27 @@ fn sweep(s: &Settings, tmp: &Path, cpu: &CpuGroup) -> Res<Log> {
     Ok(log)
 }
 
+/// About how long `runs` runs of `vms` VMs take, seconds: the mean wall time of the runs of
+/// the largest N made so far up to `vms`, scaled by 10% for each step up to `vms`; none made
+/// yet reads 0 (the first round always begins).
+fn round_estimate_s(log: &Log, vms: usize, runs: usize) -> f64 {
+    let Some(largest) = log.runs.iter().map(|m| m.vms).filter(|&n| n <= vms).max() else {
+        return 0.0;
+    };
+    let walls: Vec<f64> = log
+        .runs
+        .iter()
+        .filter(|m| m.vms == largest && m.wall_s.is_finite())
+        .map(|m| m.wall_s)
+        .collect();
+    if walls.is_empty() {
+        return 0.0;
+    }
+    let mean = walls.iter().sum::<f64>() / walls.len() as f64;
+    let scale = if largest < vms { 1.1 } else { 1.0 };
+    mean * scale * runs as f64
+}
+
 /// An upper bound of the runs still to go after this one: every (budget, strategy) still
 /// swept running every round of this N (stage `stage` of the sweep) and of every larger one;
 /// `done_here` runs of this N are done.
@@ -543,6 +684,7 @@ fn unit_tests() -> Res<bool> {
     let tests = judge::tests::ALL
         .iter()
         .chain(plan::tests::ALL)
+        .chain(resume::tests::ALL)
         .chain(tests::ALL);
     let mut failed = Vec::new();
     let mut count = 0;
@@ -620,7 +762,29 @@ mod tests {
         assert_eq!(duration_text(-5.0), "0m00s");
     }
 
+    fn round_estimate_scales_the_largest_n_made() {
+        let mut log = Log::default();
+        assert_eq!(round_estimate_s(&log, 8, 10), 0.0);
+        let run = |vms: usize, wall_s: f64| Measured {
+            vms,
+            wall_s,
+            ..resume::tests::measured()
+        };
+        log.runs
+            .extend([run(6, 90.0), run(8, 100.0), run(8, 110.0), run(8, f64::NAN)]);
+        // The runs of N=8, unscaled; the missing wall time is left out.
+        assert!((round_estimate_s(&log, 8, 3) - 315.0).abs() < 1e-9);
+        // A larger N scales them by 10%; a smaller one reads its own.
+        assert!((round_estimate_s(&log, 16, 2) - 231.0).abs() < 1e-9);
+        assert!((round_estimate_s(&log, 6, 1) - 90.0).abs() < 1e-9);
+        assert_eq!(round_estimate_s(&log, 4, 1), 0.0);
+    }
+
     pub const ALL: &[(&str, fn())] = &[
+        (
+            "round_estimate_scales_the_largest_n_made",
+            round_estimate_scales_the_largest_n_made,
+        ),
         (
             "unavailable_unknown_strategy_gives_pvisors_words",
             unavailable_unknown_strategy_gives_pvisors_words,

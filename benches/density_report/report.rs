@@ -69,6 +69,11 @@ pub fn density_text(log: &Log, s: &Settings, b: usize, i: usize) -> String {
         None => "not measured".to_owned(),
         Some(d) => match d.stopped_at {
             Some(at) => format!("{} (the sweep stopped at N={at}, which failed)", d.vms),
+            None if log.unfinished.is_some() => format!(
+                "≥ {} so far (the sweep was stopped in N={} by DENSITY_BENCH_STOP_AFTER_MIN; not finished)",
+                d.vms,
+                log.unfinished.unwrap_or(0)
+            ),
             None if d.vms == s.sweep.last().copied().unwrap_or(0) => {
                 format!("≥ {} (every N of the sweep passed)", d.vms)
             }
@@ -482,6 +487,46 @@ pub fn markdown(targets: &[Verdict], cx: &Context<'_>) -> String {
     t
 }
 
+/// Where the runs of a sweep in pieces came from (`DENSITY_BENCH_RESUME`), and whether it is
+/// finished: empty for a sweep made in one go.
+fn pieces_text(cx: &Context<'_>) -> String {
+    let (s, log) = (cx.settings, cx.log);
+    let mut out = String::new();
+    if !log.loaded.is_empty() {
+        let loaded: usize = log.loaded.values().map(|(n, _, _)| n).sum();
+        let _ = write!(
+            out,
+            " {loaded} of them were made earlier, in pieces (`DENSITY_BENCH_RESUME`: a run is kept when it ends, \
+             and a later bench with the same settings takes it instead of running it again): {}; the machine's \
+             figures below are this piece's alone.",
+            log.loaded
+                .iter()
+                .map(|(commit, (n, first, last))| {
+                    if first == last {
+                        format!("{n} at commit {commit} on {first}")
+                    } else {
+                        format!("{n} at commit {commit} from {first} to {last}")
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join("; ")
+        );
+    }
+    if let Some(vms) = log.unfinished {
+        let dir = s
+            .resume
+            .as_deref()
+            .map_or_else(String::new, |d| d.display().to_string());
+        let _ = write!(
+            out,
+            " **The sweep is not finished**: it was stopped in N={vms} (`DENSITY_BENCH_STOP_AFTER_MIN`); the runs \
+             made so far are kept in `{dir}`, and the same command with `DENSITY_BENCH_RESUME={dir}` goes on from \
+             there. N={vms} and above are not in this report."
+        );
+    }
+    out
+}
+
 fn method(t: &mut String, cx: &Context<'_>) {
     let s = cx.settings;
     let waits = s.replayed.total_wait().as_secs_f64();
@@ -503,8 +548,11 @@ fn method(t: &mut String, cx: &Context<'_>) {
          - **Regenerate**: `cargo build --release -p vmm --bin pvisor && cargo bench --bench density_report` (the \
          whole sweep: hours). Options: `DENSITY_BENCH_ROUNDS`, `DENSITY_BENCH_BUDGETS` (`512MiB,1GiB`), \
          `DENSITY_BENCH_STRATEGIES`, `DENSITY_BENCH_VMS` (`1,2,4,…,64`), `DENSITY_BENCH_STEPS` (24), \
-         `DENSITY_BENCH_MEMORY`, `DENSITY_BENCH_SPREAD_S` (0: lockstep; S: starts S/N s apart, `--stagger-ms`); `DENSITY_BENCH_QUICK=1` for a quick run (1 round, 512 MiB, N ≤ 8, 12 steps).\n\
-         - **This run**: {} runs in {}.\n{}",
+         `DENSITY_BENCH_MEMORY`, `DENSITY_BENCH_SPREAD_S` (0: lockstep; S: starts S/N s apart, `--stagger-ms`); `DENSITY_BENCH_QUICK=1` for a quick run (1 round, 512 MiB, N ≤ 8, 12 steps); \
+         `DENSITY_BENCH_RESUME=DIR` keeps each run in DIR when it ends and takes the runs found there instead of \
+         running them again (a sweep in pieces, with the same settings), `DENSITY_BENCH_STOP_AFTER_MIN=M` begins \
+         no round that would not end within M minutes (a round is made in one piece).\n\
+         - **This run**: {} runs in {}.{}\n{}",
         s.replayed.name,
         s.steps,
         s.replayed.requests().len(),
@@ -527,6 +575,7 @@ fn method(t: &mut String, cx: &Context<'_>) {
         },
         cx.log.runs.len(),
         duration_text(cx.run.elapsed_s()),
+        pieces_text(cx),
         cx.run.machine_markdown()
     );
 }
