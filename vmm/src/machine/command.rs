@@ -1,0 +1,202 @@
+//! A command: its dispatch to the guest through the mailbox (or on the host: `sleep`,
+//! `idle`), what the guest's results mean, and what the command produced.
+
+use std::time::{Duration, Instant};
+
+use super::{Machine, MachineError};
+use crate::guest::{self, status, Mailbox, Op};
+use crate::script::Command;
+
+/// What one command produced.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct CommandOutput {
+    /// The command as run.
+    pub command: String,
+    /// Wall time, milliseconds.
+    pub elapsed_ms: f64,
+    /// `digest` and `task`: the digest of the application data, hex.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    /// `touch`: sum of the words read (keeps the reads honest).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sum: Option<String>,
+    /// `rewrite`: pages rewritten.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pages: Option<u64>,
+    /// `release`: bytes reported free and dropped.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub released_bytes: Option<u64>,
+    /// `task`: bytes written to disk and verified.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk_bytes: Option<u64>,
+    /// `model`: bytes of the answer (its digest is in `digest`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub answer_bytes: Option<u64>,
+    /// `model … timer=MS`: how many times the guest's timer fired during the wait.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timer_fired: Option<u64>,
+    /// `poke … out=PORT`: what the VMM answered in the request areas.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub poke: Option<PokeReport>,
+    /// `chaos`: what the guest did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chaos: Option<ChaosReport>,
+    /// Application data filled after the command.
+    pub app_bytes: u64,
+}
+
+/// The status fields after a `poke`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct PokeReport {
+    /// The block request's status (0, or an errno).
+    pub blk_status: u64,
+    /// The free report's status (0, or an errno).
+    pub free_status: u64,
+    /// The model port's error flag (mailbox `arg[2]`; 1: no answer).
+    pub model_error: u64,
+}
+
+/// What a `chaos` command did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ChaosReport {
+    /// `out`s sent to the VMM's ports.
+    pub outs: u64,
+    /// `out`s held back: valid requests that would have changed the guest's own pages or its
+    /// filled data.
+    pub held_back: u64,
+    /// `in`s.
+    pub ins: u64,
+}
+
+impl Machine {
+    /// Runs one command (host-side `sleep` and `idle` included).
+    pub fn run(&mut self, command: &Command) -> Result<CommandOutput, MachineError> {
+        let started = Instant::now();
+        let mut output = CommandOutput {
+            command: command.to_string(),
+            ..CommandOutput::default()
+        };
+        let app_size = self.ram.size() - guest::APP_BASE;
+        let too_large = |size: u64| {
+            (size > app_size).then(|| MachineError::Command {
+                command: command.to_string(),
+                reason: format!(
+                    "{size} bytes is more than the {app_size} bytes of application memory"
+                ),
+            })
+        };
+        match *command {
+            Command::Fill { size, kind, seed } => {
+                if let Some(e) = too_large(size) {
+                    return Err(e);
+                }
+                self.guest(command, Op::Fill, &[size, kind as u64, seed])?;
+            }
+            Command::Digest => {
+                let result = self.guest(command, Op::Digest, &[self.filled, 0, 0])?;
+                output.digest = Some(format!("{:016x}", result[0]));
+            }
+            Command::Touch { size } => {
+                if let Some(e) = too_large(size) {
+                    return Err(e);
+                }
+                let result = self.guest(command, Op::Touch, &[size, 0, 0])?;
+                output.sum = Some(format!("{:016x}", result[0]));
+            }
+            Command::Rewrite { percent, seed } => {
+                let result = self.guest(command, Op::Rewrite, &[percent, seed, 0])?;
+                output.pages = Some(result[0]);
+            }
+            Command::Release => {
+                let result = self.guest(command, Op::Release, &[0, 0, 0])?;
+                output.released_bytes = Some(result[0]);
+            }
+            Command::Task => {
+                let result = self.guest(command, Op::Task, &[0, 0, 0])?;
+                output.digest = Some(format!("{:016x}", result[0]));
+                output.disk_bytes = Some(result[1]);
+            }
+            Command::Model { request, timer_ms } => {
+                let result =
+                    self.guest(command, Op::Model, &[request, 0, 0, timer_ms.unwrap_or(0)])?;
+                output.digest = Some(format!("{:016x}", result[0]));
+                output.answer_bytes = Some(result[1]);
+                output.timer_fired = timer_ms.map(|_| result[3]);
+            }
+            Command::Poke { gpa, value, port } => {
+                let result = self.guest(
+                    command,
+                    Op::Poke,
+                    &[gpa, value, u64::from(port.unwrap_or(0))],
+                )?;
+                output.poke = port.map(|_| PokeReport {
+                    blk_status: result[0],
+                    free_status: result[1],
+                    model_error: result[3],
+                });
+            }
+            Command::Chaos { seed, count } => {
+                let result = self.guest(command, Op::Chaos, &[seed, count])?;
+                output.chaos = Some(ChaosReport {
+                    outs: result[0],
+                    held_back: result[1],
+                    ins: result[3],
+                });
+            }
+            Command::Sleep { ms } => {
+                if self.interrupter.sleep(Duration::from_millis(ms)) {
+                    return Err(MachineError::Stopped);
+                }
+            }
+            Command::Idle => self.pager.set_idle(true),
+        }
+        if *command != Command::Idle {
+            self.pager.set_idle(false);
+        }
+        output.app_bytes = self.filled;
+        output.elapsed_ms = started.elapsed().as_secs_f64() * 1e3;
+        Ok(output)
+    }
+
+    /// Runs one guest command; returns its results. Everything read back is the guest's word:
+    /// its filled size is clamped to the application memory, an unknown status is an error.
+    fn guest(&mut self, command: &Command, op: Op, args: &[u64]) -> Result<[u64; 6], MachineError> {
+        self.check_usable()?;
+        self.model_error = None;
+        self.release_error = None;
+        let mut mailbox: Mailbox = self.read(guest::MAILBOX_GPA)?;
+        mailbox.op = op as u64;
+        mailbox.arg = [0; 6];
+        mailbox.arg[..args.len()].copy_from_slice(args);
+        self.write(guest::MAILBOX_GPA, mailbox)?;
+        let ran = self.run_until_done();
+        // However the command ended, none of its model requests is in flight any more.
+        self.model_pending = None;
+        if let Err(e) = ran {
+            self.broken = Some(e.to_string());
+            return Err(e);
+        }
+        let mailbox: Mailbox = self.read(guest::MAILBOX_GPA)?;
+        self.filled = mailbox.result[2].min(self.ram.size() - guest::APP_BASE);
+        let reason = match mailbox.status {
+            status::OK => return Ok(mailbox.result),
+            status::BAD_OP => "unknown operation".to_owned(),
+            status::TOO_LARGE => "size beyond the application memory".to_owned(),
+            status::IO => "a disk request failed".to_owned(),
+            status::MISMATCH => "data read back from the disk differs".to_owned(),
+            status::MODEL => self
+                .model_error
+                .take()
+                .unwrap_or_else(|| "the model request got no answer".to_owned()),
+            status::RELEASE => self
+                .release_error
+                .take()
+                .unwrap_or_else(|| "the free report was refused".to_owned()),
+            other => format!("status {other}"),
+        };
+        Err(MachineError::Command {
+            command: command.to_string(),
+            reason,
+        })
+    }
+}

@@ -1,0 +1,357 @@
+//! The guest's model requests: carried to the gateway, and the wait for the answer, plain
+//! (the VM only waits, and comes back for the guest's timer) or managed (paused, offloaded
+//! and brought back as the wait policy says, the governor's orders carried out, operator
+//! requests answered).
+
+use std::time::{Duration, Instant};
+
+use vm_memory::{Bytes, GuestAddress};
+
+use super::{Machine, MachineError};
+use crate::gateway::{Answer, ModelPort};
+use crate::governor::client::Order;
+use crate::governor::protocol::WireState;
+use crate::guest::{self, Mailbox};
+use crate::wait::{Action as WaitAction, Phase, WaitCoordinator, WaitEvent, WaitPolicy};
+use uffd_pager::offload::OffloadConfig;
+
+/// How a model wait ended.
+enum WaitOutcome {
+    /// With the answer (or why there is none).
+    Answer(Answer),
+    /// The guest's timer fell due: it runs its timer's work and comes back for the answer.
+    Timer,
+}
+
+/// How often a model wait without wait management looks for a stop.
+const STOP_POLL: Duration = Duration::from_millis(50);
+
+/// How often a model wait looks for operator requests while its answer is out.
+const OPERATOR_POLL: Duration = Duration::from_millis(20);
+
+/// One model wait in progress.
+pub(super) struct ModelWait {
+    pub(super) request: u64,
+    pub(super) began: Instant,
+    /// The VM's RAM is in the store (by the coordinator or an operator).
+    pub(super) offloaded: bool,
+    /// The answer, held while an operator holds the VM.
+    pub(super) held: Option<Answer>,
+    /// When the guest's timer falls due, if it reported one.
+    pub(super) timer_due: Option<Instant>,
+}
+
+/// How a machine spends its model waits (`--vm-wait-management`).
+#[derive(Debug, Clone)]
+pub struct WaitManagement {
+    /// When to pause and offload.
+    pub policy: WaitPolicy,
+    /// Where and how an offload writes.
+    pub offload: OffloadConfig,
+    /// Threads that load RAM back.
+    pub io_threads: usize,
+}
+
+impl Machine {
+    /// Carries the guest's model request to the gateway and puts the answer in its I/O buffer.
+    pub(super) fn model_request(&mut self) -> Result<(), MachineError> {
+        let mut mailbox: Mailbox = self.read(guest::MAILBOX_GPA)?;
+        let request = mailbox.arg[0];
+        // The guest's idle report: its next timer fires in this many ms (0: it has none).
+        if mailbox.arg[5] > guest::MAX_TIMER_MS {
+            self.model_error = Some(format!(
+                "the guest's timer of {} ms is longer than {} ms",
+                mailbox.arg[5],
+                guest::MAX_TIMER_MS
+            ));
+            mailbox.arg[2] = 1;
+            return self.write(guest::MAILBOX_GPA, mailbox);
+        }
+        let timer = (mailbox.arg[5] > 0).then(|| Duration::from_millis(mailbox.arg[5]));
+        let outcome = match (self.model.clone(), self.wait.clone()) {
+            (Some(port), Some(wait)) => self.managed_wait(&*port, request, timer, &wait),
+            (Some(port), None) => self.plain_wait(&*port, request, timer),
+            (None, _) => WaitOutcome::Answer(Answer::Error(
+                "this VM has no model gateway (pvisor run --vm-model-upstream URL)".into(),
+            )),
+        };
+        // (The command clears `model_pending` when it ends, however it ends.)
+        let answer = match outcome {
+            WaitOutcome::Answer(answer) => {
+                // Answered: nothing is in flight (the guest may ask for the same id again).
+                self.model_pending = None;
+                answer
+            }
+            WaitOutcome::Timer => {
+                mailbox.arg[4] = 1;
+                return self.write(guest::MAILBOX_GPA, mailbox);
+            }
+        };
+        match answer {
+            Answer::Data(bytes) if bytes.len() as u64 <= guest::IO_BUF_SIZE => {
+                self.ram
+                    .memory()
+                    .write_slice(&bytes, GuestAddress(guest::IO_BUF_GPA))
+                    .map_err(|e| MachineError::GuestMemory {
+                        gpa: guest::IO_BUF_GPA,
+                        reason: e.to_string(),
+                    })?;
+                mailbox.arg[1] = bytes.len() as u64;
+                mailbox.arg[2] = 0;
+            }
+            Answer::Data(bytes) => {
+                self.model_error = Some(format!(
+                    "the answer to request {request} has {} bytes, more than the guest's {} byte buffer",
+                    bytes.len(),
+                    guest::IO_BUF_SIZE
+                ));
+                mailbox.arg[2] = 1;
+            }
+            Answer::Error(why) => {
+                self.model_error = Some(why);
+                mailbox.arg[2] = 1;
+            }
+        }
+        self.write(guest::MAILBOX_GPA, mailbox)
+    }
+
+    /// Sends `request` unless it is already out (the guest is back from a timer); returns
+    /// when it went out.
+    fn send_once(&mut self, port: &dyn ModelPort, request: u64) -> Instant {
+        match self.model_pending {
+            Some((pending, since)) if pending == request => since,
+            _ => {
+                let now = Instant::now();
+                port.send(request);
+                self.model_pending = Some((request, now));
+                now
+            }
+        }
+    }
+
+    /// Waits for the answer to `request` without wait management: the VM keeps running (it
+    /// only waits), and comes back early for the guest's timer.
+    fn plain_wait(
+        &mut self,
+        port: &dyn ModelPort,
+        request: u64,
+        timer: Option<Duration>,
+    ) -> WaitOutcome {
+        self.send_once(port, request);
+        let until = timer.and_then(|t| Instant::now().checked_add(t));
+        // In slices, so that a stop ends the wait.
+        loop {
+            if self.interrupter.stopped() {
+                return WaitOutcome::Answer(Answer::Error(format!(
+                    "the VM was stopped while it waited for the answer to request {request}"
+                )));
+            }
+            let left = until.map_or(STOP_POLL, |u| u.saturating_duration_since(Instant::now()));
+            if let Some(answer) = port.wait_for(request, left.min(STOP_POLL)) {
+                return WaitOutcome::Answer(answer);
+            }
+            if until.is_some_and(|u| u <= Instant::now()) {
+                return WaitOutcome::Timer;
+            }
+        }
+    }
+
+    /// Waits for the answer to `request` the way the wait policy says: the guest is stopped at
+    /// the model port (idle, no timer pending), so it is paused as it is, offloaded once the
+    /// wait is long enough, and brought back (on faults, by default) when the answer arrives.
+    /// Operator requests are answered meanwhile (see [`crate::operator`]).
+    fn managed_wait(
+        &mut self,
+        port: &dyn ModelPort,
+        request: u64,
+        timer: Option<Duration>,
+        wait: &WaitManagement,
+    ) -> WaitOutcome {
+        let mut coordinator = self
+            .coordinator
+            .take()
+            .unwrap_or_else(|| WaitCoordinator::new(wait.policy, 0));
+        let mut operator = self.operator.take();
+        let began = self.send_once(port, request);
+        let now = Instant::now();
+        let mut w = ModelWait {
+            request,
+            began,
+            offloaded: false,
+            held: None,
+            timer_due: timer.map(|t| now + t),
+        };
+        coordinator.handle(
+            now,
+            WaitEvent::GuestIdle {
+                epoch: 0,
+                timer_due: w.timer_due,
+            },
+        );
+        // Back from a timer, the request keeps the start it had.
+        let mut actions = coordinator.handle(now, WaitEvent::WaitStart { request, epoch: 0 });
+        if let Some(link) = &self.governor {
+            link.set_waiting(true);
+            link.report(
+                WireState::Waiting,
+                coordinator.expected_remaining(now.saturating_duration_since(began)),
+            );
+        }
+        // An offload the governor ordered is under way: its outcome goes back to it.
+        let mut reclaiming = false;
+        let outcome = loop {
+            for action in actions.drain(..) {
+                if let Some(took) = self.carry_out(action, wait, &mut w.offloaded) {
+                    coordinator.offload_took(took);
+                }
+                if action == WaitAction::Offload {
+                    self.report_offload(&coordinator, &w, std::mem::take(&mut reclaiming));
+                }
+            }
+            if coordinator.phase() != Phase::Manual {
+                // Held for an operator who has given the VM back now.
+                if let Some(answer) = w.held.take() {
+                    break WaitOutcome::Answer(answer);
+                }
+            }
+            if self.stop_requested || self.interrupter.stopped() {
+                break WaitOutcome::Answer(Answer::Error(format!(
+                    "the VM was stopped while it waited for the answer to request {request}"
+                )));
+            }
+            // The guest's timer runs when the VM runs: at once if the coordinator let it run,
+            // after the coordinator's resume (for that timer) if it had paused or offloaded it,
+            // never while an operator holds it (a held answer means an operator holds it).
+            let running = coordinator.phase() == Phase::Running;
+            if running && w.timer_due.is_some_and(|due| due <= Instant::now()) {
+                break WaitOutcome::Timer;
+            }
+            let next = [coordinator.next_deadline(), w.timer_due.filter(|_| running)]
+                .into_iter()
+                .flatten()
+                .min();
+            let until = next.map_or(Duration::from_secs(3600), |d| {
+                d.saturating_duration_since(Instant::now())
+            });
+            if w.held.is_none() {
+                let slice = if operator.is_some() {
+                    until.min(OPERATOR_POLL)
+                } else {
+                    until.min(STOP_POLL)
+                };
+                if let Some(answer) = port.wait_for(request, slice) {
+                    let done = coordinator
+                        .handle(Instant::now(), WaitEvent::DataReady { request, epoch: 0 });
+                    if coordinator.phase() != Phase::Manual {
+                        if let Some(link) = &self.governor {
+                            // Running from here: the copy of the answer faults RAM back.
+                            link.set_waiting(false);
+                            link.report(WireState::Running, None);
+                        }
+                    }
+                    if coordinator.phase() == Phase::Manual {
+                        // An operator holds the VM: the answer waits for their resume.
+                        w.held = Some(answer);
+                    } else {
+                        for action in done {
+                            // Only a resume and a delivery follow an answer.
+                            let _ = self.carry_out(action, wait, &mut w.offloaded);
+                        }
+                        break WaitOutcome::Answer(answer);
+                    }
+                }
+            }
+            if let Some(source) = operator.as_mut() {
+                // With the answer held only an operator can end the wait: block on them.
+                let timeout = if w.held.is_some() {
+                    until.min(Duration::from_secs(1))
+                } else {
+                    Duration::ZERO
+                };
+                if let Some((asked, reply)) = source.next(timeout) {
+                    let (result, more) = self.operate(asked, &mut coordinator, &mut w, wait);
+                    reply(result);
+                    actions.extend(more);
+                }
+            }
+            if let Some(link) = &self.governor {
+                while let Some(Order::Offload { .. }) = link.take_order() {
+                    let ordered = coordinator.handle(Instant::now(), WaitEvent::Reclaim);
+                    if ordered.contains(&WaitAction::Offload) {
+                        reclaiming = true;
+                        actions.extend(ordered);
+                    } else {
+                        // Offloaded already, or an operator's: nothing to give.
+                        link.offloaded(false, self.resident_bytes());
+                    }
+                }
+            }
+            actions.extend(coordinator.tick(Instant::now()));
+        };
+        if let Some(link) = &self.governor {
+            link.set_waiting(false);
+            link.report(WireState::Running, None);
+        }
+        // The guest runs on (after the answer, or its timer's work): its idleness is reported
+        // anew next time.
+        coordinator.handle(Instant::now(), WaitEvent::GuestBusy { epoch: 0 });
+        self.coordinator = Some(coordinator);
+        self.operator = operator;
+        outcome
+    }
+
+    /// Tells the governor what an offload of wait `w` gave: the answer to its order if it
+    /// `ordered` it, and the VM's new state if the RAM went out.
+    fn report_offload(&self, coordinator: &WaitCoordinator, w: &ModelWait, ordered: bool) {
+        let Some(link) = &self.governor else {
+            return;
+        };
+        if ordered {
+            link.offloaded(w.offloaded, self.resident_bytes());
+        }
+        if w.offloaded {
+            link.report(
+                WireState::Offloaded,
+                coordinator.expected_remaining(w.began.elapsed()),
+            );
+        }
+    }
+
+    /// One of the coordinator's actions. The vCPU is already stopped at the model port, so a
+    /// pause changes nothing; an offload that fails leaves RAM resident (counted). Returns how
+    /// long an offload took.
+    fn carry_out(
+        &mut self,
+        action: WaitAction,
+        wait: &WaitManagement,
+        offloaded: &mut bool,
+    ) -> Option<Duration> {
+        match action {
+            WaitAction::Pause | WaitAction::Deliver { .. } => {}
+            WaitAction::Offload => {
+                let started = Instant::now();
+                if self.offload(&wait.offload).is_ok() {
+                    *offloaded = true;
+                    return Some(started.elapsed());
+                }
+                // Counted; a failure says nothing about what an offload costs.
+                self.wait_failures.0 += 1;
+            }
+            WaitAction::Resume => {
+                if *offloaded {
+                    // Lazily (or on faults only): the answer's copy and the guest's next steps
+                    // fault pages back.
+                    if self
+                        .pager
+                        .load(wait.policy.reload, wait.io_threads)
+                        .is_err()
+                    {
+                        self.wait_failures.1 += 1;
+                    }
+                    *offloaded = false;
+                }
+            }
+        }
+        None
+    }
+}
