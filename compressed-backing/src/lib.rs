@@ -13,6 +13,9 @@
 //!   modes from the start, bounded reads.
 //! - [`image`]: packing a raw RAM file into a store and unpacking it.
 
+// Library code does not print (clippy.toml's `disallowed-macros`); its tests may.
+#![cfg_attr(not(test), warn(clippy::disallowed_macros))]
+
 pub mod bulk;
 pub mod codec;
 pub mod file;

@@ -9,6 +9,9 @@
 //! - [`tune`]: fast profiles and the shared, crash-safe lease on the global knobs.
 //! - [`estimate`]: content-sampled duplicate estimate of resident memory.
 
+// Library code does not print (clippy.toml's `disallowed-macros`); its tests may.
+#![cfg_attr(not(test), warn(clippy::disallowed_macros))]
+
 pub mod estimate;
 pub mod process;
 pub mod sys;

@@ -17,6 +17,9 @@
 //! - [`socket`]: private Unix sockets and the check of who connected.
 //! - [`source`]: where non-resident pages come from (raw memory file, store).
 
+// Library code does not print (clippy.toml's `disallowed-macros`); its tests may.
+#![cfg_attr(not(test), warn(clippy::disallowed_macros))]
+
 pub mod addr;
 pub mod cold;
 pub mod journal;

@@ -459,8 +459,7 @@ pub fn run_daemon_with(socket: &Path, peers: PeerPolicy) -> Result<PoolStats, Po
         .thread_block()
         .map_err(errno("block SIGINT and SIGTERM"))?;
     let server = PoolServer::bind(socket)?.allow_peers(peers)?;
-    println!("{}", socket.display());
-    std::io::stdout().flush().map_err(io("write to stdout"))?;
+    crate::socket::announce(socket).map_err(io("write to stdout"))?;
     let stop = AtomicBool::new(false);
     std::thread::scope(|scope| {
         let accept = scope.spawn(|| server.run(&stop));

@@ -24,6 +24,18 @@ use nix::sys::socket::{
     getsockopt, recvmsg, sockopt::PeerCredentials, ControlMessageOwned, MsgFlags,
 };
 
+/// Says on stdout that a daemon listens: one line, its socket's path, flushed. The command
+/// that started the daemon waits for this line (its documented output) before it connects.
+#[allow(
+    clippy::disallowed_macros,
+    reason = "a daemon's readiness line is its documented output"
+)]
+pub fn announce(path: &Path) -> io::Result<()> {
+    use std::io::Write;
+    println!("{}", path.display());
+    io::stdout().flush()
+}
+
 /// Listens on `path`, a Unix socket of mode 0600 that no other user could ever connect to.
 ///
 /// A stale socket at `path` (nobody accepts on it) is replaced; a live one is refused with

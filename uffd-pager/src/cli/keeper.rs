@@ -18,7 +18,7 @@ pub fn keeper(socket: &Path) -> CliResult {
     let keeper = KeeperSocket::bind(socket)
         .map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?;
     tracing::info!(socket = %socket.display(), "keeper listening");
-    println!("{}", socket.display());
+    uffd_pager::socket::announce(socket)?;
     let stop = AtomicBool::new(false);
     std::thread::scope(|scope| -> CliResult {
         let run = scope.spawn(|| keeper.run(&stop));

@@ -92,7 +92,7 @@ pub fn serve(
         image_bytes = source.image_size(),
         "listening"
     );
-    println!("{}", socket.display());
+    uffd_pager::socket::announce(socket)?;
     let stop = Arc::new(AtomicBool::new(false));
     std::thread::scope(|scope| -> CliResult {
         let accept = scope.spawn(|| server.run(&stop));

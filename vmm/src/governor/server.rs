@@ -18,6 +18,7 @@ use uffd_pager::socket::{PeerCred, PeerPolicy};
 
 use super::policy::{self, Decision, Governor, Pressure, Reading, VmId, VmState};
 use super::protocol::{self, FromGovernor, LineError, LineReader, ToGovernor, WireState};
+use crate::log::RateLimit;
 use crate::stats::{parse_psi_some_avg10, MemoryCgroup, PressureLevel};
 
 /// Most connections at once (VMs and status clients); more are refused with a message.
@@ -93,6 +94,8 @@ struct Inner {
     connections: AtomicU64,
     refused: AtomicU64,
     protocol_errors: AtomicU64,
+    /// The log of what any local peer can cause (a refused connection, a protocol error).
+    peer_log: RateLimit,
 }
 
 /// The governor, bound to its socket.
@@ -150,6 +153,7 @@ impl GovernorServer {
                 connections: AtomicU64::new(0),
                 refused: AtomicU64::new(0),
                 protocol_errors: AtomicU64::new(0),
+                peer_log: RateLimit::new(10, Duration::from_secs(1)),
             }),
         })
     }
@@ -171,7 +175,7 @@ impl GovernorServer {
                         std::thread::sleep(Duration::from_millis(20));
                     }
                     Err(e) => {
-                        eprintln!("pvisor governor: accept: {e}");
+                        crate::log::log_line!("pvisor governor: accept: {e}");
                         std::thread::sleep(POLL);
                     }
                 }
@@ -195,7 +199,9 @@ impl GovernorServer {
             Err(e) => {
                 inner.refused.fetch_add(1, Ordering::Relaxed);
                 // Closed without a word: another user learns nothing from the governor.
-                eprintln!("pvisor governor: refused a connection: {e}");
+                if inner.peer_log.allow() {
+                    crate::log::log_line!("pvisor governor: refused a connection: {e}");
+                }
                 return;
             }
         };
@@ -233,7 +239,7 @@ impl GovernorServer {
                     Ok(events) => Some(events),
                     Err(e) if e.kind() == std::io::ErrorKind::Unsupported => None,
                     Err(e) => {
-                        eprintln!(
+                        crate::log::log_line!(
                             "pvisor governor: no memory pressure notifications ({e}); PSI and \
                          failcnt still count"
                         );
@@ -409,7 +415,7 @@ impl Inner {
                     writer,
                 },
             );
-            eprintln!(
+            crate::log::log_line!(
                 "pvisor governor: {name} joined (pid {}, {} of guest RAM, {} resident)",
                 peer.pid,
                 crate::runtime::size_text(memory_bytes),
@@ -497,12 +503,14 @@ impl Inner {
         if let Some(conn) = state.conns.remove(&id) {
             let _ = conn.writer.shutdown(std::net::Shutdown::Both);
         }
-        eprintln!("pvisor governor: {name} left: {why}");
+        crate::log::log_line!("pvisor governor: {name} left: {why}");
     }
 
     fn protocol_error(&self, writer: &UnixStream, why: &str) {
         self.protocol_errors.fetch_add(1, Ordering::Relaxed);
-        eprintln!("pvisor governor: dropped a connection: {why}");
+        if self.peer_log.allow() {
+            crate::log::log_line!("pvisor governor: dropped a connection: {why}");
+        }
         refuse(writer, why);
     }
 
@@ -535,7 +543,7 @@ impl Inner {
             let Some(conn) = state.conns.get(&vm) else {
                 continue;
             };
-            eprintln!(
+            crate::log::log_line!(
                 "pvisor governor: +{:.3}s {}: {}",
                 self.started.elapsed().as_secs_f64(),
                 conn.name,
@@ -575,13 +583,10 @@ pub fn run_daemon(socket: &Path, config: ServerConfig) -> Result<(), ServerError
         source: e.into(),
     })?;
     let server = GovernorServer::bind(socket, config)?;
-    println!("{}", socket.display());
-    std::io::stdout()
-        .flush()
-        .map_err(|source| ServerError::System {
-            op: "write to stdout",
-            source,
-        })?;
+    uffd_pager::socket::announce(socket).map_err(|source| ServerError::System {
+        op: "write to stdout",
+        source,
+    })?;
     let stop = AtomicBool::new(false);
     let waited = std::thread::scope(|scope| {
         let serving = scope.spawn(|| server.run(&stop));
@@ -595,7 +600,7 @@ pub fn run_daemon(socket: &Path, config: ServerConfig) -> Result<(), ServerError
         op: "wait for a signal",
         source: e.into(),
     })?;
-    eprintln!("pvisor governor: stopped");
+    crate::log::log_line!("pvisor governor: stopped");
     Ok(())
 }
 
