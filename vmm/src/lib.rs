@@ -6,7 +6,6 @@
 //! - [`gateway`]: the model gateway: a VM's model requests over HTTP, answers kept until taken.
 //! - [`governor`]: the memory governor: many VMs inside one host memory budget.
 //! - [`guest`]: the workload guest's binary, layout, mailbox and digest.
-//! - [`log`]: the only place the library writes to stderr or stdout.
 //! - [`machine`]: one VM: RAM, pager, vCPU, block device; runs commands.
 //! - [`memory`]: guest RAM (anon, memfd, or a snapshot image mapped privately).
 //! - [`operator`]: operator requests that reach a VM while it waits for the model.
@@ -20,7 +19,8 @@
 //! - [`wait`]: the wait coordinator's policy (pause, offload, resume around model waits).
 //! - [`vm`]: a VM's lifecycle (running, paused, offloaded) and operations.
 
-// Library code does not print (clippy.toml's `disallowed-macros`); its tests may.
+// Library code does not print (clippy.toml's `disallowed-macros`): it returns errors, counts,
+// and logs through `tracing`; its tests may print.
 #![cfg_attr(not(test), warn(clippy::disallowed_macros))]
 
 pub mod control;
@@ -28,7 +28,6 @@ pub mod dedup;
 pub mod gateway;
 pub mod governor;
 pub mod guest;
-pub mod log;
 pub mod machine;
 pub mod memory;
 pub mod operator;

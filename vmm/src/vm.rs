@@ -409,7 +409,7 @@ impl Vm {
                 move |e| {
                     counter.fetch_add(1, Ordering::Relaxed);
                     if log.allow() {
-                        crate::log::log_line!("pvisor: guest memory fault cannot be served: {e}");
+                        tracing::warn!("pvisor: guest memory fault cannot be served: {e}");
                     }
                 }
             }),

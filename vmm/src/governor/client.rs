@@ -366,7 +366,7 @@ impl Shared {
                     if self.connected.swap(false, Ordering::SeqCst) {
                         self.count(DISCONNECTS);
                         if !self.stop.load(Ordering::SeqCst) {
-                            crate::log::log_line!(
+                            tracing::warn!(
                                 "pvisor: {}: lost the memory governor ({why}); going on under \
                                  the VM's own wait policy, rejoining when it is back",
                                 self.config.name
@@ -377,7 +377,7 @@ impl Shared {
                 Err(e) => {
                     if !warned {
                         warned = true;
-                        crate::log::log_line!(
+                        tracing::warn!(
                             "pvisor: {}: no memory governor at {} ({e}); trying again every {:?}",
                             self.config.name,
                             self.config.socket.display(),
@@ -460,7 +460,7 @@ impl Shared {
                 let since = *held_since.get_or_insert(now);
                 if now.duration_since(since) >= self.config.hold_timeout {
                     self.count(HOLD_TIMEOUTS);
-                    crate::log::log_line!(
+                    tracing::warn!(
                         "pvisor: {}: a fault held for {:?} without the governor making room; \
                          lifting the limit (the VM may now exceed the memory budget)",
                         self.config.name,

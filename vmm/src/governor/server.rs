@@ -18,8 +18,8 @@ use uffd_pager::socket::{PeerCred, PeerPolicy};
 
 use super::policy::{self, Decision, Governor, Pressure, Reading, VmId, VmState};
 use super::protocol::{self, FromGovernor, LineError, LineReader, ToGovernor, WireState};
-use crate::log::RateLimit;
 use crate::stats::{parse_psi_some_avg10, MemoryCgroup, PressureLevel};
+use uffd_pager::server::RateLimit;
 
 /// Most connections at once (VMs and status clients); more are refused with a message.
 pub const MAX_CONNECTIONS: usize = 512;
@@ -175,7 +175,7 @@ impl GovernorServer {
                         std::thread::sleep(Duration::from_millis(20));
                     }
                     Err(e) => {
-                        crate::log::log_line!("pvisor governor: accept: {e}");
+                        tracing::warn!("pvisor governor: accept: {e}");
                         std::thread::sleep(POLL);
                     }
                 }
@@ -200,7 +200,7 @@ impl GovernorServer {
                 inner.refused.fetch_add(1, Ordering::Relaxed);
                 // Closed without a word: another user learns nothing from the governor.
                 if inner.peer_log.allow() {
-                    crate::log::log_line!("pvisor governor: refused a connection: {e}");
+                    tracing::warn!("pvisor governor: refused a connection: {e}");
                 }
                 return;
             }
@@ -239,7 +239,7 @@ impl GovernorServer {
                     Ok(events) => Some(events),
                     Err(e) if e.kind() == std::io::ErrorKind::Unsupported => None,
                     Err(e) => {
-                        crate::log::log_line!(
+                        tracing::warn!(
                             "pvisor governor: no memory pressure notifications ({e}); PSI and \
                          failcnt still count"
                         );
@@ -415,7 +415,7 @@ impl Inner {
                     writer,
                 },
             );
-            crate::log::log_line!(
+            tracing::info!(
                 "pvisor governor: {name} joined (pid {}, {} of guest RAM, {} resident)",
                 peer.pid,
                 crate::runtime::size_text(memory_bytes),
@@ -503,13 +503,13 @@ impl Inner {
         if let Some(conn) = state.conns.remove(&id) {
             let _ = conn.writer.shutdown(std::net::Shutdown::Both);
         }
-        crate::log::log_line!("pvisor governor: {name} left: {why}");
+        tracing::info!("pvisor governor: {name} left: {why}");
     }
 
     fn protocol_error(&self, writer: &UnixStream, why: &str) {
         self.protocol_errors.fetch_add(1, Ordering::Relaxed);
         if self.peer_log.allow() {
-            crate::log::log_line!("pvisor governor: dropped a connection: {why}");
+            tracing::warn!("pvisor governor: dropped a connection: {why}");
         }
         refuse(writer, why);
     }
@@ -543,7 +543,7 @@ impl Inner {
             let Some(conn) = state.conns.get(&vm) else {
                 continue;
             };
-            crate::log::log_line!(
+            tracing::info!(
                 "pvisor governor: +{:.3}s {}: {}",
                 self.started.elapsed().as_secs_f64(),
                 conn.name,
@@ -600,7 +600,7 @@ pub fn run_daemon(socket: &Path, config: ServerConfig) -> Result<(), ServerError
         op: "wait for a signal",
         source: e.into(),
     })?;
-    crate::log::log_line!("pvisor governor: stopped");
+    tracing::info!("pvisor governor: stopped");
     Ok(())
 }
 

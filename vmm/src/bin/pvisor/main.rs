@@ -138,6 +138,7 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    init_logging();
     let result = match cli.command {
         Command::Run(args) => run::run(*args),
         Command::VmProcess => run::vm_process(),
@@ -169,6 +170,23 @@ fn main() -> ExitCode {
 }
 
 use compressed_backing::store::error_chain;
+
+/// The process's log: the library's `tracing` events on stderr, one line each, the message
+/// as written (no time, level or target: the lines read as they always have, `pvisor …: …`),
+/// `info` and above unless `RUST_LOG` says otherwise.
+fn init_logging() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .without_time()
+        .with_level(false)
+        .with_target(false)
+        .init();
+}
 
 /// What a command returns.
 type CliResult = Result<ExitCode, Box<dyn std::error::Error>>;
