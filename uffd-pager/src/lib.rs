@@ -12,7 +12,8 @@
 //! - [`load`]: bringing offloaded RAM back, lazily with prefetch or eagerly.
 //! - [`offload`]: offload of a paused VM's RAM to a store.
 //! - [`pagemap`]: which pages were written (`PAGEMAP_SCAN`).
-//! - [`pool`]: the memory-pool daemon and its client: pages VMs share read-only.
+//! - [`sharing`]: page sharing between VMs, the memory-pool daemon and its client: pages VMs
+//!   share read-only.
 //! - [`server`]: the standalone server (Firecracker's UFFD handshake).
 //! - [`socket`]: private Unix sockets and the check of who connected.
 //! - [`source`]: where non-resident pages come from (raw memory file, store).
@@ -29,8 +30,8 @@ pub mod metrics;
 pub mod offload;
 pub mod pagemap;
 pub mod pager;
-pub mod pool;
 pub mod server;
+pub mod sharing;
 pub mod socket;
 pub mod source;
 pub mod state;

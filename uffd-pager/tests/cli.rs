@@ -434,7 +434,7 @@ fn cli_serve_needs_a_memory_file_or_a_store() {
 #[test]
 fn cli_memory_pool_merges_identical_pages_and_stops_on_sigterm() {
     use std::os::unix::fs::{FileExt, PermissionsExt};
-    use uffd_pager::pool::PoolClient;
+    use uffd_pager::sharing::PoolClient;
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("pool.sock");
     let mut child = bin()

@@ -9,7 +9,7 @@
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
-use uffd_pager::pool::Running;
+use uffd_pager::sharing::Running;
 
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
@@ -98,7 +98,7 @@ fn pool_client_given_more_than_one_descriptor_refuses_and_keeps_none() {
         let mut rest = String::new();
         let _ = std::io::BufReader::new(&stream).read_line(&mut rest);
     });
-    let attached = uffd_pager::pool::PoolClient::attach(&socket, 0, 1 << 20);
+    let attached = uffd_pager::sharing::PoolClient::attach(&socket, 0, 1 << 20);
     let error = attached.expect_err("a reply with two descriptors was taken");
     assert!(
         error.to_string().contains("more than one descriptor"),

@@ -844,7 +844,7 @@ fn server_refuses_peers_of_other_uids() {
 fn pool_refuses_peers_of_other_uids() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("pool.sock");
-    let pool = uffd_pager::pool::Running::start(&socket).unwrap();
+    let pool = uffd_pager::sharing::Running::start(&socket).unwrap();
     testkit::open_to_everyone(&socket);
     let refused = {
         let _fork = fork_lock();
@@ -856,10 +856,10 @@ fn pool_refuses_peers_of_other_uids() {
 
 #[test]
 fn pool_closes_connections_over_its_cap_and_serves_again_below_it() {
-    use uffd_pager::pool::MAX_PEERS;
+    use uffd_pager::sharing::MAX_PEERS;
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("pool.sock");
-    let pool = uffd_pager::pool::Running::start(&socket).unwrap();
+    let pool = uffd_pager::sharing::Running::start(&socket).unwrap();
     // Whether the pool closed `stream` (EOF) rather than waiting for its hello.
     let closed = |stream: &mut UnixStream| {
         stream

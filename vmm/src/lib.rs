@@ -9,11 +9,11 @@
 //! - [`machine`]: one VM: RAM, pager, vCPU, block device; runs commands.
 //! - [`memory`]: guest RAM (anon, memfd, or a snapshot image mapped privately).
 //! - [`operator`]: operator requests that reach a VM while it waits for the model.
-//! - [`pool`]: this VM's side of the memory pool (`--vm-memory-pool`).
 //! - [`replay`]: trajectories and the local model server that replays them.
 //! - [`runtime`]: the runtime directory, job ids and identities.
 //! - [`sampler`]: memory × time sampling with its own integrity check.
 //! - [`script`]: workload scripts.
+//! - [`sharing`]: this VM's side of page sharing through the memory pool (`--vm-memory-pool`).
 //! - [`snapshot`]: sealed snapshots, their copy-on-write restore and private-page offload.
 //! - [`stats`]: PSS and memory-cgroup readings.
 //! - [`wait`]: the wait coordinator's policy (pause, offload, resume around model waits).
@@ -31,11 +31,11 @@ pub mod guest;
 pub mod machine;
 pub mod memory;
 pub mod operator;
-pub mod pool;
 pub mod replay;
 pub mod runtime;
 pub mod sampler;
 pub mod script;
+pub mod sharing;
 pub mod snapshot;
 pub mod stats;
 pub mod vm;

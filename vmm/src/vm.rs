@@ -20,8 +20,8 @@ use crate::dedup::{Dedup, DedupError, DedupOptions, DedupStats};
 use crate::governor::client::{GovernorLink, LinkConfig, LinkStats, Order, ResidentControl};
 use crate::governor::protocol::WireState;
 use crate::machine::{CommandOutput, Machine, MachineConfig, MachineError};
-use crate::pool::{PoolLink, PoolLinkStats};
 use crate::script::Command;
+use crate::sharing::{PoolLink, PoolLinkStats};
 use crate::snapshot::{
     self, PrivateLoadReport, PrivateOffloadReport, Snapshot, SnapshotError, SnapshotReport,
 };
@@ -168,7 +168,7 @@ pub enum VmError {
     Gateway(#[from] crate::gateway::GatewayError),
     /// The memory pool could not be joined.
     #[error("cannot join the memory pool (--vm-memory-pool)")]
-    Pool(#[from] uffd_pager::pool::PoolError),
+    Pool(#[from] uffd_pager::sharing::PoolError),
     /// A snapshot could not be written, opened, or its private pages moved.
     #[error(transparent)]
     Snapshot(#[from] SnapshotError),

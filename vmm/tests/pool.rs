@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use uffd_pager::pager::RamKind;
-use uffd_pager::pool::{PoolServer, Running};
+use uffd_pager::sharing::{PoolServer, Running};
 use vmm::script;
 use vmm::vm::{Vm, VmOptions};
 

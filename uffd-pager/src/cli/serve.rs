@@ -17,7 +17,7 @@ use super::CliResult;
 /// keep them after it stops (their mappings hold the memfd); they only stop merging.
 pub fn memory_pool(socket: &Path, peers: PeerPolicy) -> CliResult {
     init_logging();
-    let stats = uffd_pager::pool::run_daemon_with(socket, peers)?;
+    let stats = uffd_pager::sharing::run_daemon_with(socket, peers)?;
     tracing::info!(?stats, "memory pool stopped");
     Ok(ExitCode::SUCCESS)
 }

@@ -213,7 +213,7 @@ pub fn serve(args: &ServeArgs) -> CliResult {
                 format!("{flag} is an option of --memory-governor, not --memory-pool").into(),
             );
         }
-        uffd_pager::pool::run_daemon_with(&args.socket, peers)?;
+        uffd_pager::sharing::run_daemon_with(&args.socket, peers)?;
         return Ok(ExitCode::SUCCESS);
     }
     let config = governor_config(args)?;

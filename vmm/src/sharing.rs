@@ -1,4 +1,4 @@
-//! `--vm-memory-pool SOCKET`: this VM's side of the memory pool (`uffd_pager::pool`).
+//! `--vm-memory-pool SOCKET`: this VM's side of the memory pool (`uffd_pager::sharing`).
 //!
 //! Between commands (the vCPU is stopped, so nothing writes guest RAM) the VM offers the
 //! hashes of the pages it holds privately, merges the pages the pool holds with the same bytes
@@ -12,7 +12,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use uffd_pager::pool::{PageSet, PoolClient, PoolError, PoolStats};
+use uffd_pager::sharing::{PageSet, PoolClient, PoolError, PoolStats};
 use vm_memory::{Bytes, GuestAddress};
 
 use crate::memory::GuestRam;
