@@ -19,7 +19,7 @@ fn load_within_10s(path: &Path) -> Result<Trajectory, ReplayError> {
 }
 
 fn chain(err: &dyn std::error::Error) -> String {
-    compressed_backing::store::error_chain(err)
+    basics::error_chain(err)
 }
 
 #[test]

@@ -27,6 +27,7 @@ const OVERSIZED: &[(&str, usize)] = &[
 
 /// The product crates' source trees, from the workspace root.
 const CRATES: &[&str] = &[
+    "basics/src",
     "vmm/src",
     "uffd-pager/src",
     "compressed-backing/src",

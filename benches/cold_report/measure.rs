@@ -20,7 +20,7 @@ use std::fs;
 use std::path::Path;
 use std::time::Instant;
 
-use compressed_backing::store::error_chain;
+use basics::error_chain;
 use uffd_pager::cold::ColdError;
 use uffd_pager::pager::Pager;
 use uffd_pager::state::PageState;

@@ -37,7 +37,7 @@ use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use compressed_backing::store::error_chain;
+use basics::error_chain;
 
 /// What the fallible parts of a scenario bench return.
 pub type Res<T> = Result<T, Box<dyn Error>>;

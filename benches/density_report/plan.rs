@@ -64,7 +64,7 @@ pub fn parse_vms(text: &str) -> Result<Vec<usize>, String> {
 pub fn parse_budgets(text: &str) -> Result<Vec<(String, u64)>, String> {
     let mut budgets: Vec<(String, u64)> = Vec::new();
     for part in text.split(',').map(str::trim).filter(|n| !n.is_empty()) {
-        let bytes = compressed_backing::layout::parse_size(part)
+        let bytes = basics::parse_size(part)
             .ok()
             .filter(|&b| b > 0)
             .ok_or_else(|| format!("budget `{part}`: expected a size such as 512MiB"))?;

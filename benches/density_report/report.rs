@@ -34,7 +34,7 @@ pub struct Verdict {
 
 /// `512 MiB`.
 pub fn size_text(bytes: u64) -> String {
-    vmm::runtime::size_text(bytes)
+    basics::size_text(bytes)
 }
 
 /// How the VMs of a run start, in words.

@@ -280,10 +280,7 @@ mod tests {
         let link = dir.path().join("link");
         std::os::unix::fs::symlink(&raw, &link).unwrap();
         let err = pack_file(&link, &store_dir, &PackOptions::default(), &|_| {}).unwrap_err();
-        assert!(
-            crate::store::error_chain(&err).contains("symbolic link"),
-            "{err}"
-        );
+        assert!(basics::error_chain(&err).contains("symbolic link"), "{err}");
     }
 
     #[test]
@@ -305,15 +302,12 @@ mod tests {
         let link = dir.path().join("link");
         std::os::unix::fs::symlink(&victim, &link).unwrap();
         let err = unpack_file(&store_dir, &link, &BulkOptions::default(), &|_| {}).unwrap_err();
-        assert!(
-            crate::store::error_chain(&err).contains("symbolic link"),
-            "{err}"
-        );
+        assert!(basics::error_chain(&err).contains("symbolic link"), "{err}");
         assert_eq!(fs::read(&victim).unwrap(), b"precious");
         let fifo = dir.path().join("fifo");
         mkfifo(&fifo);
         let err = unpack_file(&store_dir, &fifo, &BulkOptions::default(), &|_| {}).unwrap_err();
-        assert!(crate::store::error_chain(&err).contains("FIFO"), "{err}");
+        assert!(basics::error_chain(&err).contains("FIFO"), "{err}");
     }
 
     #[test]

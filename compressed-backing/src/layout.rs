@@ -1,5 +1,5 @@
-//! Block geometry: the size of a block, how an image is cut into blocks, and parsing of
-//! human-readable sizes. All block arithmetic of the crate lives here.
+//! Block geometry: the size of a block and how an image is cut into blocks. All block
+//! arithmetic of the crate lives here (sizes as people write them: `basics::size`).
 
 use std::fmt;
 use std::str::FromStr;
@@ -14,75 +14,18 @@ pub const MAX_BLOCK_SIZE: u64 = 2 << 20;
 /// Default block: 64 KiB, the unit of compression and prefetch.
 pub const DEFAULT_BLOCK_SIZE: u64 = 64 << 10;
 
-/// An invalid block size or an unparsable size string.
+/// An invalid block size, or one that does not parse.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum SizeError {
-    /// The text is not a size such as `65536`, `64K`, `64KiB` or `1MiB`.
-    #[error("`{text}` is not a size (examples: 65536, 64KiB, 1MiB)")]
-    Unparsable {
-        /// The text as given.
-        text: String,
-    },
-    /// The value does not fit in 64 bits.
-    #[error("`{text}` is too large")]
-    Overflow {
-        /// The text as given.
-        text: String,
-    },
+    /// The text is not a size.
+    #[error(transparent)]
+    Parse(#[from] basics::SizeError),
     /// A block size that is not a power of two between 4 KiB and 2 MiB.
     #[error("block size {bytes} is invalid: it must be a power of two from 4 KiB to 2 MiB")]
     InvalidBlockSize {
         /// The rejected size in bytes.
         bytes: u64,
     },
-}
-
-/// Parses `N`, `NK`, `NKiB`, `NM`, `NMiB`, `NG`, `NGiB` (binary multiples, case-insensitive).
-pub fn parse_size(text: &str) -> Result<u64, SizeError> {
-    let unparsable = || SizeError::Unparsable {
-        text: text.to_owned(),
-    };
-    let trimmed = text.trim();
-    let digits_end = trimmed
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(trimmed.len());
-    if digits_end == 0 {
-        return Err(unparsable());
-    }
-    let number: u64 = trimmed[..digits_end]
-        .parse()
-        .map_err(|_| SizeError::Overflow {
-            text: text.to_owned(),
-        })?;
-    let shift = match trimmed[digits_end..].trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kb" | "kib" => 10,
-        "m" | "mb" | "mib" => 20,
-        "g" | "gb" | "gib" => 30,
-        "t" | "tb" | "tib" => 40,
-        _ => return Err(unparsable()),
-    };
-    number
-        .checked_mul(1u64 << shift)
-        .ok_or_else(|| SizeError::Overflow {
-            text: text.to_owned(),
-        })
-}
-
-/// Formats a byte count with a binary unit, e.g. `64.0 MiB`.
-pub fn format_bytes(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut value = bytes as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit < UNITS.len() - 1 {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{value:.1} {}", UNITS[unit])
-    }
 }
 
 /// The size of one block: a power of two from 4 KiB to 2 MiB.
@@ -154,7 +97,7 @@ impl Default for BlockSize {
 
 impl fmt::Display for BlockSize {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&format_bytes(self.bytes_u64()))
+        f.write_str(&basics::format_bytes(self.bytes_u64()))
     }
 }
 
@@ -162,7 +105,7 @@ impl FromStr for BlockSize {
     type Err = SizeError;
 
     fn from_str(text: &str) -> Result<Self, Self::Err> {
-        Self::new(parse_size(text)?)
+        Self::new(basics::parse_size(text)?)
     }
 }
 
@@ -170,31 +113,6 @@ impl FromStr for BlockSize {
 mod tests {
     use super::*;
     use proptest::prelude::*;
-
-    #[test]
-    fn parse_size_units_scale_binary() {
-        assert_eq!(parse_size("65536"), Ok(65536));
-        assert_eq!(parse_size("64K"), Ok(64 << 10));
-        assert_eq!(parse_size("64KiB"), Ok(64 << 10));
-        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
-        assert_eq!(parse_size("2 gib"), Ok(2 << 30));
-    }
-
-    #[test]
-    fn parse_size_garbage_is_rejected_with_the_text() {
-        let err = parse_size("512XB").unwrap_err();
-        assert!(err.to_string().contains("512XB"), "{err}");
-        assert!(parse_size("").is_err());
-        assert!(parse_size("MiB").is_err());
-        assert!(matches!(
-            parse_size("99999999999999999999"),
-            Err(SizeError::Overflow { .. })
-        ));
-        assert!(matches!(
-            parse_size("99999999999TiB"),
-            Err(SizeError::Overflow { .. })
-        ));
-    }
 
     #[test]
     fn block_size_outside_range_or_not_power_of_two_is_rejected() {

@@ -85,13 +85,7 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
-            eprint!("ksm-advisor: error: {e}");
-            let mut source = e.source();
-            while let Some(cause) = source {
-                eprint!(": {cause}");
-                source = cause.source();
-            }
-            eprintln!();
+            eprintln!("ksm-advisor: error: {}", basics::error_chain(&*e));
             ExitCode::FAILURE
         }
     }

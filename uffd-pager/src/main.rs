@@ -14,10 +14,7 @@ fn main() -> ExitCode {
     match cli::run(args) {
         Ok(code) => code,
         Err(err) => {
-            eprintln!(
-                "uffd-pager: {}",
-                compressed_backing::store::error_chain(&*err)
-            );
+            eprintln!("uffd-pager: {}", basics::error_chain(&*err));
             ExitCode::FAILURE
         }
     }

@@ -501,7 +501,7 @@ impl Inner {
             Err(e) => {
                 self.lock().stats.refused += 1;
                 if self.refusals.allow() {
-                    tracing::warn!("memory pool: {}", crate::server::error_chain(&e));
+                    tracing::warn!("memory pool: {}", basics::error_chain(&e));
                 }
                 // `run` keeps a clone of the stream: shut it down, not only drop this one.
                 let _ = stream.shutdown(std::net::Shutdown::Both);

@@ -76,7 +76,10 @@ impl Tombstone {
             reason =
                 format!("the VM process was killed by the kernel's OOM killer (oom_kill {kills})");
             if let Some(limit) = memory_limit_bytes {
-                reason.push_str(&format!(": memory budget {} reached", size_text(limit)));
+                reason.push_str(&format!(
+                    ": memory budget {} reached",
+                    basics::size_text(limit)
+                ));
             }
         }
         Self {
@@ -97,16 +100,6 @@ fn now_unix_s() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
-}
-
-/// `bytes` as a person writes a size: `64 MiB`, `1 GiB`, `1000 bytes`.
-pub fn size_text(bytes: u64) -> String {
-    for (shift, unit) in [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")] {
-        if bytes >= 1 << shift && bytes.is_multiple_of(1 << shift) {
-            return format!("{} {unit}", bytes >> shift);
-        }
-    }
-    format!("{bytes} bytes")
 }
 
 /// `SIGKILL` and the like.
@@ -444,15 +437,6 @@ pub fn create_private_dir(dir: &Path) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn size_text_whole_units_are_named_and_others_are_bytes() {
-        assert_eq!(size_text(64 << 20), "64 MiB");
-        assert_eq!(size_text(1 << 30), "1 GiB");
-        assert_eq!(size_text(3 << 10), "3 KiB");
-        assert_eq!(size_text(1000), "1000 bytes");
-        assert_eq!(size_text((1 << 30) + (1 << 20)), "1025 MiB");
-    }
 
     #[test]
     fn runtime_process_alive_counts_a_zombie_as_gone() {

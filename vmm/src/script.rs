@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use compressed_backing::layout::parse_size;
+use basics::parse_size;
 
 use crate::guest::{FillKind, MAX_TIMER_MS};
 

@@ -118,7 +118,7 @@ impl PoolLink {
             }
             Err(e) => {
                 self.stats.connected = false;
-                self.stats.error = Some(compressed_backing::store::error_chain(&e));
+                self.stats.error = Some(basics::error_chain(&e));
                 self.client = None;
             }
         }

@@ -653,7 +653,7 @@ impl Vm {
         compressed_backing::file::create_private_dir(&mountpoint)
             .map_err(|e| fail(e.to_string()))?;
         let mounted = fuse::mount_reader(reader, &mountpoint, &FuseOptions::default())
-            .map_err(|e| fail(compressed_backing::store::error_chain(&e)))?;
+            .map_err(|e| fail(basics::error_chain(&e)))?;
         if let Err(e) = std::os::unix::fs::symlink(mounted.file_path(), path) {
             let _ = mounted.unmount();
             return Err(fail(e.to_string()));

@@ -242,7 +242,7 @@ fn hostile_guest_that_crashed_gets_no_more_commands() {
     let out = dir.path().join("snap");
     let err = vmm::snapshot::write(&machine, 1, &out, None).unwrap_err();
     assert!(
-        compressed_backing::store::error_chain(&err).contains("takes no more commands"),
+        basics::error_chain(&err).contains("takes no more commands"),
         "{err}"
     );
     assert!(!out.exists());

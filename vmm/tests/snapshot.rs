@@ -282,7 +282,7 @@ fn snapshot_changed_or_unusable_is_refused_with_the_reason() {
     .unwrap_err();
     assert!(err.to_string().contains("not a snapshot"), "{err}");
     // And why: the cause is kept.
-    let chain = compressed_backing::store::error_chain(&err);
+    let chain = basics::error_chain(&err);
     assert!(chain.contains("manifest.json: No such file"), "{chain}");
     // The wrong RAM size.
     let mut wrong = options(dir.path(), "size", RamKind::Snapshot, Some(&snap));

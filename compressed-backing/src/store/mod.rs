@@ -12,6 +12,8 @@ mod index;
 mod reader;
 mod segment;
 
+use basics::error_chain;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{self, File, OpenOptions, TryLockError};
 use std::io::{self, Read, Write};
@@ -1560,18 +1562,6 @@ pub fn allocated_bytes(path: &Path) -> u64 {
     fs::symlink_metadata(path)
         .map(|m| m.blocks() * 512)
         .unwrap_or(0)
-}
-
-/// Formats an error with all its causes, `a: b: c`.
-pub fn error_chain(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut cause = err.source();
-    while let Some(next) = cause {
-        text.push_str(": ");
-        text.push_str(&next.to_string());
-        cause = next.source();
-    }
-    text
 }
 
 #[cfg(test)]

@@ -7,8 +7,8 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::time::Instant;
 
+use basics::format_bytes;
 use compressed_backing::fuse::{self, FuseOptions};
-use compressed_backing::layout::format_bytes;
 use compressed_backing::{
     pack_file, unpack_file, BulkOptions, Codec, CodecConfig, DiskStore, PackOptions,
 };

@@ -9,8 +9,8 @@ use std::error::Error;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use basics::parse_size;
 use clap::{Parser, Subcommand};
-use compressed_backing::layout::parse_size;
 use compressed_backing::{BlockSize, Codec};
 
 /// What a command returns: its exit code, or an error printed with all its causes.

@@ -25,12 +25,13 @@ use std::time::Duration;
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 
 use super::keeper::{HeldVm, KeeperClient, KeeperError};
-use super::{anon_specs, error_chain, handshake, Connection, Server, Session};
+use super::{anon_specs, handshake, Connection, Server, Session};
 use crate::addr::PAGE_SIZE;
 use crate::journal::Journal;
 use crate::pager::RegionSpec;
 use crate::state::{PageState, PageStates};
 use crate::uffd::{feature, Userfaultfd};
+use basics::error_chain;
 
 /// The line a `pvisor-uffd/1` peer gets when the server stops for an upgrade.
 pub const PVISOR_NOT_HANDED_OVER: &str = "{\"status\":\"error\",\"error\":\"uffd-pager is \

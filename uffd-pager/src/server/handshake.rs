@@ -416,7 +416,7 @@ mod tests {
         ];
         for (json, expect) in cases {
             let err = parse(json).unwrap_err();
-            let text = crate::server::error_chain(&err);
+            let text = basics::error_chain(&err);
             assert!(text.contains(expect), "{json}: {text}");
         }
     }

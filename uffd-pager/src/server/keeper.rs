@@ -278,7 +278,7 @@ impl Keeper {
             Ok(cred) => cred,
             Err(e) => {
                 self.stats.refused += 1;
-                tracing::warn!("refused: {}", super::error_chain(&e));
+                tracing::warn!("refused: {}", basics::error_chain(&e));
                 return;
             }
         };
@@ -315,7 +315,7 @@ impl Keeper {
             Ok(received) => received,
             Err(e) => {
                 // Its end (a crash included) frees the attachment for the next server.
-                tracing::info!("server detached: {}", super::error_chain(&e));
+                tracing::info!("server detached: {}", basics::error_chain(&e));
                 return;
             }
         };
@@ -359,7 +359,7 @@ impl Keeper {
                 id: vm.id,
                 meta: vm.meta.clone(),
             };
-            send(server, &message, &fds).map_err(|e| super::error_chain(&e))?;
+            send(server, &message, &fds).map_err(|e| basics::error_chain(&e))?;
         }
         Ok(Message::End {
             count: self.vms.len() as u64,

@@ -42,7 +42,7 @@ use crate::source::PageSource;
 use crate::state::PageState;
 use crate::uffd::Userfaultfd;
 
-pub use compressed_backing::store::error_chain;
+use basics::error_chain;
 
 /// Server parameters.
 #[derive(Debug, Clone)]

@@ -16,10 +16,10 @@ use std::path::{Path, PathBuf};
 use compressed_backing::bulk::BulkOptions;
 use compressed_backing::{Codec, CodecConfig};
 
-use super::error_chain;
 use crate::load::LoadMode;
 use crate::offload::OffloadConfig;
 use crate::pager::Pager;
+use basics::error_chain;
 
 /// One request line.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize, serde::Serialize)]

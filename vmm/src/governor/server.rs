@@ -418,8 +418,8 @@ impl Inner {
             tracing::info!(
                 "pvisor governor: {name} joined (pid {}, {} of guest RAM, {} resident)",
                 peer.pid,
-                crate::runtime::size_text(memory_bytes),
-                crate::runtime::size_text(resident_bytes)
+                basics::size_text(memory_bytes),
+                basics::size_text(resident_bytes)
             );
             self.dispatch(&mut state, decisions);
             id
@@ -560,7 +560,7 @@ impl Inner {
 fn describe(message: &FromGovernor) -> String {
     match message {
         FromGovernor::SetLimit { bytes, reason } => {
-            format!("limit {} ({reason})", crate::runtime::size_text(*bytes))
+            format!("limit {} ({reason})", basics::size_text(*bytes))
         }
         FromGovernor::Unlimit { reason } => format!("no limit ({reason})"),
         FromGovernor::Offload { reason } => format!("offload ({reason})"),

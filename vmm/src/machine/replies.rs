@@ -138,7 +138,7 @@ impl Machine {
                         Err(e) => {
                             let why = format!(
                                 "the offload failed and the VM stays suspended with its RAM: {}",
-                                compressed_backing::store::error_chain(&e)
+                                basics::error_chain(&e)
                             );
                             return (Err(why), actions);
                         }
@@ -177,7 +177,7 @@ impl Machine {
                         Err(e) => {
                             let why = format!(
                                 "cannot load the VM's RAM back: {}",
-                                compressed_backing::store::error_chain(&e)
+                                basics::error_chain(&e)
                             );
                             return (Err(why), Vec::new());
                         }

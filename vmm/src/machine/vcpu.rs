@@ -164,11 +164,7 @@ impl Machine {
         })?;
         let fail = |source: std::io::Error| Refused {
             errno: source.raw_os_error().unwrap_or(libc::EIO),
-            reason: compressed_backing::store::error_chain(&MachineError::Release {
-                gpa,
-                len,
-                source,
-            }),
+            reason: basics::error_chain(&MachineError::Release { gpa, len, source }),
         };
         let len = usize::try_from(len).expect("inside RAM");
         // The pager learns of the discard first, so that nothing it installs meanwhile

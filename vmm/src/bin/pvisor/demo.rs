@@ -5,8 +5,8 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
+use basics::{format_bytes, parse_size};
 use clap::Args;
-use compressed_backing::layout::{format_bytes, parse_size};
 use uffd_pager::pager::RamKind;
 use vmm::script;
 use vmm::vm::{Vm, VmOptions};

@@ -169,7 +169,7 @@ fn main() -> ExitCode {
     }
 }
 
-use compressed_backing::store::error_chain;
+use basics::error_chain;
 
 /// The process's log: the library's `tracing` events on stderr, one line each, the message
 /// as written (no time, level or target: the lines read as they always have, `pvisor …: …`),

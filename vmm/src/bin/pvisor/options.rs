@@ -3,8 +3,8 @@
 
 use std::path::{Path, PathBuf};
 
+use basics::{format_bytes, parse_size};
 use clap::Args;
-use compressed_backing::layout::{format_bytes, parse_size};
 use uffd_pager::pager::RamKind;
 
 /// RAM kind of a VM with cold compression when none is given: memfd tracks reads as well as
@@ -217,7 +217,7 @@ fn read_config(path: &Path) -> Result<ConfigVm, String> {
     // A FIFO (whose read would block), a device or a link is refused.
     // The whole chain: the FileError names the file, its source says why (ENOENT, EACCES).
     let text = compressed_backing::file::read_text_bounded(path, CONFIG_LIMIT)
-        .map_err(|e| format!("config: {}", compressed_backing::store::error_chain(&e)))?;
+        .map_err(|e| format!("config: {}", basics::error_chain(&e)))?;
     let file: ConfigFile =
         toml::from_str(&text).map_err(|e| format!("config {}: {e}", path.display()))?;
     Ok(file.vm)
@@ -263,7 +263,7 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
         .as_deref()
         .map(vmm::snapshot::read_manifest)
         .transpose()
-        .map_err(|e| format!("--restore: {}", compressed_backing::store::error_chain(&e)))?;
+        .map_err(|e| format!("--restore: {}", basics::error_chain(&e)))?;
     let memory = match (args.memory, config.memory) {
         (Some(bytes), _) => bytes,
         (None, Some(toml::Value::String(text))) => {

@@ -132,13 +132,13 @@ fn check_args(args: &ReplayArgs) -> Result<(u64, Option<u64>), String> {
             args.sample_ms
         ));
     }
-    let memory = compressed_backing::layout::parse_size(&args.memory)
-        .map_err(|e| format!("--memory {}: {e}", args.memory))?;
+    let memory =
+        basics::parse_size(&args.memory).map_err(|e| format!("--memory {}: {e}", args.memory))?;
     vmm::guest::check_memory(memory).map_err(|e| format!("--memory {}: {e}", args.memory))?;
     let budget = args
         .memory_budget
         .as_deref()
-        .map(|text| match compressed_backing::layout::parse_size(text) {
+        .map(|text| match basics::parse_size(text) {
             Ok(0) => Err(format!("--memory-budget {text}: must be more than 0")),
             Ok(bytes) => Ok(bytes),
             Err(e) => Err(format!("--memory-budget {text}: {e}")),
@@ -441,12 +441,8 @@ fn run_replay(
     }
     if let Some(budget) = budget {
         // The VMs' parent, limited before any VM joins it; the teardown removes it.
-        MemoryCgroup::create_limited(&parent.join(&run), budget).map_err(|e| {
-            format!(
-                "--memory-budget: {}",
-                compressed_backing::store::error_chain(&e)
-            )
-        })?;
+        MemoryCgroup::create_limited(&parent.join(&run), budget)
+            .map_err(|e| format!("--memory-budget: {}", basics::error_chain(&e)))?;
     }
     let governor = match budget.filter(|_| args.strategy == "governed") {
         Some(budget) => Some(teardown.start_governor(
@@ -547,7 +543,7 @@ fn run_replay(
                     std::thread::sleep(start.saturating_sub(release.elapsed()));
                     let started = release.elapsed();
                     let results = call(vm, Method::Exec { script })
-                        .map_err(|e| compressed_backing::store::error_chain(&e))
+                        .map_err(|e| basics::error_chain(&e))
                         .and_then(|v| {
                             v["results"]
                                 .as_array()
@@ -663,7 +659,7 @@ fn run_replay(
         if oom_kills[i] > 0 {
             // What the VM answered (a broken connection) says nothing more.
             let budget = budget.map_or_else(String::new, |b| {
-                format!(": memory budget {} reached", runtime::size_text(b))
+                format!(": memory budget {} reached", basics::size_text(b))
             });
             failures.push(format!(
                 "VM {i} ({}): killed by the kernel's OOM killer (oom_kill {}){budget}",

@@ -111,7 +111,7 @@ pub struct ServeArgs {
 fn size(flag: &str, text: Option<&str>, default: u64) -> Result<u64, String> {
     match text {
         None => Ok(default),
-        Some(text) => match compressed_backing::layout::parse_size(text) {
+        Some(text) => match basics::parse_size(text) {
             Ok(0) => Err(format!("{flag} {text}: must be more than 0")),
             Ok(bytes) => Ok(bytes),
             Err(e) => Err(format!("{flag} {text}: {e}")),
@@ -219,7 +219,7 @@ pub fn serve(args: &ServeArgs) -> CliResult {
     let config = governor_config(args)?;
     eprintln!(
         "pvisor governor: budget {}, watermarks {:.0}%/{:.0}%",
-        vmm::runtime::size_text(config.policy.budget),
+        basics::size_text(config.policy.budget),
         config.policy.high_watermark * 100.0,
         config.policy.low_watermark * 100.0
     );

@@ -1,0 +1,13 @@
+//! The small vocabulary every crate of the workspace shares, so that each says it one way:
+//!
+//! - [`size`]: sizes as people write them (`64MiB`, `512 MiB`) and as reports print them.
+//! - [`error`]: an error with all its causes, as binaries and replies print it.
+
+// Library code does not print (clippy.toml's `disallowed-macros`); its tests may.
+#![cfg_attr(not(test), warn(clippy::disallowed_macros))]
+
+pub mod error;
+pub mod size;
+
+pub use error::error_chain;
+pub use size::{format_bytes, parse_size, size_text, SizeError};
