@@ -77,12 +77,13 @@ pub enum SnapshotError {
     #[error("cannot read the VM's state")]
     Machine(#[from] MachineError),
     /// Guest memory could not be read or written.
-    #[error("guest memory at {gpa:#x}: {reason}")]
+    #[error("guest memory at {gpa:#x} cannot be read or written")]
     GuestMemory {
         /// Guest-physical address.
         gpa: u64,
         /// vm-memory's complaint.
-        reason: String,
+        #[source]
+        source: vm_memory::GuestMemoryError,
     },
     /// The manifest cannot be read: missing, a link, a FIFO, too large.
     #[error("{path} is not a snapshot this build can restore")]
@@ -456,10 +457,7 @@ fn read_touched(
         .ram()
         .memory()
         .read_slice(chunk, GuestAddress(gpa))
-        .map_err(|e| SnapshotError::GuestMemory {
-            gpa,
-            reason: e.to_string(),
-        })?;
+        .map_err(|e| SnapshotError::GuestMemory { gpa, source: e })?;
     digest.update(chunk);
     Ok(true)
 }
@@ -819,10 +817,7 @@ pub fn offload_private(
         let gpa = page * PAGE;
         ram.memory()
             .read_slice(&mut buf, GuestAddress(gpa))
-            .map_err(|e| SnapshotError::GuestMemory {
-                gpa,
-                reason: e.to_string(),
-            })?;
+            .map_err(|e| SnapshotError::GuestMemory { gpa, source: e })?;
         store.put(page, &buf)?;
     }
     store.commit()?;
@@ -865,10 +860,7 @@ pub fn load_private(ram: &GuestRam, dir: &Path) -> Result<PrivateLoadReport, Sna
         let gpa = block * PAGE;
         ram.memory()
             .write_slice(&buf, GuestAddress(gpa))
-            .map_err(|e| SnapshotError::GuestMemory {
-                gpa,
-                reason: e.to_string(),
-            })?;
+            .map_err(|e| SnapshotError::GuestMemory { gpa, source: e })?;
         pages += 1;
     }
     drop(store);

@@ -215,10 +215,7 @@ impl Machine {
 fn write_boot_structures(ram: &GuestRam) -> Result<(), MachineError> {
     let mem = ram.memory();
     let fail = |gpa: u64| {
-        move |e: vm_memory::GuestMemoryError| MachineError::GuestMemory {
-            gpa,
-            reason: e.to_string(),
-        }
+        move |e: vm_memory::GuestMemoryError| MachineError::GuestMemory { gpa, source: e }
     };
     mem.write_obj(guest::PDPT_GPA | 7, GuestAddress(guest::PML4_GPA))
         .map_err(fail(guest::PML4_GPA))?;

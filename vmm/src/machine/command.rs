@@ -173,7 +173,7 @@ impl Machine {
         // However the command ended, none of its model requests is in flight any more.
         self.model_pending = None;
         if let Err(e) = ran {
-            self.broken = Some(e.to_string());
+            self.broken = Some(basics::error_chain(&e));
             return Err(e);
         }
         let mailbox: Mailbox = self.read(guest::MAILBOX_GPA)?;

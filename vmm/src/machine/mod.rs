@@ -139,12 +139,13 @@ pub enum MachineError {
         source: kvm_ioctls::Error,
     },
     /// Guest memory could not be read or written by the VMM.
-    #[error("guest memory access at {gpa:#x} failed: {reason}")]
+    #[error("guest memory access at {gpa:#x} failed")]
     GuestMemory {
         /// Guest-physical address.
         gpa: u64,
         /// vm-memory's complaint.
-        reason: String,
+        #[source]
+        source: vm_memory::GuestMemoryError,
     },
     /// The virtual disk's file failed.
     #[error("virtual disk {path}")]
@@ -242,20 +243,14 @@ impl Machine {
         self.ram
             .memory()
             .read_obj(GuestAddress(gpa))
-            .map_err(|e| MachineError::GuestMemory {
-                gpa,
-                reason: e.to_string(),
-            })
+            .map_err(|e| MachineError::GuestMemory { gpa, source: e })
     }
 
     fn write<T: vm_memory::ByteValued>(&self, gpa: u64, value: T) -> Result<(), MachineError> {
         self.ram
             .memory()
             .write_obj(value, GuestAddress(gpa))
-            .map_err(|e| MachineError::GuestMemory {
-                gpa,
-                reason: e.to_string(),
-            })
+            .map_err(|e| MachineError::GuestMemory { gpa, source: e })
     }
 }
 

@@ -94,7 +94,7 @@ impl Machine {
                     .write_slice(&bytes, GuestAddress(guest::IO_BUF_GPA))
                     .map_err(|e| MachineError::GuestMemory {
                         gpa: guest::IO_BUF_GPA,
-                        reason: e.to_string(),
+                        source: e,
                     })?;
                 mailbox.arg[1] = bytes.len() as u64;
                 mailbox.arg[2] = 0;
