@@ -9,7 +9,7 @@
 //! - [`cold`]: live cold-RAM compression into the memory pool.
 //! - [`journal`]: a VM's page-state table in a memfd, to outlive a server restart.
 //! - [`limit`]: the resident limit, at which faults and loads are held.
-//! - [`load`]: bringing offloaded RAM back, lazily with prefetch or eagerly.
+//! - [`load`]: bringing offloaded RAM back: on faults only, lazily with prefetch, or eagerly.
 //! - [`offload`]: offload of a paused VM's RAM to a store.
 //! - [`pagemap`]: which pages were written (`PAGEMAP_SCAN`).
 //! - [`sharing`]: page sharing between VMs, the memory-pool daemon and its client: pages VMs

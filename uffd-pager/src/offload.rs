@@ -8,8 +8,9 @@
 //! store's segment; the appended range is written back and waited for
 //! (`sync_file_range`), dropped from the page cache (`POSIX_FADV_DONTNEED`) and committed
 //! (`fdatasync`, the index rewritten atomically); only then are the batch's resident pages
-//! dropped (`MADV_DONTNEED` for anon RAM, a punched hole for memfd RAM; `Dropping` until the
-//! kernel's `REMOVE` event makes them `Stored`) and its pooled pages retired from the pool.
+//! dropped (`MADV_DONTNEED` for anon RAM, a punched hole for memfd RAM; `Dropping` until they
+//! are `Stored`: set here once dropped, or by the kernel's `REMOVE` event where the uffd has
+//! them) and its pooled pages retired from the pool.
 //! Blocks the memory pool holds compressed with the store's codec go to the store as they
 //! are, in batches committed and retired the same way. Compaction, if the store's options
 //! ask for it, runs once after the last batch.

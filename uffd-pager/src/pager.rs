@@ -549,8 +549,8 @@ impl Pager {
         &self.prefetcher
     }
 
-    /// Starts live cold-RAM compression (see [`crate::cold`]). Needs memfd RAM mapped in this
-    /// process and a pager without `REMOVE` events.
+    /// Starts live cold-RAM compression ([`crate::cold`]): needs RAM mapped in this process
+    /// (memfd, or anon with `track_writes`) and a pager without `REMOVE` events.
     pub fn start_cold(&self, config: ColdConfig) -> Result<(), ColdError> {
         if self.shared.remove_events {
             return Err(ColdError::Config(
