@@ -8,12 +8,14 @@
 //! (counting model steps from 1) is request `i`; its answer is [`answer`]`(i, answer_bytes)`,
 //! bytes anyone can compute, so a replay checks every answer the guest digested.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
 
 use crate::script::{self, Command};
 
@@ -245,46 +247,55 @@ pub fn answer(id: u64, len: u64) -> Vec<u8> {
 }
 
 /// A local model server answering a trajectory's requests after their recorded waits
-/// (`POST …/requests/ID`, HTTP/1.1, one connection per request).
+/// (`POST …/requests/ID`, HTTP/1.1 through hyper, one connection per request), on a small
+/// tokio runtime of its own.
 #[derive(Debug)]
 pub struct ReplayServer {
     address: SocketAddr,
-    stop: Arc<AtomicBool>,
+    /// Dropped (or sent) to stop accepting.
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
     served: Arc<AtomicU64>,
 }
+
+/// Most bytes of a request's head (request line and headers) the replay server reads.
+const MAX_REQUEST_HEAD: usize = 64 << 10;
+/// Most bytes of a request's body it reads (the gateway's are a few dozen).
+const MAX_REQUEST_BODY: usize = 1 << 20;
+/// How long reading one request's head may wait for its peer.
+const REQUEST_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A request's recorded answer: (id, wait, answer bytes).
+type Recorded = Arc<Vec<(u64, Duration, u64)>>;
 
 impl ReplayServer {
     /// Serves `trajectory`'s requests on 127.0.0.1 (a free port).
     pub fn start(trajectory: &Trajectory) -> Result<Self, ReplayError> {
-        let listener = TcpListener::bind("127.0.0.1:0").map_err(ReplayError::Listen)?;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(ReplayError::Listen)?;
         let address = listener.local_addr().map_err(ReplayError::Listen)?;
         listener
             .set_nonblocking(true)
             .map_err(ReplayError::Listen)?;
-        let requests: Arc<Vec<(u64, Duration, u64)>> = Arc::new(trajectory.requests());
-        let stop = Arc::new(AtomicBool::new(false));
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("replay-model")
+            .enable_all()
+            .build()
+            .map_err(ReplayError::Listen)?;
+        let requests: Recorded = Arc::new(trajectory.requests());
         let served = Arc::new(AtomicU64::new(0));
-        {
-            let (stop, served) = (Arc::clone(&stop), Arc::clone(&served));
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    match listener.accept() {
-                        Ok((stream, _)) => {
-                            let (requests, served) = (Arc::clone(&requests), Arc::clone(&served));
-                            std::thread::spawn(move || {
-                                if serve(stream, &requests).is_ok() {
-                                    served.fetch_add(1, Ordering::Relaxed);
-                                }
-                            });
-                        }
-                        Err(_) => std::thread::sleep(Duration::from_millis(5)),
-                    }
-                }
-            });
-        }
+        let (stop, stopped) = tokio::sync::oneshot::channel();
+        let counter = Arc::clone(&served);
+        let listener = {
+            let _entered = runtime.enter();
+            tokio::net::TcpListener::from_std(listener).map_err(ReplayError::Listen)?
+        };
+        std::thread::Builder::new()
+            .name("replay-model".into())
+            .spawn(move || runtime.block_on(accept(listener, requests, counter, stopped)))
+            .map_err(ReplayError::Listen)?;
         Ok(Self {
             address,
-            stop,
+            stop: Some(stop),
             served,
         })
     }
@@ -302,74 +313,86 @@ impl ReplayServer {
 
 impl Drop for ReplayServer {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
     }
 }
 
-/// Most bytes of a request's head (request line and headers) the replay server reads.
-const MAX_REQUEST_HEAD: u64 = 64 << 10;
-/// Most bytes of a request's body it reads (the gateway's are a few dozen).
-const MAX_REQUEST_BODY: usize = 1 << 20;
-/// How long reading one request may wait for its peer.
-const REQUEST_READ_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// One line of a request's head; a line the head's limit cut off is an error.
-fn read_head_line(reader: &mut impl BufRead, line: &mut String) -> std::io::Result<usize> {
-    let n = reader.read_line(line)?;
-    if n > 0 && !line.ends_with('\n') {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("request head longer than {MAX_REQUEST_HEAD} bytes"),
-        ));
-    }
-    Ok(n)
-}
-
-/// One request: read it, wait its recorded time, answer (404 for an id not in the trajectory).
-fn serve(stream: TcpStream, requests: &[(u64, Duration, u64)]) -> std::io::Result<()> {
-    stream.set_nonblocking(false)?;
-    // Anyone on the host can connect to 127.0.0.1: a request is read bounded (its head, its
-    // body) and in bounded time, or dropped.
-    stream.set_read_timeout(Some(REQUEST_READ_TIMEOUT))?;
-    let mut reader = BufReader::new(stream.try_clone()?.take(MAX_REQUEST_HEAD));
-    let mut line = String::new();
-    read_head_line(&mut reader, &mut line)?;
-    let path = line.split_whitespace().nth(1).unwrap_or("").to_owned();
-    let mut length = 0usize;
+/// Accepts connections until `stopped`, each served on its own task; the runtime (and the
+/// answers still waiting) ends with it.
+async fn accept(
+    listener: tokio::net::TcpListener,
+    requests: Recorded,
+    served: Arc<AtomicU64>,
+    mut stopped: tokio::sync::oneshot::Receiver<()>,
+) {
     loop {
-        let mut header = String::new();
-        if read_head_line(&mut reader, &mut header)? == 0 || header.trim().is_empty() {
-            break;
-        }
-        if let Some(value) = header.to_ascii_lowercase().strip_prefix("content-length:") {
-            length = value.trim().parse().unwrap_or(0);
-        }
+        let stream = tokio::select! {
+            _ = &mut stopped => return,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                // Out of descriptors, say: try again shortly.
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    continue;
+                }
+            },
+        };
+        let (requests, served) = (Arc::clone(&requests), Arc::clone(&served));
+        tokio::spawn(async move {
+            // Anyone on the host can connect to 127.0.0.1: a request's head is read bounded in
+            // size and time, its body bounded in size, or the connection is dropped.
+            let service =
+                hyper::service::service_fn(move |request| respond(request, Arc::clone(&requests)));
+            let connection = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(REQUEST_READ_TIMEOUT)
+                .max_buf_size(MAX_REQUEST_HEAD)
+                .keep_alive(false)
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+            if connection.await.is_ok() {
+                served.fetch_add(1, Ordering::Relaxed);
+            }
+        });
     }
-    let length = length.min(MAX_REQUEST_BODY);
-    reader.get_mut().set_limit(length as u64);
-    let mut body = vec![0u8; length];
-    reader.read_exact(&mut body)?;
-    let id: Option<u64> = path.rsplit('/').next().and_then(|id| id.parse().ok());
-    let found = id.and_then(|id| requests.iter().find(|r| r.0 == id));
-    let mut stream = stream;
-    let (status, payload) = match found {
-        Some(&(id, wait, len)) => {
-            std::thread::sleep(wait);
-            ("200 OK", answer(id, len))
-        }
-        None => ("404 Not Found", format!("no request {path}").into_bytes()),
+}
+
+/// One request: its recorded answer after its recorded wait, 404 for an id not in the
+/// trajectory, 413 for a body over [`MAX_REQUEST_BODY`].
+async fn respond(
+    request: hyper::Request<hyper::body::Incoming>,
+    requests: Recorded,
+) -> Result<hyper::Response<Full<Bytes>>, std::convert::Infallible> {
+    let path = request.uri().path().to_owned();
+    let reply = |status: hyper::StatusCode, body: Vec<u8>| {
+        let mut response = hyper::Response::new(Full::new(Bytes::from(body)));
+        *response.status_mut() = status;
+        Ok(response)
     };
-    let head = format!(
-        "HTTP/1.1 {status}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-        payload.len()
-    );
-    stream.write_all(head.as_bytes())?;
-    stream.write_all(&payload)
+    let body = http_body_util::Limited::new(request.into_body(), MAX_REQUEST_BODY);
+    if body.collect().await.is_err() {
+        let why = format!("the request's body is over {MAX_REQUEST_BODY} bytes, or broken");
+        return reply(hyper::StatusCode::PAYLOAD_TOO_LARGE, why.into_bytes());
+    }
+    let id: Option<u64> = path.rsplit('/').next().and_then(|id| id.parse().ok());
+    match id.and_then(|id| requests.iter().find(|r| r.0 == id)) {
+        Some(&(id, wait, len)) => {
+            tokio::time::sleep(wait).await;
+            reply(hyper::StatusCode::OK, answer(id, len))
+        }
+        None => reply(
+            hyper::StatusCode::NOT_FOUND,
+            format!("no request {path}").into_bytes(),
+        ),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
 
     fn sample() -> Trajectory {
         serde_json::from_str(
@@ -483,6 +506,24 @@ mod tests {
             !waiting,
             "the server kept reading {sent} MiB of one line: {read:?}"
         );
+    }
+
+    #[test]
+    fn replay_server_body_over_its_limit_is_refused_not_buffered() {
+        let server = ReplayServer::start(&sample()).expect("listens");
+        let mut stream = TcpStream::connect(server.address).expect("connects");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("a timeout");
+        let len = 2 * MAX_REQUEST_BODY;
+        let head = format!("POST /requests/1 HTTP/1.1\r\nhost: x\r\ncontent-length: {len}\r\n\r\n");
+        stream.write_all(head.as_bytes()).expect("the head goes");
+        // The server may answer and close before it has it all.
+        let _ = stream.write_all(&vec![b'x'; len]);
+        let mut reply = Vec::new();
+        let _ = stream.read_to_end(&mut reply);
+        let reply = String::from_utf8_lossy(&reply);
+        assert!(reply.starts_with("HTTP/1.1 413"), "{reply}");
     }
 
     #[test]
