@@ -198,34 +198,24 @@ pub struct CpuTimes {
 impl CpuTimes {
     /// Reads `/proc/stat` and `/proc/self/stat`; `None` if either cannot be read.
     pub fn now() -> Option<Self> {
-        let stat = fs::read_to_string("/proc/stat").ok()?;
-        let cpu: Vec<u64> = stat
-            .lines()
-            .next()?
-            .strip_prefix("cpu ")?
-            .split_whitespace()
-            .map(|n| n.parse().ok())
-            .collect::<Option<_>>()?;
-        let [user, nice, system, _idle, _iowait, irq, softirq, steal, ..] = cpu[..] else {
-            return None;
-        };
-        // Fields 14 and 15 (utime, stime) of /proc/self/stat, counted after the command name
-        // (which may hold spaces).
-        let own = fs::read_to_string("/proc/self/stat").ok()?;
-        let fields: Vec<&str> = own.rsplit_once(')')?.1.split_whitespace().collect();
-        let own = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+        use procfs::CurrentSI;
+        let cpu = procfs::KernelStats::current().ok()?.total;
+        let own = procfs::process::Process::myself().ok()?.stat().ok()?;
         Some(Self {
-            busy: user + nice + system + irq + softirq,
-            steal,
-            own,
+            busy: cpu.user
+                + cpu.nice
+                + cpu.system
+                + cpu.irq.unwrap_or(0)
+                + cpu.softirq.unwrap_or(0),
+            steal: cpu.steal.unwrap_or(0),
+            own: own.utime + own.stime,
         })
     }
 }
 
 /// Clock ticks per second of `/proc/stat`.
 pub fn ticks_per_second() -> f64 {
-    // SAFETY: sysconf has no memory-safety preconditions.
-    unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64
+    procfs::ticks_per_second().max(1) as f64
 }
 
 /// Fails with a clear message unless `/dev/kvm` and `/dev/userfaultfd` open read-write.

@@ -189,32 +189,25 @@ fn chosen(text: &str) -> &str {
 
 /// CPU seconds `ksmd` has used since boot (user + system), if it runs.
 pub fn ksmd_cpu_seconds() -> Option<f64> {
-    let entries = std::fs::read_dir("/proc").ok()?;
-    for entry in entries.filter_map(Result::ok) {
-        let Ok(comm) = std::fs::read_to_string(entry.path().join("comm")) else {
-            continue;
-        };
-        if comm.trim() == "ksmd" {
-            let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
-            return cpu_seconds(&stat);
-        }
-    }
-    None
+    let ksmd = procfs::process::all_processes()
+        .ok()?
+        .filter_map(Result::ok)
+        .find_map(|p| p.stat().ok().filter(|stat| stat.comm == "ksmd"))?;
+    Some(stat_cpu_seconds(&ksmd))
 }
 
 /// utime + stime of a `/proc/PID/stat` line, in seconds.
 pub fn cpu_seconds(stat: &str) -> Option<f64> {
-    // The command may hold spaces and parentheses: fields start after the last ')'.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // After ')' come state (field 3) .. ; utime is field 14, stime 15 (1-based).
-    let utime: u64 = fields.get(11)?.parse().ok()?;
-    let stime: u64 = fields.get(12)?.parse().ok()?;
-    // SAFETY: sysconf has no preconditions.
-    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    let ticks = u32::try_from(ticks).ok().filter(|&t| t > 0)?;
+    use procfs::FromRead;
+    procfs::process::Stat::from_read(stat.as_bytes())
+        .ok()
+        .map(|stat| stat_cpu_seconds(&stat))
+}
+
+fn stat_cpu_seconds(stat: &procfs::process::Stat) -> f64 {
     #[allow(clippy::cast_precision_loss, reason = "CPU ticks stay far below 2^52")]
-    Some((utime + stime) as f64 / f64::from(ticks))
+    let ticks = (stat.utime + stat.stime) as f64;
+    ticks / procfs::ticks_per_second().max(1) as f64
 }
 
 #[cfg(test)]
@@ -286,10 +279,21 @@ mod tests {
     }
 
     #[test]
+    fn ksmd_cpu_seconds_finds_the_kernel_thread_where_ksm_is_built_in() {
+        if !Path::new("/sys/kernel/mm/ksm").exists() {
+            return;
+        }
+        // ksmd is a kernel thread from boot on wherever the kernel has KSM.
+        let seconds = ksmd_cpu_seconds().expect("ksmd found among the processes");
+        assert!(seconds >= 0.0, "{seconds}");
+    }
+
+    #[test]
     fn cpu_seconds_parses_a_stat_line_with_spaces_in_the_name() {
-        let line = "36 (k smd) S 2 0 0 0 -1 2129984 0 0 0 0 250 150 0 0 25 5 1 0 9 0 0";
-        // SAFETY: sysconf has no preconditions.
-        let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        // A whole line as Linux 6.x writes it: utime 250 and stime 150 ticks.
+        let line = "36 (k smd) S 2 0 0 0 -1 2129984 0 0 0 0 250 150 0 0 25 5 1 0 9 0 0 \
+                    18446744073709551615 0 0 0 0 0 0 0 2147483647 0 0 0 0 17 1 0 0 0 0 0 0 0 0 0 0 0 0 0";
+        let ticks = procfs::ticks_per_second() as f64;
         let seconds = cpu_seconds(line).expect("parsed");
         assert!((seconds - 400.0 / ticks).abs() < 1e-9, "{seconds}");
     }

@@ -309,11 +309,11 @@ fn parse_holder(name: &str) -> Option<(u32, u64)> {
     Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
 }
 
-/// The start time of a process (field 22 of `/proc/PID/stat`), to tell a pid's reuse apart.
+/// The start time of a process (`starttime` of `/proc/PID/stat`), to tell a pid's reuse apart.
 fn process_start(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(19)?.parse().ok()
+    let pid = i32::try_from(pid).ok()?;
+    let stat = procfs::process::Process::new(pid).and_then(|p| p.stat());
+    stat.ok().map(|stat| stat.starttime)
 }
 
 impl Tuning {

@@ -785,11 +785,10 @@ fn send_line(stream: &UnixStream, reply: &Reply, fd: Option<i32>) -> Result<(), 
     Ok(())
 }
 
-/// The start time of a process (field 22 of `/proc/PID/stat`), `None` if it is gone.
+/// The start time of a process (`starttime` of `/proc/PID/stat`), `None` if it is gone.
 fn process_start(pid: i32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(19)?.parse().ok()
+    let stat = procfs::process::Process::new(pid).and_then(|p| p.stat());
+    stat.ok().map(|stat| stat.starttime)
 }
 
 /// Reads `buf.len()` bytes at `addr` of process `pid`.

@@ -185,12 +185,12 @@ pub fn process_alive(pid: u32) -> bool {
 /// Whether `/proc` says process `pid` has ended (a zombie, or dead); false when it cannot
 /// tell.
 fn ended(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-        // The state follows the command's closing parenthesis (the command may hold any).
-        stat.rsplit_once(')')
-            .and_then(|(_, rest)| rest.trim_start().chars().next())
-            .is_some_and(|state| matches!(state, 'Z' | 'X'))
-    })
+    use procfs::process::{ProcState, Process};
+    i32::try_from(pid)
+        .ok()
+        .and_then(|pid| Process::new(pid).and_then(|p| p.stat()).ok())
+        .and_then(|stat| stat.state().ok())
+        .is_some_and(|state| matches!(state, ProcState::Zombie | ProcState::Dead))
 }
 
 /// Removes what a VM process that ended leaves behind in its job directory: its socket,

@@ -14,18 +14,23 @@ pub fn process_pss() -> std::io::Result<u64> {
 
 /// PSS of a whole process (`None`: this one), bytes, from its `smaps_rollup`.
 pub fn process_pss_of(pid: Option<u32>) -> std::io::Result<u64> {
-    let path = match pid {
-        Some(pid) => format!("/proc/{pid}/smaps_rollup"),
-        None => "/proc/self/smaps_rollup".to_owned(),
+    let process = match pid {
+        Some(pid) => i32::try_from(pid)
+            .map_err(|_| procfs::ProcError::NotFound(None))
+            .and_then(procfs::process::Process::new),
+        None => procfs::process::Process::myself(),
     };
-    let text = std::fs::read_to_string(&path)?;
-    text.lines()
-        .find_map(|l| l.strip_prefix("Pss:"))
-        .map(|rest| parse_kib(rest) * 1024)
+    let rollup = process
+        .and_then(|p| p.smaps_rollup())
+        .map_err(std::io::Error::other)?;
+    rollup
+        .memory_map_rollup
+        .iter()
+        .find_map(|map| map.extension.map.get("Pss").copied())
         .ok_or_else(|| {
             std::io::Error::new(
                 std::io::ErrorKind::InvalidData,
-                format!("{path}: no `Pss:` line"),
+                "smaps_rollup has no `Pss:` line",
             )
         })
 }
@@ -36,7 +41,9 @@ pub fn range_pss(start: u64, len: u64) -> std::io::Result<u64> {
     range_pss_of(None, start, len)
 }
 
-/// [`range_pss`] of another process (`None`: this one).
+/// [`range_pss`] of another process (`None`: this one). Read by hand, not through `procfs`:
+/// the replay's sampler reads it ten times a second for every VM, and `procfs` builds a map of
+/// every field of every mapping where this needs one field of a few.
 pub fn range_pss_of(pid: Option<u32>, start: u64, len: u64) -> std::io::Result<u64> {
     let path = match pid {
         Some(pid) => format!("/proc/{pid}/smaps"),
@@ -102,53 +109,57 @@ impl MemoryCgroup {
     /// This process's own memory cgroup's directory, and whether it is v2 (where the host
     /// has the v2 memory controller) or v1: where [`MemoryCgroup::join`] creates its names.
     pub fn own_base() -> Result<(PathBuf, bool), CgroupError> {
-        Self::base_of("self")
+        Self::base_of(None)
     }
 
     /// The memory cgroup process `pid` is in (e.g. a VM connected to the governor, found by
     /// its peer credentials rather than by what it claims).
     pub fn of_process(pid: u32) -> Result<Self, CgroupError> {
-        let (dir, v2) = Self::base_of(&pid.to_string())?;
+        let (dir, v2) = Self::base_of(Some(pid))?;
         Ok(Self { dir, v2 })
     }
 
-    /// The memory cgroup directory of `/proc/PROC` and whether it is v2.
-    fn base_of(proc: &str) -> Result<(PathBuf, bool), CgroupError> {
-        let path = PathBuf::from(format!("/proc/{proc}/cgroup"));
-        let own = std::fs::read_to_string(&path).map_err(|source| CgroupError::Io {
+    /// The memory cgroup directory of process `pid` (`None`: this one), from its
+    /// `/proc/PID/cgroup`, and whether it is v2.
+    fn base_of(pid: Option<u32>) -> Result<(PathBuf, bool), CgroupError> {
+        let path = PathBuf::from(match pid {
+            Some(pid) => format!("/proc/{pid}/cgroup"),
+            None => "/proc/self/cgroup".to_owned(),
+        });
+        let read_error = |e: procfs::ProcError| CgroupError::Io {
             op: "read",
             path: path.clone(),
-            source,
-        })?;
+            source: std::io::Error::other(e),
+        };
+        let process = match pid {
+            Some(pid) => i32::try_from(pid)
+                .map_err(|_| procfs::ProcError::NotFound(Some(path.clone())))
+                .and_then(procfs::process::Process::new),
+            None => procfs::process::Process::myself(),
+        };
+        let own = process.and_then(|p| p.cgroups()).map_err(read_error)?.0;
         let v2_root = Path::new("/sys/fs/cgroup");
         let v2_has_memory = std::fs::read_to_string(v2_root.join("cgroup.controllers"))
             .map(|c| c.split_whitespace().any(|c| c == "memory"))
             .unwrap_or(false);
-        let (base, v2) = if v2_has_memory {
+        let (root, v2, own) = if v2_has_memory {
+            // The v2 hierarchy is the one numbered 0, with no controllers named.
             let own = own
-                .lines()
-                .find_map(|l| l.strip_prefix("0::"))
-                .unwrap_or("/");
-            (v2_root.join(own.trim_start_matches('/')), true)
+                .iter()
+                .find(|c| c.hierarchy == 0 && c.controllers.is_empty());
+            (v2_root.to_path_buf(), true, own)
         } else {
             let v1_root = v2_root.join("memory");
             if !v1_root.join("memory.usage_in_bytes").exists() {
                 return Err(CgroupError::NoController);
             }
             let own = own
-                .lines()
-                .find_map(|l| {
-                    let mut parts = l.splitn(3, ':');
-                    let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
-                    controllers
-                        .split(',')
-                        .any(|c| c == "memory")
-                        .then_some(path)
-                })
-                .unwrap_or("/");
-            (v1_root.join(own.trim_start_matches('/')), false)
+                .iter()
+                .find(|c| c.controllers.iter().any(|c| c == "memory"));
+            (v1_root, false, own)
         };
-        Ok((base, v2))
+        let own = own.map_or("/", |c| c.pathname.as_str());
+        Ok((root.join(own.trim_start_matches('/')), v2))
     }
 
     /// Creates `name` (a relative path) under this process's own memory cgroup — v2 where the
@@ -484,6 +495,27 @@ mod tests {
             stat_value("oom_kill_disable 0\nunder_oom 0\n", "oom_kill"),
             None
         );
+    }
+
+    #[test]
+    fn cgroup_own_base_is_this_processs_memory_cgroup_and_of_process_agrees() {
+        let (dir, v2) = match MemoryCgroup::own_base() {
+            Ok(base) => base,
+            // A host without a memory controller has nothing to find.
+            Err(CgroupError::NoController) => return,
+            Err(e) => panic!("{}", basics::error_chain(&e)),
+        };
+        let usage = if v2 {
+            "memory.current"
+        } else {
+            "memory.usage_in_bytes"
+        };
+        assert!(dir.join(usage).exists(), "{} has no {usage}", dir.display());
+        let mine = MemoryCgroup::of_process(std::process::id()).expect("this process's cgroup");
+        assert_eq!(mine.dir(), dir);
+        // A process that is not there is an error naming its file.
+        let e = MemoryCgroup::of_process(u32::MAX).unwrap_err();
+        assert!(basics::error_chain(&e).contains("/cgroup"), "{e}");
     }
 
     #[test]

@@ -225,15 +225,8 @@ fn read_config(path: &Path) -> Result<ConfigVm, String> {
 
 /// Host RAM in bytes (`MemTotal`).
 fn host_memory() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let kib: u64 = text
-        .lines()
-        .find_map(|l| l.strip_prefix("MemTotal:"))?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()?;
-    Some(kib * 1024)
+    use procfs::Current;
+    procfs::Meminfo::current().ok().map(|m| m.mem_total)
 }
 
 /// Merges the config file under the flags and checks the result.
