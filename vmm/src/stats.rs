@@ -416,7 +416,8 @@ impl PressureEvents {
     }
 }
 
-/// `some avg10` of a PSI file (`/proc/pressure/memory`, v2 `memory.pressure`), percent.
+/// `some avg10` of a PSI file (`/proc/pressure/memory`, v2 `memory.pressure`), percent. By
+/// hand, not through `procfs`, whose `PressureRecord` holds it as `f32`.
 pub fn parse_psi_some_avg10(text: &str) -> Option<f64> {
     let some = text.lines().find(|l| l.starts_with("some "))?;
     some.split_whitespace()
