@@ -14,7 +14,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
-use compressed_backing::PAGE_SIZE;
+use basics::PageSize;
 
 use crate::Res;
 
@@ -87,7 +87,7 @@ fn resident_pages(file: &File) -> Res<Vec<u8>> {
     // SAFETY: a read-only map of a file of this bench that nothing writes meanwhile; it is
     // only passed to mincore, never read.
     let map = unsafe { memmap2::Mmap::map(file)? };
-    let mut pages = vec![0u8; map.len().div_ceil(PAGE_SIZE)];
+    let mut pages = vec![0u8; map.len().div_ceil(PageSize::BASE.usize())];
     // SAFETY: `map` is a live, page-aligned mapping of `map.len()` bytes and `pages` has one
     // byte per page of it.
     let rc = unsafe {

@@ -4,9 +4,6 @@
 use std::fmt;
 use std::str::FromStr;
 
-/// Size of a base page on x86-64.
-pub const PAGE_SIZE: usize = 4096;
-
 /// Smallest supported block: one page.
 pub const MIN_BLOCK_SIZE: u64 = 4 << 10;
 /// Largest supported block: one huge page.
@@ -59,7 +56,7 @@ impl BlockSize {
 
     /// Pages per block.
     pub fn pages(self) -> usize {
-        self.bytes() / PAGE_SIZE
+        self.bytes() / basics::PageSize::BASE.usize()
     }
 
     /// Number of blocks that cover `image_size` bytes (the last one may be partial).

@@ -28,7 +28,7 @@ pub mod store;
 pub use bulk::{BlockSource, BulkOptions, BulkReport, FileSource, SliceSource};
 pub use codec::{BlockKind, Codec, CodecConfig, CodecError, Decoder, Encoded, Encoder, MaxRatio};
 pub use image::{pack_file, unpack_file, ImageError, PackOptions};
-pub use layout::{BlockSize, SizeError, PAGE_SIZE};
+pub use layout::{BlockSize, SizeError};
 pub use pool::{MemoryPool, PoolConfig, PoolError, PoolStats, PutOutcome};
 pub use store::{
     DiskStore, StoreConfig, StoreError, StoreOptions, StoreReader, StoreStats, VerifyReport,

@@ -16,7 +16,8 @@ use memmap2::MmapMut;
 use parking_lot::{Mutex, RwLock};
 
 use crate::codec::{BlockKind, CodecConfig, CodecError, Decoder, Encoded, Encoder};
-use crate::layout::{BlockSize, PAGE_SIZE};
+use crate::layout::BlockSize;
+use basics::PageSize;
 
 /// Default slab size.
 pub const DEFAULT_SLAB_BYTES: usize = 1 << 20;
@@ -173,7 +174,7 @@ struct Slab {
 
 impl Slab {
     fn touched_bytes(&self) -> u64 {
-        self.used.next_multiple_of(PAGE_SIZE) as u64
+        self.used.next_multiple_of(PageSize::BASE.usize()) as u64
     }
 }
 
@@ -547,7 +548,7 @@ impl Inner {
                 self.slabs[id as usize] = None;
             }
         }
-        let new_slab_cost = len.next_multiple_of(PAGE_SIZE) as u64;
+        let new_slab_cost = len.next_multiple_of(PageSize::BASE.usize()) as u64;
         if self.held_bytes() + new_slab_cost > cap {
             self.compact_sparsest(slab_bytes);
             if self.held_bytes() + new_slab_cost > cap {

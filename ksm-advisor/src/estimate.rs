@@ -15,7 +15,7 @@ use std::path::PathBuf;
 
 use crate::process::{self, ProcessError};
 
-const PAGE: u64 = 4096;
+use basics::PAGE_SIZE as PAGE;
 /// Pages read per `process_vm_readv`.
 const BATCH: u64 = 256;
 

@@ -3,8 +3,8 @@
 
 use std::fmt;
 
-/// Size of a base page.
-pub const PAGE_SIZE: u64 = 4096;
+/// Size of a base page (`basics::page`, where all page arithmetic is).
+pub use basics::page::PAGE_SIZE;
 
 /// A host-virtual address (in the process whose memory the pager serves).
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]

@@ -39,7 +39,7 @@ use crate::socket::PeerPolicy;
 pub const POOL_SIZE: u64 = 4 << 30;
 /// Candidates (page index → one VM's hash) the daemon remembers at most.
 pub const MAX_CANDIDATES: usize = 4 << 20;
-const PAGE: u64 = 4096;
+use basics::PAGE_SIZE as PAGE;
 
 /// Errors of the pool.
 #[derive(Debug, thiserror::Error)]

@@ -270,7 +270,7 @@ pub fn check_block(request: &BlkRequest, ram_size: u64) -> Result<BlockIo, Refus
 /// Checks a free-page report (the guest's `free_gpa`, `free_len`) for a VM of `ram_size`
 /// bytes: whole 4 KiB pages of the application data, not empty, sums checked.
 pub fn check_free(gpa: u64, len: u64, ram_size: u64) -> Result<(), Refused> {
-    const PAGE: u64 = 4096;
+    use basics::PAGE_SIZE as PAGE;
     let inside = gpa >= APP_BASE && gpa.checked_add(len).is_some_and(|end| end <= ram_size);
     if len == 0 || !gpa.is_multiple_of(PAGE) || !len.is_multiple_of(PAGE) || !inside {
         return Err(refuse(
@@ -360,7 +360,10 @@ fn xorshift_star(state: &mut u64) -> u64 {
 pub fn rewrite_bytes(bytes: &mut [u8], percent: u64, seed: u64) -> u64 {
     const PICK: u64 = 0xD6E8_FEB8_6659_FD93;
     let mut count = 0;
-    for (page, chunk) in bytes.chunks_exact_mut(4096).enumerate() {
+    for (page, chunk) in bytes
+        .chunks_exact_mut(basics::PageSize::BASE.usize())
+        .enumerate()
+    {
         let page = page as u64;
         let mut pick = seed_state(seed, page.wrapping_mul(PICK));
         pick ^= pick >> 32;

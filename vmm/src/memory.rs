@@ -172,8 +172,8 @@ impl GuestRam {
     /// image, the memory pool), from `/proc/self/pagemap` (bit 63 present, bit 61 file or
     /// shared).
     pub fn resident_pages(&self) -> std::io::Result<(Vec<u64>, Vec<u64>)> {
+        use basics::PAGE_SIZE as PAGE;
         use std::os::unix::fs::FileExt;
-        const PAGE: u64 = 4096;
         const BATCH: u64 = 4096;
         let pagemap = File::open("/proc/self/pagemap")?;
         let first = self.host_base().0 / PAGE;

@@ -17,7 +17,7 @@ use vm_memory::{Bytes, GuestAddress};
 
 use crate::memory::GuestRam;
 
-const PAGE: u64 = 4096;
+use basics::PAGE_SIZE as PAGE;
 /// The first tick after a command, and the shortest period.
 const FIRST: Duration = Duration::from_millis(200);
 /// The longest period while nothing changes.

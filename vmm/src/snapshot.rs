@@ -54,7 +54,7 @@ const SEALED_DIR_MODE: u32 = 0o500;
 const MANIFEST_LIMIT: u64 = 1 << 20;
 /// Bytes read or written at a time.
 const CHUNK: usize = 1 << 20;
-const PAGE: u64 = 4096;
+use basics::PAGE_SIZE as PAGE;
 
 /// Errors of snapshots.
 #[derive(Debug, thiserror::Error)]

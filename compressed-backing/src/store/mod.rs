@@ -909,7 +909,7 @@ impl DiskStore {
             let seg = &self.segments[&id];
             // From the page holding the first pending byte: that page was left cached by the
             // step before, clean now.
-            let from = seg.committed_len & !(crate::layout::PAGE_SIZE as u64 - 1);
+            let from = basics::PageSize::BASE.align_down(seg.committed_len);
             let (Ok(offset), Ok(len)) = (
                 libc::off64_t::try_from(from),
                 libc::off64_t::try_from(seg.len - from),
