@@ -17,7 +17,6 @@ const OVERSIZED: &[(&str, usize)] = &[
     ("compressed-backing/src/store/mod.rs", 1576),
     ("vmm/src/governor/policy.rs", 1557),
     ("uffd-pager/src/pager.rs", 1299),
-    ("uffd-pager/src/sharing.rs", 921),
     ("uffd-pager/src/uffd.rs", 896),
     ("vmm/src/snapshot.rs", 881),
     ("vmm/src/vm.rs", 871),
