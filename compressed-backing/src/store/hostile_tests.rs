@@ -1,8 +1,11 @@
 //! A store's files in hostile hands: links to other stores, FIFOs, huge or lying indexes,
 //! and the modes that keep guest data private.
 
+use super::files::{load_index, INDEX_PIECE, INDEX_READ_WHOLE};
 use super::*;
 use crate::codec::Codec;
+use basics::error_chain;
+use std::io::Write;
 use std::time::Duration;
 use testkit::{mkfifo, mode};
 

@@ -1,6 +1,8 @@
 use super::*;
 use crate::codec::Codec;
+use basics::error_chain;
 use proptest::prelude::*;
+use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;
 use testkit::random_bytes;
 
