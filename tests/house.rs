@@ -17,7 +17,6 @@ const OVERSIZED: &[(&str, usize)] = &[
     ("uffd-pager/src/pager.rs", 1299),
     ("uffd-pager/src/uffd.rs", 896),
     ("vmm/src/snapshot.rs", 881),
-    ("vmm/src/vm.rs", 871),
     ("vmm/src/bin/pvisor/replay.rs", 819),
     ("uffd-pager/src/server/mod.rs", 801),
 ];

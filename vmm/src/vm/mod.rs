@@ -1,0 +1,359 @@
+//! A VM with its lifecycle: running, paused, or offloaded (paused with its RAM in the store),
+//! and the operations the control API offers on it.
+//!
+//! - `options`: what a VM is started with, its states and errors;
+//! - `suspend`: suspend (pause, offload), resume, snapshot, and the offloaded RAM's view;
+//! - `cost`: what `stats` reports: what the VM costs, what its parts did;
+//! - here: the VM, its start, its commands and its background ticks.
+
+mod cost;
+mod options;
+mod suspend;
+
+pub use cost::{GovernorStats, VmStats};
+pub use options::{GovernorOptions, VmError, VmOptions, VmState};
+use suspend::{state_name, RamView};
+pub use suspend::{ResumeReport, SuspendReport};
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use compressed_backing::bulk::BulkOptions;
+use compressed_backing::{BlockSize, Codec, CodecConfig};
+use uffd_pager::offload::OffloadConfig;
+use uffd_pager::pager::RamKind;
+
+use crate::dedup::Dedup;
+use crate::governor::client::{GovernorLink, LinkConfig, Order, ResidentControl};
+use crate::governor::protocol::WireState;
+use crate::machine::{CommandOutput, Machine, MachineConfig};
+use crate::script::Command;
+use crate::sharing::PoolLink;
+use crate::snapshot::{self, Snapshot};
+use crate::stats::{self, MemoryCgroup};
+
+/// The pager's resident limit as the governor's link drives it, and the guest RAM's span
+/// (host address, bytes) whose PSS it reports.
+struct PagerControl(uffd_pager::pager::ResidentHandle, (u64, u64));
+
+impl ResidentControl for PagerControl {
+    fn set_limit(&self, limit: Option<u64>) {
+        self.0.set_resident_limit(limit);
+    }
+
+    fn resident_bytes(&self) -> u64 {
+        self.0.resident_bytes()
+    }
+
+    fn held_bytes(&self) -> u64 {
+        self.0.held_bytes()
+    }
+
+    fn shortfall_bytes(&self) -> u64 {
+        self.0.shortfall_bytes()
+    }
+
+    fn guest_pss_bytes(&self) -> Option<u64> {
+        let (start, len) = self.1;
+        stats::range_pss(start, len).ok()
+    }
+}
+
+/// How often a governed VM looks at the governor's orders between commands.
+const GOVERNOR_POLL: Duration = Duration::from_millis(50);
+
+/// How long a model request may take before the guest gets an error instead.
+pub const MODEL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// A VM and its state.
+#[derive(Debug)]
+pub struct Vm {
+    ram_view: Option<RamView>,
+    machine: Machine,
+    options: VmOptions,
+    state: VmState,
+    cgroup: Option<MemoryCgroup>,
+    fault_errors: Arc<AtomicU64>,
+    dedup: Option<Dedup>,
+    pool: Option<PoolLink>,
+}
+
+impl Vm {
+    /// Joins the cgroup (before any guest RAM exists), then boots.
+    pub fn start(options: VmOptions) -> Result<Self, VmError> {
+        let cgroup = options
+            .cgroup
+            .as_deref()
+            .map(MemoryCgroup::join)
+            .transpose()?;
+        let restore = match &options.restore {
+            Some(dir) => {
+                // The cheap checks first, then every byte against the seal.
+                let manifest = snapshot::read_manifest(dir)?;
+                let memory = manifest.memory;
+                // A raw image is mapped (snapshot RAM); a store is loaded into anon or memfd RAM.
+                let kind_fits = (manifest.ram_format == snapshot::RamFormat::Raw)
+                    == (options.ram_backing == RamKind::Snapshot);
+                if memory != options.memory || !kind_fits {
+                    return Err(VmError::State(format!(
+                        "the snapshot at {} has {memory} bytes of RAM, kept {:?}: restore it with \
+                         that size and {} RAM",
+                        dir.display(),
+                        manifest.ram_format,
+                        if manifest.ram_format == snapshot::RamFormat::Raw {
+                            "snapshot"
+                        } else {
+                            "anon or memfd"
+                        }
+                    )));
+                }
+                Some(Snapshot::open(dir)?.restore(&options.disk)?)
+            }
+            None if options.ram_backing == RamKind::Snapshot => {
+                return Err(VmError::State(
+                    "snapshot RAM needs a snapshot to restore".into(),
+                ))
+            }
+            None => None,
+        };
+        let gateway = options
+            .model_upstream
+            .as_deref()
+            .map(|url| {
+                crate::gateway::Gateway::new(
+                    url,
+                    &format!("pid-{}", std::process::id()),
+                    0,
+                    MODEL_TIMEOUT,
+                )
+            })
+            .transpose()?;
+        let fault_errors = Arc::new(AtomicU64::new(0));
+        let counter = Arc::clone(&fault_errors);
+        let mut machine = Machine::boot(
+            &MachineConfig {
+                memory: options.memory,
+                vcpus: options.vcpus,
+                ram_kind: options.ram_backing,
+                disk: options.disk.clone(),
+                pager_threads: options.pager_threads,
+                block_size: BlockSize::default(),
+                track_writes: options.cold.is_some() && options.ram_backing == RamKind::Anon,
+                restore,
+            },
+            Box::new({
+                // The guest decides how many faults fail (every one counts in its stats); the
+                // log has a few a second.
+                let log = uffd_pager::server::RateLimit::new(10, Duration::from_secs(1));
+                move |e| {
+                    counter.fetch_add(1, Ordering::Relaxed);
+                    if log.allow() {
+                        tracing::warn!("pvisor: guest memory fault cannot be served: {e}");
+                    }
+                }
+            }),
+        )?;
+        if let Some(config) = options.cold {
+            machine.pager().start_cold(config).map_err(VmError::Cold)?;
+        }
+        if let Some(gateway) = gateway {
+            machine.set_model_port(Arc::new(gateway));
+        }
+        if let Some(policy) = options.wait {
+            if policy.offload
+                && (options.pool.is_some() || options.ram_backing == RamKind::Snapshot)
+            {
+                return Err(VmError::State(
+                    "waits cannot offload a VM in the memory pool or on snapshot RAM: use the \
+                     pause strategy"
+                        .into(),
+                ));
+            }
+            let codec = if options.ram_compression {
+                options.ram_codec.parse::<Codec>()?
+            } else {
+                Codec::None
+            };
+            machine.set_wait_management(crate::machine::WaitManagement {
+                policy,
+                offload: OffloadConfig {
+                    dir: options.store_dir.clone(),
+                    codec: CodecConfig::new(codec),
+                    bulk: BulkOptions::with_threads(options.io_threads.max(1)),
+                },
+                io_threads: options.io_threads.max(1),
+            });
+        }
+        if let Some(governor) = &options.governor {
+            let mut config = LinkConfig::new(
+                governor.socket.clone(),
+                governor.name.clone(),
+                options.memory,
+            );
+            if let Some(ms) = governor.hold_timeout_ms {
+                config.hold_timeout = Duration::from_millis(ms);
+            }
+            let span = machine.ram().span();
+            let control = Arc::new(PagerControl(machine.pager().resident_handle(), span));
+            let link = GovernorLink::start(config, control).map_err(VmError::Governor)?;
+            let requester = link.requester();
+            machine
+                .pager()
+                .on_held(Box::new(move |bytes| requester.request(bytes)));
+            machine.set_governor(link);
+        }
+        let dedup = options
+            .dedup
+            .as_ref()
+            .map(|d| Dedup::start(machine.ram(), d))
+            .transpose()?;
+        let pool = match &options.pool {
+            Some(_) if options.ram_backing != RamKind::Anon || options.cold.is_some() => {
+                return Err(VmError::State(
+                    "the memory pool works on anon RAM without cold compression".into(),
+                ))
+            }
+            Some(socket) => Some(PoolLink::attach(socket, machine.ram())?),
+            None => None,
+        };
+        Ok(Self {
+            dedup,
+            pool,
+            ram_view: None,
+            machine,
+            options,
+            state: VmState::Running,
+            cgroup,
+            fault_errors,
+        })
+    }
+
+    /// The lifecycle state.
+    pub fn state(&self) -> VmState {
+        self.state
+    }
+
+    /// The options it was started with.
+    pub fn options(&self) -> &VmOptions {
+        &self.options
+    }
+
+    /// The machine.
+    pub fn machine(&self) -> &Machine {
+        &self.machine
+    }
+
+    /// The memory cgroup's directory, when the VM runs in one.
+    pub fn cgroup_dir(&self) -> Option<&std::path::Path> {
+        self.cgroup.as_ref().map(MemoryCgroup::dir)
+    }
+
+    /// What ends the running command from another thread (`stop`, SIGTERM).
+    pub fn interrupter(&self) -> crate::machine::Interrupter {
+        self.machine.interrupter()
+    }
+
+    /// Where operator requests come from while a command waits for a model answer (see
+    /// [`crate::operator`]).
+    pub fn set_operator(&mut self, operator: Box<dyn crate::operator::Operator>) {
+        self.machine.set_operator(operator);
+    }
+
+    /// Runs commands; refused unless running.
+    pub fn exec(&mut self, commands: &[Command]) -> Result<Vec<CommandOutput>, VmError> {
+        if self.state != VmState::Running {
+            return Err(VmError::State(format!(
+                "the VM is {}: resume it before running commands",
+                state_name(self.state)
+            )));
+        }
+        if let Some(pool) = &mut self.pool {
+            pool.wrote();
+        }
+        if let Some(dedup) = &mut self.dedup {
+            dedup.wrote();
+        }
+        if let Some(link) = self.machine.governor() {
+            link.set_waiting(false);
+            link.report(WireState::Running, None);
+        }
+        let results = commands
+            .iter()
+            .map(|c| self.machine.run(c).map_err(VmError::from))
+            .collect();
+        if let Some(link) = self.machine.governor() {
+            // Between commands the governor may take the VM's RAM (see `background_tick`).
+            link.report(WireState::Idle, None);
+            link.set_waiting(true);
+        }
+        results
+    }
+
+    /// How long until the memory pool wants a tick (`None`: no pool, or it is gone).
+    pub fn pool_wait(&self) -> Option<std::time::Duration> {
+        self.pool.as_ref().and_then(PoolLink::wait)
+    }
+
+    /// How long until [`Vm::background_tick`] has something to do (`None`: nothing until
+    /// the next command).
+    pub fn background_wait(&self) -> Option<std::time::Duration> {
+        let dedup = self.dedup.as_ref().and_then(Dedup::wait);
+        let governor = self.machine.governor().map(|_| GOVERNOR_POLL);
+        [self.pool_wait(), dedup, governor]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+
+    /// Between commands: the memory pool's tick when due, and KSM's return to its idle rate
+    /// once no VM has written for a while.
+    pub fn background_tick(&mut self) {
+        if self.pool_wait() == Some(std::time::Duration::ZERO) {
+            self.pool_tick();
+        }
+        if let Some(dedup) = &mut self.dedup {
+            dedup.govern();
+        }
+        self.governor_tick();
+    }
+
+    /// Between commands: the governor's offload orders. The VM stays `Running` (its vCPU runs
+    /// only inside a command); its next command faults back what it touches, through the
+    /// resident limit. A VM without wait management has no offload store and refuses.
+    fn governor_tick(&mut self) {
+        let Some(link) = self.machine.governor() else {
+            return;
+        };
+        while let Some(Order::Offload { .. }) = link.take_order() {
+            let ok = self.state == VmState::Running
+                && self.machine.idle_offload().is_some_and(|r| r.is_ok());
+            link.offloaded(ok, self.machine.resident_bytes());
+            if ok {
+                link.report(WireState::Offloaded, None);
+            }
+        }
+    }
+
+    /// Lets the memory pool merge and release pages; between commands only (the vCPU must be
+    /// stopped). Nothing happens unless the VM is running (not paused or offloaded).
+    pub fn pool_tick(&mut self) {
+        if self.state == VmState::Running {
+            if let Some(pool) = &mut self.pool {
+                pool.tick(self.machine.ram());
+            }
+        }
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        if let Some(view) = self.ram_view.take() {
+            view.close();
+        }
+        // The cgroup was made for this VM: it goes with it.
+        if let Some(cgroup) = self.cgroup.take() {
+            cgroup.leave_and_remove();
+        }
+    }
+}

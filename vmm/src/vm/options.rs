@@ -1,0 +1,162 @@
+//! What a VM is started with (`pvisor run`'s options), its lifecycle states and its errors.
+
+use std::path::PathBuf;
+
+use uffd_pager::cold::ColdConfig;
+use uffd_pager::offload::OffloadError;
+use uffd_pager::pager::RamKind;
+
+use crate::dedup::{DedupError, DedupOptions};
+use crate::machine::MachineError;
+use crate::snapshot::SnapshotError;
+use crate::stats::CgroupError;
+
+/// Everything a VM is started with.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct VmOptions {
+    /// Bytes of guest RAM.
+    pub memory: u64,
+    /// vCPUs.
+    pub vcpus: u32,
+    /// How guest RAM is mapped.
+    pub ram_backing: RamKind,
+    /// Offload writes a compressed store (else raw).
+    pub ram_compression: bool,
+    /// Codec of a compressed offload.
+    pub ram_codec: String,
+    /// The virtual disk's file.
+    pub disk: PathBuf,
+    /// Where offloaded RAM goes.
+    pub store_dir: PathBuf,
+    /// A memory cgroup to run in (relative to this process's own).
+    pub cgroup: Option<PathBuf>,
+    /// Fault-serving threads.
+    pub pager_threads: usize,
+    /// Threads for offload and eager load.
+    pub io_threads: usize,
+    /// Live cold-RAM compression and its knobs (memfd RAM only).
+    #[serde(default)]
+    pub cold: Option<ColdConfig>,
+    /// KSM dedup of guest RAM (anon RAM only).
+    #[serde(default)]
+    pub dedup: Option<DedupOptions>,
+    /// Continue this sealed snapshot (its directory) instead of booting: RAM maps the
+    /// snapshot's image privately and `ram_backing` must be `snapshot`.
+    #[serde(default)]
+    pub restore: Option<PathBuf>,
+    /// Share pages in common with other VMs through the memory pool at this socket
+    /// (`uffd-pager serve --memory-pool`; anon RAM only).
+    #[serde(default)]
+    pub pool: Option<PathBuf>,
+    /// The upstream model endpoint of the guest's `model` requests (`http://HOST:PORT[/PATH]`).
+    #[serde(default)]
+    pub model_upstream: Option<String>,
+    /// Pause, and offload if the policy says so, while a model request is out.
+    #[serde(default)]
+    pub wait: Option<crate::wait::WaitPolicy>,
+    /// Join the host's memory governor (`pvisor serve --memory-governor`).
+    #[serde(default)]
+    pub governor: Option<GovernorOptions>,
+}
+
+/// How a VM joins the memory governor.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct GovernorOptions {
+    /// The governor's socket.
+    pub socket: PathBuf,
+    /// The name the VM has there (its job id).
+    pub name: String,
+    /// A fault held this long lifts the limit (milliseconds; the link's default if absent).
+    #[serde(default)]
+    pub hold_timeout_ms: Option<u64>,
+}
+
+impl VmOptions {
+    /// A VM of `memory` bytes of `ram_backing` RAM, its disk and offload store at these paths,
+    /// everything else as `pvisor run` has it by default: one vCPU and one fault thread, raw
+    /// offloads (lz4 once compression is on), an I/O thread per CPU, no cgroup, and none of
+    /// cold compression, dedup, restore, memory pool, model gateway or wait management. Set
+    /// the rest with struct update syntax.
+    pub fn new(memory: u64, ram_backing: RamKind, disk: PathBuf, store_dir: PathBuf) -> Self {
+        Self {
+            memory,
+            vcpus: 1,
+            ram_backing,
+            ram_compression: false,
+            ram_codec: "lz4".into(),
+            disk,
+            store_dir,
+            cgroup: None,
+            pager_threads: 1,
+            io_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            cold: None,
+            dedup: None,
+            restore: None,
+            pool: None,
+            model_upstream: None,
+            wait: None,
+            governor: None,
+        }
+    }
+}
+
+/// The lifecycle state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VmState {
+    /// Takes commands.
+    Running,
+    /// Stopped by `suspend --vm-pause`; RAM resident.
+    Paused,
+    /// Stopped by `suspend --vm-offload`; RAM in the store.
+    Offloaded,
+}
+
+/// Errors of VM operations.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    /// The machine failed.
+    #[error(transparent)]
+    Machine(#[from] MachineError),
+    /// The cgroup could not be joined.
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    /// The operation does not fit the VM's state.
+    #[error("{0}")]
+    State(String),
+    /// Offload failed; the VM keeps its memory and runs on.
+    #[error("offload failed; the VM keeps its memory and goes on running")]
+    Offload(#[source] OffloadError),
+    /// The offloaded image could not be shown as a file (the offload itself stands).
+    #[error("the VM is offloaded, but its RAM cannot be shown at {path}: {reason}")]
+    RamFile {
+        /// The requested path.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// Load failed.
+    #[error("loading the VM's RAM back failed")]
+    Load(#[source] uffd_pager::load::LoadError),
+    /// The codec name is unknown.
+    #[error(transparent)]
+    Codec(#[from] compressed_backing::codec::UnknownCodec),
+    /// Cold compression could not start.
+    #[error("cannot start cold-RAM compression")]
+    Cold(#[source] uffd_pager::cold::ColdError),
+    /// KSM dedup could not start.
+    #[error("cannot start KSM dedup (--vm-ram-dedup)")]
+    Dedup(#[from] DedupError),
+    /// The model gateway could not start.
+    #[error("cannot start the model gateway (--vm-model-upstream)")]
+    Gateway(#[from] crate::gateway::GatewayError),
+    /// The memory pool could not be joined.
+    #[error("cannot join the memory pool (--vm-memory-pool)")]
+    Pool(#[from] uffd_pager::sharing::PoolError),
+    /// A snapshot could not be written, opened, or its private pages moved.
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
+    /// The link to the memory governor could not start.
+    #[error("cannot start the memory governor's link (--vm-governor)")]
+    Governor(#[source] std::io::Error),
+}
