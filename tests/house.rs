@@ -16,7 +16,6 @@ const MAX_LINES: usize = 800;
 const OVERSIZED: &[(&str, usize)] = &[
     ("uffd-pager/src/pager.rs", 1299),
     ("uffd-pager/src/uffd.rs", 896),
-    ("vmm/src/snapshot.rs", 881),
     ("vmm/src/bin/pvisor/replay.rs", 819),
     ("uffd-pager/src/server/mod.rs", 801),
 ];
