@@ -31,7 +31,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use compressed_backing::BlockSize;
 
@@ -42,7 +42,7 @@ use crate::source::PageSource;
 use crate::state::PageState;
 use crate::uffd::Userfaultfd;
 
-use basics::error_chain;
+use basics::{error_chain, RateLimit};
 
 /// Server parameters.
 #[derive(Debug, Clone)]
@@ -87,47 +87,6 @@ pub struct ServerStats {
 /// 64 newer connections come; idle peers cannot hold more threads than this. Attached VMs do
 /// not count.
 pub const MAX_HANDSHAKES: u64 = 64;
-
-/// Allows a burst of messages, then one per interval, counting what it suppresses.
-#[derive(Debug)]
-pub struct RateLimit {
-    state: Mutex<(Instant, u32)>,
-    suppressed: AtomicU64,
-    burst: u32,
-    interval: Duration,
-}
-
-impl RateLimit {
-    /// `burst` messages per `interval`.
-    pub fn new(burst: u32, interval: Duration) -> Self {
-        Self {
-            state: Mutex::new((Instant::now(), 0)),
-            suppressed: AtomicU64::new(0),
-            burst,
-            interval,
-        }
-    }
-
-    /// True if a message may be logged now; otherwise counts it as suppressed.
-    pub fn allow(&self) -> bool {
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if state.0.elapsed() >= self.interval {
-            *state = (Instant::now(), 0);
-        }
-        if state.1 < self.burst {
-            state.1 += 1;
-            true
-        } else {
-            self.suppressed.fetch_add(1, Ordering::Relaxed);
-            false
-        }
-    }
-
-    /// Messages suppressed so far.
-    pub fn suppressed(&self) -> u64 {
-        self.suppressed.load(Ordering::Relaxed)
-    }
-}
 
 /// A listening server.
 #[derive(Debug)]
@@ -797,23 +756,4 @@ fn memfd_regions(
         return Err(format!("memfd {unused} is named by no region").into());
     }
     Ok((specs, views))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn rate_limit_allows_a_burst_per_interval_and_counts_the_rest() {
-        let limit = RateLimit::new(2, Duration::from_secs(3600));
-        assert!(limit.allow());
-        assert!(limit.allow());
-        assert!(!limit.allow());
-        assert!(!limit.allow());
-        assert_eq!(limit.suppressed(), 2);
-        // Each interval starts a new burst (here every call is in a new one).
-        let every = RateLimit::new(1, Duration::ZERO);
-        assert!((0..5).all(|_| every.allow()));
-        assert_eq!(every.suppressed(), 0);
-    }
 }

@@ -20,8 +20,8 @@ use super::{
     errno, io, PageSet, PoolError, PoolStats, Reply, Request, MAX_CANDIDATES, MAX_PEERS, PAGE,
     POOL_SIZE,
 };
-use crate::server::RateLimit;
 use crate::socket::PeerPolicy;
+use basics::RateLimit;
 
 struct PoolPage {
     hash: u64,

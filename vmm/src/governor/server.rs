@@ -19,7 +19,7 @@ use uffd_pager::socket::{PeerCred, PeerPolicy};
 use super::policy::{self, Decision, Governor, Pressure, Reading, VmId, VmState};
 use super::protocol::{self, FromGovernor, LineError, LineReader, ToGovernor, WireState};
 use crate::stats::{parse_psi_some_avg10, MemoryCgroup, PressureLevel};
-use uffd_pager::server::RateLimit;
+use basics::RateLimit;
 
 /// Most connections at once (VMs and status clients); more are refused with a message.
 pub const MAX_CONNECTIONS: usize = 512;

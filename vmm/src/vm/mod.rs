@@ -145,7 +145,7 @@ impl Vm {
             Box::new({
                 // The guest decides how many faults fail (every one counts in its stats); the
                 // log has a few a second.
-                let log = uffd_pager::server::RateLimit::new(10, Duration::from_secs(1));
+                let log = basics::RateLimit::new(10, Duration::from_secs(1));
                 move |e| {
                     counter.fetch_add(1, Ordering::Relaxed);
                     if log.allow() {
