@@ -3,19 +3,18 @@
 //!   tests, binaries and benches sits under an explicit `allow(clippy::disallowed_macros)`
 //!   with its reason (a daemon's readiness line, `uffd_pager::socket::announce`): libraries
 //!   log through `tracing`, the same rule clippy's `disallowed-macros` holds them to;
-//! - product source files stay readable: at most [`MAX_LINES`] lines of non-test code, but for
-//!   the files of [`OVERSIZED`], which may not grow and leave the list once split.
+//! - product source files stay readable: at most [`MAX_LINES`] lines of non-test code (but for
+//!   the files of [`OVERSIZED`], none today, which may not grow and leave the list once split).
 
 use std::path::{Path, PathBuf};
 
 /// Lines of non-test code a product source file may have.
 const MAX_LINES: usize = 800;
 
-/// Files over [`MAX_LINES`] when the rule came, each with its ceiling: none may grow, and one
-/// that shrinks under the limit must leave the list (the test says so).
-const OVERSIZED: &[(&str, usize)] = &[
-    ("uffd-pager/src/pager.rs", 1299),
-];
+/// Files over [`MAX_LINES`] allowed for now, each with its ceiling: none may grow, and one that
+/// shrinks under the limit must leave the list (the test says so). Nine when the rule came;
+/// none since they were split.
+const OVERSIZED: &[(&str, usize)] = &[];
 
 /// The product crates' source trees, from the workspace root.
 const CRATES: &[&str] = &[

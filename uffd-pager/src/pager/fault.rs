@@ -1,0 +1,566 @@
+//! Fault resolution: the fault threads' loop (poll, read events under the write side of the
+//! layout lock, apply `REMOVE` events), and resolving a fault under the read side: the page's
+//! state, the resident limit's admission, the block fetched outside any lock, installed with
+//! one ioctl where the whole block may be, the state updated, the waiters woken.
+
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use super::*;
+use crate::addr::{HostAddr, HostRange, PAGE_SIZE};
+use crate::limit::Reservation;
+use crate::source::{Content, PageSource};
+use crate::state::PageState;
+use crate::uffd::{Event, UffdError};
+
+/// A fault read from the userfaultfd and not yet resolved.
+struct Pending {
+    addr: HostAddr,
+    minor: bool,
+    since: Instant,
+    /// Pages it was held for at the resident limit when last tried (0: not held).
+    held: u64,
+    /// When it was first held (counted in `faults_held`); its wait goes to `held_us` once
+    /// it is served.
+    held_since: Option<Instant>,
+}
+
+/// Outcome of one resolution attempt.
+enum Attempt {
+    Resolved,
+    /// EAGAIN: read events, then try again.
+    Retry,
+    /// Installing would cross the resident limit: try again when there is room.
+    Held {
+        /// The pages it would install.
+        pages: u64,
+    },
+}
+
+/// How long a fault thread with only held faults waits for an event before it looks again
+/// (a raised limit or a discard wakes it at once; an offload that frees room does not).
+const HELD_POLL_MS: i32 = 5;
+
+impl Shared {
+    /// A fault thread: poll, read events, resolve, until `stop_fd` is signalled.
+    pub(super) fn serve(&self) {
+        let mut events = Vec::with_capacity(64);
+        let mut pending: Vec<Pending> = Vec::new();
+        let mut buf = vec![0u8; self.block_size.bytes()];
+        let mut repeat = (HostAddr(0), 0u32);
+        // Held faults: the shortfall last reported, and whether a report is due.
+        let mut reported_shortfall = 0;
+        let mut report_due = false;
+        let mut only_held = false;
+        loop {
+            let timeout = match (pending.is_empty(), only_held) {
+                (true, _) => -1,
+                (false, true) => HELD_POLL_MS,
+                (false, false) => 1,
+            };
+            // A poll that fails cannot recover: stop this thread.
+            let (ready, signalled) = self
+                .uffd
+                .poll(Some(self.signal.as_raw_fd()), timeout)
+                .unwrap_or((false, true));
+            if self.stopping.load(Ordering::Relaxed) || self.owner_gone.load(Ordering::Relaxed) {
+                return;
+            }
+            if signalled {
+                self.drain_signal();
+            }
+            if ready || !pending.is_empty() {
+                let _write = self.layout.write();
+                if let Some(journal) = &self.journal {
+                    journal.begin_read();
+                }
+                match self.uffd.read_events(&mut events) {
+                    Ok(_) => {}
+                    Err(_) => {
+                        // The descriptor is unusable (the owner closed its side).
+                        self.owner_gone.store(true, Ordering::Relaxed);
+                        return;
+                    }
+                }
+                for event in events.drain(..) {
+                    match event {
+                        Event::Pagefault { addr, minor, .. } => {
+                            self.faults_seen.fetch_add(1, Ordering::Relaxed);
+                            self.faults_in_flight.fetch_add(1, Ordering::Relaxed);
+                            self.metrics.fault_events.fetch_add(1, Ordering::Relaxed);
+                            if let Some(region) = self.locate(addr) {
+                                let page = region.first_page
+                                    + region.spec.range.page_index(addr).expect("located");
+                                self.latest_fault_block.store(
+                                    self.block_size.index_of(page * PAGE_SIZE),
+                                    Ordering::Relaxed,
+                                );
+                            }
+                            pending.push(Pending {
+                                addr,
+                                minor,
+                                since: Instant::now(),
+                                held: 0,
+                                held_since: None,
+                            });
+                        }
+                        Event::Remove { start, end } | Event::Unmap { start, end } => {
+                            if !self.apply_remove(start, end) {
+                                self.metrics.events_ignored.fetch_add(1, Ordering::Relaxed);
+                                (self.on_error)(&FaultError::DiscardOutside { start, end });
+                            }
+                        }
+                        Event::Remap { .. } | Event::Fork | Event::Unknown(_) => {
+                            self.metrics.events_ignored.fetch_add(1, Ordering::Relaxed);
+                            let kind = match event {
+                                Event::Remap { .. } => "REMAP".to_string(),
+                                Event::Fork => "FORK".to_string(),
+                                other => format!("{other:?}"),
+                            };
+                            (self.on_error)(&FaultError::Unexpected { kind });
+                        }
+                    }
+                }
+                // Every discard of this read is in the table now.
+                if let Some(journal) = &self.journal {
+                    journal.end_read();
+                }
+            }
+            let mut retry = Vec::new();
+            let mut newly_held = false;
+            for mut fault in pending.drain(..) {
+                // A page that keeps faulting although resident has lost its data.
+                if repeat.0 == fault.addr.page_down() {
+                    repeat.1 += 1;
+                } else {
+                    repeat = (fault.addr.page_down(), 0);
+                }
+                // A held fault stops counting as held before it is tried again: if it is
+                // served, the install wakes its thread, which must not see it held still.
+                let was_held = fault.held > 0;
+                if was_held {
+                    self.metrics.held_now.fetch_sub(1, Ordering::Relaxed);
+                    self.limit.held_changed(fault.held, 0);
+                    fault.held = 0;
+                }
+                let result = if repeat.1 > 10_000 {
+                    Err(FaultError::Lost { addr: fault.addr })
+                } else {
+                    self.resolve(fault.addr, fault.minor, fault.since, &mut buf)
+                };
+                match result {
+                    Ok(Attempt::Resolved) => {
+                        self.faults_in_flight.fetch_sub(1, Ordering::Relaxed);
+                        if let Some(at) = fault.held_since {
+                            let us = u64::try_from(at.elapsed().as_micros()).unwrap_or(u64::MAX);
+                            self.metrics.held_us.fetch_add(us, Ordering::Relaxed);
+                        }
+                    }
+                    Ok(Attempt::Retry) => {
+                        self.metrics.eagain_retries.fetch_add(1, Ordering::Relaxed);
+                        retry.push(fault);
+                    }
+                    Ok(Attempt::Held { pages }) => {
+                        newly_held |= !was_held;
+                        self.metrics.held_now.fetch_add(1, Ordering::Relaxed);
+                        if fault.held_since.is_none() {
+                            fault.held_since = Some(Instant::now());
+                            self.metrics.faults_held.fetch_add(1, Ordering::Relaxed);
+                        }
+                        self.limit.held_changed(fault.held, pages);
+                        fault.held = pages;
+                        // A held fault is no repeat: the page is not resident.
+                        repeat = (HostAddr(0), 0);
+                        retry.push(fault);
+                    }
+                    Err(FaultError::Install {
+                        source: UffdError::OwnerGone { .. },
+                        ..
+                    }) => {
+                        self.owner_gone.store(true, Ordering::Relaxed);
+                        return;
+                    }
+                    Err(e) => {
+                        self.faults_in_flight.fetch_sub(1, Ordering::Relaxed);
+                        let counter = if e.is_ignored() {
+                            &self.metrics.events_ignored
+                        } else {
+                            &self.metrics.fault_errors
+                        };
+                        counter.fetch_add(1, Ordering::Relaxed);
+                        (self.on_error)(&e);
+                    }
+                }
+            }
+            only_held = !retry.is_empty() && retry.iter().all(|f| f.held > 0);
+            if only_held || retry.iter().any(|f| f.held > 0) {
+                let shortfall = self.limit.shortfall(self.states.resident());
+                report_due |= newly_held || shortfall != reported_shortfall;
+                // No shortfall: room was made since the pass; the faults go through next time.
+                if report_due && shortfall > 0 && self.limit.report(shortfall) {
+                    reported_shortfall = shortfall;
+                    report_due = false;
+                }
+            } else {
+                reported_shortfall = 0;
+                report_due = false;
+            }
+            pending = retry;
+        }
+    }
+
+    /// Wakes the fault threads (they return if `stopping` is set, else retry held faults).
+    pub(super) fn signal(&self) {
+        let one: u64 = 1;
+        // SAFETY: writing 8 bytes from a valid u64 to our own eventfd.
+        unsafe {
+            libc::write(
+                self.signal.as_raw_fd(),
+                (&one as *const u64).cast(),
+                std::mem::size_of::<u64>(),
+            )
+        };
+    }
+
+    /// Wakes the fault threads if faults are held (room may have been made for them).
+    pub(crate) fn wake_held(&self) {
+        if self.metrics.held_now.load(Ordering::Relaxed) > 0 {
+            self.signal();
+        }
+    }
+
+    /// Resets the signal after a wake (another fault thread may have reset it first).
+    fn drain_signal(&self) {
+        let mut count: u64 = 0;
+        // SAFETY: reading 8 bytes into a valid u64 from our own non-blocking eventfd; EAGAIN
+        // (already drained) is fine.
+        unsafe {
+            libc::read(
+                self.signal.as_raw_fd(),
+                (&mut count as *mut u64).cast(),
+                std::mem::size_of::<u64>(),
+            )
+        };
+    }
+
+    /// Marks pages of `[start, end)` as discarded: they read as zeros from now on, except
+    /// pages the pager is dropping itself, which are stored. Only the parts inside regions
+    /// count; returns false if no region was touched. Called under the write lock.
+    pub(crate) fn apply_remove(&self, start: HostAddr, end: HostAddr) -> bool {
+        let mut touched = false;
+        for region in &self.regions {
+            let Some((lo, hi)) = region.spec.range.clip(start, end) else {
+                continue;
+            };
+            if !touched {
+                touched = true;
+                self.metrics.remove_events.fetch_add(1, Ordering::Relaxed);
+            }
+            let pages = region.first_page + lo..region.first_page + hi;
+            for page in pages.clone() {
+                if !self
+                    .states
+                    .transition(page, PageState::Dropping, PageState::Stored)
+                {
+                    self.states.set(page, PageState::Zero);
+                }
+            }
+            // Released pooled blocks leave the pool at once.
+            if let (Some(cold), false) = (self.cold.get(), pages.is_empty()) {
+                let per_block = self.block_size.pages() as u64;
+                for block in pages.start / per_block..=(pages.end - 1) / per_block {
+                    let span = self.block_span(region, block * per_block);
+                    if !self.states.any(span, PageState::Pooled) {
+                        let _ = cold.pool.remove(block);
+                    }
+                }
+            }
+        }
+        touched
+    }
+
+    /// The region holding `addr`.
+    pub(crate) fn locate(&self, addr: HostAddr) -> Option<&Region> {
+        let index = self
+            .regions
+            .partition_point(|r| r.spec.range.start() <= addr)
+            .checked_sub(1)?;
+        let region = &self.regions[index];
+        region.spec.range.contains(addr).then_some(region)
+    }
+
+    /// The pages of the block holding `page` that lie in `region`.
+    pub(crate) fn block_span(&self, region: &Region, page: u64) -> std::ops::Range<u64> {
+        let per_block = self.block_size.pages() as u64;
+        let block_start = page / per_block * per_block;
+        let pages = region.pages();
+        block_start.max(pages.start)..(block_start + per_block).min(pages.end)
+    }
+
+    /// Resolves one fault.
+    /// Resolves one fault read at `since` (its latency is recorded just before the wake).
+    fn resolve(
+        &self,
+        addr: HostAddr,
+        minor: bool,
+        since: Instant,
+        buf: &mut [u8],
+    ) -> Result<Attempt, FaultError> {
+        let region = self.locate(addr).ok_or(FaultError::Outside { addr })?;
+        let page = region.first_page + region.spec.range.page_index(addr).expect("located");
+        let install = |source| FaultError::Install { addr, source };
+        // A MINOR fault still pending when cold compression dropped its block finds the
+        // block pooled: it is served from the pool like a missing page.
+        if minor && self.states.get(page) != PageState::Pooled {
+            return self.resolve_minor(region, page, since).map_err(install);
+        }
+        loop {
+            let state = self.states.get(page);
+            // Room under the resident limit for what this fault would install, reserved
+            // until the install is done (always there without a limit).
+            let room = if state.is_resident() {
+                None
+            } else {
+                match self.admit(region, page, state) {
+                    Ok(room) => Some(room),
+                    Err(pages) => return Ok(Attempt::Held { pages }),
+                }
+            };
+            let max_pages = room.as_ref().map_or(u64::MAX, Reservation::max_pages);
+            match state {
+                PageState::Resident | PageState::Dropping => {
+                    let one = HostRange::new(region.addr_of(page), PAGE_SIZE).expect("one page");
+                    self.metrics.fault_latency.record(since.elapsed());
+                    self.uffd.wake(one).map_err(install)?;
+                    self.metrics.eexist_races.fetch_add(1, Ordering::Relaxed);
+                    return Ok(Attempt::Resolved);
+                }
+                PageState::Zero => {
+                    let _read = self.layout.read();
+                    if self.states.get(page) != state {
+                        continue;
+                    }
+                    return self
+                        .install(region, page, state, None, since, max_pages)
+                        .map_err(install);
+                }
+                PageState::Pooled => {
+                    let cold = self.cold.get().ok_or(FaultError::NoSource { addr })?;
+                    let span = self.block_span(region, page);
+                    let block = self.block_size.index_of(span.start * PAGE_SIZE);
+                    let first = block * self.block_size.pages() as u64;
+                    let len = self.block_size.bytes();
+                    let kind = cold
+                        .pool
+                        .get(block, &mut buf[..len])
+                        .map_err(|source| FaultError::Pool { addr, source })?;
+                    let _read = self.layout.read();
+                    if self.states.get(page) != state {
+                        continue;
+                    }
+                    let Some(kind) = kind else {
+                        // Pooled pages without a pool entry: the bytes are gone. Never zeros.
+                        return Err(FaultError::Lost { addr });
+                    };
+                    if kind.is_compressed() {
+                        self.metrics
+                            .bytes_decompressed
+                            .fetch_add(len as u64, Ordering::Relaxed);
+                    }
+                    let data =
+                        (kind != compressed_backing::BlockKind::Zero).then(|| (first, &buf[..len]));
+                    let attempt = self
+                        .install(region, page, state, data, since, max_pages)
+                        .map_err(install)?;
+                    if matches!(attempt, Attempt::Resolved) && !self.states.any(span, state) {
+                        let _ = cold.pool.remove(block);
+                        cold.promoted(block);
+                    }
+                    return Ok(attempt);
+                }
+                PageState::Source | PageState::Stored => {
+                    let span = self.block_span(region, page);
+                    let block = self.block_size.index_of(span.start * PAGE_SIZE);
+                    let offset = self
+                        .block_size
+                        .offset_of(block)
+                        .expect("block of the image");
+                    let len = self.block_size.len_in_image(block, self.image_size);
+                    let mut decompressed = 0;
+                    let content = match state {
+                        PageState::Source => self
+                            .restore
+                            .as_ref()
+                            .ok_or(FaultError::NoSource { addr })?
+                            .read(offset, &mut buf[..len], &mut decompressed),
+                        _ => self.store.read(offset, &mut buf[..len], &mut decompressed),
+                    }
+                    .map_err(|source| FaultError::Source { addr, source })?;
+                    self.metrics
+                        .bytes_decompressed
+                        .fetch_add(decompressed, Ordering::Relaxed);
+                    let _read = self.layout.read();
+                    if self.states.get(page) != state {
+                        // Installed by another thread or discarded meanwhile: look again.
+                        continue;
+                    }
+                    let data = match content {
+                        Content::Zero => None,
+                        Content::Data => Some((offset / PAGE_SIZE, &buf[..len])),
+                    };
+                    // Recorded before the install wakes the faulting thread, so that an
+                    // offload right after sees it.
+                    self.working_set.record(block);
+                    return self
+                        .install(region, page, state, data, since, max_pages)
+                        .map_err(install);
+                }
+            }
+        }
+    }
+
+    /// Resolves a MINOR fault (memfd RAM: the page is in the page cache, its mapping is not).
+    /// With cold compression on, the block was probed: it is marked accessed and all its
+    /// resident pages are mapped at once, so a probe costs one fault per block.
+    fn resolve_minor(
+        &self,
+        region: &Region,
+        page: u64,
+        since: Instant,
+    ) -> Result<Attempt, UffdError> {
+        let _read = self.layout.read();
+        let span = self.block_span(region, page);
+        let pages = match self.cold.get() {
+            Some(cold) if self.states.all(span.clone(), PageState::Resident) => {
+                cold.touched(self.block_size.index_of(span.start * PAGE_SIZE));
+                span
+            }
+            _ => page..page + 1,
+        };
+        let range = HostRange::new(
+            region.addr_of(pages.start),
+            (pages.end - pages.start) * PAGE_SIZE,
+        )
+        .expect("pages of a region");
+        match self.uffd.continue_missing(range, false) {
+            Ok(_) => {}
+            Err(UffdError::Retry { .. }) => return Ok(Attempt::Retry),
+            Err(e) => return Err(e),
+        }
+        self.states.set(page, PageState::Resident);
+        self.metrics.faults_minor.fetch_add(1, Ordering::Relaxed);
+        self.metrics.fault_latency.record(since.elapsed());
+        self.uffd.wake(range)?;
+        Ok(Attempt::Resolved)
+    }
+
+    /// Reserves room under the resident limit for what a fault on `page` (in `state`, not
+    /// resident) installs: its block span if all of the span is in `state`, else the page
+    /// alone; if the span does not fit, the page alone. Without a limit, one relaxed load and
+    /// an empty reservation. `Err(pages)`: no room for it, which would install `pages`.
+    fn admit(&self, region: &Region, page: u64, state: PageState) -> Result<Reservation<'_>, u64> {
+        if !self.limit.is_set() {
+            return Ok(Reservation::unlimited());
+        }
+        let span = self.block_span(region, page);
+        let wanted = if self.states.all(span.clone(), state) {
+            span.end - span.start
+        } else {
+            1
+        };
+        let resident = self.states.resident();
+        self.limit
+            .reserve(resident, wanted)
+            .or_else(|| {
+                (wanted > 1)
+                    .then(|| self.limit.reserve(resident, 1))
+                    .flatten()
+            })
+            .ok_or(wanted)
+    }
+
+    /// Installs the block span of `page` if all its pages are in `state` and it has at most
+    /// `max_pages` pages, else the page alone: from `data` (first image page of the buffer,
+    /// bytes) or as zero pages. Marks what it installed resident. Called under the read lock.
+    fn install(
+        &self,
+        region: &Region,
+        page: u64,
+        state: PageState,
+        data: Option<(u64, &[u8])>,
+        since: Instant,
+        max_pages: u64,
+    ) -> Result<Attempt, UffdError> {
+        let span = self.block_span(region, page);
+        let pages = if span.end - span.start <= max_pages && self.states.all(span.clone(), state) {
+            span
+        } else {
+            page..page + 1
+        };
+        Ok(
+            match self.install_run(region, pages, state, data, Some(since))? {
+                Some(_) => Attempt::Resolved,
+                None => Attempt::Retry,
+            },
+        )
+    }
+
+    /// Installs the pages `pages` of `region` (all in `state`, not mapped) from `data` (first
+    /// image page of the buffer, bytes) or as zero pages, marks them resident and counts them
+    /// (as one fault read at `fault`, if it is one), then wakes waiters. Returns the pages it
+    /// filled (already-mapped ones are skipped), or `None` on EAGAIN (read events, then
+    /// retry). Called under the read lock.
+    pub(crate) fn install_run(
+        &self,
+        region: &Region,
+        pages: std::ops::Range<u64>,
+        state: PageState,
+        data: Option<(u64, &[u8])>,
+        fault: Option<Instant>,
+    ) -> Result<Option<u64>, UffdError> {
+        let count = pages.end - pages.start;
+        let range = HostRange::new(region.addr_of(pages.start), count * PAGE_SIZE)
+            .expect("pages of a region");
+        // Install without waking, so that states and counters are up to date before the
+        // faulting thread runs on (an offload right after must see the page resident).
+        let result = match data {
+            None => self.uffd.zeropage_missing(range, false),
+            Some((buf_page, bytes)) => {
+                let from = ((pages.start - buf_page) * PAGE_SIZE) as usize;
+                let src = &bytes[from..from + (count * PAGE_SIZE) as usize];
+                self.uffd.copy_missing(range.start(), src, false)
+            }
+        };
+        let filled = match result {
+            Ok(filled) => filled / PAGE_SIZE,
+            Err(UffdError::Retry { .. }) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        self.states
+            .transition_range(pages, state, PageState::Resident);
+        let m = &self.metrics;
+        let (pages_counter, faults_counter) = match data {
+            None => (&m.zero_pages, &m.faults_zero),
+            Some(_) => (&m.pages_copied, &m.faults_copy),
+        };
+        pages_counter.fetch_add(filled, Ordering::Relaxed);
+        if let Some(since) = fault {
+            m.fault_latency.record(since.elapsed());
+            faults_counter.fetch_add(1, Ordering::Relaxed);
+            if filled < count {
+                m.eexist_races.fetch_add(1, Ordering::Relaxed);
+            }
+            if data.is_some() && count > 1 {
+                m.block_copies.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.uffd.wake(range)?;
+        Ok(Some(filled))
+    }
+
+    /// The region holding image page `page`, if any (the image may have gaps).
+    pub(crate) fn region_of_page(&self, page: u64) -> Option<&Region> {
+        self.regions.iter().find(|r| r.pages().contains(&page))
+    }
+}
