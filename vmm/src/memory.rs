@@ -29,8 +29,9 @@ pub enum MemoryError {
     Map {
         /// Bytes.
         size: u64,
-        /// The cause, as vm-memory reports it.
-        reason: String,
+        /// The cause: vm-memory's error, or why it was not tried.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
 }
 
@@ -48,22 +49,21 @@ impl GuestRam {
     /// Maps `image` (a RAM image of exactly `size` bytes) privately: reads come from its page
     /// cache, shared with every other mapping of it; writes stay in this process.
     pub fn from_image(image: Arc<File>, size: u64) -> Result<Self, MemoryError> {
-        let map_err = |e: &dyn std::fmt::Display| MemoryError::Map {
-            size,
-            reason: e.to_string(),
-        };
-        let len = usize::try_from(size).map_err(|_| map_err(&"too large for this machine"))?;
+        let map_err =
+            |e: Box<dyn std::error::Error + Send + Sync>| MemoryError::Map { size, source: e };
+        let len =
+            usize::try_from(size).map_err(|_| map_err("too large for this machine".into()))?;
         let region = MmapRegion::build(
             Some(FileOffset::from_arc(Arc::clone(&image), 0)),
             len,
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_PRIVATE | libc::MAP_NORESERVE,
         )
-        .map_err(|e| map_err(&e))?;
+        .map_err(|e| map_err(e.into()))?;
         let region = GuestRegionMmap::new(region, GuestAddress(0))
-            .ok_or_else(|| map_err(&"the region does not fit the address space"))?;
+            .ok_or_else(|| map_err("the region does not fit the address space".into()))?;
         Ok(Self {
-            memory: GuestMemoryMmap::from_regions(vec![region]).map_err(|e| map_err(&e))?,
+            memory: GuestMemoryMmap::from_regions(vec![region]).map_err(|e| map_err(e.into()))?,
             size,
             kind: RamKind::Snapshot,
             memfd: None,
@@ -75,31 +75,30 @@ impl GuestRam {
     pub fn new(size: u64, kind: RamKind) -> Result<Self, MemoryError> {
         let len = usize::try_from(size).map_err(|_| MemoryError::Map {
             size,
-            reason: "too large for this machine".into(),
+            source: "too large for this machine".into(),
         })?;
-        let map_err = |e: &dyn std::fmt::Display| MemoryError::Map {
-            size,
-            reason: e.to_string(),
-        };
+        let map_err =
+            |e: Box<dyn std::error::Error + Send + Sync>| MemoryError::Map { size, source: e };
         let (memory, memfd) = match kind {
             RamKind::Anon => (
-                GuestMemoryMmap::from_ranges(&[(GuestAddress(0), len)]).map_err(|e| map_err(&e))?,
+                GuestMemoryMmap::from_ranges(&[(GuestAddress(0), len)])
+                    .map_err(|e| map_err(e.into()))?,
                 None,
             ),
             RamKind::Snapshot => {
                 return Err(map_err(
-                    &"snapshot RAM is mapped from an image (GuestRam::from_image)",
+                    "snapshot RAM is mapped from an image (GuestRam::from_image)".into(),
                 ))
             }
             RamKind::Memfd => {
                 let file = memfd(size)?;
                 let file = Arc::new(file);
                 let region = MmapRegion::from_file(FileOffset::from_arc(Arc::clone(&file), 0), len)
-                    .map_err(|e| map_err(&e))?;
+                    .map_err(|e| map_err(e.into()))?;
                 let region = GuestRegionMmap::new(region, GuestAddress(0))
-                    .ok_or_else(|| map_err(&"the region does not fit the address space"))?;
+                    .ok_or_else(|| map_err("the region does not fit the address space".into()))?;
                 (
-                    GuestMemoryMmap::from_regions(vec![region]).map_err(|e| map_err(&e))?,
+                    GuestMemoryMmap::from_regions(vec![region]).map_err(|e| map_err(e.into()))?,
                     Some(file),
                 )
             }
