@@ -31,7 +31,9 @@
 //!   overridden by its own variable);
 //! - `DENSITY_BENCH_RESUME=DIR`: a sweep in pieces (`resume`): each run is kept in DIR when it
 //!   ends, and runs found there are taken instead of run again; `DENSITY_BENCH_STOP_AFTER_MIN=M`
-//!   begins no round that would not end within M minutes (the report says what is not finished).
+//!   begins no round that would not end within M minutes; the report of a sweep so stopped goes
+//!   to `DIR/report/`, not `docs/bench/` (which holds finished sweeps only), and says what is not
+//!   finished.
 //!
 //! `cargo bench --bench density_report` writes `docs/bench/density.md`, `.csv` and `.svg`.
 //! Run without `--bench` (`cargo test --bench density_report`), it runs its unit tests, then a
@@ -436,6 +438,21 @@ fn run() -> Res<()> {
     ];
     if !s.write_docs && log.runs.iter().any(|m| m.facts.window_s.is_nan()) {
         return Err("a smoke run gave no summary".into());
+    }
+    if let (true, Some(vms), Some(dir)) = (s.write_docs, log.unfinished, s.resume.as_deref()) {
+        // docs/bench holds finished sweeps only: a piece's report stays beside its runs.
+        let report = dir.join("report");
+        std::fs::create_dir_all(&report)?;
+        for (ext, text) in &outputs {
+            let path = report.join(format!("density.{ext}"));
+            std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+        }
+        eprintln!(
+            "{BENCH}: the sweep stopped in N={vms}, not finished: its report so far is in {} \
+             (docs/bench/density.* keep the last finished sweep's); the same command goes on",
+            report.display()
+        );
+        return Ok(());
     }
     common::finish(BENCH, s.write_docs, "density", &outputs, started)
 }

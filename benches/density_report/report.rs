@@ -551,7 +551,8 @@ fn method(t: &mut String, cx: &Context<'_>) {
          `DENSITY_BENCH_MEMORY`, `DENSITY_BENCH_SPREAD_S` (0: lockstep; S: starts S/N s apart, `--stagger-ms`); `DENSITY_BENCH_QUICK=1` for a quick run (1 round, 512 MiB, N ≤ 8, 12 steps); \
          `DENSITY_BENCH_RESUME=DIR` keeps each run in DIR when it ends and takes the runs found there instead of \
          running them again (a sweep in pieces, with the same settings), `DENSITY_BENCH_STOP_AFTER_MIN=M` begins \
-         no round that would not end within M minutes (a round is made in one piece).\n\
+         no round that would not end within M minutes (a round is made in one piece; the report of a sweep so \
+         stopped goes to DIR/report/, not here).\n\
          - **This run**: {} runs in {}.{}\n{}",
         s.replayed.name,
         s.steps,
