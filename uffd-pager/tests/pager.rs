@@ -139,6 +139,19 @@ fn fill(bytes: &mut [u8], seed: u64) {
     }
 }
 
+/// Cold compression with `cold_age`, scanning every 20 ms with all the CPU it wants, its
+/// pool as large as RAM.
+fn fast_cold(cold_age: Duration) -> ColdConfig {
+    ColdConfig {
+        cold_age,
+        scan_period: Duration::from_millis(20),
+        cpu_budget: 1.0,
+        idle_cpu_budget: 1.0,
+        pool_cap_share: 1.0,
+        ..ColdConfig::default()
+    }
+}
+
 fn offload_config(dir: &std::path::Path, codec: Codec) -> OffloadConfig {
     OffloadConfig {
         dir: dir.to_path_buf(),
@@ -446,14 +459,7 @@ fn pager_offload_of_pooled_blocks_that_fails_half_way_keeps_the_committed_ones_s
     }
     let expect = ram.bytes().to_vec();
     pager
-        .start_cold(ColdConfig {
-            cold_age: Duration::from_millis(50),
-            scan_period: Duration::from_millis(20),
-            cpu_budget: 1.0,
-            idle_cpu_budget: 1.0,
-            pool_cap_share: 1.0,
-            ..ColdConfig::default()
-        })
+        .start_cold(fast_cold(Duration::from_millis(50)))
         .unwrap();
     pager.set_idle(true);
     let pages = (8 * MIB) as u64 / PAGE_SIZE;
@@ -491,6 +497,72 @@ fn pager_offload_of_pooled_blocks_that_fails_half_way_keeps_the_committed_ones_s
         let at = page * PAGE_SIZE as usize;
         assert!(ram.bytes()[at..at + want.len()] == *want, "page {page}");
     }
+    assert_eq!(pager.metrics().snapshot().fault_errors, 0);
+}
+
+#[test]
+fn pager_cold_compression_order_takes_ram_cold_for_its_shorter_age_then_lapses() {
+    if skip() {
+        return;
+    }
+    // A memory governor's order to a running VM: its cold compression, with a cold age of a
+    // minute, compresses what has been cold for 50 ms, for a while, then goes back to its own.
+    let mut ram = Ram::memfd(8 * MIB);
+    let pager = pager(
+        &ram,
+        PagerConfig {
+            remove_events: false,
+            ..PagerConfig::default()
+        },
+    );
+    fill(ram.bytes_mut(), 5);
+    let expect = ram.bytes().to_vec();
+    let handle = pager.resident_handle();
+    assert!(
+        !handle.compress_cold(Duration::from_millis(50)),
+        "an order to a VM without cold compression is refused"
+    );
+    pager
+        .start_cold(fast_cold(Duration::from_secs(60)))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        pager.state_counts().pooled,
+        0,
+        "compressed before its cold age"
+    );
+    assert!(
+        handle.compress_cold(Duration::from_millis(50)),
+        "cold compression runs"
+    );
+    assert!(handle.cold_order_pending());
+    // Over well inside the governor's order timeout (10 s by default).
+    let ordered = Instant::now();
+    while handle.cold_order_pending() {
+        assert!(
+            ordered.elapsed() < Duration::from_secs(5),
+            "the order is not over"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Once it is over, its compression is done: the repeated half of the 8 MiB (the rest
+    // does not compress) is mostly in the pool.
+    let pooled = pager.state_counts().pooled;
+    assert!(
+        pooled * PAGE_SIZE >= 3 * MIB as u64,
+        "{:?}",
+        pager.state_counts()
+    );
+    // Every byte reads back, the pooled ones from the pool; then the order has lapsed and
+    // the minute's cold age holds again: nothing more is compressed.
+    assert!(ram.bytes() == &expect[..], "the bytes read back differ");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        pager.state_counts().pooled,
+        0,
+        "compressed after the order lapsed"
+    );
+    assert!(pooled > 0);
     assert_eq!(pager.metrics().snapshot().fault_errors, 0);
 }
 

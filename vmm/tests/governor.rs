@@ -438,3 +438,76 @@ fn governor_keeps_eight_vms_inside_a_budget_that_kills_them_unmanaged() {
         );
     }
 }
+
+#[test]
+fn governor_has_a_running_vm_compress_its_cold_ram_when_no_other_vm_can_give() {
+    if skip() {
+        return;
+    }
+    // One VM, running a long command after filling 90 MiB, over the high watermark of a
+    // 96 MiB budget (86.4 MiB): no VM waits or idles, so the governor's only reclaim is the
+    // running VM's cold RAM, through its cold compression (whose own cold age is a minute).
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(
+        dir.path(),
+        &["--memory-budget", "96MiB", "--default-overhead", "1MiB"],
+    );
+    let socket = daemon.socket.to_str().unwrap().to_owned();
+    let runtime = dir.path().join("runtime");
+    std::fs::create_dir(&runtime).unwrap();
+    let out = pvisor(
+        &runtime,
+        &[
+            "run",
+            "--executor",
+            "vm",
+            "--memory",
+            "512MiB",
+            "--detach",
+            "--vm-governor",
+            &socket,
+            "--vm-cold-ram-compression",
+            "--vm-cold-age-ms",
+            "60000",
+            "--vm-cold-scan-ms",
+            "100",
+            "--",
+            "fill 90MiB repeated seed=3; sleep 60000",
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let identity: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let job = identity["job"].as_str().unwrap().to_owned();
+    let stop = || {
+        let _ = pvisor(&runtime, &["stop", &job]);
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        let status = daemon.status();
+        let vm = &status["vms"][0];
+        if status["events"]["orders_done"].as_u64().unwrap_or(0) >= 1
+            && vm["resident"].as_u64().unwrap_or(u64::MAX) < 48 << 20
+        {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            stop();
+            panic!("no cold compression carried out: {status}");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    stop();
+    let vm = &status["vms"][0];
+    assert!(
+        vm["decisions"]["cold_compress"].as_u64().unwrap() >= 1,
+        "{status}"
+    );
+    // The governor lowers the running VM's limit to what it holds now and a grant.
+    assert!(
+        vm["decisions"]["compressed"].as_u64().unwrap() >= 1,
+        "{status}"
+    );
+    assert_eq!(status["events"]["orders_failed"], 0, "{status}");
+    let (exit, log) = daemon.stop();
+    assert!(exit.success(), "{exit:?}: {log}");
+}

@@ -596,6 +596,19 @@ impl ResidentHandle {
         self.0.wake_held();
     }
 
+    /// A memory governor's order under pressure: cold compression, if it runs, compresses
+    /// what has been cold for `age` (when that is shorter than its own cold age) for a while;
+    /// [`ResidentHandle::cold_order_pending`] says when that is over (what stays resident then
+    /// answers the order). False without cold compression.
+    pub fn compress_cold(&self, age: std::time::Duration) -> bool {
+        self.0.cold.get().map(|cold| cold.order(age)).is_some()
+    }
+
+    /// Whether cold compression still carries out a [`ResidentHandle::compress_cold`] order.
+    pub fn cold_order_pending(&self) -> bool {
+        self.0.cold.get().is_some_and(Cold::order_pending)
+    }
+
     /// Guest RAM resident now, bytes (O(1)).
     pub fn resident_bytes(&self) -> u64 {
         self.0.states.resident() * PAGE_SIZE

@@ -24,6 +24,10 @@ use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use super::protocol::{self, FromGovernor, LineError, LineReader, ToGovernor, WireState};
 
 /// What the link needs of the VM's pager.
+/// How long a cold compression order may take before the VM answers it with what it holds
+/// then: inside the governor's order timeout (10 s by default).
+const COLD_ANSWER_BY: Duration = Duration::from_secs(8);
+
 pub trait ResidentControl: Send + Sync {
     /// Holds faults past `limit` resident bytes (`None`: no limit).
     fn set_limit(&self, limit: Option<u64>);
@@ -36,6 +40,12 @@ pub trait ResidentControl: Send + Sync {
     fn shortfall_bytes(&self) -> u64;
     /// The PSS of the guest RAM's mappings, bytes, if it can be read.
     fn guest_pss_bytes(&self) -> Option<u64>;
+    /// Has cold compression take what has been cold for `age` for a while; false when the VM
+    /// runs no cold compression.
+    fn compress_cold(&self, age: Duration) -> bool;
+    /// Whether cold compression still carries out that order (what stays resident once it is
+    /// over answers it).
+    fn cold_order_pending(&self) -> bool;
 }
 
 /// How the link behaves.
@@ -417,6 +427,8 @@ impl Shared {
         let mut next_reading = Instant::now();
         let mut next_pss = next_reading;
         let mut held_since: Option<Instant> = None;
+        // A cold compression order under way, since when.
+        let mut cold_since: Option<Instant> = None;
         loop {
             if self.stop.load(Ordering::SeqCst) {
                 return "the VM is stopping".into();
@@ -434,6 +446,19 @@ impl Shared {
                     resident_bytes: self.control.resident_bytes(),
                     held_bytes: self.control.held_bytes(),
                     guest_pss_bytes,
+                });
+            }
+            // Answered once it is over, or before the governor's order would time out (10 s
+            // by default) however far it got.
+            if cold_since.is_some_and(|since| {
+                !self.control.cold_order_pending() || now.duration_since(since) >= COLD_ANSWER_BY
+            }) {
+                cold_since = None;
+                // Its limit is the governor's to lower (to what stays resident and a grant):
+                // the VM runs, and a limit at its resident would hold its next fault.
+                self.send(ToGovernor::Offloaded {
+                    ok: true,
+                    resident_bytes: self.control.resident_bytes(),
                 });
             }
             let queued: Vec<ToGovernor> = lock(&self.outbox).drain(..).collect();
@@ -505,11 +530,16 @@ impl Shared {
                         self.refuse_order();
                     }
                 }
-                // Cold compression runs with its own age, set at its start: the order is
-                // answered as not carried out, so the governor looks elsewhere.
-                FromGovernor::ColdCompress { .. } => {
+                // A running VM's cold RAM, compressed with the governor's shorter age for a
+                // while; without cold compression the order is answered as not carried out,
+                // so the governor looks elsewhere.
+                FromGovernor::ColdCompress { age_ms, .. } => {
                     self.count(ORDERS);
-                    self.refuse_order();
+                    if self.control.compress_cold(Duration::from_millis(age_ms)) {
+                        cold_since = Some(Instant::now());
+                    } else {
+                        self.refuse_order();
+                    }
                 }
                 FromGovernor::Status(_) => {}
                 FromGovernor::Error { message } => return format!("refused: {message}"),

@@ -58,6 +58,14 @@ impl ResidentControl for PagerControl {
         let (start, len) = self.1;
         stats::range_pss(start, len).ok()
     }
+
+    fn compress_cold(&self, age: Duration) -> bool {
+        self.0.compress_cold(age)
+    }
+
+    fn cold_order_pending(&self) -> bool {
+        self.0.cold_order_pending()
+    }
 }
 
 /// How often a governed VM looks at the governor's orders between commands.

@@ -690,12 +690,22 @@ impl Governor {
         }
     }
 
-    /// Grants queued requests in order while the head fits under the last-resort watermark.
+    /// Grants queued requests in order while the head fits under the last-resort watermark: a
+    /// whole grant, or, where that does not fit, just what the head asked for (a VM near the
+    /// budget that needs 64 KiB more would else wait for room that nothing is going to make).
     fn last_resort(&mut self, now: Instant, out: &mut Vec<Decision>) {
         while let Some(head) = self.queue.front().copied() {
             let ceiling = self.config.last_resort_bytes();
-            let Some((limit, _)) = self.head_limit(&head, ceiling, false) else {
-                return;
+            let limit = match self.head_limit(&head, ceiling, false) {
+                Some((limit, _)) => limit,
+                // Not a whole grant: what it asked for, if that fits.
+                None if head.kind == QueueKind::Grant && self.fits(head.bytes, ceiling) => {
+                    let Some(v) = self.vms.get(&head.vm) else {
+                        return;
+                    };
+                    v.charged_ram().saturating_add(head.bytes)
+                }
+                None => return,
             };
             self.queue.pop_front();
             self.decide(
@@ -1509,6 +1519,22 @@ mod tests {
         // A failed order: not retried before order_timeout.
         let out = g.tick(at(base, 10_004), over);
         assert!(out.iter().all(|d| d.vm() != first), "{out:?}");
+    }
+
+    #[test]
+    fn governor_last_resort_grants_what_was_asked_where_a_whole_grant_does_not_fit() {
+        let base = Instant::now();
+        let mut g = last_resort_at(0.95);
+        // One VM, running, near the budget: nothing to reclaim; a whole grant (16 MiB) would
+        // pass the last resort's 950 MiB, the 1 MiB it asks for does not.
+        let a = vm(&mut g, base, "a", 940, VmState::Running);
+        // Its cold RAM was asked for first, and freed nothing.
+        g.offloaded(base, a, 940 * M, true);
+        let out = g.request(base, a, M);
+        assert_eq!(out, vec![set(a, 941, Reason::LastResort)]);
+        // What would pass it stays queued.
+        assert!(g.request(at(base, 1), a, 20 * M).is_empty());
+        assert_eq!(queued(&g, at(base, 1)), vec![a]);
     }
 
     #[test]

@@ -16,16 +16,19 @@
 //! says when it is full; the pool's memory, the tracking table and the scanner's buffers are
 //! all in `stats`, and the scanner keeps within a CPU budget.
 
-use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
-use compressed_backing::{Codec, CodecConfig, MemoryPool, PoolConfig, PoolStats, PutOutcome};
+use compressed_backing::{Codec, CodecConfig, MemoryPool, PoolConfig, PoolStats};
 
 use crate::addr::{HostRange, PAGE_SIZE};
 use crate::pagemap::WrittenPages;
 use crate::pager::{RamKind, Shared};
-use crate::state::PageState;
+
+mod scan;
+
+pub(crate) use scan::run;
+use scan::Scratch;
 
 /// The policy's knobs.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -169,6 +172,19 @@ pub enum ColdError {
     Config(String),
 }
 
+/// A memory governor's order: compress what has been cold for `age_ticks`, until a scan that
+/// began that long after the first scan of the order (which probed the blocks) has ended, or
+/// at the latest until the epoch `until`.
+#[derive(Debug, Clone, Copy)]
+struct Ordered {
+    age_ticks: u32,
+    until: u32,
+    first_scan: Option<u32>,
+}
+
+/// Longest a governor's order keeps its shorter cold age, whatever the scans do.
+const ORDER_LASTS_AT_MOST: Duration = Duration::from_secs(10);
+
 /// Cold compression's shared state: the pool, the tracking table, counters.
 #[derive(Debug)]
 pub(crate) struct Cold {
@@ -179,6 +195,8 @@ pub(crate) struct Cold {
     started: Instant,
     tick: Duration,
     cold_age_ticks: u32,
+    /// A memory governor's order in force.
+    ordered: parking_lot::Mutex<Option<Ordered>>,
     pub stop: AtomicBool,
     idle: AtomicBool,
     /// Pauses (offloads in progress); scanning waits while non-zero.
@@ -273,6 +291,7 @@ impl Cold {
             started: Instant::now(),
             tick,
             cold_age_ticks,
+            ordered: parking_lot::Mutex::new(None),
             stop: AtomicBool::new(false),
             idle: AtomicBool::new(false),
             paused: AtomicU32::new(0),
@@ -301,6 +320,66 @@ impl Cold {
     fn epoch(&self) -> u32 {
         let ticks = self.started.elapsed().as_nanos() / self.tick.as_nanos();
         u32::try_from(ticks).unwrap_or(u32::MAX - 1) + 1
+    }
+
+    /// The cold age in force at `epoch`, in ticks: the configured one, or a governor's shorter
+    /// one while its order lasts.
+    fn age_ticks(&self, epoch: u32) -> u32 {
+        self.in_force(epoch).map_or(self.cold_age_ticks, |o| {
+            o.age_ticks.min(self.cold_age_ticks)
+        })
+    }
+
+    /// The order still being carried out at `epoch`, if any.
+    fn in_force(&self, epoch: u32) -> Option<Ordered> {
+        let mut ordered = self.ordered.lock();
+        if ordered.is_some_and(|o| epoch >= o.until) {
+            *ordered = None;
+        }
+        *ordered
+    }
+
+    /// A scan begins at `epoch`: the first of an order's marks its start.
+    fn scan_begins(&self, epoch: u32) {
+        if let Some(o) = self.ordered.lock().as_mut() {
+            o.first_scan.get_or_insert(epoch);
+        }
+    }
+
+    /// The scan that began at `epoch` has ended: the order is over if the scan began a cold
+    /// age (the order's) after the order's first scan, which probed what it then compressed.
+    fn scan_ended(&self, began: u32) {
+        let mut ordered = self.ordered.lock();
+        if ordered.is_some_and(|o| {
+            o.first_scan
+                .is_some_and(|first| began >= first.saturating_add(o.age_ticks))
+        }) {
+            *ordered = None;
+        }
+    }
+
+    /// Whether a memory governor's order is still being carried out.
+    pub(crate) fn order_pending(&self) -> bool {
+        self.in_force(self.epoch()).is_some()
+    }
+
+    /// A memory governor's order under pressure: compress what has been cold for `age` (when
+    /// that is shorter than the cold age) for as long as a block takes to be probed by one scan
+    /// and found cold still by a later one, after which the configured age is back
+    /// ([`Cold::order_pending`] says when). What stays resident then answers the order.
+    pub(crate) fn order(&self, age: Duration) {
+        let ticks = |d: Duration| {
+            u32::try_from(d.as_nanos().div_ceil(self.tick.as_nanos()))
+                .unwrap_or(u32::MAX)
+                .max(1)
+        };
+        *self.ordered.lock() = Some(Ordered {
+            age_ticks: ticks(age),
+            until: self
+                .epoch()
+                .saturating_add(ticks(ORDER_LASTS_AT_MOST.max(age * 2))),
+            first_scan: None,
+        });
     }
 
     /// Holds scanning still until the guard is dropped (an offload is moving RAM).
@@ -395,368 +474,5 @@ pub(crate) struct PauseGuard<'a>(&'a Cold);
 impl Drop for PauseGuard<'_> {
     fn drop(&mut self) {
         self.0.paused.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// CPU time of the calling thread.
-fn thread_cpu() -> Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes one timespec.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    Duration::new(
-        u64::try_from(ts.tv_sec).unwrap_or(0),
-        u32::try_from(ts.tv_nsec).unwrap_or(0),
-    )
-}
-
-/// The scanner thread: a scan every period (a quarter of it while the guest is idle), then a
-/// sleep long enough to keep its CPU time within the budget.
-pub(crate) fn run(shared: &Shared, cold: &Cold) {
-    let born = thread_cpu();
-    let mut buf = vec![0u8; shared.block_size.bytes()];
-    let mut window = (Instant::now(), 0u64);
-    while !cold.stop.load(Ordering::Relaxed) {
-        let started = Instant::now();
-        let elapsed = started.duration_since(window.0);
-        if elapsed >= RATE_WINDOW {
-            let promotions = cold.promotions.load(Ordering::Relaxed);
-            let rate = (promotions - window.1) as f64 / elapsed.as_secs_f64();
-            cold.promotion_rate.store(rate.to_bits(), Ordering::Relaxed);
-            window = (started, promotions);
-        }
-        let cpu = thread_cpu();
-        scan(shared, cold, &mut buf);
-        let used = thread_cpu().saturating_sub(cpu);
-        // All of the thread's CPU time, its wake-ups between scans included.
-        let total = thread_cpu().saturating_sub(born);
-        cold.cpu_ns.store(
-            u64::try_from(total.as_nanos()).unwrap_or(u64::MAX),
-            Ordering::Relaxed,
-        );
-        cold.scans.fetch_add(1, Ordering::Relaxed);
-        let idle = cold.idle.load(Ordering::Relaxed);
-        let (period, budget) = if idle {
-            (cold.config.scan_period / 4, cold.config.idle_cpu_budget)
-        } else {
-            (cold.config.scan_period, cold.config.cpu_budget)
-        };
-        // Stay within the budget: the scan's CPU time over the whole cycle.
-        let cycle = period.max(used.div_f64(budget));
-        // Dropping the pager sets `stop` and unparks this thread.
-        let wake = started + cycle;
-        while !cold.stop.load(Ordering::Relaxed) {
-            let left = wake.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            std::thread::park_timeout(left);
-        }
-    }
-}
-
-/// Anon RAM: blocks written since the last scan start their cold age again.
-fn take_written(
-    shared: &Shared,
-    cold: &Cold,
-    written: &mut WrittenPages,
-    epoch: u32,
-) -> std::io::Result<()> {
-    let per_block = shared.block_size.pages() as u64;
-    for region in shared
-        .regions
-        .iter()
-        .filter(|r| r.spec.kind == RamKind::Anon)
-    {
-        written.take(&shared.uffd, region.spec.range, |run| {
-            let first =
-                region.first_page + region.spec.range.page_index(run.start()).expect("inside");
-            let last = first + run.len() / PAGE_SIZE - 1;
-            for info in &cold.blocks[(first / per_block) as usize..=(last / per_block) as usize] {
-                info.flags.store(PROBING, Ordering::Release);
-                info.probed_at.store(epoch, Ordering::Relaxed);
-            }
-            cold.written_runs.fetch_add(1, Ordering::Relaxed);
-        })?;
-    }
-    Ok(())
-}
-
-fn scan(shared: &Shared, cold: &Cold, buf: &mut [u8]) {
-    let per_block = shared.block_size.pages() as u64;
-    let epoch = cold.epoch();
-    let block_len = shared.block_size.bytes();
-    let tracking_anon = {
-        let mut guard = cold.written.lock();
-        if let Some(written) = guard.as_mut() {
-            if let Err(e) = take_written(shared, cold, written, epoch) {
-                tracing::warn!(
-                    "cold compression: write tracking failed, anon RAM is left alone: {e}"
-                );
-                *guard = None;
-            }
-        }
-        guard.is_some()
-    };
-    for (block, info) in cold.blocks.iter().enumerate() {
-        if cold.stop.load(Ordering::Relaxed) || cold.paused.load(Ordering::Acquire) > 0 {
-            return;
-        }
-        let first = block as u64 * per_block;
-        let pages = first..(first + per_block).min(shared.states.len());
-        // Whole blocks of one region only (the pool keeps whole blocks).
-        let Some(region) = shared.region_of_page(first) else {
-            continue;
-        };
-        if pages.end - pages.start != per_block
-            || !region.pages().contains(&(pages.end - 1))
-            || info.backoff_until.load(Ordering::Relaxed) > epoch
-            || !shared.states.all(pages.clone(), PageState::Resident)
-        {
-            continue;
-        }
-        if region.spec.kind == RamKind::Anon && !tracking_anon {
-            continue;
-        }
-        let flags = info.flags.load(Ordering::Acquire);
-        let since = epoch.saturating_sub(info.probed_at.load(Ordering::Relaxed));
-        if flags & ACCESSED != 0 && since < cold.cold_age_ticks {
-            // Touched lately: in use; look again later.
-            continue;
-        }
-        if flags & PROBING == 0 || flags & ACCESSED != 0 {
-            // Watch it (again). Anon RAM: its writes show in the next scans.
-            info.flags.store(PROBING, Ordering::Release);
-            info.probed_at.store(epoch, Ordering::Relaxed);
-            if region.spec.kind == RamKind::Memfd {
-                let range = HostRange::new(region.addr_of(first), per_block * PAGE_SIZE)
-                    .expect("pages of a region");
-                // SAFETY: our own shared memfd mapping: the page cache keeps every byte; only
-                // the page-table entries go, and the next access is a MINOR fault to the pager.
-                unsafe {
-                    libc::madvise(
-                        range.start().as_ptr(),
-                        range.len() as usize,
-                        libc::MADV_DONTNEED,
-                    )
-                };
-            }
-            cold.probed.fetch_add(1, Ordering::Relaxed);
-            continue;
-        }
-        if since < cold.cold_age_ticks {
-            continue;
-        }
-        compress(
-            shared,
-            cold,
-            region,
-            block as u64,
-            pages,
-            &mut buf[..block_len],
-        );
-    }
-}
-
-fn compress(
-    shared: &Shared,
-    cold: &Cold,
-    region: &crate::pager::Region,
-    block: u64,
-    pages: std::ops::Range<u64>,
-    buf: &mut [u8],
-) {
-    let info = &cold.blocks[block as usize];
-    let at = region.addr_of(pages.start);
-    match &region.spec.memfd {
-        Some(memfd) => {
-            let offset = region.spec.memfd_offset + (pages.start - region.first_page) * PAGE_SIZE;
-            // Through the file, not the mapping: reading the mapping would fault to ourselves.
-            if memfd.read_exact_at(buf, offset).is_err() {
-                return;
-            }
-        }
-        // SAFETY: the block's pages are resident (checked by the caller; only the pager drops
-        // them), so reading them faults nowhere. The vCPU may write meanwhile: the copy may be
-        // torn, which `drop_anon` detects by comparing it with the bytes it moved out.
-        None => unsafe {
-            std::ptr::copy_nonoverlapping(at.as_ptr().cast::<u8>(), buf.as_mut_ptr(), buf.len());
-        },
-    }
-    match cold.pool.put(block, buf) {
-        Ok(PutOutcome::Stored { .. } | PutOutcome::Zero | PutOutcome::Fill) => {}
-        Ok(PutOutcome::Incompressible) => {
-            cold.incompressible.fetch_add(1, Ordering::Relaxed);
-            back_off(cold, info);
-            return;
-        }
-        Ok(PutOutcome::Full) => {
-            cold.full_refusals.fetch_add(1, Ordering::Relaxed);
-            cold.full.store(true, Ordering::Relaxed);
-            return;
-        }
-        Err(_) => return,
-    }
-    cold.full.store(false, Ordering::Relaxed);
-    let _write = shared.layout.write();
-    if cold.paused.load(Ordering::Acquire) > 0 {
-        let _ = cold.pool.remove(block);
-        return;
-    }
-    // No access may have completed since the probe (each one faults and marks the block
-    // first), and every page must still be resident: otherwise the pool holds stale bytes.
-    if info.flags.load(Ordering::Acquire) != PROBING
-        || !shared.states.all(pages.clone(), PageState::Resident)
-    {
-        let _ = cold.pool.remove(block);
-        cold.raced.fetch_add(1, Ordering::Relaxed);
-        return;
-    }
-    let dropped = match &region.spec.memfd {
-        Some(memfd) => {
-            let offset = region.spec.memfd_offset + (pages.start - region.first_page) * PAGE_SIZE;
-            shared.states.set_range(pages.clone(), PageState::Pooled);
-            // On failure the block is still in the page cache: it stays resident.
-            let punched = crate::offload::punch_hole(memfd, offset, buf.len() as u64).is_ok();
-            if !punched {
-                shared.states.set_range(pages, PageState::Resident);
-            }
-            punched
-        }
-        None => drop_anon(shared, cold, info, at, pages, buf),
-    };
-    if !dropped {
-        let _ = cold.pool.remove(block);
-        return;
-    }
-    info.flags.store(0, Ordering::Release);
-    info.backoff_level.store(0, Ordering::Relaxed);
-    info.compressed_at.store(cold.epoch(), Ordering::Relaxed);
-    cold.compressed.fetch_add(1, Ordering::Relaxed);
-}
-
-/// Leaves `info`'s block alone for a cold age, twice as long each time in a row (up to
-/// 2^MAX_BACKOFF_LEVEL cold ages).
-fn back_off(cold: &Cold, info: &BlockInfo) {
-    let level = info
-        .backoff_level
-        .load(Ordering::Relaxed)
-        .min(MAX_BACKOFF_LEVEL);
-    info.backoff_level.store(level + 1, Ordering::Relaxed);
-    let wait = cold.cold_age_ticks.saturating_mul(1 << level);
-    info.backoff_until
-        .store(cold.epoch().saturating_add(wait), Ordering::Relaxed);
-}
-
-/// Drops a block of anon RAM whose bytes the pool holds as `copy` (read while the guest ran),
-/// under the write side of the layout lock. The block's pages are moved out of guest RAM
-/// (`UFFDIO_MOVE`: from here on a guest access faults, and the fault waits for the lock), then
-/// compared with `copy`: equal means no write slipped in, so the pages become `Pooled` and
-/// the moved-out ones are freed; different means the guest wrote meanwhile, and the pages go
-/// back where they were, untouched. Returns whether the block was dropped.
-fn drop_anon(
-    shared: &Shared,
-    cold: &Cold,
-    info: &BlockInfo,
-    at: crate::addr::HostAddr,
-    pages: std::ops::Range<u64>,
-    copy: &[u8],
-) -> bool {
-    let scratch = cold
-        .scratch
-        .as_ref()
-        .expect("anon cold compression has its scratch");
-    let len = copy.len() as u64;
-    // SAFETY: both ranges are private anon mappings registered on the pager's userfaultfd
-    // (guest RAM and our scratch, which is empty); nothing holds a reference into either: the
-    // guest reaches its RAM only through KVM and the pager, and the scratch is ours alone.
-    if let Err(e) = unsafe { shared.uffd.move_pages(scratch.start(), at, len, false) } {
-        // E.g. pages shared with another process or merged by KSM: leave the block alone.
-        cold.unmovable.fetch_add(1, Ordering::Relaxed);
-        let done = match &e {
-            crate::uffd::UffdError::MovePartial { done, .. } => *done,
-            _ => 0,
-        };
-        if done > 0 {
-            scratch.put_back(shared, at, done);
-        }
-        back_off(cold, info);
-        return false;
-    }
-    if scratch.bytes() == copy {
-        shared.states.set_range(pages, PageState::Pooled);
-        scratch.clear();
-        true
-    } else {
-        scratch.put_back(shared, at, len);
-        cold.raced.fetch_add(1, Ordering::Relaxed);
-        false
-    }
-}
-
-/// One block of private anon memory registered on the pager's userfaultfd, where blocks of
-/// anon guest RAM are moved to be checked before they are dropped. Empty between uses.
-#[derive(Debug)]
-pub(crate) struct Scratch {
-    map: memmap2::MmapMut,
-}
-
-impl Scratch {
-    fn new(shared: &Shared) -> Result<Self, ColdError> {
-        let len = shared.block_size.bytes();
-        let map = memmap2::MmapMut::map_anon(len).map_err(ColdError::Scratch)?;
-        let range = HostRange::new(crate::addr::HostAddr(map.as_ptr() as u64), len as u64)
-            .expect("an anon mapping is page-aligned");
-        // SAFETY: the mapping lives as long as `Cold`, which the pager drops before its
-        // userfaultfd; only `drop_anon` fills it (with moved pages) and it empties it again.
-        // MISSING and WP like guest RAM, so that both have the same page protection, which
-        // UFFDIO_MOVE requires.
-        unsafe { shared.uffd.register(range, crate::uffd::Mode::MISSING_WP) }
-            .map_err(ColdError::Register)?;
-        Ok(Self { map })
-    }
-
-    fn start(&self) -> crate::addr::HostAddr {
-        crate::addr::HostAddr(self.map.as_ptr() as u64)
-    }
-
-    /// The moved-in bytes (every page is present after a full move).
-    fn bytes(&self) -> &[u8] {
-        &self.map
-    }
-
-    /// Frees the moved-in pages.
-    fn clear(&self) {
-        // SAFETY: our own scratch mapping; nothing refers to its contents.
-        unsafe {
-            libc::madvise(
-                self.map.as_ptr() as *mut libc::c_void,
-                self.map.len(),
-                libc::MADV_DONTNEED,
-            )
-        };
-    }
-
-    /// Moves the first `len` bytes (all present here) back to `at` in guest RAM, where they
-    /// are missing, and wakes whoever faulted there; what the kernel will not move is copied
-    /// instead. Either way the guest's bytes are where they were.
-    fn put_back(&self, shared: &Shared, at: crate::addr::HostAddr, len: u64) {
-        // SAFETY: as in `drop_anon`; the guest range is empty (moved out under the lock).
-        let moved = match unsafe { shared.uffd.move_pages(at, self.start(), len, true) } {
-            Ok(_) => len,
-            Err(crate::uffd::UffdError::MovePartial { done, .. }) => done,
-            Err(_) => 0,
-        };
-        if moved < len {
-            // Only the pages that did not move are still here to read.
-            let rest = crate::addr::HostAddr(at.0 + moved);
-            let bytes = &self.bytes()[moved as usize..len as usize];
-            if let Err(e) = shared.uffd.copy_missing(rest, bytes, true) {
-                tracing::error!("cold compression: cannot put a block back at {rest}: {e}");
-            }
-        }
-        self.clear();
     }
 }
