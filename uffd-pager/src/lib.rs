@@ -7,6 +7,7 @@
 //! - [`state`]: the flat per-page state table.
 //! - [`pager`]: [`Pager`](pager::Pager): regions, fault threads, fault resolution.
 //! - [`cold`]: live cold-RAM compression into the memory pool.
+//! - [`discard`]: the one way guest RAM's pages are freed, whatever its kind.
 //! - [`journal`]: a VM's page-state table in a memfd, to outlive a server restart.
 //! - [`limit`]: the resident limit, at which faults and loads are held.
 //! - [`load`]: bringing offloaded RAM back: on faults only, lazily with prefetch, or eagerly.
@@ -23,6 +24,7 @@
 
 pub mod addr;
 pub mod cold;
+pub mod discard;
 pub mod journal;
 pub mod limit;
 pub mod load;

@@ -688,31 +688,11 @@ impl Pager {
             }
             let run = HostRange::new(region.addr_of(start), (page - start) * PAGE_SIZE)
                 .expect("pages of a region");
-            let result = match region.spec.kind {
-                RamKind::Anon => {
-                    // SAFETY: the range is this process's own guest RAM (`can_offload`) whose
-                    // bytes are durable in the store; discarding it makes the next touch
-                    // fault to the pager.
-                    let rc = unsafe {
-                        libc::madvise(
-                            run.start().as_ptr(),
-                            run.len() as usize,
-                            libc::MADV_DONTNEED,
-                        )
-                    };
-                    if rc == 0 {
-                        Ok(())
-                    } else {
-                        Err(std::io::Error::last_os_error())
-                    }
-                }
-                RamKind::Memfd => {
-                    let memfd = region.spec.memfd.as_ref().expect("checked at creation");
-                    let offset = region.spec.memfd_offset + (start - region.first_page) * PAGE_SIZE;
-                    punch_hole(memfd, offset, run.len())
-                }
-                RamKind::Snapshot => unreachable!("refused at the start of the offload"),
-            };
+            let offset = region.spec.memfd_offset + (start - region.first_page) * PAGE_SIZE;
+            let memfd = region.spec.memfd.as_deref().map(|file| (file, offset));
+            // SAFETY: the range is this process's own guest RAM (`can_offload`) whose bytes are
+            // durable in the store; discarding it makes the next touch fault to the pager.
+            let result = unsafe { crate::discard::discard(region.spec.kind, run, memfd) };
             if let Err(source) = result {
                 shared.states.set_range(start..page, PageState::Resident);
                 return Err(OffloadError::Drop {
@@ -748,27 +728,5 @@ enum BatchError {
 impl From<StoreError> for BatchError {
     fn from(e: StoreError) -> Self {
         Self::Store(e)
-    }
-}
-
-/// Frees `len` bytes of `file` at `offset` (memfd RAM, a store's file); the size stays.
-pub fn punch_hole(file: &std::fs::File, offset: u64, len: u64) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let (Ok(offset), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
-        return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
-    };
-    // SAFETY: fallocate on our own descriptor with valid flags.
-    let rc = unsafe {
-        libc::fallocate(
-            file.as_raw_fd(),
-            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-            offset,
-            len,
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
     }
 }

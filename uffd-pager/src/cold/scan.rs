@@ -161,13 +161,8 @@ fn scan(shared: &Shared, cold: &Cold, buf: &mut [u8]) {
                     .expect("pages of a region");
                 // SAFETY: our own shared memfd mapping: the page cache keeps every byte; only
                 // the page-table entries go, and the next access is a MINOR fault to the pager.
-                unsafe {
-                    libc::madvise(
-                        range.start().as_ptr(),
-                        range.len() as usize,
-                        libc::MADV_DONTNEED,
-                    )
-                };
+                // Best effort: a block whose probe failed stays mapped and looks in use.
+                let _ = unsafe { crate::discard::unmap_shared(range) };
             }
             cold.probed.fetch_add(1, Ordering::Relaxed);
             continue;
@@ -245,7 +240,13 @@ fn compress(
             let offset = region.spec.memfd_offset + (pages.start - region.first_page) * PAGE_SIZE;
             shared.states.set_range(pages.clone(), PageState::Pooled);
             // On failure the block is still in the page cache: it stays resident.
-            let punched = crate::offload::punch_hole(memfd, offset, buf.len() as u64).is_ok();
+            let range = HostRange::new(at, buf.len() as u64).expect("a block of the region");
+            // SAFETY: the block's bytes are in the pool, and no access completed since its
+            // probe (checked above): the next touch faults and decompresses them.
+            let punched = unsafe {
+                crate::discard::discard(RamKind::Memfd, range, Some((memfd.as_ref(), offset)))
+            }
+            .is_ok();
             if !punched {
                 shared.states.set_range(pages, PageState::Resident);
             }

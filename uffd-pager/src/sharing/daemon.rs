@@ -527,7 +527,7 @@ impl Inner {
 
     fn drop_page(&self, state: &mut State, page: u64) {
         state.pages.remove(&page);
-        let _ = crate::offload::punch_hole(&self.memfd, page * PAGE, PAGE);
+        let _ = crate::discard::punch_hole(&self.memfd, page * PAGE, PAGE);
         state.stats.dropped += 1;
         state.stats.pool_pages = state.pages.len() as u64;
     }

@@ -5,7 +5,6 @@
 use std::os::unix::fs::FileExt;
 
 use kvm_ioctls::VcpuExit;
-use uffd_pager::pager::RamKind;
 use vm_memory::{Bytes, GuestAddress};
 
 use super::{Machine, MachineError};
@@ -166,27 +165,14 @@ impl Machine {
             errno: source.raw_os_error().unwrap_or(libc::EIO),
             reason: basics::error_chain(&MachineError::Release { gpa, len, source }),
         };
-        let len = usize::try_from(len).expect("inside RAM");
         // The pager learns of the discard first, so that nothing it installs meanwhile
-        // survives it: the pages read as zeros from now on.
+        // survives it: the pages read as zeros from now on (snapshot RAM: its private copies
+        // go, and the range reads as the snapshot's bytes again; free memory has no contents
+        // the guest relies on).
         self.pager.discarded(range);
-        match self.ram.kind() {
-            // Snapshot RAM: its private copies go; the range reads as the snapshot's bytes
-            // again (free memory has no contents the guest relies on).
-            RamKind::Anon | RamKind::Snapshot => {
-                // SAFETY: discarding whole pages of our own guest RAM (checked inside it),
-                // which the guest freed.
-                let rc = unsafe { libc::madvise(range.start().as_ptr(), len, libc::MADV_DONTNEED) };
-                if rc != 0 {
-                    return Err(fail(std::io::Error::last_os_error()));
-                }
-            }
-            RamKind::Memfd => {
-                let memfd = self.ram.memfd().expect("memfd RAM has its memfd");
-                uffd_pager::offload::punch_hole(memfd, gpa, len as u64).map_err(fail)?;
-            }
-        }
-        Ok(())
+        let memfd = self.ram.memfd().map(|file| (&**file, gpa));
+        // SAFETY: whole pages of our own guest RAM (checked inside it), which the guest freed.
+        unsafe { uffd_pager::discard::discard(self.ram.kind(), range, memfd) }.map_err(fail)
     }
 }
 

@@ -72,16 +72,8 @@ pub fn offload_private(
             .expect("pages of RAM");
         // SAFETY: our own guest RAM, paused; its private bytes are durable in the store and
         // `load_private` writes them back before the vCPU runs again.
-        let rc = unsafe {
-            libc::madvise(
-                range.start().as_ptr(),
-                usize::try_from(range.len()).expect("a RAM range"),
-                libc::MADV_DONTNEED,
-            )
-        };
-        if rc != 0 {
-            return Err(io("drop", dir)(std::io::Error::last_os_error()));
-        }
+        unsafe { uffd_pager::discard::discard(uffd_pager::pager::RamKind::Snapshot, range, None) }
+            .map_err(io("drop", dir))?;
     }
     Ok(PrivateOffloadReport {
         private_pages: pages.len() as u64,
