@@ -619,7 +619,9 @@ impl Pager {
     }
 
     /// Drops the resident pages of `blocks` (ascending, durable in the store by now): marks
-    /// each run `Dropping`, discards it, and waits until every page is `Stored`. `batches`:
+    /// each run `Dropping`, discards it, and waits until every page is `Stored` (set here, or
+    /// by the fault threads as they read the discards' events, where the uffd has them).
+    /// `batches`:
     /// committed so far, for the error.
     fn drop_resident(&self, blocks: &[u64], batches: u64) -> Result<u64, OffloadError> {
         let shared = self.shared().as_ref();
@@ -646,19 +648,26 @@ impl Pager {
             }
         }
         if awaiting_events {
+            // The fault threads turn the pages `Stored` as they read the discards' `REMOVE`
+            // events, and say so: checked and waited for under one lock, no signal is missed.
             let deadline = Instant::now() + Duration::from_secs(10);
+            let mut ordered = shared.dropped_lock.lock();
             loop {
-                let left = shared.states.counts().dropping;
+                let left = shared.states.count(PageState::Dropping);
                 if left == 0 {
                     break;
                 }
-                if Instant::now() > deadline {
+                if shared
+                    .dropped
+                    .wait_until(&mut ordered, deadline)
+                    .timed_out()
+                    && shared.states.count(PageState::Dropping) > 0
+                {
                     return Err(OffloadError::DropTimeout {
                         batches,
-                        pages: left,
+                        pages: shared.states.count(PageState::Dropping),
                     });
                 }
-                std::thread::sleep(Duration::from_micros(200));
             }
         }
         Ok(dropped)

@@ -258,13 +258,21 @@ impl Shared {
                 self.metrics.remove_events.fetch_add(1, Ordering::Relaxed);
             }
             let pages = region.first_page + lo..region.first_page + hi;
+            let mut stored = false;
             for page in pages.clone() {
-                if !self
+                if self
                     .states
                     .transition(page, PageState::Dropping, PageState::Stored)
                 {
+                    stored = true;
+                } else {
                     self.states.set(page, PageState::Zero);
                 }
+            }
+            if stored {
+                // An offload waits for these (its own discards' events).
+                let _ordered = self.dropped_lock.lock();
+                self.dropped.notify_all();
             }
             // Released pooled blocks leave the pool at once.
             if let (Some(cold), false) = (self.cold.get(), pages.is_empty()) {

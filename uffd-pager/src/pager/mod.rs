@@ -220,6 +220,10 @@ pub(crate) struct Shared {
     stopping: AtomicBool,
     /// Cold compression, once started.
     pub cold: OnceLock<Cold>,
+    /// Signalled when `REMOVE` events have turned `Dropping` pages into `Stored` (an offload
+    /// waits on it for the events of its own discards; `dropped_lock` orders the two).
+    pub(crate) dropped: parking_lot::Condvar,
+    pub(crate) dropped_lock: Mutex<()>,
     pub on_error: ErrorHandler,
     /// Where `states` lives when it must outlive the process; its read marker brackets every
     /// read of events until the read's discards are in the table.
@@ -422,6 +426,8 @@ impl Pager {
             signal,
             stopping: AtomicBool::new(false),
             cold: OnceLock::new(),
+            dropped: parking_lot::Condvar::new(),
+            dropped_lock: Mutex::new(()),
             on_error,
             journal,
         });
