@@ -30,12 +30,12 @@ pub fn markdown(results: &Results, verdicts: &[Verdict], cx: &Context<'_>) -> St
         cx.run.generated("agent_waits_report", s.runs)
     );
     summary(&mut t, results, cx);
-    t.push_str(
-        "## Targets (issue 7)\n\n| target | figure: median (min–max) over the rounds | result |\n|---|---|---|\n",
-    );
-    for v in verdicts {
-        let _ = writeln!(t, "| {} | {} | {} |", v.target, v.figure, v.result);
-    }
+    t.push_str(&crate::common::verdict::table(
+        "Targets (issue 7)",
+        "figure: median (min–max) over the rounds",
+        verdicts,
+        false,
+    ));
     let _ = writeln!(
         t,
         "\nA target is judged on the median of the per-round figures with {} (a ratio is computed within a \

@@ -74,12 +74,7 @@ pub fn median_round(results: &Results, settings: &Settings) -> usize {
         .map_or(0, |(round, _)| round)
 }
 
-#[derive(Debug)]
-pub struct Verdict {
-    pub target: String,
-    pub figure: String,
-    pub result: &'static str,
-}
+pub use crate::common::verdict::Verdict;
 
 /// `**PASS**` / `**FAIL**` for a judged target, `meets` / `misses` for information.
 fn result(judged: bool, measured: bool, ok: bool) -> &'static str {

@@ -114,10 +114,12 @@ pub fn markdown(results: &Results, verdicts: &[Verdict], cx: &Context<'_>) -> St
         secs(s.idle),
         VARIANTS.map(variant_text).join("; ")
     );
-    t.push_str("## Targets (issue 5)\n\n| target | figure: median (min–max) over the rounds | result |\n|---|---|---|\n");
-    for v in verdicts {
-        let _ = writeln!(t, "| {} | {} | {} |", v.target, v.figure, v.result);
-    }
+    t.push_str(&crate::common::verdict::table(
+        "Targets (issue 5)",
+        "figure: median (min–max) over the rounds",
+        verdicts,
+        false,
+    ));
     t.push_str(
         "\nA memory target is judged on the median of the per-round changes (the cold VM over the default VM of \
          the same case in the same round, measured minutes apart at most); the figure says in how many rounds it \

@@ -74,11 +74,7 @@ pub fn derive(results: &mut Results) {
     }
 }
 
-pub struct Verdict {
-    pub target: String,
-    pub figure: String,
-    pub result: &'static str,
-}
+pub use crate::common::verdict::Verdict;
 
 /// The verdict; in plain type for a variant the targets are not judged on.
 fn result(variant: Variant, measured: bool, ok: bool) -> &'static str {

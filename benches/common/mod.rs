@@ -8,6 +8,7 @@
 //!   of the tables (`num`, `signed`, `fig`: `median (min–max)`);
 //! - `svg`: the pieces of the charts (log axis, 1-2-5 grid, panels of labelled rows, a linear
 //!   axis from zero, a line chart over two linear axes with its legend);
+//! - `verdict`: a target judged, and the reports' table of targets;
 //! - `vmproc`: the real `pvisor` VM process (start, control-socket requests, stop) and the
 //!   freshness check of `target/release/pvisor`.
 //!
@@ -29,6 +30,7 @@ pub mod host;
 pub mod replay;
 pub mod results;
 pub mod svg;
+pub mod verdict;
 pub mod vmproc;
 
 use std::error::Error;

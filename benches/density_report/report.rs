@@ -23,14 +23,7 @@ pub struct Context<'a> {
     pub cpu_method: String,
 }
 
-/// One target of the issue, judged.
-#[derive(Debug)]
-pub struct Verdict {
-    pub target: String,
-    pub figure: String,
-    /// `met`, `missed` or `not measured`.
-    pub result: &'static str,
-}
+pub use crate::common::verdict::Verdict;
 
 /// `512 MiB`.
 pub fn size_text(bytes: u64) -> String {
@@ -444,10 +437,12 @@ pub fn markdown(targets: &[Verdict], cx: &Context<'_>) -> String {
         s.sweep.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "),
         arrivals_text(s)
     );
-    t.push_str("## Targets (issue 13)\n\n| target | figure | result |\n|---|---|---|\n");
-    for v in targets {
-        let _ = writeln!(t, "| {} | {} | {} |", v.target, v.figure, v.result);
-    }
+    t.push_str(&crate::common::verdict::table(
+        "Targets (issue 13)",
+        "figure",
+        targets,
+        false,
+    ));
     t.push('\n');
     if s.rounds < 3 {
         let _ = writeln!(

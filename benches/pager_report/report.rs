@@ -89,10 +89,9 @@ pub fn markdown(results: &Results, verdicts: &[Verdict], context: &Context<'_>) 
 }
 
 fn targets(out: &mut String, verdicts: &[Verdict]) {
-    out.push_str("## Targets\n\n| target | figure | result |\n|---|---|---|\n");
-    for v in verdicts {
-        let _ = writeln!(out, "| {} | {} | **{}** |", v.target, v.figure, v.result);
-    }
+    out.push_str(&crate::common::verdict::table(
+        "Targets", "figure", verdicts, true,
+    ));
     out.push_str(
         "\nA target passes when the median of the per-run ratios meets it; the figure says in how many \
          runs it was met, and a target met in only some runs is not met reliably, whatever the verdict. \

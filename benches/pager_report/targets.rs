@@ -52,11 +52,7 @@ pub fn derive(results: &mut Results, settings: &Settings) {
     }
 }
 
-pub struct Verdict {
-    pub target: String,
-    pub figure: String,
-    pub result: &'static str,
-}
+pub use crate::common::verdict::Verdict;
 
 /// "1.23× (median of 5; min 1.1, max 1.4; 4 of 5 runs meet it)".
 fn ratio_figure(results: &Results, key: &str, ok: &dyn Fn(f64) -> bool) -> String {

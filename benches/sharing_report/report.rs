@@ -50,12 +50,12 @@ pub fn markdown(results: &Results, verdicts: &[Verdict], cx: &Context<'_>) -> St
         cx.run.elapsed_s()
     );
     summary(&mut t, results, s, &modes);
-    t.push_str(
-        "## Targets (issue 6)\n\n| target | figure: median (min–max) over the rounds | result |\n|---|---|---|\n",
-    );
-    for v in verdicts {
-        let _ = writeln!(t, "| {} | {} | {} |", v.target, v.figure, v.result);
-    }
+    t.push_str(&crate::common::verdict::table(
+        "Targets (issue 6)",
+        "figure: median (min–max) over the rounds",
+        verdicts,
+        false,
+    ));
     t.push_str(
         "\nA target is judged on the median of the per-round figures (a saving is computed within a round: the \
          mode against the unshared group of the same content, minutes apart at most); the figure says in how \

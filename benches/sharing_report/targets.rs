@@ -90,12 +90,7 @@ pub fn restored(results: &Results, mode: Mode) -> (usize, usize) {
     (restored, checked)
 }
 
-#[derive(Debug)]
-pub struct Verdict {
-    pub target: String,
-    pub figure: String,
-    pub result: &'static str,
-}
+pub use crate::common::verdict::Verdict;
 
 fn result(measured: bool, ok: bool) -> &'static str {
     match (measured, ok) {

@@ -145,14 +145,9 @@ fn header(out: &mut String, context: &Context<'_>) {
 }
 
 fn targets(out: &mut String, results: &Results, verdicts: &[Verdict]) {
-    out.push_str("## Targets\n\n| target | figure | result |\n|---|---|---|\n");
-    for verdict in verdicts {
-        let _ = writeln!(
-            out,
-            "| {} | {} | **{}** |",
-            verdict.target, verdict.figure, verdict.result
-        );
-    }
+    out.push_str(&crate::common::verdict::table(
+        "Targets", "figure", verdicts, true,
+    ));
     out.push_str(
         "\nA speed or cost target passes when the median of the per-run ratios meets it (the \
          figure says in how many runs it is met; a target met in only some runs is not met \

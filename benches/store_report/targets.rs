@@ -11,11 +11,7 @@ use crate::plan::{
 use crate::report::bytes;
 use crate::results::Results;
 
-pub struct Verdict {
-    pub target: String,
-    pub figure: String,
-    pub result: &'static str,
-}
+pub use crate::common::verdict::Verdict;
 
 fn pass(ok: bool) -> &'static str {
     if ok {

@@ -92,10 +92,12 @@ pub fn markdown(results: &Results, verdicts: &[Verdict], cx: &Context<'_>) -> St
         s.app >> 20,
         s.seed
     );
-    t.push_str("## Targets (issue 4)\n\n| target | figure: median (min–max) over the runs | result |\n|---|---|---|\n");
-    for v in verdicts {
-        let _ = writeln!(t, "| {} | {} | {} |", v.target, v.figure, v.result);
-    }
+    t.push_str(&crate::common::verdict::table(
+        "Targets (issue 4)",
+        "figure: median (min–max) over the runs",
+        verdicts,
+        false,
+    ));
     t.push_str(
         "\nA ratio target passes when the median of the per-run ratios meets it for both contents \
          (the figure says in how many runs it is met); a size target is judged on the largest run. \

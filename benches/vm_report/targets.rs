@@ -4,11 +4,7 @@ use crate::report::fig;
 use crate::results::Results;
 use crate::{Codec, Content, Settings};
 
-pub struct Verdict {
-    pub target: String,
-    pub figure: String,
-    pub result: &'static str,
-}
+pub use crate::common::verdict::Verdict;
 
 pub const RATIO_TARGET: f64 = 1.3;
 pub const PSS_TARGET_MIB: f64 = 4.0;
