@@ -501,7 +501,7 @@ impl Shared {
             let message = match lines.next::<FromGovernor>(&mut input) {
                 Ok(message) => message,
                 Err(LineError::Timeout) => continue,
-                Err(e) => return e.to_string(),
+                Err(e) => return basics::error_chain(&e),
             };
             match message {
                 FromGovernor::Welcome { .. } => {

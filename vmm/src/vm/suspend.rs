@@ -115,12 +115,12 @@ impl Vm {
             .ok_or_else(|| fail("nothing was offloaded".into()))?;
         let mountpoint = self.options.store_dir.with_extension("view");
         compressed_backing::file::create_private_dir(&mountpoint)
-            .map_err(|e| fail(e.to_string()))?;
+            .map_err(|e| fail(basics::error_chain(&e)))?;
         let mounted = fuse::mount_reader(reader, &mountpoint, &FuseOptions::default())
             .map_err(|e| fail(basics::error_chain(&e)))?;
         if let Err(e) = std::os::unix::fs::symlink(mounted.file_path(), path) {
             let _ = mounted.unmount();
-            return Err(fail(e.to_string()));
+            return Err(fail(basics::error_chain(&e)));
         }
         self.ram_view = Some(RamView {
             mounted,
