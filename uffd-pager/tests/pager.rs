@@ -118,6 +118,18 @@ fn pager(ram: &Ram, config: PagerConfig) -> Pager {
     }
 }
 
+/// A pager that is told of discards by its caller, not by `REMOVE` events (what cold
+/// compression needs, as in the VMM).
+fn pager_without_remove_events(ram: &Ram) -> Pager {
+    pager(
+        ram,
+        PagerConfig {
+            remove_events: false,
+            ..PagerConfig::default()
+        },
+    )
+}
+
 /// Fills `bytes` with a pattern: random-looking in the first half of each MiB, repeated in
 /// the rest, some untouched zero pages.
 fn fill(bytes: &mut [u8], seed: u64) {
@@ -441,13 +453,7 @@ fn pager_offload_of_pooled_blocks_that_fails_half_way_keeps_the_committed_ones_s
     // image (about 512 KiB stored each) onto a 2 MiB disk: a few batches fit, not all.
     let small = testkit::Tmpfs::mount("2m");
     let mut ram = Ram::memfd(8 * MIB);
-    let pager = pager(
-        &ram,
-        PagerConfig {
-            remove_events: false,
-            ..PagerConfig::default()
-        },
-    );
+    let pager = pager_without_remove_events(&ram);
     let mut state = 7u64;
     for page in ram.bytes_mut().chunks_mut(PAGE_SIZE as usize) {
         for b in &mut page[..PAGE_SIZE as usize / 2] {
@@ -508,13 +514,7 @@ fn pager_cold_compression_order_takes_ram_cold_for_its_shorter_age_then_lapses()
     // A memory governor's order to a running VM: its cold compression, with a cold age of a
     // minute, compresses what has been cold for 50 ms, for a while, then goes back to its own.
     let mut ram = Ram::memfd(8 * MIB);
-    let pager = pager(
-        &ram,
-        PagerConfig {
-            remove_events: false,
-            ..PagerConfig::default()
-        },
-    );
+    let pager = pager_without_remove_events(&ram);
     fill(ram.bytes_mut(), 5);
     let expect = ram.bytes().to_vec();
     let handle = pager.resident_handle();
