@@ -111,11 +111,7 @@ impl Variant {
     }
 
     pub fn ram_name(self) -> &'static str {
-        match self.ram {
-            RamKind::Anon => "anon",
-            RamKind::Memfd => "memfd",
-            RamKind::Snapshot => "snapshot",
-        }
+        self.ram.name()
     }
 
     /// `anon RAM` / `memfd RAM + cold compression`.

@@ -1,5 +1,8 @@
 //! Helpers shared by the device tests of every crate: the device check, a small tmpfs to run
-//! out of space on, deterministic test data, and hostile files: FIFOs, modes, another user.
+//! out of space on, deterministic test data, and hostile files: FIFOs, modes, another user;
+//! huge pages lent for a test ([`hugepages`]).
+
+pub mod hugepages;
 
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;

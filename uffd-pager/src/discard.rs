@@ -3,9 +3,12 @@
 //! free-page reports and for a restored VM's private copies).
 //!
 //! How depends on the RAM's kind: a private mapping (anon RAM, a snapshot image's private
-//! copies) drops its pages with `MADV_DONTNEED`: anon RAM reads as zeros afterwards, a private
-//! file mapping as the file's bytes again. memfd RAM frees them from the file with a punched
-//! hole (which also unmaps them): it reads as zeros afterwards. The page states are the
+//! copies, private hugetlb RAM) drops its pages with `MADV_DONTNEED`: anon RAM reads as zeros
+//! afterwards, a private file mapping as the file's bytes again. memfd RAM (of base or huge
+//! pages) frees them from the file with a punched hole (which also unmaps them): it reads as
+//! zeros afterwards. Huge pages are discarded whole: a range that is not a whole number of
+//! them is refused, never rounded (see [`inward`]). Freed huge pages go back to the kernel's
+//! huge-page pool, and from there to the host where they were surplus pages. The page states are the
 //! caller's to change, before or after as its own invariant says (`Pager::discarded` first for
 //! a discard the pager must not race; `Dropping` first for an offload).
 
@@ -26,16 +29,42 @@ pub unsafe fn discard(
     range: HostRange,
     memfd: Option<(&File, u64)>,
 ) -> std::io::Result<()> {
+    let page = kind.page_size();
+    if !page.is_aligned(range.start().0) || !page.is_aligned(range.len()) {
+        // The kernel would round a huge-page range (or refuse it): the caller's page states
+        // would no longer say what is mapped.
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "{} RAM is discarded in whole {}-byte pages",
+                kind.name(),
+                page.bytes()
+            ),
+        ));
+    }
     match (kind, memfd) {
-        (RamKind::Memfd, Some((file, offset))) => punch_hole(file, offset, range.len()),
-        (RamKind::Memfd, None) => Err(std::io::Error::new(
+        (RamKind::Memfd | RamKind::HugetlbMemfd, Some((file, offset))) => {
+            punch_hole(file, offset, range.len())
+        }
+        (RamKind::Memfd | RamKind::HugetlbMemfd, None) => Err(std::io::Error::new(
             std::io::ErrorKind::InvalidInput,
             "memfd RAM is discarded through its file",
         )),
         // SAFETY: the caller vouches for the range: this process's own guest RAM, whose bytes
         // nothing needs.
-        (RamKind::Anon | RamKind::Snapshot, _) => unsafe { dont_need(range) },
+        (RamKind::Anon | RamKind::Snapshot | RamKind::Hugetlb, _) => unsafe { dont_need(range) },
     }
+}
+
+/// The part of `range` that covers whole pages of `page` bytes (`None` if it covers none):
+/// what a free-page report of RAM of that page size can drop without touching bytes it did
+/// not report.
+pub fn inward(range: HostRange, page: basics::PageSize) -> Option<HostRange> {
+    let start = page.align_up(range.start().0)?;
+    let end = page.align_down(range.end().0);
+    (start < end)
+        .then(|| HostRange::new(crate::addr::HostAddr(start), end - start).ok())
+        .flatten()
 }
 
 /// Unmaps the pages of `range`, a shared mapping of memfd RAM, keeping every byte in the file:

@@ -711,7 +711,8 @@ impl Pager {
                     source,
                 });
             }
-            if region.spec.kind == RamKind::Anon && shared.remove_events {
+            if matches!(region.spec.kind, RamKind::Anon | RamKind::Hugetlb) && shared.remove_events
+            {
                 // The fault threads turn these into `Stored` when they read the event.
                 awaiting_events = true;
             } else {

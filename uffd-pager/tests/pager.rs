@@ -27,10 +27,12 @@ fn skip() -> bool {
     testkit::skip_unless(&["/dev/userfaultfd"])
 }
 
-/// Guest RAM for a test: an anonymous or memfd mapping, unmapped on drop (after the pager).
+/// Guest RAM for a test: an anonymous or memfd mapping, of base or huge pages, unmapped on
+/// drop (after the pager).
 struct Ram {
     map: Mapping,
     memfd: Option<Arc<File>>,
+    kind: RamKind,
 }
 
 impl Ram {
@@ -38,21 +40,49 @@ impl Ram {
         Self {
             map: Mapping::anon(len),
             memfd: None,
+            kind: RamKind::Anon,
+        }
+    }
+
+    /// Private anonymous 2 MiB huge pages, taken from the pool as they are touched.
+    fn hugetlb(len: usize) -> Self {
+        let flags = libc::MAP_PRIVATE
+            | libc::MAP_ANONYMOUS
+            | libc::MAP_NORESERVE
+            | libc::MAP_HUGETLB
+            | libc::MAP_HUGE_2MB;
+        Self {
+            map: Mapping::new(len, libc::PROT_READ | libc::PROT_WRITE, flags, None).unwrap(),
+            memfd: None,
+            kind: RamKind::Hugetlb,
         }
     }
 
     fn memfd(len: usize) -> Self {
+        Self::shared(len, 0, RamKind::Memfd)
+    }
+
+    /// A shared memfd of 2 MiB huge pages.
+    fn hugetlb_memfd(len: usize) -> Self {
+        Self::shared(
+            len,
+            libc::MFD_HUGETLB | libc::MFD_HUGE_2MB,
+            RamKind::HugetlbMemfd,
+        )
+    }
+
+    fn shared(len: usize, flags: libc::c_uint, kind: RamKind) -> Self {
         // SAFETY: creating and sizing our own memfd, mapping it shared, all checked; the
         // mapping is handed to `Mapping`, which alone unmaps it.
         unsafe {
-            let fd = libc::memfd_create(c"guest-ram".as_ptr(), libc::MFD_CLOEXEC);
+            let fd = libc::memfd_create(c"guest-ram".as_ptr(), libc::MFD_CLOEXEC | flags);
             assert!(fd >= 0);
             assert_eq!(libc::ftruncate(fd, libc::off_t::try_from(len).unwrap()), 0);
             let ptr = libc::mmap(
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
+                libc::MAP_SHARED | libc::MAP_NORESERVE,
                 fd,
                 0,
             );
@@ -60,17 +90,14 @@ impl Ram {
             Self {
                 map: Mapping::from_raw(ptr.cast(), len),
                 memfd: Some(Arc::new(File::from_raw_fd(fd))),
+                kind,
             }
         }
     }
 
     fn spec(&self) -> RegionSpec {
         RegionSpec {
-            kind: if self.memfd.is_some() {
-                RamKind::Memfd
-            } else {
-                RamKind::Anon
-            },
+            kind: self.kind,
             range: HostRange::new(HostAddr::from_ptr(self.map.as_ptr()), self.map.len() as u64)
                 .unwrap(),
             image_offset: 0,
@@ -738,4 +765,163 @@ fn pager_events_outside_regions_are_ignored_and_reported() {
     assert_eq!(pager.page_state(0), PageState::Resident);
     assert!(ram.bytes()[..MIB].iter().all(|&b| b == 0));
     drop(pager);
+}
+
+/// A pager for huge-page RAM: 2 MiB blocks (a block holds whole huge pages).
+fn huge_pager(ram: &Ram, remove_events: bool) -> Pager {
+    pager(
+        ram,
+        PagerConfig {
+            block_size: compressed_backing::BlockSize::new(2 * MIB as u64).unwrap(),
+            remove_events,
+            threads: 2,
+            ..PagerConfig::default()
+        },
+    )
+}
+
+#[test]
+fn pager_serves_huge_pages_whole_and_offloads_them_back_to_the_host() {
+    if skip() {
+        return;
+    }
+    const RAM: usize = 32 * MIB;
+    const HUGE: u64 = (RAM / (2 * MIB)) as u64;
+    let _lent = testkit::hugepages::HugePages::lend(HUGE + 4);
+    let surplus_before = testkit::hugepages::pool_count("surplus_hugepages");
+    for (make, remove_events, codec, mode) in [
+        (
+            Ram::hugetlb as fn(usize) -> Ram,
+            true,
+            Codec::Lz4,
+            LoadMode::Lazy,
+        ),
+        (Ram::hugetlb, false, Codec::None, LoadMode::Eager),
+        (Ram::hugetlb_memfd, false, Codec::Lz4, LoadMode::Faults),
+        (Ram::hugetlb_memfd, false, Codec::None, LoadMode::Lazy),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut ram = make(RAM);
+        let kind = ram.kind;
+        let pager = huge_pager(&ram, remove_events);
+        fill(ram.bytes_mut(), 11);
+        let digest = ram.digest();
+        let m = pager.metrics().snapshot();
+        // One fault per huge page, each a whole huge page of copied zeros (no zero page).
+        assert_eq!(m.faults_zero, HUGE, "{kind:?}: {m:?}");
+        assert_eq!(m.zero_pages, RAM as u64 / PAGE_SIZE, "{kind:?}");
+        assert_eq!(ram.resident(), RAM, "{kind:?}");
+        assert_eq!(
+            testkit::hugepages::pool_count("surplus_hugepages"),
+            surplus_before + HUGE,
+            "{kind:?}: the pool lent one huge page per huge page touched"
+        );
+
+        let report = pager.offload(&offload_config(dir.path(), codec)).unwrap();
+        assert_eq!(report.pages_dropped, RAM as u64 / PAGE_SIZE, "{kind:?}");
+        assert_eq!(report.blocks_written, HUGE, "{kind:?}: {report:?}");
+        assert_eq!(ram.resident(), 0, "{kind:?}");
+        // The huge pages went back to the host, not only to the pool.
+        assert_eq!(
+            testkit::hugepages::pool_count("surplus_hugepages"),
+            surplus_before,
+            "{kind:?}"
+        );
+
+        let load = pager.load(mode, 2).unwrap();
+        assert_eq!(load.blocks, HUGE, "{kind:?}");
+        match mode {
+            LoadMode::Eager => assert_eq!(load.pages_installed, RAM as u64 / PAGE_SIZE),
+            LoadMode::Lazy => pager.wait_prefetch(),
+            LoadMode::Faults => {}
+        }
+        let faults_before = pager.metrics().snapshot().faults_copy;
+        assert_eq!(ram.digest(), digest, "{kind:?} {codec} {mode:?}");
+        let m = pager.metrics().snapshot();
+        if mode == LoadMode::Faults {
+            // At most one synchronous fault per huge page brought back.
+            assert_eq!(m.faults_copy - faults_before, HUGE, "{kind:?}: {m:?}");
+        }
+        assert_eq!(m.fault_errors, 0, "{kind:?}");
+        assert_eq!(pager.state_counts().resident, RAM as u64 / PAGE_SIZE);
+        drop(pager);
+        drop(ram);
+        assert_eq!(
+            testkit::hugepages::pool_count("surplus_hugepages"),
+            surplus_before
+        );
+    }
+}
+
+#[test]
+fn pager_refuses_huge_page_regions_it_could_not_keep_whole() {
+    if skip() {
+        return;
+    }
+    let _lent = testkit::hugepages::HugePages::lend(2);
+    let ram = Ram::hugetlb(4 * MIB);
+    // 64 KiB blocks would cut huge pages apart.
+    // SAFETY: `ram` outlives the attempt.
+    let small_blocks = unsafe {
+        Pager::new(
+            vec![ram.spec()],
+            PagerConfig::default(),
+            None,
+            Box::new(|_| {}),
+        )
+    };
+    let error = small_blocks.unwrap_err().to_string();
+    assert!(error.contains("larger than the pager's"), "{error}");
+    // A region that starts half-way into the image's huge page.
+    let mut spec = ram.spec();
+    spec.image_offset = 64 << 10;
+    // SAFETY: as above.
+    let misaligned = unsafe {
+        Pager::new(
+            vec![spec],
+            PagerConfig {
+                block_size: compressed_backing::BlockSize::new(2 * MIB as u64).unwrap(),
+                ..PagerConfig::default()
+            },
+            None,
+            Box::new(|_| {}),
+        )
+    };
+    let error = misaligned.unwrap_err().to_string();
+    assert!(error.contains("not aligned"), "{error}");
+}
+
+#[test]
+fn pager_discard_of_huge_page_ram_drops_whole_huge_pages_only() {
+    if skip() {
+        return;
+    }
+    let _lent = testkit::hugepages::HugePages::lend(4);
+    let mut ram = Ram::hugetlb(8 * MIB);
+    let pager = huge_pager(&ram, false);
+    fill(ram.bytes_mut(), 13);
+    let expect = ram.bytes().to_vec();
+    let base = HostAddr::from_ptr(ram.map.as_ptr());
+    // A report of 1 MiB to 5 MiB covers one whole huge page (2 to 4 MiB), and parts of two.
+    let reported = HostRange::new(HostAddr(base.0 + MIB as u64), 4 * MIB as u64).unwrap();
+    let whole = uffd_pager::discard::inward(reported, basics::PageSize::HUGE).unwrap();
+    assert_eq!(whole.start().0, base.0 + 2 * MIB as u64);
+    assert_eq!(whole.len(), 2 * MIB as u64);
+    // A range that is not whole huge pages is refused, never rounded.
+    // SAFETY: our own RAM, whose bytes the test no longer needs where it is dropped.
+    let refused = unsafe { uffd_pager::discard::discard(RamKind::Hugetlb, reported, None) };
+    assert!(refused.is_err());
+    pager.discarded(whole);
+    // SAFETY: as above.
+    unsafe { uffd_pager::discard::discard(RamKind::Hugetlb, whole, None) }.unwrap();
+    assert_eq!(pager.page_state(2 * MIB as u64), PageState::Zero);
+    assert_eq!(
+        pager.page_state(2 * MIB as u64 - PAGE_SIZE),
+        PageState::Resident
+    );
+    let bytes = ram.bytes();
+    assert!(bytes[2 * MIB..4 * MIB].iter().all(|&b| b == 0));
+    assert!(bytes[..2 * MIB] == expect[..2 * MIB]);
+    assert!(bytes[4 * MIB..] == expect[4 * MIB..]);
+    assert_eq!(pager.metrics().snapshot().fault_errors, 0);
 }

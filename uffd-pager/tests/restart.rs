@@ -653,6 +653,7 @@ fn restart_fault_read_and_pages_installed_by_the_dead_server_are_served() {
             .copy_missing(
                 HostAddr(base + 64 * PAGE_SIZE),
                 &data[64 * page..128 * page],
+                basics::PageSize::BASE,
                 false,
             )
             .unwrap();

@@ -137,7 +137,11 @@ fn uffd_copy_over_a_mapped_page_reports_already_mapped() {
     assert_eq!(mem.read(2 * PAGE_SIZE as usize), 7);
     // `copy_missing` fills the holes of a partly mapped range and leaves the rest alone.
     let four = vec![3u8; 4 * PAGE_SIZE as usize];
-    assert_eq!(uffd.copy_missing(start, &four, true).unwrap(), PAGE_SIZE);
+    assert_eq!(
+        uffd.copy_missing(start, &four, basics::PageSize::BASE, true)
+            .unwrap(),
+        PAGE_SIZE
+    );
     assert_eq!(
         (0..4)
             .map(|p| mem.read(p * PAGE_SIZE as usize))
@@ -300,8 +304,13 @@ fn uffd_written_pages_and_move_on_write_tracked_anon() {
         .map(|i| (i / 4096 * 7 + i % 251) as u8)
         .collect();
     assert_eq!(
-        uffd.copy_missing(guest.range().start(), &pattern, true)
-            .unwrap(),
+        uffd.copy_missing(
+            guest.range().start(),
+            &pattern,
+            basics::PageSize::BASE,
+            true
+        )
+        .unwrap(),
         guest.len() as u64
     );
     let mut written = uffd_pager::pagemap::WrittenPages::open().unwrap();

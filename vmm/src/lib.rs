@@ -6,8 +6,10 @@
 //! - [`gateway`]: the model gateway: a VM's model requests over HTTP, answers kept until taken.
 //! - [`governor`]: the memory governor: many VMs inside one host memory budget.
 //! - [`guest`]: the workload guest's binary, layout, mailbox and digest.
+//! - [`hugepages`]: the host's pool of 2 MiB huge pages, checked before hugetlb RAM is mapped.
 //! - [`machine`]: one VM: RAM, pager, vCPU, block device; runs commands.
-//! - [`memory`]: guest RAM (anon, memfd, or a snapshot image mapped privately).
+//! - [`memory`]: guest RAM (anon, memfd, hugetlb, hugetlb-memfd, or a snapshot image mapped
+//!   privately).
 //! - [`operator`]: operator requests that reach a VM while it waits for the model.
 //! - [`replay`]: trajectories and the local model server that replays them.
 //! - [`runtime`]: the runtime directory, job ids and identities.
@@ -28,6 +30,7 @@ pub mod dedup;
 pub mod gateway;
 pub mod governor;
 pub mod guest;
+pub mod hugepages;
 pub mod machine;
 pub mod memory;
 pub mod operator;

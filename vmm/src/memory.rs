@@ -1,13 +1,21 @@
 //! Guest RAM: one mapping of the configured size, private anonymous (`anon`, the default), a
-//! shared memfd (`memfd`), or a private mapping of a sealed snapshot image (`snapshot`: the
-//! image's page cache is shared by every VM restored from it; a write makes a private copy),
-//! through vm-memory.
+//! shared memfd (`memfd`), private anonymous or a shared memfd of 2 MiB huge pages (`hugetlb`,
+//! `hugetlb-memfd`), or a private mapping of a sealed snapshot image (`snapshot`: the image's
+//! page cache is shared by every VM restored from it; a write makes a private copy), through
+//! vm-memory.
+//!
+//! Huge-page RAM is mapped without a reservation (`MAP_NORESERVE`): a huge page is taken from
+//! the kernel's pool when the guest first touches it and given back when the pager drops it,
+//! so that a VM holds only the huge pages it uses, and surplus pages
+//! (`nr_overcommit_hugepages`) go back to the host. The pool is checked first
+//! ([`crate::hugepages::HugePool::check`]).
 
 use std::fs::File;
 use std::sync::Arc;
 
 use uffd_pager::addr::{HostAddr, HostRange};
 use uffd_pager::pager::{RamKind, RegionSpec};
+use vm_memory::mmap::MmapRegionBuilder;
 use vm_memory::{
     FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestRegionMmap, MmapRegion,
 };
@@ -24,6 +32,9 @@ pub enum MemoryError {
         #[source]
         source: std::io::Error,
     },
+    /// The host's huge-page pool cannot hold this RAM.
+    #[error(transparent)]
+    HugePages(#[from] crate::hugepages::HugePoolError),
     /// The mapping failed.
     #[error("cannot map {size} bytes of guest RAM")]
     Map {
@@ -79,7 +90,48 @@ impl GuestRam {
         })?;
         let map_err =
             |e: Box<dyn std::error::Error + Send + Sync>| MemoryError::Map { size, source: e };
+        if kind.is_hugetlb() {
+            let page = kind.page_size();
+            if !page.is_aligned(size) {
+                return Err(map_err(
+                    format!(
+                        "{} RAM is a whole number of {} pages",
+                        kind.name(),
+                        basics::format_bytes(page.bytes())
+                    )
+                    .into(),
+                ));
+            }
+            crate::hugepages::HugePool::read()?.check(size / page.bytes())?;
+        }
         let (memory, memfd) = match kind {
+            RamKind::Hugetlb => (
+                one_region(
+                    MmapRegionBuilder::new(len)
+                        .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+                        .with_mmap_flags(
+                            libc::MAP_ANONYMOUS
+                                | libc::MAP_PRIVATE
+                                | libc::MAP_NORESERVE
+                                | libc::MAP_HUGETLB
+                                | libc::MAP_HUGE_2MB,
+                        )
+                        .with_hugetlbfs(true)
+                        .build(),
+                )
+                .map_err(map_err)?,
+                None,
+            ),
+            RamKind::HugetlbMemfd => {
+                let file = Arc::new(memfd(size, libc::MFD_HUGETLB | libc::MFD_HUGE_2MB)?);
+                let region = MmapRegionBuilder::new(len)
+                    .with_file_offset(FileOffset::from_arc(Arc::clone(&file), 0))
+                    .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+                    .with_mmap_flags(libc::MAP_SHARED | libc::MAP_NORESERVE)
+                    .with_hugetlbfs(true)
+                    .build();
+                (one_region(region).map_err(map_err)?, Some(file))
+            }
             RamKind::Anon => (
                 GuestMemoryMmap::from_ranges(&[(GuestAddress(0), len)])
                     .map_err(|e| map_err(e.into()))?,
@@ -91,7 +143,7 @@ impl GuestRam {
                 ))
             }
             RamKind::Memfd => {
-                let file = memfd(size)?;
+                let file = memfd(size, 0)?;
                 let file = Arc::new(file);
                 let region = MmapRegion::from_file(FileOffset::from_arc(Arc::clone(&file), 0), len)
                     .map_err(|e| map_err(e.into()))?;
@@ -213,11 +265,21 @@ impl GuestRam {
     }
 }
 
-fn memfd(size: u64) -> Result<File, MemoryError> {
+/// Guest memory of one region at guest-physical 0, from a mapping just made.
+fn one_region(
+    region: Result<MmapRegion, vm_memory::mmap::MmapRegionError>,
+) -> Result<GuestMemoryMmap, Box<dyn std::error::Error + Send + Sync>> {
+    let region = GuestRegionMmap::new(region?, GuestAddress(0))
+        .ok_or("the region does not fit the address space")?;
+    Ok(GuestMemoryMmap::from_regions(vec![region])?)
+}
+
+/// A memfd of `size` bytes for guest RAM, with `flags` beside `MFD_CLOEXEC`.
+fn memfd(size: u64, flags: libc::c_uint) -> Result<File, MemoryError> {
     use std::os::fd::FromRawFd;
     let fail = |source| MemoryError::Memfd { size, source };
     // SAFETY: memfd_create with a valid name; the result is checked.
-    let fd = unsafe { libc::memfd_create(c"pvisor-guest-ram".as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe { libc::memfd_create(c"pvisor-guest-ram".as_ptr(), libc::MFD_CLOEXEC | flags) };
     if fd < 0 {
         return Err(fail(std::io::Error::last_os_error()));
     }

@@ -1,5 +1,9 @@
 //! What a VM costs the host: PSS of the whole process and of the guest-RAM mapping
 //! (`/proc/self/smaps_rollup`, `/proc/self/smaps`), and its memory cgroup's usage.
+//!
+//! Huge pages of hugetlb RAM are not in a mapping's PSS (smaps counts them apart, as
+//! `Private_Hugetlb` and `Shared_Hugetlb`) nor charged to a v1 memory cgroup: every PSS here
+//! adds them, whole, so that what a VM of huge pages holds is seen like any other VM's.
 
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
@@ -12,7 +16,8 @@ pub fn process_pss() -> std::io::Result<u64> {
     process_pss_of(None)
 }
 
-/// PSS of a whole process (`None`: this one), bytes, from its `smaps_rollup`.
+/// PSS of a whole process (`None`: this one), bytes, from its `smaps_rollup`, with its
+/// hugetlb pages.
 pub fn process_pss_of(pid: Option<u32>) -> std::io::Result<u64> {
     let process = match pid {
         Some(pid) => i32::try_from(pid)
@@ -23,20 +28,26 @@ pub fn process_pss_of(pid: Option<u32>) -> std::io::Result<u64> {
     let rollup = process
         .and_then(|p| p.smaps_rollup())
         .map_err(std::io::Error::other)?;
-    rollup
-        .memory_map_rollup
-        .iter()
-        .find_map(|map| map.extension.map.get("Pss").copied())
-        .ok_or_else(|| {
-            std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                "smaps_rollup has no `Pss:` line",
-            )
-        })
+    let field = |name: &str| {
+        rollup
+            .memory_map_rollup
+            .iter()
+            .find_map(|map| map.extension.map.get(name).copied())
+    };
+    let pss = field("Pss").ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "smaps_rollup has no `Pss:` line",
+        )
+    })?;
+    Ok(pss + HUGETLB_FIELDS.iter().filter_map(|f| field(f)).sum::<u64>())
 }
 
-/// PSS of the mappings inside `[start, start + len)`, bytes (guest RAM can be split into
-/// several: the memory pool maps runs of it from its memfd).
+/// The lines of smaps that count hugetlb pages, which `Pss` leaves out.
+const HUGETLB_FIELDS: [&str; 2] = ["Private_Hugetlb", "Shared_Hugetlb"];
+
+/// PSS of the mappings inside `[start, start + len)`, bytes, with their hugetlb pages (guest
+/// RAM can be split into several: the memory pool maps runs of it from its memfd).
 pub fn range_pss(start: u64, len: u64) -> std::io::Result<u64> {
     range_pss_of(None, start, len)
 }
@@ -64,8 +75,10 @@ pub fn range_pss_of(pid: Option<u32>, start: u64, len: u64) -> std::io::Result<u
             }
         }
         if inside {
-            if let Some(rest) = line.strip_prefix("Pss:") {
-                total += parse_kib(rest) * 1024;
+            if let Some((name, rest)) = line.split_once(':') {
+                if name == "Pss" || HUGETLB_FIELDS.contains(&name) {
+                    total += parse_kib(rest) * 1024;
+                }
             }
         }
     }

@@ -246,7 +246,8 @@ impl Cold {
                 && match region.spec.kind {
                     RamKind::Memfd => region.spec.memfd.is_some(),
                     RamKind::Anon => shared.track_writes,
-                    RamKind::Snapshot => false,
+                    // Not yet: huge pages would be probed and pooled whole (issue 14).
+                    RamKind::Snapshot | RamKind::Hugetlb | RamKind::HugetlbMemfd => false,
                 };
             if !supported {
                 return Err(ColdError::Unsupported {

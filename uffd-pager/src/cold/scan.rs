@@ -380,7 +380,10 @@ impl Scratch {
             // Only the pages that did not move are still here to read.
             let rest = crate::addr::HostAddr(at.0 + moved);
             let bytes = &self.bytes()[moved as usize..len as usize];
-            if let Err(e) = shared.uffd.copy_missing(rest, bytes, true) {
+            if let Err(e) = shared
+                .uffd
+                .copy_missing(rest, bytes, basics::PageSize::BASE, true)
+            {
                 tracing::error!("cold compression: cannot put a block back at {rest}: {e}");
             }
         }

@@ -253,11 +253,15 @@ impl Shared {
             let Some((lo, hi)) = region.spec.range.clip(start, end) else {
                 continue;
             };
+            // A discard of huge pages covers whole ones (the kernel's are aligned; the VMM
+            // rounds its own inward): the part of one that a range only grazes stays.
+            let per_unit = region.spec.kind.page_size().bytes() / PAGE_SIZE;
+            let (lo, hi) = (lo.div_ceil(per_unit) * per_unit, hi / per_unit * per_unit);
             if !touched {
                 touched = true;
                 self.metrics.remove_events.fetch_add(1, Ordering::Relaxed);
             }
-            let pages = region.first_page + lo..region.first_page + hi;
+            let pages = region.first_page + lo..region.first_page + hi.max(lo);
             let mut stored = false;
             for page in pages.clone() {
                 if self
@@ -338,7 +342,9 @@ impl Shared {
             let max_pages = room.as_ref().map_or(u64::MAX, Reservation::max_pages);
             match state {
                 PageState::Resident | PageState::Dropping => {
-                    let one = HostRange::new(region.addr_of(page), PAGE_SIZE).expect("one page");
+                    let one = region.unit_span(page);
+                    let one = HostRange::new(region.addr_of(one.start), count_bytes(&one))
+                        .expect("one page");
                     self.metrics.fault_latency.record(since.elapsed());
                     self.uffd.wake(one).map_err(install)?;
                     self.metrics.eexist_races.fetch_add(1, Ordering::Relaxed);
@@ -349,6 +355,7 @@ impl Shared {
                     if self.states.get(page) != state {
                         continue;
                     }
+                    self.check_unit(region, page, state, addr)?;
                     return self
                         .install(region, page, state, None, since, max_pages)
                         .map_err(install);
@@ -367,6 +374,7 @@ impl Shared {
                     if self.states.get(page) != state {
                         continue;
                     }
+                    self.check_unit(region, page, state, addr)?;
                     let Some(kind) = kind else {
                         // Pooled pages without a pool entry: the bytes are gone. Never zeros.
                         return Err(FaultError::Lost { addr });
@@ -413,6 +421,7 @@ impl Shared {
                         // Installed by another thread or discarded meanwhile: look again.
                         continue;
                     }
+                    self.check_unit(region, page, state, addr)?;
                     let data = match content {
                         Content::Zero => None,
                         Content::Data => Some((offset / PAGE_SIZE, &buf[..len])),
@@ -439,24 +448,27 @@ impl Shared {
     ) -> Result<Attempt, UffdError> {
         let _read = self.layout.read();
         let span = self.block_span(region, page);
+        let unit = region.unit_span(page);
         let pages = match self.cold.get() {
             Some(cold) if self.states.all(span.clone(), PageState::Resident) => {
                 cold.touched(self.block_size.index_of(span.start * PAGE_SIZE));
                 span
             }
-            _ => page..page + 1,
+            _ => unit.clone(),
         };
-        let range = HostRange::new(
-            region.addr_of(pages.start),
-            (pages.end - pages.start) * PAGE_SIZE,
-        )
-        .expect("pages of a region");
-        match self.uffd.continue_missing(range, false) {
+        let range = HostRange::new(region.addr_of(pages.start), count_bytes(&pages))
+            .expect("pages of a region");
+        match self
+            .uffd
+            .continue_missing(range, region.spec.kind.page_size(), false)
+        {
             Ok(_) => {}
             Err(UffdError::Retry { .. }) => return Ok(Attempt::Retry),
             Err(e) => return Err(e),
         }
-        self.states.set(page, PageState::Resident);
+        for page in unit {
+            self.states.set(page, PageState::Resident);
+        }
         self.metrics.faults_minor.fetch_add(1, Ordering::Relaxed);
         self.metrics.fault_latency.record(since.elapsed());
         self.uffd.wake(range)?;
@@ -465,27 +477,54 @@ impl Shared {
 
     /// Reserves room under the resident limit for what a fault on `page` (in `state`, not
     /// resident) installs: its block span if all of the span is in `state`, else the page
-    /// alone; if the span does not fit, the page alone. Without a limit, one relaxed load and
-    /// an empty reservation. `Err(pages)`: no room for it, which would install `pages`.
+    /// alone (its huge page, in hugetlb RAM); if the span does not fit, the page alone.
+    /// Without a limit, one relaxed load and an empty reservation. `Err(pages)`: no room for
+    /// it, which would install `pages`.
     fn admit(&self, region: &Region, page: u64, state: PageState) -> Result<Reservation<'_>, u64> {
         if !self.limit.is_set() {
             return Ok(Reservation::unlimited());
         }
         let span = self.block_span(region, page);
+        let unit = region.unit_span(page);
+        let unit = unit.end - unit.start;
         let wanted = if self.states.all(span.clone(), state) {
             span.end - span.start
         } else {
-            1
+            unit
         };
         let resident = self.states.resident();
         self.limit
             .reserve(resident, wanted)
             .or_else(|| {
-                (wanted > 1)
-                    .then(|| self.limit.reserve(resident, 1))
+                (wanted > unit)
+                    .then(|| self.limit.reserve(resident, unit))
                     .flatten()
             })
             .ok_or(wanted)
+    }
+
+    /// Checks that the huge page holding `page` (in `state`, not resident) has no page in
+    /// another state that is not resident either: its bytes would be overwritten by the
+    /// install of the whole huge page. Every install, drop and discard of hugetlb RAM covers
+    /// whole huge pages, so this never fails; if it did, the fault is refused, never served
+    /// with bytes that are not the page's. Called under the read lock.
+    fn check_unit(
+        &self,
+        region: &Region,
+        page: u64,
+        state: PageState,
+        addr: HostAddr,
+    ) -> Result<(), FaultError> {
+        let unit = region.unit_span(page);
+        if unit.end - unit.start > 1
+            && unit.clone().any(|p| {
+                let other = self.states.get(p);
+                other != state && !other.is_resident()
+            })
+        {
+            return Err(FaultError::Torn { addr });
+        }
+        Ok(())
     }
 
     /// Installs the block span of `page` if all its pages are in `state` and it has at most
@@ -504,7 +543,7 @@ impl Shared {
         let pages = if span.end - span.start <= max_pages && self.states.all(span.clone(), state) {
             span
         } else {
-            page..page + 1
+            region.unit_span(page)
         };
         Ok(
             match self.install_run(region, pages, state, data, Some(since))? {
@@ -530,14 +569,22 @@ impl Shared {
         let count = pages.end - pages.start;
         let range = HostRange::new(region.addr_of(pages.start), count * PAGE_SIZE)
             .expect("pages of a region");
+        let page_size = region.spec.kind.page_size();
         // Install without waking, so that states and counters are up to date before the
         // faulting thread runs on (an offload right after must see the page resident).
         let result = match data {
+            // Huge pages have no zero page to map: zeros are copied.
+            None if page_size != PageSize::BASE => self.uffd.copy_missing(
+                range.start(),
+                &zeros()[..range.len() as usize],
+                page_size,
+                false,
+            ),
             None => self.uffd.zeropage_missing(range, false),
             Some((buf_page, bytes)) => {
                 let from = ((pages.start - buf_page) * PAGE_SIZE) as usize;
                 let src = &bytes[from..from + (count * PAGE_SIZE) as usize];
-                self.uffd.copy_missing(range.start(), src, false)
+                self.uffd.copy_missing(range.start(), src, page_size, false)
             }
         };
         let filled = match result {
@@ -571,4 +618,19 @@ impl Shared {
     pub(crate) fn region_of_page(&self, page: u64) -> Option<&Region> {
         self.regions.iter().find(|r| r.pages().contains(&page))
     }
+}
+
+/// Bytes of the image pages `pages`.
+fn count_bytes(pages: &std::ops::Range<u64>) -> u64 {
+    (pages.end - pages.start) * PAGE_SIZE
+}
+
+/// Zeros to copy into huge pages, as long as the largest block. Untouched, so that its pages
+/// stay the kernel's shared zero page: it costs no memory.
+fn zeros() -> &'static [u8] {
+    static ZEROS: std::sync::OnceLock<Box<[u8]>> = std::sync::OnceLock::new();
+    ZEROS.get_or_init(|| {
+        vec![0u8; usize::try_from(compressed_backing::layout::MAX_BLOCK_SIZE).expect("2 MiB")]
+            .into_boxed_slice()
+    })
 }

@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
+use basics::PageSize;
 use compressed_backing::BlockSize;
 use parking_lot::{Mutex, RwLock};
 
@@ -39,7 +40,7 @@ pub use region::RegionSpec;
 
 /// How guest RAM is mapped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
 pub enum RamKind {
     /// Private anonymous memory: dropped with `MADV_DONTNEED`.
     Anon,
@@ -50,6 +51,44 @@ pub enum RamKind {
     /// mapping for MISSING or MINOR faults, so the pager leaves it alone: it is not
     /// registered and not offloaded by the pager (the VMM offloads its private pages).
     Snapshot,
+    /// Private anonymous memory of 2 MiB huge pages (`MAP_HUGETLB`): every install, drop and
+    /// discard covers whole huge pages; dropped with `MADV_DONTNEED`; there is no zero page
+    /// to map, so zeros are copied.
+    Hugetlb,
+    /// A shared memfd of 2 MiB huge pages (`MFD_HUGETLB`): as `Memfd`, in whole huge pages.
+    HugetlbMemfd,
+}
+
+impl RamKind {
+    /// The page size of its mapping: the unit every install, drop and discard covers.
+    pub fn page_size(self) -> PageSize {
+        match self {
+            Self::Anon | Self::Memfd | Self::Snapshot => PageSize::BASE,
+            Self::Hugetlb | Self::HugetlbMemfd => PageSize::HUGE,
+        }
+    }
+
+    /// True for shared memfd RAM (its pages live in the file; dropped by punching holes).
+    pub fn is_memfd(self) -> bool {
+        matches!(self, Self::Memfd | Self::HugetlbMemfd)
+    }
+
+    /// True for RAM of huge pages.
+    pub fn is_hugetlb(self) -> bool {
+        self.page_size() != PageSize::BASE
+    }
+
+    /// Its name on command lines and in JSON (`anon`, `memfd`, `snapshot`, `hugetlb`,
+    /// `hugetlb-memfd`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Anon => "anon",
+            Self::Memfd => "memfd",
+            Self::Snapshot => "snapshot",
+            Self::Hugetlb => "hugetlb",
+            Self::HugetlbMemfd => "hugetlb-memfd",
+        }
+    }
 }
 
 /// Pager construction parameters.
@@ -150,6 +189,13 @@ pub enum FaultError {
     /// The same page keeps faulting although the pager holds it resident: its data is gone.
     #[error("fault at {addr}: the page faults again and again although it is resident")]
     Lost {
+        /// The address.
+        addr: HostAddr,
+    },
+    /// The huge page holding the address has pages in different states that are not
+    /// resident: installing it whole could overwrite bytes of one with another's.
+    #[error("fault at {addr}: its huge page is torn between page states")]
+    Torn {
         /// The address.
         addr: HostAddr,
     },
@@ -314,6 +360,9 @@ impl Pager {
         if config.track_writes {
             features |= feature::WP_ASYNC | feature::MOVE;
         }
+        if regions.iter().any(|r| r.kind.is_hugetlb()) {
+            features |= feature::MISSING_HUGETLBFS | feature::MINOR_HUGETLBFS;
+        }
         let uffd = Userfaultfd::create(features)?;
         let remove_events = config.remove_events;
         // SAFETY: forwarded from the caller.
@@ -365,7 +414,12 @@ impl Pager {
         journal: Option<Arc<Journal>>,
     ) -> Result<Self, PagerError> {
         regions.sort_by_key(|r| r.range.start());
-        let image_size = check_regions(&regions, restore.as_deref())?;
+        let image_size = check_regions(&regions, restore.as_deref(), config.block_size)?;
+        if config.track_writes && regions.iter().any(|r| r.kind.is_hugetlb()) {
+            return Err(PagerError::Regions(
+                "write tracking (cold compression of anon RAM) does not cover huge pages".into(),
+            ));
+        }
         let pages = image_size / PAGE_SIZE;
         if let Some(journal) = &journal {
             if journal.pages() != pages {
@@ -379,8 +433,8 @@ impl Pager {
             for region in &regions {
                 let mode = match region.kind {
                     RamKind::Anon if config.track_writes => Mode::MISSING_WP,
-                    RamKind::Anon => Mode::MISSING,
-                    RamKind::Memfd => Mode::MISSING_MINOR,
+                    RamKind::Anon | RamKind::Hugetlb => Mode::MISSING,
+                    RamKind::Memfd | RamKind::HugetlbMemfd => Mode::MISSING_MINOR,
                     RamKind::Snapshot => continue,
                 };
                 // SAFETY: forwarded from the caller.

@@ -38,8 +38,8 @@ impl RegionSpec {
     /// True if the pager can read and drop the region's pages itself.
     pub fn can_offload(&self) -> bool {
         match self.kind {
-            RamKind::Anon => self.in_process(),
-            RamKind::Memfd => self.view.is_some() && self.memfd.is_some(),
+            RamKind::Anon | RamKind::Hugetlb => self.in_process(),
+            RamKind::Memfd | RamKind::HugetlbMemfd => self.view.is_some() && self.memfd.is_some(),
             RamKind::Snapshot => false,
         }
     }
@@ -65,6 +65,16 @@ impl Region {
         self.spec.range.page_addr(page - self.first_page)
     }
 
+    /// The image pages of the page of the mapping that holds image page `page`: the page
+    /// alone for base pages, all of its huge page for hugetlb RAM (what one install, drop or
+    /// discard covers at least).
+    pub fn unit_span(&self, page: u64) -> std::ops::Range<u64> {
+        let per_unit = self.spec.kind.page_size().bytes() / PAGE_SIZE;
+        // Regions of huge pages start on a huge page in the image (`check_regions`).
+        let start = page / per_unit * per_unit;
+        start..(start + per_unit).min(self.pages().end)
+    }
+
     /// Where the pager reads image page `page` in its own address space, if it can.
     pub fn view_of(&self, page: u64) -> Option<HostAddr> {
         self.spec
@@ -78,6 +88,7 @@ impl Region {
 pub(super) fn check_regions(
     regions: &[RegionSpec],
     restore: Option<&dyn PageSource>,
+    block_size: BlockSize,
 ) -> Result<u64, PagerError> {
     if regions.is_empty() {
         return Err(PagerError::Regions("no regions".into()));
@@ -90,11 +101,38 @@ pub(super) fn check_regions(
                 region.range, region.image_offset
             )));
         }
-        if region.kind == RamKind::Memfd && region.view.is_some() && region.memfd.is_none() {
+        if region.kind.is_memfd() && region.view.is_some() && region.memfd.is_none() {
             return Err(PagerError::Regions(format!(
                 "memfd region {:?} comes without its memfd",
                 region.range
             )));
+        }
+        let page = region.kind.page_size();
+        if page != PageSize::BASE {
+            // Every install, drop and discard covers whole huge pages, and a block holds whole
+            // ones, so that the pages of one huge page are always in one state.
+            if !page.is_aligned(region.range.start().0)
+                || !page.is_aligned(region.range.len())
+                || !page.is_aligned(region.image_offset)
+                || !page.is_aligned(region.memfd_offset)
+            {
+                return Err(PagerError::Regions(format!(
+                    "{} region {:?} at image offset {:#x} is not aligned to its {} pages",
+                    region.kind.name(),
+                    region.range,
+                    region.image_offset,
+                    basics::format_bytes(page.bytes())
+                )));
+            }
+            if block_size.bytes_u64() < page.bytes() {
+                return Err(PagerError::Regions(format!(
+                    "{} region {:?} has {} pages, larger than the pager's {} blocks",
+                    region.kind.name(),
+                    region.range,
+                    basics::format_bytes(page.bytes()),
+                    basics::format_bytes(block_size.bytes_u64())
+                )));
+            }
         }
         let end = region
             .image_offset

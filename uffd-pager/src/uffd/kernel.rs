@@ -22,6 +22,10 @@ pub mod feature {
     pub const INITIALIZED: u64 = 1 << 31;
     /// Report `MADV_DONTNEED`/`MADV_REMOVE` of registered ranges as `REMOVE` events.
     pub const EVENT_REMOVE: u64 = 1 << 3;
+    /// MISSING registration on hugetlbfs mappings (`MAP_HUGETLB`, `MFD_HUGETLB`).
+    pub const MISSING_HUGETLBFS: u64 = 1 << 4;
+    /// MINOR registration on hugetlbfs mappings (a shared `MFD_HUGETLB` memfd).
+    pub const MINOR_HUGETLBFS: u64 = 1 << 9;
     /// MISSING registration on shmem (memfd) mappings.
     pub const MISSING_SHMEM: u64 = 1 << 5;
     /// MINOR registration on shmem (memfd) mappings.

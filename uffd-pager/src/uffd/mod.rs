@@ -16,7 +16,9 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use linux_raw_sys::general as sys;
 use linux_raw_sys::ioctl as nr;
 
-use crate::addr::{HostAddr, HostRange, PAGE_SIZE};
+use basics::PageSize;
+
+use crate::addr::{HostAddr, HostRange};
 
 mod error;
 mod kernel;
@@ -352,33 +354,45 @@ impl Userfaultfd {
         })
     }
 
-    /// Fills every missing page of `dst .. dst + src.len()` from `src` (a page multiple),
-    /// skipping pages that are already mapped, then wakes the waiters of the whole range if
-    /// `wake`. Returns the bytes this call filled. `Err(Retry { done })` means the address
-    /// space changed under it (a `REMOVE` event is pending): the first `done` bytes are
-    /// settled; read events, then call again for the rest.
-    pub fn copy_missing(&self, dst: HostAddr, src: &[u8], wake: bool) -> Result<u64, UffdError> {
-        self.settle_missing(dst, src.len() as u64, wake, |offset| {
+    /// Fills every missing page of `dst .. dst + src.len()` from `src` (a multiple of
+    /// `page`, the mapping's page size), skipping pages that are already mapped, then wakes
+    /// the waiters of the whole range if `wake`. Returns the bytes this call filled.
+    /// `Err(Retry { done })` means the address space changed under it (a `REMOVE` event is
+    /// pending): the first `done` bytes are settled; read events, then call again for the rest.
+    pub fn copy_missing(
+        &self,
+        dst: HostAddr,
+        src: &[u8],
+        page: PageSize,
+        wake: bool,
+    ) -> Result<u64, UffdError> {
+        self.settle_missing(dst, src.len() as u64, page, wake, |offset| {
             self.copy(HostAddr(dst.0 + offset), &src[offset as usize..], false)
         })
     }
 
     /// Maps the zero page over every missing page of `range`, skipping pages that are
     /// already mapped, then wakes the waiters of the whole range if `wake`. Returns the bytes
-    /// this call mapped; errors as for [`Userfaultfd::copy_missing`].
+    /// this call mapped; errors as for [`Userfaultfd::copy_missing`]. Base pages only: the
+    /// kernel has no zero page to map in hugetlb mappings.
     pub fn zeropage_missing(&self, range: HostRange, wake: bool) -> Result<u64, UffdError> {
-        self.settle_missing(range.start(), range.len(), wake, |offset| {
+        self.settle_missing(range.start(), range.len(), PageSize::BASE, wake, |offset| {
             let rest = HostRange::new(HostAddr(range.start().0 + offset), range.len() - offset)
                 .expect("a page-aligned tail of a valid range");
             self.zeropage(rest, false)
         })
     }
 
-    /// Maps the page-cache pages of `range` (MINOR faults), skipping pages already mapped,
-    /// then wakes the waiters of the whole range if `wake`. Returns the bytes mapped; errors as
-    /// for [`Userfaultfd::copy_missing`].
-    pub fn continue_missing(&self, range: HostRange, wake: bool) -> Result<u64, UffdError> {
-        self.settle_missing(range.start(), range.len(), wake, |offset| {
+    /// Maps the page-cache pages of `range` (MINOR faults; a multiple of `page`, the
+    /// mapping's page size), skipping pages already mapped, then wakes the waiters of the whole
+    /// range if `wake`. Returns the bytes mapped; errors as for [`Userfaultfd::copy_missing`].
+    pub fn continue_missing(
+        &self,
+        range: HostRange,
+        page: PageSize,
+        wake: bool,
+    ) -> Result<u64, UffdError> {
+        self.settle_missing(range.start(), range.len(), page, wake, |offset| {
             let rest = HostRange::new(HostAddr(range.start().0 + offset), range.len() - offset)
                 .expect("a page-aligned tail of a valid range");
             self.continue_range(rest, false)
@@ -386,12 +400,14 @@ impl Userfaultfd {
     }
 
     /// Runs `step(offset)` (one DONTWAKE ioctl on `dst + offset ..`) until `len` bytes are
-    /// settled: an already-mapped page is skipped, partial progress continues, no progress on
-    /// EAGAIN stops with `Retry`. Then wakes the whole range if `wake`.
+    /// settled: an already-mapped page (of `page` bytes) is skipped, partial progress
+    /// continues, no progress on EAGAIN stops with `Retry`. Then wakes the whole range if
+    /// `wake`.
     fn settle_missing(
         &self,
         dst: HostAddr,
         len: u64,
+        page: PageSize,
         wake: bool,
         mut step: impl FnMut(u64) -> Result<Resolved, UffdError>,
     ) -> Result<u64, UffdError> {
@@ -406,7 +422,7 @@ impl Userfaultfd {
                 Ok(Resolved::AlreadyMapped { done }) => {
                     // `done` bytes were filled, then one page was found mapped: skip it.
                     filled += done;
-                    offset += done + PAGE_SIZE;
+                    offset += done + page.bytes();
                 }
                 // Partial progress also ends in EAGAIN; only no progress means "stop".
                 Err(UffdError::Retry { done, .. }) if done > 0 => {

@@ -109,7 +109,10 @@ impl Machine {
                 vec![ram.region_spec()],
                 PagerConfig {
                     threads: config.pager_threads.max(1),
-                    block_size: config.block_size,
+                    // A block holds whole pages: huge-page RAM moves in 2 MiB blocks.
+                    block_size: config
+                        .block_size
+                        .max(huge_block(config.ram_kind.page_size())),
                     initial,
                     register: true,
                     // The VMM tells the pager of every discard itself (before making it), and
@@ -243,6 +246,11 @@ fn write_boot_structures(ram: &GuestRam) -> Result<(), MachineError> {
     mem.write_obj(mailbox, GuestAddress(guest::MAILBOX_GPA))
         .map_err(fail(guest::MAILBOX_GPA))?;
     Ok(())
+}
+
+/// The block of a page size: the smallest block that holds whole pages of it.
+fn huge_block(page: basics::PageSize) -> compressed_backing::BlockSize {
+    compressed_backing::BlockSize::new(page.bytes()).expect("2 MiB is a valid block size")
 }
 
 #[cfg(test)]

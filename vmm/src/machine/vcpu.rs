@@ -165,12 +165,17 @@ impl Machine {
             errno: source.raw_os_error().unwrap_or(libc::EIO),
             reason: basics::error_chain(&MachineError::Release { gpa, len, source }),
         };
+        // Huge pages go whole: a report that covers part of one leaves that one be.
+        let Some(range) = uffd_pager::discard::inward(range, self.ram.kind().page_size()) else {
+            return Ok(());
+        };
         // The pager learns of the discard first, so that nothing it installs meanwhile
         // survives it: the pages read as zeros from now on (snapshot RAM: its private copies
         // go, and the range reads as the snapshot's bytes again; free memory has no contents
         // the guest relies on).
         self.pager.discarded(range);
-        let memfd = self.ram.memfd().map(|file| (&**file, gpa));
+        let offset = range.start().0 - self.ram.host_base().0;
+        let memfd = self.ram.memfd().map(|file| (&**file, offset));
         // SAFETY: whole pages of our own guest RAM (checked inside it), which the guest freed.
         unsafe { uffd_pager::discard::discard(self.ram.kind(), range, memfd) }.map_err(fail)
     }

@@ -1,11 +1,14 @@
 //! What the `pvisor` end-to-end tests share: the device check, running the binary with a
-//! runtime directory of the test's own, and a cgroup parent that is removed afterwards.
+//! runtime directory of the test's own, a detached VM driven through the CLI, and a cgroup
+//! parent that is removed afterwards.
 
 // Each test file uses a part of it; test code stops on a failed setup step.
 #![allow(dead_code, clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+
+use serde_json::Value;
 
 /// True (and says why) if /dev/kvm or /dev/userfaultfd is missing and device tests are skipped.
 pub fn skip() -> bool {
@@ -24,6 +27,123 @@ pub fn pvisor(runtime: &Path, args: &[&str]) -> Output {
 /// Output bytes as text.
 pub fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Runs and expects success; returns stdout's JSON lines.
+pub fn ok(runtime: &Path, args: &[&str]) -> Vec<Value> {
+    let out = pvisor(runtime, args);
+    assert!(
+        out.status.success(),
+        "pvisor {args:?} failed: {}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    text(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
+        .collect()
+}
+
+/// Runs and expects failure; returns stderr.
+pub fn fails(runtime: &Path, args: &[&str]) -> String {
+    let out = pvisor(runtime, args);
+    assert!(
+        !out.status.success(),
+        "pvisor {args:?} should fail: {}",
+        text(&out.stdout)
+    );
+    text(&out.stderr)
+}
+
+/// A detached VM, stopped on drop.
+pub struct Detached {
+    /// The runtime directory it was started with.
+    pub runtime: std::path::PathBuf,
+    /// The identity line `run --detach` printed.
+    pub identity: Value,
+}
+
+impl Detached {
+    pub fn start(runtime: &Path, extra: &[&str], script: &str) -> Self {
+        let mut args = vec!["run", "--executor", "vm", "--memory", "512MiB", "--detach"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--", script]);
+        let lines = ok(runtime, &args);
+        let identity = lines[0].clone();
+        for key in ["job", "socket", "attempt", "pid"] {
+            assert!(identity.get(key).is_some(), "{identity}");
+        }
+        Self {
+            runtime: runtime.to_path_buf(),
+            identity,
+        }
+    }
+
+    pub fn job(&self) -> &str {
+        self.identity["job"].as_str().unwrap()
+    }
+
+    pub fn long_form(&self) -> Vec<String> {
+        vec![
+            self.job().to_owned(),
+            "--vm-socket".into(),
+            self.identity["socket"].as_str().unwrap().to_owned(),
+            "--vm-job-id".into(),
+            self.job().to_owned(),
+            "--vm-attempt-id".into(),
+            self.identity["attempt"].as_str().unwrap().to_owned(),
+        ]
+    }
+
+    pub fn call(&self, command: &str, extra: &[&str]) -> Value {
+        let mut args = vec![command, self.job()];
+        args.extend_from_slice(extra);
+        ok(&self.runtime, &args).remove(0)
+    }
+
+    pub fn call_fails(&self, command: &str, extra: &[&str]) -> String {
+        let mut args = vec![command, self.job()];
+        args.extend_from_slice(extra);
+        fails(&self.runtime, &args)
+    }
+
+    pub fn exec(&self, script: &str) -> Vec<Value> {
+        let value = self.call("exec", &["--", script]);
+        value["results"].as_array().unwrap().clone()
+    }
+
+    pub fn digest(&self) -> String {
+        self.exec("digest")[0]["digest"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    }
+
+    pub fn stats(&self) -> Value {
+        self.call("stats", &[])
+    }
+
+    /// Polls `stats` until `done` holds for them (their last reading), failing at `deadline`.
+    pub fn stats_until(
+        &self,
+        deadline: std::time::Instant,
+        done: impl Fn(&Value) -> bool,
+    ) -> Value {
+        loop {
+            let stats = self.stats();
+            if done(&stats) {
+                return stats;
+            }
+            assert!(std::time::Instant::now() < deadline, "{stats}");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Detached {
+    fn drop(&mut self) {
+        let _ = pvisor(&self.runtime, &["stop", self.job()]);
+    }
 }
 
 /// A cgroup parent of this test's own, under pvisor's memory cgroup; removed on drop with

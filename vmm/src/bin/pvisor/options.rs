@@ -115,7 +115,10 @@ pub struct RunArgs {
     /// or lazy (faults, and a prefetcher brings the rest back).
     #[arg(long = "vm-wait-reload", value_name = "MODE")]
     pub wait_reload: Option<String>,
-    /// Guest RAM mapping: anon (private anonymous, default) or memfd (shared memfd).
+    /// Guest RAM mapping: anon (private anonymous, default), memfd (shared memfd), hugetlb
+    /// (private 2 MiB huge pages) or hugetlb-memfd (a shared memfd of 2 MiB huge pages). Huge
+    /// pages come from the host's pool: raise /proc/sys/vm/nr_overcommit_hugepages (or
+    /// nr_hugepages) first.
     #[arg(long = "vm-ram-backing", value_name = "KIND")]
     pub ram_backing: Option<String>,
     /// Codec of a compressed offload: lz4 (default) or zstd[:LEVEL].
@@ -304,13 +307,15 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
         }
         (Some("anon"), None) => RamKind::Anon,
         (Some("memfd"), None) => RamKind::Memfd,
+        (Some("hugetlb"), None) => RamKind::Hugetlb,
+        (Some("hugetlb-memfd"), None) => RamKind::HugetlbMemfd,
         (None, None) => match default_backing {
             "memfd" => RamKind::Memfd,
             _ => RamKind::Anon,
         },
         (Some(other), None) => {
             return Err(format!(
-                "--vm-ram-backing `{other}`: expected anon or memfd"
+                "--vm-ram-backing `{other}`: expected anon, memfd, hugetlb or hugetlb-memfd"
             ))
         }
     };
@@ -343,6 +348,19 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
              snapshot's RAM"
                 .into(),
         );
+    }
+    if cold && ram_backing.is_hugetlb() {
+        return Err(format!(
+            "--vm-cold-ram-compression does not work on {} RAM yet (its huge pages would be \
+             probed and compressed whole): use anon or memfd RAM",
+            ram_backing.name()
+        ));
+    }
+    if dedup && ram_backing.is_hugetlb() {
+        return Err(format!(
+            "--vm-ram-dedup cannot work on {} RAM: KSM does not merge huge pages",
+            ram_backing.name()
+        ));
     }
     if dedup && ram_backing == RamKind::Memfd {
         return Err(

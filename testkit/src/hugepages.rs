@@ -1,0 +1,90 @@
+//! Huge pages for a test or a bench: lends the host's kernel `pages` more 2 MiB surplus pages
+//! to give (`nr_overcommit_hugepages`), for as long as the guard lives, and puts the host's
+//! value back afterwards.
+//!
+//! Tests run in parallel threads and in several processes, and each would read the host's
+//! value and write its own: the guard holds an exclusive `flock` on a lock file for its whole
+//! life, so that one test at a time changes the setting. The lock file keeps the host's value
+//! while the setting is changed: a holder that was killed before it could put it back is
+//! undone by the next one.
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, Write};
+use std::os::fd::AsRawFd;
+use std::path::Path;
+
+/// The setting the guard raises.
+pub const OVERCOMMIT: &str = "/proc/sys/vm/nr_overcommit_hugepages";
+/// The lock that serializes the tests that raise it.
+const LOCK: &str = "/run/lock/pvisor-test-hugepages";
+/// The host's 2 MiB pool.
+const POOL: &str = "/sys/kernel/mm/hugepages/hugepages-2048kB";
+
+/// While it lives, the kernel may lend `pages` more 2 MiB huge pages than the host allowed.
+#[derive(Debug)]
+pub struct HugePages {
+    lock: File,
+    host: u64,
+}
+
+/// A pool counter (`free_hugepages`, `surplus_hugepages`, …) of the 2 MiB pool now.
+pub fn pool_count(name: &str) -> u64 {
+    read_count(&Path::new(POOL).join(name))
+}
+
+fn read_count(path: &Path) -> u64 {
+    let text = std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    text.trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("{} is not a count: {e}", path.display()))
+}
+
+fn write_count(value: u64) {
+    std::fs::write(OVERCOMMIT, format!("{value}\n"))
+        .unwrap_or_else(|e| panic!("cannot write {OVERCOMMIT} (needs root): {e}"));
+}
+
+impl HugePages {
+    /// Waits for the other holders, then lets the kernel lend `pages` more surplus huge pages.
+    pub fn lend(pages: u64) -> Self {
+        if let Some(dir) = Path::new(LOCK).parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        let mut lock = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(LOCK)
+            .unwrap_or_else(|e| panic!("cannot open {LOCK}: {e}"));
+        // SAFETY: flock on a descriptor this function owns.
+        let rc = unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) };
+        assert_eq!(rc, 0, "flock {LOCK}: {}", std::io::Error::last_os_error());
+        let mut left = String::new();
+        lock.read_to_string(&mut left).expect("read the lock file");
+        if let Ok(host) = left.trim().parse::<u64>() {
+            // A holder died with the setting raised: the host's value is the one it kept.
+            write_count(host);
+        }
+        let host = read_count(Path::new(OVERCOMMIT));
+        lock.set_len(0).expect("truncate the lock file");
+        lock.rewind().expect("rewind the lock file");
+        write!(lock, "{host}").expect("keep the host's value");
+        lock.sync_data().expect("sync the lock file");
+        write_count(host + pages);
+        Self { lock, host }
+    }
+}
+
+impl Drop for HugePages {
+    fn drop(&mut self) {
+        // Not a panic (a test may be unwinding): if the write fails, the lock file keeps the
+        // value for the next holder to put back.
+        if std::fs::write(OVERCOMMIT, format!("{}\n", self.host)).is_err() {
+            return;
+        }
+        let _ = self.lock.set_len(0);
+        // The lock goes with the descriptor.
+    }
+}

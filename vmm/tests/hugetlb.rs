@@ -1,0 +1,128 @@
+//! VMs on 2 MiB huge pages through `pvisor`, with real /dev/kvm and /dev/userfaultfd: every
+//! byte kept through offload and lazy or eager resume, the huge pages given back to the host,
+//! free-page reports dropping whole huge pages, and the refusals of what cannot work.
+
+// Test code: a failed setup step should stop the test on the spot.
+#![allow(clippy::unwrap_used)]
+
+use testkit::hugepages::{pool_count, HugePages};
+
+mod common;
+use common::{fails, skip, Detached};
+
+const MIB: u64 = 1 << 20;
+
+/// Huge pages for a 512 MiB VM and a few more.
+fn lend() -> HugePages {
+    HugePages::lend(512 / 2 + 8)
+}
+
+#[test]
+fn hugetlb_vm_offload_and_resume_keep_every_byte_and_give_huge_pages_back() {
+    if skip() {
+        return;
+    }
+    let _lent = lend();
+    // Raw offloads of one kind, compressed ones of the other.
+    for (kind, compression) in [("hugetlb", "false"), ("hugetlb-memfd", "true")] {
+        let runtime = tempfile::tempdir().unwrap();
+        let surplus = pool_count("surplus_hugepages");
+        let vm = Detached::start(
+            runtime.path(),
+            &[
+                "--vm-ram-backing",
+                kind,
+                "--vm-ram-compression",
+                compression,
+            ],
+            "fill 64MiB random seed=3; idle",
+        );
+        let digest = vm.digest();
+        let before = vm.stats();
+        // Huge pages are not in PSS: stats count them all the same.
+        let ram = before["guest_ram_pss_bytes"].as_u64().unwrap();
+        assert!((64 * MIB..100 * MIB).contains(&ram), "{kind}: {before}");
+        let held = pool_count("surplus_hugepages") - surplus;
+        assert_eq!(
+            held * 2 * MIB,
+            ram,
+            "{kind}: every huge page the VM holds is counted"
+        );
+
+        // Offload, lazy resume.
+        let report = vm.call("suspend", &["--vm-offload"]);
+        assert_eq!(report["state"], "offloaded", "{kind}: {report}");
+        assert_eq!(
+            pool_count("surplus_hugepages"),
+            surplus,
+            "{kind}: the offload gave every huge page back to the host"
+        );
+        assert_eq!(vm.stats()["guest_ram_pss_bytes"], 0, "{kind}");
+        vm.call("resume", &[]);
+        assert_eq!(vm.digest(), digest, "{kind}");
+        let task = vm.exec("task");
+        assert_eq!(task[0]["digest"], digest.as_str(), "{kind}");
+
+        // Offload, eager resume.
+        vm.exec("fill 32MiB repeated");
+        let digest = vm.digest();
+        vm.call("suspend", &["--vm-offload"]);
+        vm.call("resume", &["--eager"]);
+        assert_eq!(vm.digest(), digest, "{kind}");
+        let stats = vm.stats();
+        assert_eq!(stats["fault_errors"], 0, "{kind}: {stats}");
+
+        // A free-page report drops whole huge pages.
+        let released = vm.exec("release");
+        assert_eq!(released[0]["released_bytes"], 32 * MIB, "{kind}");
+        let after = vm.stats()["guest_ram_pss_bytes"].as_u64().unwrap();
+        assert!(after + 30 * MIB <= ram, "{kind}: {ram} -> {after}");
+        vm.call("stop", &[]);
+        // The VM's last huge pages go back when its process ends.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while pool_count("surplus_hugepages") != surplus {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{kind}: huge pages kept"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+}
+
+#[test]
+fn hugetlb_vm_refusals_say_why() {
+    if skip() {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["run", "--executor", "vm", "--memory", "512MiB"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--", "digest"]);
+        fails(runtime.path(), &args)
+    };
+    let error = run(&["--vm-ram-backing", "hugetlb", "--vm-ram-dedup"]);
+    assert!(error.contains("KSM does not merge huge pages"), "{error}");
+    let error = run(&[
+        "--vm-ram-backing",
+        "hugetlb-memfd",
+        "--vm-cold-ram-compression",
+    ]);
+    assert!(
+        error.contains("does not work on hugetlb-memfd RAM"),
+        "{error}"
+    );
+    let error = run(&["--vm-ram-backing", "huge"]);
+    assert!(error.contains("hugetlb-memfd"), "{error}");
+    // A pool that cannot give the RAM's huge pages: refused before anything is mapped, with
+    // the setting to raise. (The lock keeps other tests from lending meanwhile.)
+    let none = HugePages::lend(0);
+    let free = pool_count("free_hugepages") + pool_count("nr_overcommit_hugepages");
+    if free < 256 {
+        let error = run(&["--vm-ram-backing", "hugetlb"]);
+        assert!(error.contains("nr_overcommit_hugepages"), "{error}");
+        assert!(error.contains("256 huge pages"), "{error}");
+    }
+    drop(none);
+}
