@@ -148,18 +148,25 @@ impl PageSource for StoreSource {
     ) -> Result<Content, SourceError> {
         let guard = self.store.read();
         let store = guard.as_ref().ok_or(SourceError::NoStore)?;
-        let block = store.block_size().index_of(offset);
-        let kind = store
-            .get(block, buf)
-            .map_err(|source| SourceError::Store { block, source })?;
-        Ok(match kind {
-            None | Some(BlockKind::Zero) => Content::Zero,
-            Some(kind) => {
-                if kind.is_compressed() {
-                    *decompressed += buf.len() as u64;
+        // A pager whose blocks are larger than the store's (huge pages served from a store of
+        // 64 KiB blocks) reads several, one after the other, into its buffer.
+        let step = store.block_size().bytes();
+        let mut content = Content::Zero;
+        for (i, part) in buf.chunks_mut(step).enumerate() {
+            let block = store.block_size().index_of(offset) + i as u64;
+            let kind = store
+                .get(block, part)
+                .map_err(|source| SourceError::Store { block, source })?;
+            match kind {
+                None | Some(BlockKind::Zero) => part.fill(0),
+                Some(kind) => {
+                    if kind.is_compressed() {
+                        *decompressed += part.len() as u64;
+                    }
+                    content = Content::Data;
                 }
-                Content::Data
             }
-        })
+        }
+        Ok(content)
     }
 }

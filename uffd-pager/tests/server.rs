@@ -105,6 +105,8 @@ impl Drop for Running {
 struct Vm {
     maps: Vec<Mapping>,
     uffd: Userfaultfd,
+    /// The page size the regions are mapped with.
+    page_size: usize,
 }
 
 // SAFETY: plain memory mappings; the tests synchronise access themselves.
@@ -117,18 +119,44 @@ impl Vm {
 
     /// Regions registered on a userfaultfd created with `features`.
     fn with_features(sizes: &[usize], features: u64) -> Self {
+        Self::mapped(sizes, features, PAGE_SIZE as usize, Mapping::anon)
+    }
+
+    /// Regions of 2 MiB huge pages, as Firecracker maps guest memory with `huge_pages: "2M"`
+    /// (private anonymous `MAP_HUGETLB`), registered MISSING on a uffd with `EVENT_REMOVE`.
+    fn huge(sizes: &[usize]) -> Self {
+        Self::mapped(sizes, feature::EVENT_REMOVE, 2 * MIB, |len| {
+            let flags = libc::MAP_PRIVATE
+                | libc::MAP_ANONYMOUS
+                | libc::MAP_NORESERVE
+                | libc::MAP_HUGETLB
+                | libc::MAP_HUGE_2MB;
+            Mapping::new(len, libc::PROT_READ | libc::PROT_WRITE, flags, None).unwrap()
+        })
+    }
+
+    fn mapped(
+        sizes: &[usize],
+        features: u64,
+        page_size: usize,
+        map: impl Fn(usize) -> Mapping,
+    ) -> Self {
         let uffd = Userfaultfd::create(features).unwrap();
         let maps = sizes
             .iter()
             .map(|&len| {
-                let map = Mapping::anon(len);
+                let map = map(len);
                 let range = HostRange::new(HostAddr::from_ptr(map.as_ptr()), len as u64).unwrap();
                 // SAFETY: the mapping lives until `Vm` is dropped, after the server is done.
                 unsafe { uffd.register(range, Mode::MISSING).unwrap() };
                 map
             })
             .collect();
-        Self { maps, uffd }
+        Self {
+            maps,
+            uffd,
+            page_size,
+        }
     }
 
     /// The Firecracker 1.12 handshake: regions laid end to end in the file.
@@ -140,9 +168,9 @@ impl Vm {
             .map(|map| {
                 let (ptr, len) = (map.as_ptr(), map.len());
                 let sizes = if page_size_fields {
-                    r#","page_size":4096,"page_size_kib":4096"#
+                    format!(r#","page_size":{0},"page_size_kib":{0}"#, self.page_size)
                 } else {
-                    ""
+                    String::new()
                 };
                 let json = format!(
                     r#"{{"base_host_virt_addr":{},"size":{len},"offset":{offset}{sizes}}}"#,
@@ -222,6 +250,61 @@ fn server_serves_a_firecracker_vm_from_a_raw_memory_file() {
     running.wait_until("the VM to be released", |s| {
         s.stats().active.load(Ordering::Relaxed) == 0
     });
+}
+
+#[test]
+fn server_serves_a_firecracker_vm_of_huge_pages_from_a_raw_file_and_a_store() {
+    if skip() {
+        return;
+    }
+    let _lent = testkit::hugepages::HugePages::lend(8);
+    let dir = tempfile::tempdir().unwrap();
+    let data = image(8 * MIB, 7);
+    let raw = dir.path().join("mem");
+    std::fs::write(&raw, &data).unwrap();
+    let store_dir = dir.path().join("store");
+    // 64 KiB blocks: a 2 MiB page is gathered from 32 of them.
+    let options = PackOptions {
+        codec: Some(CodecConfig::new(Codec::Lz4)),
+        ..PackOptions::default()
+    };
+    pack_file(&raw, &store_dir, &options, &|_| {}).unwrap();
+    let store = DiskStore::open_read_only(&store_dir).unwrap();
+    let sources: [(Arc<dyn PageSource>, BlockSize); 2] = [
+        (
+            Arc::new(RawFileSource::open(&raw).unwrap()),
+            BlockSize::default(),
+        ),
+        (Arc::new(StoreSource::new(store)), BlockSize::default()),
+    ];
+    for (source, block_size) in sources {
+        let running = Running::start(source, block_size);
+        let vm = Vm::huge(&[2 * MIB, 6 * MIB]);
+        let stream = vm.connect(&running.socket, &vm.json(true));
+        assert!(vm.bytes(0) == &data[..2 * MIB]);
+        assert!(vm.bytes(1) == &data[2 * MIB..]);
+        // A balloon's discard of one huge page: it faults back as zeros.
+        let ptr = vm.maps[1].as_ptr();
+        // SAFETY: discarding a whole huge page of our own mapping.
+        let rc = unsafe { libc::madvise(ptr.add(2 * MIB).cast(), 2 * MIB, libc::MADV_DONTNEED) };
+        assert_eq!(rc, 0);
+        assert!(vm.bytes(1)[2 * MIB..4 * MIB].iter().all(|&b| b == 0));
+        assert!(vm.bytes(1)[4 * MIB..] == data[6 * MIB..]);
+        assert!(vm.bytes(1)[..2 * MIB] == data[2 * MIB..4 * MIB]);
+        drop(stream);
+        running.wait_until("the VM to be released", |s| {
+            s.stats().active.load(Ordering::Relaxed) == 0
+        });
+    }
+    // Regions not aligned to their huge pages are refused; the server goes on.
+    let running = Running::start(raw_file(dir.path(), &data), BlockSize::default());
+    let vm = Vm::huge(&[2 * MIB]);
+    let base = vm.maps[0].as_ptr() as u64;
+    let json = format!(
+        r#"[{{"base_host_virt_addr":{base},"size":2097152,"offset":4096,"page_size":2097152,"page_size_kib":2097152}}]"#
+    );
+    let stream = vm.connect(&running.socket, &json);
+    assert!(closed_by_server(&stream));
 }
 
 #[test]

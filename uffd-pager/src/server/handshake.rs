@@ -7,6 +7,8 @@ use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
+use basics::PageSize;
+
 use crate::addr::{HostAddr, HostRange, PAGE_SIZE};
 
 /// Largest handshake accepted (a VM has a handful of regions; this is generous).
@@ -38,6 +40,9 @@ pub struct Region {
     pub range: HostRange,
     /// Its offset in the image.
     pub offset: u64,
+    /// Its page size: 4 KiB, or 2 MiB for Firecracker's `huge_pages: "2M"` (private
+    /// `MAP_HUGETLB` memory).
+    pub page_size: PageSize,
 }
 
 /// Why a handshake was refused.
@@ -284,8 +289,8 @@ pub fn parse(body: &[u8], memfds: usize) -> Result<Message, HandshakeError> {
     }
 }
 
-/// Validates regions: page size 4 KiB (huge pages are not served), page-aligned, no overlap
-/// in memory or in the image, every byte inside an image of `image_size` bytes.
+/// Validates regions: page size 4 KiB or 2 MiB, aligned to it in memory and in the image, no
+/// overlap in memory or in the image, every byte inside an image of `image_size` bytes.
 pub fn validate(raw: &[GuestRegion], image_size: u64) -> Result<Vec<Region>, HandshakeError> {
     if raw.is_empty() {
         return Err(HandshakeError::Empty);
@@ -302,18 +307,35 @@ pub fn validate(raw: &[GuestRegion], image_size: u64) -> Result<Vec<Region>, Han
                 ));
             }
         }
-        if page_size != PAGE_SIZE {
-            return Err(bad(
-                index,
-                format!("page size {page_size} is not served (only 4096-byte pages)"),
-            ));
-        }
+        let page_size = match page_size {
+            4096 => PageSize::BASE,
+            2_097_152 => PageSize::HUGE,
+            other => {
+                return Err(bad(
+                    index,
+                    format!("page size {other} is not served (4096 or 2097152 bytes)"),
+                ))
+            }
+        };
         let range = HostRange::new(HostAddr(r.base_host_virt_addr), r.size)
             .map_err(|e| bad(index, e.to_string()))?;
-        if r.offset % PAGE_SIZE != 0 {
+        if !page_size.is_aligned(r.offset) {
             return Err(bad(
                 index,
-                format!("offset {:#x} is not page-aligned", r.offset),
+                format!(
+                    "offset {:#x} is not aligned to its {}-byte pages",
+                    r.offset,
+                    page_size.bytes()
+                ),
+            ));
+        }
+        if !page_size.is_aligned(r.base_host_virt_addr) || !page_size.is_aligned(r.size) {
+            return Err(bad(
+                index,
+                format!(
+                    "{range:?} is not aligned to its {}-byte pages",
+                    page_size.bytes()
+                ),
             ));
         }
         let end = r
@@ -346,6 +368,7 @@ pub fn validate(raw: &[GuestRegion], image_size: u64) -> Result<Vec<Region>, Han
         regions.push(Region {
             range,
             offset: r.offset,
+            page_size,
         });
     }
     Ok(regions)
@@ -394,8 +417,16 @@ mod tests {
                 "offset 0x7",
             ),
             (
-                r#"[{"base_host_virt_addr":4096,"size":4096,"offset":0,"page_size":2097152}]"#,
-                "only 4096-byte pages",
+                r#"[{"base_host_virt_addr":4096,"size":4096,"offset":0,"page_size":65536}]"#,
+                "4096 or 2097152 bytes",
+            ),
+            (
+                r#"[{"base_host_virt_addr":4096,"size":2097152,"offset":0,"page_size":2097152}]"#,
+                "not aligned to its 2097152-byte pages",
+            ),
+            (
+                r#"[{"base_host_virt_addr":2097152,"size":2097152,"offset":4096,"page_size_kib":2097152}]"#,
+                "offset 0x1000 is not aligned to its 2097152-byte pages",
             ),
             (
                 r#"[{"base_host_virt_addr":4096,"size":8192,"offset":0},{"base_host_virt_addr":8192,"size":4096,"offset":65536}]"#,
@@ -436,6 +467,7 @@ mod tests {
                 Just(u64::MAX - 4095),
                 Just(IMAGE),
                 Just(IMAGE - 4096),
+                Just(2 << 20),
                 (0u64..1 << 20).prop_map(|p| p * PAGE_SIZE),
                 any::<u64>(),
                 0u64..10_000,
@@ -520,6 +552,9 @@ mod tests {
             prop_assert!(!regions.is_empty());
             for (i, r) in regions.iter().enumerate() {
                 prop_assert_eq!(r.offset % PAGE_SIZE, 0);
+                prop_assert!(r.page_size.is_aligned(r.offset));
+                prop_assert!(r.page_size.is_aligned(r.range.start().0));
+                prop_assert!(r.page_size.is_aligned(r.range.len()));
                 prop_assert!(r.offset + r.range.len() <= IMAGE);
                 for other in &regions[..i] {
                     prop_assert!(!r.range.overlaps(&other.range));

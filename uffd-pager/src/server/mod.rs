@@ -524,9 +524,16 @@ impl Connection {
         initial: PageState,
         journal: Option<Arc<Journal>>,
     ) -> Result<Pager, crate::pager::PagerError> {
+        // A fault installs whole pages: huge pages are fetched as 2 MiB blocks, gathered from
+        // the source's smaller blocks where it has them.
+        let block_size = specs
+            .iter()
+            .map(|s| s.kind.page_size().bytes())
+            .filter_map(|bytes| BlockSize::new(bytes).ok())
+            .fold(self.config.block_size, BlockSize::max);
         let config = PagerConfig {
             threads: self.config.threads,
-            block_size: self.config.block_size,
+            block_size,
             initial,
             register: false,
             // Firecracker asks for them; the pager never discards remote memory itself.
@@ -595,12 +602,17 @@ enum Session {
     Pvisor { _views: Vec<MemfdView> },
 }
 
-/// Firecracker regions: the peer's anonymous memory, reachable only through its uffd.
+/// Firecracker regions: the peer's anonymous memory (of base pages, or private `MAP_HUGETLB`
+/// memory of 2 MiB pages), reachable only through its uffd.
 fn anon_specs(regions: &[handshake::Region]) -> Vec<RegionSpec> {
     regions
         .iter()
         .map(|r| RegionSpec {
-            kind: RamKind::Anon,
+            kind: if r.page_size == basics::PageSize::BASE {
+                RamKind::Anon
+            } else {
+                RamKind::Hugetlb
+            },
             range: r.range,
             image_offset: r.offset,
             memfd: None,
@@ -712,6 +724,13 @@ fn memfd_regions(
     let mut specs = Vec::with_capacity(regions.len());
     let mut views = Vec::new();
     for (index, (region, wire)) in regions.iter().zip(&hello.regions).enumerate() {
+        if region.page_size != basics::PageSize::BASE {
+            return Err(format!(
+                "region {index}: huge pages are served to Firecracker's handshake, not over {}",
+                handshake::PVISOR_PROTOCOL
+            )
+            .into());
+        }
         let spec = match wire.memfd {
             None => RegionSpec {
                 kind: RamKind::Anon,
