@@ -106,11 +106,14 @@ impl Shared {
     }
 
     /// Installs every `Stored` page of `block`, waiting for room under the resident limit
-    /// unless `stop` says to give up; returns the pages filled.
+    /// unless `stop` says to give up; returns the pages filled. A block that a fault thread
+    /// is reading is left to it (`Busy::Pass`, the prefetcher) or waited for (`Busy::Wait`,
+    /// an eager load, which returns when everything is in).
     pub(crate) fn fill_block(
         &self,
         block: u64,
         buf: &mut [u8],
+        busy: Busy,
         stop: &dyn Fn() -> bool,
     ) -> Result<u64, LoadError> {
         let per_block = self.block_size.pages() as u64;
@@ -119,6 +122,18 @@ impl Shared {
         if !self.states.any(block_pages.clone(), PageState::Stored) {
             return Ok(0);
         }
+        let _fetch = loop {
+            match self.claim_fetch(block) {
+                Some(fetch) => break fetch,
+                None if busy == Busy::Pass || stop() => return Ok(0),
+                None => std::thread::sleep(Duration::from_micros(50)),
+            }
+        };
+        // Another thread may have installed it before giving the claim back.
+        if !self.states.any(block_pages.clone(), PageState::Stored) {
+            return Ok(0);
+        }
+        self.metrics.blocks_fetched.fetch_add(1, Ordering::Relaxed);
         let offset = block * self.block_size.bytes_u64();
         let len = self.block_size.len_in_image(block, self.image_size);
         let mut decompressed = 0;
@@ -256,6 +271,15 @@ impl Pager {
     }
 }
 
+/// What a load does with a block another thread is reading.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Busy {
+    /// Leave it to that thread.
+    Pass,
+    /// Wait until it is done, then install what is left.
+    Wait,
+}
+
 /// Installs every stored page of `blocks` with `threads` workers; returns the pages filled.
 fn eager(shared: &Shared, blocks: &[u64], threads: usize) -> Result<u64, LoadError> {
     let next = AtomicUsize::new(0);
@@ -270,7 +294,7 @@ fn eager(shared: &Shared, blocks: &[u64], threads: usize) -> Result<u64, LoadErr
                         let Some(&block) = blocks.get(i) else {
                             return Ok(filled);
                         };
-                        filled += shared.fill_block(block, &mut buf, &|| {
+                        filled += shared.fill_block(block, &mut buf, Busy::Wait, &|| {
                             shared.owner_gone.load(Ordering::Relaxed)
                         })?;
                     }
@@ -303,17 +327,17 @@ fn yield_to_faults(shared: &Shared) -> bool {
     }
 }
 
-/// The prefetcher. The recorded working set (`order[..hot]`) goes first, installed by
-/// `threads` threads at once: it is what the VM needs soonest. The rest goes in chunks that
-/// start at 64 KiB and double while no fault arrives (up to 4 MiB). While faults are pending
-/// every prefetch thread yields to them; when the single one of the second phase goes on, it
-/// skips ahead past the block of the latest fault if that block is further along its order
-/// (the faulting thread is reading there: installing what comes next helps it, installing
-/// behind it does not), and comes back for the skipped blocks at the end.
+/// The prefetcher. The recorded working set (`order[..hot]`) goes first: it is what the VM
+/// needs soonest. The rest goes in chunks that start at 64 KiB and double while no fault
+/// arrives (up to 4 MiB). Both phases run on `threads` threads, so that one thread's read
+/// overlaps another's install (a 2 MiB block of huge-page RAM is a millisecond of disk and a
+/// fraction of one to copy). While faults are pending every prefetch thread yields to them;
+/// the rest is taken from one cursor that skips ahead past the block of the latest fault if
+/// that block is further along its order (the faulting thread is reading there: installing
+/// what comes next helps it, installing behind it does not), and comes back for the skipped
+/// blocks at the end. A block a fault thread is reading is left to it.
 fn prefetch(shared: &Shared, order: &[u64], hot: usize, threads: usize) {
     let block_bytes = shared.block_size.bytes_u64();
-    let min_chunk = (MIN_CHUNK_BYTES / block_bytes).max(1) as usize;
-    let max_chunk = (MAX_CHUNK_BYTES / block_bytes).max(1) as usize;
     // Where each block sits in `order`, to find the latest fault's place.
     let mut position = vec![usize::MAX; shared.block_size.blocks_for(shared.image_size) as usize];
     for (i, &block) in order.iter().enumerate() {
@@ -321,14 +345,11 @@ fn prefetch(shared: &Shared, order: &[u64], hot: usize, threads: usize) {
             *slot = i;
         }
     }
-    let mut chunk = min_chunk;
-    let mut buf = vec![0u8; shared.block_size.bytes()];
-    let mut skipped: Vec<std::ops::Range<usize>> = Vec::new();
-    let mut faults = shared.faults_seen.load(Ordering::Relaxed);
     let stop = || {
         shared.prefetch_stop.load(Ordering::Relaxed) || shared.owner_gone.load(Ordering::Relaxed)
     };
-    let fill = |i: usize, buf: &mut [u8]| match shared.fill_block(order[i], buf, &stop) {
+    let fill = |i: usize, buf: &mut [u8]| match shared.fill_block(order[i], buf, Busy::Pass, &stop)
+    {
         Ok(0) => {}
         Ok(pages) => {
             shared
@@ -342,7 +363,7 @@ fn prefetch(shared: &Shared, order: &[u64], hot: usize, threads: usize) {
         // A block that cannot be read is left to faults, which report the error.
         Err(_) => {}
     };
-    // Phase one: the working set, in parallel.
+    // Phase one: the working set.
     let next = AtomicUsize::new(0);
     std::thread::scope(|scope| {
         for _ in 0..threads.max(1) {
@@ -364,39 +385,96 @@ fn prefetch(shared: &Shared, order: &[u64], hot: usize, threads: usize) {
             });
         }
     });
-    let mut at = hot;
-    while at < order.len() {
-        if shared.prefetch_stop.load(Ordering::Relaxed) {
-            return;
+    // Phase two: the rest, from one cursor.
+    let cursor = parking_lot::Mutex::new(Cursor {
+        at: hot,
+        chunk: Cursor::chunk_of(MIN_CHUNK_BYTES, block_bytes),
+        faults: shared.faults_seen.load(Ordering::Relaxed),
+        skipped: Vec::new(),
+    });
+    std::thread::scope(|scope| {
+        for _ in 0..threads.max(1) {
+            scope.spawn(|| {
+                let mut buf = vec![0u8; shared.block_size.bytes()];
+                loop {
+                    if shared.prefetch_stop.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    if yield_to_faults(shared) {
+                        continue;
+                    }
+                    let Some(range) = cursor.lock().take(shared, &position, order.len()) else {
+                        return;
+                    };
+                    for i in range {
+                        fill(i, &mut buf);
+                    }
+                }
+            });
         }
-        if yield_to_faults(shared) {
-            continue;
-        }
-        let now = shared.faults_seen.load(Ordering::Relaxed);
-        if now != faults {
-            let latest = shared.latest_fault_block.load(Ordering::Relaxed);
-            let place = position.get(latest as usize).copied().unwrap_or(usize::MAX);
-            if place != usize::MAX && place >= at {
-                skipped.push(at..place);
-                at = place + 1;
-            }
-            chunk = min_chunk;
-        } else {
-            chunk = (chunk * 2).min(max_chunk);
-        }
-        faults = now;
-        let end = (at + chunk).min(order.len());
-        for i in at..end {
-            fill(i, &mut buf);
-        }
-        at = end;
+    });
+}
+
+/// Where the prefetcher's second phase stands in its order.
+struct Cursor {
+    /// The next place to prefetch.
+    at: usize,
+    /// Blocks per chunk now.
+    chunk: usize,
+    /// `faults_seen` when the last chunk was taken.
+    faults: u64,
+    /// Places passed over to follow a fault, taken at the end.
+    skipped: Vec<std::ops::Range<usize>>,
+}
+
+impl Cursor {
+    fn chunk_of(bytes: u64, block_bytes: u64) -> usize {
+        (bytes / block_bytes).max(1) as usize
     }
-    for range in skipped {
-        for i in range {
-            if shared.prefetch_stop.load(Ordering::Relaxed) {
-                return;
+
+    /// The next places to prefetch (`None`: all taken): a chunk from the cursor, which skips
+    /// ahead past the latest fault's block if a fault came since the last chunk (the chunk
+    /// then starts small again; it doubles while none comes), then the skipped places.
+    fn take(
+        &mut self,
+        shared: &Shared,
+        position: &[usize],
+        len: usize,
+    ) -> Option<std::ops::Range<usize>> {
+        let block_bytes = shared.block_size.bytes_u64();
+        if self.at < len {
+            let now = shared.faults_seen.load(Ordering::Relaxed);
+            if now != self.faults {
+                let latest = shared.latest_fault_block.load(Ordering::Relaxed);
+                let place = position.get(latest as usize).copied().unwrap_or(usize::MAX);
+                if place != usize::MAX && place >= self.at {
+                    self.skipped.push(self.at..place);
+                    self.at = place + 1;
+                }
+                self.chunk = Self::chunk_of(MIN_CHUNK_BYTES, block_bytes);
+            } else {
+                self.chunk = (self.chunk * 2).min(Self::chunk_of(MAX_CHUNK_BYTES, block_bytes));
             }
-            fill(i, &mut buf);
+            self.faults = now;
+            let end = (self.at + self.chunk).min(len);
+            let range = self.at..end;
+            self.at = end;
+            if !range.is_empty() {
+                return Some(range);
+            }
         }
+        // The skipped places, in order, in the largest chunks.
+        let most = Self::chunk_of(MAX_CHUNK_BYTES, block_bytes);
+        while let Some(first) = self.skipped.first_mut() {
+            if first.start >= first.end {
+                self.skipped.remove(0);
+                continue;
+            }
+            let end = (first.start + most).min(first.end);
+            let range = first.start..end;
+            first.start = end;
+            return Some(range);
+        }
+        None
     }
 }

@@ -171,6 +171,12 @@ counters! {
         eexist_races,
         /// Resolutions retried after `EAGAIN` (a `REMOVE` event was pending).
         eagain_retries,
+        /// Blocks read from a source (the store or the restore image) by faults, the
+        /// prefetcher or an eager load: each block once per load, as one reader claims it.
+        blocks_fetched,
+        /// Faults that waited for another thread's read of their block (the prefetcher's)
+        /// instead of reading it again.
+        fetch_waits,
         /// `REMOVE` events (ranges discarded by the VMM or a balloon; they read as zeros).
         remove_events,
         /// Pages installed by copying (faults and prefetch).

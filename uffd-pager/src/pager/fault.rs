@@ -24,6 +24,10 @@ struct Pending {
     /// When it was first held (counted in `faults_held`); its wait goes to `held_us` once
     /// it is served.
     held_since: Option<Instant>,
+    /// It waits for another thread's read of its block (counted in `Fetches::waiting`).
+    busy: bool,
+    /// It has waited for another thread's read (counted once in `fetch_waits`).
+    waited: bool,
 }
 
 /// Outcome of one resolution attempt.
@@ -36,6 +40,8 @@ enum Attempt {
         /// The pages it would install.
         pages: u64,
     },
+    /// Another thread (the prefetcher) is reading the block: try again once it is done.
+    Busy,
 }
 
 /// How long a fault thread with only held faults waits for an event before it looks again
@@ -103,6 +109,8 @@ impl Shared {
                                 since: Instant::now(),
                                 held: 0,
                                 held_since: None,
+                                busy: false,
+                                waited: false,
                             });
                         }
                         Event::Remove { start, end } | Event::Unmap { start, end } => {
@@ -144,6 +152,9 @@ impl Shared {
                     self.limit.held_changed(fault.held, 0);
                     fault.held = 0;
                 }
+                if std::mem::take(&mut fault.busy) {
+                    self.fetches.waiting.fetch_sub(1, Ordering::Relaxed);
+                }
                 let result = if repeat.1 > 10_000 {
                     Err(FaultError::Lost { addr: fault.addr })
                 } else {
@@ -159,6 +170,16 @@ impl Shared {
                     }
                     Ok(Attempt::Retry) => {
                         self.metrics.eagain_retries.fetch_add(1, Ordering::Relaxed);
+                        retry.push(fault);
+                    }
+                    Ok(Attempt::Busy) => {
+                        if !std::mem::replace(&mut fault.waited, true) {
+                            self.metrics.fetch_waits.fetch_add(1, Ordering::Relaxed);
+                        }
+                        fault.busy = true;
+                        self.fetches.waiting.fetch_add(1, Ordering::Relaxed);
+                        // Not a repeat: the page is on its way.
+                        repeat = (HostAddr(0), 0);
                         retry.push(fault);
                     }
                     Ok(Attempt::Held { pages }) => {
@@ -398,6 +419,11 @@ impl Shared {
                 PageState::Source | PageState::Stored => {
                     let span = self.block_span(region, page);
                     let block = self.block_size.index_of(span.start * PAGE_SIZE);
+                    // One reader per block: if the prefetcher reads it now, wait for that.
+                    let Some(_fetch) = self.claim_fetch(block) else {
+                        return Ok(Attempt::Busy);
+                    };
+                    self.metrics.blocks_fetched.fetch_add(1, Ordering::Relaxed);
                     let offset = self
                         .block_size
                         .offset_of(block)

@@ -32,6 +32,7 @@ use crate::state::{PageState, PageStates, StateCounts};
 use crate::uffd::{feature, Mode, UffdError, Userfaultfd};
 
 mod fault;
+mod fetch;
 mod region;
 
 use region::check_regions;
@@ -247,6 +248,8 @@ pub(crate) struct Shared {
     pub metrics: Metrics,
     /// Faults read and not yet resolved (the prefetcher yields while this is non-zero).
     pub faults_in_flight: AtomicU64,
+    /// The blocks being read from a source now, one reader each.
+    pub(crate) fetches: fetch::Fetches,
     /// Faults ever read (the prefetcher grows its chunks while this does not move).
     pub faults_seen: AtomicU64,
     /// The block of the latest fault read (the prefetcher skips ahead of it).
@@ -471,6 +474,7 @@ impl Pager {
             layout: RwLock::new(()),
             metrics: Metrics::default(),
             faults_in_flight: AtomicU64::new(0),
+            fetches: fetch::Fetches::new(blocks),
             faults_seen: AtomicU64::new(0),
             latest_fault_block: AtomicU64::new(u64::MAX),
             working_set: WorkingSet::new(blocks),
