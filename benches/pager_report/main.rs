@@ -206,6 +206,8 @@ fn run() -> Res<()> {
         lz4_dir,
         zstd_dir,
     };
+    // RAM of 2 MiB pages for the restore part: surplus pages lent while the bench runs.
+    let _huge_pages = testkit::hugepages::HugePages::lend((settings.image >> 21) as u64 + 8);
     let raw_server =
         restore::Running::start(&tmp.path.join("ours-raw.sock"), raw, BlockSize::default())?;
     let lz4_server =

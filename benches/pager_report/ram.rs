@@ -204,21 +204,39 @@ pub fn pager(
     Ok(unsafe { Pager::new(vec![spec], config, restore, on_error)? })
 }
 
-/// Guest memory the way Firecracker has it at restore: private anonymous RAM registered
-/// MISSING on a userfaultfd with `UFFD_FEATURE_EVENT_REMOVE`.
+/// Guest memory the way Firecracker has it at restore: private anonymous RAM (of 2 MiB huge
+/// pages with `huge_pages: "2M"`) registered MISSING on a userfaultfd with
+/// `UFFD_FEATURE_EVENT_REMOVE`.
 pub struct FirecrackerVm {
     pub uffd: Userfaultfd,
     pub map: Mapping,
+    page_size: usize,
 }
 
 impl FirecrackerVm {
-    pub fn new(len: usize) -> Res<Self> {
+    pub fn new(len: usize, huge: bool) -> Res<Self> {
         let uffd = Userfaultfd::create(feature::EVENT_REMOVE)?;
-        let map = Mapping::try_anon(len)?;
+        let (map, page_size) = if huge {
+            let flags = libc::MAP_PRIVATE
+                | libc::MAP_ANONYMOUS
+                | libc::MAP_NORESERVE
+                | libc::MAP_HUGETLB
+                | libc::MAP_HUGE_2MB;
+            (
+                Mapping::new(len, libc::PROT_READ | libc::PROT_WRITE, flags, None)?,
+                2 << 20,
+            )
+        } else {
+            (Mapping::try_anon(len)?, PAGE)
+        };
         // SAFETY: `map` lives as long as the uffd in this struct; whoever serves it only
         // resolves faults through the uffd.
         unsafe { uffd.register(range(&map), Mode::MISSING)? };
-        Ok(Self { uffd, map })
+        Ok(Self {
+            uffd,
+            map,
+            page_size,
+        })
     }
 
     /// Connects to `socket` and sends Firecracker 1.12's handshake: one message with the bare
@@ -226,9 +244,10 @@ impl FirecrackerVm {
     pub fn connect(&self, socket: &Path) -> Res<UnixStream> {
         let stream = UnixStream::connect(socket)?;
         let json = format!(
-            r#"[{{"base_host_virt_addr":{},"size":{},"offset":0,"page_size":4096,"page_size_kib":4096}}]"#,
+            r#"[{{"base_host_virt_addr":{},"size":{},"offset":0,"page_size":{2},"page_size_kib":{2}}}]"#,
             range(&self.map).start().0,
-            self.map.len()
+            self.map.len(),
+            self.page_size
         );
         send_with_fd(&stream, json.as_bytes(), self.uffd.as_raw_fd())?;
         Ok(stream)

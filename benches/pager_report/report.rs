@@ -430,7 +430,7 @@ fn restore_section(out: &mut String, results: &Results, s: &Settings) {
                 format!("{k}.handler_faults"),
             ));
         }
-        for ours in ["ours_raw", "ours_lz4"] {
+        for ours in ["ours_raw", "ours_lz4", "ours_raw_huge", "ours_lz4_huge"] {
             rows.push(bold(
                 format!(
                     "{touch}: Firecracker-style time / {} time",

@@ -4,7 +4,9 @@
 //! sent (as Firecracker resumes its vCPUs), reading one byte per page in order, timed from the
 //! first touch to the last: either 1 MiB at the start of every 8 MiB (lazy) or every page
 //! (full). Handlers: our `Server` (one fault thread per VM, from the raw file or from an lz4
-//! store) and the Firecracker-example-style handler of `firecracker.rs` (raw file).
+//! store) and the Firecracker-example-style handler of `firecracker.rs` (raw file), on guest
+//! RAM of 4 KiB pages, and our `Server` again on RAM of 2 MiB huge pages (Firecracker's
+//! `huge_pages: "2M"`: private `MAP_HUGETLB` memory, `page_size` 2097152 in the handshake).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -27,16 +29,27 @@ pub enum Who {
     OursRaw,
     OursLz4,
     Firecracker,
+    /// Ours, on RAM of 2 MiB huge pages.
+    OursRawHuge,
+    OursLz4Huge,
 }
 
 impl Who {
-    pub const ALL: [Who; 3] = [Who::OursRaw, Who::OursLz4, Who::Firecracker];
+    pub const ALL: [Who; 5] = [
+        Who::OursRaw,
+        Who::OursLz4,
+        Who::Firecracker,
+        Who::OursRawHuge,
+        Who::OursLz4Huge,
+    ];
 
     pub fn key(self) -> &'static str {
         match self {
             Who::OursRaw => "ours_raw",
             Who::OursLz4 => "ours_lz4",
             Who::Firecracker => "firecracker",
+            Who::OursRawHuge => "ours_raw_huge",
+            Who::OursLz4Huge => "ours_lz4_huge",
         }
     }
 
@@ -45,7 +58,14 @@ impl Who {
             Who::OursRaw => "ours (`Server`), raw file",
             Who::OursLz4 => "ours (`Server`), lz4 store",
             Who::Firecracker => "Firecracker-example-style handler, raw file",
+            Who::OursRawHuge => "ours (`Server`), raw file, 2 MiB pages",
+            Who::OursLz4Huge => "ours (`Server`), lz4 store, 2 MiB pages",
         }
+    }
+
+    /// Whether guest RAM is of 2 MiB huge pages.
+    pub fn huge(self) -> bool {
+        matches!(self, Who::OursRawHuge | Who::OursLz4Huge)
     }
 }
 
@@ -156,7 +176,7 @@ fn measure(
         Touch::Full => &full,
     };
     ram::recycle(len + len / 8)?;
-    let vm = FirecrackerVm::new(len)?;
+    let vm = FirecrackerVm::new(len, who.huge())?;
     let handler = match who {
         Who::Firecracker => Some(firecracker::Handler::spawn(
             setup.fc_socket,
@@ -165,8 +185,8 @@ fn measure(
         _ => None,
     };
     let socket = match who {
-        Who::OursRaw => &setup.raw_server.socket,
-        Who::OursLz4 => &setup.lz4_server.socket,
+        Who::OursRaw | Who::OursRawHuge => &setup.raw_server.socket,
+        Who::OursLz4 | Who::OursLz4Huge => &setup.lz4_server.socket,
         Who::Firecracker => setup.fc_socket,
     };
     let cpu = crate::host::CpuSample::now();
@@ -187,7 +207,7 @@ fn measure(
         Some(handler) => handler.join()? as f64,
         None => {
             let server = match who {
-                Who::OursLz4 => setup.lz4_server,
+                Who::OursLz4 | Who::OursLz4Huge => setup.lz4_server,
                 _ => setup.raw_server,
             };
             server.wait_idle()?;

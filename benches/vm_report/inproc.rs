@@ -7,7 +7,9 @@
 //! - `CODEC-lazy|eager`: fill, digest, offload, then resume and `task`, timed from the resume
 //!   call to the end of the task;
 //! - `touch-CODEC-lazy|eager`: the same offload and resume, then `touch` of the application
-//!   data (timed from the resume call), then `task` on the now resident VM.
+//!   data (timed from the resume call), then `task` on the now resident VM;
+//! - `huge-base`, `huge-CODEC-lazy|eager`: `base` and `CODEC-lazy|eager` on RAM of 2 MiB huge
+//!   pages (`--vm-ram-backing hugetlb`).
 
 use std::fs;
 use std::path::Path;
@@ -25,8 +27,21 @@ use crate::{Codec, Content, Res, Settings, MIB};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Case {
     Base,
-    Resume { codec: Codec, eager: bool },
-    Touch { codec: Codec, eager: bool },
+    Resume {
+        codec: Codec,
+        eager: bool,
+    },
+    Touch {
+        codec: Codec,
+        eager: bool,
+    },
+    /// `Base` on huge-page RAM.
+    HugeBase,
+    /// `Resume` on huge-page RAM.
+    HugeResume {
+        codec: Codec,
+        eager: bool,
+    },
 }
 
 impl Case {
@@ -36,12 +51,24 @@ impl Case {
             Case::Base => "base".into(),
             Case::Resume { codec, eager } => format!("{}-{}", codec.name(), mode(eager)),
             Case::Touch { codec, eager } => format!("touch-{}-{}", codec.name(), mode(eager)),
+            Case::HugeBase => "huge-base".into(),
+            Case::HugeResume { codec, eager } => {
+                format!("huge-{}-{}", codec.name(), mode(eager))
+            }
+        }
+    }
+
+    /// The RAM it runs on.
+    pub fn ram(self) -> RamKind {
+        match self {
+            Case::HugeBase | Case::HugeResume { .. } => RamKind::Hugetlb,
+            _ => RamKind::Anon,
         }
     }
 }
 
 /// Every case of one content, in the order of run 0.
-pub const CASES: [Case; 10] = [
+pub const CASES: [Case; 15] = [
     Case::Base,
     Case::Resume {
         codec: Codec::Raw,
@@ -79,6 +106,23 @@ pub const CASES: [Case; 10] = [
         codec: Codec::Lz4,
         eager: true,
     },
+    Case::HugeBase,
+    Case::HugeResume {
+        codec: Codec::Raw,
+        eager: false,
+    },
+    Case::HugeResume {
+        codec: Codec::Lz4,
+        eager: false,
+    },
+    Case::HugeResume {
+        codec: Codec::Raw,
+        eager: true,
+    },
+    Case::HugeResume {
+        codec: Codec::Lz4,
+        eager: true,
+    },
 ];
 
 fn mib(bytes: u64) -> f64 {
@@ -101,8 +145,10 @@ pub fn run_case(
     let name = case.name();
     let key = |quantity: &str| format!("vm.{}.{name}.{quantity}", content.name());
     let codec = match case {
-        Case::Base => Codec::Raw,
-        Case::Resume { codec, .. } | Case::Touch { codec, .. } => codec,
+        Case::Base | Case::HugeBase => Codec::Raw,
+        Case::Resume { codec, .. } | Case::Touch { codec, .. } | Case::HugeResume { codec, .. } => {
+            codec
+        }
     };
     let store_dir = dir.join(format!("store-{}-{name}", content.name()));
     let disk = dir.join(format!("disk-{}-{name}.img", content.name()));
@@ -112,12 +158,7 @@ pub fn run_case(
         ram_compression: codec != Codec::Raw,
         ram_codec: codec.codec_name().into(),
         // Otherwise what `pvisor run` uses by default.
-        ..VmOptions::new(
-            settings.memory,
-            RamKind::Anon,
-            disk.clone(),
-            store_dir.clone(),
-        )
+        ..VmOptions::new(settings.memory, case.ram(), disk.clone(), store_dir.clone())
     })?;
     let fill = format!(
         "fill {} {} seed={}; digest",
@@ -154,7 +195,7 @@ pub fn run_case(
     };
 
     let (eager, touch_first) = match case {
-        Case::Base => {
+        Case::Base | Case::HugeBase => {
             crate::settle();
             let started = Instant::now();
             let out = vm.exec(&task)?;
@@ -168,7 +209,7 @@ pub fn run_case(
             let _ = fs::remove_file(&disk);
             return Ok(());
         }
-        Case::Resume { eager, .. } => (eager, false),
+        Case::Resume { eager, .. } | Case::HugeResume { eager, .. } => (eager, false),
         Case::Touch { eager, .. } => (eager, true),
     };
 

@@ -9,9 +9,14 @@
 //!   time and write/drop split; the store's allocated blocks; the time from the resume call to
 //!   the end of `task` (lazy and eager) beside `task` on a never-offloaded VM; and a breakdown
 //!   (`touch` of the data right after resume vs on the warm VM, the pager's fault counters);
+//!   the never-offloaded task and resume + task again on RAM of 2 MiB huge pages (`huge-*`;
+//!   `nr_overcommit_hugepages` is raised while the bench runs, and put back);
 //! - in the real `pvisor` process (`process`): `pvisor run --detach`, `pvisor stats` running
 //!   and after `pvisor suspend --vm-offload` (the headline PSS), and resume + task beside task
 //!   on a never-offloaded `pvisor` VM.
+//!
+//! `VM_BENCH_CASES=NAME,…` runs only those in-process cases (`base`, `raw-lazy`,
+//! `huge-lz4-eager`, …), without the `pvisor` part, and writes no report.
 //!
 //! Run `r` does the two parts in the order in-process → pvisor for even `r` and reversed for
 //! odd `r`, swaps the order of the contents likewise, and rotates the order of the cases by
@@ -102,6 +107,9 @@ pub struct Settings {
     pub seed: u64,
     /// The `pvisor` binary, or why the pvisor part is skipped (smoke run only).
     pub pvisor: Result<PathBuf, String>,
+    /// `VM_BENCH_CASES=huge-base,huge-raw-lazy,…`: only these in-process cases, no `pvisor`
+    /// part and no report (a quick look at a few figures).
+    pub only: Option<Vec<String>>,
     pub root: PathBuf,
 }
 
@@ -126,16 +134,21 @@ fn settings() -> Res<Settings> {
             app: 4 * MIB,
             seed: 1,
             pvisor,
+            only: None,
             root,
         });
     }
+    let only = std::env::var("VM_BENCH_CASES")
+        .ok()
+        .map(|list| list.split(',').map(str::to_owned).collect::<Vec<_>>());
     Ok(Settings {
         runs: common::env_number("VM_BENCH_RUNS", 5, 1)? as usize,
-        write_docs: true,
+        write_docs: only.is_none(),
         memory: 512 * MIB,
         app: 64 * MIB,
         seed: 1,
         pvisor: Ok(pvisor?),
+        only,
         root,
     })
 }
@@ -150,6 +163,9 @@ fn run() -> Res<()> {
         return Ok(());
     }
     common::host::check_vm_devices()?;
+    // The huge-page cases take their pages as surplus pages the kernel lends while this
+    // lives; the host's setting comes back afterwards.
+    let _huge_pages = testkit::hugepages::HugePages::lend(settings.memory / (2 * MIB) + 8);
     // One directory per bench process, so that a smoke run cannot clear a running bench's files.
     let relative = Path::new("vm").join(format!("p{}", std::process::id()));
     let tmp = TempRoot::create("vm_report", &relative)?;
@@ -187,6 +203,9 @@ fn run() -> Res<()> {
             let t = Instant::now();
             for content in contents {
                 if pvisor_part {
+                    if settings.only.is_some() {
+                        continue;
+                    }
                     let Ok(bin) = &settings.pvisor else { continue };
                     let mut cases = process::CASES;
                     let n = cases.len();
@@ -198,7 +217,12 @@ fn run() -> Res<()> {
                     let mut cases = inproc::CASES;
                     let n = cases.len();
                     cases.rotate_left(run % n);
-                    for case in cases {
+                    for case in cases.into_iter().filter(|c| {
+                        settings
+                            .only
+                            .as_ref()
+                            .is_none_or(|only| only.contains(&c.name()))
+                    }) {
                         inproc::run_case(&settings, &tmp.path, content, case, run, &mut results)?;
                     }
                 }
@@ -235,6 +259,10 @@ fn run() -> Res<()> {
     let verdicts = targets::verdicts(&results, &settings);
     for v in &verdicts {
         eprintln!("vm_report: {}: {} ({})", v.target, v.result, v.figure);
+    }
+    if settings.only.is_some() {
+        eprintln!("vm_report: a part of the cases (VM_BENCH_CASES) in {elapsed_s:.1} s: no report written");
+        return Ok(());
     }
     if !settings.write_docs {
         eprintln!("vm_report: smoke run passed in {elapsed_s:.1} s (no report written; run with `cargo bench` for one)");
@@ -274,24 +302,25 @@ fn derive(results: &mut Results, settings: &Settings) {
         let c = content.name();
         let base_task = format!("vm.{c}.base.task_ms");
         let base_touch = format!("vm.{c}.base.touch_ms");
+        let huge_base_task = format!("vm.{c}.huge-base.task_ms");
         for case in inproc::CASES {
             let name = case.name();
             let k = |q: &str| format!("vm.{c}.{name}.{q}");
             match case {
-                inproc::Case::Base => {}
-                inproc::Case::Resume { .. } => {
-                    results.ratio(&k("ratio"), &k("resume_task_ms"), &base_task, runs);
-                    results.difference(
-                        &k("extra_ms"),
-                        &k("resume_task_ms"),
-                        &base_task,
-                        "ms",
-                        runs,
-                    );
+                inproc::Case::Base | inproc::Case::HugeBase => {}
+                inproc::Case::Resume { .. } | inproc::Case::HugeResume { .. } => {
+                    // Against the never-offloaded task on the same RAM.
+                    let base_task = if case.ram() == uffd_pager::pager::RamKind::Anon {
+                        &base_task
+                    } else {
+                        &huge_base_task
+                    };
+                    results.ratio(&k("ratio"), &k("resume_task_ms"), base_task, runs);
+                    results.difference(&k("extra_ms"), &k("resume_task_ms"), base_task, "ms", runs);
                     results.difference(
                         &k("task_extra_ms"),
                         &k("task_cmd_ms"),
-                        &base_task,
+                        base_task,
                         "ms",
                         runs,
                     );

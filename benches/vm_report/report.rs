@@ -421,6 +421,36 @@ fn time_tables(t: &mut String, results: &Results) {
             2,
         );
     }
+    row(
+        t,
+        results,
+        "never-offloaded task, huge-page RAM (in process)",
+        &|c| format!("vm.{c}.huge-base.task_ms"),
+        1,
+    );
+    for case in ["raw-lazy", "lz4-lazy", "raw-eager", "lz4-eager"] {
+        row(
+            t,
+            results,
+            &format!("huge pages, {case}: resume + task (in process)"),
+            &|c| format!("vm.{c}.huge-{case}.resume_task_ms"),
+            1,
+        );
+        row(
+            t,
+            results,
+            &format!("huge pages, {case}: **ratio** (in process)"),
+            &|c| format!("vm.{c}.huge-{case}.ratio"),
+            2,
+        );
+        row(
+            t,
+            results,
+            &format!("huge pages, {case}: synchronous faults"),
+            &|c| format!("vm.{c}.huge-{case}.faults_copy"),
+            0,
+        );
+    }
     for codec in ["raw", "lz4", "zstd"] {
         row(
             t,
