@@ -75,6 +75,12 @@ impl HugePages {
         write_count(host + pages);
         Self { lock, host }
     }
+
+    /// Lets the kernel lend `pages` more than the host allowed from now on (0: the host's own
+    /// setting), still under the lock.
+    pub fn set(&self, pages: u64) {
+        write_count(self.host + pages);
+    }
 }
 
 impl Drop for HugePages {

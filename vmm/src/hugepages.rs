@@ -26,6 +26,20 @@ pub enum HugePoolError {
         #[source]
         source: std::io::Error,
     },
+    /// The kernel could not set `needed` huge pages aside (its pool is short, or free memory
+    /// is too fragmented for new 2 MiB pages).
+    #[error(
+        "the host cannot give {needed} huge pages of 2 MiB now (its pool is short, or free \
+         memory is too fragmented to make new ones): raise /proc/sys/vm/nr_hugepages (reserved \
+         pages) or /proc/sys/vm/nr_overcommit_hugepages, or free memory"
+    )]
+    Probe {
+        /// Pages asked for.
+        needed: u64,
+        /// What the kernel said.
+        #[source]
+        source: std::io::Error,
+    },
     /// The pool has too few pages free and may lend too few.
     #[error(
         "{needed} huge pages of 2 MiB are needed, the host's pool can give {available} ({free} \
@@ -97,6 +111,40 @@ impl HugePool {
     /// Pages a mapping without a reservation can still get: free and unreserved, or lent.
     pub fn available(&self) -> u64 {
         self.free.saturating_sub(self.reserved) + self.lendable()
+    }
+
+    /// Whether the kernel can set `needed` huge pages aside now, tried for real: a mapping of
+    /// them with a reservation (which takes free pages of the pool and makes surplus pages
+    /// from free memory, where it may lend them), unmapped at once. Unlike the counters of
+    /// [`HugePool::check`], this finds out whether fragmented memory can still make new huge
+    /// pages. What it set aside is free again when it returns: a load right after takes them
+    /// (another process may take them first).
+    pub fn probe(needed: u64) -> Result<(), HugePoolError> {
+        if needed == 0 {
+            return Ok(());
+        }
+        let fail = |source| HugePoolError::Probe { needed, source };
+        let len = needed
+            .checked_mul(2 << 20)
+            .and_then(|len| usize::try_from(len).ok())
+            .ok_or_else(|| fail(std::io::Error::from_raw_os_error(libc::EOVERFLOW)))?;
+        // SAFETY: a new private mapping the kernel places, never touched, unmapped below.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_HUGETLB | libc::MAP_HUGE_2MB,
+                -1,
+                0,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            return Err(fail(std::io::Error::last_os_error()));
+        }
+        // SAFETY: the mapping made above, of `len` bytes; nothing refers to it.
+        unsafe { libc::munmap(addr, len) };
+        Ok(())
     }
 
     /// Whether `needed` pages can come from the pool now.

@@ -91,6 +91,33 @@ fn hugetlb_vm_offload_and_resume_keep_every_byte_and_give_huge_pages_back() {
 }
 
 #[test]
+fn hugetlb_vm_resume_that_the_host_cannot_give_huge_pages_is_refused_and_stays_offloaded() {
+    if skip() {
+        return;
+    }
+    let lent = lend();
+    let runtime = tempfile::tempdir().unwrap();
+    let vm = Detached::start(
+        runtime.path(),
+        &["--vm-ram-backing", "hugetlb"],
+        "fill 32MiB random seed=5; idle",
+    );
+    let digest = vm.digest();
+    vm.call("suspend", &["--vm-offload"]);
+    // The host takes back what it lent: no surplus page can be made any more.
+    lent.set(0);
+    if pool_count("free_hugepages") == 0 {
+        let error = vm.call_fails("resume", &[]);
+        assert!(error.contains("stays offloaded"), "{error}");
+        assert!(error.contains("nr_overcommit_hugepages"), "{error}");
+        assert_eq!(vm.call("status", &[])["state"], "offloaded");
+    }
+    lent.set(512 / 2 + 8);
+    vm.call("resume", &[]);
+    assert_eq!(vm.digest(), digest);
+}
+
+#[test]
 fn hugetlb_vm_refusals_say_why() {
     if skip() {
         return;

@@ -135,6 +135,10 @@ pub enum VmError {
         /// Why.
         reason: String,
     },
+    /// The host cannot give the huge pages an offloaded VM of huge-page RAM needs back; it
+    /// stays offloaded.
+    #[error("cannot resume: the VM stays offloaded")]
+    HugePages(#[source] crate::hugepages::HugePoolError),
     /// Load failed.
     #[error("loading the VM's RAM back failed")]
     Load(#[source] uffd_pager::load::LoadError),

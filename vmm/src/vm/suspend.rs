@@ -222,6 +222,15 @@ impl Vm {
                 None
             }
             VmState::Offloaded => {
+                let kind = self.options.ram_backing;
+                if kind.is_hugetlb() {
+                    // Every huge page the VM had is back in the host's hands: that the host can
+                    // give them again is found out here, with the VM still offloaded, rather
+                    // than at a guest fault that could not be served.
+                    let stored = self.machine.pager().state_counts().stored * basics::PAGE_SIZE;
+                    crate::hugepages::HugePool::probe(stored.div_ceil(kind.page_size().bytes()))
+                        .map_err(VmError::HugePages)?;
+                }
                 let mode = if eager {
                     LoadMode::Eager
                 } else {
