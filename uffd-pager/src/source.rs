@@ -78,7 +78,13 @@ impl RawFileSource {
     /// Opens `path` read-only. It must be a regular file: a symbolic link, a FIFO (whose
     /// reads would block every fault thread) or a device is refused.
     pub fn open(path: &Path) -> std::io::Result<Self> {
-        let file = compressed_backing::file::open_read(path)?;
+        Self::from_file(path, compressed_backing::file::open_read(path)?)
+    }
+}
+
+impl RawFileSource {
+    /// A source over `file`, already opened (and checked) as `path`, which names it in errors.
+    pub fn from_file(path: &Path, file: File) -> std::io::Result<Self> {
         let size = file.metadata()?.len();
         Ok(Self {
             path: path.to_path_buf(),

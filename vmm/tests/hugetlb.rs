@@ -118,6 +118,51 @@ fn hugetlb_vm_resume_that_the_host_cannot_give_huge_pages_is_refused_and_stays_o
 }
 
 #[test]
+fn hugetlb_vm_snapshots_restore_into_huge_pages_and_base_pages_alike() {
+    if skip() {
+        return;
+    }
+    let _lent = HugePages::lend(3 * (512 / 2) + 8);
+    let runtime = tempfile::tempdir().unwrap();
+    let r = runtime.path();
+    let origin = Detached::start(
+        r,
+        &["--vm-ram-backing", "hugetlb"],
+        "fill 32MiB random seed=9; idle",
+    );
+    let digest = origin.digest();
+    let (raw, packed) = (r.join("raw"), r.join("packed"));
+    origin.call("snapshot", &["--out", raw.to_str().unwrap()]);
+    origin.call(
+        "snapshot",
+        &["--out", packed.to_str().unwrap(), "--codec", "lz4"],
+    );
+    drop(origin);
+    for snap in [&raw, &packed] {
+        for kind in [None, Some("hugetlb"), Some("hugetlb-memfd")] {
+            let mut args = vec!["--restore", snap.to_str().unwrap()];
+            if let Some(kind) = kind {
+                args.extend(["--vm-ram-backing", kind]);
+            }
+            let vm = Detached::start(r, &args, "idle");
+            assert_eq!(vm.digest(), digest, "{snap:?} into {kind:?}");
+            if kind.is_some() {
+                // Loaded into huge pages it can offload and come back like any VM of them.
+                vm.call("suspend", &["--vm-offload"]);
+                vm.call("resume", &["--eager"]);
+                assert_eq!(vm.digest(), digest, "{snap:?} into {kind:?}, offloaded");
+                let stats = vm.stats();
+                assert_eq!(stats["fault_errors"], 0, "{stats}");
+                assert!(
+                    stats["guest_ram_pss_bytes"].as_u64().unwrap() >= 32 * MIB,
+                    "{stats}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn hugetlb_vm_refusals_say_why() {
     if skip() {
         return;

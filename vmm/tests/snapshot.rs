@@ -340,9 +340,13 @@ fn snapshot_compressed_is_small_and_restores_lazily() {
     vms[0].resume(false).unwrap();
     assert_eq!(digest(&mut vms[0]), written);
     assert_eq!(digest(&mut vms[1]), expected);
-    // A raw snapshot needs snapshot RAM, a store does not take it.
+    // A store cannot be mapped as snapshot RAM: it is loaded into RAM of another kind.
     let err = Vm::start(options(dir.path(), "bad", RamKind::Snapshot, Some(&snap))).unwrap_err();
-    assert!(err.to_string().contains("anon or memfd RAM"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("anon, memfd, hugetlb or hugetlb-memfd RAM"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -19,6 +19,7 @@ use crate::machine::{Restore, RestoreRam};
 pub struct Snapshot {
     manifest: Manifest,
     ram: RestoreRam,
+    ram_path: PathBuf,
     /// The disk image, open: the file whose seal was checked is the one copied.
     disk: File,
     disk_path: PathBuf,
@@ -45,9 +46,22 @@ impl Snapshot {
         Ok(Self {
             manifest,
             ram,
+            ram_path,
             disk,
             disk_path,
         })
+    }
+
+    /// Has the pager load a raw image lazily, as it loads a store, instead of mapping it
+    /// (for RAM of another kind than snapshot RAM: huge pages, say).
+    pub fn loaded(mut self) -> Result<Self, SnapshotError> {
+        if let RestoreRam::Image(image) = &self.ram {
+            let file = image.try_clone().map_err(io("reopen", &self.ram_path))?;
+            let source = uffd_pager::source::RawFileSource::from_file(&self.ram_path, file)
+                .map_err(io("stat", &self.ram_path))?;
+            self.ram = RestoreRam::Source(Arc::new(source));
+        }
+        Ok(self)
     }
 
     /// The manifest.

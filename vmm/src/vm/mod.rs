@@ -100,9 +100,10 @@ impl Vm {
                 // The cheap checks first, then every byte against the seal.
                 let manifest = snapshot::read_manifest(dir)?;
                 let memory = manifest.memory;
-                // A raw image is mapped (snapshot RAM); a store is loaded into anon or memfd RAM.
-                let kind_fits = (manifest.ram_format == snapshot::RamFormat::Raw)
-                    == (options.ram_backing == RamKind::Snapshot);
+                // A raw image is mapped as it is (snapshot RAM) or loaded by the pager into RAM
+                // of another kind; a store is always loaded.
+                let kind_fits = manifest.ram_format == snapshot::RamFormat::Raw
+                    || options.ram_backing != RamKind::Snapshot;
                 if memory != options.memory || !kind_fits {
                     return Err(VmError::State(format!(
                         "the snapshot at {} has {memory} bytes of RAM, kept {:?}: restore it with \
@@ -110,13 +111,17 @@ impl Vm {
                         dir.display(),
                         manifest.ram_format,
                         if manifest.ram_format == snapshot::RamFormat::Raw {
-                            "snapshot"
+                            "any"
                         } else {
-                            "anon or memfd"
+                            "anon, memfd, hugetlb or hugetlb-memfd"
                         }
                     )));
                 }
-                Some(Snapshot::open(dir)?.restore(&options.disk)?)
+                let mut snapshot = Snapshot::open(dir)?;
+                if options.ram_backing != RamKind::Snapshot {
+                    snapshot = snapshot.loaded()?;
+                }
+                Some(snapshot.restore(&options.disk)?)
             }
             None if options.ram_backing == RamKind::Snapshot => {
                 return Err(VmError::State(

@@ -57,8 +57,9 @@ pub struct RunArgs {
     pub dedup_cpu_budget: Option<f64>,
     /// Continue a sealed snapshot (`pvisor snapshot JOB --out DIR`) instead of booting: guest
     /// RAM maps the snapshot's image privately, so every VM restored from it shares the
-    /// image's page cache and pays only for the pages it writes. RAM size and contents, the
-    /// vCPU and the disk come from the snapshot; the script runs after it.
+    /// image's page cache and pays only for the pages it writes (with --vm-ram-backing, or a
+    /// compressed snapshot, the pager loads it lazily into RAM of its own instead). RAM size
+    /// and contents, the vCPU and the disk come from the snapshot; the script runs after it.
     #[arg(long, value_name = "DIR")]
     pub restore: Option<PathBuf>,
     /// Share the pages this VM has in common with other VMs through the memory pool at
@@ -118,7 +119,9 @@ pub struct RunArgs {
     /// Guest RAM mapping: anon (private anonymous, default), memfd (shared memfd), hugetlb
     /// (private 2 MiB huge pages) or hugetlb-memfd (a shared memfd of 2 MiB huge pages). Huge
     /// pages come from the host's pool: raise /proc/sys/vm/nr_overcommit_hugepages (or
-    /// nr_hugepages) first.
+    /// nr_hugepages) first. With --restore, the snapshot's RAM is loaded lazily into RAM of
+    /// this kind instead of mapping its image (shared copy-on-write by every VM restored
+    /// from it).
     #[arg(long = "vm-ram-backing", value_name = "KIND")]
     pub ram_backing: Option<String>,
     /// Codec of a compressed offload: lz4 (default) or zstd[:LEVEL].
@@ -296,24 +299,20 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
         .as_ref()
         .is_some_and(|m| m.ram_format == vmm::snapshot::RamFormat::Store);
     let ram_backing = match (backing.as_deref(), &restore) {
-        // A compressed snapshot is loaded into anon RAM by the pager.
+        // A compressed snapshot is loaded into anon RAM by the pager; a raw one is mapped
+        // privately, its page cache shared by every VM restored from it. With a kind given,
+        // the pager loads either into RAM of that kind.
         (None, Some(_)) if restore_store => RamKind::Anon,
         (None, Some(_)) => RamKind::Snapshot,
-        (Some(other), Some(_)) => {
-            return Err(format!(
-                "--vm-ram-backing {other} cannot be used with --restore: a restored VM maps the \
-                 snapshot's image privately"
-            ))
-        }
-        (Some("anon"), None) => RamKind::Anon,
-        (Some("memfd"), None) => RamKind::Memfd,
-        (Some("hugetlb"), None) => RamKind::Hugetlb,
-        (Some("hugetlb-memfd"), None) => RamKind::HugetlbMemfd,
+        (Some("anon"), _) => RamKind::Anon,
+        (Some("memfd"), _) => RamKind::Memfd,
+        (Some("hugetlb"), _) => RamKind::Hugetlb,
+        (Some("hugetlb-memfd"), _) => RamKind::HugetlbMemfd,
         (None, None) => match default_backing {
             "memfd" => RamKind::Memfd,
             _ => RamKind::Anon,
         },
-        (Some(other), None) => {
+        (Some(other), _) => {
             return Err(format!(
                 "--vm-ram-backing `{other}`: expected anon, memfd, hugetlb or hugetlb-memfd"
             ))
