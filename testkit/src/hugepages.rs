@@ -25,6 +25,8 @@ const POOL: &str = "/sys/kernel/mm/hugepages/hugepages-2048kB";
 pub struct HugePages {
     lock: File,
     host: u64,
+    /// Surplus pages in use when the pages were lent.
+    surplus: u64,
 }
 
 /// A pool counter (`free_hugepages`, `surplus_hugepages`, …) of the 2 MiB pool now.
@@ -73,7 +75,12 @@ impl HugePages {
         write!(lock, "{host}").expect("keep the host's value");
         lock.sync_data().expect("sync the lock file");
         write_count(host + pages);
-        Self { lock, host }
+        let surplus = pool_count("surplus_hugepages");
+        Self {
+            lock,
+            host,
+            surplus,
+        }
     }
 
     /// Lets the kernel lend `pages` more than the host allowed from now on (0: the host's own
@@ -85,6 +92,19 @@ impl HugePages {
 
 impl Drop for HugePages {
     fn drop(&mut self) {
+        // A VM stopped at the end of a test may still be exiting, its huge pages not yet
+        // given back: the next holder would find them gone. Give it a few seconds.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let surplus = || {
+            std::fs::read_to_string(Path::new(POOL).join("surplus_hugepages"))
+                .ok()
+                .and_then(|text| text.trim().parse::<u64>().ok())
+        };
+        while surplus().is_some_and(|now| now > self.surplus)
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
         // Not a panic (a test may be unwinding): if the write fails, the lock file keeps the
         // value for the next holder to put back.
         if std::fs::write(OVERCOMMIT, format!("{}\n", self.host)).is_err() {

@@ -244,10 +244,13 @@ impl Cold {
         for region in &shared.regions {
             let supported = region.spec.in_process()
                 && match region.spec.kind {
-                    RamKind::Memfd => region.spec.memfd.is_some(),
+                    // A huge page of memfd RAM is probed, pooled and dropped whole: the
+                    // pager's blocks hold whole huge pages.
+                    RamKind::Memfd | RamKind::HugetlbMemfd => region.spec.memfd.is_some(),
                     RamKind::Anon => shared.track_writes,
-                    // Not yet: huge pages would be probed and pooled whole (issue 14).
-                    RamKind::Snapshot | RamKind::Hugetlb | RamKind::HugetlbMemfd => false,
+                    // Private huge pages cannot be moved out (`UFFDIO_MOVE` moves base pages
+                    // of anon memory only) to check them before they are dropped.
+                    RamKind::Snapshot | RamKind::Hugetlb => false,
                 };
             if !supported {
                 return Err(ColdError::Unsupported {

@@ -156,7 +156,7 @@ fn scan(shared: &Shared, cold: &Cold, buf: &mut [u8]) {
             // Watch it (again). Anon RAM: its writes show in the next scans.
             info.flags.store(PROBING, Ordering::Release);
             info.probed_at.store(epoch, Ordering::Relaxed);
-            if region.spec.kind == RamKind::Memfd {
+            if region.spec.kind.is_memfd() {
                 let range = HostRange::new(region.addr_of(first), per_block * PAGE_SIZE)
                     .expect("pages of a region");
                 // SAFETY: our own shared memfd mapping: the page cache keeps every byte; only
@@ -244,7 +244,7 @@ fn compress(
             // SAFETY: the block's bytes are in the pool, and no access completed since its
             // probe (checked above): the next touch faults and decompresses them.
             let punched = unsafe {
-                crate::discard::discard(RamKind::Memfd, range, Some((memfd.as_ref(), offset)))
+                crate::discard::discard(region.spec.kind, range, Some((memfd.as_ref(), offset)))
             }
             .is_ok();
             if !punched {

@@ -348,12 +348,13 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
                 .into(),
         );
     }
-    if cold && ram_backing.is_hugetlb() {
-        return Err(format!(
-            "--vm-cold-ram-compression does not work on {} RAM yet (its huge pages would be \
-             probed and compressed whole): use anon or memfd RAM",
-            ram_backing.name()
-        ));
+    if cold && ram_backing == RamKind::Hugetlb {
+        return Err(
+            "--vm-cold-ram-compression does not work on hugetlb RAM (private huge pages cannot \
+             be moved out to be checked before they are dropped): use hugetlb-memfd, memfd or \
+             anon RAM"
+                .into(),
+        );
     }
     if dedup && ram_backing.is_hugetlb() {
         return Err(format!(
