@@ -221,6 +221,13 @@ fn hugetlb_vm_refusals_say_why() {
     assert!(error.contains("KSM does not merge huge pages"), "{error}");
     let error = run(&["--vm-ram-backing", "hugetlb", "--vm-cold-ram-compression"]);
     assert!(error.contains("does not work on hugetlb RAM"), "{error}");
+    let error = run(&[
+        "--vm-ram-backing",
+        "hugetlb",
+        "--vm-governor",
+        "/nonexistent.sock",
+    ]);
+    assert!(error.contains("not charged to a memory cgroup"), "{error}");
     let error = run(&["--vm-ram-backing", "huge"]);
     assert!(error.contains("hugetlb-memfd"), "{error}");
     // A pool that cannot give the RAM's huge pages: refused before anything is mapped, with

@@ -574,6 +574,13 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
     if governor_hold_timeout_ms.is_some_and(|ms| ms == 0 || ms > 3_600_000) {
         return Err("--vm-governor-hold-timeout-ms: 1 to 3600000 milliseconds".into());
     }
+    if governor.is_some() && ram_backing.is_hugetlb() {
+        return Err(format!(
+            "--vm-governor keeps VMs inside a budget of memory-cgroup charges, and huge pages \
+             are not charged to a memory cgroup: not with {} RAM",
+            ram_backing.name()
+        ));
+    }
     if governor.is_some() && (pool.is_some() || restore.is_some()) {
         return Err(
             "--vm-governor limits RAM the pager serves: not with --vm-memory-pool or --restore"
