@@ -9,7 +9,9 @@
 //! - `touch-CODEC-lazy|eager`: the same offload and resume, then `touch` of the application
 //!   data (timed from the resume call), then `task` on the now resident VM;
 //! - `huge-base`, `huge-CODEC-lazy|eager`: `base` and `CODEC-lazy|eager` on RAM of 2 MiB huge
-//!   pages (`--vm-ram-backing hugetlb`).
+//!   pages (`--vm-ram-backing hugetlb`);
+//! - `thp-raw-eager`: `raw-eager` with the RAM that came back remapped with transparent huge
+//!   pages before the task (`--vm-thp-collapse`; the collapse is part of the resume).
 
 use std::fs;
 use std::path::Path;
@@ -42,6 +44,8 @@ pub enum Case {
         codec: Codec,
         eager: bool,
     },
+    /// A raw offload, an eager resume and `MADV_COLLAPSE` of what came back.
+    Thp,
 }
 
 impl Case {
@@ -55,6 +59,7 @@ impl Case {
             Case::HugeResume { codec, eager } => {
                 format!("huge-{}-{}", codec.name(), mode(eager))
             }
+            Case::Thp => "thp-raw-eager".into(),
         }
     }
 
@@ -68,7 +73,7 @@ impl Case {
 }
 
 /// Every case of one content, in the order of run 0.
-pub const CASES: [Case; 15] = [
+pub const CASES: [Case; 16] = [
     Case::Base,
     Case::Resume {
         codec: Codec::Raw,
@@ -123,6 +128,7 @@ pub const CASES: [Case; 15] = [
         codec: Codec::Lz4,
         eager: true,
     },
+    Case::Thp,
 ];
 
 fn mib(bytes: u64) -> f64 {
@@ -145,7 +151,7 @@ pub fn run_case(
     let name = case.name();
     let key = |quantity: &str| format!("vm.{}.{name}.{quantity}", content.name());
     let codec = match case {
-        Case::Base | Case::HugeBase => Codec::Raw,
+        Case::Base | Case::HugeBase | Case::Thp => Codec::Raw,
         Case::Resume { codec, .. } | Case::Touch { codec, .. } | Case::HugeResume { codec, .. } => {
             codec
         }
@@ -157,6 +163,7 @@ pub fn run_case(
     let mut vm = Vm::start(VmOptions {
         ram_compression: codec != Codec::Raw,
         ram_codec: codec.codec_name().into(),
+        thp_collapse: case == Case::Thp,
         // Otherwise what `pvisor run` uses by default.
         ..VmOptions::new(settings.memory, case.ram(), disk.clone(), store_dir.clone())
     })?;
@@ -210,6 +217,7 @@ pub fn run_case(
             return Ok(());
         }
         Case::Resume { eager, .. } | Case::HugeResume { eager, .. } => (eager, false),
+        Case::Thp => (true, false),
         Case::Touch { eager, .. } => (eager, true),
     };
 
@@ -256,6 +264,15 @@ pub fn run_case(
     let started = Instant::now();
     let resume = vm.resume(eager)?;
     results.put(&key("resume_ms"), "ms", run, resume.elapsed_ms);
+    if let Some(collapse) = &resume.collapse {
+        results.put(&key("collapse_ms"), "ms", run, collapse.elapsed_ms);
+        results.put(
+            &key("collapsed_mib"),
+            "MiB",
+            run,
+            collapse.huge_pages as f64 * 2.0,
+        );
+    }
     if let Some(load) = &resume.load {
         results.put(&key("load_blocks"), "blocks", run, load.blocks as f64);
     }

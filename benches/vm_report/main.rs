@@ -308,7 +308,9 @@ fn derive(results: &mut Results, settings: &Settings) {
             let k = |q: &str| format!("vm.{c}.{name}.{q}");
             match case {
                 inproc::Case::Base | inproc::Case::HugeBase => {}
-                inproc::Case::Resume { .. } | inproc::Case::HugeResume { .. } => {
+                inproc::Case::Resume { .. }
+                | inproc::Case::HugeResume { .. }
+                | inproc::Case::Thp => {
                     // Against the never-offloaded task on the same RAM.
                     let base_task = if case.ram() == uffd_pager::pager::RamKind::Anon {
                         &base_task

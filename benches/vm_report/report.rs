@@ -424,6 +424,34 @@ fn time_tables(t: &mut String, results: &Results) {
     row(
         t,
         results,
+        "raw-eager + THP collapse: resume + task (in process)",
+        &|c| format!("vm.{c}.thp-raw-eager.resume_task_ms"),
+        1,
+    );
+    row(
+        t,
+        results,
+        "raw-eager + THP collapse: the collapse alone (ms)",
+        &|c| format!("vm.{c}.thp-raw-eager.collapse_ms"),
+        1,
+    );
+    row(
+        t,
+        results,
+        "raw-eager + THP collapse: MiB collapsed",
+        &|c| format!("vm.{c}.thp-raw-eager.collapsed_mib"),
+        0,
+    );
+    row(
+        t,
+        results,
+        "raw-eager + THP collapse: **ratio** (in process)",
+        &|c| format!("vm.{c}.thp-raw-eager.ratio"),
+        2,
+    );
+    row(
+        t,
+        results,
         "never-offloaded task, huge-page RAM (in process)",
         &|c| format!("vm.{c}.huge-base.task_ms"),
         1,

@@ -81,7 +81,7 @@ pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
             result: verdict(worst <= BACKING_TARGET_MIB),
         });
     }
-    let ratio_rows: [(&str, String, &str); 7] = [
+    let ratio_rows: [(&str, String, &str); 8] = [
         (
             "vm",
             "raw-lazy".into(),
@@ -116,6 +116,12 @@ pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
             "vm",
             "zstd-lazy".into(),
             "in process, zstd offload, lazy resume (for information)",
+        ),
+        (
+            "vm",
+            "thp-raw-eager".into(),
+            "in process, raw offload, eager resume, then MADV_COLLAPSE (for information: \
+             issue 14 asks whether it pays)",
         ),
     ];
     for (scope, case, what) in ratio_rows {

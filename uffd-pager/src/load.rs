@@ -52,6 +52,17 @@ pub struct LoadReport {
     pub elapsed_ms: f64,
 }
 
+/// What [`Pager::collapse`] did.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct Collapse {
+    /// 2 MiB ranges now mapped by transparent huge pages.
+    pub huge_pages: u64,
+    /// Ranges the kernel would not collapse (THP off, memory short, pages it cannot move).
+    pub refused: u64,
+    /// Milliseconds it took (the kernel copies every page into its huge page).
+    pub elapsed_ms: f64,
+}
+
 /// Why a load failed.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -268,6 +279,60 @@ impl Pager {
     pub fn stop_prefetch(&self) {
         self.shared().prefetch_stop.store(true, Ordering::Relaxed);
         self.wait_prefetch();
+    }
+}
+
+impl Pager {
+    /// Asks the kernel to map the resident RAM of private anon regions with transparent huge
+    /// pages (`MADV_COLLAPSE`, which copies each 2 MiB range into a huge page): RAM the pager
+    /// installed is mapped in 4 KiB pages, and each of them costs the guest a shadow-page
+    /// fault on its next touch on a host like this one. Only 2 MiB ranges whose every page is
+    /// resident are asked for (the kernel refuses ranges of userfaultfd-registered memory
+    /// with pages missing); memory registered for write tracking is not (the kernel refuses
+    /// it). Call it with the VM stopped, after an eager load. Whether it pays is measured in
+    /// docs/bench/vm.md (`thp-raw-eager`).
+    pub fn collapse(&self) -> Collapse {
+        let started = Instant::now();
+        let shared = self.shared();
+        let mut report = Collapse::default();
+        let huge = basics::PageSize::HUGE;
+        for region in &shared.regions {
+            if region.spec.kind != crate::pager::RamKind::Anon
+                || shared.track_writes
+                || !region.spec.in_process()
+            {
+                continue;
+            }
+            let range = region.spec.range;
+            let Some(mut at) = huge.align_up(range.start().0) else {
+                continue;
+            };
+            while at.saturating_add(huge.bytes()) <= range.end().0 {
+                let first = region.first_page + (at - range.start().0) / crate::addr::PAGE_SIZE;
+                let pages = first..first + huge.bytes() / crate::addr::PAGE_SIZE;
+                if shared.states.all(pages, PageState::Resident) {
+                    // SAFETY: a 2 MiB range of this process's own guest RAM, every page of it
+                    // mapped: the kernel copies the pages into a huge page and maps it in
+                    // their place, bytes unchanged; nothing holds their physical addresses
+                    // (KVM follows the change through its MMU notifier).
+                    let rc = unsafe {
+                        libc::madvise(
+                            crate::addr::HostAddr(at).as_ptr(),
+                            huge.usize(),
+                            libc::MADV_COLLAPSE,
+                        )
+                    };
+                    if rc == 0 {
+                        report.huge_pages += 1;
+                    } else {
+                        report.refused += 1;
+                    }
+                }
+                at += huge.bytes();
+            }
+        }
+        report.elapsed_ms = started.elapsed().as_secs_f64() * 1e3;
+        report
     }
 }
 

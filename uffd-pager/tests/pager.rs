@@ -930,3 +930,49 @@ fn pager_discard_of_huge_page_ram_drops_whole_huge_pages_only() {
     assert!(bytes[4 * MIB..] == expect[4 * MIB..]);
     assert_eq!(pager.metrics().snapshot().fault_errors, 0);
 }
+
+#[test]
+fn pager_collapse_after_an_eager_load_maps_resident_ram_with_huge_pages() {
+    if skip() {
+        return;
+    }
+    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut ram = Ram::anon(16 * MIB);
+    let pager = pager(&ram, PagerConfig::default());
+    fill(ram.bytes_mut(), 21);
+    let digest = ram.digest();
+    pager
+        .offload(&offload_config(dir.path(), Codec::None))
+        .unwrap();
+    // Nothing resident: nothing to collapse.
+    assert_eq!(pager.collapse().huge_pages, 0);
+    pager.load(LoadMode::Eager, 2).unwrap();
+    let collapse = pager.collapse();
+    // 16 MiB from a page-aligned start hold at least 7 whole aligned 2 MiB ranges.
+    if thp.contains("[never]") {
+        assert_eq!(collapse.huge_pages, 0);
+    } else {
+        assert!(collapse.huge_pages >= 7, "{collapse:?}");
+        let start = ram.map.as_ptr() as u64;
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        let mut huge_kib = 0;
+        for line in smaps.lines() {
+            if let Some((range, _)) = line.split_once(' ') {
+                if let Some((lo, _)) = range.split_once('-') {
+                    if let Ok(lo) = u64::from_str_radix(lo, 16) {
+                        inside = lo == start;
+                        continue;
+                    }
+                }
+            }
+            if let (true, Some(rest)) = (inside, line.strip_prefix("AnonHugePages:")) {
+                huge_kib = rest.trim().trim_end_matches(" kB").parse::<u64>().unwrap();
+            }
+        }
+        assert_eq!(huge_kib, collapse.huge_pages * 2048, "{collapse:?}");
+    }
+    assert_eq!(ram.digest(), digest);
+    assert_eq!(pager.metrics().snapshot().fault_errors, 0);
+}

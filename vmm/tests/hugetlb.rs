@@ -1,6 +1,7 @@
 //! VMs on 2 MiB huge pages through `pvisor`, with real /dev/kvm and /dev/userfaultfd: every
 //! byte kept through offload and lazy or eager resume, the huge pages given back to the host,
-//! free-page reports dropping whole huge pages, and the refusals of what cannot work.
+//! free-page reports dropping whole huge pages, snapshots, cold compression, the refusals of
+//! what cannot work; and anon RAM remapped with transparent huge pages after a resume.
 
 // Test code: a failed setup step should stop the test on the spot.
 #![allow(clippy::unwrap_used)]
@@ -206,6 +207,34 @@ fn hugetlb_memfd_vm_cold_compression_pools_whole_huge_pages_and_gives_them_back(
 }
 
 #[test]
+fn thp_collapse_vm_comes_back_on_transparent_huge_pages() {
+    if skip() {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    let vm = Detached::start(
+        runtime.path(),
+        &["--vm-thp-collapse"],
+        "fill 32MiB random seed=11; idle",
+    );
+    let digest = vm.digest();
+    vm.call("suspend", &["--vm-offload"]);
+    let resumed = vm.call("resume", &["--eager"]);
+    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap();
+    if !thp.contains("[never]") {
+        // The 32 MiB of data and the guest's own pages that came back.
+        let collapsed = resumed["collapse"]["huge_pages"].as_u64().unwrap();
+        assert!(collapsed >= 15, "{resumed}");
+    }
+    assert_eq!(vm.digest(), digest);
+    // A lazy resume collapses nothing: its pages are not all there yet.
+    vm.call("suspend", &["--vm-offload"]);
+    let resumed = vm.call("resume", &[]);
+    assert!(resumed.get("collapse").is_none(), "{resumed}");
+    assert_eq!(vm.digest(), digest);
+}
+
+#[test]
 fn hugetlb_vm_refusals_say_why() {
     if skip() {
         return;
@@ -228,6 +257,8 @@ fn hugetlb_vm_refusals_say_why() {
         "/nonexistent.sock",
     ]);
     assert!(error.contains("not charged to a memory cgroup"), "{error}");
+    let error = run(&["--vm-ram-backing", "hugetlb", "--vm-thp-collapse"]);
+    assert!(error.contains("not with another RAM kind"), "{error}");
     let error = run(&["--vm-ram-backing", "huge"]);
     assert!(error.contains("hugetlb-memfd"), "{error}");
     // A pool that cannot give the RAM's huge pages: refused before anything is mapped, with

@@ -40,6 +40,10 @@ pub struct VmOptions {
     /// KSM dedup of guest RAM (anon RAM only).
     #[serde(default)]
     pub dedup: Option<DedupOptions>,
+    /// After an eager resume, remap the RAM that came back with transparent huge pages
+    /// (anon RAM only; see `Pager::collapse`).
+    #[serde(default)]
+    pub thp_collapse: bool,
     /// Continue this sealed snapshot (its directory) instead of booting: RAM maps the
     /// snapshot's image privately and `ram_backing` must be `snapshot`.
     #[serde(default)]
@@ -91,6 +95,7 @@ impl VmOptions {
             io_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
             cold: None,
             dedup: None,
+            thp_collapse: false,
             restore: None,
             pool: None,
             model_upstream: None,

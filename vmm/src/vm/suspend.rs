@@ -40,6 +40,9 @@ pub struct ResumeReport {
     /// For a VM restored from a snapshot: the pages it wrote, put back.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub private_load: Option<PrivateLoadReport>,
+    /// With `thp_collapse`, after an eager load: the RAM remapped with huge pages.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub collapse: Option<uffd_pager::load::Collapse>,
     /// Wall time of the operation, milliseconds.
     pub elapsed_ms: f64,
 }
@@ -244,11 +247,14 @@ impl Vm {
                 )
             }
         };
+        let collapse = (eager && load.is_some() && self.options.thp_collapse)
+            .then(|| self.machine.pager().collapse());
         self.state = VmState::Running;
         Ok(ResumeReport {
             state: self.state,
             load,
             private_load,
+            collapse,
             elapsed_ms: started.elapsed().as_secs_f64() * 1e3,
         })
     }

@@ -31,6 +31,12 @@ pub struct RunArgs {
     /// on anon RAM (Linux 6.8 or later).
     #[arg(long = "vm-cold-ram-compression", num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub cold_ram_compression: Option<bool>,
+    /// After an eager resume, remap the RAM that came back with transparent huge pages
+    /// (`MADV_COLLAPSE`), so that the guest's next pass over it pays no fault per 4 KiB page;
+    /// anon RAM only, not with cold compression or dedup. Off by default: docs/bench/vm.md
+    /// measures what the collapse costs against what it saves.
+    #[arg(long = "vm-thp-collapse", num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub thp_collapse: Option<bool>,
     /// Cold compression: milliseconds without an access before a block is compressed (2000).
     #[arg(long = "vm-cold-age-ms", value_name = "MS")]
     pub cold_age_ms: Option<u64>,
@@ -166,6 +172,7 @@ struct ConfigVm {
     cold_min_saving: Option<f64>,
     ram_dedup: Option<bool>,
     dedup_cpu_budget: Option<f64>,
+    thp_collapse: Option<bool>,
     ram_backing: Option<String>,
     ram_codec: Option<String>,
     restore: Option<PathBuf>,
@@ -207,6 +214,7 @@ pub struct Resolved {
     pub pager_threads: usize,
     pub cold: Option<uffd_pager::cold::ColdConfig>,
     pub dedup: Option<vmm::dedup::DedupOptions>,
+    pub thp_collapse: bool,
     pub restore: Option<PathBuf>,
     pub pool: Option<PathBuf>,
     pub governor: Option<PathBuf>,
@@ -366,6 +374,15 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
         return Err(
             "--vm-ram-dedup needs private anonymous RAM, but --vm-ram-backing is memfd \
              (shared writable memory cannot be merged by KSM)"
+                .into(),
+        );
+    }
+    let thp_collapse = args.thp_collapse.or(config.thp_collapse).unwrap_or(false);
+    if thp_collapse && (ram_backing != RamKind::Anon || cold || dedup) {
+        return Err(
+            "--vm-thp-collapse remaps anon RAM with transparent huge pages: not with another \
+             RAM kind, --vm-cold-ram-compression (the kernel does not collapse write-tracked \
+             RAM) or --vm-ram-dedup (KSM's merged pages cannot be collapsed)"
                 .into(),
         );
     }
@@ -588,6 +605,7 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
         );
     }
     Ok(Resolved {
+        thp_collapse,
         governor,
         governor_hold_timeout_ms,
         cold,

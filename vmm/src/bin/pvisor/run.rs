@@ -70,6 +70,7 @@ pub fn run(args: RunArgs) -> CliResult {
             io_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
             cold: resolved.cold,
             dedup: resolved.dedup,
+            thp_collapse: resolved.thp_collapse,
             restore: resolved.restore.clone(),
             pool: resolved.pool.clone(),
             model_upstream: resolved.model_upstream.clone(),
