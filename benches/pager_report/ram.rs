@@ -45,6 +45,24 @@ pub fn recycle(len: usize) -> Res<()> {
     Ok(())
 }
 
+/// [`recycle`] for RAM of 2 MiB huge pages: the kernel takes those from its free 2 MiB
+/// blocks, which 4 KiB allocations may leave untouched (and reported to the host), so that a
+/// huge page's first copy would pay 512 host faults (about 5 ms here, measured: a 2 MiB
+/// `UFFDIO_COPY` took 0.3 ms or 5.5 ms) where the other cases pay none. `len` is rounded up to
+/// whole huge pages.
+pub fn recycle_huge(len: usize) -> Res<()> {
+    let len = len.next_multiple_of(2 << 20);
+    let flags = libc::MAP_PRIVATE
+        | libc::MAP_ANONYMOUS
+        | libc::MAP_POPULATE
+        | libc::MAP_HUGETLB
+        | libc::MAP_HUGE_2MB;
+    let map = Mapping::new(len, libc::PROT_READ | libc::PROT_WRITE, flags, None)
+        .map_err(|e| format!("mmap of {len} bytes of huge pages: {e}"))?;
+    drop(map);
+    Ok(())
+}
+
 /// Minor faults of the calling thread so far. A fault resolved through a userfaultfd counts one
 /// (the kernel counts a retried fault once, when it completes); pages installed ahead of the
 /// touch by a whole-block copy or the prefetcher count none.

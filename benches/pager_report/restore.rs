@@ -176,6 +176,9 @@ fn measure(
         Touch::Full => &full,
     };
     ram::recycle(len + len / 8)?;
+    if who.huge() {
+        ram::recycle_huge(len)?;
+    }
     let vm = FirecrackerVm::new(len, who.huge())?;
     let handler = match who {
         Who::Firecracker => Some(firecracker::Handler::spawn(
