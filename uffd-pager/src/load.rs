@@ -93,10 +93,10 @@ impl Shared {
     /// Blocks holding at least one `Stored` page, ascending.
     fn stored_blocks(&self) -> Vec<u64> {
         let per_block = self.block_size.pages() as u64;
-        let pages = self.states.len();
+        let pages = self.table.len();
         (0..self.block_size.blocks_for(self.image_size))
             .filter(|&b| {
-                self.states.any(
+                self.table.any(
                     b * per_block..((b + 1) * per_block).min(pages),
                     PageState::Stored,
                 )
@@ -129,8 +129,8 @@ impl Shared {
     ) -> Result<u64, LoadError> {
         let per_block = self.block_size.pages() as u64;
         let first = block * per_block;
-        let block_pages = first..(first + per_block).min(self.states.len());
-        if !self.states.any(block_pages.clone(), PageState::Stored) {
+        let block_pages = first..(first + per_block).min(self.table.len());
+        if !self.table.any(block_pages.clone(), PageState::Stored) {
             return Ok(0);
         }
         let _fetch = loop {
@@ -141,7 +141,7 @@ impl Shared {
             }
         };
         // Another thread may have installed it before giving the claim back.
-        if !self.states.any(block_pages.clone(), PageState::Stored) {
+        if !self.table.any(block_pages.clone(), PageState::Stored) {
             return Ok(0);
         }
         self.metrics.blocks_fetched.fetch_add(1, Ordering::Relaxed);
@@ -161,7 +161,7 @@ impl Shared {
         };
         let mut filled = 0;
         'retry: loop {
-            let _read = self.layout.read();
+            let read = self.table.read();
             for region in &self.regions {
                 let pages = region.pages();
                 let (lo, hi) = (
@@ -170,21 +170,21 @@ impl Shared {
                 );
                 let mut page = lo;
                 while page < hi {
-                    if self.states.get(page) != PageState::Stored {
+                    if self.table.get(page) != PageState::Stored {
                         page += 1;
                         continue;
                     }
                     let start = page;
-                    while page < hi && self.states.get(page) == PageState::Stored {
+                    while page < hi && self.table.get(page) == PageState::Stored {
                         page += 1;
                     }
                     if page == start {
                         // A fault thread installed it between the two reads.
                         continue;
                     }
-                    let Some(_room) = self.limit.reserve(self.states.resident(), page - start)
+                    let Some(_room) = self.limit.reserve(self.table.resident(), page - start)
                     else {
-                        drop(_read);
+                        drop(read);
                         if stop() {
                             return Ok(filled);
                         }
@@ -192,13 +192,13 @@ impl Shared {
                         continue 'retry;
                     };
                     match self
-                        .install_run(region, start..page, PageState::Stored, data, None)
+                        .install_run(&read, region, start..page, PageState::Stored, data, None)
                         .map_err(|source| LoadError::Install { block, source })?
                     {
                         Some(n) => filled += n,
                         None => {
                             // A discard is pending: let a fault thread read it, then go on.
-                            drop(_read);
+                            drop(read);
                             std::thread::sleep(Duration::from_micros(50));
                             continue 'retry;
                         }
@@ -310,7 +310,7 @@ impl Pager {
             while at.saturating_add(huge.bytes()) <= range.end().0 {
                 let first = region.first_page + (at - range.start().0) / crate::addr::PAGE_SIZE;
                 let pages = first..first + huge.bytes() / crate::addr::PAGE_SIZE;
-                if shared.states.all(pages, PageState::Resident) {
+                if shared.table.all(pages, PageState::Resident) {
                     // SAFETY: a 2 MiB range of this process's own guest RAM, every page of it
                     // mapped: the kernel copies the pages into a huge page and maps it in
                     // their place, bytes unchanged; nothing holds their physical addresses

@@ -242,7 +242,7 @@ impl BlockSource for Composer<'_> {
         // A block that is wholly resident in one region is encoded from guest memory as it is.
         if let Some(region) = shared.region_of_page(first) {
             if region.pages().contains(&(first + pages - 1))
-                && shared.states.all(first..first + pages, PageState::Resident)
+                && shared.table.all(first..first + pages, PageState::Resident)
             {
                 let view = region.view_of(first).expect("checked before the offload");
                 let start = view.as_ptr().cast::<u8>().cast_const();
@@ -260,7 +260,7 @@ impl BlockSource for Composer<'_> {
             for page in first..first + pages {
                 let at = ((page - first) * PAGE_SIZE) as usize;
                 let dst = &mut buf[at..at + PAGE_SIZE as usize];
-                match shared.states.get(page) {
+                match shared.table.get(page) {
                     PageState::Resident | PageState::Dropping => {
                         let region = shared
                             .region_of_page(page)
@@ -406,8 +406,7 @@ impl Pager {
                     range: region.spec.range,
                 });
             }
-            if !region.spec.can_offload() && shared.states.any(region.pages(), PageState::Resident)
-            {
+            if !region.spec.can_offload() && shared.table.any(region.pages(), PageState::Resident) {
                 return Err(OffloadError::Remote {
                     range: region.spec.range,
                 });
@@ -431,12 +430,12 @@ impl Pager {
         // Cold compression holds still while the VM's RAM moves.
         let _paused = shared.cold.get().map(|cold| cold.pause());
         let per_block = shared.block_size.pages() as u64;
-        let total_pages = shared.states.len();
+        let total_pages = shared.table.len();
         let pages_of = |b: u64| b * per_block..((b + 1) * per_block).min(total_pages);
         let mut blocks: Vec<u64> = (0..shared.block_size.blocks_for(shared.image_size))
             .filter(|&b| {
-                shared.states.any(pages_of(b), PageState::Resident)
-                    || shared.states.any(pages_of(b), PageState::Pooled)
+                shared.table.any(pages_of(b), PageState::Resident)
+                    || shared.table.any(pages_of(b), PageState::Pooled)
             })
             .collect();
         let batch_blocks = batching.blocks(shared.block_size.bytes_u64());
@@ -455,7 +454,7 @@ impl Pager {
             if cold.pool.config().codec.codec == config.codec.codec {
                 let mut batch = Vec::new();
                 for &b in &blocks {
-                    if !shared.states.all(pages_of(b), PageState::Pooled) {
+                    if !shared.table.all(pages_of(b), PageState::Pooled) {
                         continue;
                     }
                     let mut store = turn();
@@ -596,17 +595,14 @@ impl Pager {
         let Some(cold) = shared.cold.get() else {
             return 0;
         };
-        let _write = shared.layout.write();
+        let write = shared.table.write();
         let per_block = shared.block_size.pages() as u64;
-        let total = shared.states.len();
+        let total = shared.table.len();
         let mut retired = 0;
         for &block in blocks {
             let mut any = false;
             for page in block * per_block..((block + 1) * per_block).min(total) {
-                if shared
-                    .states
-                    .transition(page, PageState::Pooled, PageState::Stored)
-                {
+                if shared.table.retired(&write, page) {
                     retired += 1;
                     any = true;
                 }
@@ -653,7 +649,7 @@ impl Pager {
             let deadline = Instant::now() + Duration::from_secs(10);
             let mut ordered = shared.dropped_lock.lock();
             loop {
-                let left = shared.states.count(PageState::Dropping);
+                let left = shared.table.count(PageState::Dropping);
                 if left == 0 {
                     break;
                 }
@@ -661,11 +657,11 @@ impl Pager {
                     .dropped
                     .wait_until(&mut ordered, deadline)
                     .timed_out()
-                    && shared.states.count(PageState::Dropping) > 0
+                    && shared.table.count(PageState::Dropping) > 0
                 {
                     return Err(OffloadError::DropTimeout {
                         batches,
-                        pages: shared.states.count(PageState::Dropping),
+                        pages: shared.table.count(PageState::Dropping),
                     });
                 }
             }
@@ -686,15 +682,15 @@ impl Pager {
         let mut awaiting_events = false;
         let mut page = pages.start;
         while page < pages.end {
-            if shared.states.get(page) != PageState::Resident {
+            if shared.table.get(page) != PageState::Resident {
                 page += 1;
                 continue;
             }
             let start = page;
-            while page < pages.end && shared.states.get(page) == PageState::Resident {
-                shared.states.set(page, PageState::Dropping);
+            while page < pages.end && shared.table.get(page) == PageState::Resident {
                 page += 1;
             }
+            shared.table.dropping(start..page);
             let run = HostRange::new(region.addr_of(start), (page - start) * PAGE_SIZE)
                 .expect("pages of a region");
             let offset = region.spec.memfd_offset + (start - region.first_page) * PAGE_SIZE;
@@ -703,7 +699,7 @@ impl Pager {
             // durable in the store; discarding it makes the next touch fault to the pager.
             let result = unsafe { crate::discard::discard(region.spec.kind, run, memfd) };
             if let Err(source) = result {
-                shared.states.set_range(start..page, PageState::Resident);
+                shared.table.drop_failed(start..page);
                 return Err(OffloadError::Drop {
                     batches,
                     range: run,
@@ -716,11 +712,7 @@ impl Pager {
                 // The fault threads turn these into `Stored` when they read the event.
                 awaiting_events = true;
             } else {
-                for p in start..page {
-                    shared
-                        .states
-                        .transition(p, PageState::Dropping, PageState::Stored);
-                }
+                shared.table.dropped(start..page);
             }
             dropped += page - start;
         }

@@ -131,7 +131,7 @@ fn scan(shared: &Shared, cold: &Cold, buf: &mut [u8]) {
             return;
         }
         let first = block as u64 * per_block;
-        let pages = first..(first + per_block).min(shared.states.len());
+        let pages = first..(first + per_block).min(shared.table.len());
         // Whole blocks of one region only (the pool keeps whole blocks).
         let Some(region) = shared.region_of_page(first) else {
             continue;
@@ -139,7 +139,7 @@ fn scan(shared: &Shared, cold: &Cold, buf: &mut [u8]) {
         if pages.end - pages.start != per_block
             || !region.pages().contains(&(pages.end - 1))
             || info.backoff_until.load(Ordering::Relaxed) > epoch
-            || !shared.states.all(pages.clone(), PageState::Resident)
+            || !shared.table.all(pages.clone(), PageState::Resident)
         {
             continue;
         }
@@ -221,7 +221,7 @@ fn compress(
         Err(_) => return,
     }
     cold.full.store(false, Ordering::Relaxed);
-    let _write = shared.layout.write();
+    let write = shared.table.write();
     if cold.paused.load(Ordering::Acquire) > 0 {
         let _ = cold.pool.remove(block);
         return;
@@ -229,7 +229,7 @@ fn compress(
     // No access may have completed since the probe (each one faults and marks the block
     // first), and every page must still be resident: otherwise the pool holds stale bytes.
     if info.flags.load(Ordering::Acquire) != PROBING
-        || !shared.states.all(pages.clone(), PageState::Resident)
+        || !shared.table.all(pages.clone(), PageState::Resident)
     {
         let _ = cold.pool.remove(block);
         cold.raced.fetch_add(1, Ordering::Relaxed);
@@ -238,7 +238,7 @@ fn compress(
     let dropped = match &region.spec.memfd {
         Some(memfd) => {
             let offset = region.spec.memfd_offset + (pages.start - region.first_page) * PAGE_SIZE;
-            shared.states.set_range(pages.clone(), PageState::Pooled);
+            shared.table.pooled(&write, pages.clone());
             // On failure the block is still in the page cache: it stays resident.
             let range = HostRange::new(at, buf.len() as u64).expect("a block of the region");
             // SAFETY: the block's bytes are in the pool, and no access completed since its
@@ -248,11 +248,11 @@ fn compress(
             }
             .is_ok();
             if !punched {
-                shared.states.set_range(pages, PageState::Resident);
+                shared.table.unpooled(&write, pages);
             }
             punched
         }
-        None => drop_anon(shared, cold, info, at, pages, buf),
+        None => drop_anon(shared, &write, cold, info, at, pages, buf),
     };
     if !dropped {
         let _ = cold.pool.remove(block);
@@ -285,6 +285,7 @@ fn back_off(cold: &Cold, info: &BlockInfo) {
 /// back where they were, untouched. Returns whether the block was dropped.
 fn drop_anon(
     shared: &Shared,
+    write: &crate::pager::table::Write<'_>,
     cold: &Cold,
     info: &BlockInfo,
     at: crate::addr::HostAddr,
@@ -313,7 +314,7 @@ fn drop_anon(
         return false;
     }
     if scratch.bytes() == copy {
-        shared.states.set_range(pages, PageState::Pooled);
+        shared.table.pooled(write, pages);
         scratch.clear();
         true
     } else {

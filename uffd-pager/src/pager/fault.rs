@@ -7,6 +7,7 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use super::table::{Read, Write};
 use super::*;
 use crate::addr::{HostAddr, HostRange, PAGE_SIZE};
 use crate::limit::Reservation;
@@ -77,7 +78,7 @@ impl Shared {
                 self.drain_signal();
             }
             if ready || !pending.is_empty() {
-                let _write = self.layout.write();
+                let write = self.table.write();
                 if let Some(journal) = &self.journal {
                     journal.begin_read();
                 }
@@ -114,7 +115,7 @@ impl Shared {
                             });
                         }
                         Event::Remove { start, end } | Event::Unmap { start, end } => {
-                            if !self.apply_remove(start, end) {
+                            if !self.apply_remove(&write, start, end) {
                                 self.metrics.events_ignored.fetch_add(1, Ordering::Relaxed);
                                 (self.on_error)(&FaultError::DiscardOutside { start, end });
                             }
@@ -216,7 +217,7 @@ impl Shared {
             }
             only_held = !retry.is_empty() && retry.iter().all(|f| f.held > 0);
             if only_held || retry.iter().any(|f| f.held > 0) {
-                let shortfall = self.limit.shortfall(self.states.resident());
+                let shortfall = self.limit.shortfall(self.table.resident());
                 report_due |= newly_held || shortfall != reported_shortfall;
                 // No shortfall: room was made since the pass; the faults go through next time.
                 if report_due && shortfall > 0 && self.limit.report(shortfall) {
@@ -268,7 +269,7 @@ impl Shared {
     /// Marks pages of `[start, end)` as discarded: they read as zeros from now on, except
     /// pages the pager is dropping itself, which are stored. Only the parts inside regions
     /// count; returns false if no region was touched. Called under the write lock.
-    pub(crate) fn apply_remove(&self, start: HostAddr, end: HostAddr) -> bool {
+    pub(crate) fn apply_remove(&self, held: &Write<'_>, start: HostAddr, end: HostAddr) -> bool {
         let mut touched = false;
         for region in &self.regions {
             let Some((lo, hi)) = region.spec.range.clip(start, end) else {
@@ -283,18 +284,7 @@ impl Shared {
                 self.metrics.remove_events.fetch_add(1, Ordering::Relaxed);
             }
             let pages = region.first_page + lo..region.first_page + hi.max(lo);
-            let mut stored = false;
-            for page in pages.clone() {
-                if self
-                    .states
-                    .transition(page, PageState::Dropping, PageState::Stored)
-                {
-                    stored = true;
-                } else {
-                    self.states.set(page, PageState::Zero);
-                }
-            }
-            if stored {
+            if self.table.discarded(held, pages.clone()) {
                 // An offload waits for these (its own discards' events).
                 let _ordered = self.dropped_lock.lock();
                 self.dropped.notify_all();
@@ -304,7 +294,7 @@ impl Shared {
                 let per_block = self.block_size.pages() as u64;
                 for block in pages.start / per_block..=(pages.end - 1) / per_block {
                     let span = self.block_span(region, block * per_block);
-                    if !self.states.any(span, PageState::Pooled) {
+                    if !self.table.any(span, PageState::Pooled) {
                         let _ = cold.pool.remove(block);
                     }
                 }
@@ -345,11 +335,11 @@ impl Shared {
         let install = |source| FaultError::Install { addr, source };
         // A MINOR fault still pending when cold compression dropped its block finds the
         // block pooled: it is served from the pool like a missing page.
-        if minor && self.states.get(page) != PageState::Pooled {
+        if minor && self.table.get(page) != PageState::Pooled {
             return self.resolve_minor(region, page, since).map_err(install);
         }
         loop {
-            let state = self.states.get(page);
+            let state = self.table.get(page);
             // Room under the resident limit for what this fault would install, reserved
             // until the install is done (always there without a limit).
             let room = if state.is_resident() {
@@ -372,13 +362,13 @@ impl Shared {
                     return Ok(Attempt::Resolved);
                 }
                 PageState::Zero => {
-                    let _read = self.layout.read();
-                    if self.states.get(page) != state {
+                    let read = self.table.read();
+                    if self.table.get(page) != state {
                         continue;
                     }
                     self.check_unit(region, page, state, addr)?;
                     return self
-                        .install(region, page, state, None, since, max_pages)
+                        .install(&read, region, page, state, None, since, max_pages)
                         .map_err(install);
                 }
                 PageState::Pooled => {
@@ -391,8 +381,8 @@ impl Shared {
                         .pool
                         .get(block, &mut buf[..len])
                         .map_err(|source| FaultError::Pool { addr, source })?;
-                    let _read = self.layout.read();
-                    if self.states.get(page) != state {
+                    let read = self.table.read();
+                    if self.table.get(page) != state {
                         continue;
                     }
                     self.check_unit(region, page, state, addr)?;
@@ -408,9 +398,9 @@ impl Shared {
                     let data =
                         (kind != compressed_backing::BlockKind::Zero).then(|| (first, &buf[..len]));
                     let attempt = self
-                        .install(region, page, state, data, since, max_pages)
+                        .install(&read, region, page, state, data, since, max_pages)
                         .map_err(install)?;
-                    if matches!(attempt, Attempt::Resolved) && !self.states.any(span, state) {
+                    if matches!(attempt, Attempt::Resolved) && !self.table.any(span, state) {
                         let _ = cold.pool.remove(block);
                         cold.promoted(block);
                     }
@@ -442,8 +432,8 @@ impl Shared {
                     self.metrics
                         .bytes_decompressed
                         .fetch_add(decompressed, Ordering::Relaxed);
-                    let _read = self.layout.read();
-                    if self.states.get(page) != state {
+                    let read = self.table.read();
+                    if self.table.get(page) != state {
                         // Installed by another thread or discarded meanwhile: look again.
                         continue;
                     }
@@ -456,7 +446,7 @@ impl Shared {
                     // offload right after sees it.
                     self.working_set.record(block);
                     return self
-                        .install(region, page, state, data, since, max_pages)
+                        .install(&read, region, page, state, data, since, max_pages)
                         .map_err(install);
                 }
             }
@@ -472,11 +462,11 @@ impl Shared {
         page: u64,
         since: Instant,
     ) -> Result<Attempt, UffdError> {
-        let _read = self.layout.read();
+        let read = self.table.read();
         let span = self.block_span(region, page);
         let unit = region.unit_span(page);
         let pages = match self.cold.get() {
-            Some(cold) if self.states.all(span.clone(), PageState::Resident) => {
+            Some(cold) if self.table.all(span.clone(), PageState::Resident) => {
                 cold.touched(self.block_size.index_of(span.start * PAGE_SIZE));
                 span
             }
@@ -492,9 +482,7 @@ impl Shared {
             Err(UffdError::Retry { .. }) => return Ok(Attempt::Retry),
             Err(e) => return Err(e),
         }
-        for page in unit {
-            self.states.set(page, PageState::Resident);
-        }
+        self.table.mapped(&read, unit);
         self.metrics.faults_minor.fetch_add(1, Ordering::Relaxed);
         self.metrics.fault_latency.record(since.elapsed());
         self.uffd.wake(range)?;
@@ -513,12 +501,12 @@ impl Shared {
         let span = self.block_span(region, page);
         let unit = region.unit_span(page);
         let unit = unit.end - unit.start;
-        let wanted = if self.states.all(span.clone(), state) {
+        let wanted = if self.table.all(span.clone(), state) {
             span.end - span.start
         } else {
             unit
         };
-        let resident = self.states.resident();
+        let resident = self.table.resident();
         self.limit
             .reserve(resident, wanted)
             .or_else(|| {
@@ -544,7 +532,7 @@ impl Shared {
         let unit = region.unit_span(page);
         if unit.end - unit.start > 1
             && unit.clone().any(|p| {
-                let other = self.states.get(p);
+                let other = self.table.get(p);
                 other != state && !other.is_resident()
             })
         {
@@ -556,8 +544,13 @@ impl Shared {
     /// Installs the block span of `page` if all its pages are in `state` and it has at most
     /// `max_pages` pages, else the page alone: from `data` (first image page of the buffer,
     /// bytes) or as zero pages. Marks what it installed resident. Called under the read lock.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the fault's facts, each of its own kind"
+    )]
     fn install(
         &self,
+        held: &Read<'_>,
         region: &Region,
         page: u64,
         state: PageState,
@@ -566,13 +559,13 @@ impl Shared {
         max_pages: u64,
     ) -> Result<Attempt, UffdError> {
         let span = self.block_span(region, page);
-        let pages = if span.end - span.start <= max_pages && self.states.all(span.clone(), state) {
+        let pages = if span.end - span.start <= max_pages && self.table.all(span.clone(), state) {
             span
         } else {
             region.unit_span(page)
         };
         Ok(
-            match self.install_run(region, pages, state, data, Some(since))? {
+            match self.install_run(held, region, pages, state, data, Some(since))? {
                 Some(_) => Attempt::Resolved,
                 None => Attempt::Retry,
             },
@@ -586,6 +579,7 @@ impl Shared {
     /// retry). Called under the read lock.
     pub(crate) fn install_run(
         &self,
+        held: &Read<'_>,
         region: &Region,
         pages: std::ops::Range<u64>,
         state: PageState,
@@ -618,8 +612,7 @@ impl Shared {
             Err(UffdError::Retry { .. }) => return Ok(None),
             Err(e) => return Err(e),
         };
-        self.states
-            .transition_range(pages, state, PageState::Resident);
+        self.table.installed(held, pages, state);
         let m = &self.metrics;
         let (pages_counter, faults_counter) = match data {
             None => (&m.zero_pages, &m.faults_zero),

@@ -20,7 +20,7 @@ use std::thread::JoinHandle;
 
 use basics::PageSize;
 use compressed_backing::BlockSize;
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 
 use crate::addr::{HostAddr, HostRange, PAGE_SIZE};
 use crate::cold::{Cold, ColdConfig, ColdError, ColdStats};
@@ -34,6 +34,9 @@ use crate::uffd::{feature, Mode, UffdError, Userfaultfd};
 mod fault;
 mod fetch;
 mod region;
+pub(crate) mod table;
+
+use table::PageTable;
 
 use region::check_regions;
 pub(crate) use region::Region;
@@ -238,13 +241,13 @@ pub(crate) struct Shared {
     /// Anon regions are registered write-protect with `WP_ASYNC` and `MOVE` is on.
     pub track_writes: bool,
     pub regions: Vec<Region>,
-    pub states: PageStates,
+    /// The page states and the layout lock (write side: reading events and applying
+    /// discards; read side: resolving faults): the only writer of a page's state.
+    pub(crate) table: PageTable,
     pub block_size: BlockSize,
     pub image_size: u64,
     pub restore: Option<Arc<dyn PageSource>>,
     pub store: StoreSource,
-    /// Write side: reading events and applying discards; read side: resolving faults.
-    pub layout: RwLock<()>,
     pub metrics: Metrics,
     /// Faults read and not yet resolved (the prefetcher yields while this is non-zero).
     pub faults_in_flight: AtomicU64,
@@ -463,15 +466,14 @@ impl Pager {
                     spec,
                 })
                 .collect(),
-            states: match &journal {
+            table: PageTable::new(match &journal {
                 Some(journal) => PageStates::journaled(Arc::clone(journal)),
                 None => PageStates::new(pages, config.initial),
-            },
+            }),
             block_size: config.block_size,
             image_size,
             restore,
             store: StoreSource::empty(),
-            layout: RwLock::new(()),
             metrics: Metrics::default(),
             faults_in_flight: AtomicU64::new(0),
             fetches: fetch::Fetches::new(blocks),
@@ -513,15 +515,15 @@ impl Pager {
 
     /// Pages per state, with every event read so far applied.
     pub fn state_counts(&self) -> StateCounts {
-        let _read = self.shared.layout.read();
-        self.shared.states.counts()
+        let _read = self.shared.table.read();
+        self.shared.table.counts()
     }
 
     /// The state of the page at image offset `offset`, with every event read so far applied
     /// (a discard that has returned to its caller is visible here).
     pub fn page_state(&self, offset: u64) -> PageState {
-        let _read = self.shared.layout.read();
-        self.shared.states.get(offset / PAGE_SIZE)
+        let _read = self.shared.table.read();
+        self.shared.table.get(offset / PAGE_SIZE)
     }
 
     /// Bytes in the RAM image (all regions).
@@ -579,7 +581,7 @@ impl Pager {
     /// What cold compression has done and costs, if it runs.
     pub fn cold_stats(&self) -> Option<ColdStats> {
         let cold = self.shared.cold.get()?;
-        Some(cold.stats(self.shared.states.counts().pooled))
+        Some(cold.stats(self.shared.table.counts().pooled))
     }
 
     /// The guest reports idle (`true`: cold compression scans harder) or busy.
@@ -593,8 +595,8 @@ impl Pager {
     /// userfaultfds without that feature): its pages read as zeros from now on.
     pub fn discarded(&self, range: HostRange) {
         {
-            let _write = self.shared.layout.write();
-            self.shared.apply_remove(range.start(), range.end());
+            let write = self.shared.table.write();
+            self.shared.apply_remove(&write, range.start(), range.end());
         }
         self.shared.wake_held();
     }
@@ -675,7 +677,7 @@ impl ResidentHandle {
 
     /// Guest RAM resident now, bytes (O(1)).
     pub fn resident_bytes(&self) -> u64 {
-        self.0.states.resident() * PAGE_SIZE
+        self.0.table.resident() * PAGE_SIZE
     }
 
     /// As [`Pager::held_bytes`].
@@ -687,7 +689,7 @@ impl ResidentHandle {
     /// no fault is held, there is no limit, or the last raise covers them and the faults go
     /// through on their next try).
     pub fn shortfall_bytes(&self) -> u64 {
-        self.0.limit.shortfall(self.0.states.resident())
+        self.0.limit.shortfall(self.0.table.resident())
     }
 }
 
