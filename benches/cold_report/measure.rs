@@ -80,7 +80,7 @@ struct Mark {
 }
 
 fn mark(vm: &Vm, threads: &Threads) -> Mark {
-    let cold = vm.machine().pager().cold_stats();
+    let cold = vm.machine().cold().map(uffd_pager::cold::Cold::stats);
     Mark {
         at: Instant::now(),
         cpu: threads.cpu(),
@@ -306,7 +306,11 @@ pub fn run_vm(
 
     // Every byte of the data, pooled or not.
     let metrics = vm.machine().pager().metrics().snapshot();
-    let promotions = vm.machine().pager().cold_stats().map(|c| c.promotions);
+    let promotions = vm
+        .machine()
+        .cold()
+        .map(uffd_pager::cold::Cold::stats)
+        .map(|c| c.promotions);
     let cpu = threads.cpu();
     let t = Instant::now();
     vm.exec(&[Command::Touch { size: settings.app }])?;
@@ -430,7 +434,7 @@ fn idle(
             vm.exec(&hot_touch)?;
             hot_ms.push(ms(t));
         }
-        if let Some(cold) = vm.machine().pager().cold_stats() {
+        if let Some(cold) = vm.machine().cold().map(uffd_pager::cold::Cold::stats) {
             if cold.blocks_compressed > compressed {
                 compressed = cold.blocks_compressed;
                 converged_s = started.elapsed().as_secs_f64();

@@ -171,8 +171,9 @@ counters! {
         eexist_races,
         /// Resolutions retried after `EAGAIN` (a `REMOVE` event was pending).
         eagain_retries,
-        /// Blocks read from a source (the store or the restore image) by faults, the
-        /// prefetcher or an eager load: each block once per load, as one reader claims it.
+        /// Blocks read from a source (the restore image, the store or the memory pool) by
+        /// faults, the prefetcher or an eager load: each block once per load, as one reader
+        /// claims it.
         blocks_fetched,
         /// Faults that waited for another thread's read of their block (the prefetcher's)
         /// instead of reading it again.

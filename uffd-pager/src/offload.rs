@@ -44,6 +44,7 @@ use compressed_backing::{
 
 use crate::addr::{HostRange, PAGE_SIZE};
 use crate::pager::{Pager, RamKind, Region, Shared};
+use crate::source::PageSource;
 use crate::state::PageState;
 
 /// Store metadata key of the recorded working set (block indices, little-endian u64).
@@ -296,19 +297,13 @@ impl BlockSource for Composer<'_> {
                     }
                     PageState::Pooled => {
                         if !have_pooled {
-                            let cold = shared.cold.get().ok_or_else(|| {
+                            let pool = shared.pool.get().ok_or_else(|| {
                                 std::io::Error::other("a pooled page without a pool")
                             })?;
                             pooled.resize(len, 0);
-                            match cold.pool.get(block, pooled) {
-                                Ok(Some(_)) => {}
-                                Ok(None) => {
-                                    return Err(std::io::Error::other(format!(
-                                        "block {block} is pooled but not in the pool"
-                                    )))
-                                }
-                                Err(e) => return Err(std::io::Error::other(e)),
-                            }
+                            let offset = block * shared.block_size.bytes_u64();
+                            pool.read(offset, pooled, &mut 0)
+                                .map_err(std::io::Error::other)?;
                             have_pooled = true;
                         }
                         dst.copy_from_slice(&pooled[at..at + PAGE_SIZE as usize]);
@@ -427,8 +422,8 @@ impl Pager {
             }
             slot.as_mut().expect("opened above").set_codec(config.codec);
         }
-        // Cold compression holds still while the VM's RAM moves.
-        let _paused = shared.cold.get().map(|cold| cold.pause());
+        // Nothing is evicted into the pool while the VM's RAM moves.
+        let _held = shared.hold_evictions();
         let per_block = shared.block_size.pages() as u64;
         let total_pages = shared.table.len();
         let pages_of = |b: u64| b * per_block..((b + 1) * per_block).min(total_pages);
@@ -450,18 +445,15 @@ impl Pager {
         // Blocks compressed whole in the pool with the store's codec go as they are, in
         // batches like the others.
         let mut passed = Vec::new();
-        if let Some(cold) = shared.cold.get() {
-            if cold.pool.config().codec.codec == config.codec.codec {
+        if let Some(pool) = shared.pool.get() {
+            if pool.config().codec.codec == config.codec.codec {
                 let mut batch = Vec::new();
                 for &b in &blocks {
                     if !shared.table.all(pages_of(b), PageState::Pooled) {
                         continue;
                     }
                     let mut store = turn();
-                    match cold
-                        .pool
-                        .with_encoded(b, |encoded| store.put_encoded(b, encoded))
-                    {
+                    match pool.with_encoded(b, |encoded| store.put_encoded(b, encoded)) {
                         Ok(Some(Ok(()))) => batch.push(b),
                         Ok(Some(Err(e))) => {
                             let _ = store.rollback();
@@ -592,7 +584,7 @@ impl Pager {
     /// blocks leave the pool.
     fn retire_pooled(&self, blocks: &[u64]) -> u64 {
         let shared = self.shared().as_ref();
-        let Some(cold) = shared.cold.get() else {
+        let Some(pool) = shared.pool.get() else {
             return 0;
         };
         let write = shared.table.write();
@@ -608,7 +600,7 @@ impl Pager {
                 }
             }
             if any {
-                let _ = cold.pool.remove(block);
+                let _ = pool.remove(block);
             }
         }
         retired

@@ -39,6 +39,21 @@ pub enum SourceError {
     /// No store is attached (nothing was offloaded).
     #[error("no offload store is attached")]
     NoStore,
+    /// The memory pool could not give a block back.
+    #[error("the memory pool cannot give block {block} back")]
+    Pool {
+        /// The block.
+        block: u64,
+        /// The pool's error.
+        #[source]
+        source: compressed_backing::PoolError,
+    },
+    /// A block whose pages are pooled is not in the memory pool: its bytes are gone.
+    #[error("block {block} is pooled but not in the memory pool")]
+    NotPooled {
+        /// The block.
+        block: u64,
+    },
 }
 
 /// What a read produced.
@@ -64,6 +79,35 @@ pub trait PageSource: Send + Sync + fmt::Debug {
         buf: &mut [u8],
         decompressed: &mut u64,
     ) -> Result<Content, SourceError>;
+}
+
+/// The memory pool of cold compression, as the tier that holds `Pooled` pages: it reads whole
+/// blocks, by the block of `offset`.
+impl PageSource for compressed_backing::MemoryPool {
+    fn image_size(&self) -> u64 {
+        let config = self.config();
+        config.blocks * config.block_size.bytes_u64()
+    }
+
+    fn read(
+        &self,
+        offset: u64,
+        buf: &mut [u8],
+        decompressed: &mut u64,
+    ) -> Result<Content, SourceError> {
+        let block = self.config().block_size.index_of(offset);
+        match self.get(block, buf) {
+            Ok(Some(BlockKind::Zero)) => Ok(Content::Zero),
+            Ok(Some(kind)) => {
+                if kind.is_compressed() {
+                    *decompressed += buf.len() as u64;
+                }
+                Ok(Content::Data)
+            }
+            Ok(None) => Err(SourceError::NotPooled { block }),
+            Err(source) => Err(SourceError::Pool { block, source }),
+        }
+    }
 }
 
 /// A raw memory file (e.g. a Firecracker snapshot's memory file).

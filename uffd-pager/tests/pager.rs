@@ -14,7 +14,7 @@ use compressed_backing::bulk::BulkOptions;
 use compressed_backing::{Codec, CodecConfig};
 use testkit::Mapping;
 use uffd_pager::addr::{HostAddr, HostRange, PAGE_SIZE};
-use uffd_pager::cold::ColdConfig;
+use uffd_pager::cold::{Cold, ColdConfig};
 use uffd_pager::load::LoadMode;
 use uffd_pager::offload::{Batching, OffloadConfig, OffloadError};
 use uffd_pager::pager::{Pager, PagerConfig, RamKind, RegionSpec};
@@ -491,10 +491,8 @@ fn pager_offload_of_pooled_blocks_that_fails_half_way_keeps_the_committed_ones_s
         }
     }
     let expect = ram.bytes().to_vec();
-    pager
-        .start_cold(fast_cold(Duration::from_millis(50)))
-        .unwrap();
-    pager.set_idle(true);
+    let cold = Cold::start(&pager, fast_cold(Duration::from_millis(50))).unwrap();
+    cold.set_idle(true);
     let pages = (8 * MIB) as u64 / PAGE_SIZE;
     let deadline = Instant::now() + Duration::from_secs(20);
     while pager.state_counts().pooled < pages {
@@ -524,7 +522,7 @@ fn pager_offload_of_pooled_blocks_that_fails_half_way_keeps_the_committed_ones_s
         assert_eq!(pager.page_state(page * PAGE_SIZE), want, "page {page}");
     }
     let blocks_left = (pages - committed) / 16;
-    assert_eq!(pager.cold_stats().unwrap().pool.blocks, blocks_left);
+    assert_eq!(cold.stats().pool.blocks, blocks_left);
     // Every byte is there, from the store or from the pool.
     for (page, want) in expect.chunks(PAGE_SIZE as usize).enumerate() {
         let at = page * PAGE_SIZE as usize;
@@ -544,28 +542,21 @@ fn pager_cold_compression_order_takes_ram_cold_for_its_shorter_age_then_lapses()
     let pager = pager_without_remove_events(&ram);
     fill(ram.bytes_mut(), 5);
     let expect = ram.bytes().to_vec();
-    let handle = pager.resident_handle();
-    assert!(
-        !handle.compress_cold(Duration::from_millis(50)),
-        "an order to a VM without cold compression is refused"
-    );
-    pager
-        .start_cold(fast_cold(Duration::from_secs(60)))
-        .unwrap();
+    let cold = Cold::start(&pager, fast_cold(Duration::from_secs(60))).unwrap();
+    // Cold compression runs above the pager: a second one is refused.
+    assert!(Cold::start(&pager, fast_cold(Duration::from_secs(60))).is_err());
+    let orders = cold.orders();
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(
         pager.state_counts().pooled,
         0,
         "compressed before its cold age"
     );
-    assert!(
-        handle.compress_cold(Duration::from_millis(50)),
-        "cold compression runs"
-    );
-    assert!(handle.cold_order_pending());
+    orders.compress(Duration::from_millis(50));
+    assert!(orders.pending());
     // Over well inside the governor's order timeout (10 s by default).
     let ordered = Instant::now();
-    while handle.cold_order_pending() {
+    while orders.pending() {
         assert!(
             ordered.elapsed() < Duration::from_secs(5),
             "the order is not over"

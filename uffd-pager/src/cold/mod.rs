@@ -15,20 +15,27 @@
 //! being compressed is marked hot and left alone for a long while; the pool has a cap and
 //! says when it is full; the pool's memory, the tracking table and the scanner's buffers are
 //! all in `stats`, and the scanner keeps within a CPU budget.
+//!
+//! It is a layer above the pager ([`Cold::start`]): the pager keeps the pool as the tier of
+//! `Pooled` pages (a fault reads it like any page source) and tells this layer of the accesses
+//! it sees (`AccessObserver`: a probed block touched, a block brought back); this layer
+//! evicts through the page table's transitions, and stops evicting while an offload holds
+//! evictions.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use compressed_backing::{Codec, CodecConfig, MemoryPool, PoolConfig, PoolStats};
 
 use crate::addr::{HostRange, PAGE_SIZE};
 use crate::pagemap::WrittenPages;
-use crate::pager::{RamKind, Shared};
+use crate::pager::{AccessObserver, Pager, RamKind, Shared};
 
 mod scan;
 
-pub(crate) use scan::run;
-use scan::Scratch;
+use scan::{run, Scratch};
 
 /// The policy's knobs.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -187,9 +194,10 @@ const ORDER_LASTS_AT_MOST: Duration = Duration::from_secs(10);
 
 /// Cold compression's shared state: the pool, the tracking table, counters.
 #[derive(Debug)]
-pub(crate) struct Cold {
+pub(crate) struct State {
     pub config: ColdConfig,
-    pub pool: MemoryPool,
+    /// The pool: the pager's tier of `Pooled` pages, which this layer fills.
+    pub pool: Arc<MemoryPool>,
     blocks: Box<[BlockInfo]>,
     /// Time is kept in ticks of a quarter scan period since `started` (the epoch).
     started: Instant,
@@ -199,8 +207,6 @@ pub(crate) struct Cold {
     ordered: parking_lot::Mutex<Option<Ordered>>,
     pub stop: AtomicBool,
     idle: AtomicBool,
-    /// Pauses (offloads in progress); scanning waits while non-zero.
-    paused: AtomicU32,
     scans: AtomicU64,
     probed: AtomicU64,
     compressed: AtomicU64,
@@ -226,8 +232,8 @@ pub(crate) struct Cold {
     cpu_ns: AtomicU64,
 }
 
-impl Cold {
-    pub(crate) fn new(shared: &Shared, config: ColdConfig) -> Result<Self, ColdError> {
+impl State {
+    fn new(shared: &Shared, config: ColdConfig) -> Result<Self, ColdError> {
         if !(config.cpu_budget > 0.0 && config.idle_cpu_budget > 0.0) {
             return Err(ColdError::Config("CPU budgets must be positive".into()));
         }
@@ -290,7 +296,7 @@ impl Cold {
         .map_err(ColdError::Pool)?;
         Ok(Self {
             config,
-            pool,
+            pool: Arc::new(pool),
             blocks: (0..blocks).map(|_| BlockInfo::default()).collect(),
             started: Instant::now(),
             tick,
@@ -298,7 +304,6 @@ impl Cold {
             ordered: parking_lot::Mutex::new(None),
             stop: AtomicBool::new(false),
             idle: AtomicBool::new(false),
-            paused: AtomicU32::new(0),
             scans: AtomicU64::new(0),
             probed: AtomicU64::new(0),
             compressed: AtomicU64::new(0),
@@ -370,7 +375,7 @@ impl Cold {
     /// A memory governor's order under pressure: compress what has been cold for `age` (when
     /// that is shorter than the cold age) for as long as a block takes to be probed by one scan
     /// and found cold still by a later one, after which the configured age is back
-    /// ([`Cold::order_pending`] says when). What stays resident then answers the order.
+    /// ([`State::order_pending`] says when). What stays resident then answers the order.
     pub(crate) fn order(&self, age: Duration) {
         let ticks = |d: Duration| {
             u32::try_from(d.as_nanos().div_ceil(self.tick.as_nanos()))
@@ -384,12 +389,6 @@ impl Cold {
                 .saturating_add(ticks(ORDER_LASTS_AT_MOST.max(age * 2))),
             first_scan: None,
         });
-    }
-
-    /// Holds scanning still until the guard is dropped (an offload is moving RAM).
-    pub(crate) fn pause(&self) -> PauseGuard<'_> {
-        self.paused.fetch_add(1, Ordering::AcqRel);
-        PauseGuard(self)
     }
 
     /// The guest reports idle (scan harder) or busy.
@@ -472,11 +471,102 @@ impl Cold {
     }
 }
 
-/// Scanning resumes when this is dropped.
-pub(crate) struct PauseGuard<'a>(&'a Cold);
+impl AccessObserver for State {
+    fn touched(&self, block: u64) {
+        State::touched(self, block);
+    }
 
-impl Drop for PauseGuard<'_> {
+    fn promoted(&self, block: u64) {
+        State::promoted(self, block);
+    }
+}
+
+/// Live cold-RAM compression of a pager's RAM: the scanner's thread and what it shares with
+/// the pager. Dropping it stops the scanner; drop it before the RAM is unmapped.
+pub struct Cold {
+    shared: Arc<Shared>,
+    state: Arc<State>,
+    scanner: Option<JoinHandle<()>>,
+}
+
+impl Cold {
+    /// Starts cold compression of `pager`'s RAM: needs RAM mapped in this process (memfd,
+    /// or anon with `track_writes`) and a pager without `REMOVE` events.
+    pub fn start(pager: &Pager, config: ColdConfig) -> Result<Self, ColdError> {
+        let shared = Arc::clone(pager.shared());
+        if shared.remove_events {
+            return Err(ColdError::Config(
+                "the pager must be created with remove_events off (the VMM reports discards)"
+                    .into(),
+            ));
+        }
+        let state = Arc::new(State::new(&shared, config)?);
+        let observer: Arc<dyn AccessObserver> = Arc::clone(&state) as Arc<dyn AccessObserver>;
+        if !shared.attach_pool(Arc::clone(&state.pool), observer) {
+            return Err(ColdError::Running);
+        }
+        let scanner = {
+            let (shared, state) = (Arc::clone(&shared), Arc::clone(&state));
+            std::thread::Builder::new()
+                .name("uffd-cold".into())
+                .spawn(move || run(&shared, &state))
+                .map_err(ColdError::Thread)?
+        };
+        Ok(Self {
+            shared,
+            state,
+            scanner: Some(scanner),
+        })
+    }
+
+    /// What it has done and costs.
+    pub fn stats(&self) -> ColdStats {
+        self.state.stats(self.shared.table.counts().pooled)
+    }
+
+    /// The guest reports idle (`true`: scan harder) or busy.
+    pub fn set_idle(&self, idle: bool) {
+        self.state.set_idle(idle);
+    }
+
+    /// A handle on its governor's orders, for another thread.
+    pub fn orders(&self) -> ColdOrders {
+        ColdOrders(Arc::clone(&self.state))
+    }
+}
+
+impl std::fmt::Debug for Cold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cold")
+            .field("config", &self.state.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Cold {
     fn drop(&mut self) {
-        self.0.paused.fetch_sub(1, Ordering::AcqRel);
+        self.state.stop.store(true, Ordering::Relaxed);
+        if let Some(scanner) = self.scanner.take() {
+            scanner.thread().unpark();
+            let _ = scanner.join();
+        }
+    }
+}
+
+/// A memory governor's orders to cold compression (see [`Cold::orders`]).
+#[derive(Debug, Clone)]
+pub struct ColdOrders(Arc<State>);
+
+impl ColdOrders {
+    /// Compress what has been cold for `age` (when that is shorter than its own cold age) for
+    /// a while; [`ColdOrders::pending`] says when that is over (what stays resident then
+    /// answers the order).
+    pub fn compress(&self, age: Duration) {
+        self.0.order(age);
+    }
+
+    /// Whether an order is still being carried out.
+    pub fn pending(&self) -> bool {
+        self.0.order_pending()
     }
 }

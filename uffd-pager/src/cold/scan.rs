@@ -31,7 +31,7 @@ fn thread_cpu() -> Duration {
 
 /// The scanner thread: a scan every period (a quarter of it while the guest is idle), then a
 /// sleep long enough to keep its CPU time within the budget.
-pub(crate) fn run(shared: &Shared, cold: &Cold) {
+pub(crate) fn run(shared: &Shared, cold: &State) {
     let born = thread_cpu();
     let mut buf = vec![0u8; shared.block_size.bytes()];
     let mut window = (Instant::now(), 0u64);
@@ -85,7 +85,7 @@ pub(crate) fn run(shared: &Shared, cold: &Cold) {
 /// Anon RAM: blocks written since the last scan start their cold age again.
 fn take_written(
     shared: &Shared,
-    cold: &Cold,
+    cold: &State,
     written: &mut WrittenPages,
     epoch: u32,
 ) -> std::io::Result<()> {
@@ -109,7 +109,7 @@ fn take_written(
     Ok(())
 }
 
-fn scan(shared: &Shared, cold: &Cold, buf: &mut [u8]) {
+fn scan(shared: &Shared, cold: &State, buf: &mut [u8]) {
     let per_block = shared.block_size.pages() as u64;
     let epoch = cold.epoch();
     let cold_age = cold.age_ticks(epoch);
@@ -127,7 +127,7 @@ fn scan(shared: &Shared, cold: &Cold, buf: &mut [u8]) {
         guard.is_some()
     };
     for (block, info) in cold.blocks.iter().enumerate() {
-        if cold.stop.load(Ordering::Relaxed) || cold.paused.load(Ordering::Acquire) > 0 {
+        if cold.stop.load(Ordering::Relaxed) || shared.evictions_held() {
             return;
         }
         let first = block as u64 * per_block;
@@ -183,7 +183,7 @@ fn scan(shared: &Shared, cold: &Cold, buf: &mut [u8]) {
 
 fn compress(
     shared: &Shared,
-    cold: &Cold,
+    cold: &State,
     region: &crate::pager::Region,
     block: u64,
     pages: std::ops::Range<u64>,
@@ -222,7 +222,7 @@ fn compress(
     }
     cold.full.store(false, Ordering::Relaxed);
     let write = shared.table.write();
-    if cold.paused.load(Ordering::Acquire) > 0 {
+    if shared.evictions_held() {
         let _ = cold.pool.remove(block);
         return;
     }
@@ -266,7 +266,7 @@ fn compress(
 
 /// Leaves `info`'s block alone for a cold age, twice as long each time in a row (up to
 /// 2^MAX_BACKOFF_LEVEL cold ages).
-fn back_off(cold: &Cold, info: &BlockInfo) {
+fn back_off(cold: &State, info: &BlockInfo) {
     let level = info
         .backoff_level
         .load(Ordering::Relaxed)
@@ -286,7 +286,7 @@ fn back_off(cold: &Cold, info: &BlockInfo) {
 fn drop_anon(
     shared: &Shared,
     write: &crate::pager::table::Write<'_>,
-    cold: &Cold,
+    cold: &State,
     info: &BlockInfo,
     at: crate::addr::HostAddr,
     pages: std::ops::Range<u64>,
@@ -337,8 +337,9 @@ impl Scratch {
         let map = memmap2::MmapMut::map_anon(len).map_err(ColdError::Scratch)?;
         let range = HostRange::new(crate::addr::HostAddr(map.as_ptr() as u64), len as u64)
             .expect("an anon mapping is page-aligned");
-        // SAFETY: the mapping lives as long as `Cold`, which the pager drops before its
-        // userfaultfd; only `drop_anon` fills it (with moved pages) and it empties it again.
+        // SAFETY: the mapping lives as long as the cold state, which the pager keeps (as its
+        // access observer) as long as its userfaultfd; only `drop_anon` fills it (with moved
+        // pages) and it empties it again.
         // MISSING and WP like guest RAM, so that both have the same page protection, which
         // UFFDIO_MOVE requires.
         unsafe { shared.uffd.register(range, crate::uffd::Mode::MISSING_WP) }

@@ -290,12 +290,12 @@ impl Shared {
                 self.dropped.notify_all();
             }
             // Released pooled blocks leave the pool at once.
-            if let (Some(cold), false) = (self.cold.get(), pages.is_empty()) {
+            if let (Some(pool), false) = (self.pool.get(), pages.is_empty()) {
                 let per_block = self.block_size.pages() as u64;
                 for block in pages.start / per_block..=(pages.end - 1) / per_block {
                     let span = self.block_span(region, block * per_block);
                     if !self.table.any(span, PageState::Pooled) {
-                        let _ = cold.pool.remove(block);
+                        let _ = pool.remove(block);
                     }
                 }
             }
@@ -371,42 +371,15 @@ impl Shared {
                         .install(&read, region, page, state, None, since, max_pages)
                         .map_err(install);
                 }
-                PageState::Pooled => {
-                    let cold = self.cold.get().ok_or(FaultError::NoSource { addr })?;
-                    let span = self.block_span(region, page);
-                    let block = self.block_size.index_of(span.start * PAGE_SIZE);
-                    let first = block * self.block_size.pages() as u64;
-                    let len = self.block_size.bytes();
-                    let kind = cold
-                        .pool
-                        .get(block, &mut buf[..len])
-                        .map_err(|source| FaultError::Pool { addr, source })?;
-                    let read = self.table.read();
-                    if self.table.get(page) != state {
-                        continue;
-                    }
-                    self.check_unit(region, page, state, addr)?;
-                    let Some(kind) = kind else {
-                        // Pooled pages without a pool entry: the bytes are gone. Never zeros.
-                        return Err(FaultError::Lost { addr });
+                // Every tier is a page source: the restore image, the offload store, the
+                // memory pool of cold compression.
+                PageState::Source | PageState::Stored | PageState::Pooled => {
+                    let source: Option<&dyn PageSource> = match state {
+                        PageState::Source => self.restore.as_deref(),
+                        PageState::Stored => Some(&self.store),
+                        _ => self.pool.get().map(|pool| &**pool as &dyn PageSource),
                     };
-                    if kind.is_compressed() {
-                        self.metrics
-                            .bytes_decompressed
-                            .fetch_add(len as u64, Ordering::Relaxed);
-                    }
-                    let data =
-                        (kind != compressed_backing::BlockKind::Zero).then(|| (first, &buf[..len]));
-                    let attempt = self
-                        .install(&read, region, page, state, data, since, max_pages)
-                        .map_err(install)?;
-                    if matches!(attempt, Attempt::Resolved) && !self.table.any(span, state) {
-                        let _ = cold.pool.remove(block);
-                        cold.promoted(block);
-                    }
-                    return Ok(attempt);
-                }
-                PageState::Source | PageState::Stored => {
+                    let source = source.ok_or(FaultError::NoSource { addr })?;
                     let span = self.block_span(region, page);
                     let block = self.block_size.index_of(span.start * PAGE_SIZE);
                     // One reader per block: if the prefetcher reads it now, wait for that.
@@ -420,15 +393,9 @@ impl Shared {
                         .expect("block of the image");
                     let len = self.block_size.len_in_image(block, self.image_size);
                     let mut decompressed = 0;
-                    let content = match state {
-                        PageState::Source => self
-                            .restore
-                            .as_ref()
-                            .ok_or(FaultError::NoSource { addr })?
-                            .read(offset, &mut buf[..len], &mut decompressed),
-                        _ => self.store.read(offset, &mut buf[..len], &mut decompressed),
-                    }
-                    .map_err(|source| FaultError::Source { addr, source })?;
+                    let content = source
+                        .read(offset, &mut buf[..len], &mut decompressed)
+                        .map_err(|source| FaultError::Source { addr, source })?;
                     self.metrics
                         .bytes_decompressed
                         .fetch_add(decompressed, Ordering::Relaxed);
@@ -442,8 +409,23 @@ impl Shared {
                         Content::Zero => None,
                         Content::Data => Some((offset / PAGE_SIZE, &buf[..len])),
                     };
-                    // Recorded before the install wakes the faulting thread, so that an
-                    // offload right after sees it.
+                    if state == PageState::Pooled {
+                        let attempt = self
+                            .install(&read, region, page, state, data, since, max_pages)
+                            .map_err(install)?;
+                        // Once none of its pages is pooled, the block leaves the pool.
+                        if matches!(attempt, Attempt::Resolved) && !self.table.any(span, state) {
+                            if let Some(pool) = self.pool.get() {
+                                let _ = pool.remove(block);
+                            }
+                            if let Some(observer) = self.observer.get() {
+                                observer.promoted(block);
+                            }
+                        }
+                        return Ok(attempt);
+                    }
+                    // A block of a resume's working set. Recorded before the install wakes
+                    // the faulting thread, so that an offload right after sees it.
                     self.working_set.record(block);
                     return self
                         .install(&read, region, page, state, data, since, max_pages)
@@ -465,9 +447,9 @@ impl Shared {
         let read = self.table.read();
         let span = self.block_span(region, page);
         let unit = region.unit_span(page);
-        let pages = match self.cold.get() {
-            Some(cold) if self.table.all(span.clone(), PageState::Resident) => {
-                cold.touched(self.block_size.index_of(span.start * PAGE_SIZE));
+        let pages = match self.observer.get() {
+            Some(observer) if self.table.all(span.clone(), PageState::Resident) => {
+                observer.touched(self.block_size.index_of(span.start * PAGE_SIZE));
                 span
             }
             _ => unit.clone(),

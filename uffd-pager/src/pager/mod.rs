@@ -23,7 +23,6 @@ use compressed_backing::BlockSize;
 use parking_lot::Mutex;
 
 use crate::addr::{HostAddr, HostRange, PAGE_SIZE};
-use crate::cold::{Cold, ColdConfig, ColdError, ColdStats};
 use crate::journal::Journal;
 use crate::limit::{HeldHandler, ResidentLimit};
 use crate::metrics::Metrics;
@@ -166,20 +165,12 @@ pub enum FaultError {
         #[source]
         source: SourceError,
     },
-    /// A page is in the restore-source state but the pager has no restore source.
-    #[error("fault at {addr}: no restore source for it")]
+    /// A page is in a state whose tier the pager does not have (restore-source pages without
+    /// a restore source, pooled pages without a pool).
+    #[error("fault at {addr}: no source for its state")]
     NoSource {
         /// The address.
         addr: HostAddr,
-    },
-    /// The memory pool could not give the block back.
-    #[error("fault at {addr}: the memory pool cannot give its block back")]
-    Pool {
-        /// The address.
-        addr: HostAddr,
-        /// Why.
-        #[source]
-        source: compressed_backing::PoolError,
     },
     /// Installing the page failed.
     #[error("fault at {addr}: cannot install it")]
@@ -270,8 +261,14 @@ pub(crate) struct Shared {
     signal: OwnedFd,
     /// The pager is being dropped: the fault threads return.
     stopping: AtomicBool,
-    /// Cold compression, once started.
-    pub cold: OnceLock<Cold>,
+    /// The memory pool, the tier of `Pooled` pages, once cold compression runs above the
+    /// pager (`attach_pool`).
+    pub(crate) pool: OnceLock<Arc<compressed_backing::MemoryPool>>,
+    /// What is told of the guest's accesses that the pager sees (cold compression).
+    pub(crate) observer: OnceLock<Arc<dyn AccessObserver>>,
+    /// Holds on eviction into the pool (an offload moving RAM): while non-zero, nothing may
+    /// make pages `Pooled`.
+    evictions_held: std::sync::atomic::AtomicU32,
     /// Signalled when `REMOVE` events have turned `Dropping` pages into `Stored` (an offload
     /// waits on it for the events of its own discards; `dropped_lock` orders the two).
     pub(crate) dropped: parking_lot::Condvar,
@@ -280,6 +277,48 @@ pub(crate) struct Shared {
     /// Where `states` lives when it must outlive the process; its read marker brackets every
     /// read of events until the read's discards are in the table.
     pub journal: Option<Arc<Journal>>,
+}
+
+/// What the pager tells a layer above it (cold compression) of the guest's accesses it sees.
+/// Called on fault threads: it must return quickly.
+pub(crate) trait AccessObserver: Send + Sync + std::fmt::Debug {
+    /// A MINOR fault mapped `block` back, every page of it resident (a probed block was
+    /// accessed).
+    fn touched(&self, block: u64);
+    /// A fault brought `block` back from the memory pool.
+    fn promoted(&self, block: u64);
+}
+
+/// An offload's hold on eviction into the pool, given back on drop.
+pub(crate) struct EvictionHold<'a>(&'a Shared);
+
+impl Drop for EvictionHold<'_> {
+    fn drop(&mut self) {
+        self.0.evictions_held.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Shared {
+    /// Attaches the memory pool as the tier of `Pooled` pages and `observer` to the accesses
+    /// the fault threads see; false if one is attached already.
+    pub(crate) fn attach_pool(
+        &self,
+        pool: Arc<compressed_backing::MemoryPool>,
+        observer: Arc<dyn AccessObserver>,
+    ) -> bool {
+        self.pool.set(pool).is_ok() && self.observer.set(observer).is_ok()
+    }
+
+    /// Holds eviction into the pool until the guard is dropped (an offload moves RAM).
+    pub(crate) fn hold_evictions(&self) -> EvictionHold<'_> {
+        self.evictions_held.fetch_add(1, Ordering::AcqRel);
+        EvictionHold(self)
+    }
+
+    /// Whether eviction into the pool is held now.
+    pub(crate) fn evictions_held(&self) -> bool {
+        self.evictions_held.load(Ordering::Acquire) > 0
+    }
 }
 
 /// The order in which blocks were first faulted in.
@@ -329,7 +368,6 @@ pub struct Pager {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
     prefetcher: Mutex<Option<JoinHandle<()>>>,
-    cold_scanner: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for Pager {
@@ -485,7 +523,9 @@ impl Pager {
             limit: ResidentLimit::new(),
             signal,
             stopping: AtomicBool::new(false),
-            cold: OnceLock::new(),
+            pool: OnceLock::new(),
+            observer: OnceLock::new(),
+            evictions_held: std::sync::atomic::AtomicU32::new(0),
             dropped: parking_lot::Condvar::new(),
             dropped_lock: Mutex::new(()),
             on_error,
@@ -504,7 +544,6 @@ impl Pager {
             shared,
             threads,
             prefetcher: Mutex::new(None),
-            cold_scanner: Mutex::new(None),
         })
     }
 
@@ -553,42 +592,6 @@ impl Pager {
 
     pub(crate) fn prefetcher(&self) -> &Mutex<Option<JoinHandle<()>>> {
         &self.prefetcher
-    }
-
-    /// Starts live cold-RAM compression ([`crate::cold`]): needs RAM mapped in this process
-    /// (memfd, or anon with `track_writes`) and a pager without `REMOVE` events.
-    pub fn start_cold(&self, config: ColdConfig) -> Result<(), ColdError> {
-        if self.shared.remove_events {
-            return Err(ColdError::Config(
-                "the pager must be created with remove_events off (the VMM reports discards)"
-                    .into(),
-            ));
-        }
-        let cold = Cold::new(&self.shared, config)?;
-        self.shared.cold.set(cold).map_err(|_| ColdError::Running)?;
-        let shared = Arc::clone(&self.shared);
-        let handle = std::thread::Builder::new()
-            .name("uffd-cold".into())
-            .spawn(move || {
-                let cold = shared.cold.get().expect("set before the thread starts");
-                crate::cold::run(&shared, cold);
-            })
-            .map_err(ColdError::Thread)?;
-        *self.cold_scanner.lock() = Some(handle);
-        Ok(())
-    }
-
-    /// What cold compression has done and costs, if it runs.
-    pub fn cold_stats(&self) -> Option<ColdStats> {
-        let cold = self.shared.cold.get()?;
-        Some(cold.stats(self.shared.table.counts().pooled))
-    }
-
-    /// The guest reports idle (`true`: cold compression scans harder) or busy.
-    pub fn set_idle(&self, idle: bool) {
-        if let Some(cold) = self.shared.cold.get() {
-            cold.set_idle(idle);
-        }
     }
 
     /// Tells the pager that the VMM discarded `range` itself without a `REMOVE` event (for
@@ -662,19 +665,6 @@ impl ResidentHandle {
         self.0.wake_held();
     }
 
-    /// A memory governor's order under pressure: cold compression, if it runs, compresses
-    /// what has been cold for `age` (when that is shorter than its own cold age) for a while;
-    /// [`ResidentHandle::cold_order_pending`] says when that is over (what stays resident then
-    /// answers the order). False without cold compression.
-    pub fn compress_cold(&self, age: std::time::Duration) -> bool {
-        self.0.cold.get().map(|cold| cold.order(age)).is_some()
-    }
-
-    /// Whether cold compression still carries out a [`ResidentHandle::compress_cold`] order.
-    pub fn cold_order_pending(&self) -> bool {
-        self.0.cold.get().is_some_and(Cold::order_pending)
-    }
-
     /// Guest RAM resident now, bytes (O(1)).
     pub fn resident_bytes(&self) -> u64 {
         self.0.table.resident() * PAGE_SIZE
@@ -696,13 +686,6 @@ impl ResidentHandle {
 impl Drop for Pager {
     fn drop(&mut self) {
         self.stop_prefetch();
-        if let Some(cold) = self.shared.cold.get() {
-            cold.stop.store(true, Ordering::Relaxed);
-        }
-        if let Some(scanner) = self.cold_scanner.lock().take() {
-            scanner.thread().unpark();
-            let _ = scanner.join();
-        }
         self.shared.stopping.store(true, Ordering::Relaxed);
         self.shared.signal();
         for thread in self.threads.drain(..) {

@@ -188,6 +188,7 @@ impl Machine {
             _idle_vcpus: vcpus,
             _vm: vm,
             _kvm: kvm_fd,
+            cold: None,
             pager,
             ram,
             disk,

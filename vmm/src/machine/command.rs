@@ -148,10 +148,10 @@ impl Machine {
                     return Err(MachineError::Stopped);
                 }
             }
-            Command::Idle => self.pager.set_idle(true),
+            Command::Idle => {}
         }
-        if *command != Command::Idle {
-            self.pager.set_idle(false);
+        if let Some(cold) = &self.cold {
+            cold.set_idle(*command == Command::Idle);
         }
         output.app_bytes = self.filled;
         output.elapsed_ms = started.elapsed().as_secs_f64() * 1e3;

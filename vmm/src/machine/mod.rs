@@ -197,6 +197,8 @@ pub struct Machine {
     _idle_vcpus: Vec<VcpuFd>,
     _vm: VmFd,
     _kvm: Kvm,
+    /// Cold compression above the pager, if it runs (dropped before the pager and RAM).
+    cold: Option<uffd_pager::cold::Cold>,
     pager: Pager,
     ram: GuestRam,
     disk: File,
@@ -258,6 +260,23 @@ impl Machine {
     /// The pager serving this VM's RAM.
     pub fn pager(&self) -> &Pager {
         &self.pager
+    }
+
+    /// Starts cold compression of guest RAM above the pager.
+    pub fn start_cold(
+        &mut self,
+        config: uffd_pager::cold::ColdConfig,
+    ) -> Result<(), uffd_pager::cold::ColdError> {
+        if self.cold.is_some() {
+            return Err(uffd_pager::cold::ColdError::Running);
+        }
+        self.cold = Some(uffd_pager::cold::Cold::start(&self.pager, config)?);
+        Ok(())
+    }
+
+    /// Cold compression, if it runs.
+    pub fn cold(&self) -> Option<&uffd_pager::cold::Cold> {
+        self.cold.as_ref()
     }
 
     /// Guest RAM.

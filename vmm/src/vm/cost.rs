@@ -97,7 +97,7 @@ impl Vm {
                     .sum()
             })
             .unwrap_or(0);
-        let cold = pager.cold_stats();
+        let cold = self.machine.cold().map(uffd_pager::cold::Cold::stats);
         let process_pss_bytes = stats::process_pss().unwrap_or(0);
         let ram = self.machine.ram();
         let guest_ram_pss_bytes = ram.pss();

@@ -35,7 +35,11 @@ use crate::stats::{self, MemoryCgroup};
 
 /// The pager's resident limit as the governor's link drives it, and the guest RAM's span
 /// (host address, bytes) whose PSS it reports.
-struct PagerControl(uffd_pager::pager::ResidentHandle, (u64, u64));
+struct PagerControl(
+    uffd_pager::pager::ResidentHandle,
+    (u64, u64),
+    Option<uffd_pager::cold::ColdOrders>,
+);
 
 impl ResidentControl for PagerControl {
     fn set_limit(&self, limit: Option<u64>) {
@@ -60,11 +64,13 @@ impl ResidentControl for PagerControl {
     }
 
     fn compress_cold(&self, age: Duration) -> bool {
-        self.0.compress_cold(age)
+        self.2.as_ref().map(|orders| orders.compress(age)).is_some()
     }
 
     fn cold_order_pending(&self) -> bool {
-        self.0.cold_order_pending()
+        self.2
+            .as_ref()
+            .is_some_and(uffd_pager::cold::ColdOrders::pending)
     }
 }
 
@@ -168,7 +174,7 @@ impl Vm {
             }),
         )?;
         if let Some(config) = options.cold {
-            machine.pager().start_cold(config).map_err(VmError::Cold)?;
+            machine.start_cold(config).map_err(VmError::Cold)?;
         }
         if let Some(gateway) = gateway {
             machine.set_model_port(Arc::new(gateway));
@@ -208,7 +214,11 @@ impl Vm {
                 config.hold_timeout = Duration::from_millis(ms);
             }
             let span = machine.ram().span();
-            let control = Arc::new(PagerControl(machine.pager().resident_handle(), span));
+            let control = Arc::new(PagerControl(
+                machine.pager().resident_handle(),
+                span,
+                machine.cold().map(uffd_pager::cold::Cold::orders),
+            ));
             let link = GovernorLink::start(config, control).map_err(VmError::Governor)?;
             let requester = link.requester();
             machine
