@@ -430,26 +430,15 @@ fn prefetch(shared: &Shared, order: &[u64], hot: usize, threads: usize) {
     };
     // Phase one: the working set.
     let next = AtomicUsize::new(0);
-    std::thread::scope(|scope| {
-        for _ in 0..threads.max(1) {
-            scope.spawn(|| {
-                let mut buf = vec![0u8; shared.block_size.bytes()];
-                loop {
-                    if shared.prefetch_stop.load(Ordering::Relaxed) {
-                        return;
-                    }
-                    if yield_to_faults(shared) {
-                        continue;
-                    }
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= hot {
-                        return;
-                    }
-                    fill(i, &mut buf);
-                }
-            });
-        }
-    });
+    workers(
+        shared,
+        threads,
+        &|| {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            (i < hot).then_some(i..i + 1)
+        },
+        &fill,
+    );
     // Phase two: the rest, from one cursor.
     let cursor = parking_lot::Mutex::new(Cursor {
         at: hot,
@@ -457,6 +446,22 @@ fn prefetch(shared: &Shared, order: &[u64], hot: usize, threads: usize) {
         faults: shared.faults_seen.load(Ordering::Relaxed),
         skipped: Vec::new(),
     });
+    workers(
+        shared,
+        threads,
+        &|| cursor.lock().take(shared, &position, order.len()),
+        &fill,
+    );
+}
+
+/// Runs `threads` prefetch workers until `next` has no more places (or the prefetcher is
+/// stopped): each takes places from it and fills them, yielding while faults are pending.
+fn workers(
+    shared: &Shared,
+    threads: usize,
+    next: &(dyn Fn() -> Option<std::ops::Range<usize>> + Sync),
+    fill: &(dyn Fn(usize, &mut [u8]) + Sync),
+) {
     std::thread::scope(|scope| {
         for _ in 0..threads.max(1) {
             scope.spawn(|| {
@@ -468,10 +473,10 @@ fn prefetch(shared: &Shared, order: &[u64], hot: usize, threads: usize) {
                     if yield_to_faults(shared) {
                         continue;
                     }
-                    let Some(range) = cursor.lock().take(shared, &position, order.len()) else {
+                    let Some(places) = next() else {
                         return;
                     };
-                    for i in range {
+                    for i in places {
                         fill(i, &mut buf);
                     }
                 }
