@@ -133,13 +133,13 @@ impl Shared {
         if !self.table.any(block_pages.clone(), PageState::Stored) {
             return Ok(0);
         }
-        let _fetch = loop {
+        let mut _claim = Some(loop {
             match self.claim_fetch(block) {
                 Some(fetch) => break fetch,
                 None if busy == Busy::Pass || stop() => return Ok(0),
                 None => std::thread::sleep(Duration::from_micros(50)),
             }
-        };
+        });
         // Another thread may have installed it before giving the claim back.
         if !self.table.any(block_pages.clone(), PageState::Stored) {
             return Ok(0);
@@ -185,10 +185,18 @@ impl Shared {
                     let Some(_room) = self.limit.reserve(self.table.resident(), page - start)
                     else {
                         drop(read);
+                        // Not while holding the block: a fault on it must be able to take it
+                        // and be held at the limit itself, which asks for the room.
+                        _claim = None;
                         if stop() {
                             return Ok(filled);
                         }
                         std::thread::sleep(LIMIT_WAIT);
+                        match self.claim_fetch(block) {
+                            Some(again) => _claim = Some(again),
+                            // A fault thread reads and installs it now.
+                            None => return Ok(filled),
+                        }
                         continue 'retry;
                     };
                     match self
