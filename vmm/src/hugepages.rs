@@ -88,9 +88,9 @@ impl HugePool {
             let path = dir.join(name);
             std::fs::read_to_string(&path)
                 .and_then(|text| {
-                    text.trim().parse::<u64>().map_err(|e| {
-                        std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())
-                    })
+                    text.trim()
+                        .parse::<u64>()
+                        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
                 })
                 .map_err(|source| HugePoolError::Read { path, source })
         };
