@@ -23,6 +23,7 @@ pub mod fuse;
 pub mod image;
 pub mod layout;
 pub mod pool;
+pub mod remote;
 pub mod store;
 
 pub use bulk::{BlockSource, BulkOptions, BulkReport, FileSource, SliceSource};

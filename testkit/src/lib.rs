@@ -3,6 +3,7 @@
 //! huge pages lent for a test ([`hugepages`]).
 
 pub mod hugepages;
+pub mod s3;
 
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;

@@ -101,6 +101,20 @@ pub enum StoreError {
         /// Checksum of the bytes read.
         computed: u64,
     },
+    /// A payload's bytes were not on disk and could not be fetched from where the store
+    /// mirrors (its object store; see `crate::remote`).
+    #[error("block {block}: cannot fetch the payload of {path} at offset {offset}")]
+    Fetch {
+        /// The block.
+        block: u64,
+        /// The segment file.
+        path: PathBuf,
+        /// Byte offset of the payload in the segment.
+        offset: u64,
+        /// Why the fetch failed.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// A payload passes its checksum but does not decode to the block.
     #[error("block {block}: payload in {path} at offset {offset} does not decode")]
     Decode {
@@ -186,7 +200,7 @@ pub enum StoreError {
 }
 
 impl StoreError {
-    pub(super) fn io(op: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(io::Error) -> Self {
+    pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(io::Error) -> Self {
         let path = path.into();
         move |source| Self::Io { op, path, source }
     }

@@ -41,7 +41,8 @@ use std::sync::Arc;
 
 pub use index::IndexError;
 use index::{DataRef, Index, Slot};
-pub use reader::StoreReader;
+use reader::ReadPath;
+pub use reader::{SegmentFill, StoreReader};
 use segment::Segment;
 
 use crate::codec::{BlockKind, CodecConfig, Encoded, Encoder};
@@ -51,6 +52,77 @@ use crate::layout::BlockSize;
 const INDEX_FILE: &str = "index";
 const INDEX_TMP: &str = "index.tmp";
 const LOCK_FILE: &str = "lock";
+
+/// The name of segment `id`'s file (and of its object in a remote store).
+pub(crate) fn segment_file_name(id: u32) -> String {
+    segment::file_name(id)
+}
+
+/// Whether `name` names a segment file.
+pub(crate) fn is_segment_file_name(name: &str) -> bool {
+    segment::parse_file_name(name).is_some()
+}
+
+/// The segment id `name` names, if it names one.
+pub(crate) fn parse_segment_file_name(name: &str) -> Option<u32> {
+    segment::parse_file_name(name)
+}
+
+/// The largest index a header of [`index::HEADER_LEN`] bytes allows.
+pub(crate) fn index_size_limit(head: &[u8]) -> Result<u64, IndexError> {
+    index::Index::size_limit(head)
+}
+
+/// The next free segment id of the index file at `path` (read and checked as on open) and
+/// its segments with their committed lengths.
+pub(crate) fn index_segments(path: &Path) -> Result<(u32, BTreeMap<u32, u64>), StoreError> {
+    read_index(path).map(|index| (index.next_segment, index.segments))
+}
+
+/// Bytes of an index's header: enough for [`index_size_limit`].
+pub(crate) const INDEX_HEADER_LEN: usize = index::HEADER_LEN;
+
+/// A segment moved by [`renumbered_index`]: its local id, its new id, its length.
+pub(crate) type Renumbered = (u32, u32, u64);
+
+/// The committed index of the store in `dir` with its segments renumbered from `base` on (a
+/// remote store's new chunks never take a name its current index uses): the encoded index
+/// and, per segment, its local id, its new id and its length.
+pub(crate) fn renumbered_index(
+    dir: &Path,
+    base: u32,
+) -> Result<(Vec<u8>, Vec<Renumbered>), StoreError> {
+    let path = dir.join(INDEX_FILE);
+    let mut index = read_index(&path)?;
+    let renumber = |id: u32| -> Result<u32, StoreError> {
+        base.checked_add(id)
+            .filter(|&n| n <= segment::MAX_ID)
+            .ok_or_else(|| StoreError::IndexCorrupt {
+                path: path.clone(),
+                source: IndexError::Invalid {
+                    what: "segment id",
+                    detail: format!(
+                        "{id} renumbered from {base} passes the last id; pack into a new prefix"
+                    ),
+                },
+            })
+    };
+    let mut moved = Vec::with_capacity(index.segments.len());
+    let mut segments = BTreeMap::new();
+    for (&id, &len) in &index.segments {
+        let new = renumber(id)?;
+        moved.push((id, new, len));
+        segments.insert(new, len);
+    }
+    for slot in &mut index.slots {
+        if let Slot::Data(data) = slot {
+            data.segment = renumber(data.segment)?;
+        }
+    }
+    index.segments = segments;
+    index.next_segment = renumber(index.next_segment)?;
+    Ok((index.encode(), moved))
+}
 
 /// The state as of the last commit, to roll back to.
 #[derive(Debug)]
@@ -81,8 +153,9 @@ pub struct DiskStore {
     committed: Committed,
     options: StoreOptions,
     encoder: Option<Encoder>,
-    /// Reads drop the pages they read from the page cache (see `set_drop_behind`).
-    drop_behind: bool,
+    /// Reads drop the pages they read from the page cache (see `set_drop_behind`), and fill
+    /// missing bytes (see `set_fill`).
+    how: ReadPath,
 }
 
 impl DiskStore {
@@ -128,7 +201,7 @@ impl DiskStore {
             dirty: BTreeSet::new(),
             options,
             encoder: None,
-            drop_behind: false,
+            how: ReadPath::default(),
         };
         store.remove_strays()?;
         store.write_index()?;
@@ -202,7 +275,7 @@ impl DiskStore {
             dirty: BTreeSet::new(),
             options,
             encoder: None,
-            drop_behind: false,
+            how: ReadPath::default(),
         };
         store.recount_live();
         if writable {
@@ -371,7 +444,7 @@ impl DiskStore {
     pub fn get(&self, block: u64, out: &mut [u8]) -> Result<Option<BlockKind>, StoreError> {
         self.check_len(block, out.len())?;
         let slot = self.slot(block)?;
-        reader::read_block(&self.dir, block, slot, out, self.drop_behind, &|id| {
+        reader::read_block(&self.dir, block, slot, out, &self.how, &|id| {
             self.segment_file(id)
         })
     }
@@ -380,7 +453,7 @@ impl DiskStore {
     /// on being written (see [`StoreReader`]).
     pub fn reader(&self) -> StoreReader {
         StoreReader {
-            drop_behind: self.drop_behind,
+            how: self.how.clone(),
             dir: self.dir.clone(),
             block_size: self.block_size,
             image_size: self.image_size,
@@ -493,6 +566,29 @@ impl DiskStore {
         Ok(self.generation)
     }
 
+    /// Reads fill what the segment files lack through `fill` (a mirror of a remote store:
+    /// see [`SegmentFill`]); for this store and the readers taken from it from now on.
+    pub fn set_fill(&mut self, fill: Arc<dyn SegmentFill>) {
+        self.how.fill = Some(fill);
+    }
+
+    /// The segments the image uses, by id, with their committed lengths.
+    pub fn segment_lengths(&self) -> BTreeMap<u32, u64> {
+        self.segments
+            .iter()
+            .map(|(&id, seg)| (id, seg.committed_len))
+            .collect()
+    }
+
+    /// Where block `block`'s payload lies: its segment, offset and length (`None` for a
+    /// block stored as a tag, absent, or out of range).
+    pub fn payload_location(&self, block: u64) -> Option<(u32, u64, u32)> {
+        match self.slot(block) {
+            Ok(Slot::Data(data)) => Some((data.segment, data.offset, data.len)),
+            _ => None,
+        }
+    }
+
     /// Whether reads (of this store and of the readers taken from it from now on) drop what
     /// they read from the page cache at once: for a reader that copies each block elsewhere
     /// and will not read it again soon (a pager installing blocks into guest RAM), where a
@@ -504,7 +600,7 @@ impl DiskStore {
     /// 4016 of 4096 pages stayed cached after two threads read a store this way, 60 of 64 MiB
     /// after a VM's load).
     pub fn set_drop_behind(&mut self, on: bool) {
-        self.drop_behind = on;
+        self.how.drop_behind = on;
         for seg in self.segments.values() {
             advise_readahead(&seg.file, on);
         }
@@ -630,7 +726,7 @@ impl DiskStore {
         data: &DataRef,
         buf: &mut Vec<u8>,
     ) -> Result<(), StoreError> {
-        reader::read_payload(&self.dir, block, data, buf, self.drop_behind, &|id| {
+        reader::read_payload(&self.dir, block, data, buf, &self.how, &|id| {
             self.segment_file(id)
         })
     }
@@ -651,7 +747,7 @@ impl DiskStore {
                 });
             }
             let seg = Segment::create(&self.dir, id).map_err(StoreError::File)?;
-            if self.drop_behind {
+            if self.how.drop_behind {
                 advise_readahead(&seg.file, true);
             }
             self.next_segment = id + 1;

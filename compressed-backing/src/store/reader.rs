@@ -24,9 +24,59 @@ thread_local! {
 /// Finds the open file of a segment.
 pub(super) type FileOf<'a> = dyn Fn(u32) -> Option<&'a File> + 'a;
 
+/// Where a store's segment bytes come from when its files do not hold them: a store whose
+/// directory mirrors a remote one (`crate::remote`) has sparse segment files that are filled
+/// on demand. Bytes that fail their checksum are fetched and checked once more; bytes that
+/// fail again are corrupt where they came from, and the read is an error as for a local store.
+pub trait SegmentFill: Send + Sync + std::fmt::Debug {
+    /// Fetches the `buf.len()` bytes at `offset` of segment `segment` into `buf`, and keeps
+    /// them in the local file for the next read.
+    fn fill(
+        &self,
+        segment: u32,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>>;
+}
+
+/// How reads treat the segment files: see `DiskStore::set_drop_behind` and [`SegmentFill`].
+#[derive(Debug, Clone, Default)]
+pub(super) struct ReadPath {
+    pub drop_behind: bool,
+    pub fill: Option<Arc<dyn SegmentFill>>,
+}
+
 /// Reads and checks the payload of `block` into `buf`; with `drop_behind`, drops the whole
-/// pages it read from the page cache afterwards.
+/// pages it read from the page cache afterwards. With a filler, bytes that fail their check
+/// are filled and read once more.
 pub(super) fn read_payload(
+    dir: &Path,
+    block: u64,
+    data: &DataRef,
+    buf: &mut Vec<u8>,
+    how: &ReadPath,
+    file_of: &FileOf<'_>,
+) -> Result<(), StoreError> {
+    let Some(fill) = &how.fill else {
+        return read_checked(dir, block, data, buf, how.drop_behind, file_of);
+    };
+    match read_checked(dir, block, data, buf, how.drop_behind, file_of) {
+        Err(StoreError::Corrupt { .. } | StoreError::SegmentTruncated { .. }) => {
+            buf.resize(data.len as usize, 0);
+            fill.fill(data.segment, data.offset, buf)
+                .map_err(|source| StoreError::Fetch {
+                    block,
+                    path: dir.join(segment::file_name(data.segment)),
+                    offset: data.offset,
+                    source,
+                })?;
+            check(dir, block, data, buf)
+        }
+        other => other,
+    }
+}
+
+fn read_checked(
     dir: &Path,
     block: u64,
     data: &DataRef,
@@ -68,11 +118,16 @@ pub(super) fn read_payload(
             );
         }
     }
+    check(dir, block, data, buf)
+}
+
+/// Checks `buf`, the payload of `block` as read, against its checksum.
+fn check(dir: &Path, block: u64, data: &DataRef, buf: &[u8]) -> Result<(), StoreError> {
     let computed = xxh3_64(buf);
     if computed != data.checksum {
         return Err(StoreError::Corrupt {
             block,
-            path: path(),
+            path: dir.join(segment::file_name(data.segment)),
             offset: data.offset,
             len: data.len,
             stored: data.checksum,
@@ -88,7 +143,7 @@ pub(super) fn read_block(
     block: u64,
     slot: Slot,
     out: &mut [u8],
-    drop_behind: bool,
+    how: &ReadPath,
     file_of: &FileOf<'_>,
 ) -> Result<Option<BlockKind>, StoreError> {
     match slot {
@@ -96,7 +151,7 @@ pub(super) fn read_block(
         Slot::Fill(byte) => out.fill(byte),
         Slot::Data(data) => READ_SCRATCH.with(|scratch| {
             let (decoder, buf) = &mut *scratch.borrow_mut();
-            read_payload(dir, block, &data, buf, drop_behind, file_of)?;
+            read_payload(dir, block, &data, buf, how, file_of)?;
             decoder
                 .decode(data.kind, buf, out)
                 .map_err(|source| StoreError::Decode {
@@ -116,7 +171,7 @@ pub(super) fn read_block(
 /// not committed when the view was taken must not be read after a rollback.
 #[derive(Debug, Clone)]
 pub struct StoreReader {
-    pub(super) drop_behind: bool,
+    pub(super) how: ReadPath,
     pub(super) dir: PathBuf,
     pub(super) block_size: BlockSize,
     pub(super) image_size: u64,
@@ -155,7 +210,7 @@ impl StoreReader {
                 actual: out.len(),
             });
         }
-        read_block(&self.dir, block, slot, out, self.drop_behind, &|id| {
+        read_block(&self.dir, block, slot, out, &self.how, &|id| {
             self.files.get(&id).map(|f| f.as_ref())
         })
     }

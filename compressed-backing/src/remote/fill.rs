@@ -1,0 +1,320 @@
+//! The mirror's side of reads: the index fetched and adopted, payloads fetched on demand
+//! ([`RemoteFill`]) or ahead ([`prefetch`]).
+
+use std::collections::BTreeMap;
+use std::fs::{self, File};
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+
+use futures::StreamExt;
+use object_store::{ObjectStoreExt, UpdateVersion};
+
+use super::{run, Remote, RemoteError};
+use crate::file;
+use crate::store::{self, DiskStore, StoreError};
+
+/// Largest range one prefetch request asks for.
+const MAX_REQUEST: u64 = 4 << 20;
+/// Payloads at most this far apart are fetched by one request (the gap comes along).
+const MAX_GAP: u64 = 16 << 10;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// See [`Remote::fetch_index`].
+pub(super) fn fetch_index(
+    remote: &Remote,
+    dir: &Path,
+) -> Result<Option<(PathBuf, UpdateVersion)>, RemoteError> {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let path = dir.join(format!("index.fetch-{}-{n}", std::process::id()));
+    let client = remote.client.clone();
+    let key = remote.key("index");
+    let url = remote.url.clone();
+    let target = path.clone();
+    let on_error = remote.request_error("get", "index");
+    let fetched = run(async move {
+        let result = match client.get(&key).await {
+            Ok(result) => result,
+            Err(object_store::Error::NotFound { .. }) => return Ok(None),
+            Err(e) => return Err(on_error(e)),
+        };
+        let size = result.meta.size;
+        let version = UpdateVersion {
+            e_tag: result.meta.e_tag.clone(),
+            version: result.meta.version.clone(),
+        };
+        let _ = fs::remove_file(&target);
+        let mut out = file::create_private(&target).map_err(StoreError::File)?;
+        let mut head = Vec::with_capacity(store::INDEX_HEADER_LEN);
+        let mut limit = None;
+        let mut written = 0u64;
+        let mut stream = result.into_stream();
+        let check = |head: &[u8]| -> Result<u64, RemoteError> {
+            let limit =
+                store::index_size_limit(head).map_err(|source| StoreError::IndexCorrupt {
+                    path: target.clone(),
+                    source,
+                })?;
+            if size > limit {
+                return Err(RemoteError::IndexTooLarge {
+                    url: url.clone(),
+                    size,
+                    limit,
+                });
+            }
+            Ok(limit)
+        };
+        while let Some(piece) = stream.next().await {
+            let piece = piece.map_err(|e| RemoteError::Request {
+                op: "get",
+                bucket: url.bucket.clone(),
+                key: url.key("index"),
+                source: Box::new(e),
+            })?;
+            if limit.is_none() {
+                let take = (store::INDEX_HEADER_LEN - head.len()).min(piece.len());
+                head.extend_from_slice(&piece[..take]);
+                if head.len() == store::INDEX_HEADER_LEN {
+                    limit = Some(check(&head)?);
+                }
+            }
+            written += piece.len() as u64;
+            if limit.is_some_and(|limit| written > limit) || written > size {
+                return Err(RemoteError::IndexTooLarge {
+                    url: url.clone(),
+                    size: written,
+                    limit: limit.unwrap_or(size),
+                });
+            }
+            out.write_all(&piece)
+                .map_err(StoreError::io("write", &target))?;
+        }
+        if limit.is_none() {
+            check(&head)?;
+        }
+        out.sync_all().map_err(StoreError::io("sync", &target))?;
+        Ok(Some(version))
+    });
+    match fetched {
+        Ok(Some(version)) => Ok(Some((path, version))),
+        Ok(None) => Ok(None),
+        Err(e) => {
+            let _ = fs::remove_file(&path);
+            Err(e)
+        }
+    }
+}
+
+/// Makes the fetched index at `fetched` the mirror's: its segment files are made (0600,
+/// sparse) or resized to the lengths it names, then it replaces `index`, and segment files
+/// it does not name are removed.
+pub(super) fn adopt_index(dir: &Path, fetched: &Path) -> Result<(), RemoteError> {
+    let checked = store::index_segments(fetched);
+    let (_, segments) = match checked {
+        Ok(found) => found,
+        Err(e) => {
+            let _ = fs::remove_file(fetched);
+            return Err(e.into());
+        }
+    };
+    for (&id, &len) in &segments {
+        let path = dir.join(store::segment_file_name(id));
+        let f = file::open_or_create_private(&path).map_err(StoreError::File)?;
+        let now = f.metadata().map_err(StoreError::io("stat", &path))?.len();
+        if now != len {
+            f.set_len(len).map_err(StoreError::io("size", &path))?;
+        }
+    }
+    let index = dir.join("index");
+    fs::rename(fetched, &index).map_err(StoreError::io("rename", fetched))?;
+    if let Ok(entries) = fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let stale = name
+                .to_str()
+                .and_then(store::parse_segment_file_name)
+                .is_some_and(|id| !segments.contains_key(&id));
+            if stale {
+                let _ = fs::remove_file(entry.path());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Fills a mirror's segment files from the object store, one range request per payload.
+#[derive(Debug)]
+pub(super) struct RemoteFill {
+    remote: Remote,
+    /// The mirror's segment files, open for writing.
+    files: BTreeMap<u32, File>,
+}
+
+impl RemoteFill {
+    pub(super) fn new(remote: Remote, dir: &Path, store: &DiskStore) -> Result<Self, RemoteError> {
+        let mut files = BTreeMap::new();
+        for id in store.segment_lengths().into_keys() {
+            let path = dir.join(store::segment_file_name(id));
+            let f = file::open_regular(&path, fs::OpenOptions::new().write(true))
+                .map_err(StoreError::File)?;
+            files.insert(id, f);
+        }
+        Ok(Self { remote, files })
+    }
+}
+
+impl store::SegmentFill for RemoteFill {
+    fn fill(&self, segment: u32, offset: u64, buf: &mut [u8]) -> Result<(), BoxError> {
+        let file = self
+            .files
+            .get(&segment)
+            .ok_or_else(|| format!("segment {segment} is not in the mirror"))?;
+        let bytes = fetch_range(&self.remote, segment, offset, buf.len() as u64)?;
+        buf.copy_from_slice(&bytes);
+        // The bound first: it may punch older bytes, never these.
+        self.remote.cache.filled(bytes.len() as u64);
+        file.write_all_at(&bytes, offset)?;
+        Ok(())
+    }
+}
+
+/// One range request: exactly `len` bytes at `offset` of segment `segment`'s object.
+fn fetch_range(
+    remote: &Remote,
+    segment: u32,
+    offset: u64,
+    len: u64,
+) -> Result<bytes::Bytes, BoxError> {
+    let name = store::segment_file_name(segment);
+    let client = remote.client.clone();
+    let key = remote.key(&name);
+    let on_error = remote.request_error("get range of", &name);
+    let bytes =
+        run(async move { client.get_range(&key, offset..offset + len).await }).map_err(on_error)?;
+    if bytes.len() as u64 != len {
+        return Err(format!(
+            "{name}: asked for {len} bytes at offset {offset}, got {}",
+            bytes.len()
+        )
+        .into());
+    }
+    remote.counters.requests.fetch_add(1, Ordering::Relaxed);
+    remote
+        .counters
+        .bytes_fetched
+        .fetch_add(len, Ordering::Relaxed);
+    Ok(bytes)
+}
+
+/// Whether the mirror file holds data over all of `[offset, offset + len)` (no hole in it).
+fn present(file: &File, offset: u64, len: u64) -> bool {
+    let Ok(start) = libc::off_t::try_from(offset) else {
+        return false;
+    };
+    // SAFETY: lseek on an open descriptor of ours.
+    let hole = unsafe { libc::lseek(file.as_raw_fd(), start, libc::SEEK_HOLE) };
+    u64::try_from(hole).is_ok_and(|hole| hole >= offset + len)
+}
+
+/// See [`Remote::prefetch`].
+pub(super) fn prefetch(
+    remote: &Remote,
+    store: &DiskStore,
+    blocks: &[u64],
+) -> Result<u64, RemoteError> {
+    let dir = store.dir().to_path_buf();
+    let mut files = BTreeMap::new();
+    let mut wanted: BTreeMap<u32, Vec<(u64, u64)>> = BTreeMap::new();
+    for &block in blocks {
+        let Some((segment, offset, len)) = store.payload_location(block) else {
+            continue;
+        };
+        let file = match files.entry(segment) {
+            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::btree_map::Entry::Vacant(e) => {
+                let path = dir.join(store::segment_file_name(segment));
+                let f = file::open_regular(&path, fs::OpenOptions::new().write(true))
+                    .map_err(StoreError::File)?;
+                e.insert(f)
+            }
+        };
+        if !present(file, offset, u64::from(len)) {
+            wanted
+                .entry(segment)
+                .or_default()
+                .push((offset, offset + u64::from(len)));
+        }
+    }
+    // Coalesce: sorted by offset, neighbours within MAX_GAP joined up to MAX_REQUEST.
+    let mut requests = Vec::new();
+    for (segment, mut ranges) in wanted {
+        ranges.sort_unstable();
+        ranges.dedup();
+        let mut current: Option<(u64, u64)> = None;
+        for (start, end) in ranges {
+            current = match current {
+                Some((s, e)) if start <= e + MAX_GAP && end.max(e) - s <= MAX_REQUEST => {
+                    Some((s, end.max(e)))
+                }
+                Some(done) => {
+                    requests.push((segment, done));
+                    Some((start, end))
+                }
+                None => Some((start, end)),
+            };
+        }
+        if let Some(done) = current {
+            requests.push((segment, done));
+        }
+    }
+    let files = std::sync::Arc::new(files);
+    let client = remote.client.clone();
+    let url = remote.url.clone();
+    let parallel = remote.options.parallel.max(1);
+    let counters = std::sync::Arc::clone(&remote.counters);
+    let fetched = run(async move {
+        let mut results =
+            futures::stream::iter(requests.into_iter().map(|(segment, (start, end))| {
+                let client = client.clone();
+                let url = url.clone();
+                async move {
+                    let name = store::segment_file_name(segment);
+                    let key = object_store::path::Path::from(url.key(&name));
+                    let bytes = client.get_range(&key, start..end).await.map_err(|source| {
+                        RemoteError::Request {
+                            op: "get range of",
+                            bucket: url.bucket.clone(),
+                            key: url.key(&name),
+                            source: Box::new(source),
+                        }
+                    })?;
+                    Ok::<_, RemoteError>((segment, start, end, bytes))
+                }
+            }))
+            .buffer_unordered(parallel);
+        let mut total = 0u64;
+        while let Some(result) = results.next().await {
+            let (segment, start, end, bytes) = result?;
+            if bytes.len() as u64 != end - start {
+                // A short object: its blocks fail their checks when read, naming it.
+                continue;
+            }
+            if let Some(f) = files.get(&segment) {
+                f.write_all_at(&bytes, start)
+                    .map_err(StoreError::io("write", &dir))?;
+            }
+            counters.requests.fetch_add(1, Ordering::Relaxed);
+            counters
+                .bytes_fetched
+                .fetch_add(end - start, Ordering::Relaxed);
+            total += end - start;
+        }
+        Ok::<_, RemoteError>(total)
+    })?;
+    remote.cache.filled(fetched);
+    Ok(fetched)
+}

@@ -1,0 +1,354 @@
+//! Stores in an S3-compatible object store (`s3://BUCKET/PREFIX`), read lazily through a
+//! local cache.
+//!
+//! **Layout.** A remote store is a store directory, object by object: `PREFIX/index` is the
+//! index file (the same format, with the same checks) and `PREFIX/seg-NNNNNNNN.dat` are the
+//! segment files, the chunks. A chunk is written once and never changed: an upload names its
+//! chunks above every id the current index uses, puts them all, and only then puts the new
+//! index, conditionally on the index it read (`If-Match` on its ETag, or `If-None-Match: *`
+//! for a first upload). A reader therefore sees the old store or the new one, and an upload
+//! interrupted half-way leaves the old one whole; chunks no index names are deleted by the
+//! next upload that commits.
+//!
+//! **Reads** go through a mirror in the cache ([`cache`]): a store directory holding the
+//! remote index and sparse segment files of the chunks' sizes. The store is opened from the
+//! mirror as any store is; a payload whose bytes fail their checksum (a hole: not fetched yet)
+//! is fetched with one range request, written into the mirror and checked again, so a corrupt
+//! or truncated object is an error, never served. [`Remote::prefetch`] fetches a list of
+//! blocks (a recorded working set) ahead of the faults, coalescing neighbours into one range
+//! request and running several at once.
+//!
+//! **The client** is `object_store`'s S3 client: endpoint, region and credentials come from
+//! the standard AWS environment (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`,
+//! `AWS_ENDPOINT_URL`, …), the endpoint also from [`RemoteOptions::endpoint`]. Transient
+//! failures (connection refused or reset, 5xx, throttling) are retried with exponential
+//! backoff until [`RemoteOptions::retry_timeout`]; then the read fails with the cause.
+
+pub mod cache;
+mod fill;
+mod upload;
+mod url;
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use object_store::aws::AmazonS3Builder;
+use object_store::path::Path as ObjectPath;
+use object_store::{BackoffConfig, ObjectStore, RetryConfig};
+
+pub use cache::{Cache, CacheError, CacheUsage};
+pub use upload::UploadReport;
+pub use url::{RemoteUrl, StoreLocation, UrlError};
+
+use crate::store::{DiskStore, StoreError};
+
+/// How to reach an object store and where to cache what is read from it.
+#[derive(Debug, Clone)]
+pub struct RemoteOptions {
+    /// The S3 endpoint (`http://127.0.0.1:9000` for a local S3-compatible server); `None`
+    /// takes `AWS_ENDPOINT_URL` or AWS itself.
+    pub endpoint: Option<String>,
+    /// An access key id and secret that take the place of the environment's (for a program
+    /// that embeds the client; the commands take the environment).
+    pub credentials: Option<(String, String)>,
+    /// The cache directory (private to this user; see [`cache`]).
+    pub cache_dir: PathBuf,
+    /// At most this many bytes are kept in the cache.
+    pub cache_size: u64,
+    /// How long a request is retried before it fails.
+    pub retry_timeout: Duration,
+    /// Range requests in flight at once while prefetching; chunks uploaded at once.
+    pub parallel: usize,
+}
+
+/// The default cache size: 4 GiB.
+pub const DEFAULT_CACHE_SIZE: u64 = 4 << 30;
+
+impl RemoteOptions {
+    /// The defaults: the endpoint from the environment, the cache in `$XDG_CACHE_HOME/pvisor`
+    /// (else `$HOME/.cache/pvisor`, else `/var/cache/pvisor`), 4 GiB of it, 30 s of retries,
+    /// 8 requests at once.
+    pub fn new() -> Self {
+        Self {
+            endpoint: None,
+            credentials: None,
+            cache_dir: default_cache_dir(),
+            cache_size: DEFAULT_CACHE_SIZE,
+            retry_timeout: Duration::from_secs(30),
+            parallel: 8,
+        }
+    }
+}
+
+impl Default for RemoteOptions {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The default cache directory (see [`RemoteOptions::new`]).
+pub fn default_cache_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
+        return PathBuf::from(dir).join("pvisor");
+    }
+    if let Some(home) = std::env::var_os("HOME").filter(|d| !d.is_empty()) {
+        return PathBuf::from(home).join(".cache/pvisor");
+    }
+    PathBuf::from("/var/cache/pvisor")
+}
+
+/// What fails with a remote store.
+#[derive(Debug, thiserror::Error)]
+pub enum RemoteError {
+    /// The client could not be set up (a bad endpoint, say).
+    #[error("cannot set up the S3 client for {url}")]
+    Client {
+        /// The store.
+        url: RemoteUrl,
+        /// Why.
+        #[source]
+        source: Box<object_store::Error>,
+    },
+    /// A request failed (after its retries).
+    #[error("{op} s3://{bucket}/{key} failed")]
+    Request {
+        /// What was asked.
+        op: &'static str,
+        /// The bucket.
+        bucket: String,
+        /// The object.
+        key: String,
+        /// Why (boxed: the client's errors are large).
+        #[source]
+        source: Box<object_store::Error>,
+    },
+    /// There is no store at the location.
+    #[error("no store at {url}: its index object does not exist")]
+    NotFound {
+        /// The store.
+        url: RemoteUrl,
+    },
+    /// Another writer committed to the store while this one uploaded.
+    #[error("{url} was changed by another writer during this upload; nothing of this upload was committed")]
+    Conflict {
+        /// The store.
+        url: RemoteUrl,
+    },
+    /// The index object is larger than its header allows.
+    #[error("the index of {url} is {size} bytes, more than the {limit} its header allows")]
+    IndexTooLarge {
+        /// The store.
+        url: RemoteUrl,
+        /// Its size.
+        size: u64,
+        /// The limit.
+        limit: u64,
+    },
+    /// The cache failed.
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    /// The store (its index, or the local store uploaded) failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Counts of what a remote store's reads cost.
+#[derive(Debug, Default)]
+pub struct RemoteCounters {
+    /// Range requests made for payloads.
+    pub requests: AtomicU64,
+    /// Payload bytes fetched.
+    pub bytes_fetched: AtomicU64,
+}
+
+/// A snapshot of [`RemoteCounters`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct RemoteStats {
+    /// Range requests made for payloads.
+    pub requests: u64,
+    /// Payload bytes fetched.
+    pub bytes_fetched: u64,
+}
+
+/// A connection to one remote store, with the cache its reads go through.
+#[derive(Debug, Clone)]
+pub struct Remote {
+    url: RemoteUrl,
+    client: Arc<dyn ObjectStore>,
+    cache: Arc<Cache>,
+    options: RemoteOptions,
+    counters: Arc<RemoteCounters>,
+}
+
+impl Remote {
+    /// Sets up the client for `url` and opens the cache. Nothing is requested yet.
+    pub fn connect(url: &RemoteUrl, options: &RemoteOptions) -> Result<Self, RemoteError> {
+        let mut builder = AmazonS3Builder::from_env()
+            .with_bucket_name(&url.bucket)
+            .with_retry(RetryConfig {
+                backoff: BackoffConfig {
+                    init_backoff: Duration::from_millis(50),
+                    max_backoff: Duration::from_secs(2),
+                    base: 2.0,
+                },
+                max_retries: 100,
+                retry_timeout: options.retry_timeout,
+            });
+        if std::env::var_os("AWS_REGION").is_none()
+            && std::env::var_os("AWS_DEFAULT_REGION").is_none()
+        {
+            builder = builder.with_region("us-east-1");
+        }
+        if let Some((id, secret)) = &options.credentials {
+            builder = builder
+                .with_access_key_id(id)
+                .with_secret_access_key(secret);
+        }
+        if let Some(endpoint) = &options.endpoint {
+            builder = builder
+                .with_endpoint(endpoint)
+                .with_allow_http(endpoint.starts_with("http://"))
+                .with_virtual_hosted_style_request(false);
+        }
+        let client = builder.build().map_err(|source| RemoteError::Client {
+            url: url.clone(),
+            source: Box::new(source),
+        })?;
+        let cache = Cache::open(&options.cache_dir, options.cache_size)?;
+        Ok(Self {
+            url: url.clone(),
+            client: Arc::new(client),
+            cache: Arc::new(cache),
+            options: options.clone(),
+            counters: Arc::default(),
+        })
+    }
+
+    /// The store's location.
+    pub fn url(&self) -> &RemoteUrl {
+        &self.url
+    }
+
+    /// The cache reads go through.
+    pub fn cache(&self) -> &Cache {
+        &self.cache
+    }
+
+    /// What reads cost so far (every store opened from this connection).
+    pub fn stats(&self) -> RemoteStats {
+        RemoteStats {
+            requests: self.counters.requests.load(Ordering::Relaxed),
+            bytes_fetched: self.counters.bytes_fetched.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The mirror directory of this store in the cache.
+    pub fn mirror_dir(&self) -> Result<PathBuf, RemoteError> {
+        Ok(self
+            .cache
+            .mirror_dir(&mirror_name(&self.url, &self.options))?)
+    }
+
+    fn key(&self, name: &str) -> ObjectPath {
+        ObjectPath::from(self.url.key(name))
+    }
+
+    fn request_error(
+        &self,
+        op: &'static str,
+        name: &str,
+    ) -> impl FnOnce(object_store::Error) -> RemoteError {
+        let bucket = self.url.bucket.clone();
+        let key = self.url.key(name);
+        move |source| RemoteError::Request {
+            op,
+            bucket,
+            key,
+            source: Box::new(source),
+        }
+    }
+
+    /// Opens the store read-only: fetches its index into the mirror, sizes the mirror's
+    /// segment files and returns the store, whose reads fetch what the mirror lacks.
+    pub fn open(&self) -> Result<DiskStore, RemoteError> {
+        let dir = self.mirror_dir()?;
+        let fetched = self.fetch_index(&dir)?;
+        let Some((index_tmp, _version)) = fetched else {
+            return Err(RemoteError::NotFound {
+                url: self.url.clone(),
+            });
+        };
+        fill::adopt_index(&dir, &index_tmp)?;
+        let mut store = DiskStore::open_read_only(&dir)?;
+        let filler = fill::RemoteFill::new(self.clone(), &dir, &store)?;
+        store.set_fill(Arc::new(filler));
+        Ok(store)
+    }
+
+    /// Fetches the blocks `blocks` (in their order: a recorded working set) of `store` (opened
+    /// by [`open`](Self::open)) into the cache: neighbours coalesced into one range request
+    /// of up to 4 MiB, [`RemoteOptions::parallel`] requests at once; bytes the mirror holds
+    /// already are not fetched again. Returns the payload bytes fetched.
+    pub fn prefetch(&self, store: &DiskStore, blocks: &[u64]) -> Result<u64, RemoteError> {
+        fill::prefetch(self, store, blocks)
+    }
+
+    /// Uploads the committed image of the local store in `dir` as this store's new image;
+    /// see the module documentation. `progress` gets the bytes uploaded as they go.
+    pub fn upload(
+        &self,
+        dir: &Path,
+        progress: &(dyn Fn(u64) + Sync),
+    ) -> Result<UploadReport, RemoteError> {
+        upload::upload(self, dir, progress)
+    }
+
+    /// Fetches the index object into a new file of `dir`; `None` if there is none. The size
+    /// is checked against what its header allows before more is read.
+    fn fetch_index(
+        &self,
+        dir: &Path,
+    ) -> Result<Option<(PathBuf, object_store::UpdateVersion)>, RemoteError> {
+        fill::fetch_index(self, dir)
+    }
+}
+
+/// The mirror's directory name: readable, and distinct per endpoint, bucket and prefix.
+fn mirror_name(url: &RemoteUrl, options: &RemoteOptions) -> String {
+    let endpoint = options
+        .endpoint
+        .clone()
+        .or_else(|| std::env::var("AWS_ENDPOINT_URL").ok())
+        .unwrap_or_default();
+    let identity = format!("{endpoint}\0{}\0{}", url.bucket, url.prefix);
+    let hash = xxhash_rust::xxh3::xxh3_128(identity.as_bytes());
+    format!("{}-{hash:032x}", url.bucket)
+}
+
+/// Runs `future` on the shared runtime and waits for it, from any thread (a fault thread, a
+/// command's main thread; never a runtime thread).
+fn run<F>(future: F) -> F::Output
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    let runtime = RUNTIME.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("object-store")
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("cannot start the object store's runtime: {e}"))
+    });
+    match futures::executor::block_on(runtime.spawn(future)) {
+        Ok(output) => output,
+        Err(e) => match e.try_into_panic() {
+            Ok(payload) => std::panic::resume_unwind(payload),
+            Err(e) => panic!("object store task cancelled: {e}"),
+        },
+    }
+}

@@ -1,0 +1,291 @@
+//! Remote stores against a real S3-compatible server on loopback (`testkit::s3`): upload,
+//! lazy reads through the cache, prefetch, and every fault the issue names.
+
+use std::path::Path;
+use std::time::Duration;
+
+use basics::error_chain;
+use compressed_backing::remote::{Remote, RemoteError, RemoteOptions, RemoteUrl};
+use compressed_backing::{BlockSize, CodecConfig, DiskStore, StoreConfig, StoreError};
+use testkit::s3::{S3Server, ACCESS_KEY, SECRET_KEY};
+
+const BLOCK: usize = 64 << 10;
+const BLOCKS: u64 = 96;
+
+fn options(server: &S3Server, cache: &Path) -> RemoteOptions {
+    RemoteOptions {
+        endpoint: Some(server.endpoint()),
+        credentials: Some((ACCESS_KEY.into(), SECRET_KEY.into())),
+        cache_dir: cache.to_path_buf(),
+        cache_size: 1 << 30,
+        retry_timeout: Duration::from_secs(2),
+        parallel: 4,
+    }
+}
+
+/// Block `i` of image `seed`: a mix of zero, compressible and random blocks.
+fn block(seed: u64, i: u64) -> Vec<u8> {
+    match i % 4 {
+        0 => vec![0; BLOCK],
+        1 => testkit::random_bytes(seed * 1000 + i, BLOCK),
+        _ => {
+            let mut b = testkit::random_bytes(seed * 1000 + i, 512).repeat(BLOCK / 512);
+            b[0] = i as u8;
+            b
+        }
+    }
+}
+
+/// A local store of image `seed` in `dir`.
+fn local_store(dir: &Path, seed: u64) {
+    let mut store = DiskStore::create(
+        dir,
+        StoreConfig {
+            block_size: BlockSize::new(BLOCK as u64).expect("block size"),
+            codec: CodecConfig::default(),
+            image_size: BLOCKS * BLOCK as u64,
+        },
+    )
+    .expect("create");
+    for i in 0..BLOCKS {
+        store.put(i, &block(seed, i)).expect("put");
+    }
+    store.commit().expect("commit");
+}
+
+fn read_all(store: &DiskStore, seed: u64) {
+    let mut out = vec![0u8; BLOCK];
+    for i in 0..BLOCKS {
+        store.get(i, &mut out).expect("get");
+        assert!(out == block(seed, i), "block {i} differs");
+    }
+}
+
+fn uploaded(server: &S3Server, prefix: &str, seed: u64) -> (tempfile::TempDir, RemoteUrl) {
+    server.create_bucket("vms");
+    let dir = tempfile::tempdir().expect("tempdir");
+    local_store(&dir.path().join("local"), seed);
+    let url = RemoteUrl::parse(&format!("s3://vms/{prefix}")).expect("url");
+    let remote =
+        Remote::connect(&url, &options(server, &dir.path().join("cache-up"))).expect("connect");
+    let report = remote
+        .upload(&dir.path().join("local"), &|_| {})
+        .expect("upload");
+    assert!(report.chunks >= 1 && report.bytes > 0, "{report:?}");
+    (dir, url)
+}
+
+#[test]
+fn a_store_read_on_another_host_fetches_only_what_it_reads() {
+    let server = S3Server::start();
+    let (dir, url) = uploaded(&server, "a/b", 1);
+    let keys = server.keys("vms", "a/b/");
+    assert!(keys.contains(&"a/b/index".to_owned()), "{keys:?}");
+    // "Another host": a cache of its own, nothing local.
+    let remote =
+        Remote::connect(&url, &options(&server, &dir.path().join("cache"))).expect("connect");
+    let store = remote.open().expect("open");
+    assert_eq!(
+        remote.stats().bytes_fetched,
+        0,
+        "opening fetches only the index"
+    );
+    let mut out = vec![0u8; BLOCK];
+    store.get(1, &mut out).expect("get");
+    assert!(out == block(1, 1));
+    let one = remote.stats();
+    assert_eq!(one.requests, 1);
+    assert_eq!(one.bytes_fetched, store.stored_len(1) as u64);
+    read_all(&store, 1);
+    let all = remote.stats();
+    let stored: u64 = (0..BLOCKS).map(|b| store.stored_len(b) as u64).sum();
+    assert_eq!(all.bytes_fetched, stored, "each payload fetched once");
+    // A second open on the same host is served by the cache.
+    let again =
+        Remote::connect(&url, &options(&server, &dir.path().join("cache"))).expect("connect");
+    let requests = server.requests();
+    let store = again.open().expect("open");
+    read_all(&store, 1);
+    assert_eq!(again.stats().bytes_fetched, 0);
+    assert_eq!(
+        server.requests() - requests,
+        1,
+        "only the index was asked for"
+    );
+    assert_eq!(store.verify().problems.len(), 0);
+}
+
+#[test]
+fn prefetch_coalesces_and_faults_then_need_nothing() {
+    let server = S3Server::start();
+    let (dir, url) = uploaded(&server, "p", 2);
+    let remote =
+        Remote::connect(&url, &options(&server, &dir.path().join("cache"))).expect("connect");
+    let store = remote.open().expect("open");
+    let working_set: Vec<u64> = (10..60).rev().collect();
+    let fetched = remote.prefetch(&store, &working_set).expect("prefetch");
+    let stored: u64 = working_set
+        .iter()
+        .map(|&b| store.stored_len(b) as u64)
+        .sum();
+    assert!(
+        fetched >= stored && fetched <= stored + stored / 4,
+        "{fetched} for {stored}"
+    );
+    let stats = remote.stats();
+    assert!(stats.requests <= 3, "{stats:?}: neighbours are coalesced");
+    let mut out = vec![0u8; BLOCK];
+    for &b in &working_set {
+        store.get(b, &mut out).expect("get");
+        assert!(out == block(2, b));
+    }
+    assert_eq!(remote.stats(), stats, "the working set was all there");
+    assert_eq!(remote.prefetch(&store, &working_set).expect("again"), 0);
+}
+
+#[test]
+fn corrupt_truncated_or_deleted_chunks_are_errors_never_data() {
+    let server = S3Server::start();
+    let (dir, url) = uploaded(&server, "c", 3);
+    let chunk = server
+        .keys("vms", "c/seg-")
+        .into_iter()
+        .next()
+        .expect("a chunk");
+    let path = server.object_path("vms", &chunk);
+    let mut bytes = std::fs::read(&path).expect("read chunk");
+    let remote =
+        Remote::connect(&url, &options(&server, &dir.path().join("cache"))).expect("connect");
+    let store = remote.open().expect("open");
+    let (_, offset, _) = store.payload_location(1).expect("block 1 is stored");
+    bytes[offset as usize + 7] ^= 0x40;
+    std::fs::write(&path, &bytes).expect("corrupt");
+    let mut out = vec![0u8; BLOCK];
+    let err = store.get(1, &mut out).expect_err("corrupt block served");
+    assert!(matches!(err, StoreError::Corrupt { block: 1, .. }), "{err}");
+    store.get(2, &mut out).expect("other blocks read");
+    assert!(out == block(3, 2));
+    // Truncated: the blocks past the end cannot be fetched.
+    std::fs::write(&path, &bytes[..offset as usize]).expect("truncate");
+    let (_, last_offset, _) = store.payload_location(BLOCKS - 1).expect("stored");
+    assert!(last_offset >= offset);
+    let err = store
+        .get(BLOCKS - 1, &mut out)
+        .expect_err("truncated served");
+    assert!(matches!(err, StoreError::Fetch { .. }), "{err}");
+    // Deleted.
+    std::fs::remove_file(&path).expect("delete");
+    let err = store.get(BLOCKS - 2, &mut out).expect_err("deleted served");
+    let text = error_chain(&err);
+    assert!(
+        text.contains("not found") || text.contains("NotFound") || text.contains("404"),
+        "{text}"
+    );
+}
+
+#[test]
+fn an_upload_that_fails_half_way_leaves_the_previous_image() {
+    let server = S3Server::start();
+    let (dir, url) = uploaded(&server, "u", 4);
+    let before = server.keys("vms", "u/");
+    // A second image whose segment is cut short: the upload fails after its index is read.
+    let second = dir.path().join("second");
+    local_store(&second, 5);
+    let seg = std::fs::read_dir(&second)
+        .expect("list")
+        .flatten()
+        .find(|e| e.file_name().to_string_lossy().starts_with("seg-"))
+        .expect("a segment")
+        .path();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&seg)
+        .expect("open");
+    f.set_len(1000).expect("truncate");
+    let remote =
+        Remote::connect(&url, &options(&server, &dir.path().join("cache"))).expect("connect");
+    let err = remote
+        .upload(&second, &|_| {})
+        .expect_err("a short segment uploaded");
+    assert!(matches!(err, RemoteError::Store(_)), "{err}");
+    let store = remote.open().expect("the old image opens");
+    read_all(&store, 4);
+    assert_eq!(server.keys("vms", "u/index"), vec!["u/index".to_owned()]);
+    // A whole second image replaces it; the old chunks go.
+    local_store(&dir.path().join("third"), 6);
+    let report = remote
+        .upload(&dir.path().join("third"), &|_| {})
+        .expect("upload");
+    assert!(report.deleted >= 1, "{report:?}");
+    let fresh =
+        Remote::connect(&url, &options(&server, &dir.path().join("cache2"))).expect("connect");
+    read_all(&fresh.open().expect("open"), 6);
+    let after = server.keys("vms", "u/");
+    assert!(
+        after.iter().all(|k| !before.contains(k) || k == "u/index"),
+        "{before:?} {after:?}"
+    );
+}
+
+#[test]
+fn bad_credentials_missing_buckets_and_stores_are_clear_errors() {
+    let server = S3Server::start();
+    let (dir, url) = uploaded(&server, "e", 7);
+    let mut wrong = options(&server, &dir.path().join("cache"));
+    wrong.credentials = Some((ACCESS_KEY.into(), "not-the-secret".into()));
+    let err = Remote::connect(&url, &wrong)
+        .expect("connect")
+        .open()
+        .expect_err("wrong secret accepted");
+    let text = error_chain(&err);
+    assert!(text.contains("s3://vms/e/index"), "{text}");
+    let missing = RemoteUrl::parse("s3://no-such-bucket/x").expect("url");
+    let err = Remote::connect(&missing, &options(&server, &dir.path().join("cache")))
+        .expect("connect")
+        .open()
+        .expect_err("a missing bucket opened");
+    assert!(!matches!(err, RemoteError::Store(_)), "{err}");
+    let empty = RemoteUrl::parse("s3://vms/nothing-here").expect("url");
+    let err = Remote::connect(&empty, &options(&server, &dir.path().join("cache")))
+        .expect("connect")
+        .open()
+        .expect_err("no store opened");
+    assert!(matches!(err, RemoteError::NotFound { .. }), "{err}");
+}
+
+#[test]
+fn a_server_outage_fails_reads_after_the_retries_and_they_work_again_after() {
+    let mut server = S3Server::start();
+    let (dir, url) = uploaded(&server, "o", 8);
+    let remote =
+        Remote::connect(&url, &options(&server, &dir.path().join("cache"))).expect("connect");
+    let store = remote.open().expect("open");
+    server.stop();
+    let mut out = vec![0u8; BLOCK];
+    let started = std::time::Instant::now();
+    let err = store
+        .get(1, &mut out)
+        .expect_err("read with the server down");
+    assert!(matches!(err, StoreError::Fetch { .. }), "{err}");
+    assert!(
+        started.elapsed() >= Duration::from_secs(1),
+        "retried for a while"
+    );
+    server.restart();
+    store.get(1, &mut out).expect("read after the outage");
+    assert!(out == block(8, 1));
+}
+
+#[test]
+fn the_cache_stays_within_its_bound_and_reads_stay_right() {
+    let server = S3Server::start();
+    let (dir, url) = uploaded(&server, "b", 9);
+    let mut small = options(&server, &dir.path().join("cache"));
+    small.cache_size = 1 << 20;
+    let remote = Remote::connect(&url, &small).expect("connect");
+    let store = remote.open().expect("open");
+    read_all(&store, 9);
+    let usage = remote.cache().enforce().expect("enforce");
+    assert!(usage.bytes <= 1 << 20, "{usage:?}");
+    read_all(&store, 9);
+}
