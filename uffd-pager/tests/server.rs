@@ -1354,3 +1354,103 @@ fn server_idle_handshakes_over_the_cap_push_the_oldest_out_and_a_vm_still_gets_t
         s.stats().active.load(Ordering::Relaxed) == 0
     });
 }
+
+/// `uffd-pager pack --store s3://…` uploads an image, `info` and `verify` read it back, and
+/// `serve --store s3://…` restores a Firecracker VM from it on "another host": a cache of its
+/// own, the packing host's cache deleted, a fresh process. A chunk corrupted in the bucket
+/// then fails `verify`.
+#[test]
+fn the_binary_packs_into_an_object_store_and_a_firecracker_vm_restores_from_it() {
+    if skip() {
+        return;
+    }
+    let server = testkit::s3::S3Server::start();
+    server.create_bucket("snapshots");
+    let dir = tempfile::tempdir().unwrap();
+    let data = image(6 * MIB, 9);
+    let raw = dir.path().join("mem");
+    std::fs::write(&raw, &data).unwrap();
+    let endpoint = server.endpoint();
+    let url = "s3://snapshots/fc/vm-1";
+    let cli = |cache: &str, args: &[&str]| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_uffd-pager"));
+        cmd.args(args)
+            .args(["--s3-endpoint", &endpoint, "--s3-retry-timeout", "3"])
+            .arg("--cache")
+            .arg(dir.path().join(cache))
+            .envs(server.env());
+        cmd
+    };
+    let succeed = |cache: &str, args: &[&str]| -> String {
+        let out = cli(cache, args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {stderr}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let raw_arg = raw.to_str().unwrap();
+    let said = succeed(
+        "cache-a",
+        &[
+            "pack",
+            "--mem-file",
+            raw_arg,
+            "--store",
+            url,
+            "--codec",
+            "lz4",
+        ],
+    );
+    assert!(said.contains("uploaded"), "{said}");
+    std::fs::remove_dir_all(dir.path().join("cache-a")).unwrap();
+    let info = succeed("cache-b", &["info", "--store", url, "--json"]);
+    let info: serde_json::Value = serde_json::from_str(&info).unwrap();
+    assert_eq!(info["image_size"], 6 * MIB as u64);
+    assert_eq!(info["store"], url);
+
+    let socket = dir.path().join("fc.sock");
+    let mut child = cli(
+        "cache-b",
+        &[
+            "serve",
+            "--socket",
+            socket.to_str().unwrap(),
+            "--store",
+            url,
+        ],
+    )
+    .stderr(std::process::Stdio::null())
+    .spawn()
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !socket.exists() {
+        assert!(Instant::now() < deadline, "the server did not listen");
+        assert!(child.try_wait().unwrap().is_none(), "the server exited");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let vm = Vm::new(&[2 * MIB, 4 * MIB]);
+    let stream = vm.connect(&socket, &vm.json(true));
+    assert!(vm.bytes(0) == &data[..2 * MIB]);
+    assert!(vm.bytes(1) == &data[2 * MIB..]);
+    drop(stream);
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id().cast_signed(), libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    assert!(
+        status.success() || status.signal() == Some(libc::SIGTERM),
+        "{status:?}"
+    );
+
+    succeed("cache-c", &["verify", "--store", url]);
+    let chunk = server.keys("snapshots", "fc/vm-1/seg-").pop().unwrap();
+    let path = server.object_path("snapshots", &chunk);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 1;
+    std::fs::write(&path, &bytes).unwrap();
+    let out = cli("cache-d", &["verify", "--store", url])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(said.contains("bad block"), "{said}");
+}

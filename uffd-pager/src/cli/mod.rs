@@ -11,6 +11,7 @@ use std::process::ExitCode;
 
 use basics::parse_size;
 use clap::{Parser, Subcommand};
+use compressed_backing::remote::{RemoteOptions, StoreLocation};
 use compressed_backing::{BlockSize, Codec};
 
 /// What a command returns: its exit code, or an error printed with all its causes.
@@ -34,9 +35,12 @@ enum Command {
         /// The raw memory file to read.
         #[arg(long, value_name = "RAW")]
         mem_file: PathBuf,
-        /// The store directory.
-        #[arg(long, value_name = "DIR")]
-        store: PathBuf,
+        /// The store: a directory, or s3://BUCKET/PREFIX (packed in the cache, then uploaded:
+        /// the chunks first, the index last, so the previous image stays whole until then).
+        #[arg(long, value_name = "DIR|s3://BUCKET/PREFIX")]
+        store: StoreLocation,
+        #[command(flatten)]
+        remote: RemoteArgs,
         /// Codec: none, lz4 (fast, default) or zstd[:LEVEL] (smaller).
         #[arg(long)]
         codec: Option<Codec>,
@@ -64,18 +68,22 @@ enum Command {
     },
     /// Read and check every block: checksums and decompression. Exits 1 if any block is bad.
     Verify {
-        /// The store directory.
-        #[arg(long, value_name = "DIR")]
-        store: PathBuf,
+        /// The store: a directory, or s3://BUCKET/PREFIX (every block is fetched).
+        #[arg(long, value_name = "DIR|s3://BUCKET/PREFIX")]
+        store: StoreLocation,
+        #[command(flatten)]
+        remote: RemoteArgs,
         /// Print the report as one JSON object.
         #[arg(long)]
         json: bool,
     },
     /// Show a store's blocks, sizes and compression ratio.
     Info {
-        /// The store directory.
-        #[arg(long, value_name = "DIR")]
-        store: PathBuf,
+        /// The store: a directory, or s3://BUCKET/PREFIX (only its index is fetched).
+        #[arg(long, value_name = "DIR|s3://BUCKET/PREFIX")]
+        store: StoreLocation,
+        #[command(flatten)]
+        remote: RemoteArgs,
         /// Print one JSON object (keys include raw_bytes, stored_bytes, disk_bytes, ratio).
         #[arg(long)]
         json: bool,
@@ -112,9 +120,12 @@ enum Command {
         /// Run the memory pool for pvisor VMs instead of serving a memory image.
         #[arg(long, conflicts_with = "store")]
         memory_pool: bool,
-        /// Serve from this store (made with `pack`).
-        #[arg(long, value_name = "DIR")]
-        store: Option<PathBuf>,
+        /// Serve from this store (made with `pack`): a directory, or s3://BUCKET/PREFIX, whose
+        /// blocks are fetched as the guest faults them, through the cache.
+        #[arg(long, value_name = "DIR|s3://BUCKET/PREFIX")]
+        store: Option<StoreLocation>,
+        #[command(flatten)]
+        remote: RemoteArgs,
         /// Fault-serving threads per VM.
         #[arg(long, default_value_t = 1, value_name = "N")]
         threads: usize,
@@ -162,24 +173,73 @@ enum Command {
     },
 }
 
+/// Where an s3:// store is reached and cached. Credentials and region come from the standard
+/// AWS environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION).
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct RemoteArgs {
+    /// The S3 endpoint, for S3-compatible servers (default: AWS_ENDPOINT_URL, else AWS).
+    #[arg(long, value_name = "URL")]
+    s3_endpoint: Option<String>,
+    /// The local read cache of s3:// stores, shared by this user's VMs; it must be private
+    /// to this user [default: $XDG_CACHE_HOME/pvisor, else ~/.cache/pvisor].
+    #[arg(long, value_name = "DIR")]
+    cache: Option<PathBuf>,
+    /// At most this much is kept in the cache (KiB/MiB/GiB suffixes).
+    #[arg(long, value_name = "SIZE", default_value = "4GiB", value_parser = parse_size)]
+    cache_size: u64,
+    /// How long a failing request to the object store is retried before it fails.
+    #[arg(long, value_name = "SECS", default_value_t = 30.0)]
+    s3_retry_timeout: f64,
+}
+
+impl RemoteArgs {
+    /// The options these arguments give.
+    pub(crate) fn options(&self) -> Result<RemoteOptions, Box<dyn Error>> {
+        if !(self.s3_retry_timeout.is_finite() && self.s3_retry_timeout >= 0.0) {
+            return Err(format!(
+                "--s3-retry-timeout {} is not a number of seconds",
+                self.s3_retry_timeout
+            )
+            .into());
+        }
+        let mut options = RemoteOptions::new();
+        options.endpoint = self.s3_endpoint.clone();
+        if let Some(dir) = &self.cache {
+            options.cache_dir = dir.clone();
+        }
+        options.cache_size = self.cache_size;
+        options.retry_timeout = std::time::Duration::from_secs_f64(self.s3_retry_timeout);
+        Ok(options)
+    }
+}
+
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> CliResult {
     match cli.command {
         Command::Pack {
             mem_file,
             store,
+            remote,
             codec,
             block_size,
             threads,
             json,
-        } => store::pack(&mem_file, &store, codec, block_size, threads, json),
+        } => store::pack(&mem_file, &store, &remote, codec, block_size, threads, json),
         Command::Unpack {
             store,
             out,
             threads,
         } => store::unpack(&store, &out, threads),
-        Command::Verify { store, json } => store::verify(&store, json),
-        Command::Info { store, json } => store::info(&store, json),
+        Command::Verify {
+            store,
+            remote,
+            json,
+        } => store::verify(&store, &remote, json),
+        Command::Info {
+            store,
+            remote,
+            json,
+        } => store::info(&store, &remote, json),
         Command::Serve {
             socket,
             memory_pool: true,
@@ -197,6 +257,7 @@ pub fn run(cli: Cli) -> CliResult {
             socket,
             mem_file,
             store,
+            remote,
             threads,
             allow_uid,
             allow_gid,
@@ -205,7 +266,8 @@ pub fn run(cli: Cli) -> CliResult {
         } => serve::serve(
             &socket,
             mem_file.as_deref(),
-            store.as_deref(),
+            store.as_ref(),
+            &remote,
             threads,
             uffd_pager::socket::PeerPolicy {
                 uids: allow_uid,

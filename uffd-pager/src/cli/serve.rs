@@ -5,13 +5,14 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use compressed_backing::{BlockSize, DiskStore};
+use compressed_backing::remote::StoreLocation;
+use compressed_backing::BlockSize;
 use nix::sys::signal::{SigSet, Signal};
 use uffd_pager::server::{Server, ServerConfig};
 use uffd_pager::socket::PeerPolicy;
 use uffd_pager::source::{PageSource, RawFileSource, StoreSource};
 
-use super::CliResult;
+use super::{CliResult, RemoteArgs};
 
 /// `serve --memory-pool`: the pool daemon until SIGINT or SIGTERM. VMs that mapped pool pages
 /// keep them after it stops (their mappings hold the memfd); they only stop merging.
@@ -35,7 +36,8 @@ pub(super) fn init_logging() {
 pub fn serve(
     socket: &Path,
     mem_file: Option<&Path>,
-    store: Option<&Path>,
+    store: Option<&StoreLocation>,
+    remote: &RemoteArgs,
     threads: usize,
     peers: PeerPolicy,
     keeper: Option<&Path>,
@@ -47,15 +49,17 @@ pub fn serve(
     signals.add(Signal::SIGTERM);
     signals.thread_block()?;
 
+    let mut store_dir = None;
     let (source, block_size): (Arc<dyn PageSource>, BlockSize) = match (mem_file, store) {
         (Some(path), _) => (
             // Its error names the file and keeps the cause (a FIFO, a link, ENOENT).
             Arc::new(RawFileSource::open(path)?),
             BlockSize::default(),
         ),
-        (None, Some(dir)) => {
-            let store = DiskStore::open_read_only(dir)?;
+        (None, Some(location)) => {
+            let store = super::store::open_read_only(location, remote)?;
             let block_size = store.block_size();
+            store_dir = Some(store.dir().to_path_buf());
             (Arc::new(StoreSource::new(store)), block_size)
         }
         (None, None) => return Err("give --mem-file FILE or --store DIR".into()),
@@ -70,8 +74,9 @@ pub fn serve(
     )
     .map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?
     .allow_peers(peers);
-    let image_id = match (mem_file, store) {
+    let image_id = match (mem_file, &store_dir) {
         (Some(path), _) => uffd_pager::server::handover::image_id(path, false)?,
+        // A remote store's mirror: its index is the remote one.
         (None, Some(dir)) => uffd_pager::server::handover::image_id(dir, true)?,
         (None, None) => return Err("give --mem-file FILE or --store DIR".into()),
     };

@@ -13,7 +13,8 @@ use compressed_backing::{
 use indicatif::{ProgressBar, ProgressStyle};
 use nix::sys::signal::{SigSet, Signal};
 
-use super::CliResult;
+use super::{CliResult, RemoteArgs};
+use compressed_backing::remote::{Remote, StoreLocation};
 
 fn bulk_options(threads: Option<usize>) -> BulkOptions {
     threads.map_or_else(BulkOptions::default, BulkOptions::with_threads)
@@ -38,14 +39,38 @@ fn rate(bytes: u64, elapsed: Duration) -> String {
     format!("{:.1} MiB/s", bytes as f64 / secs / (1u64 << 20) as f64)
 }
 
+/// Opens a store to read: a directory, or an s3:// store through its mirror in the cache.
+pub(super) fn open_read_only(
+    location: &StoreLocation,
+    remote: &RemoteArgs,
+) -> Result<DiskStore, Box<dyn std::error::Error>> {
+    Ok(match location {
+        StoreLocation::Local(dir) => DiskStore::open_read_only(dir)?,
+        StoreLocation::Remote(url) => Remote::connect(url, &remote.options()?)?.open()?,
+    })
+}
+
 pub fn pack(
     mem_file: &Path,
-    store: &Path,
+    location: &StoreLocation,
+    remote: &RemoteArgs,
     codec: Option<Codec>,
     block_size: Option<BlockSize>,
     threads: Option<usize>,
     json: bool,
 ) -> CliResult {
+    let (store, remote, _staging) = match location {
+        StoreLocation::Local(dir) => (dir.clone(), None, None),
+        StoreLocation::Remote(url) => {
+            let remote = Remote::connect(url, &remote.options()?)?;
+            // Packed in the cache (private to this user), then uploaded.
+            let staging = tempfile::Builder::new()
+                .prefix("pack-")
+                .tempdir_in(remote.cache().root())?;
+            (staging.path().join("store"), Some(remote), Some(staging))
+        }
+    };
+    let store = store.as_path();
     let total = std::fs::metadata(mem_file).map(|m| m.len()).unwrap_or(0);
     let bar = progress_bar(total, "packing");
     let options = PackOptions {
@@ -57,20 +82,30 @@ pub fn pack(
     let result = pack_file(mem_file, store, &options, &|bytes| bar.inc(bytes));
     bar.finish_and_clear();
     let (report, stats) = result?;
+    let uploaded = match &remote {
+        Some(remote) => {
+            let bar = progress_bar(stats.disk_bytes, "uploading");
+            let uploaded = remote.upload(store, &|bytes| bar.inc(bytes));
+            bar.finish_and_clear();
+            Some(uploaded?)
+        }
+        None => None,
+    };
     let elapsed = start.elapsed();
     if json {
         let value = serde_json::json!({
-            "store": store,
+            "store": location.to_string(),
             "elapsed_s": elapsed.as_secs_f64(),
             "written": report,
             "stats": stats,
+            "uploaded": uploaded,
         });
         println!("{value}");
     } else {
         println!(
-            "packed {} into {} in {:.2} s ({}): {} blocks ({} zero, {} same-byte, {} raw, {} compressed), {} on disk, ratio {:.1}x",
+            "packed {} into {} in {:.2} s ({}): {} blocks ({} zero, {} same-byte, {} raw, {} compressed), {} stored, ratio {:.1}x",
             format_bytes(report.bytes),
-            store.display(),
+            location,
             elapsed.as_secs_f64(),
             rate(report.bytes, elapsed),
             report.blocks,
@@ -81,6 +116,15 @@ pub fn pack(
             format_bytes(stats.disk_bytes),
             stats.ratio,
         );
+        if let Some(up) = &uploaded {
+            println!(
+                "uploaded {} in {} chunks in {:.2} s; {} chunks of the previous image deleted",
+                format_bytes(up.bytes),
+                up.chunks,
+                up.elapsed_s,
+                up.deleted
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -105,8 +149,8 @@ pub fn unpack(store: &Path, out: &Path, threads: Option<usize>) -> CliResult {
     Ok(ExitCode::SUCCESS)
 }
 
-pub fn verify(store: &Path, json: bool) -> CliResult {
-    let opened = DiskStore::open_read_only(store)?;
+pub fn verify(store: &StoreLocation, remote: &RemoteArgs, json: bool) -> CliResult {
+    let opened = open_read_only(store, remote)?;
     let report = opened.verify();
     if json {
         println!("{}", serde_json::to_string(&report)?);
@@ -122,7 +166,7 @@ pub fn verify(store: &Path, json: bool) -> CliResult {
         }
         println!(
             "{}: {} stored blocks checked ({}), {} bad",
-            store.display(),
+            store,
             report.blocks_checked,
             format_bytes(report.bytes_checked),
             report.problems.len()
@@ -135,11 +179,11 @@ pub fn verify(store: &Path, json: bool) -> CliResult {
     })
 }
 
-pub fn info(store: &Path, json: bool) -> CliResult {
-    let stats = DiskStore::open_read_only(store)?.stats();
+pub fn info(store: &StoreLocation, remote: &RemoteArgs, json: bool) -> CliResult {
+    let stats = open_read_only(store, remote)?.stats();
     if json {
         let mut value = serde_json::to_value(&stats)?;
-        value["store"] = serde_json::json!(store);
+        value["store"] = serde_json::json!(store.to_string());
         println!("{value}");
     } else {
         print_info(store, &stats);
@@ -147,8 +191,8 @@ pub fn info(store: &Path, json: bool) -> CliResult {
     Ok(ExitCode::SUCCESS)
 }
 
-fn print_info(store: &Path, s: &StoreStats) {
-    println!("store           {}", store.display());
+fn print_info(store: &StoreLocation, s: &StoreStats) {
+    println!("store           {store}");
     println!(
         "image           {} ({} blocks of {})",
         format_bytes(s.image_size),
