@@ -32,6 +32,7 @@ pub mod metrics;
 pub mod offload;
 pub mod pagemap;
 pub mod pager;
+pub mod remote_args;
 pub mod server;
 pub mod sharing;
 pub mod socket;

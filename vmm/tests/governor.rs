@@ -12,7 +12,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{pvisor, skip, text, CgroupParent};
+use common::{pvisor, skip, text, CgroupParent, RUN_DETACHED};
 use vmm::stats::{MemoryCgroup, PressureLevel};
 
 /// A governor daemon, stopped with SIGTERM on drop.
@@ -458,22 +458,20 @@ fn governor_has_a_running_vm_compress_its_cold_ram_when_no_other_vm_can_give() {
     let out = pvisor(
         &runtime,
         &[
-            "run",
-            "--executor",
-            "vm",
-            "--memory",
-            "512MiB",
-            "--detach",
-            "--vm-governor",
-            &socket,
-            "--vm-cold-ram-compression",
-            "--vm-cold-age-ms",
-            "60000",
-            "--vm-cold-scan-ms",
-            "100",
-            "--",
-            "fill 90MiB repeated seed=3; sleep 60000",
-        ],
+            &RUN_DETACHED[..],
+            &[
+                "--vm-governor",
+                &socket,
+                "--vm-cold-ram-compression",
+                "--vm-cold-age-ms",
+                "60000",
+                "--vm-cold-scan-ms",
+                "100",
+                "--",
+                "fill 90MiB repeated seed=3; sleep 60000",
+            ],
+        ]
+        .concat(),
     );
     assert!(out.status.success(), "{}", text(&out.stderr));
     let identity: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();

@@ -26,6 +26,7 @@
 
 pub mod cache;
 mod fill;
+mod objects;
 mod upload;
 mod url;
 
@@ -40,6 +41,7 @@ use object_store::path::Path as ObjectPath;
 use object_store::{BackoffConfig, ObjectStore, RetryConfig};
 
 pub use cache::{Cache, CacheError, CacheUsage};
+pub use objects::PutIf;
 pub use upload::UploadReport;
 pub use url::{RemoteUrl, StoreLocation, UrlError};
 
@@ -137,6 +139,26 @@ pub enum RemoteError {
         /// The store.
         url: RemoteUrl,
     },
+    /// An object that must not be overwritten exists.
+    #[error("{url}/{name} exists already")]
+    Exists {
+        /// The prefix.
+        url: RemoteUrl,
+        /// The object.
+        name: String,
+    },
+    /// An object is larger than what reads it accepts.
+    #[error("{url}/{name} is {size} bytes or more, more than the {limit} accepted")]
+    TooLarge {
+        /// The prefix.
+        url: RemoteUrl,
+        /// The object.
+        name: String,
+        /// Its size, or what was read of it.
+        size: u64,
+        /// The limit.
+        limit: u64,
+    },
     /// The index object is larger than its header allows.
     #[error("the index of {url} is {size} bytes, more than the {limit} its header allows")]
     IndexTooLarge {
@@ -225,6 +247,21 @@ impl Remote {
             options: options.clone(),
             counters: Arc::default(),
         })
+    }
+
+    /// The store under `name` within this one's prefix (a snapshot's RAM store, say), on
+    /// the same client and cache.
+    pub fn child(&self, name: &str) -> Remote {
+        Remote {
+            url: RemoteUrl {
+                bucket: self.url.bucket.clone(),
+                prefix: self.url.key(name),
+            },
+            client: Arc::clone(&self.client),
+            cache: Arc::clone(&self.cache),
+            options: self.options.clone(),
+            counters: Arc::clone(&self.counters),
+        }
     }
 
     /// The store's location.

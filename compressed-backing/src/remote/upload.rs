@@ -4,23 +4,17 @@
 
 use std::collections::BTreeSet;
 use std::fs;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::time::Instant;
 
 use futures::{StreamExt, TryStreamExt};
-use object_store::{ObjectStoreExt, PutMode, PutOptions, PutPayload};
+use object_store::ObjectStoreExt;
 
-use super::{run, Remote, RemoteError};
-use crate::file;
-use crate::store::{self, StoreError};
+use super::{objects, run, Remote, RemoteError};
+use crate::store;
 
-/// A chunk up to this size is put with one request; a larger one in parts of
-/// [`PART_BYTES`]. Together with [`UPLOADS`] this bounds an upload's memory (64 MiB).
-const SINGLE_PUT_BYTES: u64 = 16 << 20;
-/// Part size of a multipart upload.
-const PART_BYTES: u64 = 8 << 20;
-/// Chunks uploaded at once.
+/// Chunks uploaded at once: each holds at most 16 MiB in memory (one request up to 16 MiB,
+/// parts of 8 MiB above; [`objects::put_file`]), so an upload holds at most 64 MiB.
 const UPLOADS: usize = 4;
 
 /// What an upload did.
@@ -34,6 +28,11 @@ pub struct UploadReport {
     pub deleted: usize,
     /// Seconds the upload took.
     pub elapsed_s: f64,
+    /// The index committed: its size and xxh3-128 (hex), which seal the whole image (it
+    /// holds every block's checksum).
+    pub index_bytes: u64,
+    /// See `index_bytes`.
+    pub index_xxh3_128: String,
 }
 
 pub(super) fn upload(
@@ -69,7 +68,20 @@ pub(super) fn upload(
                     let remote = remote.clone();
                     let dir = dir.clone();
                     let progress = progress_tx.clone();
-                    async move { put_chunk(&remote, &dir, local, new, len, &progress).await }
+                    async move {
+                        let path = dir.join(store::segment_file_name(local));
+                        let name = store::segment_file_name(new);
+                        let sent = move |n| {
+                            let _ = progress.send(n);
+                        };
+                        match objects::put_file(&remote, &name, &path, len, &sent).await {
+                            // Another writer took the name: nothing of this upload counts.
+                            Err(RemoteError::Exists { .. }) => Err(RemoteError::Conflict {
+                                url: remote.url.clone(),
+                            }),
+                            other => other.map(|()| len),
+                        }
+                    }
                 }))
                 .buffer_unordered(UPLOADS)
                 .try_fold(0u64, |sum, bytes| async move { Ok(sum + bytes) })
@@ -82,35 +94,20 @@ pub(super) fn upload(
     report.bytes = uploads?;
     report.chunks = chunks.len();
     // The commit: visible only now, and only over the index this upload started from.
-    let mode = match version {
-        Some(version) => PutMode::Update(version),
-        None => PutMode::Create,
+    let put_if = match version {
+        Some(version) => objects::PutIf::Version(version),
+        None => objects::PutIf::Absent,
     };
     let index_len = index.len() as u64;
-    let client = remote.client.clone();
-    let key = remote.key("index");
-    let committed = run(async move {
-        client
-            .put_opts(
-                &key,
-                PutPayload::from(index),
-                PutOptions {
-                    mode,
-                    ..PutOptions::default()
-                },
-            )
-            .await
-    });
-    match committed {
-        Ok(_) => {}
-        Err(
-            object_store::Error::Precondition { .. } | object_store::Error::AlreadyExists { .. },
-        ) => {
+    report.index_bytes = index_len;
+    report.index_xxh3_128 = format!("{:032x}", xxhash_rust::xxh3::xxh3_128(&index));
+    match remote.put_bytes("index", index, put_if) {
+        Err(RemoteError::Exists { .. }) => {
             return Err(RemoteError::Conflict {
                 url: remote.url.clone(),
             })
         }
-        Err(e) => return Err(remote.request_error("put", "index")(e)),
+        other => other?,
     }
     report.bytes += index_len;
     progress(index_len);
@@ -118,84 +115,6 @@ pub(super) fn upload(
     report.deleted = delete_unnamed(remote, &named)?;
     report.elapsed_s = start.elapsed().as_secs_f64();
     Ok(report)
-}
-
-/// Puts local segment `local` (its first `len` bytes: the committed ones) as chunk `new`;
-/// an existing chunk of that name is an error (another writer).
-async fn put_chunk(
-    remote: &Remote,
-    dir: &Path,
-    local: u32,
-    new: u32,
-    len: u64,
-    progress: &std::sync::mpsc::Sender<u64>,
-) -> Result<u64, RemoteError> {
-    let path = dir.join(store::segment_file_name(local));
-    let name = store::segment_file_name(new);
-    let key = remote.key(&name);
-    let file = file::open_read(&path).map_err(StoreError::File)?;
-    let read = |offset: u64, n: u64| -> Result<Vec<u8>, RemoteError> {
-        let mut buf = vec![0u8; usize::try_from(n).unwrap_or(usize::MAX)];
-        file.read_exact_at(&mut buf, offset)
-            .map_err(StoreError::io("read segment", &path))?;
-        Ok(buf)
-    };
-    if len <= SINGLE_PUT_BYTES {
-        let bytes = read(0, len)?;
-        let put = remote
-            .client
-            .put_opts(
-                &key,
-                PutPayload::from(bytes),
-                PutOptions {
-                    mode: PutMode::Create,
-                    ..PutOptions::default()
-                },
-            )
-            .await;
-        match put {
-            Ok(_) => {}
-            Err(
-                object_store::Error::AlreadyExists { .. }
-                | object_store::Error::Precondition { .. },
-            ) => {
-                return Err(RemoteError::Conflict {
-                    url: remote.url.clone(),
-                })
-            }
-            Err(e) => return Err(remote.request_error("put", &name)(e)),
-        }
-    } else {
-        let mut upload = remote
-            .client
-            .put_multipart(&key)
-            .await
-            .map_err(remote.request_error("start a multipart upload of", &name))?;
-        let mut offset = 0;
-        while offset < len {
-            let n = PART_BYTES.min(len - offset);
-            let part = match read(offset, n) {
-                Ok(part) => part,
-                Err(e) => {
-                    let _ = upload.abort().await;
-                    return Err(e);
-                }
-            };
-            if let Err(e) = upload.put_part(PutPayload::from(part)).await {
-                let _ = upload.abort().await;
-                return Err(remote.request_error("put a part of", &name)(e));
-            }
-            offset += n;
-            let _ = progress.send(n);
-        }
-        upload
-            .complete()
-            .await
-            .map_err(remote.request_error("complete the upload of", &name))?;
-        return Ok(len);
-    }
-    let _ = progress.send(len);
-    Ok(len)
 }
 
 /// Deletes the chunks directly under the prefix that `named` does not hold; returns how

@@ -11,8 +11,9 @@ use std::process::ExitCode;
 
 use basics::parse_size;
 use clap::{Parser, Subcommand};
-use compressed_backing::remote::{RemoteOptions, StoreLocation};
+use compressed_backing::remote::StoreLocation;
 use compressed_backing::{BlockSize, Codec};
+pub(crate) use uffd_pager::remote_args::RemoteArgs;
 
 /// What a command returns: its exit code, or an error printed with all its causes.
 pub(crate) type CliResult = Result<ExitCode, Box<dyn Error>>;
@@ -171,46 +172,6 @@ enum Command {
         #[arg(long)]
         allow_other: bool,
     },
-}
-
-/// Where an s3:// store is reached and cached. Credentials and region come from the standard
-/// AWS environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION).
-#[derive(Debug, Clone, clap::Args)]
-pub(crate) struct RemoteArgs {
-    /// The S3 endpoint, for S3-compatible servers (default: AWS_ENDPOINT_URL, else AWS).
-    #[arg(long, value_name = "URL")]
-    s3_endpoint: Option<String>,
-    /// The local read cache of s3:// stores, shared by this user's VMs; it must be private
-    /// to this user [default: $XDG_CACHE_HOME/pvisor, else ~/.cache/pvisor].
-    #[arg(long, value_name = "DIR")]
-    cache: Option<PathBuf>,
-    /// At most this much is kept in the cache (KiB/MiB/GiB suffixes).
-    #[arg(long, value_name = "SIZE", default_value = "4GiB", value_parser = parse_size)]
-    cache_size: u64,
-    /// How long a failing request to the object store is retried before it fails.
-    #[arg(long, value_name = "SECS", default_value_t = 30.0)]
-    s3_retry_timeout: f64,
-}
-
-impl RemoteArgs {
-    /// The options these arguments give.
-    pub(crate) fn options(&self) -> Result<RemoteOptions, Box<dyn Error>> {
-        if !(self.s3_retry_timeout.is_finite() && self.s3_retry_timeout >= 0.0) {
-            return Err(format!(
-                "--s3-retry-timeout {} is not a number of seconds",
-                self.s3_retry_timeout
-            )
-            .into());
-        }
-        let mut options = RemoteOptions::new();
-        options.endpoint = self.s3_endpoint.clone();
-        if let Some(dir) = &self.cache {
-            options.cache_dir = dir.clone();
-        }
-        options.cache_size = self.cache_size;
-        options.retry_timeout = std::time::Duration::from_secs_f64(self.s3_retry_timeout);
-        Ok(options)
-    }
 }
 
 /// Runs a parsed command line.

@@ -575,6 +575,13 @@ impl Pager {
         self.shared.block_size
     }
 
+    /// The blocks (of [`block_size`](Self::block_size)) faulted in from a source since the
+    /// last resume, in the order they first faulted: the working set a snapshot carries so
+    /// that its next restore can fetch it ahead. Recording goes on.
+    pub fn working_set(&self) -> Vec<u64> {
+        self.shared.working_set.order.lock().clone()
+    }
+
     /// A read-only view of the offload store's image as it is now, if anything was offloaded
     /// (see `compressed_backing::StoreReader`).
     pub fn store_reader(&self) -> Option<compressed_backing::StoreReader> {

@@ -30,10 +30,12 @@ use compressed_backing::store::StoreError;
 use crate::machine::{MachineError, VcpuState};
 
 mod private;
+mod remote;
 mod restore;
 mod write;
 
 pub use private::{load_private, offload_private, PrivateLoadReport, PrivateOffloadReport};
+pub use remote::{upload, SnapshotAt, UploadedSnapshot};
 pub use restore::Snapshot;
 use write::{copy_from_start, digest_open};
 pub use write::{remove, write};
@@ -122,6 +124,9 @@ pub enum SnapshotError {
     /// A file of the snapshot is a link, a FIFO, a device, or too large.
     #[error(transparent)]
     File(#[from] FileError),
+    /// The object store failed.
+    #[error("the snapshot in the object store")]
+    Remote(#[from] compressed_backing::remote::RemoteError),
     /// The private pages' store failed.
     #[error("the store of the VM's private pages")]
     Store(#[from] StoreError),
@@ -172,6 +177,11 @@ pub struct Manifest {
     /// How the RAM image is kept.
     #[serde(default)]
     pub ram_format: RamFormat,
+    /// In an object store: the seal of the RAM store's index, which holds every block's
+    /// checksum, so the RAM is checked block by block as it is fetched instead of read whole
+    /// before the restore.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ram_index: Option<SealedFile>,
     /// The virtual disk.
     pub disk: SealedFile,
     /// Seconds since the epoch when it was taken.
@@ -231,17 +241,22 @@ impl Digest {
 /// Reads a snapshot's manifest without checking its files (see [`Snapshot::open`]).
 pub fn read_manifest(dir: &Path) -> Result<Manifest, SnapshotError> {
     let path = dir.join(MANIFEST);
-    let bad = |reason: String| SnapshotError::Manifest {
-        path: path.clone(),
-        reason,
-    };
     let text = safe_file::read_bounded(&path, MANIFEST_LIMIT).map_err(|source| {
         SnapshotError::ManifestFile {
             path: path.clone(),
             source,
         }
     })?;
-    let manifest: Manifest = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
+    parse_manifest(&text, &path)
+}
+
+/// Parses and checks a manifest's bytes (`path` names it in errors).
+fn parse_manifest(text: &[u8], path: &Path) -> Result<Manifest, SnapshotError> {
+    let bad = |reason: String| SnapshotError::Manifest {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let manifest: Manifest = serde_json::from_slice(text).map_err(|e| bad(e.to_string()))?;
     if manifest.format != FORMAT {
         return Err(bad(format!(
             "format {} (this build reads {FORMAT})",

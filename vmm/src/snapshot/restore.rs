@@ -52,6 +52,23 @@ impl Snapshot {
         })
     }
 
+    /// A snapshot opened and checked elsewhere (in an object store).
+    pub(super) fn from_parts(
+        manifest: Manifest,
+        ram: RestoreRam,
+        ram_path: PathBuf,
+        disk: File,
+        disk_path: PathBuf,
+    ) -> Self {
+        Self {
+            manifest,
+            ram,
+            ram_path,
+            disk,
+            disk_path,
+        }
+    }
+
     /// Has the pager load a raw image lazily, as it loads a store, instead of mapping it
     /// (for RAM of another kind than snapshot RAM: huge pages, say).
     pub fn loaded(mut self) -> Result<Self, SnapshotError> {
@@ -105,7 +122,7 @@ impl Snapshot {
 
 /// Opens `path` (a regular file, not through a link), checks it against its seal and
 /// returns it open.
-fn open_sealed(path: &Path, sealed: &SealedFile) -> Result<File, SnapshotError> {
+pub(super) fn open_sealed(path: &Path, sealed: &SealedFile) -> Result<File, SnapshotError> {
     let file = safe_file::open_read(path)?;
     compare_seal(path, &digest_open(&file, path, &sealed.name)?, sealed)?;
     Ok(file)

@@ -146,6 +146,7 @@ fn write_into(
         vcpu: machine.vcpu_state()?,
         disk: disk_seal.clone(),
         ram: ram_seal,
+        ram_index: None,
         ram_format: if codec.is_some() {
             RamFormat::Store
         } else {
@@ -219,6 +220,23 @@ fn write_ram_store(
             store.put(block, chunk)?;
             data_bytes += len as u64;
         }
+    }
+    // The working set travels with the snapshot: the blocks faulted in since the VM's last
+    // resume (a restore, a load), in their order, as blocks of this store.
+    // A pager block larger than the store's (a 2 MiB one) spans several of them.
+    let pager = machine.pager();
+    let unit = pager.block_size().bytes_u64();
+    let ours = buf.len() as u64;
+    let mut seen = std::collections::BTreeSet::new();
+    let working_set: Vec<u8> = pager
+        .working_set()
+        .into_iter()
+        .flat_map(|block| block * unit / ours..((block + 1) * unit).div_ceil(ours))
+        .filter(|&block| block < store.blocks() && seen.insert(block))
+        .flat_map(u64::to_le_bytes)
+        .collect();
+    if !working_set.is_empty() {
+        store.set_meta(uffd_pager::offload::WORKING_SET_KEY, working_set)?;
     }
     store.commit()?;
     Ok((digest.seal(RAM_STORE), data_bytes))

@@ -11,7 +11,7 @@ mod options;
 mod suspend;
 
 pub use cost::{GovernorStats, VmStats};
-pub use options::{GovernorOptions, VmError, VmOptions, VmState};
+pub use options::{GovernorOptions, RemoteSnapshot, VmError, VmOptions, VmState};
 use suspend::{state_name, RamView};
 pub use suspend::{ResumeReport, SuspendReport};
 
@@ -30,7 +30,7 @@ use crate::governor::protocol::WireState;
 use crate::machine::{CommandOutput, Machine, MachineConfig};
 use crate::script::Command;
 use crate::sharing::PoolLink;
-use crate::snapshot::{self, Snapshot};
+use crate::snapshot;
 use crate::stats::{self, MemoryCgroup};
 
 /// The pager's resident limit as the governor's link drives it, and the guest RAM's span
@@ -101,10 +101,16 @@ impl Vm {
             .as_deref()
             .map(MemoryCgroup::join)
             .transpose()?;
-        let restore = match &options.restore {
-            Some(dir) => {
-                // The cheap checks first, then every byte against the seal.
-                let manifest = snapshot::read_manifest(dir)?;
+        let at = match (&options.restore, &options.restore_remote) {
+            (Some(dir), _) => Some(snapshot::SnapshotAt::Dir(dir.clone())),
+            (None, Some(remote)) => Some(remote.connect()?),
+            (None, None) => None,
+        };
+        let restore = match &at {
+            Some(at) => {
+                // The cheap checks first, then every byte against the seal (in an object
+                // store: the index against its seal, each block as it is fetched).
+                let manifest = at.read_manifest()?;
                 let memory = manifest.memory;
                 // A raw image is mapped as it is (snapshot RAM) or loaded by the pager into RAM
                 // of another kind; a store is always loaded.
@@ -112,9 +118,8 @@ impl Vm {
                     || options.ram_backing != RamKind::Snapshot;
                 if memory != options.memory || !kind_fits {
                     return Err(VmError::State(format!(
-                        "the snapshot at {} has {memory} bytes of RAM, kept {:?}: restore it with \
+                        "the snapshot at {at} has {memory} bytes of RAM, kept {:?}: restore it with \
                          that size and {} RAM",
-                        dir.display(),
                         manifest.ram_format,
                         if manifest.ram_format == snapshot::RamFormat::Raw {
                             "any"
@@ -123,7 +128,7 @@ impl Vm {
                         }
                     )));
                 }
-                let mut snapshot = Snapshot::open(dir)?;
+                let mut snapshot = at.open()?;
                 if options.ram_backing != RamKind::Snapshot {
                     snapshot = snapshot.loaded()?;
                 }

@@ -48,6 +48,9 @@ pub struct VmOptions {
     /// snapshot's image privately and `ram_backing` must be `snapshot`.
     #[serde(default)]
     pub restore: Option<PathBuf>,
+    /// Continue this sealed snapshot in an object store instead (`restore` is then `None`).
+    #[serde(default)]
+    pub restore_remote: Option<RemoteSnapshot>,
     /// Share pages in common with other VMs through the memory pool at this socket
     /// (`uffd-pager serve --memory-pool`; anon RAM only).
     #[serde(default)]
@@ -97,6 +100,7 @@ impl VmOptions {
             dedup: None,
             thp_collapse: false,
             restore: None,
+            restore_remote: None,
             pool: None,
             model_upstream: None,
             wait: None,
@@ -168,4 +172,54 @@ pub enum VmError {
     /// The link to the memory governor could not start.
     #[error("cannot start the memory governor's link (--vm-governor)")]
     Governor(#[source] std::io::Error),
+}
+
+/// A snapshot in an object store, as a VM process is told it (it connects itself; the
+/// credentials come from the environment it inherits).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct RemoteSnapshot {
+    /// `s3://BUCKET/PREFIX`.
+    pub url: String,
+    /// The S3 endpoint, if not the environment's.
+    pub endpoint: Option<String>,
+    /// The read cache.
+    pub cache_dir: PathBuf,
+    /// Its bound, bytes.
+    pub cache_size: u64,
+    /// How long requests are retried, milliseconds.
+    pub retry_timeout_ms: u64,
+}
+
+impl RemoteSnapshot {
+    /// The description of `url` reached with `options`.
+    pub fn new(
+        url: &compressed_backing::remote::RemoteUrl,
+        options: &compressed_backing::remote::RemoteOptions,
+    ) -> Self {
+        Self {
+            url: url.to_string(),
+            endpoint: options.endpoint.clone(),
+            cache_dir: options.cache_dir.clone(),
+            cache_size: options.cache_size,
+            retry_timeout_ms: u64::try_from(options.retry_timeout.as_millis()).unwrap_or(u64::MAX),
+        }
+    }
+
+    /// Connects to it.
+    pub fn connect(&self) -> Result<crate::snapshot::SnapshotAt, crate::snapshot::SnapshotError> {
+        use compressed_backing::remote::{Remote, RemoteOptions, RemoteUrl};
+        let url =
+            RemoteUrl::parse(&self.url).map_err(|e| crate::snapshot::SnapshotError::Manifest {
+                path: PathBuf::from(&self.url),
+                reason: e.to_string(),
+            })?;
+        let mut options = RemoteOptions::new();
+        options.endpoint = self.endpoint.clone();
+        options.cache_dir = self.cache_dir.clone();
+        options.cache_size = self.cache_size;
+        options.retry_timeout = std::time::Duration::from_millis(self.retry_timeout_ms);
+        Ok(crate::snapshot::SnapshotAt::Remote(Remote::connect(
+            &url, &options,
+        )?))
+    }
 }

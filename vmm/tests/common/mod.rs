@@ -55,6 +55,9 @@ pub fn fails(runtime: &Path, args: &[&str]) -> String {
     text(&out.stderr)
 }
 
+/// `pvisor run` of a detached 512 MiB VM, before its own options.
+pub const RUN_DETACHED: [&str; 6] = ["run", "--executor", "vm", "--memory", "512MiB", "--detach"];
+
 /// A detached VM, stopped on drop.
 pub struct Detached {
     /// The runtime directory it was started with.
@@ -65,7 +68,7 @@ pub struct Detached {
 
 impl Detached {
     pub fn start(runtime: &Path, extra: &[&str], script: &str) -> Self {
-        let mut args = vec!["run", "--executor", "vm", "--memory", "512MiB", "--detach"];
+        let mut args = RUN_DETACHED.to_vec();
         args.extend_from_slice(extra);
         args.extend_from_slice(&["--", script]);
         let lines = ok(runtime, &args);

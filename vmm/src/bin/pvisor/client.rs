@@ -89,15 +89,47 @@ pub fn resume(target: &Target, eager: bool) -> CliResult {
     Ok(ExitCode::SUCCESS)
 }
 
-pub fn snapshot(target: &Target, out: &Path, codec: Option<String>) -> CliResult {
+pub fn snapshot(
+    target: &Target,
+    out: &str,
+    remote: &uffd_pager::remote_args::RemoteArgs,
+    codec: Option<String>,
+) -> CliResult {
+    use compressed_backing::remote::{Remote, StoreLocation};
     if let Some(codec) = &codec {
         // Checked here, so that a typo is reported before the VM does anything.
         codec
             .parse::<compressed_backing::Codec>()
             .map_err(|e| format!("--codec: {e}"))?;
     }
-    // The VM process resolves the path: make it absolute here, where it was meant.
-    let out = std::path::absolute(out)?;
-    print(&call(target, Method::Snapshot { out, codec })?);
+    let url = match StoreLocation::parse(out).map_err(|e| format!("--out: {e}"))? {
+        StoreLocation::Local(dir) => {
+            // The VM process resolves the path: make it absolute here, where it was meant.
+            let out = std::path::absolute(dir)?;
+            print(&call(target, Method::Snapshot { out, codec })?);
+            return Ok(ExitCode::SUCCESS);
+        }
+        StoreLocation::Remote(url) => url,
+    };
+    let remote = Remote::connect(&url, &remote.options()?)?;
+    // Written by the VM into a private directory of the cache (same user), then uploaded.
+    let staging = tempfile::Builder::new()
+        .prefix("snapshot-")
+        .tempdir_in(remote.cache().root())?;
+    let local = staging.path().join("snapshot");
+    let written = call(
+        target,
+        Method::Snapshot {
+            out: local.clone(),
+            codec: Some(codec.unwrap_or_else(|| "lz4".into())),
+        },
+    )?;
+    let uploaded = vmm::snapshot::upload(&local, &remote, &|_| {});
+    vmm::snapshot::remove(&local);
+    let uploaded = uploaded.map_err(|e| basics::error_chain(&e))?;
+    print(&serde_json::json!({
+        "written": written,
+        "uploaded": uploaded,
+    }));
     Ok(ExitCode::SUCCESS)
 }

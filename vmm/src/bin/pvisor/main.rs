@@ -98,9 +98,13 @@ enum Command {
     Snapshot {
         #[command(flatten)]
         target: Target,
-        /// The snapshot's directory (must not exist).
-        #[arg(long, value_name = "DIR")]
-        out: PathBuf,
+        /// The snapshot's directory (must not exist), or s3://BUCKET/PREFIX (holding no
+        /// snapshot yet): written in the cache, then uploaded, its manifest last; its RAM is
+        /// kept in a store (lz4 unless --codec says otherwise) with the VM's working set.
+        #[arg(long, value_name = "DIR|s3://BUCKET/PREFIX")]
+        out: String,
+        #[command(flatten)]
+        remote: uffd_pager::remote_args::RemoteArgs,
         /// Keep RAM compressed (lz4, zstd[:LEVEL]): far smaller on disk, but restored VMs load
         /// it lazily into their own memory instead of sharing the image's page cache.
         #[arg(long, value_name = "CODEC")]
@@ -154,7 +158,12 @@ fn main() -> ExitCode {
             ..
         } => client::suspend(&target, offload, ram_file.as_deref()),
         Command::Resume { target, eager, .. } => client::resume(&target, eager),
-        Command::Snapshot { target, out, codec } => client::snapshot(&target, &out, codec),
+        Command::Snapshot {
+            target,
+            out,
+            remote,
+            codec,
+        } => client::snapshot(&target, &out, &remote, codec),
         Command::Serve(args) => serve::serve(&args),
         Command::GovernorStatus { socket } => serve::status(&socket),
         Command::Replay(args) => replay::replay(&args),

@@ -66,8 +66,13 @@ pub struct RunArgs {
     /// image's page cache and pays only for the pages it writes (with --vm-ram-backing, or a
     /// compressed snapshot, the pager loads it lazily into RAM of its own instead). RAM size
     /// and contents, the vCPU and the disk come from the snapshot; the script runs after it.
-    #[arg(long, value_name = "DIR")]
-    pub restore: Option<PathBuf>,
+    /// `s3://BUCKET/PREFIX` continues a snapshot in an object store (`pvisor snapshot JOB
+    /// --out s3://…`): its RAM is fetched as the guest touches it, the working set it carries
+    /// first, through the cache (--cache, --s3-endpoint; docs/remote.md).
+    #[arg(long, value_name = "DIR|s3://BUCKET/PREFIX")]
+    pub restore: Option<String>,
+    #[command(flatten)]
+    pub remote: uffd_pager::remote_args::RemoteArgs,
     /// Share the pages this VM has in common with other VMs through the memory pool at
     /// SOCKET (`uffd-pager serve --memory-pool --socket SOCKET`): between commands the VM
     /// offers its pages' hashes and maps the pool's copy over identical ones (reads shared, a
@@ -216,6 +221,7 @@ pub struct Resolved {
     pub dedup: Option<vmm::dedup::DedupOptions>,
     pub thp_collapse: bool,
     pub restore: Option<PathBuf>,
+    pub restore_remote: Option<vmm::vm::RemoteSnapshot>,
     pub pool: Option<PathBuf>,
     pub governor: Option<PathBuf>,
     pub governor_hold_timeout_ms: Option<u64>,
@@ -259,18 +265,33 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
             "executor `{executor}` is not available; only `vm` is"
         ));
     }
-    let restore = args
-        .restore
-        .clone()
-        .or(config.restore)
-        .map(std::path::absolute)
-        .transpose()
-        .map_err(|e| format!("--restore: {e}"))?;
-    let snapshot = restore
-        .as_deref()
-        .map(vmm::snapshot::read_manifest)
-        .transpose()
-        .map_err(|e| format!("--restore: {}", basics::error_chain(&e)))?;
+    let location = match args.restore.as_deref() {
+        Some(text) => Some(
+            compressed_backing::remote::StoreLocation::parse(text)
+                .map_err(|e| format!("--restore: {e}"))?,
+        ),
+        None => config
+            .restore
+            .map(compressed_backing::remote::StoreLocation::Local),
+    };
+    let (restore, restore_remote) = match location {
+        None => (None, None),
+        Some(compressed_backing::remote::StoreLocation::Local(dir)) => (
+            Some(std::path::absolute(dir).map_err(|e| format!("--restore: {e}"))?),
+            None,
+        ),
+        Some(compressed_backing::remote::StoreLocation::Remote(url)) => {
+            let options = args.remote.options()?;
+            (None, Some(vmm::vm::RemoteSnapshot::new(&url, &options)))
+        }
+    };
+    let snapshot = match (&restore, &restore_remote) {
+        (Some(dir), _) => Some(vmm::snapshot::read_manifest(dir)),
+        (None, Some(remote)) => Some(remote.connect().and_then(|at| at.read_manifest())),
+        (None, None) => None,
+    }
+    .transpose()
+    .map_err(|e| format!("--restore: {}", basics::error_chain(&e)))?;
     let memory = match (args.memory, config.memory) {
         (Some(bytes), _) => bytes,
         (None, Some(toml::Value::String(text))) => {
@@ -306,7 +327,8 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
     let restore_store = snapshot
         .as_ref()
         .is_some_and(|m| m.ram_format == vmm::snapshot::RamFormat::Store);
-    let ram_backing = match (backing.as_deref(), &restore) {
+    let restoring = (restore.is_some() || restore_remote.is_some()).then_some(());
+    let ram_backing = match (backing.as_deref(), &restoring) {
         // A compressed snapshot is loaded into anon RAM by the pager; a raw one is mapped
         // privately, its page cache shared by every VM restored from it. With a kind given,
         // the pager loads either into RAM of that kind.
@@ -327,7 +349,7 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
         }
     };
     let disk = args.disk.clone().or(config.disk);
-    if let (Some(disk), Some(_)) = (&disk, &restore) {
+    if let (Some(disk), Some(())) = (&disk, &restoring) {
         if disk.exists() {
             return Err(format!(
                 "--disk {} exists: a restored VM gets its own copy of the snapshot's disk, \
@@ -343,13 +365,13 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
         .map(std::path::absolute)
         .transpose()
         .map_err(|e| format!("--vm-memory-pool: {e}"))?;
-    if pool.is_some() && (cold || restore.is_some() || ram_backing != RamKind::Anon) {
+    if pool.is_some() && (cold || restoring.is_some() || ram_backing != RamKind::Anon) {
         return Err(
             "--vm-memory-pool works on anon RAM, without --vm-cold-ram-compression or --restore"
                 .into(),
         );
     }
-    if cold && restore.is_some() {
+    if cold && restoring.is_some() {
         return Err(
             "--vm-cold-ram-compression works on anon and memfd RAM, not on a restored \
              snapshot's RAM"
@@ -598,7 +620,7 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
             ram_backing.name()
         ));
     }
-    if governor.is_some() && (pool.is_some() || restore.is_some()) {
+    if governor.is_some() && (pool.is_some() || restoring.is_some()) {
         return Err(
             "--vm-governor limits RAM the pager serves: not with --vm-memory-pool or --restore"
                 .into(),
@@ -611,6 +633,7 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
         cold,
         dedup,
         restore,
+        restore_remote,
         pool,
         model_upstream,
         wait,

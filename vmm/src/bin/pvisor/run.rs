@@ -72,6 +72,7 @@ pub fn run(args: RunArgs) -> CliResult {
             dedup: resolved.dedup,
             thp_collapse: resolved.thp_collapse,
             restore: resolved.restore.clone(),
+            restore_remote: resolved.restore_remote.clone(),
             pool: resolved.pool.clone(),
             model_upstream: resolved.model_upstream.clone(),
             wait: resolved.wait,

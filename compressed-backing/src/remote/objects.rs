@@ -1,0 +1,224 @@
+//! Single objects beside a store under the same prefix (a snapshot's manifest and disk, a
+//! lease): read bounded, downloaded to a private file, put from bytes or a file.
+
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use futures::StreamExt;
+use object_store::{ObjectStoreExt, PutMode, PutOptions, PutPayload};
+
+use super::{run, Remote, RemoteError};
+use crate::file;
+use crate::store::StoreError;
+
+/// Parts of a multipart put from a file.
+const PART_BYTES: u64 = 8 << 20;
+
+/// How a put treats an object already there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PutIf {
+    /// Replace it.
+    Any,
+    /// Only create: an object there is [`RemoteError::Exists`].
+    Absent,
+    /// Only replace this version of it: another is [`RemoteError::Exists`].
+    Version(object_store::UpdateVersion),
+}
+
+impl Remote {
+    /// The object `name` under the prefix, whole, if it exists and is at most `limit` bytes
+    /// (a larger one is an error, read no further than the limit).
+    pub fn get_bounded(&self, name: &str, limit: u64) -> Result<Option<Vec<u8>>, RemoteError> {
+        let client = self.client.clone();
+        let key = self.key(name);
+        let url = self.url.clone();
+        let name_owned = name.to_owned();
+        let on_error = self.request_error("get", name);
+        let got = run(async move {
+            let result = match client.get(&key).await {
+                Ok(result) => result,
+                Err(object_store::Error::NotFound { .. }) => return Ok(None),
+                Err(e) => return Err(e),
+            };
+            if result.meta.size > limit {
+                return Ok(Some(Err(result.meta.size)));
+            }
+            let mut bytes = Vec::new();
+            let mut stream = result.into_stream();
+            while let Some(piece) = stream.next().await {
+                bytes.extend_from_slice(&piece?);
+                if bytes.len() as u64 > limit {
+                    return Ok(Some(Err(bytes.len() as u64)));
+                }
+            }
+            Ok(Some(Ok(bytes)))
+        })
+        .map_err(on_error)?;
+        match got {
+            None => Ok(None),
+            Some(Ok(bytes)) => Ok(Some(bytes)),
+            Some(Err(size)) => Err(RemoteError::TooLarge {
+                url: url.clone(),
+                name: name_owned,
+                size,
+                limit,
+            }),
+        }
+    }
+
+    /// Downloads the object `name` into `path`, a new file (0600, never through a link).
+    /// Returns its size; `None` if there is no such object.
+    pub fn download(&self, name: &str, path: &Path) -> Result<Option<u64>, RemoteError> {
+        let client = self.client.clone();
+        let key = self.key(name);
+        let on_error = self.request_error("get", name);
+        let target = path.to_path_buf();
+        let result = run(async move {
+            let result = match client.get(&key).await {
+                Ok(result) => result,
+                Err(object_store::Error::NotFound { .. }) => return Ok(None),
+                Err(e) => return Err(Err(e)),
+            };
+            let mut out = file::create_private(&target)
+                .map_err(|e| Ok(RemoteError::Store(StoreError::File(e))))?;
+            let mut stream = result.into_stream();
+            let mut written = 0u64;
+            while let Some(piece) = stream.next().await {
+                let piece = piece.map_err(Err)?;
+                out.write_all(&piece)
+                    .map_err(|e| Ok(StoreError::io("write", &target)(e).into()))?;
+                written += piece.len() as u64;
+            }
+            out.sync_all()
+                .map_err(|e| Ok(StoreError::io("sync", &target)(e).into()))?;
+            Ok(Some(written))
+        });
+        match result {
+            Ok(size) => Ok(size),
+            Err(Ok(e)) => {
+                let _ = fs::remove_file(path);
+                Err(e)
+            }
+            Err(Err(e)) => {
+                let _ = fs::remove_file(path);
+                Err(on_error(e))
+            }
+        }
+    }
+
+    /// Puts `bytes` as the object `name`.
+    pub fn put_bytes(&self, name: &str, bytes: Vec<u8>, put_if: PutIf) -> Result<(), RemoteError> {
+        let client = self.client.clone();
+        let key = self.key(name);
+        let mode = match put_if {
+            PutIf::Any => PutMode::Overwrite,
+            PutIf::Absent => PutMode::Create,
+            PutIf::Version(version) => PutMode::Update(version),
+        };
+        let put = run(async move {
+            client
+                .put_opts(
+                    &key,
+                    PutPayload::from(bytes),
+                    PutOptions {
+                        mode,
+                        ..PutOptions::default()
+                    },
+                )
+                .await
+        });
+        self.put_result(name, put.map(|_| ()))
+    }
+
+    /// Puts the first `len` bytes of the file at `path` as the object `name`: one request
+    /// up to 16 MiB, parts of 8 MiB above (at most one part in memory).
+    pub fn put_file(&self, name: &str, path: &Path, len: u64) -> Result<(), RemoteError> {
+        let remote = self.clone();
+        let name_owned = name.to_owned();
+        let path = path.to_path_buf();
+        run(async move { put_file(&remote, &name_owned, &path, len, &|_| {}).await })
+    }
+
+    pub(super) fn put_result(
+        &self,
+        name: &str,
+        put: Result<(), object_store::Error>,
+    ) -> Result<(), RemoteError> {
+        match put {
+            Ok(()) => Ok(()),
+            Err(
+                object_store::Error::AlreadyExists { .. }
+                | object_store::Error::Precondition { .. },
+            ) => Err(RemoteError::Exists {
+                url: self.url.clone(),
+                name: name.to_owned(),
+            }),
+            Err(e) => Err(self.request_error("put", name)(e)),
+        }
+    }
+}
+
+/// Puts the first `len` bytes of `path` as object `name`, created only if absent (a chunk's
+/// name is never reused); `progress` gets the bytes as they go.
+pub(super) async fn put_file(
+    remote: &Remote,
+    name: &str,
+    path: &Path,
+    len: u64,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<(), RemoteError> {
+    let key = remote.key(name);
+    let file = file::open_read(path).map_err(StoreError::File)?;
+    let read = |offset: u64, n: u64| -> Result<Vec<u8>, RemoteError> {
+        let mut buf = vec![0u8; usize::try_from(n).unwrap_or(usize::MAX)];
+        file.read_exact_at(&mut buf, offset)
+            .map_err(StoreError::io("read", path))?;
+        Ok(buf)
+    };
+    if len <= 2 * PART_BYTES {
+        let bytes = read(0, len)?;
+        let put = remote
+            .client
+            .put_opts(
+                &key,
+                PutPayload::from(bytes),
+                PutOptions {
+                    mode: PutMode::Create,
+                    ..PutOptions::default()
+                },
+            )
+            .await;
+        remote.put_result(name, put.map(|_| ()))?;
+        progress(len);
+        return Ok(());
+    }
+    let mut upload = remote
+        .client
+        .put_multipart(&key)
+        .await
+        .map_err(remote.request_error("start a multipart upload of", name))?;
+    let mut offset = 0;
+    while offset < len {
+        let n = PART_BYTES.min(len - offset);
+        let part = match read(offset, n) {
+            Ok(part) => part,
+            Err(e) => {
+                let _ = upload.abort().await;
+                return Err(e);
+            }
+        };
+        if let Err(e) = upload.put_part(PutPayload::from(part)).await {
+            let _ = upload.abort().await;
+            return Err(remote.request_error("put a part of", name)(e));
+        }
+        offset += n;
+        progress(n);
+    }
+    upload
+        .complete()
+        .await
+        .map_err(remote.request_error("complete the upload of", name))?;
+    Ok(())
+}

@@ -1,0 +1,46 @@
+//! The command-line options of stores in an object store, shared by `uffd-pager` and
+//! `pvisor`: the endpoint, the cache and its bound, the retry timeout.
+
+use std::path::PathBuf;
+
+use basics::parse_size;
+use compressed_backing::remote::RemoteOptions;
+
+/// Where an s3:// store is reached and cached. Credentials and region come from the standard
+/// AWS environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION).
+#[derive(Debug, Clone, clap::Args)]
+pub struct RemoteArgs {
+    /// The S3 endpoint, for S3-compatible servers (default: AWS_ENDPOINT_URL, else AWS).
+    #[arg(long, value_name = "URL")]
+    pub s3_endpoint: Option<String>,
+    /// The local read cache of s3:// stores, shared by this user's VMs; it must be private
+    /// to this user [default: $XDG_CACHE_HOME/pvisor, else ~/.cache/pvisor].
+    #[arg(long, value_name = "DIR")]
+    pub cache: Option<PathBuf>,
+    /// At most this much is kept in the cache (KiB/MiB/GiB suffixes).
+    #[arg(long, value_name = "SIZE", default_value = "4GiB", value_parser = parse_size)]
+    pub cache_size: u64,
+    /// How long a failing request to the object store is retried before it fails.
+    #[arg(long, value_name = "SECS", default_value_t = 30.0)]
+    pub s3_retry_timeout: f64,
+}
+
+impl RemoteArgs {
+    /// The options these arguments give.
+    pub fn options(&self) -> Result<RemoteOptions, String> {
+        if !(self.s3_retry_timeout.is_finite() && self.s3_retry_timeout >= 0.0) {
+            return Err(format!(
+                "--s3-retry-timeout {} is not a number of seconds",
+                self.s3_retry_timeout
+            ));
+        }
+        let mut options = RemoteOptions::new();
+        options.endpoint = self.s3_endpoint.clone();
+        if let Some(dir) = &self.cache {
+            options.cache_dir = dir.clone();
+        }
+        options.cache_size = self.cache_size;
+        options.retry_timeout = std::time::Duration::from_secs_f64(self.s3_retry_timeout);
+        Ok(options)
+    }
+}

@@ -1,0 +1,195 @@
+//! Snapshots in an S3-compatible object store: `s3://BUCKET/PREFIX/` holds the same files as
+//! a snapshot directory, `manifest.json`, `disk.img` and the RAM store under `ram.store/`
+//! (a remote store: docs/remote.md). The manifest is put last and only if absent: it is the
+//! commit, so a prefix without one holds no snapshot, and a snapshot is never written over.
+//!
+//! A restore fetches the manifest and the disk (checked against its seal) and opens the RAM
+//! store lazily: instead of reading the whole image against its digest before the restore, it
+//! checks the store's index against the manifest's `ram_index` seal; the index holds every
+//! block's checksum, and every block is checked as it is fetched. The working set the
+//! snapshot carries (the blocks the VM faulted in since its last resume, in order) is fetched
+//! first, in coalesced range requests, before the vCPU runs.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use compressed_backing::remote::{PutIf, Remote, RemoteError};
+use compressed_backing::DiskStore;
+use uffd_pager::source::StoreSource;
+
+use super::*;
+use crate::machine::RestoreRam;
+
+/// Where a snapshot is.
+#[derive(Debug, Clone)]
+pub enum SnapshotAt {
+    /// A directory.
+    Dir(PathBuf),
+    /// A prefix of an object store.
+    Remote(Remote),
+}
+
+impl fmt::Display for SnapshotAt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Dir(dir) => write!(f, "{}", dir.display()),
+            Self::Remote(remote) => write!(f, "{}", remote.url()),
+        }
+    }
+}
+
+impl SnapshotAt {
+    /// Reads the manifest without checking the files (see [`read_manifest`]).
+    pub fn read_manifest(&self) -> Result<Manifest, SnapshotError> {
+        match self {
+            Self::Dir(dir) => read_manifest(dir),
+            Self::Remote(remote) => {
+                let path = PathBuf::from(format!("{}/{MANIFEST}", remote.url()));
+                let text = remote
+                    .get_bounded(MANIFEST, MANIFEST_LIMIT)?
+                    .ok_or_else(|| SnapshotError::Manifest {
+                        path: path.clone(),
+                        reason: "there is no snapshot there (no manifest)".into(),
+                    })?;
+                parse_manifest(&text, &path)
+            }
+        }
+    }
+
+    /// Opens the snapshot and checks it against its seals (see [`Snapshot::open`] and the
+    /// module documentation).
+    pub fn open(&self) -> Result<Snapshot, SnapshotError> {
+        match self {
+            Self::Dir(dir) => Snapshot::open(dir),
+            Self::Remote(remote) => open_remote(remote),
+        }
+    }
+}
+
+/// What [`upload`] did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct UploadedSnapshot {
+    /// Where it went.
+    pub url: String,
+    /// The RAM store's upload.
+    pub ram: compressed_backing::remote::UploadReport,
+    /// Bytes of the disk.
+    pub disk_bytes: u64,
+    /// Seconds in all.
+    pub elapsed_s: f64,
+}
+
+/// Uploads the sealed snapshot in `dir` (its RAM in a store) to `remote`'s prefix, which
+/// must hold none: the RAM store, the disk, then the manifest with the RAM index's seal.
+pub fn upload(
+    dir: &Path,
+    remote: &Remote,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<UploadedSnapshot, SnapshotError> {
+    let started = std::time::Instant::now();
+    let mut manifest = read_manifest(dir)?;
+    let at = PathBuf::from(remote.url().to_string());
+    if manifest.ram_format != RamFormat::Store {
+        return Err(SnapshotError::Manifest {
+            path: dir.join(MANIFEST),
+            reason: "a snapshot in an object store keeps its RAM in a store: give --codec".into(),
+        });
+    }
+    if remote.get_bounded(MANIFEST, MANIFEST_LIMIT)?.is_some() {
+        return Err(SnapshotError::Exists(at));
+    }
+    let ram = remote
+        .child(RAM_STORE)
+        .upload(&dir.join(RAM_STORE), progress)?;
+    remote.put_file(DISK, &dir.join(DISK), manifest.disk.bytes)?;
+    progress(manifest.disk.bytes);
+    manifest.ram_index = Some(SealedFile {
+        name: format!("{RAM_STORE}/index"),
+        bytes: ram.index_bytes,
+        xxh3_128: ram.index_xxh3_128.clone(),
+    });
+    let text = serde_json::to_vec_pretty(&manifest).expect("the manifest serializes");
+    match remote.put_bytes(MANIFEST, text, PutIf::Absent) {
+        Err(RemoteError::Exists { .. }) => return Err(SnapshotError::Exists(at)),
+        other => other?,
+    }
+    Ok(UploadedSnapshot {
+        url: remote.url().to_string(),
+        ram,
+        disk_bytes: manifest.disk.bytes,
+        elapsed_s: started.elapsed().as_secs_f64(),
+    })
+}
+
+fn open_remote(remote: &Remote) -> Result<Snapshot, SnapshotError> {
+    let at = SnapshotAt::Remote(remote.clone());
+    let manifest = at.read_manifest()?;
+    let label = |name: &str| PathBuf::from(format!("{}/{name}", remote.url()));
+    let Some(ram_seal) = manifest.ram_index.clone() else {
+        return Err(SnapshotError::Manifest {
+            path: label(MANIFEST),
+            reason: "it has no seal of its RAM store's index".into(),
+        });
+    };
+    if manifest.ram_format != RamFormat::Store {
+        return Err(SnapshotError::Manifest {
+            path: label(MANIFEST),
+            reason: "its RAM is not in a store".into(),
+        });
+    }
+    // The disk: into a private directory of the cache, checked, then held open only.
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let local = remote
+        .cache()
+        .root()
+        .join(format!("restore-{}-{n}", std::process::id()));
+    safe_file::create_private_dir_new(&local).map_err(io("create", &local))?;
+    let disk_path = local.join(DISK);
+    let opened = (|| {
+        remote
+            .download(DISK, &disk_path)?
+            .ok_or_else(|| SnapshotError::Manifest {
+                path: label(DISK),
+                reason: "the disk object is missing".into(),
+            })?;
+        restore::open_sealed(&disk_path, &manifest.disk)
+    })();
+    let _ = std::fs::remove_dir_all(&local);
+    let disk = opened?;
+    // The RAM: its index against the seal, then the working set fetched ahead.
+    let ram_remote = remote.child(RAM_STORE);
+    let store: DiskStore = ram_remote.open()?;
+    let index_path = store.dir().join("index");
+    let found = {
+        let file = safe_file::open_read(&index_path)?;
+        digest_open(&file, &index_path, &ram_seal.name)?
+    };
+    if found.bytes != ram_seal.bytes || found.xxh3_128 != ram_seal.xxh3_128 {
+        return Err(SnapshotError::Seal {
+            path: label(&ram_seal.name),
+            what: format!(
+                "{} bytes, xxh3-128 {}; sealed as {} bytes, {}",
+                found.bytes, found.xxh3_128, ram_seal.bytes, ram_seal.xxh3_128
+            ),
+        });
+    }
+    let working_set: Vec<u64> = store
+        .meta(uffd_pager::offload::WORKING_SET_KEY)
+        .unwrap_or_default()
+        .chunks_exact(8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .collect();
+    if !working_set.is_empty() {
+        ram_remote.prefetch(&store, &working_set)?;
+    }
+    let ram_path = store.dir().to_path_buf();
+    Ok(Snapshot::from_parts(
+        manifest,
+        RestoreRam::Source(Arc::new(StoreSource::new(store))),
+        ram_path,
+        disk,
+        label(DISK),
+    ))
+}

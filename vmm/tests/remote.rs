@@ -1,0 +1,135 @@
+//! Snapshots in an object store (a real S3 server on loopback, `testkit::s3`): written by one
+//! "host", continued on others. Each host is a runtime directory and a cache of its own, and
+//! every VM a fresh process; the writer's cache is deleted before anyone restores.
+
+mod common;
+
+use std::path::Path;
+
+use common::{fails, skip, Detached, RUN_DETACHED};
+use testkit::s3::S3Server;
+
+/// `args` followed by the options that reach the server and name the host's cache.
+fn with_remote(args: &[&str], endpoint: &str, cache: &Path) -> Vec<String> {
+    let mut all: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+    all.extend(
+        [
+            "--s3-endpoint",
+            endpoint,
+            "--s3-retry-timeout",
+            "5",
+            "--cache",
+            cache.to_str().expect("a UTF-8 path"),
+        ]
+        .map(str::to_owned),
+    );
+    all
+}
+
+fn strs(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
+}
+
+#[test]
+fn snapshots_in_a_bucket_continue_on_another_host_lazily_with_their_working_set() {
+    if skip() {
+        return;
+    }
+    let server = S3Server::start();
+    server.create_bucket("snaps");
+    // One test in this file: the environment is the test's own to set, and the VM processes
+    // inherit it (credentials come from the standard AWS variables).
+    for (key, value) in server.env() {
+        std::env::set_var(key, value);
+    }
+    let endpoint = server.endpoint();
+    let tmp = tempfile::tempdir().unwrap();
+    let host = |name: &str| {
+        let dir = tmp.path().join(name);
+        std::fs::create_dir_all(dir.join("runtime")).unwrap();
+        dir
+    };
+    let a = host("a");
+    let origin = Detached::start(&a.join("runtime"), &[], "fill 64MiB random seed=31; idle");
+    let digest = origin.digest();
+    let args = with_remote(&["--out", "s3://snaps/vm-lz4"], &endpoint, &a.join("cache"));
+    let report = origin.call("snapshot", &strs(&args));
+    assert!(
+        report["uploaded"]["ram"]["chunks"].as_u64().unwrap() >= 1,
+        "{report}"
+    );
+    let raw = with_remote(
+        &["--out", "s3://snaps/vm-raw", "--codec", "none"],
+        &endpoint,
+        &a.join("cache"),
+    );
+    origin.call("snapshot", &strs(&raw));
+    // A prefix that holds a snapshot is never written over.
+    let err = origin.call_fails("snapshot", &strs(&args));
+    assert!(err.contains("exists already"), "{err}");
+    drop(origin);
+    std::fs::remove_dir_all(a.join("cache")).unwrap();
+
+    // Host B: both snapshots restored with the right bytes; faults fetch block by block.
+    let b = host("b");
+    let mut restored = Vec::new();
+    for prefix in ["s3://snaps/vm-lz4", "s3://snaps/vm-raw"] {
+        let extra = with_remote(&["--restore", prefix], &endpoint, &b.join("cache"));
+        let before = server.requests();
+        let vm = Detached::start(&b.join("runtime"), &strs(&extra), "idle");
+        assert_eq!(vm.digest(), digest, "{prefix}");
+        let requests = server.requests() - before;
+        // 64 MiB touched in 64 KiB blocks, no working set yet: about one request each.
+        assert!(requests >= 900, "{prefix}: {requests} requests");
+        restored.push(vm);
+    }
+    // B's VM, snapshotted in turn, carries what it faulted in: its working set.
+    let again = with_remote(&["--out", "s3://snaps/vm-ws"], &endpoint, &b.join("cache"));
+    restored[0].call("snapshot", &strs(&again));
+    drop(restored);
+
+    // Host C: the working set comes first, in coalesced requests; the digest needs no more.
+    let c = host("c");
+    let extra = with_remote(
+        &["--restore", "s3://snaps/vm-ws"],
+        &endpoint,
+        &c.join("cache"),
+    );
+    let before = server.requests();
+    let vm = Detached::start(&c.join("runtime"), &strs(&extra), "idle");
+    let at_start = server.requests() - before;
+    assert_eq!(vm.digest(), digest);
+    let requests = server.requests() - before;
+    assert!(requests < 100, "{requests} requests with the working set");
+    assert_eq!(requests, at_start, "the digest fetched nothing more");
+    drop(vm);
+
+    // No snapshot there, and a damaged manifest: clear errors, nothing runs.
+    let d = host("d");
+    let runtime = d.join("runtime");
+    let run = |prefix: &str| {
+        let mut args = with_remote(
+            &[&RUN_DETACHED[..], &["--restore", prefix]].concat(),
+            &endpoint,
+            &d.join("cache"),
+        );
+        args.extend(["--".to_owned(), "idle".to_owned()]);
+        fails(&runtime, &strs(&args))
+    };
+    let err = run("s3://snaps/nothing");
+    assert!(err.contains("no snapshot there"), "{err}");
+    let manifest = server.object_path("snaps", "vm-lz4/manifest.json");
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    // The RAM index's seal, one hex digit changed.
+    let at = text.find("\"ram_index\"").unwrap();
+    let digit = at + text[at..].find("\"xxh3_128\": \"").unwrap() + "\"xxh3_128\": \"".len();
+    let flipped = if &text[digit..=digit] == "0" {
+        "1"
+    } else {
+        "0"
+    };
+    let text = format!("{}{flipped}{}", &text[..digit], &text[digit + 1..]);
+    std::fs::write(&manifest, text).unwrap();
+    let err = run("s3://snaps/vm-lz4");
+    assert!(err.contains("seal") || err.contains("xxh3"), "{err}");
+}
