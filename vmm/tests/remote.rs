@@ -50,7 +50,7 @@ fn snapshots_in_a_bucket_continue_on_another_host_lazily_with_their_working_set(
         dir
     };
     let a = host("a");
-    let origin = Detached::start(&a.join("runtime"), &[], "fill 64MiB random seed=31; idle");
+    let origin = Detached::start(&a.join("runtime"), &[], "fill 32MiB random seed=31; idle");
     let digest = origin.digest();
     let args = with_remote(&["--out", "s3://snaps/vm-lz4"], &endpoint, &a.join("cache"));
     let report = origin.call("snapshot", &strs(&args));
@@ -79,8 +79,8 @@ fn snapshots_in_a_bucket_continue_on_another_host_lazily_with_their_working_set(
         let vm = Detached::start(&b.join("runtime"), &strs(&extra), "idle");
         assert_eq!(vm.digest(), digest, "{prefix}");
         let requests = server.requests() - before;
-        // 64 MiB touched in 64 KiB blocks, no working set yet: about one request each.
-        assert!(requests >= 900, "{prefix}: {requests} requests");
+        // 32 MiB touched in 64 KiB blocks, no working set yet: about one request each.
+        assert!(requests >= 450, "{prefix}: {requests} requests");
         restored.push(vm);
     }
     // B's VM, snapshotted in turn, carries what it faulted in: its working set.
@@ -104,7 +104,44 @@ fn snapshots_in_a_bucket_continue_on_another_host_lazily_with_their_working_set(
     assert_eq!(requests, at_start, "the digest fetched nothing more");
     drop(vm);
 
-    // No snapshot there, and a damaged manifest: clear errors, nothing runs.
+    // A move: `suspend --vm-offload-to` offloads the VM, writes it with a lease and stops it;
+    // one host continues it, the next is refused, naming who holds it.
+    let e = host("e");
+    let mover = Detached::start(&e.join("runtime"), &[], "fill 32MiB random seed=5; idle");
+    let moved_digest = mover.digest();
+    let args = with_remote(
+        &["--vm-offload", "--vm-offload-to", "s3://snaps/moved"],
+        &endpoint,
+        &e.join("cache"),
+    );
+    let report = mover.call("suspend", &strs(&args));
+    assert_eq!(
+        report["uploaded"]["lease"]["state"], "offloaded",
+        "{report}"
+    );
+    assert!(report["resume_with"]
+        .as_str()
+        .unwrap()
+        .contains("s3://snaps/moved"));
+    let err = fails(&e.join("runtime"), &["status", mover.job()]);
+    assert!(!err.is_empty(), "the source still answers");
+    drop(mover);
+    let f = host("f");
+    let extra = with_remote(
+        &["--restore", "s3://snaps/moved"],
+        &endpoint,
+        &f.join("cache"),
+    );
+    let continued = Detached::start(&f.join("runtime"), &strs(&extra), "idle");
+    assert_eq!(continued.digest(), moved_digest);
+    let lease: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(server.object_path("snaps", "moved/lease.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(lease["state"], "running", "{lease}");
+
+    // No snapshot there, a second restore of a moved VM, and a damaged manifest: clear
+    // errors, nothing runs.
     let d = host("d");
     let runtime = d.join("runtime");
     let run = |prefix: &str| {
@@ -118,6 +155,9 @@ fn snapshots_in_a_bucket_continue_on_another_host_lazily_with_their_working_set(
     };
     let err = run("s3://snaps/nothing");
     assert!(err.contains("no snapshot there"), "{err}");
+    let err = run("s3://snaps/moved");
+    assert!(err.contains("lease is held by a restored VM on"), "{err}");
+    drop(continued);
     let manifest = server.object_path("snaps", "vm-lz4/manifest.json");
     let text = std::fs::read_to_string(&manifest).unwrap();
     // The RAM index's seal, one hex digit changed.

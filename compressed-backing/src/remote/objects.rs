@@ -31,6 +31,16 @@ impl Remote {
     /// The object `name` under the prefix, whole, if it exists and is at most `limit` bytes
     /// (a larger one is an error, read no further than the limit).
     pub fn get_bounded(&self, name: &str, limit: u64) -> Result<Option<Vec<u8>>, RemoteError> {
+        Ok(self.get_versioned(name, limit)?.map(|(bytes, _)| bytes))
+    }
+
+    /// [`get_bounded`](Self::get_bounded) with the version read, for a put that replaces
+    /// exactly that version ([`PutIf::Version`]).
+    pub fn get_versioned(
+        &self,
+        name: &str,
+        limit: u64,
+    ) -> Result<Option<(Vec<u8>, object_store::UpdateVersion)>, RemoteError> {
         let client = self.client.clone();
         let key = self.key(name);
         let url = self.url.clone();
@@ -45,6 +55,10 @@ impl Remote {
             if result.meta.size > limit {
                 return Ok(Some(Err(result.meta.size)));
             }
+            let version = object_store::UpdateVersion {
+                e_tag: result.meta.e_tag.clone(),
+                version: result.meta.version.clone(),
+            };
             let mut bytes = Vec::new();
             let mut stream = result.into_stream();
             while let Some(piece) = stream.next().await {
@@ -53,12 +67,12 @@ impl Remote {
                     return Ok(Some(Err(bytes.len() as u64)));
                 }
             }
-            Ok(Some(Ok(bytes)))
+            Ok(Some(Ok((bytes, version))))
         })
         .map_err(on_error)?;
         match got {
             None => Ok(None),
-            Some(Ok(bytes)) => Ok(Some(bytes)),
+            Some(Ok(found)) => Ok(Some(found)),
             Some(Err(size)) => Err(RemoteError::TooLarge {
                 url: url.clone(),
                 name: name_owned,

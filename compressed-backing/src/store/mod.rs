@@ -454,6 +454,7 @@ impl DiskStore {
     pub fn reader(&self) -> StoreReader {
         StoreReader {
             how: self.how.clone(),
+            meta: Arc::new(self.meta.clone()),
             dir: self.dir.clone(),
             block_size: self.block_size,
             image_size: self.image_size,

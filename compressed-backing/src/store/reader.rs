@@ -172,6 +172,7 @@ pub(super) fn read_block(
 #[derive(Debug, Clone)]
 pub struct StoreReader {
     pub(super) how: ReadPath,
+    pub(super) meta: Arc<BTreeMap<String, Vec<u8>>>,
     pub(super) dir: PathBuf,
     pub(super) block_size: BlockSize,
     pub(super) image_size: u64,
@@ -188,6 +189,11 @@ impl StoreReader {
     /// Bytes in the image.
     pub fn image_size(&self) -> u64 {
         self.image_size
+    }
+
+    /// The metadata value of `key` as it was when the view was taken.
+    pub fn meta(&self, key: &str) -> Option<&[u8]> {
+        self.meta.get(key).map(Vec::as_slice)
     }
 
     /// The kind of `block` (`None`: absent, reads as zeros; also for an index past the end).

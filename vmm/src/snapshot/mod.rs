@@ -35,7 +35,7 @@ mod restore;
 mod write;
 
 pub use private::{load_private, offload_private, PrivateLoadReport, PrivateOffloadReport};
-pub use remote::{upload, SnapshotAt, UploadedSnapshot};
+pub use remote::{upload, Lease, SnapshotAt, UploadedSnapshot};
 pub use restore::Snapshot;
 use write::{copy_from_start, digest_open};
 pub use write::{remove, write};
@@ -124,6 +124,14 @@ pub enum SnapshotError {
     /// A file of the snapshot is a link, a FIFO, a device, or too large.
     #[error(transparent)]
     File(#[from] FileError),
+    /// A VM moved to an object store runs elsewhere already.
+    #[error("the VM at {url} is running elsewhere: its lease is held by {holder}")]
+    Leased {
+        /// The prefix.
+        url: String,
+        /// Who holds the lease.
+        holder: String,
+    },
     /// The object store failed.
     #[error("the snapshot in the object store")]
     Remote(#[from] compressed_backing::remote::RemoteError),

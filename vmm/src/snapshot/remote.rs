@@ -67,6 +67,70 @@ impl SnapshotAt {
     }
 }
 
+/// The object that fences a VM moved to an object store to one host at a time.
+const LEASE: &str = "lease.json";
+/// The most bytes of a lease.
+const LEASE_LIMIT: u64 = 64 << 10;
+
+/// Who may run a VM moved to an object store (`pvisor suspend JOB --vm-offload-to s3://…`):
+/// nobody while it is `offloaded`; the first restore takes it (a put conditional on the
+/// version it read) and holds it `running`, and every later restore is refused, naming it.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Lease {
+    /// `offloaded` or `running`.
+    pub state: String,
+    /// Who wrote it: host name, process and job.
+    pub holder: String,
+    /// When, seconds since the epoch.
+    pub since_unix_s: u64,
+}
+
+impl Lease {
+    /// A lease in `state` held by this process (`what` says which VM).
+    pub fn ours(state: &str, what: &str) -> Self {
+        let host = nix::unistd::gethostname()
+            .ok()
+            .and_then(|h| h.into_string().ok())
+            .unwrap_or_else(|| "unknown host".into());
+        Self {
+            state: state.to_owned(),
+            holder: format!("{what} on {host}, pid {}", std::process::id()),
+            since_unix_s: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+        }
+    }
+}
+
+/// Takes the lease of a moved VM for this process, if the prefix has one: refused while
+/// another holds it.
+fn take_lease(remote: &Remote) -> Result<Option<Lease>, SnapshotError> {
+    let Some((bytes, version)) = remote.get_versioned(LEASE, LEASE_LIMIT)? else {
+        return Ok(None);
+    };
+    let path = PathBuf::from(format!("{}/{LEASE}", remote.url()));
+    let held: Lease = serde_json::from_slice(&bytes).map_err(|e| SnapshotError::Manifest {
+        path: path.clone(),
+        reason: format!("its lease is not one: {e}"),
+    })?;
+    let refused = |holder: String| SnapshotError::Leased {
+        url: remote.url().to_string(),
+        holder,
+    };
+    if held.state != "offloaded" {
+        return Err(refused(format!(
+            "{} (since {})",
+            held.holder, held.since_unix_s
+        )));
+    }
+    let ours = Lease::ours("running", "a restored VM");
+    let text = serde_json::to_vec(&ours).expect("a lease serializes");
+    match remote.put_bytes(LEASE, text, PutIf::Version(version)) {
+        Err(RemoteError::Exists { .. }) => Err(refused("another restore, just now".into())),
+        other => other.map(|()| Some(ours)).map_err(Into::into),
+    }
+}
+
 /// What [`upload`] did.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct UploadedSnapshot {
@@ -78,13 +142,18 @@ pub struct UploadedSnapshot {
     pub disk_bytes: u64,
     /// Seconds in all.
     pub elapsed_s: f64,
+    /// The lease written, for a moved VM.
+    pub lease: Option<Lease>,
 }
 
 /// Uploads the sealed snapshot in `dir` (its RAM in a store) to `remote`'s prefix, which
 /// must hold none: the RAM store, the disk, then the manifest with the RAM index's seal.
+/// With `moved` (the VM leaves its host: `suspend --vm-offload-to`), a lease held by nobody
+/// (`offloaded`) goes before the manifest, so that one restore only can take it.
 pub fn upload(
     dir: &Path,
     remote: &Remote,
+    moved: Option<&str>,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<UploadedSnapshot, SnapshotError> {
     let started = std::time::Instant::now();
@@ -109,6 +178,14 @@ pub fn upload(
         bytes: ram.index_bytes,
         xxh3_128: ram.index_xxh3_128.clone(),
     });
+    let lease = moved.map(|what| Lease::ours("offloaded", what));
+    if let Some(lease) = &lease {
+        let text = serde_json::to_vec(lease).expect("a lease serializes");
+        match remote.put_bytes(LEASE, text, PutIf::Absent) {
+            Err(RemoteError::Exists { .. }) => return Err(SnapshotError::Exists(at)),
+            other => other?,
+        }
+    }
     let text = serde_json::to_vec_pretty(&manifest).expect("the manifest serializes");
     match remote.put_bytes(MANIFEST, text, PutIf::Absent) {
         Err(RemoteError::Exists { .. }) => return Err(SnapshotError::Exists(at)),
@@ -119,6 +196,7 @@ pub fn upload(
         ram,
         disk_bytes: manifest.disk.bytes,
         elapsed_s: started.elapsed().as_secs_f64(),
+        lease,
     })
 }
 
@@ -138,6 +216,8 @@ fn open_remote(remote: &Remote) -> Result<Snapshot, SnapshotError> {
             reason: "its RAM is not in a store".into(),
         });
     }
+    // A VM moved here runs on one host only: the lease first, before anything is fetched.
+    take_lease(remote)?;
     // The disk: into a private directory of the cache, checked, then held open only.
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

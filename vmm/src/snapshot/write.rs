@@ -174,10 +174,11 @@ fn write_ram(machine: &Machine, path: &Path) -> Result<(SealedFile, u64), Snapsh
     let mut buf = vec![0u8; CHUNK];
     let mut data_bytes = 0;
     let mut gpa = 0;
+    let mut ram_read = RamRead::new(machine);
     while gpa < ram.size() {
         let len = (ram.size() - gpa).min(CHUNK as u64);
         let chunk = &mut buf[..usize::try_from(len).expect("a chunk")];
-        if read_touched(machine, gpa, chunk, &mut digest)? {
+        if ram_read.read(gpa, chunk, &mut digest)? {
             // Only pages with data are written; the rest stay holes.
             for (i, page) in chunk.chunks(PAGE as usize).enumerate() {
                 if page.iter().any(|&b| b != 0) {
@@ -212,11 +213,12 @@ fn write_ram_store(
     let mut buf = vec![0u8; BlockSize::default().bytes()];
     let mut digest = Digest::new();
     let mut data_bytes = 0;
+    let mut ram_read = RamRead::new(machine);
     for block in 0..store.blocks() {
         let len = store.block_len(block);
         let gpa = block * buf.len() as u64;
         let chunk = &mut buf[..len];
-        if read_touched(machine, gpa, chunk, &mut digest)? && chunk.iter().any(|&b| b != 0) {
+        if ram_read.read(gpa, chunk, &mut digest)? && chunk.iter().any(|&b| b != 0) {
             store.put(block, chunk)?;
             data_bytes += len as u64;
         }
@@ -224,12 +226,15 @@ fn write_ram_store(
     // The working set travels with the snapshot: the blocks faulted in since the VM's last
     // resume (a restore, a load), in their order, as blocks of this store.
     // A pager block larger than the store's (a 2 MiB one) spans several of them.
+    // An offloaded VM's is in its offload store.
     let pager = machine.pager();
-    let unit = pager.block_size().bytes_u64();
+    let (recorded, unit) = match pager.working_set() {
+        recorded if !recorded.is_empty() => (recorded, pager.block_size().bytes_u64()),
+        _ => ram_read.stored_working_set().unwrap_or_default(),
+    };
     let ours = buf.len() as u64;
     let mut seen = std::collections::BTreeSet::new();
-    let working_set: Vec<u8> = pager
-        .working_set()
+    let working_set: Vec<u8> = recorded
         .into_iter()
         .flat_map(|block| block * unit / ours..((block + 1) * unit).div_ceil(ours))
         .filter(|&block| block < store.blocks() && seen.insert(block))
@@ -242,29 +247,95 @@ fn write_ram_store(
     Ok((digest.seal(RAM_STORE), data_bytes))
 }
 
-/// Reads the guest's bytes at `gpa` into `chunk` and adds them to `digest`, unless the pager
-/// knows every page there to be untouched: then zeros go into the digest, `chunk` is left as
-/// it is, and the answer is false.
-fn read_touched(
-    machine: &Machine,
-    gpa: u64,
-    chunk: &mut [u8],
-    digest: &mut Digest,
-) -> Result<bool, SnapshotError> {
-    let len = chunk.len() as u64;
-    let untouched = (gpa / PAGE..(gpa + len) / PAGE)
-        .all(|p| machine.pager().page_state(p * PAGE) == PageState::Zero);
-    if untouched {
-        digest.update_zeros(chunk.len());
-        return Ok(false);
+/// Reads guest RAM for a snapshot without bringing offloaded RAM back: pages the pager holds
+/// in its offload store are read from the store, the others from guest memory.
+struct RamRead<'a> {
+    machine: &'a Machine,
+    stored: Option<compressed_backing::StoreReader>,
+    /// The store block read last, decoded.
+    cached: Option<(u64, Vec<u8>)>,
+}
+
+impl<'a> RamRead<'a> {
+    fn new(machine: &'a Machine) -> Self {
+        Self {
+            machine,
+            stored: machine.pager().store_reader(),
+            cached: None,
+        }
     }
-    machine
-        .ram()
-        .memory()
-        .read_slice(chunk, GuestAddress(gpa))
-        .map_err(|e| SnapshotError::GuestMemory { gpa, source: e })?;
-    digest.update(chunk);
-    Ok(true)
+
+    /// The working set the offload store carries (what the VM faulted in before its last
+    /// offload), as blocks of the store.
+    fn stored_working_set(&self) -> Option<(Vec<u64>, u64)> {
+        let reader = self.stored.as_ref()?;
+        let bytes = reader.meta(uffd_pager::offload::WORKING_SET_KEY)?;
+        let blocks = bytes
+            .chunks_exact(8)
+            .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .collect();
+        Some((blocks, reader.block_size().bytes_u64()))
+    }
+
+    /// Reads the guest's bytes at `gpa` into `chunk` and adds them to `digest`, unless the
+    /// pager knows every page there to be untouched: then zeros go into the digest, `chunk`
+    /// is left as it is, and the answer is false.
+    fn read(
+        &mut self,
+        gpa: u64,
+        chunk: &mut [u8],
+        digest: &mut Digest,
+    ) -> Result<bool, SnapshotError> {
+        let len = chunk.len() as u64;
+        let pager = self.machine.pager();
+        let states: Vec<PageState> = (gpa / PAGE..(gpa + len) / PAGE)
+            .map(|p| pager.page_state(p * PAGE))
+            .collect();
+        if states.iter().all(|&s| s == PageState::Zero) {
+            digest.update_zeros(chunk.len());
+            return Ok(false);
+        }
+        if !states.contains(&PageState::Stored) {
+            self.read_guest(gpa, chunk)?;
+        } else {
+            for (i, state) in states.iter().enumerate() {
+                let at = gpa + i as u64 * PAGE;
+                let page = &mut chunk[i * PAGE as usize..(i + 1) * PAGE as usize];
+                match state {
+                    PageState::Zero => page.fill(0),
+                    PageState::Stored => self.read_stored(at, page)?,
+                    _ => self.read_guest(at, page)?,
+                }
+            }
+        }
+        digest.update(chunk);
+        Ok(true)
+    }
+
+    fn read_guest(&self, gpa: u64, chunk: &mut [u8]) -> Result<(), SnapshotError> {
+        self.machine
+            .ram()
+            .memory()
+            .read_slice(chunk, GuestAddress(gpa))
+            .map_err(|e| SnapshotError::GuestMemory { gpa, source: e })
+    }
+
+    fn read_stored(&mut self, gpa: u64, page: &mut [u8]) -> Result<(), SnapshotError> {
+        let Some(reader) = &self.stored else {
+            return self.read_guest(gpa, page);
+        };
+        let size = reader.block_size();
+        let block = size.index_of(gpa);
+        if self.cached.as_ref().is_none_or(|(b, _)| *b != block) {
+            let mut buf = vec![0u8; size.len_in_image(block, reader.image_size())];
+            reader.get(block, &mut buf)?;
+            self.cached = Some((block, buf));
+        }
+        let (_, buf) = self.cached.as_ref().expect("just read");
+        let from = usize::try_from(gpa - block * size.bytes_u64()).expect("inside a block");
+        page.copy_from_slice(&buf[from..from + page.len()]);
+        Ok(())
+    }
 }
 
 /// Copies the open file `from` (named `from_path`) to the new file `to` (0600 from the

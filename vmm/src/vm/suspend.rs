@@ -260,11 +260,15 @@ impl Vm {
     }
 
     /// Writes a sealed snapshot of the VM to `out` (which must not exist), RAM raw or, with a
-    /// codec, compressed. The VM must not be offloaded; it goes on as it was.
+    /// codec, compressed; it goes on as it was. An offloaded VM's RAM is read from its offload
+    /// store, never brought back (not for snapshot RAM, whose offload keeps only the pages it
+    /// wrote).
     pub fn snapshot(&self, out: &Path, codec: Option<Codec>) -> Result<SnapshotReport, VmError> {
-        if self.state == VmState::Offloaded {
+        if self.state == VmState::Offloaded && self.options.ram_backing == RamKind::Snapshot {
             return Err(VmError::State(
-                "the VM is offloaded: resume it before taking a snapshot".into(),
+                "the VM is restored from a snapshot and offloaded: resume it before taking a \
+                 snapshot"
+                    .into(),
             ));
         }
         Ok(snapshot::write(

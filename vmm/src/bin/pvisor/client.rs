@@ -77,11 +77,61 @@ pub fn exec(target: &Target, script: &str) -> CliResult {
     Ok(ExitCode::SUCCESS)
 }
 
-pub fn suspend(target: &Target, offload: bool, ram_file: Option<&Path>) -> CliResult {
+pub fn suspend(
+    target: &Target,
+    offload: bool,
+    ram_file: Option<&Path>,
+    offload_to: Option<&str>,
+    remote: &uffd_pager::remote_args::RemoteArgs,
+) -> CliResult {
     // The VM process resolves the path: make it absolute here, where it was meant.
     let ram_file = ram_file.map(std::path::absolute).transpose()?;
-    print(&call(target, Method::Suspend { offload, ram_file })?);
+    let Some(offload_to) = offload_to else {
+        print(&call(target, Method::Suspend { offload, ram_file })?);
+        return Ok(ExitCode::SUCCESS);
+    };
+    // A move: offloaded, written to the bucket with its lease, and only then stopped here.
+    let url = compressed_backing::remote::RemoteUrl::parse(offload_to)
+        .map_err(|e| format!("--vm-offload-to: {e}"))?;
+    let remote = compressed_backing::remote::Remote::connect(&url, &remote.options()?)?;
+    let suspended = call(target, Method::Suspend { offload, ram_file })?;
+    let what = format!("job {}", target.job);
+    let (written, uploaded) = write_and_upload(target, &remote, None, Some(&what))?;
+    let stopped = call(target, Method::Stop)?;
+    print(&serde_json::json!({
+        "suspended": suspended,
+        "written": written,
+        "uploaded": uploaded,
+        "stopped": stopped,
+        "resume_with": format!("pvisor run --restore {url}"),
+    }));
     Ok(ExitCode::SUCCESS)
+}
+
+/// Has the VM write a snapshot into a private directory of the cache (its RAM in a store),
+/// uploads it to `remote`'s prefix (with a lease if the VM is `moved`) and removes the
+/// local copy.
+fn write_and_upload(
+    target: &Target,
+    remote: &compressed_backing::remote::Remote,
+    codec: Option<String>,
+    moved: Option<&str>,
+) -> Result<(serde_json::Value, vmm::snapshot::UploadedSnapshot), Box<dyn std::error::Error>> {
+    let staging = tempfile::Builder::new()
+        .prefix("snapshot-")
+        .tempdir_in(remote.cache().root())?;
+    let local = staging.path().join("snapshot");
+    let written = call(
+        target,
+        Method::Snapshot {
+            out: local.clone(),
+            codec: Some(codec.unwrap_or_else(|| "lz4".into())),
+        },
+    )?;
+    let uploaded = vmm::snapshot::upload(&local, remote, moved, &|_| {});
+    vmm::snapshot::remove(&local);
+    let uploaded = uploaded.map_err(|e| basics::error_chain(&e))?;
+    Ok((written, uploaded))
 }
 
 pub fn resume(target: &Target, eager: bool) -> CliResult {
@@ -112,21 +162,7 @@ pub fn snapshot(
         StoreLocation::Remote(url) => url,
     };
     let remote = Remote::connect(&url, &remote.options()?)?;
-    // Written by the VM into a private directory of the cache (same user), then uploaded.
-    let staging = tempfile::Builder::new()
-        .prefix("snapshot-")
-        .tempdir_in(remote.cache().root())?;
-    let local = staging.path().join("snapshot");
-    let written = call(
-        target,
-        Method::Snapshot {
-            out: local.clone(),
-            codec: Some(codec.unwrap_or_else(|| "lz4".into())),
-        },
-    )?;
-    let uploaded = vmm::snapshot::upload(&local, &remote, &|_| {});
-    vmm::snapshot::remove(&local);
-    let uploaded = uploaded.map_err(|e| basics::error_chain(&e))?;
+    let (written, uploaded) = write_and_upload(target, &remote, codec, None)?;
     print(&serde_json::json!({
         "written": written,
         "uploaded": uploaded,

@@ -78,6 +78,18 @@ enum Command {
         /// the store's FUSE view) until the VM resumes.
         #[arg(long = "vm-ram-file", value_name = "P", requires = "offload")]
         ram_file: Option<PathBuf>,
+        /// Move the VM to an object store: offload it, write it to s3://BUCKET/PREFIX (RAM,
+        /// vCPU, disk and a lease; the prefix must hold nothing yet), then stop it here.
+        /// `pvisor run --restore s3://BUCKET/PREFIX` continues it on any host, once: the
+        /// first restore takes the lease, later ones are refused, naming its holder.
+        #[arg(
+            long = "vm-offload-to",
+            value_name = "s3://BUCKET/PREFIX",
+            requires = "offload"
+        )]
+        offload_to: Option<String>,
+        #[command(flatten)]
+        remote: uffd_pager::remote_args::RemoteArgs,
     },
     /// Resume a paused or offloaded VM. An offloaded VM's RAM comes back lazily (faults
     /// plus background prefetch, the recorded working set first) unless --eager.
@@ -155,8 +167,16 @@ fn main() -> ExitCode {
             target,
             offload,
             ram_file,
+            offload_to,
+            remote,
             ..
-        } => client::suspend(&target, offload, ram_file.as_deref()),
+        } => client::suspend(
+            &target,
+            offload,
+            ram_file.as_deref(),
+            offload_to.as_deref(),
+            &remote,
+        ),
         Command::Resume { target, eager, .. } => client::resume(&target, eager),
         Command::Snapshot {
             target,
