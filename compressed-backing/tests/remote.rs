@@ -100,6 +100,10 @@ fn a_store_read_on_another_host_fetches_only_what_it_reads() {
     let all = remote.stats();
     let stored: u64 = (0..BLOCKS).map(|b| store.stored_len(b) as u64).sum();
     assert_eq!(all.bytes_fetched, stored, "each payload fetched once");
+    assert!(
+        server.bytes_out() >= stored,
+        "the server counts what it sends"
+    );
     // A second open on the same host is served by the cache.
     let again =
         Remote::connect(&url, &options(&server, &dir.path().join("cache"))).expect("connect");

@@ -33,6 +33,8 @@ pub const REGION: &str = "us-east-1";
 struct Wire {
     delay_us: AtomicU64,
     requests: AtomicU64,
+    bytes_out: AtomicU64,
+    chunk_bytes_out: AtomicU64,
 }
 
 /// A running server; stopped on drop.
@@ -111,6 +113,18 @@ impl S3Server {
         self.wire.requests.load(Ordering::Relaxed)
     }
 
+    /// Body bytes of the responses sent so far (objects and ranges read, and the XML of
+    /// listings and errors).
+    pub fn bytes_out(&self) -> u64 {
+        self.wire.bytes_out.load(Ordering::Relaxed)
+    }
+
+    /// The part of [`bytes_out`](Self::bytes_out) that was read from chunks of stores
+    /// (objects named `seg-*`): guest memory, not indexes, manifests or disks.
+    pub fn chunk_bytes_out(&self) -> u64 {
+        self.wire.chunk_bytes_out.load(Ordering::Relaxed)
+    }
+
     /// Takes the server down: the listener closes and every open connection is dropped.
     pub fn stop(&mut self) {
         if let Some(running) = self.running.take() {
@@ -161,7 +175,11 @@ impl S3Server {
                     loop {
                         let socket = tokio::select! {
                             accepted = listener.accept() => match accepted {
-                                Ok((socket, _)) => socket,
+                                Ok((socket, _)) => {
+                                    // As a real server does: small writes are not held back.
+                                    let _ = socket.set_nodelay(true);
+                                    socket
+                                }
                                 Err(_) => continue,
                             },
                             _ = stopped.changed() => break,
@@ -173,11 +191,30 @@ impl S3Server {
                             let wire = Arc::clone(&wire);
                             async move {
                                 wire.requests.fetch_add(1, Ordering::Relaxed);
+                                let chunk = request.uri().path().contains("/seg-");
                                 let delay = wire.delay_us.load(Ordering::Relaxed);
                                 if delay > 0 {
                                     tokio::time::sleep(Duration::from_micros(delay)).await;
                                 }
-                                hyper::service::Service::call(&service, request).await
+                                let response =
+                                    hyper::service::Service::call(&service, request).await?;
+                                let len = hyper::body::Body::size_hint(response.body())
+                                    .exact()
+                                    .or_else(|| {
+                                        response
+                                            .headers()
+                                            .get("content-length")?
+                                            .to_str()
+                                            .ok()?
+                                            .parse()
+                                            .ok()
+                                    })
+                                    .unwrap_or(0);
+                                wire.bytes_out.fetch_add(len, Ordering::Relaxed);
+                                if chunk {
+                                    wire.chunk_bytes_out.fetch_add(len, Ordering::Relaxed);
+                                }
+                                Ok::<_, s3s::HttpError>(response)
                             }
                         });
                         connections.spawn(async move {
