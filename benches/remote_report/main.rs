@@ -16,9 +16,10 @@
 //! - `s3-R-ws`: `ws`, a fresh cache: the working set is fetched first, in coalesced range
 //!   requests run 8 at once, then the guest runs;
 //! - `s3-20ms-ws-cached`: `ws` again on the cache the previous case filled (a second restore
-//!   on the same host);
-//! and the upload of a snapshot of the origin VM at 0 and 20 ms. Requests and response bytes
-//! are counted by the server.
+//!   on the same host.
+//!
+//! Each round also times the upload of a snapshot of the origin VM at 0 and 20 ms. Requests
+//! and response bytes are counted by the server.
 //!
 //! Without `--bench` (`cargo test --benches`) or with `REMOTE_BENCH_QUICK=1`: 2 rounds of 8 MiB
 //! touched, round trips of 0 and 5 ms, no report written.
