@@ -190,6 +190,10 @@ pub struct Manifest {
     /// before the restore.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ram_index: Option<SealedFile>,
+    /// In an object store: the VM was moved there (`suspend --vm-offload-to`), and a lease
+    /// lets one restore only continue it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub leased: bool,
     /// The virtual disk.
     pub disk: SealedFile,
     /// Seconds since the epoch when it was taken.

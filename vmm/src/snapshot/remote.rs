@@ -26,15 +26,16 @@ use crate::machine::RestoreRam;
 pub enum SnapshotAt {
     /// A directory.
     Dir(PathBuf),
-    /// A prefix of an object store.
-    Remote(Remote),
+    /// A prefix of an object store, and its manifest if it was read already (by the command
+    /// that started the VM process: one round trip less).
+    Remote(Remote, Option<Box<Manifest>>),
 }
 
 impl fmt::Display for SnapshotAt {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Dir(dir) => write!(f, "{}", dir.display()),
-            Self::Remote(remote) => write!(f, "{}", remote.url()),
+            Self::Remote(remote, _) => write!(f, "{}", remote.url()),
         }
     }
 }
@@ -44,7 +45,8 @@ impl SnapshotAt {
     pub fn read_manifest(&self) -> Result<Manifest, SnapshotError> {
         match self {
             Self::Dir(dir) => read_manifest(dir),
-            Self::Remote(remote) => {
+            Self::Remote(_, Some(manifest)) => Ok((**manifest).clone()),
+            Self::Remote(remote, None) => {
                 let path = PathBuf::from(format!("{}/{MANIFEST}", remote.url()));
                 let text = remote
                     .get_bounded(MANIFEST, MANIFEST_LIMIT)?
@@ -62,7 +64,7 @@ impl SnapshotAt {
     pub fn open(&self) -> Result<Snapshot, SnapshotError> {
         match self {
             Self::Dir(dir) => Snapshot::open(dir),
-            Self::Remote(remote) => open_remote(remote),
+            Self::Remote(remote, _) => open_remote(remote, self.read_manifest()?),
         }
     }
 }
@@ -173,6 +175,7 @@ pub fn upload(
         .upload(&dir.join(RAM_STORE), progress)?;
     remote.put_file(DISK, &dir.join(DISK), manifest.disk.bytes)?;
     progress(manifest.disk.bytes);
+    manifest.leased = moved.is_some();
     manifest.ram_index = Some(SealedFile {
         name: format!("{RAM_STORE}/index"),
         bytes: ram.index_bytes,
@@ -200,9 +203,31 @@ pub fn upload(
     })
 }
 
-fn open_remote(remote: &Remote) -> Result<Snapshot, SnapshotError> {
-    let at = SnapshotAt::Remote(remote.clone());
-    let manifest = at.read_manifest()?;
+/// The disk: into a private directory of the cache, checked against its seal, then held
+/// open only (the directory goes at once).
+fn fetch_disk(remote: &Remote, manifest: &Manifest) -> Result<std::fs::File, SnapshotError> {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let local = remote
+        .cache()
+        .root()
+        .join(format!("restore-{}-{n}", std::process::id()));
+    safe_file::create_private_dir_new(&local).map_err(io("create", &local))?;
+    let disk_path = local.join(DISK);
+    let opened = (|| {
+        remote
+            .download(DISK, &disk_path)?
+            .ok_or_else(|| SnapshotError::Manifest {
+                path: PathBuf::from(format!("{}/{DISK}", remote.url())),
+                reason: "the disk object is missing".into(),
+            })?;
+        restore::open_sealed(&disk_path, &manifest.disk)
+    })();
+    let _ = std::fs::remove_dir_all(&local);
+    opened
+}
+
+fn open_remote(remote: &Remote, manifest: Manifest) -> Result<Snapshot, SnapshotError> {
     let label = |name: &str| PathBuf::from(format!("{}/{name}", remote.url()));
     let Some(ram_seal) = manifest.ram_index.clone() else {
         return Err(SnapshotError::Manifest {
@@ -216,31 +241,28 @@ fn open_remote(remote: &Remote) -> Result<Snapshot, SnapshotError> {
             reason: "its RAM is not in a store".into(),
         });
     }
-    // A VM moved here runs on one host only: the lease first, before anything is fetched.
-    take_lease(remote)?;
-    // The disk: into a private directory of the cache, checked, then held open only.
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let local = remote
-        .cache()
-        .root()
-        .join(format!("restore-{}-{n}", std::process::id()));
-    safe_file::create_private_dir_new(&local).map_err(io("create", &local))?;
-    let disk_path = local.join(DISK);
-    let opened = (|| {
-        remote
-            .download(DISK, &disk_path)?
-            .ok_or_else(|| SnapshotError::Manifest {
-                path: label(DISK),
-                reason: "the disk object is missing".into(),
-            })?;
-        restore::open_sealed(&disk_path, &manifest.disk)
-    })();
-    let _ = std::fs::remove_dir_all(&local);
-    let disk = opened?;
-    // The RAM: its index against the seal, then the working set fetched ahead.
+    // The lease (of a moved VM), the disk and the RAM store's index at once: one round trip.
     let ram_remote = remote.child(RAM_STORE);
-    let store: DiskStore = ram_remote.open()?;
+    let (leased, disk, store) = std::thread::scope(|scope| {
+        let leased = scope.spawn(|| {
+            if manifest.leased {
+                take_lease(remote).map(|_| ())
+            } else {
+                Ok(())
+            }
+        });
+        let disk = scope.spawn(|| fetch_disk(remote, &manifest));
+        let store = ram_remote.open();
+        (
+            leased.join().expect("the lease thread does not panic"),
+            disk.join().expect("the disk thread does not panic"),
+            store,
+        )
+    });
+    // A VM moved here runs on one host only: nothing goes on without the lease.
+    leased?;
+    let disk = disk?;
+    let store: DiskStore = store?;
     let index_path = store.dir().join("index");
     let found = {
         let file = safe_file::open_read(&index_path)?;
@@ -265,6 +287,7 @@ fn open_remote(remote: &Remote) -> Result<Snapshot, SnapshotError> {
         ram_remote.prefetch(&store, &working_set)?;
     }
     let ram_path = store.dir().to_path_buf();
+    let label = |name: &str| PathBuf::from(format!("{}/{name}", remote.url()));
     Ok(Snapshot::from_parts(
         manifest,
         RestoreRam::Source(Arc::new(StoreSource::new(store))),

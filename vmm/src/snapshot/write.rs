@@ -147,6 +147,7 @@ fn write_into(
         disk: disk_seal.clone(),
         ram: ram_seal,
         ram_index: None,
+        leased: false,
         ram_format: if codec.is_some() {
             RamFormat::Store
         } else {

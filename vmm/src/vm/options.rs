@@ -188,6 +188,10 @@ pub struct RemoteSnapshot {
     pub cache_size: u64,
     /// How long requests are retried, milliseconds.
     pub retry_timeout_ms: u64,
+    /// Its manifest, as the starting command read and checked it: the VM process takes it
+    /// as it takes every other option from its starter, and saves a round trip.
+    #[serde(default)]
+    pub manifest: Option<Box<crate::snapshot::Manifest>>,
 }
 
 impl RemoteSnapshot {
@@ -202,6 +206,7 @@ impl RemoteSnapshot {
             cache_dir: options.cache_dir.clone(),
             cache_size: options.cache_size,
             retry_timeout_ms: u64::try_from(options.retry_timeout.as_millis()).unwrap_or(u64::MAX),
+            manifest: None,
         }
     }
 
@@ -218,8 +223,9 @@ impl RemoteSnapshot {
         options.cache_dir = self.cache_dir.clone();
         options.cache_size = self.cache_size;
         options.retry_timeout = std::time::Duration::from_millis(self.retry_timeout_ms);
-        Ok(crate::snapshot::SnapshotAt::Remote(Remote::connect(
-            &url, &options,
-        )?))
+        Ok(crate::snapshot::SnapshotAt::Remote(
+            Remote::connect(&url, &options)?,
+            self.manifest.clone(),
+        ))
     }
 }

@@ -292,6 +292,11 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
     }
     .transpose()
     .map_err(|e| format!("--restore: {}", basics::error_chain(&e)))?;
+    // The VM process need not fetch it again.
+    let restore_remote = restore_remote.map(|mut remote| {
+        remote.manifest = snapshot.clone().map(Box::new);
+        remote
+    });
     let memory = match (args.memory, config.memory) {
         (Some(bytes), _) => bytes,
         (None, Some(toml::Value::String(text))) => {
