@@ -24,6 +24,7 @@ pub mod image;
 pub mod layout;
 pub mod pool;
 pub mod remote;
+pub mod seal;
 pub mod store;
 
 pub use bulk::{BlockSource, BulkOptions, BulkReport, FileSource, SliceSource};

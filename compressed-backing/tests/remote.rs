@@ -20,6 +20,7 @@ fn options(server: &S3Server, cache: &Path) -> RemoteOptions {
         cache_size: 1 << 30,
         retry_timeout: Duration::from_secs(2),
         parallel: 4,
+        key: None,
     }
 }
 
@@ -292,4 +293,91 @@ fn the_cache_stays_within_its_bound_and_reads_stay_right() {
     let usage = remote.cache().enforce().expect("enforce");
     assert!(usage.bytes <= 1 << 20, "{usage:?}");
     read_all(&store, 9);
+}
+
+#[test]
+fn sealed_stores_keep_guest_memory_secret_and_refuse_wrong_keys_and_moved_blocks() {
+    use compressed_backing::seal::StoreKey;
+    use std::sync::Arc;
+    let server = S3Server::start();
+    server.create_bucket("vms");
+    let dir = tempfile::tempdir().expect("tempdir");
+    local_store(&dir.path().join("local"), 11);
+    let key = Arc::new(StoreKey::from_bytes(&[5; 32]));
+    let with_key = |cache: &str, key: &Arc<StoreKey>| {
+        let mut o = options(&server, &dir.path().join(cache));
+        o.key = Some(Arc::clone(key));
+        o
+    };
+    let url = RemoteUrl::parse("s3://vms/sealed").expect("url");
+    Remote::connect(&url, &with_key("cache-up", &key))
+        .expect("connect")
+        .upload(&dir.path().join("local"), &|_| {})
+        .expect("sealed upload");
+    // Nothing of the guest's memory, nor the index's format, is in the bucket.
+    let secret = block(11, 1);
+    for object in server.keys("vms", "sealed/") {
+        let bytes = std::fs::read(server.object_path("vms", &object)).expect("read object");
+        assert!(
+            !bytes.windows(64).any(|w| w == &secret[4096..4160]),
+            "{object} leaks"
+        );
+        assert!(
+            !bytes.windows(8).any(|w| w == b"PVSTORE1"),
+            "{object} shows the index"
+        );
+    }
+    // Another host with the key reads it all.
+    let remote = Remote::connect(&url, &with_key("cache-a", &key)).expect("connect");
+    let store = remote.open().expect("open with the key");
+    read_all(&store, 11);
+    // Without the key, with another key, or a key for a store in the clear: refused.
+    let err = Remote::connect(&url, &options(&server, &dir.path().join("cache-b")))
+        .expect("connect")
+        .open()
+        .expect_err("opened without the key");
+    assert!(matches!(err, RemoteError::Sealed { .. }), "{err}");
+    let other = Arc::new(StoreKey::from_bytes(&[6; 32]));
+    let err = Remote::connect(&url, &with_key("cache-c", &other))
+        .expect("connect")
+        .open()
+        .expect_err("opened with another key");
+    assert!(matches!(err, RemoteError::IndexUnsealed { .. }), "{err}");
+    let (_, clear) = uploaded(&server, "clear", 12);
+    let err = Remote::connect(&clear, &with_key("cache-d", &key))
+        .expect("connect")
+        .open()
+        .expect_err("a store in the clear read with a key");
+    assert!(matches!(err, RemoteError::NotSealed { .. }), "{err}");
+    // Two payloads of the same length swapped in their chunk: neither is served.
+    let fresh = Remote::connect(&url, &with_key("cache-e", &key)).expect("connect");
+    let store = fresh.open().expect("open");
+    let (seg_a, off_a, len_a) = store.payload_location(1).expect("stored");
+    let (seg_b, off_b, len_b) = store.payload_location(5).expect("stored");
+    assert_eq!(
+        (seg_a, len_a),
+        (seg_b, len_b),
+        "two raw blocks in one chunk"
+    );
+    let chunk = server.object_path("vms", &format!("sealed/seg-{seg_a:08}.dat"));
+    let mut bytes = std::fs::read(&chunk).expect("read chunk");
+    let (a, b) = (off_a as usize, off_b as usize);
+    let first = bytes[a..a + len_a as usize].to_vec();
+    bytes.copy_within(b..b + len_b as usize, a);
+    bytes[b..b + len_b as usize].copy_from_slice(&first);
+    std::fs::write(&chunk, &bytes).expect("swap");
+    let mut out = vec![0u8; BLOCK];
+    for moved in [1, 5] {
+        let err = store
+            .get(moved, &mut out)
+            .expect_err("a moved block served");
+        assert!(
+            matches!(
+                err,
+                StoreError::Corrupt { .. } | StoreError::Unsealed { .. }
+            ),
+            "{err}"
+        );
+    }
+    store.get(2, &mut out).expect("other blocks read");
 }

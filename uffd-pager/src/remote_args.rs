@@ -23,6 +23,12 @@ pub struct RemoteArgs {
     /// How long a failing request to the object store is retried before it fails.
     #[arg(long, value_name = "SECS", default_value_t = 30.0)]
     pub s3_retry_timeout: f64,
+    /// Encrypt and authenticate every block on this host before it goes to the object store,
+    /// and open them on the way back (AES-256-GCM, docs/remote.md): a private file (0600)
+    /// of 32 bytes or 64 hex digits, e.g. `head -c 32 /dev/urandom > KEY`. A store written
+    /// with a key is read only with it.
+    #[arg(long, value_name = "FILE")]
+    pub store_key: Option<PathBuf>,
 }
 
 impl RemoteArgs {
@@ -41,6 +47,11 @@ impl RemoteArgs {
         }
         options.cache_size = self.cache_size;
         options.retry_timeout = std::time::Duration::from_secs_f64(self.s3_retry_timeout);
+        if let Some(path) = &self.store_key {
+            let key = compressed_backing::seal::StoreKey::from_file(path)
+                .map_err(|e| format!("--store-key: {}", basics::error_chain(&e)))?;
+            options.key = Some(std::sync::Arc::new(key));
+        }
         Ok(options)
     }
 }

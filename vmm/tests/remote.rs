@@ -64,6 +64,28 @@ fn snapshots_in_a_bucket_continue_on_another_host_lazily_with_their_working_set(
         &a.join("cache"),
     );
     origin.call("snapshot", &strs(&raw));
+    // Sealed with a key (made before the origin goes).
+    let key = a.join("key");
+    {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&key)
+            .unwrap();
+        writeln!(f, "{}", "3c".repeat(32)).unwrap();
+    }
+    let key_arg = key.to_str().unwrap().to_owned();
+    let sealed = with_remote(
+        &["--out", "s3://snaps/vm-sealed", "--store-key", &key_arg],
+        &endpoint,
+        &a.join("cache"),
+    );
+    origin.call("snapshot", &strs(&sealed));
+    let disk = std::fs::read(server.object_path("snaps", "vm-sealed/disk.img")).unwrap();
+    assert!(disk.starts_with(b"PVSEALO1"), "the disk is sealed too");
     // A prefix that holds a snapshot is never written over.
     let err = origin.call_fails("snapshot", &strs(&args));
     assert!(err.contains("exists already"), "{err}");
@@ -83,6 +105,15 @@ fn snapshots_in_a_bucket_continue_on_another_host_lazily_with_their_working_set(
         assert!(requests >= 450, "{prefix}: {requests} requests");
         restored.push(vm);
     }
+    // The sealed one: with its key only.
+    let extra = with_remote(
+        &["--restore", "s3://snaps/vm-sealed", "--store-key", &key_arg],
+        &endpoint,
+        &b.join("cache"),
+    );
+    let vm = Detached::start(&b.join("runtime"), &strs(&extra), "idle");
+    assert_eq!(vm.digest(), digest, "sealed");
+    drop(vm);
     // B's VM, snapshotted in turn, carries what it faulted in: its working set.
     let again = with_remote(&["--out", "s3://snaps/vm-ws"], &endpoint, &b.join("cache"));
     restored[0].call("snapshot", &strs(&again));
@@ -155,6 +186,8 @@ fn snapshots_in_a_bucket_continue_on_another_host_lazily_with_their_working_set(
     };
     let err = run("s3://snaps/nothing");
     assert!(err.contains("no snapshot there"), "{err}");
+    let err = run("s3://snaps/vm-sealed");
+    assert!(err.contains("encrypted"), "{err}");
     let err = run("s3://snaps/moved");
     assert!(err.contains("lease is held by a restored VM on"), "{err}");
     drop(continued);

@@ -23,7 +23,14 @@ const MAX_GAP: u64 = 16 << 10;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// See [`Remote::fetch_index`].
+/// The first bytes of a sealed index object.
+pub(super) const SEALED_INDEX_MAGIC: &[u8; 8] = b"PVSEALD1";
+/// The most bytes of a sealed index object (its plain index is checked against its header's
+/// limit once opened).
+const SEALED_INDEX_LIMIT: u64 = 256 << 20;
+
+/// See [`Remote::fetch_index`]. A sealed index (`--store-key`) is opened here: the mirror
+/// holds the plain one (the cache is private), the bucket only the sealed one.
 pub(super) fn fetch_index(
     remote: &Remote,
     dir: &Path,
@@ -34,8 +41,8 @@ pub(super) fn fetch_index(
     let client = remote.client.clone();
     let key = remote.key("index");
     let url = remote.url.clone();
-    let target = path.clone();
     let on_error = remote.request_error("get", "index");
+    let label = path.clone();
     let fetched = run(async move {
         let result = match client.get(&key).await {
             Ok(result) => result,
@@ -47,27 +54,24 @@ pub(super) fn fetch_index(
             e_tag: result.meta.e_tag.clone(),
             version: result.meta.version.clone(),
         };
-        let _ = fs::remove_file(&target);
-        let mut out = file::create_private(&target).map_err(StoreError::File)?;
-        let mut head = Vec::with_capacity(store::INDEX_HEADER_LEN);
-        let mut limit = None;
-        let mut written = 0u64;
-        let mut stream = result.into_stream();
-        let check = |head: &[u8]| -> Result<u64, RemoteError> {
-            let limit =
-                store::index_size_limit(head).map_err(|source| StoreError::IndexCorrupt {
-                    path: target.clone(),
-                    source,
-                })?;
-            if size > limit {
-                return Err(RemoteError::IndexTooLarge {
-                    url: url.clone(),
-                    size,
-                    limit,
-                });
-            }
-            Ok(limit)
+        let too_large = |size, limit| RemoteError::IndexTooLarge {
+            url: url.clone(),
+            size,
+            limit,
         };
+        let limit_of = |head: &[u8]| -> Result<u64, RemoteError> {
+            store::index_size_limit(head).map_err(|source| {
+                StoreError::IndexCorrupt {
+                    path: label.clone(),
+                    source,
+                }
+                .into()
+            })
+        };
+        // The cap is known from the first bytes: a plain index's header, or the sealed magic.
+        let mut bytes = Vec::new();
+        let mut limit = None;
+        let mut stream = result.into_stream();
         while let Some(piece) = stream.next().await {
             let piece = piece.map_err(|e| RemoteError::Request {
                 op: "get",
@@ -75,38 +79,63 @@ pub(super) fn fetch_index(
                 key: url.key("index"),
                 source: Box::new(e),
             })?;
-            if limit.is_none() {
-                let take = (store::INDEX_HEADER_LEN - head.len()).min(piece.len());
-                head.extend_from_slice(&piece[..take]);
-                if head.len() == store::INDEX_HEADER_LEN {
-                    limit = Some(check(&head)?);
+            bytes.extend_from_slice(&piece);
+            if limit.is_none() && bytes.len() >= store::INDEX_HEADER_LEN {
+                let cap = if bytes.starts_with(SEALED_INDEX_MAGIC) {
+                    SEALED_INDEX_LIMIT
+                } else {
+                    limit_of(&bytes[..store::INDEX_HEADER_LEN])?
+                };
+                if size > cap {
+                    return Err(too_large(size, cap));
                 }
+                limit = Some(cap);
             }
-            written += piece.len() as u64;
-            if limit.is_some_and(|limit| written > limit) || written > size {
-                return Err(RemoteError::IndexTooLarge {
-                    url: url.clone(),
-                    size: written,
-                    limit: limit.unwrap_or(size),
-                });
+            let cap = limit.unwrap_or(size);
+            if bytes.len() as u64 > cap.min(size) {
+                return Err(too_large(bytes.len() as u64, cap));
             }
-            out.write_all(&piece)
-                .map_err(StoreError::io("write", &target))?;
         }
-        if limit.is_none() {
-            check(&head)?;
-        }
-        out.sync_all().map_err(StoreError::io("sync", &target))?;
-        Ok(Some(version))
-    });
-    match fetched {
-        Ok(Some(version)) => Ok(Some((path, version))),
-        Ok(None) => Ok(None),
-        Err(e) => {
-            let _ = fs::remove_file(&path);
-            Err(e)
+        Ok(Some((bytes, version)))
+    })?;
+    let Some((mut bytes, version)) = fetched else {
+        return Ok(None);
+    };
+    let sealed = bytes.starts_with(SEALED_INDEX_MAGIC);
+    if let Some(key) = remote.key_for(sealed)? {
+        let sealed_part = &mut bytes[SEALED_INDEX_MAGIC.len()..];
+        let len = key.open(crate::seal::INDEX_AAD, sealed_part).map_err(|_| {
+            RemoteError::IndexUnsealed {
+                url: remote.url.clone(),
+            }
+        })?;
+        bytes.copy_within(SEALED_INDEX_MAGIC.len()..SEALED_INDEX_MAGIC.len() + len, 0);
+        bytes.truncate(len);
+        let head = &bytes[..store::INDEX_HEADER_LEN.min(bytes.len())];
+        let limit = store::index_size_limit(head).map_err(|source| StoreError::IndexCorrupt {
+            path: path.clone(),
+            source,
+        })?;
+        if bytes.len() as u64 > limit {
+            return Err(RemoteError::IndexTooLarge {
+                url: remote.url.clone(),
+                size: bytes.len() as u64,
+                limit,
+            });
         }
     }
+    let written = (|| -> Result<(), StoreError> {
+        let _ = fs::remove_file(&path);
+        let mut out = file::create_private(&path).map_err(StoreError::File)?;
+        out.write_all(&bytes)
+            .map_err(StoreError::io("write", &path))?;
+        out.sync_all().map_err(StoreError::io("sync", &path))
+    })();
+    if let Err(e) = written {
+        let _ = fs::remove_file(&path);
+        return Err(e.into());
+    }
+    Ok(Some((path, version)))
 }
 
 /// Makes the fetched index at `fetched` the mirror's: its segment files are made (0600,

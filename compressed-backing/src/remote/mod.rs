@@ -64,6 +64,9 @@ pub struct RemoteOptions {
     pub retry_timeout: Duration,
     /// Range requests in flight at once while prefetching; chunks uploaded at once.
     pub parallel: usize,
+    /// The key that seals what is uploaded and opens what is read (`--store-key`; see
+    /// [`crate::seal`]); `None` for stores kept in the clear.
+    pub key: Option<Arc<crate::seal::StoreKey>>,
 }
 
 /// The default cache size: 4 GiB.
@@ -81,6 +84,7 @@ impl RemoteOptions {
             cache_size: DEFAULT_CACHE_SIZE,
             retry_timeout: Duration::from_secs(30),
             parallel: 8,
+            key: None,
         }
     }
 }
@@ -138,6 +142,32 @@ pub enum RemoteError {
     Conflict {
         /// The store.
         url: RemoteUrl,
+    },
+    /// The store is encrypted and no key was given.
+    #[error("{url} is encrypted: give its key (--store-key FILE)")]
+    Sealed {
+        /// The store.
+        url: RemoteUrl,
+    },
+    /// A key was given for a store kept in the clear.
+    #[error("{url} is not encrypted, but a key was given: it is not read without one")]
+    NotSealed {
+        /// The store.
+        url: RemoteUrl,
+    },
+    /// The sealed index does not open with the key.
+    #[error("the index of {url} does not open with this key: another key, or forged or damaged")]
+    IndexUnsealed {
+        /// The store.
+        url: RemoteUrl,
+    },
+    /// An object sealed whole does not open with the key.
+    #[error("{url}/{name} does not open with this key: not sealed, another key, or forged")]
+    ObjectUnsealed {
+        /// The prefix.
+        url: RemoteUrl,
+        /// The object.
+        name: String,
     },
     /// An object that must not be overwritten exists.
     #[error("{url}/{name} exists already")]
@@ -264,6 +294,20 @@ impl Remote {
         }
     }
 
+    /// The key for a store that is `sealed` or not: a sealed store needs one, a store in the
+    /// clear is not read with one.
+    fn key_for(&self, sealed: bool) -> Result<Option<&Arc<crate::seal::StoreKey>>, RemoteError> {
+        match (&self.options.key, sealed) {
+            (None, true) => Err(RemoteError::Sealed {
+                url: self.url.clone(),
+            }),
+            (Some(_), false) => Err(RemoteError::NotSealed {
+                url: self.url.clone(),
+            }),
+            (key, _) => Ok(key.as_ref()),
+        }
+    }
+
     /// The store's location.
     pub fn url(&self) -> &RemoteUrl {
         &self.url
@@ -320,6 +364,9 @@ impl Remote {
         };
         fill::adopt_index(&dir, &index_tmp)?;
         let mut store = DiskStore::open_read_only(&dir)?;
+        if let Some(key) = self.key_for(store.is_sealed())? {
+            store.set_key(Arc::clone(key))?;
+        }
         let filler = fill::RemoteFill::new(self.clone(), &dir, &store)?;
         store.set_fill(Arc::new(filler));
         Ok(store)

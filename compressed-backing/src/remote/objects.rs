@@ -15,6 +15,17 @@ use crate::store::StoreError;
 
 /// Parts of a multipart put from a file.
 const PART_BYTES: u64 = 8 << 20;
+/// The first bytes of an object sealed whole.
+const SEALED_OBJECT_MAGIC: &[u8; 8] = b"PVSEALO1";
+/// The largest file sealed whole (it is sealed in memory).
+const SEALED_OBJECT_LIMIT: u64 = 1 << 30;
+
+/// The associated data of the object `name` sealed whole.
+fn object_aad(name: &str) -> Vec<u8> {
+    let mut aad = b"pvisor object v1\0".to_vec();
+    aad.extend_from_slice(name.as_bytes());
+    aad
+}
 
 /// How a put treats an object already there.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -84,7 +95,42 @@ impl Remote {
 
     /// Downloads the object `name` into `path`, a new file (0600, never through a link).
     /// Returns its size; `None` if there is no such object.
+    ///
+    /// With a key, the object must be sealed ([`put_file`](Self::put_file) sealed it): it is
+    /// opened, and `path` holds the plain bytes.
     pub fn download(&self, name: &str, path: &Path) -> Result<Option<u64>, RemoteError> {
+        let got = self.download_as_stored(name, path)?;
+        let (Some(_), Some(key)) = (got, &self.options.key) else {
+            return Ok(got);
+        };
+        let opened = (|| {
+            let mut bytes = file::read_bounded(path, SEALED_OBJECT_LIMIT + 64)
+                .map_err(|e| RemoteError::Store(StoreError::File(e)))?;
+            let unsealed = || RemoteError::ObjectUnsealed {
+                url: self.url.clone(),
+                name: name.to_owned(),
+            };
+            if !bytes.starts_with(SEALED_OBJECT_MAGIC) {
+                return Err(unsealed());
+            }
+            let len = key
+                .open(&object_aad(name), &mut bytes[SEALED_OBJECT_MAGIC.len()..])
+                .map_err(|_| unsealed())?;
+            let plain = &bytes[SEALED_OBJECT_MAGIC.len()..SEALED_OBJECT_MAGIC.len() + len];
+            let _ = fs::remove_file(path);
+            let mut out = file::create_private(path).map_err(StoreError::File)?;
+            out.write_all(plain)
+                .map_err(StoreError::io("write", path))?;
+            out.sync_all().map_err(StoreError::io("sync", path))?;
+            Ok(plain.len() as u64)
+        })();
+        if opened.is_err() {
+            let _ = fs::remove_file(path);
+        }
+        opened.map(Some)
+    }
+
+    fn download_as_stored(&self, name: &str, path: &Path) -> Result<Option<u64>, RemoteError> {
         let client = self.client.clone();
         let key = self.key(name);
         let on_error = self.request_error("get", name);
@@ -148,7 +194,26 @@ impl Remote {
 
     /// Puts the first `len` bytes of the file at `path` as the object `name`: one request
     /// up to 16 MiB, parts of 8 MiB above (at most one part in memory).
+    ///
+    /// With a key, the file (at most 1 GiB) is sealed whole, its name bound in.
     pub fn put_file(&self, name: &str, path: &Path, len: u64) -> Result<(), RemoteError> {
+        if let Some(key) = &self.options.key {
+            if len > SEALED_OBJECT_LIMIT {
+                return Err(RemoteError::TooLarge {
+                    url: self.url.clone(),
+                    name: name.to_owned(),
+                    size: len,
+                    limit: SEALED_OBJECT_LIMIT,
+                });
+            }
+            let f = file::open_read(path).map_err(StoreError::File)?;
+            let mut plain = vec![0u8; usize::try_from(len).unwrap_or(usize::MAX)];
+            f.read_exact_at(&mut plain, 0)
+                .map_err(StoreError::io("read", path))?;
+            let mut sealed = SEALED_OBJECT_MAGIC.to_vec();
+            key.seal(&object_aad(name), &plain, &mut sealed);
+            return self.put_bytes(name, sealed, PutIf::Absent);
+        }
         let remote = self.clone();
         let name_owned = name.to_owned();
         let path = path.to_path_buf();

@@ -10,7 +10,7 @@ use std::time::Instant;
 use futures::{StreamExt, TryStreamExt};
 use object_store::ObjectStoreExt;
 
-use super::{objects, run, Remote, RemoteError};
+use super::{fill, objects, run, Remote, RemoteError};
 use crate::store;
 
 /// Chunks uploaded at once: each holds at most 16 MiB in memory (one request up to 16 MiB,
@@ -36,6 +36,33 @@ pub struct UploadReport {
 }
 
 pub(super) fn upload(
+    remote: &Remote,
+    dir: &Path,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<UploadReport, RemoteError> {
+    let Some(key) = remote.options.key.clone() else {
+        return upload_dir(remote, dir, progress);
+    };
+    // With a key, a sealed copy in the cache (private) is what goes; it is removed after.
+    let staging = remote.cache.root().join(format!(
+        "seal-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    ));
+    let sealed = crate::DiskStore::open_read_only(dir)
+        .and_then(|plain| plain.sealed_copy(&staging, &key))
+        .map_err(RemoteError::from)
+        .and_then(|copy| {
+            drop(copy);
+            upload_dir(remote, &staging, progress)
+        });
+    let _ = fs::remove_dir_all(&staging);
+    sealed
+}
+
+fn upload_dir(
     remote: &Remote,
     dir: &Path,
     progress: &(dyn Fn(u64) + Sync),
@@ -98,9 +125,17 @@ pub(super) fn upload(
         Some(version) => objects::PutIf::Version(version),
         None => objects::PutIf::Absent,
     };
-    let index_len = index.len() as u64;
-    report.index_bytes = index_len;
+    report.index_bytes = index.len() as u64;
     report.index_xxh3_128 = format!("{:032x}", xxhash_rust::xxh3::xxh3_128(&index));
+    let index = match &remote.options.key {
+        Some(key) => {
+            let mut sealed = fill::SEALED_INDEX_MAGIC.to_vec();
+            key.seal(crate::seal::INDEX_AAD, &index, &mut sealed);
+            sealed
+        }
+        None => index,
+    };
+    let index_len = index.len() as u64;
     match remote.put_bytes("index", index, put_if) {
         Err(RemoteError::Exists { .. }) => {
             return Err(RemoteError::Conflict {

@@ -115,6 +115,33 @@ pub enum StoreError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// The store's payloads are sealed and no key was given.
+    #[error("the store in {dir} is encrypted: give its key (--store-key)")]
+    Sealed {
+        /// The store.
+        dir: PathBuf,
+    },
+    /// A sealed payload does not open with the key.
+    #[error("block {block}: the sealed payload in {path} at offset {offset} does not open")]
+    Unsealed {
+        /// The block.
+        block: u64,
+        /// The segment file.
+        path: PathBuf,
+        /// Byte offset of the payload.
+        offset: u64,
+        /// Why.
+        #[source]
+        source: crate::seal::SealError,
+    },
+    /// A key was given for a store that is not sealed, or the sealed store has no id.
+    #[error("the store in {dir} {what}")]
+    KeyMismatch {
+        /// The store.
+        dir: PathBuf,
+        /// What is wrong.
+        what: &'static str,
+    },
     /// A payload passes its checksum but does not decode to the block.
     #[error("block {block}: payload in {path} at offset {offset} does not decode")]
     Decode {

@@ -18,6 +18,11 @@ use crate::layout::BlockSize;
 const MAGIC: &[u8; 8] = b"PVSTORE1";
 const END_MAGIC: &[u8; 8] = b"PVSTEND1";
 const VERSION: u32 = 1;
+/// The version of an index whose payloads are sealed (encrypted and authenticated, each
+/// [`SEAL_OVERHEAD`] bytes longer): `crate::remote` with a key.
+const VERSION_SEALED: u32 = 2;
+/// Bytes a sealed payload has beyond its plain one: its nonce and its tag.
+pub(crate) const SEAL_OVERHEAD: u32 = 28;
 const TAG_ABSENT: u8 = 0xFF;
 
 /// Where a block's bytes are.
@@ -59,6 +64,8 @@ pub(crate) struct DataRef {
 /// The whole committed state of a store.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Index {
+    /// Payloads are sealed (see [`VERSION_SEALED`]).
+    pub sealed: bool,
     pub block_size: BlockSize,
     pub codec: CodecConfig,
     pub image_size: u64,
@@ -117,7 +124,7 @@ impl Index {
     pub(crate) fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(64 + self.slots.len() * 26);
         out.extend_from_slice(MAGIC);
-        put_u32(&mut out, VERSION);
+        put_u32(&mut out, if self.sealed { VERSION_SEALED } else { VERSION });
         put_u32(&mut out, self.block_size.bytes_u64() as u32);
         let (codec_tag, level) = match self.codec.codec {
             Codec::None => (0u8, 0i32),
@@ -204,6 +211,7 @@ impl Index {
         };
         let header = Header::read(&mut r)?;
         let Header {
+            sealed,
             block_size,
             codec,
             image_size,
@@ -211,6 +219,7 @@ impl Index {
             next_segment,
             segment_count,
         } = header;
+        let overhead = if sealed { SEAL_OVERHEAD } else { 0 };
         let mut segments = BTreeMap::new();
         for _ in 0..segment_count {
             let id = r.u32("segment id")?;
@@ -250,7 +259,7 @@ impl Index {
                             len: r.u32("block length")?,
                             checksum: r.u64("block checksum")?,
                         };
-                        check_data(block, &data, &segments, block_size, image_size)?;
+                        check_data(block, &data, &segments, block_size, image_size, overhead)?;
                         Slot::Data(data)
                     }
                     None => return Err(invalid("block tag", format!("{tag} at block {block}"))),
@@ -296,6 +305,7 @@ impl Index {
             ));
         }
         Ok(Self {
+            sealed,
             block_size,
             codec,
             image_size,
@@ -485,6 +495,7 @@ pub(crate) fn meta_limit(blocks: u64) -> u64 {
 /// The fixed header, range-checked.
 #[derive(Debug, Clone, Copy)]
 struct Header {
+    sealed: bool,
     block_size: BlockSize,
     codec: CodecConfig,
     image_size: u64,
@@ -499,7 +510,7 @@ impl Header {
             return Err(IndexError::BadMagic);
         }
         let version = r.u32("version")?;
-        if version != VERSION {
+        if version != VERSION && version != VERSION_SEALED {
             return Err(IndexError::Version(version));
         }
         let block_size = BlockSize::new(u64::from(r.u32("block size")?))
@@ -550,6 +561,7 @@ impl Header {
             ));
         }
         Ok(Self {
+            sealed: version == VERSION_SEALED,
             block_size,
             codec: CodecConfig { codec, max_ratio },
             image_size,
@@ -572,6 +584,7 @@ fn check_data(
     segments: &BTreeMap<u32, u64>,
     block_size: BlockSize,
     image_size: u64,
+    overhead: u32,
 ) -> Result<(), IndexError> {
     let end = data.offset.checked_add(u64::from(data.len));
     match (segments.get(&data.segment), end) {
@@ -587,9 +600,12 @@ fn check_data(
         }
     }
     let block_len = block_size.len_in_image(block, image_size);
-    let fits = match data.kind {
-        BlockKind::Raw => data.len as usize == block_len,
-        _ => data.len > 0 && data.len as usize <= block_len,
+    // A sealed payload is its plain one and the seal's overhead.
+    let plain = data.len.checked_sub(overhead);
+    let fits = match (data.kind, plain) {
+        (_, None) => false,
+        (BlockKind::Raw, Some(len)) => len as usize == block_len,
+        (_, Some(len)) => len > 0 && len as usize <= block_len,
     };
     if !fits {
         return Err(invalid(
@@ -665,6 +681,7 @@ mod tests {
         let mut meta = BTreeMap::new();
         meta.insert("working-set".to_owned(), vec![1, 2, 3]);
         Index {
+            sealed: false,
             block_size,
             codec: CodecConfig::new(Codec::Zstd { level: 5 }),
             image_size: 4 * (64 << 10) + 10,
@@ -788,6 +805,7 @@ mod tests {
         meta: BTreeMap<String, Vec<u8>>,
     ) -> Index {
         Index {
+            sealed: false,
             block_size: BlockSize::new(4096).unwrap(),
             codec: CodecConfig::new(codec),
             image_size: slots.len() as u64 * 4096,

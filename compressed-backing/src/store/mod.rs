@@ -52,6 +52,8 @@ use crate::layout::BlockSize;
 const INDEX_FILE: &str = "index";
 const INDEX_TMP: &str = "index.tmp";
 const LOCK_FILE: &str = "lock";
+/// The metadata key of a sealed store's id (bound into every payload's seal).
+const STORE_ID_KEY: &str = "store-id";
 
 /// The name of segment `id`'s file (and of its object in a remote store).
 pub(crate) fn segment_file_name(id: u32) -> String {
@@ -275,7 +277,10 @@ impl DiskStore {
             dirty: BTreeSet::new(),
             options,
             encoder: None,
-            how: ReadPath::default(),
+            how: ReadPath {
+                sealed: index.sealed,
+                ..ReadPath::default()
+            },
         };
         store.recount_live();
         if writable {
@@ -573,6 +578,79 @@ impl DiskStore {
         self.how.fill = Some(fill);
     }
 
+    /// Whether the store's payloads are sealed (encrypted and authenticated: see
+    /// [`crate::seal`]); reads then need [`set_key`](Self::set_key).
+    pub fn is_sealed(&self) -> bool {
+        self.how.sealed
+    }
+
+    /// The key that opens a sealed store's payloads (for this store and the readers taken
+    /// from it from now on). Refused for a store that is not sealed, or has no id.
+    pub fn set_key(&mut self, key: Arc<crate::seal::StoreKey>) -> Result<(), StoreError> {
+        let mismatch = |what| StoreError::KeyMismatch {
+            dir: self.dir.clone(),
+            what,
+        };
+        if !self.how.sealed {
+            return Err(mismatch("is not encrypted, but a key was given"));
+        }
+        let id = self
+            .meta
+            .get(STORE_ID_KEY)
+            .filter(|id| id.len() == crate::seal::STORE_ID_LEN)
+            .ok_or_else(|| mismatch("is encrypted but has no store id"))?;
+        self.how.key = Some((key, id.as_slice().into()));
+        Ok(())
+    }
+
+    /// A sealed copy of this store's committed image in `dir` (made, 0700; it must hold no
+    /// store): every payload sealed with `key` under a new store id, the metadata (the
+    /// working set) kept.
+    pub fn sealed_copy(
+        &self,
+        dir: &Path,
+        key: &crate::seal::StoreKey,
+    ) -> Result<DiskStore, StoreError> {
+        let mut copy = DiskStore::create(
+            dir,
+            StoreConfig {
+                block_size: self.block_size,
+                codec: self.codec,
+                image_size: self.image_size,
+            },
+        )?;
+        copy.how.sealed = true;
+        let id = crate::seal::new_store_id();
+        for (key_name, value) in &self.meta {
+            copy.set_meta(key_name, value.clone())?;
+        }
+        copy.set_meta(STORE_ID_KEY, id.to_vec())?;
+        let mut payload = Vec::new();
+        let mut sealed = Vec::new();
+        for block in 0..self.blocks() {
+            let Some(kind) = self.get_encoded(block, &mut payload)? else {
+                continue;
+            };
+            let stored: &[u8] = match kind {
+                BlockKind::Zero | BlockKind::Fill => &payload,
+                _ => {
+                    sealed.clear();
+                    key.seal(&crate::seal::block_aad(&id, block), &payload, &mut sealed);
+                    &sealed
+                }
+            };
+            copy.put_encoded(
+                block,
+                Encoded {
+                    kind,
+                    payload: stored,
+                },
+            )?;
+        }
+        copy.commit()?;
+        Ok(copy)
+    }
+
     /// The segments the image uses, by id, with their committed lengths.
     pub fn segment_lengths(&self) -> BTreeMap<u32, u64> {
         self.segments
@@ -779,6 +857,7 @@ impl DiskStore {
                     dir: self.dir.clone(),
                 })?;
         let index = Index {
+            sealed: self.how.sealed,
             block_size: self.block_size,
             codec: self.codec,
             image_size: self.image_size,

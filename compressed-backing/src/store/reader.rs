@@ -39,11 +39,14 @@ pub trait SegmentFill: Send + Sync + std::fmt::Debug {
     ) -> Result<(), Box<dyn std::error::Error + Send + Sync>>;
 }
 
-/// How reads treat the segment files: see `DiskStore::set_drop_behind` and [`SegmentFill`].
+/// How reads treat the segment files: see `DiskStore::set_drop_behind` and [`SegmentFill`];
+/// for a sealed store, whether its payloads are sealed and the key that opens them.
 #[derive(Debug, Clone, Default)]
 pub(super) struct ReadPath {
     pub drop_behind: bool,
     pub fill: Option<Arc<dyn SegmentFill>>,
+    pub sealed: bool,
+    pub key: Option<(Arc<crate::seal::StoreKey>, Arc<[u8]>)>,
 }
 
 /// Reads and checks the payload of `block` into `buf`; with `drop_behind`, drops the whole
@@ -152,6 +155,21 @@ pub(super) fn read_block(
         Slot::Data(data) => READ_SCRATCH.with(|scratch| {
             let (decoder, buf) = &mut *scratch.borrow_mut();
             read_payload(dir, block, &data, buf, how, file_of)?;
+            if how.sealed {
+                let Some((key, store_id)) = &how.key else {
+                    return Err(StoreError::Sealed {
+                        dir: dir.to_path_buf(),
+                    });
+                };
+                let aad = crate::seal::block_aad(store_id, block);
+                let len = key.open(&aad, buf).map_err(|source| StoreError::Unsealed {
+                    block,
+                    path: dir.join(segment::file_name(data.segment)),
+                    offset: data.offset,
+                    source,
+                })?;
+                buf.truncate(len);
+            }
             decoder
                 .decode(data.kind, buf, out)
                 .map_err(|source| StoreError::Decode {

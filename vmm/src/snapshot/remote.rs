@@ -241,28 +241,21 @@ fn open_remote(remote: &Remote, manifest: Manifest) -> Result<Snapshot, Snapshot
             reason: "its RAM is not in a store".into(),
         });
     }
-    // The lease (of a moved VM), the disk and the RAM store's index at once: one round trip.
+    // The disk and the RAM store's index at once: one round trip.
     let ram_remote = remote.child(RAM_STORE);
-    let (leased, disk, store) = std::thread::scope(|scope| {
-        let leased = scope.spawn(|| {
-            if manifest.leased {
-                take_lease(remote).map(|_| ())
-            } else {
-                Ok(())
-            }
-        });
+    let (disk, store) = std::thread::scope(|scope| {
         let disk = scope.spawn(|| fetch_disk(remote, &manifest));
         let store = ram_remote.open();
-        (
-            leased.join().expect("the lease thread does not panic"),
-            disk.join().expect("the disk thread does not panic"),
-            store,
-        )
+        (disk.join().expect("the disk thread does not panic"), store)
     });
-    // A VM moved here runs on one host only: nothing goes on without the lease.
-    leased?;
-    let disk = disk?;
+    // The store's error first: it says when a key is missing or wrong.
     let store: DiskStore = store?;
+    let disk = disk?;
+    // A VM moved here runs on one host only: taken once all else is in hand, so that a
+    // restore that cannot run does not hold it.
+    if manifest.leased {
+        take_lease(remote)?;
+    }
     let index_path = store.dir().join("index");
     let found = {
         let file = safe_file::open_read(&index_path)?;

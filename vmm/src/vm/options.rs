@@ -188,6 +188,9 @@ pub struct RemoteSnapshot {
     pub cache_size: u64,
     /// How long requests are retried, milliseconds.
     pub retry_timeout_ms: u64,
+    /// The key file of an encrypted snapshot (`--store-key`).
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
     /// Its manifest, as the starting command read and checked it: the VM process takes it
     /// as it takes every other option from its starter, and saves a round trip.
     #[serde(default)]
@@ -199,6 +202,7 @@ impl RemoteSnapshot {
     pub fn new(
         url: &compressed_backing::remote::RemoteUrl,
         options: &compressed_backing::remote::RemoteOptions,
+        key_file: Option<PathBuf>,
     ) -> Self {
         Self {
             url: url.to_string(),
@@ -207,6 +211,7 @@ impl RemoteSnapshot {
             cache_size: options.cache_size,
             retry_timeout_ms: u64::try_from(options.retry_timeout.as_millis()).unwrap_or(u64::MAX),
             manifest: None,
+            key_file,
         }
     }
 
@@ -223,6 +228,15 @@ impl RemoteSnapshot {
         options.cache_dir = self.cache_dir.clone();
         options.cache_size = self.cache_size;
         options.retry_timeout = std::time::Duration::from_millis(self.retry_timeout_ms);
+        if let Some(path) = &self.key_file {
+            let key = compressed_backing::seal::StoreKey::from_file(path).map_err(|e| {
+                crate::snapshot::SnapshotError::Manifest {
+                    path: path.clone(),
+                    reason: basics::error_chain(&e),
+                }
+            })?;
+            options.key = Some(std::sync::Arc::new(key));
+        }
         Ok(crate::snapshot::SnapshotAt::Remote(
             Remote::connect(&url, &options)?,
             self.manifest.clone(),

@@ -282,7 +282,18 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
         ),
         Some(compressed_backing::remote::StoreLocation::Remote(url)) => {
             let options = args.remote.options()?;
-            (None, Some(vmm::vm::RemoteSnapshot::new(&url, &options)))
+            // The VM process reads the key file itself: the key never travels.
+            let key_file = args
+                .remote
+                .store_key
+                .as_deref()
+                .map(std::path::absolute)
+                .transpose()
+                .map_err(|e| format!("--store-key: {e}"))?;
+            (
+                None,
+                Some(vmm::vm::RemoteSnapshot::new(&url, &options, key_file)),
+            )
         }
     };
     let snapshot = match (&restore, &restore_remote) {
