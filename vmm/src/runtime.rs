@@ -48,6 +48,12 @@ pub struct Tombstone {
     pub ended_unix_s: u64,
 }
 
+/// The exit status of a VM process whose guest memory was lost (see
+/// `VmOptions::exit_on_memory_lost`); the cause is in [`MEMORY_LOST_FILE`] of its job's directory.
+pub const EXIT_MEMORY_LOST: i32 = 75;
+/// See [`EXIT_MEMORY_LOST`].
+pub const MEMORY_LOST_FILE: &str = "memory-lost";
+
 impl Tombstone {
     /// The tombstone of `pid`, which ended with `status`; `cgroup` is its memory cgroup.
     pub fn of(
@@ -65,6 +71,12 @@ impl Tombstone {
         let memory_limit_bytes = cgroup.as_ref().and_then(crate::stats::MemoryCgroup::limit);
         let signal = status.signal();
         let mut reason = match (status.code(), signal) {
+            (Some(EXIT_MEMORY_LOST), _) => {
+                let cause = crate::runtime::job_dir(job).join(MEMORY_LOST_FILE);
+                let cause = compressed_backing::file::read_text_bounded(&cause, 64 << 10)
+                    .unwrap_or_else(|_| "its cause was not written".into());
+                format!("guest memory is lost: {}", cause.trim())
+            }
             (Some(code), _) => format!("the VM process exited with status {code}"),
             (None, Some(signal)) => format!(
                 "the VM process was killed by signal {signal} ({})",

@@ -35,7 +35,7 @@ fn snapshots_in_a_bucket_continue_on_another_host_lazily_with_their_working_set(
     if skip() {
         return;
     }
-    let server = S3Server::start();
+    let mut server = S3Server::start();
     server.create_bucket("snaps");
     // One test in this file: the environment is the test's own to set, and the VM processes
     // inherit it (credentials come from the standard AWS variables).
@@ -205,4 +205,30 @@ fn snapshots_in_a_bucket_continue_on_another_host_lazily_with_their_working_set(
     std::fs::write(&manifest, text).unwrap();
     let err = run("s3://snaps/vm-lz4");
     assert!(err.contains("seal") || err.contains("xxh3"), "{err}");
+
+    // The server goes down under a VM that still faults: the guest waits out the retries,
+    // then the command fails with the cause; no wrong byte is ever served.
+    let g = host("g");
+    let extra = with_remote(
+        &["--restore", "s3://snaps/vm-raw"],
+        &endpoint,
+        &g.join("cache"),
+    );
+    let vm = Detached::start(&g.join("runtime"), &strs(&extra), "idle");
+    server.stop();
+    let started = std::time::Instant::now();
+    let err = vm.call_fails("exec", &["--", "digest"]);
+    assert!(
+        started.elapsed() >= std::time::Duration::from_secs(4),
+        "no retries"
+    );
+    assert!(err.contains("guest memory is lost"), "{err}");
+    assert!(err.contains("s3://snaps/vm-raw/ram.store/seg-"), "{err}");
+    let status = common::pvisor(&g.join("runtime"), &["status", vm.job()]);
+    let said = common::text(&status.stdout);
+    assert!(
+        said.contains("guest memory is lost") && said.contains("\"exit_code\":75"),
+        "{said}"
+    );
+    server.restart();
 }

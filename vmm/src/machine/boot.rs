@@ -8,7 +8,7 @@ use uffd_pager::pager::{FaultError, Pager, PagerConfig};
 use uffd_pager::state::PageState;
 use vm_memory::{Bytes, GuestAddress};
 
-use super::{kvm, Interrupter, Machine, MachineConfig, MachineError, RestoreRam};
+use super::{kvm, Machine, MachineConfig, MachineError, RestoreRam};
 use crate::guest::{self, Mailbox};
 use crate::memory::GuestRam;
 
@@ -203,7 +203,7 @@ impl Machine {
             operator: None,
             governor: None,
             stop_requested: false,
-            interrupter: Interrupter::default(),
+            interrupter: config.interrupter.clone(),
             model_pending: None,
             release_error: None,
             broken: None,

@@ -145,7 +145,7 @@ impl Machine {
             }
             Command::Sleep { ms } => {
                 if self.interrupter.sleep(Duration::from_millis(ms)) {
-                    return Err(MachineError::Stopped);
+                    return Err(self.interrupter.stopped_error());
                 }
             }
             Command::Idle => {}

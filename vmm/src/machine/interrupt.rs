@@ -24,6 +24,8 @@ pub struct Interrupter {
 #[derive(Debug, Default)]
 struct InterruptState {
     stopped: std::sync::atomic::AtomicBool,
+    /// Why the machine was stopped, when it failed rather than was stopped.
+    failure: std::sync::Mutex<Option<String>>,
     /// The thread running the vCPU, while it does.
     vcpu: std::sync::Mutex<Option<Registered>>,
     /// Host-side waits (`sleep`) wait on this.
@@ -121,6 +123,47 @@ impl Interrupter {
         // itself under this lock, which is held, before it returns), so it is alive.
         unsafe { libc::pthread_kill(registered.thread, kick_signal()) };
         true
+    }
+
+    /// Stops the machine because it cannot go on (its guest memory cannot be served): the
+    /// running command and every later one end with [`MachineError::MemoryLost`] naming
+    /// `reason` (the first reason given) instead of [`MachineError::Stopped`].
+    ///
+    /// Returns, the first time only, whether a vCPU is still in `KVM_RUN` after the kicks
+    /// (a vCPU waiting in a fault that will not be answered may not come out); `None` after.
+    pub fn fail(&self, reason: String) -> Option<bool> {
+        {
+            let mut failure = self
+                .inner
+                .failure
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if failure.is_some() {
+                return None;
+            }
+            *failure = Some(reason);
+        }
+        self.stop();
+        Some(
+            self.inner
+                .vcpu
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .is_some(),
+        )
+    }
+
+    /// The error a command that found the machine stopped ends with.
+    pub(super) fn stopped_error(&self) -> MachineError {
+        match &*self
+            .inner
+            .failure
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        {
+            Some(reason) => MachineError::MemoryLost(reason.clone()),
+            None => MachineError::Stopped,
+        }
     }
 
     /// Kicks the vCPU out of `KVM_RUN` once, without stopping the machine: the command goes
@@ -222,7 +265,7 @@ impl VcpuThread<'_> {
         vcpu: &'v mut VcpuFd,
     ) -> Result<Option<VcpuExit<'v>>, MachineError> {
         if self.interrupter.stopped() {
-            return Err(MachineError::Stopped);
+            return Err(self.interrupter.stopped_error());
         }
         match vcpu.run() {
             Ok(exit) => Ok(Some(exit)),
@@ -232,7 +275,7 @@ impl VcpuThread<'_> {
                 // SAFETY: the guard's byte is alive while the guard is (enter's contract).
                 unsafe { store_immediate_exit(self.immediate_exit, 0) };
                 if self.interrupter.stopped() {
-                    return Err(MachineError::Stopped);
+                    return Err(self.interrupter.stopped_error());
                 }
                 Ok(None)
             }

@@ -67,6 +67,9 @@ pub struct MachineConfig {
     /// Continue a snapshot instead of booting: RAM maps its image privately (`ram_kind` is
     /// then `Snapshot`) and the vCPU resumes from its saved registers.
     pub restore: Option<Restore>,
+    /// What ends the machine's commands from other threads; made before the machine so that
+    /// its pager's fault-error handler can end them too ([`Interrupter::fail`]).
+    pub interrupter: Interrupter,
 }
 
 impl MachineConfig {
@@ -83,6 +86,7 @@ impl MachineConfig {
             block_size: BlockSize::default(),
             track_writes: false,
             restore: None,
+            interrupter: Interrupter::default(),
         }
     }
 }
@@ -159,6 +163,10 @@ pub enum MachineError {
     /// `stop` or SIGTERM ended the command.
     #[error("stopped")]
     Stopped,
+    /// Guest memory could not be served (its source failed: an object store down past its
+    /// retries, a corrupt block): the command ended, and the machine cannot run again.
+    #[error("guest memory is lost: {0}")]
+    MemoryLost(String),
     /// The guest stopped in a way it never should (triple fault, unexpected exit).
     #[error("the guest crashed: {0}")]
     GuestCrashed(String),

@@ -155,6 +155,11 @@ impl Vm {
             .transpose()?;
         let fault_errors = Arc::new(AtomicU64::new(0));
         let counter = Arc::clone(&fault_errors);
+        let interrupter = crate::machine::Interrupter::default();
+        let lost = interrupter.clone();
+        let exit_on_lost = options.exit_on_memory_lost;
+        // The job's directory holds the store (`ram`): the cause goes beside it.
+        let job_dir = options.store_dir.parent().map(std::path::Path::to_path_buf);
         let mut machine = Machine::boot(
             &MachineConfig {
                 memory: options.memory,
@@ -165,6 +170,7 @@ impl Vm {
                 block_size: BlockSize::default(),
                 track_writes: options.cold.is_some() && options.ram_backing == RamKind::Anon,
                 restore,
+                interrupter,
             },
             Box::new({
                 // The guest decides how many faults fail (every one counts in its stats); the
@@ -172,6 +178,29 @@ impl Vm {
                 let log = basics::RateLimit::new(10, Duration::from_secs(1));
                 move |e| {
                     counter.fetch_add(1, Ordering::Relaxed);
+                    // A page whose source failed (its retries spent, or its bytes bad) can
+                    // never be served right: the command ends with the cause rather than
+                    // leave the guest waiting for ever, and the machine does not run again.
+                    if matches!(e, uffd_pager::pager::FaultError::Source { .. }) {
+                        let reason = basics::error_chain(e);
+                        if lost.fail(reason.clone()).is_some() && exit_on_lost {
+                            // The machine cannot run again, and the thread that faulted may
+                            // wait for an answer that will not come (a host-side copy cannot
+                            // be kicked): after a moment for a kicked command to reply, the
+                            // process ends, saying why (the tombstone quotes it).
+                            tracing::error!("pvisor: guest memory is lost: {reason}");
+                            if let Some(dir) = &job_dir {
+                                let _ = std::fs::write(
+                                    dir.join(crate::runtime::MEMORY_LOST_FILE),
+                                    &reason,
+                                );
+                            }
+                            std::thread::spawn(|| {
+                                std::thread::sleep(Duration::from_secs(2));
+                                std::process::exit(crate::runtime::EXIT_MEMORY_LOST);
+                            });
+                        }
+                    }
                     if log.allow() {
                         tracing::warn!("pvisor: guest memory fault cannot be served: {e}");
                     }

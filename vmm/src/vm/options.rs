@@ -44,6 +44,13 @@ pub struct VmOptions {
     /// (anon RAM only; see `Pager::collapse`).
     #[serde(default)]
     pub thp_collapse: bool,
+    /// When guest memory is lost (a page's source failed for good) and the vCPU cannot be
+    /// taken out of its fault, end this process with [`crate::runtime::EXIT_MEMORY_LOST`]
+    /// after writing why to the job's directory (the VM process of `pvisor run` does; a
+    /// program that embeds a `Vm` gets [`crate::machine::MachineError::MemoryLost`] where the
+    /// kick works).
+    #[serde(default)]
+    pub exit_on_memory_lost: bool,
     /// Continue this sealed snapshot (its directory) instead of booting: RAM maps the
     /// snapshot's image privately and `ram_backing` must be `snapshot`.
     #[serde(default)]
@@ -99,6 +106,7 @@ impl VmOptions {
             cold: None,
             dedup: None,
             thp_collapse: false,
+            exit_on_memory_lost: false,
             restore: None,
             restore_remote: None,
             pool: None,

@@ -33,7 +33,29 @@ fn resolve(target: &Target) -> Result<(PathBuf, String, String), Box<dyn std::er
 
 fn call(target: &Target, method: Method) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
     let (socket, job, attempt) = resolve(target)?;
-    Ok(control::call(&socket, &job, &attempt, method)?)
+    control::call(&socket, &job, &attempt, method).map_err(|e| {
+        // A VM that died during the call leaves a tombstone: its reason, not the broken reply.
+        let broken = matches!(
+            e,
+            control::ClientError::BadReply(_) | control::ClientError::Io { .. }
+        );
+        match broken.then(|| dead_reason(&job)).flatten() {
+            Some(reason) => format!("the VM ended: {reason}").into(),
+            None => e.into(),
+        }
+    })
+}
+
+/// Why the VM of `job` ended, if it did (its tombstone, once its supervisor wrote it: waited
+/// for up to a second).
+fn dead_reason(job: &str) -> Option<String> {
+    for _ in 0..20 {
+        if let Some(tombstone) = runtime::read_tombstone(job) {
+            return Some(tombstone.reason);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    None
 }
 
 fn print(value: &serde_json::Value) {

@@ -71,6 +71,7 @@ pub fn run(args: RunArgs) -> CliResult {
             cold: resolved.cold,
             dedup: resolved.dedup,
             thp_collapse: resolved.thp_collapse,
+            exit_on_memory_lost: true,
             restore: resolved.restore.clone(),
             restore_remote: resolved.restore_remote.clone(),
             pool: resolved.pool.clone(),
