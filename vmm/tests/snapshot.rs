@@ -289,12 +289,24 @@ fn snapshot_changed_or_unusable_is_refused_with_the_reason() {
     wrong.memory = 128 << 20;
     let err = Vm::start(wrong).unwrap_err();
     assert!(err.to_string().contains("bytes of RAM"), "{err}");
-    // An offloaded VM is resumed before a snapshot.
+    // An offloaded VM's snapshot is read from its offload store: its RAM stays offloaded,
+    // and the snapshot restores to the same bytes.
+    let expected = digest(&mut origin);
     origin.suspend(true, None).unwrap();
-    let err = origin
-        .snapshot(&dir.path().join("later"), None)
-        .unwrap_err();
-    assert!(err.to_string().contains("resume it"), "{err}");
+    let resident = |vm: &Vm| vm.machine().pager().state_counts().resident;
+    let before = resident(&origin);
+    let later = dir.path().join("later");
+    origin.snapshot(&later, None).unwrap();
+    assert_eq!(resident(&origin), before, "the snapshot brought RAM back");
+    assert_eq!(origin.state(), vmm::vm::VmState::Offloaded);
+    let mut restored = Vm::start(options(
+        dir.path(),
+        "later",
+        RamKind::Snapshot,
+        Some(&later),
+    ))
+    .unwrap();
+    assert_eq!(digest(&mut restored), expected);
 }
 
 #[test]
