@@ -167,7 +167,10 @@ impl Cache {
             let Ok(kind) = mirror.file_type() else {
                 continue;
             };
-            if !kind.is_dir() {
+            // Mirrors only: a store being packed, sealed or uploaded in the cache is never
+            // punched (its holes would be uploaded).
+            let is_mirror = mirror.file_name().to_str().is_some_and(is_mirror_name);
+            if !kind.is_dir() || !is_mirror {
                 continue;
             }
             let Ok(entries) = fs::read_dir(mirror.path()) else {
@@ -192,6 +195,13 @@ impl Cache {
         }
         Ok(out)
     }
+}
+
+/// Whether `name` is a mirror's directory name (`BUCKET-` and 32 hex digits).
+pub(crate) fn is_mirror_name(name: &str) -> bool {
+    name.rsplit_once('-').is_some_and(|(bucket, hash)| {
+        !bucket.is_empty() && hash.len() == 32 && hash.bytes().all(|b| b.is_ascii_hexdigit())
+    })
 }
 
 #[derive(Debug)]
@@ -255,7 +265,16 @@ mod tests {
     fn the_bound_punches_the_oldest_files() {
         let dir = tempfile::tempdir().expect("tempdir");
         let cache = Cache::open(&dir.path().join("cache"), 3 << 20).expect("cache");
-        let mirror = cache.mirror_dir("m").expect("mirror");
+        let mirror = cache
+            .mirror_dir(&format!("bucket-{}", "0".repeat(32)))
+            .expect("mirror");
+        // A store being uploaded from the cache is never punched.
+        let staging = cache.mirror_dir("pack-abc123").expect("staging");
+        fs::write(
+            staging.join(crate::store::segment_file_name(0)),
+            vec![1u8; 1 << 20],
+        )
+        .expect("write");
         for id in 0..4u32 {
             let path = mirror.join(crate::store::segment_file_name(id));
             fs::write(&path, vec![1u8; 1 << 20]).expect("write");
@@ -269,5 +288,10 @@ mod tests {
         assert_eq!(meta.blocks(), 0, "the oldest file lost its bytes");
         let last = mirror.join(crate::store::segment_file_name(3));
         assert!(fs::metadata(last).expect("stat").blocks() > 0);
+        let staged = staging.join(crate::store::segment_file_name(0));
+        assert!(
+            fs::metadata(staged).expect("stat").blocks() > 0,
+            "a staging store punched"
+        );
     }
 }
