@@ -189,8 +189,22 @@ pub(crate) fn block_aad(store_id: &[u8], block: u64) -> Vec<u8> {
     aad
 }
 
-/// The associated data of a sealed index.
-pub(crate) const INDEX_AAD: &[u8] = b"pvisor index v1\0";
+/// The associated data of the sealed index of the store at `location` (`s3://BUCKET/PREFIX`):
+/// an index copied to another prefix does not open there.
+pub(crate) fn index_aad(location: &str) -> Vec<u8> {
+    let mut aad = b"pvisor index v1\0".to_vec();
+    aad.extend_from_slice(location.as_bytes());
+    aad
+}
+
+/// The associated data of the object `name` sealed whole under `location`.
+pub(crate) fn object_aad(location: &str, name: &str) -> Vec<u8> {
+    let mut aad = b"pvisor object v1\0".to_vec();
+    aad.extend_from_slice(location.as_bytes());
+    aad.push(0);
+    aad.extend_from_slice(name.as_bytes());
+    aad
+}
 
 #[cfg(test)]
 mod tests {

@@ -216,20 +216,44 @@ fn an_upload_that_fails_half_way_leaves_the_previous_image() {
     let store = remote.open().expect("the old image opens");
     read_all(&store, 4);
     assert_eq!(server.keys("vms", "u/index"), vec!["u/index".to_owned()]);
-    // A whole second image replaces it; the old chunks go.
+    // A whole second image replaces it. A reader that opened the first keeps reading it: its
+    // chunks go only with the image after.
+    let reader = remote.open().expect("open the first image");
     local_store(&dir.path().join("third"), 6);
     let report = remote
         .upload(&dir.path().join("third"), &|_| {})
         .expect("upload");
-    assert!(report.deleted >= 1, "{report:?}");
+    assert_eq!(report.cleanup_error, None);
+    read_all(&reader, 4);
     let fresh =
         Remote::connect(&url, &options(&server, &dir.path().join("cache2"))).expect("connect");
     read_all(&fresh.open().expect("open"), 6);
+    local_store(&dir.path().join("fourth"), 7);
+    let report = remote
+        .upload(&dir.path().join("fourth"), &|_| {})
+        .expect("upload");
+    assert!(report.deleted >= 1, "{report:?}");
     let after = server.keys("vms", "u/");
     assert!(
         after.iter().all(|k| !before.contains(k) || k == "u/index"),
         "{before:?} {after:?}"
     );
+    // Chunks an interrupted upload left (named above the index) neither block the next
+    // upload nor stay.
+    let orphan = server.object_path("vms", "u/seg-09999999.dat");
+    std::fs::write(&orphan, b"left by a writer that died").expect("orphan");
+    local_store(&dir.path().join("fifth"), 8);
+    remote
+        .upload(&dir.path().join("fifth"), &|_| {})
+        .expect("an upload after an orphan");
+    local_store(&dir.path().join("sixth"), 9);
+    remote
+        .upload(&dir.path().join("sixth"), &|_| {})
+        .expect("and the next");
+    assert!(!orphan.exists(), "the orphan stayed");
+    let fresh =
+        Remote::connect(&url, &options(&server, &dir.path().join("cache3"))).expect("connect");
+    read_all(&fresh.open().expect("open"), 9);
 }
 
 #[test]
@@ -349,6 +373,22 @@ fn sealed_stores_keep_guest_memory_secret_and_refuse_wrong_keys_and_moved_blocks
         .open()
         .expect_err("a store in the clear read with a key");
     assert!(matches!(err, RemoteError::NotSealed { .. }), "{err}");
+    // The same objects copied under another prefix: its index does not open there.
+    std::fs::create_dir_all(server.object_path("vms", "copied")).expect("mkdir");
+    for object in server.keys("vms", "sealed/") {
+        let name = object.trim_start_matches("sealed/");
+        std::fs::copy(
+            server.object_path("vms", &object),
+            server.object_path("vms", &format!("copied/{name}")),
+        )
+        .expect("copy");
+    }
+    let copied = RemoteUrl::parse("s3://vms/copied").expect("url");
+    let err = Remote::connect(&copied, &with_key("cache-f", &key))
+        .expect("connect")
+        .open()
+        .expect_err("a sealed store opened under another prefix");
+    assert!(matches!(err, RemoteError::IndexUnsealed { .. }), "{err}");
     // Two payloads of the same length swapped in their chunk: neither is served.
     let fresh = Remote::connect(&url, &with_key("cache-e", &key)).expect("connect");
     let store = fresh.open().expect("open");

@@ -86,6 +86,8 @@ fn snapshots_in_a_bucket_continue_on_another_host_lazily_with_their_working_set(
     origin.call("snapshot", &strs(&sealed));
     let disk = std::fs::read(server.object_path("snaps", "vm-sealed/disk.img")).unwrap();
     assert!(disk.starts_with(b"PVSEALO1"), "the disk is sealed too");
+    let manifest = std::fs::read(server.object_path("snaps", "vm-sealed/manifest.json")).unwrap();
+    assert!(manifest.starts_with(b"PVSEALO1"), "and the manifest");
     // A prefix that holds a snapshot is never written over.
     let err = origin.call_fails("snapshot", &strs(&args));
     assert!(err.contains("exists already"), "{err}");

@@ -116,10 +116,14 @@ impl Cache {
 
     /// Counts `bytes` just filled; enforces the bound once an eighth of it was filled since
     /// the last time.
+    /// A fault that finds another thread enforcing it goes on: one scan at a time, and
+    /// no fault waits for it.
     pub(crate) fn filled(&self, bytes: u64) {
         let since = self.filled.fetch_add(bytes, Ordering::Relaxed) + bytes;
         if since >= (self.limit / 8).max(1) {
-            let _ = self.enforce();
+            if let Some(one) = self.enforcing.try_lock() {
+                let _ = self.enforce_locked(one);
+            }
         }
     }
 
@@ -136,7 +140,13 @@ impl Cache {
     /// most 7/8 of the bound. Files in use stay valid: a read of a hole fails its checksum and
     /// is fetched again.
     pub fn enforce(&self) -> Result<CacheUsage, CacheError> {
-        let _one = self.enforcing.lock();
+        self.enforce_locked(self.enforcing.lock())
+    }
+
+    fn enforce_locked(
+        &self,
+        _one: parking_lot::MutexGuard<'_, ()>,
+    ) -> Result<CacheUsage, CacheError> {
         self.filled.store(0, Ordering::Relaxed);
         let mut files = self.segment_files()?;
         let mut held: u64 = files.iter().map(|f| f.allocated).sum();

@@ -25,9 +25,10 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The first bytes of a sealed index object.
 pub(super) const SEALED_INDEX_MAGIC: &[u8; 8] = b"PVSEALD1";
-/// The most bytes of a sealed index object (its plain index is checked against its header's
-/// limit once opened).
-const SEALED_INDEX_LIMIT: u64 = 256 << 20;
+/// The most bytes of a sealed index object: more than the largest plain index (2^25 blocks of
+/// at most 26 bytes, their metadata, the segment table), which is checked against its
+/// header's limit once opened.
+const SEALED_INDEX_LIMIT: u64 = 2 << 30;
 
 /// See [`Remote::fetch_index`]. A sealed index (`--store-key`) is opened here: the mirror
 /// holds the plain one (the cache is private), the bucket only the sealed one.
@@ -104,11 +105,12 @@ pub(super) fn fetch_index(
     let sealed = bytes.starts_with(SEALED_INDEX_MAGIC);
     if let Some(key) = remote.key_for(sealed)? {
         let sealed_part = &mut bytes[SEALED_INDEX_MAGIC.len()..];
-        let len = key.open(crate::seal::INDEX_AAD, sealed_part).map_err(|_| {
-            RemoteError::IndexUnsealed {
+        let aad = crate::seal::index_aad(&remote.url.to_string());
+        let len = key
+            .open(&aad, sealed_part)
+            .map_err(|_| RemoteError::IndexUnsealed {
                 url: remote.url.clone(),
-            }
-        })?;
+            })?;
         bytes.copy_within(SEALED_INDEX_MAGIC.len()..SEALED_INDEX_MAGIC.len() + len, 0);
         bytes.truncate(len);
         let head = &bytes[..store::INDEX_HEADER_LEN.min(bytes.len())];

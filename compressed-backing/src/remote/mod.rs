@@ -296,7 +296,10 @@ impl Remote {
 
     /// The key for a store that is `sealed` or not: a sealed store needs one, a store in the
     /// clear is not read with one.
-    fn key_for(&self, sealed: bool) -> Result<Option<&Arc<crate::seal::StoreKey>>, RemoteError> {
+    pub(crate) fn key_for(
+        &self,
+        sealed: bool,
+    ) -> Result<Option<&Arc<crate::seal::StoreKey>>, RemoteError> {
         match (&self.options.key, sealed) {
             (None, true) => Err(RemoteError::Sealed {
                 url: self.url.clone(),

@@ -20,13 +20,6 @@ const SEALED_OBJECT_MAGIC: &[u8; 8] = b"PVSEALO1";
 /// The largest file sealed whole (it is sealed in memory).
 const SEALED_OBJECT_LIMIT: u64 = 1 << 30;
 
-/// The associated data of the object `name` sealed whole.
-fn object_aad(name: &str) -> Vec<u8> {
-    let mut aad = b"pvisor object v1\0".to_vec();
-    aad.extend_from_slice(name.as_bytes());
-    aad
-}
-
 /// How a put treats an object already there.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PutIf {
@@ -98,28 +91,31 @@ impl Remote {
     ///
     /// With a key, the object must be sealed ([`put_file`](Self::put_file) sealed it): it is
     /// opened, and `path` holds the plain bytes.
-    pub fn download(&self, name: &str, path: &Path) -> Result<Option<u64>, RemoteError> {
-        let got = self.download_as_stored(name, path)?;
-        let (Some(_), Some(key)) = (got, &self.options.key) else {
-            return Ok(got);
+    ///
+    /// At most `limit` plain bytes are accepted (the size a manifest promises, say): a larger
+    /// object is an error once that much was read.
+    pub fn download(
+        &self,
+        name: &str,
+        path: &Path,
+        limit: u64,
+    ) -> Result<Option<u64>, RemoteError> {
+        let stored_limit = if self.options.key.is_some() {
+            limit.saturating_add((SEALED_OBJECT_MAGIC.len() + 28) as u64)
+        } else {
+            limit
         };
+        let got = self.download_as_stored(name, path, stored_limit)?;
+        if got.is_none() || self.options.key.is_none() {
+            return Ok(got);
+        }
         let opened = (|| {
-            let mut bytes = file::read_bounded(path, SEALED_OBJECT_LIMIT + 64)
+            let stored = file::read_bounded(path, stored_limit)
                 .map_err(|e| RemoteError::Store(StoreError::File(e)))?;
-            let unsealed = || RemoteError::ObjectUnsealed {
-                url: self.url.clone(),
-                name: name.to_owned(),
-            };
-            if !bytes.starts_with(SEALED_OBJECT_MAGIC) {
-                return Err(unsealed());
-            }
-            let len = key
-                .open(&object_aad(name), &mut bytes[SEALED_OBJECT_MAGIC.len()..])
-                .map_err(|_| unsealed())?;
-            let plain = &bytes[SEALED_OBJECT_MAGIC.len()..SEALED_OBJECT_MAGIC.len() + len];
+            let plain = self.open_object(name, stored)?;
             let _ = fs::remove_file(path);
             let mut out = file::create_private(path).map_err(StoreError::File)?;
-            out.write_all(plain)
+            out.write_all(&plain)
                 .map_err(StoreError::io("write", path))?;
             out.sync_all().map_err(StoreError::io("sync", path))?;
             Ok(plain.len() as u64)
@@ -130,7 +126,14 @@ impl Remote {
         opened.map(Some)
     }
 
-    fn download_as_stored(&self, name: &str, path: &Path) -> Result<Option<u64>, RemoteError> {
+    fn download_as_stored(
+        &self,
+        name: &str,
+        path: &Path,
+        limit: u64,
+    ) -> Result<Option<u64>, RemoteError> {
+        let url = self.url.clone();
+        let name_owned = name.to_owned();
         let client = self.client.clone();
         let key = self.key(name);
         let on_error = self.request_error("get", name);
@@ -147,6 +150,14 @@ impl Remote {
             let mut written = 0u64;
             while let Some(piece) = stream.next().await {
                 let piece = piece.map_err(Err)?;
+                if written + piece.len() as u64 > limit {
+                    return Err(Ok(RemoteError::TooLarge {
+                        url,
+                        name: name_owned,
+                        size: written + piece.len() as u64,
+                        limit,
+                    }));
+                }
                 out.write_all(&piece)
                     .map_err(|e| Ok(StoreError::io("write", &target)(e).into()))?;
                 written += piece.len() as u64;
@@ -166,6 +177,43 @@ impl Remote {
                 Err(on_error(e))
             }
         }
+    }
+
+    /// `plain` as the object `name` is stored: sealed whole with the key, if there is one.
+    pub fn seal_object(&self, name: &str, plain: &[u8]) -> Vec<u8> {
+        match &self.options.key {
+            Some(key) => {
+                let mut sealed = SEALED_OBJECT_MAGIC.to_vec();
+                key.seal(
+                    &crate::seal::object_aad(&self.url.to_string(), name),
+                    plain,
+                    &mut sealed,
+                );
+                sealed
+            }
+            None => plain.to_vec(),
+        }
+    }
+
+    /// The plain bytes of the object `name` as read (`stored`): opened with the key, if there
+    /// is one; a sealed object without a key, or a plain one with a key, is refused.
+    pub fn open_object(&self, name: &str, mut stored: Vec<u8>) -> Result<Vec<u8>, RemoteError> {
+        let sealed = stored.starts_with(SEALED_OBJECT_MAGIC);
+        let Some(key) = self.key_for(sealed)? else {
+            return Ok(stored);
+        };
+        let len = key
+            .open(
+                &crate::seal::object_aad(&self.url.to_string(), name),
+                &mut stored[SEALED_OBJECT_MAGIC.len()..],
+            )
+            .map_err(|_| RemoteError::ObjectUnsealed {
+                url: self.url.clone(),
+                name: name.to_owned(),
+            })?;
+        stored.drain(..SEALED_OBJECT_MAGIC.len());
+        stored.truncate(len);
+        Ok(stored)
     }
 
     /// Puts `bytes` as the object `name`.
@@ -197,7 +245,7 @@ impl Remote {
     ///
     /// With a key, the file (at most 1 GiB) is sealed whole, its name bound in.
     pub fn put_file(&self, name: &str, path: &Path, len: u64) -> Result<(), RemoteError> {
-        if let Some(key) = &self.options.key {
+        if self.options.key.is_some() {
             if len > SEALED_OBJECT_LIMIT {
                 return Err(RemoteError::TooLarge {
                     url: self.url.clone(),
@@ -210,9 +258,7 @@ impl Remote {
             let mut plain = vec![0u8; usize::try_from(len).unwrap_or(usize::MAX)];
             f.read_exact_at(&mut plain, 0)
                 .map_err(StoreError::io("read", path))?;
-            let mut sealed = SEALED_OBJECT_MAGIC.to_vec();
-            key.seal(&object_aad(name), &plain, &mut sealed);
-            return self.put_bytes(name, sealed, PutIf::Absent);
+            return self.put_bytes(name, self.seal_object(name, &plain), PutIf::Absent);
         }
         let remote = self.clone();
         let name_owned = name.to_owned();

@@ -24,8 +24,11 @@ pub struct UploadReport {
     pub chunks: usize,
     /// Bytes uploaded (chunks and index).
     pub bytes: u64,
-    /// Chunks of earlier images deleted after the commit.
+    /// Chunks deleted after the commit: those of images before the one replaced, and orphans
+    /// of interrupted uploads.
     pub deleted: usize,
+    /// Why that cleanup stopped, if it did (the upload itself is committed).
+    pub cleanup_error: Option<String>,
     /// Seconds the upload took.
     pub elapsed_s: f64,
     /// The index committed: its size and xxh3-128 (hex), which seal the whole image (it
@@ -69,14 +72,26 @@ fn upload_dir(
 ) -> Result<UploadReport, RemoteError> {
     let start = Instant::now();
     let mirror = remote.mirror_dir()?;
-    let (base, version) = match remote.fetch_index(&mirror)? {
+    let (next, previous, version) = match remote.fetch_index(&mirror)? {
         Some((fetched, version)) => {
             let read = store::index_segments(&fetched);
             let _ = fs::remove_file(&fetched);
-            (read?.0, Some(version))
+            let (next, segments) = read?;
+            (next, segments.into_keys().collect(), Some(version))
         }
-        None => (0, None),
+        None => (0, BTreeSet::new(), None),
     };
+    // Names no chunk has had: above the index's and above every chunk there (those of an
+    // interrupted upload, or of a writer at work now), and a random step further, so that
+    // two writers that start together do not pick the same names.
+    let listed = list_chunks(remote)?;
+    let above = listed.iter().map(|&(id, _)| id + 1).max().unwrap_or(0);
+    let step = u32::from(u16::from_le_bytes(
+        crate::seal::new_store_id()[..2]
+            .try_into()
+            .expect("2 bytes"),
+    )) % 4096;
+    let base = next.max(above).saturating_add(step);
     let (index, chunks) = store::renumbered_index(dir, base)?;
     let mut report = UploadReport::default();
     let (progress_tx, progress_rx) = std::sync::mpsc::channel::<u64>();
@@ -130,7 +145,11 @@ fn upload_dir(
     let index = match &remote.options.key {
         Some(key) => {
             let mut sealed = fill::SEALED_INDEX_MAGIC.to_vec();
-            key.seal(crate::seal::INDEX_AAD, &index, &mut sealed);
+            key.seal(
+                &crate::seal::index_aad(&remote.url.to_string()),
+                &index,
+                &mut sealed,
+            );
             sealed
         }
         None => index,
@@ -147,14 +166,24 @@ fn upload_dir(
     report.bytes += index_len;
     progress(index_len);
     let named: BTreeSet<u32> = chunks.iter().map(|&(_, new, _)| new).collect();
-    report.deleted = delete_unnamed(remote, &named)?;
+    // Best effort, and one image late: the chunks of the image just replaced stay for readers
+    // that hold its index (a lazily restored VM); those older than that, and orphans of
+    // interrupted uploads, go. Only names below this upload's are touched.
+    let keep: BTreeSet<u32> = named.union(&previous).copied().collect();
+    let stale: Vec<_> = listed
+        .into_iter()
+        .filter(|(id, _)| *id < base && !keep.contains(id))
+        .collect();
+    match delete_chunks(remote, stale) {
+        Ok(deleted) => report.deleted = deleted,
+        Err(e) => report.cleanup_error = Some(basics::error_chain(&e)),
+    }
     report.elapsed_s = start.elapsed().as_secs_f64();
     Ok(report)
 }
 
-/// Deletes the chunks directly under the prefix that `named` does not hold; returns how
-/// many.
-fn delete_unnamed(remote: &Remote, named: &BTreeSet<u32>) -> Result<usize, RemoteError> {
+/// The chunks directly under the prefix: their ids and keys.
+fn list_chunks(remote: &Remote) -> Result<Vec<(u32, object_store::path::Path)>, RemoteError> {
     let client = remote.client.clone();
     let url = remote.url.clone();
     let prefix =
@@ -168,29 +197,30 @@ fn delete_unnamed(remote: &Remote, named: &BTreeSet<u32>) -> Result<usize, Remot
             .await
     })
     .map_err(on_error)?;
+    Ok(listed
+        .into_iter()
+        .filter_map(|location| {
+            let key = location.as_ref();
+            let name = if url.prefix.is_empty() {
+                key
+            } else {
+                key.strip_prefix(url.prefix.as_str())?.strip_prefix('/')?
+            };
+            let id = store::parse_segment_file_name(name)?;
+            Some((id, location))
+        })
+        .collect())
+}
+
+/// Deletes `chunks`; returns how many.
+fn delete_chunks(
+    remote: &Remote,
+    chunks: Vec<(u32, object_store::path::Path)>,
+) -> Result<usize, RemoteError> {
     let mut deleted = 0;
-    for location in listed {
-        let key = location.as_ref();
-        let name = if url.prefix.is_empty() {
-            key
-        } else {
-            match key
-                .strip_prefix(url.prefix.as_str())
-                .and_then(|k| k.strip_prefix('/'))
-            {
-                Some(name) => name,
-                None => continue,
-            }
-        };
-        let Some(id) = store::parse_segment_file_name(name) else {
-            continue;
-        };
-        if named.contains(&id) {
-            continue;
-        }
+    for (id, location) in chunks {
         let client = remote.client.clone();
-        let name = name.to_owned();
-        let on_error = remote.request_error("delete", &name);
+        let on_error = remote.request_error("delete", &store::segment_file_name(id));
         match run(async move { client.delete(&location).await }) {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => deleted += 1,
             Err(e) => return Err(on_error(e)),

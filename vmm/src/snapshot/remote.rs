@@ -48,13 +48,15 @@ impl SnapshotAt {
             Self::Remote(_, Some(manifest)) => Ok((**manifest).clone()),
             Self::Remote(remote, None) => {
                 let path = PathBuf::from(format!("{}/{MANIFEST}", remote.url()));
-                let text = remote
+                let stored = remote
                     .get_bounded(MANIFEST, MANIFEST_LIMIT)?
                     .ok_or_else(|| SnapshotError::Manifest {
                         path: path.clone(),
                         reason: "there is no snapshot there (no manifest)".into(),
                     })?;
-                parse_manifest(&text, &path)
+                // Sealed with the key, if the snapshot was: its registers and seals are then
+                // as authenticated as the memory they describe.
+                parse_manifest(&remote.open_object(MANIFEST, stored)?, &path)
             }
         }
     }
@@ -190,6 +192,7 @@ pub fn upload(
         }
     }
     let text = serde_json::to_vec_pretty(&manifest).expect("the manifest serializes");
+    let text = remote.seal_object(MANIFEST, &text);
     match remote.put_bytes(MANIFEST, text, PutIf::Absent) {
         Err(RemoteError::Exists { .. }) => return Err(SnapshotError::Exists(at)),
         other => other?,
@@ -216,7 +219,7 @@ fn fetch_disk(remote: &Remote, manifest: &Manifest) -> Result<std::fs::File, Sna
     let disk_path = local.join(DISK);
     let opened = (|| {
         remote
-            .download(DISK, &disk_path)?
+            .download(DISK, &disk_path, manifest.disk.bytes)?
             .ok_or_else(|| SnapshotError::Manifest {
                 path: PathBuf::from(format!("{}/{DISK}", remote.url())),
                 reason: "the disk object is missing".into(),
@@ -251,11 +254,6 @@ fn open_remote(remote: &Remote, manifest: Manifest) -> Result<Snapshot, Snapshot
     // The store's error first: it says when a key is missing or wrong.
     let store: DiskStore = store?;
     let disk = disk?;
-    // A VM moved here runs on one host only: taken once all else is in hand, so that a
-    // restore that cannot run does not hold it.
-    if manifest.leased {
-        take_lease(remote)?;
-    }
     let index_path = store.dir().join("index");
     let found = {
         let file = safe_file::open_read(&index_path)?;
@@ -279,8 +277,16 @@ fn open_remote(remote: &Remote, manifest: Manifest) -> Result<Snapshot, Snapshot
     if !working_set.is_empty() {
         ram_remote.prefetch(&store, &working_set)?;
     }
+    // A VM moved here runs on one host only: the lease is taken last, once everything the
+    // restore needs is in hand and checked, so that a restore that cannot run does not hold
+    // it (a VM that fails to boot after this still does: see docs/remote.md).
+    if manifest.leased && take_lease(remote)?.is_none() {
+        return Err(SnapshotError::Manifest {
+            path: label(LEASE),
+            reason: "the VM was moved here, but its lease is missing".into(),
+        });
+    }
     let ram_path = store.dir().to_path_buf();
-    let label = |name: &str| PathBuf::from(format!("{}/{name}", remote.url()));
     Ok(Snapshot::from_parts(
         manifest,
         RestoreRam::Source(Arc::new(StoreSource::new(store))),

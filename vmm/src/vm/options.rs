@@ -44,11 +44,12 @@ pub struct VmOptions {
     /// (anon RAM only; see `Pager::collapse`).
     #[serde(default)]
     pub thp_collapse: bool,
-    /// When guest memory is lost (a page's source failed for good) and the vCPU cannot be
-    /// taken out of its fault, end this process with [`crate::runtime::EXIT_MEMORY_LOST`]
-    /// after writing why to the job's directory (the VM process of `pvisor run` does; a
-    /// program that embeds a `Vm` gets [`crate::machine::MachineError::MemoryLost`] where the
-    /// kick works).
+    /// When guest memory is lost (a page's source failed for good: a fetch past its retries,
+    /// a block that does not check, in an object store or a local one), end this process with
+    /// [`crate::runtime::EXIT_MEMORY_LOST`] two seconds later, after writing why to the job's
+    /// directory: the machine cannot run again, and the thread that faulted may wait in a
+    /// fault no one can answer. The VM process of `pvisor run` does; a program that embeds a
+    /// `Vm` gets [`crate::machine::MachineError::MemoryLost`] where the vCPU can be kicked.
     #[serde(default)]
     pub exit_on_memory_lost: bool,
     /// Continue this sealed snapshot (its directory) instead of booting: RAM maps the
