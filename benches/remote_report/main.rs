@@ -489,7 +489,8 @@ fn report(results: &Results, settings: &Settings, run: &BenchRun, last: u64) -> 
         "\n## Method\n\n`cargo build --release -p vmm --bin pvisor && cargo bench --bench remote_report` \
          (`REMOTE_BENCH_RUNS`, `REMOTE_BENCH_TOUCHED_MIB`). The server is `s3s` over its file-system backend on loopback, \
          in the bench's process; the round trip is a delay before each request is served. Requests and bytes served are \
-         the server's counts (response bodies: range reads, the index, the manifest, the disk image). Every case \
+         the server's counts; MiB served is what range reads of chunks returned (guest memory only: not the index, \
+         the manifest or the disk). Every case \
          checks the digest against the origin VM's.\n"
     );
     md.push_str(&run.machine_markdown());
