@@ -359,6 +359,12 @@ impl Remote {
     /// segment files and returns the store, whose reads fetch what the mirror lacks.
     pub fn open(&self) -> Result<DiskStore, RemoteError> {
         let dir = self.mirror_dir()?;
+        // One process at a time fetches, adopts and opens the mirror's index: two opening it
+        // while the store is replaced could otherwise adopt in one order and open in another
+        // (and fill files the other one just replaced). Held until the store is open.
+        let adopting = dir.join("adopt.lock");
+        let lock = crate::file::open_or_create_private(&adopting).map_err(StoreError::File)?;
+        lock.lock().map_err(StoreError::io("lock", &adopting))?;
         let fetched = self.fetch_index(&dir)?;
         let Some((index_tmp, _version)) = fetched else {
             return Err(RemoteError::NotFound {
