@@ -118,8 +118,25 @@ pub fn suspend(
     let remote = compressed_backing::remote::Remote::connect(&url, &remote.options()?)?;
     let suspended = call(target, Method::Suspend { offload, ram_file })?;
     let what = format!("job {}", target.job);
-    let (written, uploaded) = write_and_upload(target, &remote, None, Some(&what))?;
+    // Stopped here before the upload commits, so that it never runs in two places: from then
+    // on the snapshot written is the VM, kept if the upload fails.
+    let (staging, local, written) = write_staged(target, &remote, None)?;
     let stopped = call(target, Method::Stop)?;
+    let uploaded = match vmm::snapshot::upload(&local, &remote, Some(&what), &|_| {}) {
+        Ok(uploaded) => uploaded,
+        Err(e) => {
+            let kept = staging.keep();
+            return Err(format!(
+                "{}; the VM is stopped here and its snapshot kept in {}: `pvisor run --restore \
+                 {}` continues it on this host, or move it from there again",
+                basics::error_chain(&e),
+                kept.display(),
+                kept.join("snapshot").display()
+            )
+            .into());
+        }
+    };
+    vmm::snapshot::remove(&local);
     print(&serde_json::json!({
         "suspended": suspended,
         "written": written,
@@ -130,15 +147,13 @@ pub fn suspend(
     Ok(ExitCode::SUCCESS)
 }
 
-/// Has the VM write a snapshot into a private directory of the cache (its RAM in a store),
-/// uploads it to `remote`'s prefix (with a lease if the VM is `moved`) and removes the
-/// local copy.
-fn write_and_upload(
+/// Has the VM write a snapshot into a new private directory of the cache (its RAM in a
+/// store, lz4 unless `codec` says otherwise): the directory, the snapshot's path, the reply.
+fn write_staged(
     target: &Target,
     remote: &compressed_backing::remote::Remote,
     codec: Option<String>,
-    moved: Option<&str>,
-) -> Result<(serde_json::Value, vmm::snapshot::UploadedSnapshot), Box<dyn std::error::Error>> {
+) -> Result<(tempfile::TempDir, PathBuf, serde_json::Value), Box<dyn std::error::Error>> {
     let staging = tempfile::Builder::new()
         .prefix("snapshot-")
         .tempdir_in(remote.cache().root())?;
@@ -150,7 +165,18 @@ fn write_and_upload(
             codec: Some(codec.unwrap_or_else(|| "lz4".into())),
         },
     )?;
-    let uploaded = vmm::snapshot::upload(&local, remote, moved, &|_| {});
+    Ok((staging, local, written))
+}
+
+/// Has the VM write a snapshot into a private directory of the cache (its RAM in a store),
+/// uploads it to `remote`'s prefix and removes the local copy.
+fn write_and_upload(
+    target: &Target,
+    remote: &compressed_backing::remote::Remote,
+    codec: Option<String>,
+) -> Result<(serde_json::Value, vmm::snapshot::UploadedSnapshot), Box<dyn std::error::Error>> {
+    let (_staging, local, written) = write_staged(target, remote, codec)?;
+    let uploaded = vmm::snapshot::upload(&local, remote, None, &|_| {});
     vmm::snapshot::remove(&local);
     let uploaded = uploaded.map_err(|e| basics::error_chain(&e))?;
     Ok((written, uploaded))
@@ -184,7 +210,7 @@ pub fn snapshot(
         StoreLocation::Remote(url) => url,
     };
     let remote = Remote::connect(&url, &remote.options()?)?;
-    let (written, uploaded) = write_and_upload(target, &remote, codec, None)?;
+    let (written, uploaded) = write_and_upload(target, &remote, codec)?;
     print(&serde_json::json!({
         "written": written,
         "uploaded": uploaded,
