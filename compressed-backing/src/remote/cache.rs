@@ -127,15 +127,6 @@ impl Cache {
         }
     }
 
-    /// What the mirrors hold now.
-    pub fn usage(&self) -> Result<CacheUsage, CacheError> {
-        let files = self.segment_files()?;
-        Ok(CacheUsage {
-            bytes: files.iter().map(|f| f.allocated).sum(),
-            files: files.len() as u64,
-        })
-    }
-
     /// Punches holes in the segment files filled least recently until the mirrors hold at
     /// most 7/8 of the bound. Files in use stay valid: a read of a hole fails its checksum and
     /// is fetched again.
@@ -208,7 +199,7 @@ impl Cache {
 }
 
 /// Whether `name` is a mirror's directory name (`BUCKET-` and 32 hex digits).
-pub(crate) fn is_mirror_name(name: &str) -> bool {
+fn is_mirror_name(name: &str) -> bool {
     name.rsplit_once('-').is_some_and(|(bucket, hash)| {
         !bucket.is_empty() && hash.len() == 32 && hash.bytes().all(|b| b.is_ascii_hexdigit())
     })
