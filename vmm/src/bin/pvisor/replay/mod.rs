@@ -468,7 +468,10 @@ fn run_replay(
         match &reference {
             None => reference = Some(digests),
             Some(first) if *first != digests => {
-                failures.push(format!("VM {i}: digests differ from VM 0's"));
+                failures.push(format!(
+                    "VM {i}: digests differ from VM 0's ({})",
+                    digest_difference(first, &digests)
+                ));
             }
             Some(_) => {}
         }
@@ -582,4 +585,48 @@ fn run_replay(
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// Where one VM's digests part from the reference VM's: the first step whose digest differs,
+/// with both, so a failed run says which command saw other bytes.
+fn digest_difference(reference: &[Option<String>], digests: &[Option<String>]) -> String {
+    let text = |d: Option<&Option<String>>| match d {
+        Some(Some(d)) => d.clone(),
+        Some(None) => "no digest".to_owned(),
+        None => "no step".to_owned(),
+    };
+    let steps = reference.len().max(digests.len());
+    (0..steps)
+        .find(|&k| reference.get(k) != digests.get(k))
+        .map_or_else(
+            || "the same digests".to_owned(),
+            |k| {
+                format!(
+                    "first at command {}: {} against {}",
+                    k + 1,
+                    text(digests.get(k)),
+                    text(reference.get(k))
+                )
+            },
+        )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::digest_difference;
+
+    #[test]
+    fn digest_difference_names_the_first_command_that_differs() {
+        let some = |s: &str| Some(s.to_owned());
+        let reference = vec![None, some("aa"), some("bb"), some("cc")];
+        let other = vec![None, some("aa"), some("bx"), some("cx")];
+        assert_eq!(
+            digest_difference(&reference, &other),
+            "first at command 3: bx against bb"
+        );
+        assert_eq!(
+            digest_difference(&reference, &reference[..2]),
+            "first at command 3: no step against bb"
+        );
+    }
 }
