@@ -9,6 +9,7 @@ use std::collections::BTreeSet;
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
 use std::path::Path;
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use compressed_backing::fuse::{self, FuseOptions, MountedStore};
@@ -19,6 +20,25 @@ use testkit::random_bytes;
 const IMAGE_SIZE: u64 = 16 << 20;
 const BS: usize = 64 << 10;
 const BLOCKS: usize = IMAGE_SIZE as usize / BS;
+
+/// Held for reading by every test, for writing by the one that spawns `setpriv` children.
+/// `fork` copies the whole descriptor table of the test process, and the child holds it until
+/// it `exec`s (measured 1 to 30 ms on two busy cores): meanwhile another test's store flock
+/// stays taken (`Locked` on reopen) and its `/dev/fuse` and image files stay open (`EBUSY` on
+/// an outside `umount`). Tests that mount do not run while children are being spawned.
+static SPAWNS: RwLock<()> = RwLock::new(());
+
+fn without_children() -> RwLockReadGuard<'static, ()> {
+    SPAWNS
+        .read()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn with_children() -> RwLockWriteGuard<'static, ()> {
+    SPAWNS
+        .write()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 /// True when FUSE can be used; false (after saying so) when the caller asked to skip device
 /// tests; panics with what is missing otherwise.
@@ -167,6 +187,7 @@ fn overwrite_and_commit(store: &mut DiskStore, seed: u64) {
 
 #[test]
 fn fuse_view_reads_writes_and_maps_round_trip_to_the_store() {
+    let _spawns = without_children();
     if !fuse_available() {
         return;
     }
@@ -314,6 +335,7 @@ fn fuse_view_reads_writes_and_maps_round_trip_to_the_store() {
 
 #[test]
 fn fuse_view_corrupt_block_reads_fail_with_eio() {
+    let _spawns = without_children();
     if !fuse_available() {
         return;
     }
@@ -347,6 +369,7 @@ fn fuse_view_corrupt_block_reads_fail_with_eio() {
 
 #[test]
 fn fuse_view_unmount_while_open_waits_for_the_last_user() {
+    let _spawns = without_children();
     if !fuse_available() {
         return;
     }
@@ -379,6 +402,7 @@ fn fuse_view_unmount_while_open_waits_for_the_last_user() {
 
 #[test]
 fn fuse_view_external_umount_leaves_the_store_committed() {
+    let _spawns = without_children();
     if !fuse_available() {
         return;
     }
@@ -412,6 +436,7 @@ fn fuse_view_external_umount_leaves_the_store_committed() {
 
 #[test]
 fn fuse_view_concurrent_mapped_writers_all_land() {
+    let _spawns = without_children();
     if !fuse_available() {
         return;
     }
@@ -455,6 +480,7 @@ fn fuse_view_concurrent_mapped_writers_all_land() {
 
 #[test]
 fn fuse_view_reader_mount_is_read_only_and_keeps_the_image_of_the_reader() {
+    let _spawns = without_children();
     if !fuse_available() {
         return;
     }
@@ -580,6 +606,7 @@ fn fuse_view_reader_mount_is_read_only_and_keeps_the_image_of_the_reader() {
 
 #[test]
 fn fuse_view_reader_corrupt_block_reads_fail_with_eio() {
+    let _spawns = without_children();
     if !fuse_available() {
         return;
     }
@@ -613,6 +640,7 @@ fn fuse_view_reader_corrupt_block_reads_fail_with_eio() {
 
 #[test]
 fn fuse_view_of_a_store_or_reader_is_private_to_its_owner_even_with_allow_other() {
+    let _spawns = with_children();
     if !fuse_available() {
         return;
     }

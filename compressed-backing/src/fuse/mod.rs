@@ -391,10 +391,22 @@ impl MountedStore {
         // is retried below, after the last writes have come in.
         let _ = self.shared.cache.lock().write_back();
         self.detach()?;
-        let joined = session.join().map_err(|source| FuseError::Session {
-            mountpoint: self.mountpoint.clone(),
-            source,
-        });
+        // The kernel aborts the connection right after it has the reply to DESTROY; a
+        // serving thread that was between two requests then reads ECONNABORTED rather than
+        // ENODEV (fs/fuse/dev.c, `fuse_dev_do_read` sees `!fpq->connected`), and fuser ends
+        // its loop cleanly only on ENODEV. Nothing a caller waits on is in flight by then
+        // (DESTROY comes after the last release), and the write-back below reports anything
+        // left uncommitted, so that error is the session's normal end.
+        let joined = session
+            .join()
+            .or_else(|source| match source.raw_os_error() {
+                Some(libc::ECONNABORTED) => Ok(()),
+                _ => Err(source),
+            })
+            .map_err(|source| FuseError::Session {
+                mountpoint: self.mountpoint.clone(),
+                source,
+            });
         // Writes the kernel flushed while unmounting were committed by `destroy`; this
         // reports what it could not commit.
         self.shared.cache.lock().write_back()?;
