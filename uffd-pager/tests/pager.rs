@@ -585,6 +585,76 @@ fn pager_cold_compression_order_takes_ram_cold_for_its_shorter_age_then_lapses()
 }
 
 #[test]
+fn pager_cold_compression_counts_an_install_after_a_discard_as_an_access() {
+    if skip() {
+        return;
+    }
+    // A block that cold compression has probed, then the guest frees and writes again, is in
+    // use from its new install on: a compression timed from the old probe would read it while
+    // the guest writes it (the install maps it, so those writes fault nowhere) and lose them.
+    let mut ram = Ram::memfd(4 * MIB);
+    let pager = pager_without_remove_events(&ram);
+    let block = pager.block_size().bytes();
+    for (i, page) in ram.bytes_mut().chunks_mut(PAGE_SIZE as usize).enumerate() {
+        page.fill(i as u8 | 1);
+    }
+    let cold_age = Duration::from_millis(400);
+    let cold = Cold::start(&pager, fast_cold(cold_age)).unwrap();
+    let blocks = (4 * MIB / block) as u64;
+    let probed = Instant::now();
+    while cold.stats().blocks_probed < blocks {
+        assert!(
+            probed.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            cold.stats()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Half a cold age after the probe, the first block is freed and written again.
+    std::thread::sleep(cold_age / 2);
+    let first = HostRange::new(HostAddr::from_ptr(ram.map.as_ptr()), block as u64).unwrap();
+    pager.discarded(first);
+    let memfd = ram.memfd.clone().unwrap();
+    // SAFETY: our own RAM, whose first block the test rewrites below.
+    unsafe { uffd_pager::discard::discard(RamKind::Memfd, first, Some((&*memfd, 0))) }.unwrap();
+    let written = Instant::now();
+    ram.bytes_mut()[..block].fill(0x5a);
+    // (Computed, not read: a read would touch every block.)
+    let mut expect: Vec<u8> = (0..4 * MIB)
+        .map(|i| (i / PAGE_SIZE as usize) as u8 | 1)
+        .collect();
+    expect[..block].fill(0x5a);
+    // The blocks left alone since the probe go into the pool after one cold age; the
+    // rewritten one not before a cold age after its install (less a tick of the scanner).
+    let mut others_pooled = false;
+    loop {
+        let state = pager.page_state(0);
+        let seen = written.elapsed();
+        if state == PageState::Pooled {
+            assert!(
+                seen >= cold_age - Duration::from_millis(50),
+                "the rewritten block went into the pool {seen:?} after its install, within \
+                 its cold age of {cold_age:?}"
+            );
+            break;
+        }
+        others_pooled |= pager.page_state(block as u64) == PageState::Pooled;
+        assert!(
+            seen < Duration::from_secs(10),
+            "the rewritten block never went into the pool: {:?}",
+            cold.stats()
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(
+        others_pooled,
+        "the untouched blocks went into the pool first"
+    );
+    assert!(ram.bytes() == &expect[..], "the bytes read back differ");
+    assert_eq!(pager.metrics().snapshot().fault_errors, 0);
+}
+
+#[test]
 fn pager_memfd_ram_offloads_by_punching_holes_and_serves_minor_faults() {
     if skip() {
         return;

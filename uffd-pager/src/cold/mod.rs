@@ -4,7 +4,8 @@
 //! Access tracking (memfd RAM): the compressor zaps the page-table entries of a block
 //! (`MADV_DONTNEED` on a shared mapping keeps the page cache), which makes the next guest
 //! access a MINOR fault; the fault thread marks the block accessed and maps the whole block
-//! back with `UFFDIO_CONTINUE` (nothing is copied). A block probed for at least the cold age
+//! back with `UFFDIO_CONTINUE` (nothing is copied); any other install of its pages (a fault
+//! after the guest freed them, a load) marks it accessed too. A block probed for at least the cold age
 //! without an access is cold: its bytes are read from the memfd (not through the mapping, which
 //! would fault), compressed into the pool, and — under the write side of the pager's lock,
 //! only if no access completed since the probe, so no write can be lost — its pages become
@@ -396,7 +397,8 @@ impl State {
         self.idle.store(idle, Ordering::Relaxed);
     }
 
-    /// A fault thread saw an access to `block` (a MINOR fault after a probe).
+    /// Pages of `block` are being mapped (a MINOR fault after a probe, or an install): an
+    /// access.
     pub(crate) fn touched(&self, block: u64) {
         if let Some(info) = self.blocks.get(block as usize) {
             let before = info.flags.fetch_or(ACCESSED, Ordering::AcqRel);

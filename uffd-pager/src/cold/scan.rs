@@ -161,8 +161,11 @@ fn scan(shared: &Shared, cold: &State, buf: &mut [u8]) {
                     .expect("pages of a region");
                 // SAFETY: our own shared memfd mapping: the page cache keeps every byte; only
                 // the page-table entries go, and the next access is a MINOR fault to the pager.
-                // Best effort: a block whose probe failed stays mapped and looks in use.
-                let _ = unsafe { crate::discard::unmap_shared(range) };
+                // A block whose probe failed may stay mapped, so its accesses would not be
+                // seen: it is marked accessed, which is to say in use.
+                if unsafe { crate::discard::unmap_shared(range) }.is_err() {
+                    info.flags.store(PROBING | ACCESSED, Ordering::Release);
+                }
             }
             cold.probed.fetch_add(1, Ordering::Relaxed);
             continue;

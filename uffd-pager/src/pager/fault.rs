@@ -445,14 +445,25 @@ impl Shared {
         since: Instant,
     ) -> Result<Attempt, UffdError> {
         let read = self.table.read();
+        // Cold compression may have dropped the block between the caller's look and this
+        // lock: its page cache is gone (a CONTINUE would fail), and the pool has its bytes.
+        if self.table.get(page) == PageState::Pooled {
+            return Ok(Attempt::Retry);
+        }
         let span = self.block_span(region, page);
         let unit = region.unit_span(page);
+        // Whatever it maps, the block is in use: cold compression must not take it on the
+        // strength of its probe (`touched` comes before the pages are reachable).
         let pages = match self.observer.get() {
-            Some(observer) if self.table.all(span.clone(), PageState::Resident) => {
+            Some(observer) => {
                 observer.touched(self.block_size.index_of(span.start * PAGE_SIZE));
-                span
+                if self.table.all(span.clone(), PageState::Resident) {
+                    span
+                } else {
+                    unit.clone()
+                }
             }
-            _ => unit.clone(),
+            None => unit.clone(),
         };
         let range = HostRange::new(region.addr_of(pages.start), count_bytes(&pages))
             .expect("pages of a region");
@@ -572,6 +583,16 @@ impl Shared {
         let range = HostRange::new(region.addr_of(pages.start), count * PAGE_SIZE)
             .expect("pages of a region");
         let page_size = region.spec.kind.page_size();
+        // Mapped pages are reached without a fault from now on: to cold compression that is
+        // an access of their blocks, said before they are mapped. Otherwise a block probed,
+        // then discarded and installed again, would still look untouched since its probe, and
+        // a write to it while it is being compressed would be lost.
+        if let Some(observer) = self.observer.get() {
+            let per_block = self.block_size.pages() as u64;
+            for block in pages.start / per_block..=(pages.end - 1) / per_block {
+                observer.touched(block);
+            }
+        }
         // Install without waking, so that states and counters are up to date before the
         // faulting thread runs on (an offload right after must see the page resident).
         let result = match data {

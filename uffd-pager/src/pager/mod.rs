@@ -282,8 +282,9 @@ pub(crate) struct Shared {
 /// What the pager tells a layer above it (cold compression) of the guest's accesses it sees.
 /// Called on fault threads: it must return quickly.
 pub(crate) trait AccessObserver: Send + Sync + std::fmt::Debug {
-    /// A MINOR fault mapped `block` back, every page of it resident (a probed block was
-    /// accessed).
+    /// Pages of `block` are about to be mapped (a MINOR fault maps the page cache, a fault or
+    /// a load installs pages): from then on they are reached without a fault, so the block is
+    /// in use whatever its probe said. Called under the read side of the layout lock.
     fn touched(&self, block: u64);
     /// A fault brought `block` back from the memory pool.
     fn promoted(&self, block: u64);
