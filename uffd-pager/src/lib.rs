@@ -11,6 +11,7 @@
 //! - [`journal`]: a VM's page-state table in a memfd, to outlive a server restart.
 //! - [`limit`]: the resident limit, at which faults and loads are held.
 //! - [`load`]: bringing offloaded RAM back: on faults only, lazily with prefetch, or eagerly.
+//! - [`logging`]: the binaries' log, `object_store`'s retry lines kept to a few.
 //! - [`offload`]: offload of a paused VM's RAM to a store.
 //! - [`pagemap`]: which pages were written (`PAGEMAP_SCAN`).
 //! - [`sharing`]: page sharing between VMs, the memory-pool daemon and its client: pages VMs
@@ -28,6 +29,7 @@ pub mod discard;
 pub mod journal;
 pub mod limit;
 pub mod load;
+pub mod logging;
 pub mod metrics;
 pub mod offload;
 pub mod pagemap;

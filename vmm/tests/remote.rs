@@ -232,5 +232,12 @@ fn snapshots_in_a_bucket_continue_on_another_host_lazily_with_their_working_set(
         said.contains("guest memory is lost") && said.contains("\"exit_code\":75"),
         "{said}"
     );
+    // The VM's log shows a few of object_store's lines, one per retry, not every one.
+    let log = std::fs::read_to_string(g.join("runtime").join(vm.job()).join("vm.log")).unwrap();
+    let retries = log.lines().filter(|l| l.contains("backing off")).count();
+    assert!(
+        (1..=uffd_pager::logging::RETRY_BURST as usize).contains(&retries),
+        "{retries} retry lines:\n{log}"
+    );
     server.restart();
 }

@@ -24,13 +24,7 @@ pub fn memory_pool(socket: &Path, peers: PeerPolicy) -> CliResult {
 }
 
 pub(super) fn init_logging() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    uffd_pager::logging::init(uffd_pager::logging::Style::Full);
 }
 
 pub fn serve(

@@ -200,21 +200,11 @@ fn main() -> ExitCode {
 
 use basics::error_chain;
 
-/// The process's log: the library's `tracing` events on stderr, one line each, the message
-/// as written (no time, level or target: the lines read as they always have, `pvisor …: …`),
-/// `info` and above unless `RUST_LOG` says otherwise.
+/// The process's log: the libraries' `tracing` events on stderr, each line the message as
+/// written (`pvisor …: …`), `info` and above unless `RUST_LOG` says otherwise
+/// (`uffd_pager::logging`).
 fn init_logging() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .without_time()
-        .with_level(false)
-        .with_target(false)
-        .init();
+    uffd_pager::logging::init(uffd_pager::logging::Style::Plain);
 }
 
 /// What a command returns.
