@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use basics::RateLimit;
 use tracing::Metadata;
-use tracing_subscriber::filter::{filter_fn, EnvFilter, FilterExt};
+use tracing_subscriber::filter::{dynamic_filter_fn, EnvFilter, FilterExt};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::Layer;
@@ -40,8 +40,9 @@ fn passes(meta: &Metadata<'_>, limit: &RateLimit) -> bool {
 pub fn init(style: Style) {
     let levels = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let limit = RateLimit::new(RETRY_BURST, RETRY_INTERVAL);
-    // `and` asks the limit only of what the levels let through.
-    let filter = levels.and(filter_fn(move |meta| passes(meta, &limit)));
+    // `and` asks the limit only of what the levels let through; a dynamic filter is asked of
+    // every event (a plain `filter_fn` is asked once per call site, and its answer kept).
+    let filter = levels.and(dynamic_filter_fn(move |meta, _| passes(meta, &limit)));
     let lines = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(false);
@@ -79,7 +80,7 @@ mod tests {
         let seen = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let subscriber = tracing_subscriber::registry().with(
             Count(std::sync::Arc::clone(&seen))
-                .with_filter(filter_fn(move |meta| passes(meta, &limit))),
+                .with_filter(dynamic_filter_fn(move |meta, _| passes(meta, &limit))),
         );
         tracing::subscriber::with_default(subscriber, || {
             for _ in 0..20 {
