@@ -21,6 +21,7 @@ fn options(server: &S3Server, cache: &Path) -> RemoteOptions {
         retry_timeout: Duration::from_secs(2),
         parallel: 4,
         key: None,
+        fetch_rest: false,
     }
 }
 
@@ -146,6 +147,78 @@ fn prefetch_coalesces_and_faults_then_need_nothing() {
     }
     assert_eq!(remote.stats(), stats, "the working set was all there");
     assert_eq!(remote.prefetch(&store, &working_set).expect("again"), 0);
+}
+
+#[test]
+fn the_rest_is_fetched_in_the_background_yielding_to_faults_then_reads_need_nothing() {
+    let mut server = S3Server::start();
+    let (dir, url) = uploaded(&server, "rest", 3);
+    let remote =
+        Remote::connect(&url, &options(&server, &dir.path().join("cache"))).expect("connect");
+    let store = std::sync::Arc::new(remote.open().expect("open"));
+    let working_set: Vec<u64> = (0..8).collect();
+    remote.prefetch(&store, &working_set).expect("prefetch");
+    let after_prefetch = remote.stats();
+    // A fault waits on a slow request; the background fetch starts meanwhile and must not
+    // send anything until that fault is served.
+    server.set_delay(Duration::from_millis(1500));
+    let faulting = {
+        let store = std::sync::Arc::clone(&store);
+        std::thread::spawn(move || {
+            let mut out = vec![0u8; BLOCK];
+            store.get(BLOCKS - 3, &mut out).expect("get");
+            assert!(out == block(3, BLOCKS - 3));
+        })
+    };
+    let requests = server.requests();
+    while server.requests() == requests {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let sent = server.requests();
+    let planned = remote
+        .fetch_rest(&store)
+        .expect("fetch rest")
+        .expect("it fits");
+    let stored: u64 = (8..BLOCKS).map(|b| store.stored_len(b) as u64).sum();
+    assert!(
+        planned >= stored && planned <= stored + stored / 4,
+        "{planned} for {stored}"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        server.requests(),
+        sent,
+        "the background fetch sent a request while a fault waited"
+    );
+    faulting.join().expect("the fault is served");
+    server.set_delay(Duration::ZERO);
+    let started = std::time::Instant::now();
+    while !remote.stats().background_done {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{:?}",
+            remote.stats()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let done = remote.stats();
+    assert!(
+        done.background_bytes >= stored - store.stored_len(BLOCKS - 3) as u64,
+        "{done:?}"
+    );
+    assert!(
+        done.background_requests <= 4,
+        "{done:?}: coalesced like a prefetch"
+    );
+    assert_eq!(
+        done.requests,
+        after_prefetch.requests + 1,
+        "counted apart from the fault's"
+    );
+    // Everything is here now: with the server down, every block still reads.
+    server.stop();
+    read_all(&store, 3);
+    assert_eq!(remote.stats(), done);
 }
 
 #[test]

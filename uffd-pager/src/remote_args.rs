@@ -1,5 +1,6 @@
 //! The command-line options of stores in an object store, shared by `uffd-pager` and
-//! `pvisor`: the endpoint, the cache and its bound, the retry timeout.
+//! `pvisor`: the endpoint, the cache and its bound, the retry timeout, the key, the background
+//! fetch.
 
 use std::path::PathBuf;
 
@@ -29,6 +30,13 @@ pub struct RemoteArgs {
     /// with a key is read only with it.
     #[arg(long, value_name = "FILE")]
     pub store_key: Option<PathBuf>,
+    /// When a VM restores from (or `serve` serves) an s3:// store: after the working set,
+    /// fetch the rest of the store into the cache in the background, two requests at a time
+    /// and none while a fault waits, so that later faults find their blocks here. Off by
+    /// default: it fetches what the VM may never touch. Skipped, with a note in the log, when
+    /// the store is more than half the cache's bound.
+    #[arg(long)]
+    pub s3_fetch_rest: bool,
 }
 
 impl RemoteArgs {
@@ -47,6 +55,7 @@ impl RemoteArgs {
         }
         options.cache_size = self.cache_size;
         options.retry_timeout = std::time::Duration::from_secs_f64(self.s3_retry_timeout);
+        options.fetch_rest = self.s3_fetch_rest;
         if let Some(path) = &self.store_key {
             let key = compressed_backing::seal::StoreKey::from_file(path)
                 .map_err(|e| format!("--store-key: {}", basics::error_chain(&e)))?;

@@ -204,7 +204,11 @@ impl store::SegmentFill for RemoteFill {
             .files
             .get(&segment)
             .ok_or_else(|| format!("segment {segment} is not in the mirror"))?;
-        let bytes = fetch_range(&self.remote, segment, offset, buf.len() as u64)?;
+        let counters = &self.remote.counters;
+        counters.demand_in_flight.fetch_add(1, Ordering::AcqRel);
+        let fetched = fetch_range(&self.remote, segment, offset, buf.len() as u64);
+        counters.demand_in_flight.fetch_sub(1, Ordering::AcqRel);
+        let bytes = fetched?;
         buf.copy_from_slice(&bytes);
         // The bound first: it may punch older bytes, never these.
         self.remote.cache.filled(bytes.len() as u64);
@@ -251,13 +255,17 @@ fn present(file: &File, offset: u64, len: u64) -> bool {
     u64::try_from(hole).is_ok_and(|hole| hole >= offset + len)
 }
 
-/// See [`Remote::prefetch`].
-pub(super) fn prefetch(
-    remote: &Remote,
+/// One range request: `start..end` of segment `segment`'s object.
+type Request = (u32, (u64, u64));
+
+/// What fetching `blocks` of `store` asks for: the mirror's segment files they are in (open
+/// for writing), and range requests for the payloads the mirror lacks, neighbours within
+/// [`MAX_GAP`] coalesced up to [`MAX_REQUEST`], in segment and offset order.
+fn plan(
     store: &DiskStore,
     blocks: &[u64],
-) -> Result<u64, RemoteError> {
-    let dir = store.dir().to_path_buf();
+) -> Result<(BTreeMap<u32, File>, Vec<Request>), RemoteError> {
+    let dir = store.dir();
     let mut files = BTreeMap::new();
     let mut wanted: BTreeMap<u32, Vec<(u64, u64)>> = BTreeMap::new();
     for &block in blocks {
@@ -280,7 +288,6 @@ pub(super) fn prefetch(
                 .push((offset, offset + u64::from(len)));
         }
     }
-    // Coalesce: sorted by offset, neighbours within MAX_GAP joined up to MAX_REQUEST.
     let mut requests = Vec::new();
     for (segment, mut ranges) in wanted {
         ranges.sort_unstable();
@@ -302,11 +309,34 @@ pub(super) fn prefetch(
             requests.push((segment, done));
         }
     }
-    let files = std::sync::Arc::new(files);
+    Ok((files, requests))
+}
+
+/// Which counters a fetch adds to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Counted {
+    /// Faults and prefetch: [`super::RemoteCounters::requests`] and `bytes_fetched`.
+    Reads,
+    /// The background fetch of the rest, counted apart.
+    Background,
+}
+
+/// Runs `requests`, `parallel` at once, writing what comes back into `files` (the mirror's
+/// segment files). Returns the bytes fetched. A short answer is skipped: its blocks fail
+/// their checks when read, and are fetched again then.
+fn fetch(
+    remote: &Remote,
+    dir: &Path,
+    files: &std::sync::Arc<BTreeMap<u32, File>>,
+    requests: Vec<Request>,
+    parallel: usize,
+    counted: Counted,
+) -> Result<u64, RemoteError> {
+    let files = std::sync::Arc::clone(files);
     let client = remote.client.clone();
     let url = remote.url.clone();
-    let parallel = remote.options.parallel.max(1);
     let counters = std::sync::Arc::clone(&remote.counters);
+    let dir = dir.to_path_buf();
     let fetched = run(async move {
         let mut results =
             futures::stream::iter(requests.into_iter().map(|(segment, (start, end))| {
@@ -326,26 +356,100 @@ pub(super) fn prefetch(
                     Ok::<_, RemoteError>((segment, start, end, bytes))
                 }
             }))
-            .buffer_unordered(parallel);
+            .buffer_unordered(parallel.max(1));
         let mut total = 0u64;
         while let Some(result) = results.next().await {
             let (segment, start, end, bytes) = result?;
             if bytes.len() as u64 != end - start {
-                // A short object: its blocks fail their checks when read, naming it.
                 continue;
             }
             if let Some(f) = files.get(&segment) {
                 f.write_all_at(&bytes, start)
                     .map_err(StoreError::io("write", &dir))?;
             }
-            counters.requests.fetch_add(1, Ordering::Relaxed);
-            counters
-                .bytes_fetched
-                .fetch_add(end - start, Ordering::Relaxed);
+            let (requests, bytes_fetched) = match counted {
+                Counted::Reads => (&counters.requests, &counters.bytes_fetched),
+                Counted::Background => (&counters.background_requests, &counters.background_bytes),
+            };
+            requests.fetch_add(1, Ordering::Relaxed);
+            bytes_fetched.fetch_add(end - start, Ordering::Relaxed);
             total += end - start;
         }
         Ok::<_, RemoteError>(total)
     })?;
     remote.cache.filled(fetched);
     Ok(fetched)
+}
+
+/// See [`Remote::prefetch`].
+pub(super) fn prefetch(
+    remote: &Remote,
+    store: &DiskStore,
+    blocks: &[u64],
+) -> Result<u64, RemoteError> {
+    let (files, requests) = plan(store, blocks)?;
+    fetch(
+        remote,
+        store.dir(),
+        &std::sync::Arc::new(files),
+        requests,
+        remote.options.parallel,
+        Counted::Reads,
+    )
+}
+
+/// Range requests the background fetch keeps in flight at once: few, so that a fault's own
+/// request does not queue behind many of them.
+const BACKGROUND_PARALLEL: usize = 2;
+
+/// See [`Remote::fetch_rest`].
+pub(super) fn fetch_rest(remote: &Remote, store: &DiskStore) -> Result<Option<u64>, RemoteError> {
+    let blocks: Vec<u64> = (0..store.blocks()).collect();
+    let (files, requests) = plan(store, &blocks)?;
+    let total: u64 = requests.iter().map(|(_, (start, end))| end - start).sum();
+    if total > remote.cache.limit() / 2 {
+        tracing::info!(
+            "{}: the rest of the store ({total} bytes) is more than half the cache's bound; \
+             it is fetched as the VM touches it",
+            remote.url
+        );
+        return Ok(None);
+    }
+    let remote = remote.clone();
+    let dir = store.dir().to_path_buf();
+    let files = std::sync::Arc::new(files);
+    std::thread::Builder::new()
+        .name("s3-fetch-rest".into())
+        .spawn(move || {
+            let mut requests = requests.into_iter().peekable();
+            while requests.peek().is_some() {
+                // Faults first: no new request while one waits on the object store.
+                while remote.counters.demand_in_flight.load(Ordering::Acquire) > 0 {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                let batch: Vec<Request> = requests.by_ref().take(BACKGROUND_PARALLEL).collect();
+                if let Err(e) = fetch(
+                    &remote,
+                    &dir,
+                    &files,
+                    batch,
+                    BACKGROUND_PARALLEL,
+                    Counted::Background,
+                ) {
+                    tracing::warn!(
+                        "{}: the background fetch stopped; the rest is fetched as the VM \
+                         touches it: {}",
+                        remote.url,
+                        basics::error_chain(&e)
+                    );
+                    return;
+                }
+            }
+            remote
+                .counters
+                .background_done
+                .store(true, Ordering::Release);
+        })
+        .map_err(StoreError::io("start the background fetch of", store.dir()))?;
+    Ok(Some(total))
 }

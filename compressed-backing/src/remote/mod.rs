@@ -32,7 +32,7 @@ mod url;
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -67,6 +67,9 @@ pub struct RemoteOptions {
     /// The key that seals what is uploaded and opens what is read (`--store-key`; see
     /// [`crate::seal`]); `None` for stores kept in the clear.
     pub key: Option<Arc<crate::seal::StoreKey>>,
+    /// A restore fetches the rest of the store in the background after its working set
+    /// (`--s3-fetch-rest`; see [`Remote::fetch_rest`]).
+    pub fetch_rest: bool,
 }
 
 /// The default cache size: 4 GiB.
@@ -85,6 +88,7 @@ impl RemoteOptions {
             retry_timeout: Duration::from_secs(30),
             parallel: 8,
             key: None,
+            fetch_rest: false,
         }
     }
 }
@@ -210,19 +214,33 @@ pub enum RemoteError {
 /// Counts of what a remote store's reads cost.
 #[derive(Debug, Default)]
 pub struct RemoteCounters {
-    /// Range requests made for payloads.
+    /// Range requests made for payloads (faults and prefetch).
     pub requests: AtomicU64,
-    /// Payload bytes fetched.
+    /// Payload bytes fetched (faults and prefetch).
     pub bytes_fetched: AtomicU64,
+    /// Range requests of the background fetch of the rest ([`Remote::fetch_rest`]).
+    pub background_requests: AtomicU64,
+    /// Bytes the background fetch fetched.
+    pub background_bytes: AtomicU64,
+    /// The background fetch fetched all it set out to.
+    pub background_done: AtomicBool,
+    /// Faults waiting on a request now: the background fetch starts none meanwhile.
+    pub demand_in_flight: AtomicU64,
 }
 
 /// A snapshot of [`RemoteCounters`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct RemoteStats {
-    /// Range requests made for payloads.
+    /// Range requests made for payloads (faults and prefetch).
     pub requests: u64,
-    /// Payload bytes fetched.
+    /// Payload bytes fetched (faults and prefetch).
     pub bytes_fetched: u64,
+    /// Range requests of the background fetch of the rest.
+    pub background_requests: u64,
+    /// Bytes the background fetch fetched.
+    pub background_bytes: u64,
+    /// The background fetch is over, everything it set out to fetch fetched.
+    pub background_done: bool,
 }
 
 /// A connection to one remote store, with the cache its reads go through.
@@ -316,6 +334,11 @@ impl Remote {
         &self.url
     }
 
+    /// The options it was set up with.
+    pub fn options(&self) -> &RemoteOptions {
+        &self.options
+    }
+
     /// The cache reads go through.
     pub fn cache(&self) -> &Cache {
         &self.cache
@@ -323,9 +346,13 @@ impl Remote {
 
     /// What reads cost so far (every store opened from this connection).
     pub fn stats(&self) -> RemoteStats {
+        let c = &self.counters;
         RemoteStats {
-            requests: self.counters.requests.load(Ordering::Relaxed),
-            bytes_fetched: self.counters.bytes_fetched.load(Ordering::Relaxed),
+            requests: c.requests.load(Ordering::Relaxed),
+            bytes_fetched: c.bytes_fetched.load(Ordering::Relaxed),
+            background_requests: c.background_requests.load(Ordering::Relaxed),
+            background_bytes: c.background_bytes.load(Ordering::Relaxed),
+            background_done: c.background_done.load(Ordering::Acquire),
         }
     }
 
@@ -387,6 +414,18 @@ impl Remote {
     /// already are not fetched again. Returns the payload bytes fetched.
     pub fn prefetch(&self, store: &DiskStore, blocks: &[u64]) -> Result<u64, RemoteError> {
         fill::prefetch(self, store, blocks)
+    }
+
+    /// Starts fetching every payload of `store` (opened by [`open`](Self::open)) that the
+    /// mirror lacks into the cache, on a thread of its own, yielding to faults: coalesced
+    /// range requests as [`prefetch`](Self::prefetch) makes, two at a time, and none started
+    /// while a fault waits on the object store. Its requests and bytes are counted apart
+    /// ([`RemoteStats::background_bytes`]). Returns the bytes it set out to fetch, or `None`
+    /// (having started nothing) when they are more than half the cache's bound, which would
+    /// only push out what the VM needs. A request that fails ends it with a warning: the rest
+    /// is fetched as the VM touches it, as without it.
+    pub fn fetch_rest(&self, store: &DiskStore) -> Result<Option<u64>, RemoteError> {
+        fill::fetch_rest(self, store)
     }
 
     /// Uploads the committed image of the local store in `dir` as this store's new image;

@@ -46,7 +46,14 @@ pub(super) fn open_read_only(
 ) -> Result<DiskStore, Box<dyn std::error::Error>> {
     Ok(match location {
         StoreLocation::Local(dir) => DiskStore::open_read_only(dir)?,
-        StoreLocation::Remote(url) => Remote::connect(url, &remote.options()?)?.open()?,
+        StoreLocation::Remote(url) => {
+            let remote = Remote::connect(url, &remote.options()?)?;
+            let store = remote.open()?;
+            if remote.options().fetch_rest {
+                remote.fetch_rest(&store)?;
+            }
+            store
+        }
     })
 }
 

@@ -28,7 +28,7 @@ pub enum SnapshotAt {
     Dir(PathBuf),
     /// A prefix of an object store, and its manifest if it was read already (by the command
     /// that started the VM process: one round trip less).
-    Remote(Remote, Option<Box<Manifest>>),
+    Remote(Box<Remote>, Option<Box<Manifest>>),
 }
 
 impl fmt::Display for SnapshotAt {
@@ -276,6 +276,10 @@ fn open_remote(remote: &Remote, manifest: Manifest) -> Result<Snapshot, Snapshot
         .collect();
     if !working_set.is_empty() {
         ram_remote.prefetch(&store, &working_set)?;
+    }
+    // The rest after the working set, while the VM runs (`--s3-fetch-rest`).
+    if ram_remote.options().fetch_rest {
+        ram_remote.fetch_rest(&store)?;
     }
     // A VM moved here runs on one host only: the lease is taken last, once everything the
     // restore needs is in hand and checked, so that a restore that cannot run does not hold

@@ -200,6 +200,10 @@ pub struct RemoteSnapshot {
     /// The key file of an encrypted snapshot (`--store-key`).
     #[serde(default)]
     pub key_file: Option<PathBuf>,
+    /// Fetch the rest of the RAM store in the background after the working set
+    /// (`--s3-fetch-rest`).
+    #[serde(default)]
+    pub fetch_rest: bool,
     /// Its manifest, as the starting command read and checked it: the VM process takes it
     /// as it takes every other option from its starter, and saves a round trip.
     #[serde(default)]
@@ -221,6 +225,7 @@ impl RemoteSnapshot {
             retry_timeout_ms: u64::try_from(options.retry_timeout.as_millis()).unwrap_or(u64::MAX),
             manifest: None,
             key_file,
+            fetch_rest: options.fetch_rest,
         }
     }
 
@@ -237,6 +242,7 @@ impl RemoteSnapshot {
         options.cache_dir = self.cache_dir.clone();
         options.cache_size = self.cache_size;
         options.retry_timeout = std::time::Duration::from_millis(self.retry_timeout_ms);
+        options.fetch_rest = self.fetch_rest;
         if let Some(path) = &self.key_file {
             let key = compressed_backing::seal::StoreKey::from_file(path).map_err(|e| {
                 crate::snapshot::SnapshotError::Manifest {
@@ -247,7 +253,7 @@ impl RemoteSnapshot {
             options.key = Some(std::sync::Arc::new(key));
         }
         Ok(crate::snapshot::SnapshotAt::Remote(
-            Remote::connect(&url, &options)?,
+            Box::new(Remote::connect(&url, &options)?),
             self.manifest.clone(),
         ))
     }
