@@ -2,7 +2,7 @@
 //! file-system backend (`s3s-fs`), with signature checks on, served by hyper on a thread of
 //! its own. Chosen over `moto` (a Python server from a virtualenv) because it costs the suite
 //! no download at test time and starts in about a millisecond; it implements the conditional
-//! puts (`If-None-Match: *`, `If-Match`) a lease needs.
+//! puts (`If-None-Match: *`, `If-Match`) a lease needs, made atomic here (see `Wire`).
 //!
 //! Beside a plain server it can play the network's part: a delay added to every request (the
 //! round trip of a remote store), a count of requests and bytes served, and an outage (`stop`
@@ -28,13 +28,18 @@ pub const SECRET_KEY: &str = "pvisor-test-secret-key-0123456789";
 /// The region clients sign for.
 pub const REGION: &str = "us-east-1";
 
-/// What every request passes through: the delay and the counters.
+/// What every request passes through: the delay, the counters, and the lock of conditional
+/// puts.
 #[derive(Debug, Default)]
 struct Wire {
     delay_us: AtomicU64,
     requests: AtomicU64,
     bytes_out: AtomicU64,
     chunk_bytes_out: AtomicU64,
+    /// Held while a conditional put (`If-None-Match`, `If-Match`) is served: `s3s-fs` checks
+    /// the condition, then writes, so two racing creates could both succeed, where S3 lets
+    /// one only. Served one at a time, they are atomic as S3's are.
+    conditional: tokio::sync::Mutex<()>,
 }
 
 /// A running server; stopped on drop.
@@ -196,8 +201,17 @@ impl S3Server {
                                 if delay > 0 {
                                     tokio::time::sleep(Duration::from_micros(delay)).await;
                                 }
+                                let conditional = request.method() == hyper::Method::PUT
+                                    && (request.headers().contains_key("if-none-match")
+                                        || request.headers().contains_key("if-match"));
+                                let held = if conditional {
+                                    Some(wire.conditional.lock().await)
+                                } else {
+                                    None
+                                };
                                 let response =
                                     hyper::service::Service::call(&service, request).await?;
+                                drop(held);
                                 let len = hyper::body::Body::size_hint(response.body())
                                     .exact()
                                     .or_else(|| {

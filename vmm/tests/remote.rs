@@ -84,13 +84,67 @@ fn snapshots_in_a_bucket_continue_on_another_host_lazily_with_their_working_set(
         &a.join("cache"),
     );
     origin.call("snapshot", &strs(&sealed));
-    let disk = std::fs::read(server.object_path("snaps", "vm-sealed/disk.img")).unwrap();
+    // The disk and the RAM store are under the upload's own sub-prefix.
+    let disk_key = server
+        .keys("snaps", "vm-sealed/")
+        .into_iter()
+        .find(|k| k.starts_with("vm-sealed/up-") && k.ends_with("/disk.img"))
+        .expect("the disk under the upload's sub-prefix");
+    let disk = std::fs::read(server.object_path("snaps", &disk_key)).unwrap();
     assert!(disk.starts_with(b"PVSEALO1"), "the disk is sealed too");
     let manifest = std::fs::read(server.object_path("snaps", "vm-sealed/manifest.json")).unwrap();
     assert!(manifest.starts_with(b"PVSEALO1"), "and the manifest");
     // A prefix that holds a snapshot is never written over.
     let err = origin.call_fails("snapshot", &strs(&args));
     assert!(err.contains("exists already"), "{err}");
+    // Two uploads racing for one prefix (each past the check that it is free, the round trip
+    // slowed): one manifest lands, the loser deletes its own sub-prefix, and what is there
+    // restores whole (below).
+    let rival = Detached::start(&a.join("runtime"), &[], "fill 32MiB random seed=32; idle");
+    let rival_digest = rival.digest();
+    let race = with_remote(&["--out", "s3://snaps/race"], &endpoint, &a.join("cache"));
+    server.set_delay(std::time::Duration::from_millis(20));
+    let outcomes: Vec<std::process::Output> = std::thread::scope(|scope| {
+        let runs: Vec<_> = [&origin, &rival]
+            .into_iter()
+            .map(|vm| {
+                let mut args = vec!["snapshot", vm.job()];
+                args.extend(strs(&race));
+                let runtime = &vm.runtime;
+                scope.spawn(move || common::pvisor(runtime, &args))
+            })
+            .collect();
+        runs.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    server.set_delay(std::time::Duration::ZERO);
+    let won: Vec<bool> = outcomes.iter().map(|o| o.status.success()).collect();
+    assert_eq!(
+        won.iter().filter(|&&w| w).count(),
+        1,
+        "one upload wins: {outcomes:?}"
+    );
+    let lost = outcomes.iter().find(|o| !o.status.success()).unwrap();
+    assert!(
+        common::text(&lost.stderr).contains("exists already"),
+        "{}",
+        common::text(&lost.stderr)
+    );
+    let winner_digest = if won[0] { digest.clone() } else { rival_digest };
+    let uploads: std::collections::BTreeSet<String> = server
+        .keys("snaps", "race/")
+        .into_iter()
+        .filter_map(|k| {
+            k.strip_prefix("race/")?
+                .split_once('/')
+                .map(|(id, _)| id.to_owned())
+        })
+        .collect();
+    assert_eq!(
+        uploads.len(),
+        1,
+        "the loser's objects are gone: {uploads:?}"
+    );
+    drop(rival);
     drop(origin);
     std::fs::remove_dir_all(a.join("cache")).unwrap();
 
@@ -107,6 +161,15 @@ fn snapshots_in_a_bucket_continue_on_another_host_lazily_with_their_working_set(
         assert!(requests >= 450, "{prefix}: {requests} requests");
         restored.push(vm);
     }
+    // The one that won the race, whole.
+    let extra = with_remote(
+        &["--restore", "s3://snaps/race"],
+        &endpoint,
+        &b.join("cache"),
+    );
+    let vm = Detached::start(&b.join("runtime"), &strs(&extra), "idle");
+    assert_eq!(vm.digest(), winner_digest, "the race's winner");
+    drop(vm);
     // The sealed one: with its key only.
     let extra = with_remote(
         &["--restore", "s3://snaps/vm-sealed", "--store-key", &key_arg],
@@ -225,7 +288,10 @@ fn snapshots_in_a_bucket_continue_on_another_host_lazily_with_their_working_set(
         "no retries"
     );
     assert!(err.contains("guest memory is lost"), "{err}");
-    assert!(err.contains("s3://snaps/vm-raw/ram.store/seg-"), "{err}");
+    assert!(
+        err.contains("s3://snaps/vm-raw/up-") && err.contains("/ram.store/seg-"),
+        "{err}"
+    );
     let status = common::pvisor(&g.join("runtime"), &["status", vm.job()]);
     let said = common::text(&status.stdout);
     assert!(

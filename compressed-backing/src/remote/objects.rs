@@ -216,6 +216,33 @@ impl Remote {
         Ok(stored)
     }
 
+    /// Deletes every object under this prefix (the whole of an upload that lost its race,
+    /// say); returns how many. Best effort for the caller: an object another writer adds
+    /// meanwhile may stay.
+    pub fn delete_all(&self) -> Result<usize, RemoteError> {
+        let client = self.client.clone();
+        let prefix = object_store::path::Path::from(self.url.prefix.as_str());
+        let on_error = self.request_error("list", "");
+        let listed: Vec<object_store::path::Path> = run(async move {
+            futures::TryStreamExt::try_collect(futures::TryStreamExt::map_ok(
+                client.list(Some(&prefix)),
+                |meta| meta.location,
+            ))
+            .await
+        })
+        .map_err(on_error)?;
+        let mut deleted = 0;
+        for location in listed {
+            let client = self.client.clone();
+            let on_error = self.request_error("delete", location.as_ref());
+            match run(async move { client.delete(&location).await }) {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => deleted += 1,
+                Err(e) => return Err(on_error(e)),
+            }
+        }
+        Ok(deleted)
+    }
+
     /// Puts `bytes` as the object `name`.
     pub fn put_bytes(&self, name: &str, bytes: Vec<u8>, put_if: PutIf) -> Result<(), RemoteError> {
         let client = self.client.clone();

@@ -196,6 +196,12 @@ pub struct Manifest {
     pub leased: bool,
     /// The virtual disk.
     pub disk: SealedFile,
+    /// In an object store: the sub-prefix of the upload that wrote this snapshot (`up-` and
+    /// 12 hex digits), under which its disk and RAM store are. Two uploads racing for one
+    /// prefix then never mix their objects: the one whose manifest lands is whole. `None`:
+    /// they are right under the prefix (snapshots written before there were sub-prefixes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub objects: Option<String>,
     /// Seconds since the epoch when it was taken.
     pub created_unix_s: u64,
 }
@@ -262,6 +268,17 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, SnapshotError> {
     parse_manifest(&text, &path)
 }
 
+/// Whether `name` is an upload's sub-prefix as `remote::upload` makes them (`up-` and 12
+/// lowercase hex digits): a manifest from a bucket may say anything.
+fn is_upload_id(name: &str) -> bool {
+    name.strip_prefix("up-").is_some_and(|hex| {
+        hex.len() == 12
+            && hex
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    })
+}
+
 /// Parses and checks a manifest's bytes (`path` names it in errors).
 fn parse_manifest(text: &[u8], path: &Path) -> Result<Manifest, SnapshotError> {
     let bad = |reason: String| SnapshotError::Manifest {
@@ -295,6 +312,14 @@ fn parse_manifest(text: &[u8], path: &Path) -> Result<Manifest, SnapshotError> {
         RamFormat::Raw => RAM,
         RamFormat::Store => RAM_STORE,
     };
+    if let Some(objects) = &manifest.objects {
+        if !is_upload_id(objects) {
+            return Err(bad(format!(
+                "its objects are under {objects:?}, not an upload's sub-prefix (up- and 12 hex \
+                 digits)"
+            )));
+        }
+    }
     if manifest.ram.name != ram_name || manifest.disk.name != DISK {
         return Err(bad(format!(
             "its files are {:?} and {:?}, not {ram_name:?} and {DISK:?}",

@@ -1,7 +1,9 @@
 //! Snapshots in an S3-compatible object store: `s3://BUCKET/PREFIX/` holds the same files as
 //! a snapshot directory, `manifest.json`, `disk.img` and the RAM store under `ram.store/`
-//! (a remote store: docs/remote.md). The manifest is put last and only if absent: it is the
-//! commit, so a prefix without one holds no snapshot, and a snapshot is never written over.
+//! (a remote store: docs/remote.md), the last two under the upload's own sub-prefix
+//! (`PREFIX/up-…/`, named by the manifest's `objects`). The manifest is put last and only if
+//! absent: it is the commit, so a prefix without one holds no snapshot, a snapshot is never
+//! written over, and an upload that loses a race for the prefix deletes its sub-prefix.
 //!
 //! A restore fetches the manifest and the disk (checked against its seal) and opens the RAM
 //! store lazily: instead of reading the whole image against its digest before the restore, it
@@ -172,12 +174,28 @@ pub fn upload(
     if remote.get_bounded(MANIFEST, MANIFEST_LIMIT)?.is_some() {
         return Err(SnapshotError::Exists(at));
     }
-    let ram = remote
+    // Its own sub-prefix: another upload racing for this prefix writes elsewhere, and the
+    // manifest that lands names objects that are all its own.
+    let id = crate::runtime::new_id("up-");
+    let objects = remote.child(&id);
+    let ram = objects
         .child(RAM_STORE)
         .upload(&dir.join(RAM_STORE), progress)?;
-    remote.put_file(DISK, &dir.join(DISK), manifest.disk.bytes)?;
+    objects.put_file(DISK, &dir.join(DISK), manifest.disk.bytes)?;
     progress(manifest.disk.bytes);
+    manifest.objects = Some(id);
     manifest.leased = moved.is_some();
+    // Lost the race: this upload's objects go (best effort; nothing names them).
+    let lost = || {
+        if let Err(e) = objects.delete_all() {
+            tracing::warn!(
+                "{}: cannot delete the objects of an upload that lost to another: {}",
+                objects.url(),
+                basics::error_chain(&e)
+            );
+        }
+        SnapshotError::Exists(at.clone())
+    };
     manifest.ram_index = Some(SealedFile {
         name: format!("{RAM_STORE}/index"),
         bytes: ram.index_bytes,
@@ -187,14 +205,15 @@ pub fn upload(
     if let Some(lease) = &lease {
         let text = serde_json::to_vec(lease).expect("a lease serializes");
         match remote.put_bytes(LEASE, text, PutIf::Absent) {
-            Err(RemoteError::Exists { .. }) => return Err(SnapshotError::Exists(at)),
+            Err(RemoteError::Exists { .. }) => return Err(lost()),
             other => other?,
         }
     }
     let text = serde_json::to_vec_pretty(&manifest).expect("the manifest serializes");
     let text = remote.seal_object(MANIFEST, &text);
+    // Any other failure leaves the objects: the put may have landed all the same.
     match remote.put_bytes(MANIFEST, text, PutIf::Absent) {
-        Err(RemoteError::Exists { .. }) => return Err(SnapshotError::Exists(at)),
+        Err(RemoteError::Exists { .. }) => return Err(lost()),
         other => other?,
     }
     Ok(UploadedSnapshot {
@@ -245,9 +264,13 @@ fn open_remote(remote: &Remote, manifest: Manifest) -> Result<Snapshot, Snapshot
         });
     }
     // The disk and the RAM store's index at once: one round trip.
-    let ram_remote = remote.child(RAM_STORE);
+    let objects = match &manifest.objects {
+        Some(id) => remote.child(id),
+        None => remote.clone(),
+    };
+    let ram_remote = objects.child(RAM_STORE);
     let (disk, store) = std::thread::scope(|scope| {
-        let disk = scope.spawn(|| fetch_disk(remote, &manifest));
+        let disk = scope.spawn(|| fetch_disk(&objects, &manifest));
         let store = ram_remote.open();
         (disk.join().expect("the disk thread does not panic"), store)
     });
@@ -261,7 +284,7 @@ fn open_remote(remote: &Remote, manifest: Manifest) -> Result<Snapshot, Snapshot
     };
     if found.bytes != ram_seal.bytes || found.xxh3_128 != ram_seal.xxh3_128 {
         return Err(SnapshotError::Seal {
-            path: label(&ram_seal.name),
+            path: PathBuf::from(format!("{}/{}", objects.url(), ram_seal.name)),
             what: format!(
                 "{} bytes, xxh3-128 {}; sealed as {} bytes, {}",
                 found.bytes, found.xxh3_128, ram_seal.bytes, ram_seal.xxh3_128
@@ -296,6 +319,6 @@ fn open_remote(remote: &Remote, manifest: Manifest) -> Result<Snapshot, Snapshot
         RestoreRam::Source(Arc::new(StoreSource::new(store))),
         ram_path,
         disk,
-        label(DISK),
+        PathBuf::from(format!("{}/{DISK}", objects.url())),
     ))
 }

@@ -148,6 +148,7 @@ fn write_into(
         ram: ram_seal,
         ram_index: None,
         leased: false,
+        objects: None,
         ram_format: if codec.is_some() {
             RamFormat::Store
         } else {
