@@ -367,3 +367,18 @@ impl Drop for Mapping {
         unsafe { libc::munmap(self.ptr.cast(), self.len) };
     }
 }
+
+/// A child process killed (SIGKILL) and reaped when this is dropped, unless it has exited:
+/// a test that panics must not leave a server running that holds the test's output open
+/// (the runner would wait for it).
+#[derive(Debug)]
+pub struct KillOnDrop(pub std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}

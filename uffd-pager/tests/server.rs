@@ -1408,23 +1408,25 @@ fn the_binary_packs_into_an_object_store_and_a_firecracker_vm_restores_from_it()
     assert_eq!(info["store"], url);
 
     let socket = dir.path().join("fc.sock");
-    let mut child = cli(
-        "cache-b",
-        &[
-            "serve",
-            "--socket",
-            socket.to_str().unwrap(),
-            "--store",
-            url,
-        ],
-    )
-    .stderr(std::process::Stdio::null())
-    .spawn()
-    .unwrap();
+    let mut child = testkit::KillOnDrop(
+        cli(
+            "cache-b",
+            &[
+                "serve",
+                "--socket",
+                socket.to_str().unwrap(),
+                "--store",
+                url,
+            ],
+        )
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap(),
+    );
     let deadline = Instant::now() + Duration::from_secs(20);
     while !socket.exists() {
         assert!(Instant::now() < deadline, "the server did not listen");
-        assert!(child.try_wait().unwrap().is_none(), "the server exited");
+        assert!(child.0.try_wait().unwrap().is_none(), "the server exited");
         std::thread::sleep(Duration::from_millis(20));
     }
     let vm = Vm::new(&[2 * MIB, 4 * MIB]);
@@ -1433,12 +1435,66 @@ fn the_binary_packs_into_an_object_store_and_a_firecracker_vm_restores_from_it()
     assert!(vm.bytes(1) == &data[2 * MIB..]);
     drop(stream);
     // SAFETY: signalling our own child.
-    unsafe { libc::kill(child.id().cast_signed(), libc::SIGTERM) };
-    let status = child.wait().unwrap();
+    unsafe { libc::kill(child.0.id().cast_signed(), libc::SIGTERM) };
+    let status = child.0.wait().unwrap();
     assert!(
         status.success() || status.signal() == Some(libc::SIGTERM),
         "{status:?}"
     );
+
+    // With --s3-fetch-rest, the server fetches the whole store in the background from its
+    // start (a fresh cache again): once that is done, the VM's faults ask the bucket nothing.
+    let mut child = testkit::KillOnDrop(
+        cli(
+            "cache-e",
+            &[
+                "serve",
+                "--socket",
+                socket.to_str().unwrap(),
+                "--store",
+                url,
+                "--s3-fetch-rest",
+            ],
+        )
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap(),
+    );
+    let started = server.requests();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut last = (started, Instant::now());
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "the background fetch did not end"
+        );
+        assert!(child.0.try_wait().unwrap().is_none(), "the server exited");
+        let now = server.requests();
+        if now != last.0 {
+            last = (now, Instant::now());
+        } else if socket.exists() && now > started && last.1.elapsed() > Duration::from_millis(500)
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let fetched = server.requests() - started;
+    // The index, then a few coalesced range requests for 6 MiB in 64 KiB blocks.
+    assert!(fetched <= 8, "{fetched} requests");
+    let before = server.requests();
+    let vm = Vm::new(&[2 * MIB, 4 * MIB]);
+    let stream = vm.connect(&socket, &vm.json(true));
+    assert!(vm.bytes(0) == &data[..2 * MIB]);
+    assert!(vm.bytes(1) == &data[2 * MIB..]);
+    assert_eq!(
+        server.requests(),
+        before,
+        "the faults were served from the cache"
+    );
+    drop(stream);
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.0.id().cast_signed(), libc::SIGTERM) };
+    child.0.wait().unwrap();
 
     succeed("cache-c", &["verify", "--store", url]);
     let chunk = server.keys("snapshots", "fc/vm-1/seg-").pop().unwrap();
