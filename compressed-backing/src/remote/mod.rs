@@ -203,6 +203,12 @@ pub enum RemoteError {
         /// The limit.
         limit: u64,
     },
+    /// Deleting everything under no prefix would empty the bucket.
+    #[error("refusing to delete every object of {url}: only a prefix's objects are deleted")]
+    WholeBucket {
+        /// The bucket.
+        url: RemoteUrl,
+    },
     /// The cache failed.
     #[error(transparent)]
     Cache(#[from] CacheError),

@@ -217,9 +217,15 @@ impl Remote {
     }
 
     /// Deletes every object under this prefix (the whole of an upload that lost its race,
-    /// say); returns how many. Best effort for the caller: an object another writer adds
+    /// say; objects under `PREFIX/`, path segment by segment: not `PREFIX-other/`); returns
+    /// how many. A store at the top of a bucket (no prefix) is refused. Best effort for the caller: an object another writer adds
     /// meanwhile may stay.
     pub fn delete_all(&self) -> Result<usize, RemoteError> {
+        if self.url.prefix.is_empty() {
+            return Err(RemoteError::WholeBucket {
+                url: self.url.clone(),
+            });
+        }
         let client = self.client.clone();
         let prefix = object_store::path::Path::from(self.url.prefix.as_str());
         let on_error = self.request_error("list", "");
