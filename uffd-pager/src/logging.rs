@@ -31,9 +31,13 @@ pub enum Style {
     Plain,
 }
 
-/// Whether an event of `meta` passes `limit`: everything but `object_store`'s events does.
+/// Whether an event of `meta` passes `limit`: everything but `object_store`'s events at
+/// `info` and below does (its warnings and errors always pass).
 fn passes(meta: &Metadata<'_>, limit: &RateLimit) -> bool {
-    !(meta.is_event() && meta.target().starts_with("object_store")) || limit.allow()
+    let limited = meta.is_event()
+        && *meta.level() >= tracing::Level::INFO
+        && meta.target().starts_with("object_store");
+    !limited || limit.allow()
 }
 
 /// Sets the process's log up (once; a second call does nothing).
@@ -88,6 +92,10 @@ mod tests {
             }
             let retries = seen.load(std::sync::atomic::Ordering::Relaxed);
             assert_eq!(retries, RETRY_BURST as usize);
+            // Its warnings are not held back.
+            tracing::event!(target: "object_store::client", Level::WARN, "a warning");
+            let retries = retries + 1;
+            assert_eq!(seen.load(std::sync::atomic::Ordering::Relaxed), retries);
             for _ in 0..20 {
                 tracing::event!(target: "uffd_pager::server", Level::INFO, "a line");
             }

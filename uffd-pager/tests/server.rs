@@ -1444,6 +1444,8 @@ fn the_binary_packs_into_an_object_store_and_a_firecracker_vm_restores_from_it()
 
     // With --s3-fetch-rest, the server fetches the whole store in the background from its
     // start (a fresh cache again): once that is done, the VM's faults ask the bucket nothing.
+    let log_path = dir.path().join("serve-rest.log");
+    let started = server.requests();
     let mut child = testkit::KillOnDrop(
         cli(
             "cache-e",
@@ -1456,24 +1458,23 @@ fn the_binary_packs_into_an_object_store_and_a_firecracker_vm_restores_from_it()
                 "--s3-fetch-rest",
             ],
         )
-        .stderr(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log_path).unwrap())
         .spawn()
         .unwrap(),
     );
-    let started = server.requests();
     let deadline = Instant::now() + Duration::from_secs(20);
-    let mut last = (started, Instant::now());
     loop {
+        let log = std::fs::read_to_string(&log_path).unwrap_or_default();
         assert!(
             Instant::now() < deadline,
-            "the background fetch did not end"
+            "the background fetch did not end:\n{log}"
         );
-        assert!(child.0.try_wait().unwrap().is_none(), "the server exited");
-        let now = server.requests();
-        if now != last.0 {
-            last = (now, Instant::now());
-        } else if socket.exists() && now > started && last.1.elapsed() > Duration::from_millis(500)
-        {
+        assert!(
+            child.0.try_wait().unwrap().is_none(),
+            "the server exited:\n{log}"
+        );
+        if socket.exists() && log.contains("the background fetch is done") {
             break;
         }
         std::thread::sleep(Duration::from_millis(20));

@@ -204,16 +204,32 @@ impl store::SegmentFill for RemoteFill {
             .files
             .get(&segment)
             .ok_or_else(|| format!("segment {segment} is not in the mirror"))?;
-        let counters = &self.remote.counters;
-        counters.demand_in_flight.fetch_add(1, Ordering::AcqRel);
-        let fetched = fetch_range(&self.remote, segment, offset, buf.len() as u64);
-        counters.demand_in_flight.fetch_sub(1, Ordering::AcqRel);
-        let bytes = fetched?;
+        let bytes = {
+            let _waiting = DemandInFlight::new(&self.remote.counters);
+            fetch_range(&self.remote, segment, offset, buf.len() as u64)?
+        };
         buf.copy_from_slice(&bytes);
         // The bound first: it may punch older bytes, never these.
         self.remote.cache.filled(bytes.len() as u64);
         file.write_all_at(&bytes, offset)?;
         Ok(())
+    }
+}
+
+/// A fault waiting on the object store, counted in `demand_in_flight` while it lives (a
+/// panic that unwinds through the request uncounts it too).
+struct DemandInFlight<'a>(&'a super::RemoteCounters);
+
+impl<'a> DemandInFlight<'a> {
+    fn new(counters: &'a super::RemoteCounters) -> Self {
+        counters.demand_in_flight.fetch_add(1, Ordering::AcqRel);
+        Self(counters)
+    }
+}
+
+impl Drop for DemandInFlight<'_> {
+    fn drop(&mut self) {
+        self.0.demand_in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -445,10 +461,14 @@ pub(super) fn fetch_rest(remote: &Remote, store: &DiskStore) -> Result<Option<u6
                     return;
                 }
             }
-            remote
-                .counters
-                .background_done
-                .store(true, Ordering::Release);
+            let counters = &remote.counters;
+            counters.background_done.store(true, Ordering::Release);
+            tracing::info!(
+                "{}: the background fetch is done: {} bytes in {} requests",
+                remote.url,
+                counters.background_bytes.load(Ordering::Relaxed),
+                counters.background_requests.load(Ordering::Relaxed)
+            );
         })
         .map_err(StoreError::io("start the background fetch of", store.dir()))?;
     Ok(Some(total))

@@ -434,6 +434,20 @@ impl Remote {
         fill::fetch_rest(self, store)
     }
 
+    /// [`fetch_rest`](Self::fetch_rest) if the options ask for it (`--s3-fetch-rest`). It is
+    /// optional: if it cannot start, that is a warning, and reads fetch as without it.
+    pub fn fetch_rest_if_asked(&self, store: &DiskStore) {
+        if self.options.fetch_rest {
+            if let Err(e) = self.fetch_rest(store) {
+                tracing::warn!(
+                    "{}: no background fetch: {}",
+                    self.url,
+                    basics::error_chain(&e)
+                );
+            }
+        }
+    }
+
     /// Uploads the committed image of the local store in `dir` as this store's new image;
     /// see the module documentation. `progress` gets the bytes uploaded as they go.
     pub fn upload(

@@ -49,9 +49,7 @@ pub(super) fn open_read_only(
         StoreLocation::Remote(url) => {
             let remote = Remote::connect(url, &remote.options()?)?;
             let store = remote.open()?;
-            if remote.options().fetch_rest {
-                remote.fetch_rest(&store)?;
-            }
+            remote.fetch_rest_if_asked(&store);
             store
         }
     })

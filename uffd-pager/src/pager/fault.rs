@@ -475,6 +475,8 @@ impl Shared {
             Err(UffdError::Retry { .. }) => return Ok(Attempt::Retry),
             Err(e) => return Err(e),
         }
+        // Marked again once mapped, as in `install_run`.
+        self.touch_blocks(&pages);
         self.table.mapped(&read, unit);
         self.metrics.faults_minor.fetch_add(1, Ordering::Relaxed);
         self.metrics.fault_latency.record(since.elapsed());
@@ -587,12 +589,7 @@ impl Shared {
         // an access of their blocks, said before they are mapped. Otherwise a block probed,
         // then discarded and installed again, would still look untouched since its probe, and
         // a write to it while it is being compressed would be lost.
-        if let Some(observer) = self.observer.get() {
-            let per_block = self.block_size.pages() as u64;
-            for block in pages.start / per_block..=(pages.end - 1) / per_block {
-                observer.touched(block);
-            }
-        }
+        self.touch_blocks(&pages);
         // Install without waking, so that states and counters are up to date before the
         // faulting thread runs on (an offload right after must see the page resident).
         let result = match data {
@@ -615,6 +612,10 @@ impl Shared {
             Err(UffdError::Retry { .. }) => return Ok(None),
             Err(e) => return Err(e),
         };
+        // And again once they are mapped: a re-probe that ran meanwhile (it marks the block
+        // probed, then unmaps it, without the lock) may have overwritten the first mark before
+        // this install mapped the pages; this one it cannot, or its unmapping comes after.
+        self.touch_blocks(&pages);
         self.table.installed(held, pages, state);
         let m = &self.metrics;
         let (pages_counter, faults_counter) = match data {
@@ -634,6 +635,17 @@ impl Shared {
         }
         self.uffd.wake(range)?;
         Ok(Some(filled))
+    }
+
+    /// Tells cold compression (if it runs) that the blocks of `pages` are being mapped: an
+    /// access. Called under the read side of the layout lock, before and after the mapping.
+    fn touch_blocks(&self, pages: &std::ops::Range<u64>) {
+        if let (Some(observer), false) = (self.observer.get(), pages.is_empty()) {
+            let per_block = self.block_size.pages() as u64;
+            for block in pages.start / per_block..=(pages.end - 1) / per_block {
+                observer.touched(block);
+            }
+        }
     }
 
     /// The region holding image page `page`, if any (the image may have gaps).

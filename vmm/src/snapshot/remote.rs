@@ -300,10 +300,6 @@ fn open_remote(remote: &Remote, manifest: Manifest) -> Result<Snapshot, Snapshot
     if !working_set.is_empty() {
         ram_remote.prefetch(&store, &working_set)?;
     }
-    // The rest after the working set, while the VM runs (`--s3-fetch-rest`).
-    if ram_remote.options().fetch_rest {
-        ram_remote.fetch_rest(&store)?;
-    }
     // A VM moved here runs on one host only: the lease is taken last, once everything the
     // restore needs is in hand and checked, so that a restore that cannot run does not hold
     // it (a VM that fails to boot after this still does: see docs/remote.md).
@@ -313,6 +309,9 @@ fn open_remote(remote: &Remote, manifest: Manifest) -> Result<Snapshot, Snapshot
             reason: "the VM was moved here, but its lease is missing".into(),
         });
     }
+    // The rest after the working set, while the VM runs (`--s3-fetch-rest`), once the
+    // restore is sure to go on.
+    ram_remote.fetch_rest_if_asked(&store);
     let ram_path = store.dir().to_path_buf();
     Ok(Snapshot::from_parts(
         manifest,
