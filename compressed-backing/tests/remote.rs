@@ -219,6 +219,15 @@ fn the_rest_is_fetched_in_the_background_yielding_to_faults_then_reads_need_noth
     server.stop();
     read_all(&store, 3);
     assert_eq!(remote.stats(), done);
+    server.restart();
+    // A cache whose bound leaves no room for the rest: nothing is started.
+    let mut small = options(&server, &dir.path().join("cache-small"));
+    small.cache_size = 1 << 20;
+    let remote = Remote::connect(&url, &small).expect("connect");
+    let store = remote.open().expect("open");
+    assert_eq!(remote.fetch_rest(&store).expect("fetch rest"), None);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(remote.stats().background_requests, 0);
 }
 
 #[test]

@@ -34,7 +34,7 @@ pub struct RemoteArgs {
     /// fetch the rest of the store into the cache in the background, two requests at a time
     /// and none while a fault waits, so that later faults find their blocks here. Off by
     /// default: it fetches what the VM may never touch. Skipped, with a note in the log, when
-    /// the store is more than half the cache's bound.
+    /// the rest does not fit in the cache's bound beside what the cache holds.
     #[arg(long)]
     pub s3_fetch_rest: bool,
 }

@@ -423,10 +423,17 @@ pub(super) fn fetch_rest(remote: &Remote, store: &DiskStore) -> Result<Option<u6
     let blocks: Vec<u64> = (0..store.blocks()).collect();
     let (files, requests) = plan(store, &blocks)?;
     let total: u64 = requests.iter().map(|(_, (start, end))| end - start).sum();
-    if total > remote.cache.limit() / 2 {
+    // Room below where the cache's bound trims it (7/8 of the bound), after what every
+    // mirror holds now (trimmed first if it is over): fetching more would push out what VMs
+    // read, this one's working set included.
+    let limit = remote.cache.limit();
+    let held = remote.cache.enforce()?.bytes;
+    let room = (limit - limit / 8).saturating_sub(held);
+    if total > room {
         tracing::info!(
-            "{}: the rest of the store ({total} bytes) is more than half the cache's bound; \
-             it is fetched as the VM touches it",
+            "{}: the rest of the store ({total} bytes) does not fit in the cache's room \
+             ({room} bytes below its bound, after what it holds); it is fetched as the VM \
+             touches it",
             remote.url
         );
         return Ok(None);
