@@ -1408,21 +1408,25 @@ fn the_binary_packs_into_an_object_store_and_a_firecracker_vm_restores_from_it()
     assert_eq!(info["store"], url);
 
     let socket = dir.path().join("fc.sock");
-    let mut child = testkit::KillOnDrop(
-        cli(
-            "cache-b",
-            &[
-                "serve",
-                "--socket",
-                socket.to_str().unwrap(),
-                "--store",
-                url,
-            ],
+    // `serve` of the store on the cache `cache`, its log to `stderr`.
+    let serve = |cache: &str, extra: &[&str], stderr: std::process::Stdio| {
+        let mut args = vec![
+            "serve",
+            "--socket",
+            socket.to_str().unwrap(),
+            "--store",
+            url,
+        ];
+        args.extend_from_slice(extra);
+        testkit::KillOnDrop(
+            cli(cache, &args)
+                .stdout(std::process::Stdio::null())
+                .stderr(stderr)
+                .spawn()
+                .unwrap(),
         )
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap(),
-    );
+    };
+    let mut child = serve("cache-b", &[], std::process::Stdio::null());
     let deadline = Instant::now() + Duration::from_secs(20);
     while !socket.exists() {
         assert!(Instant::now() < deadline, "the server did not listen");
@@ -1446,22 +1450,10 @@ fn the_binary_packs_into_an_object_store_and_a_firecracker_vm_restores_from_it()
     // start (a fresh cache again): once that is done, the VM's faults ask the bucket nothing.
     let log_path = dir.path().join("serve-rest.log");
     let started = server.requests();
-    let mut child = testkit::KillOnDrop(
-        cli(
-            "cache-e",
-            &[
-                "serve",
-                "--socket",
-                socket.to_str().unwrap(),
-                "--store",
-                url,
-                "--s3-fetch-rest",
-            ],
-        )
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(&log_path).unwrap())
-        .spawn()
-        .unwrap(),
+    let mut child = serve(
+        "cache-e",
+        &["--s3-fetch-rest"],
+        std::fs::File::create(&log_path).unwrap().into(),
     );
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {

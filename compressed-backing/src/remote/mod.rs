@@ -428,8 +428,8 @@ impl Remote {
     /// while a fault waits on the object store. Its requests and bytes are counted apart
     /// ([`RemoteStats::background_bytes`]). Returns the bytes it set out to fetch, or `None`
     /// (having started nothing) when they do not fit in the cache below its bound after what
-    /// the cache holds, which would only push out what VMs need. A request that fails ends it with a warning: the rest
-    /// is fetched as the VM touches it, as without it.
+    /// the cache holds, which would only push out what VMs need. A request that fails ends
+    /// it with a warning: the rest is fetched as the VM touches it, as without it.
     pub fn fetch_rest(&self, store: &DiskStore) -> Result<Option<u64>, RemoteError> {
         fill::fetch_rest(self, store)
     }

@@ -6,7 +6,8 @@ use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
+use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStoreExt, PutMode, PutOptions, PutPayload};
 
 use super::{run, Remote, RemoteError};
@@ -216,37 +217,62 @@ impl Remote {
         Ok(stored)
     }
 
+    /// The keys of every object under this prefix, path segment by segment (`PREFIX/…`,
+    /// not `PREFIX-other/…`); of the whole bucket for a store at its top.
+    pub(crate) fn list_objects(&self) -> Result<Vec<ObjectPath>, RemoteError> {
+        let client = self.client.clone();
+        let prefix =
+            (!self.url.prefix.is_empty()).then(|| ObjectPath::from(self.url.prefix.as_str()));
+        let on_error = self.request_error("list", "");
+        run(async move {
+            client
+                .list(prefix.as_ref())
+                .map_ok(|meta| meta.location)
+                .try_collect()
+                .await
+        })
+        .map_err(on_error)
+    }
+
+    /// The name below this prefix of the object `key`, if it is under it.
+    pub(crate) fn name_of<'a>(&self, key: &'a str) -> Option<&'a str> {
+        if self.url.prefix.is_empty() {
+            Some(key)
+        } else {
+            key.strip_prefix(self.url.prefix.as_str())?
+                .strip_prefix('/')
+        }
+    }
+
+    /// Deletes the objects `keys` (as [`list_objects`](Self::list_objects) gives them); one
+    /// gone already counts as deleted. Returns how many.
+    pub(crate) fn delete_objects(&self, keys: Vec<ObjectPath>) -> Result<usize, RemoteError> {
+        let mut deleted = 0;
+        for key in keys {
+            let name = self
+                .name_of(key.as_ref())
+                .unwrap_or(key.as_ref())
+                .to_owned();
+            let on_error = self.request_error("delete", &name);
+            let client = self.client.clone();
+            match run(async move { client.delete(&key).await }) {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => deleted += 1,
+                Err(e) => return Err(on_error(e)),
+            }
+        }
+        Ok(deleted)
+    }
+
     /// Deletes every object under this prefix (the whole of an upload that lost its race,
-    /// say; objects under `PREFIX/`, path segment by segment: not `PREFIX-other/`); returns
-    /// how many. A store at the top of a bucket (no prefix) is refused. Best effort for the caller: an object another writer adds
-    /// meanwhile may stay.
+    /// say); returns how many. A store at the top of a bucket (no prefix) is refused. Best
+    /// effort for the caller: an object another writer adds meanwhile may stay.
     pub fn delete_all(&self) -> Result<usize, RemoteError> {
         if self.url.prefix.is_empty() {
             return Err(RemoteError::WholeBucket {
                 url: self.url.clone(),
             });
         }
-        let client = self.client.clone();
-        let prefix = object_store::path::Path::from(self.url.prefix.as_str());
-        let on_error = self.request_error("list", "");
-        let listed: Vec<object_store::path::Path> = run(async move {
-            futures::TryStreamExt::try_collect(futures::TryStreamExt::map_ok(
-                client.list(Some(&prefix)),
-                |meta| meta.location,
-            ))
-            .await
-        })
-        .map_err(on_error)?;
-        let mut deleted = 0;
-        for location in listed {
-            let client = self.client.clone();
-            let on_error = self.request_error("delete", location.as_ref());
-            match run(async move { client.delete(&location).await }) {
-                Ok(()) | Err(object_store::Error::NotFound { .. }) => deleted += 1,
-                Err(e) => return Err(on_error(e)),
-            }
-        }
-        Ok(deleted)
+        self.delete_objects(self.list_objects()?)
     }
 
     /// Puts `bytes` as the object `name`.

@@ -8,7 +8,6 @@ use std::path::Path;
 use std::time::Instant;
 
 use futures::{StreamExt, TryStreamExt};
-use object_store::ObjectStoreExt;
 
 use super::{fill, objects, run, Remote, RemoteError};
 use crate::store;
@@ -174,7 +173,7 @@ fn upload_dir(
         .into_iter()
         .filter(|(id, _)| *id < base && !keep.contains(id))
         .collect();
-    match delete_chunks(remote, stale) {
+    match remote.delete_objects(stale.into_iter().map(|(_, key)| key).collect()) {
         Ok(deleted) => report.deleted = deleted,
         Err(e) => report.cleanup_error = Some(basics::error_chain(&e)),
     }
@@ -184,47 +183,12 @@ fn upload_dir(
 
 /// The chunks directly under the prefix: their ids and keys.
 fn list_chunks(remote: &Remote) -> Result<Vec<(u32, object_store::path::Path)>, RemoteError> {
-    let client = remote.client.clone();
-    let url = remote.url.clone();
-    let prefix =
-        (!url.prefix.is_empty()).then(|| object_store::path::Path::from(url.prefix.as_str()));
-    let on_error = remote.request_error("list", "");
-    let listed: Vec<object_store::path::Path> = run(async move {
-        client
-            .list(prefix.as_ref())
-            .map_ok(|meta| meta.location)
-            .try_collect()
-            .await
-    })
-    .map_err(on_error)?;
-    Ok(listed
+    Ok(remote
+        .list_objects()?
         .into_iter()
-        .filter_map(|location| {
-            let key = location.as_ref();
-            let name = if url.prefix.is_empty() {
-                key
-            } else {
-                key.strip_prefix(url.prefix.as_str())?.strip_prefix('/')?
-            };
-            let id = store::parse_segment_file_name(name)?;
-            Some((id, location))
+        .filter_map(|key| {
+            let id = store::parse_segment_file_name(remote.name_of(key.as_ref())?)?;
+            Some((id, key))
         })
         .collect())
-}
-
-/// Deletes `chunks`; returns how many.
-fn delete_chunks(
-    remote: &Remote,
-    chunks: Vec<(u32, object_store::path::Path)>,
-) -> Result<usize, RemoteError> {
-    let mut deleted = 0;
-    for (id, location) in chunks {
-        let client = remote.client.clone();
-        let on_error = remote.request_error("delete", &store::segment_file_name(id));
-        match run(async move { client.delete(&location).await }) {
-            Ok(()) | Err(object_store::Error::NotFound { .. }) => deleted += 1,
-            Err(e) => return Err(on_error(e)),
-        }
-    }
-    Ok(deleted)
 }

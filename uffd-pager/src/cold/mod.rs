@@ -5,11 +5,11 @@
 //! (`MADV_DONTNEED` on a shared mapping keeps the page cache), which makes the next guest
 //! access a MINOR fault; the fault thread marks the block accessed and maps the whole block
 //! back with `UFFDIO_CONTINUE` (nothing is copied); any other install of its pages (a fault
-//! after the guest freed them, a load) marks it accessed too. A block probed for at least the cold age
-//! without an access is cold: its bytes are read from the memfd (not through the mapping, which
-//! would fault), compressed into the pool, and — under the write side of the pager's lock,
-//! only if no access completed since the probe, so no write can be lost — its pages become
-//! `Pooled` and its hole is punched. A fault on a pooled block decompresses and installs it.
+//! after the guest freed them, a load) marks it accessed too. A block probed for at least the
+//! cold age without an access is cold: its bytes are read from the memfd (not through the
+//! mapping, which would fault), compressed into the pool, and — under the write side of the
+//! pager's lock, only if no access completed since the probe, so no write can be lost — its
+//! pages become `Pooled` and its hole is punched. A fault on a pooled block decompresses and installs it.
 //!
 //! Never worse than doing nothing: a block that does not compress is left resident and backs
 //! off exponentially before it is looked at again; a block that keeps coming back soon after

@@ -452,19 +452,15 @@ impl Shared {
         }
         let span = self.block_span(region, page);
         let unit = region.unit_span(page);
+        let pages =
+            if self.observer.get().is_some() && self.table.all(span.clone(), PageState::Resident) {
+                span
+            } else {
+                unit.clone()
+            };
         // Whatever it maps, the block is in use: cold compression must not take it on the
-        // strength of its probe (`touched` comes before the pages are reachable).
-        let pages = match self.observer.get() {
-            Some(observer) => {
-                observer.touched(self.block_size.index_of(span.start * PAGE_SIZE));
-                if self.table.all(span.clone(), PageState::Resident) {
-                    span
-                } else {
-                    unit.clone()
-                }
-            }
-            None => unit.clone(),
-        };
+        // strength of its probe (marked before the pages are reachable, and again after).
+        self.touch_blocks(&pages);
         let range = HostRange::new(region.addr_of(pages.start), count_bytes(&pages))
             .expect("pages of a region");
         match self
