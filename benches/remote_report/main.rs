@@ -25,6 +25,9 @@
 //! Each round also times the upload of a snapshot of the origin VM at 0 and 20 ms. Requests
 //! and response bytes are counted by the server.
 //!
+//! With `REMOTE_BENCH_SIZES=1`, the size sweep instead (`sizes.rs`: block and request sizes,
+//! `docs/bench/remote-sizes.md`).
+//!
 //! Without `--bench` (`cargo test --benches`) or with `REMOTE_BENCH_QUICK=1`: 2 rounds of 8 MiB
 //! touched, round trips of 0 and 5 ms, no report written.
 
@@ -35,6 +38,7 @@ use std::time::{Duration, Instant};
 
 #[path = "../common/mod.rs"]
 mod common;
+mod sizes;
 
 use common::host::{BenchRun, TempRoot};
 use common::results::{fig, Results, KEY_RUN_CSV};
@@ -73,6 +77,7 @@ fn run() -> Res<()> {
     if common::skip_smoke(BENCH, write_docs) {
         return Ok(());
     }
+    let sweep = std::env::var_os("REMOTE_BENCH_SIZES").is_some();
     let settings = if write_docs {
         Settings {
             runs: env_number("REMOTE_BENCH_RUNS", 5, 1)? as usize,
@@ -110,6 +115,9 @@ fn run() -> Res<()> {
             cache.display().to_string(),
         ]
     };
+    if sweep {
+        return sizes::run(&bin, &server, &tmp.path, &remote, write_docs, started);
+    }
 
     // The snapshots.
     eprintln!(

@@ -155,6 +155,7 @@ impl Extra {
                     template.call(Method::Snapshot {
                         out: dir.clone(),
                         codec: None,
+                        block_size: None,
                     })?;
                     Ok(())
                 })();

@@ -21,6 +21,9 @@ pub struct PackOptions {
     pub block_size: Option<BlockSize>,
     /// Parallelism.
     pub bulk: BulkOptions,
+    /// A new store's segment size, the most bytes of one segment file (one chunk object in
+    /// an object store); an existing store keeps its own.
+    pub segment_bytes: Option<u64>,
 }
 
 /// Errors of packing and unpacking beyond the store's own.
@@ -89,14 +92,21 @@ pub fn pack_file(
             store.reset(image_size)?;
             store
         }
-        Err(StoreError::NotAStore { .. }) => DiskStore::create(
-            dir,
-            StoreConfig {
-                block_size: options.block_size.unwrap_or_default(),
-                codec: options.codec.unwrap_or_default(),
-                image_size,
-            },
-        )?,
+        Err(StoreError::NotAStore { .. }) => {
+            let mut store_options = crate::store::StoreOptions::default();
+            if let Some(bytes) = options.segment_bytes {
+                store_options.segment_max_bytes = bytes;
+            }
+            DiskStore::create_with(
+                dir,
+                StoreConfig {
+                    block_size: options.block_size.unwrap_or_default(),
+                    codec: options.codec.unwrap_or_default(),
+                    image_size,
+                },
+                store_options,
+            )?
+        }
         Err(e) => return Err(e.into()),
     };
     let source = FileSource::new(&file, store.block_size().bytes_u64());
@@ -195,6 +205,7 @@ mod tests {
             codec: Some(CodecConfig::new(Codec::Zstd { level: 3 })),
             block_size: Some(BlockSize::new(8192).unwrap()),
             bulk: BulkOptions::with_threads(2),
+            segment_bytes: None,
         };
         let (report, stats) = pack_file(&raw, &store_dir, &options, &|_| {}).unwrap();
         assert_eq!(report.bytes, data.len() as u64);

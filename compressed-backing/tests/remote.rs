@@ -20,6 +20,7 @@ fn options(server: &S3Server, cache: &Path) -> RemoteOptions {
         cache_size: 1 << 30,
         retry_timeout: Duration::from_secs(2),
         parallel: 4,
+        request_size: compressed_backing::remote::DEFAULT_REQUEST_SIZE,
         key: None,
         fetch_rest: false,
     }

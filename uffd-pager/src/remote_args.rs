@@ -37,6 +37,26 @@ pub struct RemoteArgs {
     /// the rest does not fit in the cache's bound beside what the cache holds.
     #[arg(long)]
     pub s3_fetch_rest: bool,
+    /// Range requests in flight at once while the working set is fetched (and chunks
+    /// uploaded at once).
+    #[arg(long, value_name = "N", default_value_t = 8,
+          value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub s3_requests: u16,
+    /// The most one range request of the working set's fetch asks for: neighbouring blocks
+    /// are fetched together up to this size (KiB/MiB suffixes; from 64 KiB to 64 MiB).
+    #[arg(long, value_name = "SIZE", default_value = "4MiB", value_parser = parse_request_size)]
+    pub s3_request_size: u64,
+}
+
+/// A `--s3-request-size`: from 64 KiB (a block) to 64 MiB (a chunk).
+fn parse_request_size(text: &str) -> Result<u64, String> {
+    let size = parse_size(text).map_err(|e| e.to_string())?;
+    if !(64 << 10..=64 << 20).contains(&size) {
+        return Err(format!(
+            "{text} is outside 64KiB..=64MiB (a block to a chunk)"
+        ));
+    }
+    Ok(size)
 }
 
 impl RemoteArgs {
@@ -56,6 +76,8 @@ impl RemoteArgs {
         options.cache_size = self.cache_size;
         options.retry_timeout = std::time::Duration::from_secs_f64(self.s3_retry_timeout);
         options.fetch_rest = self.s3_fetch_rest;
+        options.parallel = usize::from(self.s3_requests);
+        options.request_size = self.s3_request_size;
         if let Some(path) = &self.store_key {
             let key = compressed_backing::seal::StoreKey::from_file(path)
                 .map_err(|e| format!("--store-key: {}", basics::error_chain(&e)))?;

@@ -79,6 +79,14 @@ pub trait PageSource: Send + Sync + fmt::Debug {
         buf: &mut [u8],
         decompressed: &mut u64,
     ) -> Result<Content, SourceError>;
+
+    /// The block size this source is read best in, if it has one: a store's, whose every
+    /// block is one payload (one read, one range request of an object store). A pager over
+    /// it should use blocks at least this large, or one fault reads several payloads one
+    /// after the other.
+    fn block_size(&self) -> Option<compressed_backing::BlockSize> {
+        None
+    }
 }
 
 /// The memory pool of cold compression, as the tier that holds `Pooled` pages: it reads whole
@@ -218,5 +226,9 @@ impl PageSource for StoreSource {
             }
         }
         Ok(content)
+    }
+
+    fn block_size(&self) -> Option<compressed_backing::BlockSize> {
+        self.store.read().as_ref().map(DiskStore::block_size)
     }
 }

@@ -59,6 +59,9 @@ pub enum Method {
         /// raw image.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         codec: Option<String>,
+        /// The store's block size in bytes (with a codec; default 64 KiB).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        block_size: Option<u64>,
     },
     /// Stop the VM.
     Stop,

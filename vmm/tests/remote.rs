@@ -64,6 +64,29 @@ fn snapshots_in_a_bucket_continue_on_another_host_lazily_with_their_working_set(
         &a.join("cache"),
     );
     origin.call("snapshot", &strs(&raw));
+    // Larger blocks: fewer requests for a lazy restore (docs/bench/remote-sizes.md).
+    let large = with_remote(
+        &["--out", "s3://snaps/vm-1m", "--block-size", "1MiB"],
+        &endpoint,
+        &a.join("cache"),
+    );
+    origin.call("snapshot", &strs(&large));
+    let bad = with_remote(
+        &["--out", "s3://snaps/vm-bad", "--block-size", "3KiB"],
+        &endpoint,
+        &a.join("cache"),
+    );
+    let err = origin.call_fails("snapshot", &strs(&bad));
+    assert!(
+        err.contains("--block-size") && err.contains("power of two"),
+        "{err}"
+    );
+    let local = a.join("raw-snapshot");
+    let err = origin.call_fails(
+        "snapshot",
+        &["--out", local.to_str().unwrap(), "--block-size", "1MiB"],
+    );
+    assert!(err.contains("needs --codec"), "{err}");
     // Sealed with a key (made before the origin goes).
     let key = a.join("key");
     {
@@ -161,6 +184,21 @@ fn snapshots_in_a_bucket_continue_on_another_host_lazily_with_their_working_set(
         assert!(requests >= 450, "{prefix}: {requests} requests");
         restored.push(vm);
     }
+    // 1 MiB blocks: a fault per MiB.
+    let extra = with_remote(
+        &["--restore", "s3://snaps/vm-1m"],
+        &endpoint,
+        &b.join("cache"),
+    );
+    let before = server.requests();
+    let vm = Detached::start(&b.join("runtime"), &strs(&extra), "idle");
+    assert_eq!(vm.digest(), digest, "1 MiB blocks");
+    let requests = server.requests() - before;
+    assert!(
+        (32..=60).contains(&requests),
+        "1 MiB blocks: {requests} requests"
+    );
+    drop(vm);
     // The one that won the race, whole.
     let extra = with_remote(
         &["--restore", "s3://snaps/race"],

@@ -320,7 +320,12 @@ fn snapshot_compressed_is_small_and_restores_lazily() {
     let expected = digest(&mut origin);
     let snap = dir.path().join("snap");
     origin
-        .snapshot(&snap, Some(compressed_backing::Codec::Lz4))
+        .snapshot(
+            &snap,
+            Some(vmm::snapshot::RamStore::new(
+                compressed_backing::CodecConfig::new(compressed_backing::Codec::Lz4),
+            )),
+        )
         .unwrap();
     let manifest = vmm::snapshot::read_manifest(&snap).unwrap();
     assert_eq!(manifest.ram_format, vmm::snapshot::RamFormat::Store);
@@ -359,6 +364,40 @@ fn snapshot_compressed_is_small_and_restores_lazily() {
             .contains("anon, memfd, hugetlb or hugetlb-memfd RAM"),
         "{err}"
     );
+}
+
+#[test]
+fn snapshot_store_block_size_is_kept_and_restores_fault_by_its_blocks() {
+    if skip() {
+        return;
+    }
+    let dir = open_tempdir();
+    let mut origin = Vm::start(options(dir.path(), "origin", RamKind::Anon, None)).unwrap();
+    exec(&mut origin, "fill 8MiB random seed=31; rewrite 5 seed=4");
+    let expected = digest(&mut origin);
+    for bytes in [16u64 << 10, 1 << 20] {
+        let block_size = compressed_backing::BlockSize::new(bytes).unwrap();
+        let snap = dir.path().join(format!("snap-{bytes}"));
+        let mut store = vmm::snapshot::RamStore::new(compressed_backing::CodecConfig::new(
+            compressed_backing::Codec::Lz4,
+        ));
+        store.block_size = block_size;
+        origin.snapshot(&snap, Some(store)).unwrap();
+        let written =
+            compressed_backing::store::DiskStore::open_read_only(snap.join("ram.store")).unwrap();
+        assert_eq!(written.block_size(), block_size);
+        drop(written);
+        let mut restored = Vm::start(options(
+            dir.path(),
+            &format!("r-{bytes}"),
+            RamKind::Anon,
+            Some(&snap),
+        ))
+        .unwrap();
+        // One fault, one payload: the pager moves the store's blocks.
+        assert_eq!(restored.machine().pager().block_size(), block_size);
+        assert_eq!(digest(&mut restored), expected);
+    }
 }
 
 #[test]

@@ -16,8 +16,6 @@ use super::{run, Remote, RemoteError};
 use crate::file;
 use crate::store::{self, DiskStore, StoreError};
 
-/// Largest range one prefetch request asks for.
-const MAX_REQUEST: u64 = 4 << 20;
 /// Payloads at most this far apart are fetched by one request (the gap comes along).
 const MAX_GAP: u64 = 16 << 10;
 
@@ -275,11 +273,11 @@ fn present(file: &File, offset: u64, len: u64) -> bool {
 type Request = (u32, (u64, u64));
 
 /// What fetching `blocks` of `store` asks for: the mirror's segment files they are in (open
-/// for writing), and range requests for the payloads the mirror lacks, neighbours within
-/// [`MAX_GAP`] coalesced up to [`MAX_REQUEST`], in segment and offset order.
+/// for writing), and range requests for the payloads the mirror lacks (see [`coalesce`]).
 fn plan(
     store: &DiskStore,
     blocks: &[u64],
+    max_request: u64,
 ) -> Result<(BTreeMap<u32, File>, Vec<Request>), RemoteError> {
     let dir = store.dir();
     let mut files = BTreeMap::new();
@@ -304,6 +302,13 @@ fn plan(
                 .push((offset, offset + u64::from(len)));
         }
     }
+    Ok((files, coalesce(wanted, max_request)))
+}
+
+/// The range requests for `wanted` (payload ranges by segment): neighbours at most
+/// [`MAX_GAP`] apart go in one request of at most `max_request` bytes, in segment and offset
+/// order.
+fn coalesce(wanted: BTreeMap<u32, Vec<(u64, u64)>>, max_request: u64) -> Vec<Request> {
     let mut requests = Vec::new();
     for (segment, mut ranges) in wanted {
         ranges.sort_unstable();
@@ -311,7 +316,7 @@ fn plan(
         let mut current: Option<(u64, u64)> = None;
         for (start, end) in ranges {
             current = match current {
-                Some((s, e)) if start <= e + MAX_GAP && end.max(e) - s <= MAX_REQUEST => {
+                Some((s, e)) if start <= e + MAX_GAP && end.max(e) - s <= max_request => {
                     Some((s, end.max(e)))
                 }
                 Some(done) => {
@@ -325,7 +330,7 @@ fn plan(
             requests.push((segment, done));
         }
     }
-    Ok((files, requests))
+    requests
 }
 
 /// Which counters a fetch adds to.
@@ -403,7 +408,7 @@ pub(super) fn prefetch(
     store: &DiskStore,
     blocks: &[u64],
 ) -> Result<u64, RemoteError> {
-    let (files, requests) = plan(store, blocks)?;
+    let (files, requests) = plan(store, blocks, remote.options.request_size)?;
     fetch(
         remote,
         store.dir(),
@@ -421,7 +426,7 @@ const BACKGROUND_PARALLEL: usize = 2;
 /// See [`Remote::fetch_rest`].
 pub(super) fn fetch_rest(remote: &Remote, store: &DiskStore) -> Result<Option<u64>, RemoteError> {
     let blocks: Vec<u64> = (0..store.blocks()).collect();
-    let (files, requests) = plan(store, &blocks)?;
+    let (files, requests) = plan(store, &blocks, remote.options.request_size)?;
     let total: u64 = requests.iter().map(|(_, (start, end))| end - start).sum();
     // Room below where the cache's bound trims it (7/8 of the bound), after what every
     // mirror holds now (trimmed first if it is over): fetching more would push out what VMs
@@ -479,4 +484,47 @@ pub(super) fn fetch_rest(remote: &Remote, store: &DiskStore) -> Result<Option<u6
         })
         .map_err(StoreError::io("start the background fetch of", store.dir()))?;
     Ok(Some(total))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wanted(ranges: &[(u32, u64, u64)]) -> BTreeMap<u32, Vec<(u64, u64)>> {
+        let mut wanted: BTreeMap<u32, Vec<(u64, u64)>> = BTreeMap::new();
+        for &(segment, start, end) in ranges {
+            wanted.entry(segment).or_default().push((start, end));
+        }
+        wanted
+    }
+
+    #[test]
+    fn neighbours_coalesce_within_the_gap_and_segments_stay_apart() {
+        const K: u64 = 1 << 10;
+        let requests = coalesce(
+            wanted(&[
+                (0, 64 * K, 128 * K),
+                (0, 0, 64 * K),
+                (0, 128 * K + MAX_GAP, 200 * K),
+                (0, 200 * K + MAX_GAP + 1, 300 * K),
+                (1, 0, 10 * K),
+                (0, 0, 64 * K),
+            ]),
+            4 << 20,
+        );
+        assert_eq!(
+            requests,
+            vec![
+                (0, (0, 200 * K)),
+                (0, (200 * K + MAX_GAP + 1, 300 * K)),
+                (1, (0, 10 * K))
+            ]
+        );
+        // No request past the largest size.
+        let requests = coalesce(
+            wanted(&[(0, 0, 64 * K), (0, 64 * K, 128 * K), (0, 128 * K, 160 * K)]),
+            100 * K,
+        );
+        assert_eq!(requests, vec![(0, (0, 64 * K)), (0, (64 * K, 160 * K))]);
+    }
 }

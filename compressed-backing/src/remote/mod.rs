@@ -64,6 +64,9 @@ pub struct RemoteOptions {
     pub retry_timeout: Duration,
     /// Range requests in flight at once while prefetching; chunks uploaded at once.
     pub parallel: usize,
+    /// The most bytes one prefetch request asks for: neighbouring payloads are fetched
+    /// together up to this size.
+    pub request_size: u64,
     /// The key that seals what is uploaded and opens what is read (`--store-key`; see
     /// [`crate::seal`]); `None` for stores kept in the clear.
     pub key: Option<Arc<crate::seal::StoreKey>>,
@@ -72,13 +75,16 @@ pub struct RemoteOptions {
     pub fetch_rest: bool,
 }
 
+/// The default largest prefetch request: 4 MiB.
+pub const DEFAULT_REQUEST_SIZE: u64 = 4 << 20;
+
 /// The default cache size: 4 GiB.
 pub const DEFAULT_CACHE_SIZE: u64 = 4 << 30;
 
 impl RemoteOptions {
     /// The defaults: the endpoint from the environment, the cache in `$XDG_CACHE_HOME/pvisor`
     /// (else `$HOME/.cache/pvisor`, else `/var/cache/pvisor`), 4 GiB of it, 30 s of retries,
-    /// 8 requests at once.
+    /// 8 requests of up to 4 MiB at once (docs/bench/remote.md says why).
     pub fn new() -> Self {
         Self {
             endpoint: None,
@@ -87,6 +93,7 @@ impl RemoteOptions {
             cache_size: DEFAULT_CACHE_SIZE,
             retry_timeout: Duration::from_secs(30),
             parallel: 8,
+            request_size: DEFAULT_REQUEST_SIZE,
             key: None,
             fetch_rest: false,
         }

@@ -48,6 +48,11 @@ enum Command {
         /// Block size, a power of two from 4KiB to 2MiB (default 64KiB).
         #[arg(long, value_name = "N")]
         block_size: Option<BlockSize>,
+        /// The most bytes of one segment of a new store: one chunk object in an object
+        /// store, put in parts of 8 MiB, four at once (from 1 MiB to 1 GiB; default 64 MiB,
+        /// docs/bench/remote-sizes.md says why).
+        #[arg(long, value_name = "SIZE", value_parser = parse_chunk_size)]
+        chunk_size: Option<u64>,
         /// Compression threads (default: all cores).
         #[arg(long, value_name = "N")]
         threads: Option<usize>,
@@ -174,6 +179,15 @@ enum Command {
     },
 }
 
+/// A `--chunk-size`: from 1 MiB to 1 GiB.
+fn parse_chunk_size(text: &str) -> Result<u64, String> {
+    let size = parse_size(text).map_err(|e| e.to_string())?;
+    if !(1 << 20..=1 << 30).contains(&size) {
+        return Err(format!("{text} is outside 1MiB..=1GiB"));
+    }
+    Ok(size)
+}
+
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> CliResult {
     match cli.command {
@@ -183,9 +197,18 @@ pub fn run(cli: Cli) -> CliResult {
             remote,
             codec,
             block_size,
+            chunk_size,
             threads,
             json,
-        } => store::pack(&mem_file, &store, &remote, codec, block_size, threads, json),
+        } => {
+            let options = compressed_backing::image::PackOptions {
+                codec: codec.map(compressed_backing::CodecConfig::new),
+                block_size,
+                bulk: store::bulk_options(threads),
+                segment_bytes: chunk_size,
+            };
+            store::pack(&mem_file, &store, &remote, &options, json)
+        }
         Command::Unpack {
             store,
             out,

@@ -6,17 +6,14 @@ use std::time::{Duration, Instant};
 
 use basics::format_bytes;
 use compressed_backing::fuse::{self, FuseOptions};
-use compressed_backing::{
-    pack_file, unpack_file, BlockSize, BulkOptions, Codec, CodecConfig, DiskStore, PackOptions,
-    StoreStats,
-};
+use compressed_backing::{pack_file, unpack_file, BulkOptions, DiskStore, PackOptions, StoreStats};
 use indicatif::{ProgressBar, ProgressStyle};
 use nix::sys::signal::{SigSet, Signal};
 
 use super::{CliResult, RemoteArgs};
 use compressed_backing::remote::{Remote, StoreLocation};
 
-fn bulk_options(threads: Option<usize>) -> BulkOptions {
+pub(super) fn bulk_options(threads: Option<usize>) -> BulkOptions {
     threads.map_or_else(BulkOptions::default, BulkOptions::with_threads)
 }
 
@@ -59,9 +56,7 @@ pub fn pack(
     mem_file: &Path,
     location: &StoreLocation,
     remote: &RemoteArgs,
-    codec: Option<Codec>,
-    block_size: Option<BlockSize>,
-    threads: Option<usize>,
+    options: &PackOptions,
     json: bool,
 ) -> CliResult {
     let (store, remote, _staging) = match location {
@@ -78,13 +73,8 @@ pub fn pack(
     let store = store.as_path();
     let total = std::fs::metadata(mem_file).map(|m| m.len()).unwrap_or(0);
     let bar = progress_bar(total, "packing");
-    let options = PackOptions {
-        codec: codec.map(CodecConfig::new),
-        block_size,
-        bulk: bulk_options(threads),
-    };
     let start = Instant::now();
-    let result = pack_file(mem_file, store, &options, &|bytes| bar.inc(bytes));
+    let result = pack_file(mem_file, store, options, &|bytes| bar.inc(bytes));
     bar.finish_and_clear();
     let (report, stats) = result?;
     let uploaded = match &remote {

@@ -38,7 +38,7 @@ pub use private::{load_private, offload_private, PrivateLoadReport, PrivateOfflo
 pub use remote::{upload, Lease, SnapshotAt, UploadedSnapshot};
 pub use restore::Snapshot;
 use write::{copy_from_start, digest_open};
-pub use write::{remove, write};
+pub use write::{remove, write, RamStore};
 
 /// The manifest format this build writes and reads.
 pub const FORMAT: u32 = 1;

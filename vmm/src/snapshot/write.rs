@@ -16,13 +16,33 @@ use vm_memory::{Bytes, GuestAddress};
 use super::*;
 use crate::machine::Machine;
 
+/// How a snapshot keeps guest RAM in a compressed store.
+#[derive(Debug, Clone, Copy)]
+pub struct RamStore {
+    /// The codec of its blocks.
+    pub codec: CodecConfig,
+    /// Its block size: the unit of a lazy restore's reads (one range request each from an
+    /// object store), 64 KiB by default (docs/bench/remote.md says why).
+    pub block_size: BlockSize,
+}
+
+impl RamStore {
+    /// A store of `codec` blocks of the default size.
+    pub fn new(codec: CodecConfig) -> Self {
+        Self {
+            codec,
+            block_size: BlockSize::default(),
+        }
+    }
+}
+
 /// Writes a sealed snapshot of `machine` (between commands) to `out`, which must not exist:
-/// RAM raw, or into a compressed store with `codec`.
+/// RAM raw, or into a compressed store as `store` says.
 pub fn write(
     machine: &Machine,
     vcpus: u32,
     out: &Path,
-    codec: Option<CodecConfig>,
+    store: Option<RamStore>,
 ) -> Result<SnapshotReport, SnapshotError> {
     let started = Instant::now();
     machine.check_usable()?;
@@ -38,7 +58,7 @@ pub fn write(
     // since, where another user could swap the files once they are sealed.
     safe_file::create_private_dir_new(&partial).map_err(io("create", &partial))?;
     let result =
-        write_into(machine, vcpus, &partial, codec).and_then(|(ram_data_bytes, disk_bytes)| {
+        write_into(machine, vcpus, &partial, store).and_then(|(ram_data_bytes, disk_bytes)| {
             seal(&partial)?;
             rename_no_replace(&partial, out).map_err(|e| match e.kind() {
                 // `out` appeared since the check above: it is left as it is.
@@ -125,11 +145,11 @@ fn write_into(
     machine: &Machine,
     vcpus: u32,
     dir: &Path,
-    codec: Option<CodecConfig>,
+    store: Option<RamStore>,
 ) -> Result<(u64, u64), SnapshotError> {
     let ram = machine.ram();
-    let (ram_seal, ram_data_bytes) = match codec {
-        Some(codec) => write_ram_store(machine, &dir.join(RAM_STORE), codec)?,
+    let (ram_seal, ram_data_bytes) = match store {
+        Some(store) => write_ram_store(machine, &dir.join(RAM_STORE), store)?,
         None => write_ram(machine, &dir.join(RAM))?,
     };
     machine
@@ -149,7 +169,7 @@ fn write_into(
         ram_index: None,
         leased: false,
         objects: None,
-        ram_format: if codec.is_some() {
+        ram_format: if store.is_some() {
             RamFormat::Store
         } else {
             RamFormat::Raw
@@ -196,23 +216,23 @@ fn write_ram(machine: &Machine, path: &Path) -> Result<(SealedFile, u64), Snapsh
     Ok((digest.seal(RAM), data_bytes))
 }
 
-/// Guest RAM into a compressed store of 64 KiB blocks: blocks never touched or all zero are
-/// left out (they read as zeros).
+/// Guest RAM into a compressed store: blocks never touched or all zero are left out (they
+/// read as zeros).
 fn write_ram_store(
     machine: &Machine,
     dir: &Path,
-    codec: CodecConfig,
+    format: RamStore,
 ) -> Result<(SealedFile, u64), SnapshotError> {
     let ram = machine.ram();
     let mut store = DiskStore::create(
         dir,
         StoreConfig {
-            block_size: BlockSize::default(),
-            codec,
+            block_size: format.block_size,
+            codec: format.codec,
             image_size: ram.size(),
         },
     )?;
-    let mut buf = vec![0u8; BlockSize::default().bytes()];
+    let mut buf = vec![0u8; format.block_size.bytes()];
     let mut digest = Digest::new();
     let mut data_bytes = 0;
     let mut ram_read = RamRead::new(machine);

@@ -120,7 +120,7 @@ pub fn suspend(
     let what = format!("job {}", target.job);
     // Stopped here before the upload commits, so that it never runs in two places: from then
     // on the snapshot written is the VM, kept if the upload fails.
-    let (staging, local, written) = write_staged(target, &remote, None)?;
+    let (staging, local, written) = write_staged(target, &remote, None, None)?;
     let stopped = call(target, Method::Stop)?;
     let uploaded = match vmm::snapshot::upload(&local, &remote, Some(&what), &|_| {}) {
         Ok(uploaded) => uploaded,
@@ -148,11 +148,13 @@ pub fn suspend(
 }
 
 /// Has the VM write a snapshot into a new private directory of the cache (its RAM in a
-/// store, lz4 unless `codec` says otherwise): the directory, the snapshot's path, the reply.
+/// store, lz4 unless `codec` says otherwise, of `block_size` blocks if given): the
+/// directory, the snapshot's path, the reply.
 fn write_staged(
     target: &Target,
     remote: &compressed_backing::remote::Remote,
     codec: Option<String>,
+    block_size: Option<u64>,
 ) -> Result<(tempfile::TempDir, PathBuf, serde_json::Value), Box<dyn std::error::Error>> {
     let staging = tempfile::Builder::new()
         .prefix("snapshot-")
@@ -163,6 +165,7 @@ fn write_staged(
         Method::Snapshot {
             out: local.clone(),
             codec: Some(codec.unwrap_or_else(|| "lz4".into())),
+            block_size,
         },
     )?;
     Ok((staging, local, written))
@@ -174,8 +177,9 @@ fn write_and_upload(
     target: &Target,
     remote: &compressed_backing::remote::Remote,
     codec: Option<String>,
+    block_size: Option<u64>,
 ) -> Result<(serde_json::Value, vmm::snapshot::UploadedSnapshot), Box<dyn std::error::Error>> {
-    let (_staging, local, written) = write_staged(target, remote, codec)?;
+    let (_staging, local, written) = write_staged(target, remote, codec, block_size)?;
     let uploaded = vmm::snapshot::upload(&local, remote, None, &|_| {});
     vmm::snapshot::remove(&local);
     let uploaded = uploaded.map_err(|e| basics::error_chain(&e))?;
@@ -192,25 +196,40 @@ pub fn snapshot(
     out: &str,
     remote: &uffd_pager::remote_args::RemoteArgs,
     codec: Option<String>,
+    block_size: u64,
 ) -> CliResult {
     use compressed_backing::remote::{Remote, StoreLocation};
+    // Checked here, so that a typo is reported before the VM does anything.
     if let Some(codec) = &codec {
-        // Checked here, so that a typo is reported before the VM does anything.
         codec
             .parse::<compressed_backing::Codec>()
             .map_err(|e| format!("--codec: {e}"))?;
     }
+    compressed_backing::BlockSize::new(block_size).map_err(|e| format!("--block-size: {e}"))?;
+    // The default is the store's own: a request that leaves it out works with older VMs.
+    let block_size =
+        (block_size != compressed_backing::BlockSize::default().bytes_u64()).then_some(block_size);
     let url = match StoreLocation::parse(out).map_err(|e| format!("--out: {e}"))? {
         StoreLocation::Local(dir) => {
+            if codec.is_none() && block_size.is_some() {
+                return Err("--block-size needs --codec: a raw snapshot has no blocks".into());
+            }
             // The VM process resolves the path: make it absolute here, where it was meant.
             let out = std::path::absolute(dir)?;
-            print(&call(target, Method::Snapshot { out, codec })?);
+            print(&call(
+                target,
+                Method::Snapshot {
+                    out,
+                    codec,
+                    block_size,
+                },
+            )?);
             return Ok(ExitCode::SUCCESS);
         }
         StoreLocation::Remote(url) => url,
     };
     let remote = Remote::connect(&url, &remote.options()?)?;
-    let (written, uploaded) = write_and_upload(target, &remote, codec)?;
+    let (written, uploaded) = write_and_upload(target, &remote, codec, block_size)?;
     print(&serde_json::json!({
         "written": written,
         "uploaded": uploaded,

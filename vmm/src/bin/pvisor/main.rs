@@ -121,6 +121,12 @@ enum Command {
         /// it lazily into their own memory instead of sharing the image's page cache.
         #[arg(long, value_name = "CODEC")]
         codec: Option<String>,
+        /// The RAM store's block size (with --codec, or to an s3:// prefix): a power of two
+        /// from 4 KiB to 2 MiB. It is what a lazy restore reads at a time (one range request
+        /// from an object store): larger blocks mean fewer round trips for RAM read in long
+        /// runs, and more bytes fetched for RAM touched here and there (docs/bench/remote.md).
+        #[arg(long, value_name = "SIZE", default_value = "64KiB", value_parser = basics::parse_size)]
+        block_size: u64,
     },
     /// Run a host daemon until SIGINT or SIGTERM; prints the socket's path once it listens.
     /// `--memory-pool`: pages that `pvisor run --vm-memory-pool SOCKET` VMs have in common
@@ -183,7 +189,8 @@ fn main() -> ExitCode {
             out,
             remote,
             codec,
-        } => client::snapshot(&target, &out, &remote, codec),
+            block_size,
+        } => client::snapshot(&target, &out, &remote, codec, block_size),
         Command::Serve(args) => serve::serve(&args),
         Command::GovernorStatus { socket } => serve::status(&socket),
         Command::Replay(args) => replay::replay(&args),
