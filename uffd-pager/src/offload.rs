@@ -394,6 +394,32 @@ impl Pager {
         config: &OffloadConfig,
         batching: Batching,
     ) -> Result<OffloadReport, OffloadError> {
+        self.offload_blocks(config, batching, None)
+    }
+
+    /// Offloads the resident (and pooled) pages of the blocks wholly inside `range` to the
+    /// store, as [`Pager::offload`] does the whole VM's: the guest must not run meanwhile
+    /// (a phase arena's close: its vCPU is out of the guest). The rest of RAM stays as it is,
+    /// the recorded working set stays for the VM's own offload, and the range comes back on
+    /// faults.
+    pub fn offload_range(
+        &self,
+        config: &OffloadConfig,
+        range: HostRange,
+    ) -> Result<OffloadReport, OffloadError> {
+        let blocks = self
+            .shared()
+            .whole_blocks(range)
+            .map_or(0..0, |(_, blocks)| blocks);
+        self.offload_blocks(config, Batching::default(), Some(blocks))
+    }
+
+    fn offload_blocks(
+        &self,
+        config: &OffloadConfig,
+        batching: Batching,
+        only: Option<std::ops::Range<u64>>,
+    ) -> Result<OffloadReport, OffloadError> {
         let shared = self.shared().as_ref();
         for region in &shared.regions {
             if region.spec.kind == RamKind::Snapshot {
@@ -427,14 +453,22 @@ impl Pager {
         let per_block = shared.block_size.pages() as u64;
         let total_pages = shared.table.len();
         let pages_of = |b: u64| b * per_block..((b + 1) * per_block).min(total_pages);
-        let mut blocks: Vec<u64> = (0..shared.block_size.blocks_for(shared.image_size))
+        let all = 0..shared.block_size.blocks_for(shared.image_size);
+        let mut blocks: Vec<u64> = only
+            .clone()
+            .unwrap_or(all)
             .filter(|&b| {
                 shared.table.any(pages_of(b), PageState::Resident)
                     || shared.table.any(pages_of(b), PageState::Pooled)
             })
             .collect();
         let batch_blocks = batching.blocks(shared.block_size.bytes_u64());
-        let working_set = shared.working_set.take();
+        // The working set is the VM's, for its own offload.
+        let working_set = if only.is_none() {
+            shared.working_set.take()
+        } else {
+            Vec::new()
+        };
         if !working_set.is_empty() {
             // Committed with the first batch.
             let bytes = working_set.iter().flat_map(|b| b.to_le_bytes()).collect();

@@ -21,13 +21,29 @@
 #define PORT_FREE 0x30   /* the range in the mailbox's report fields is free */
 #define PORT_MODEL 0x40  /* model request arg[0] is out; the answer is in io_buf when it returns */
 #define PORT_PANIC 0x3f  /* something impossible happened; see status */
+#define PORT_ARENA 0x50  /* outl: the page number of an arena report (struct arena_report) */
+
+/* Arenas (Tide): memory a phase owns, in 2 MiB-aligned extents of its own at the top of the
+ * application region, never shared with the application data below. The guest tells the host
+ * when an arena opens (its extents and intent), closes (the phase is over: `discard` means
+ * its contents are dead, `survive` that they must come back intact) and is freed. The report
+ * is the versioned message a Linux guest's driver sends too (vmm/src/arena.rs). */
+#define ARENA_GPA 0xA000ull
+#define ARENA_MAGIC 0x52415650u /* "PVAR" */
+#define ARENA_VERSION 1
+#define ARENA_MAX 16
+#define ARENA_MAX_EXTENTS 16
+#define EXTENT 0x200000ull
+enum arena_kind { AR_OPEN = 1, AR_CLOSE = 2, AR_FREE = 3, AR_IDLE = 4 };
+enum arena_intent { AR_SURVIVE = 1, AR_DISCARD = 2 };
 
 enum op { OP_NONE = 0, OP_FILL = 1, OP_DIGEST = 2, OP_TOUCH = 3, OP_REWRITE = 4,
-          OP_RELEASE = 5, OP_TASK = 6, OP_MODEL = 7, OP_POKE = 8, OP_CHAOS = 9 };
+          OP_RELEASE = 5, OP_TASK = 6, OP_MODEL = 7, OP_POKE = 8, OP_CHAOS = 9,
+          OP_ARENA = 10 };
 enum fill { FILL_REPEATED = 0, FILL_RANDOM = 1, FILL_ZERO = 2, FILL_DISTINCT = 3 };
 enum blk_op { BLK_READ = 1, BLK_WRITE = 2, BLK_FLUSH = 3 };
 enum status { ST_OK = 0, ST_BAD_OP = 1, ST_TOO_LARGE = 2, ST_IO = 3, ST_MISMATCH = 4,
-              ST_MODEL = 5, ST_RELEASE = 6 };
+              ST_MODEL = 5, ST_RELEASE = 6, ST_ARENA = 7 };
 
 struct mailbox {
     volatile uint64_t op;
@@ -54,11 +70,27 @@ struct blk_request {
     volatile uint64_t status;   /* 0 ok, else an errno */
 };
 
+struct arena_report {
+    volatile uint32_t magic;
+    volatile uint16_t version;
+    volatile uint16_t kind;     /* enum arena_kind */
+    volatile uint64_t id;
+    volatile uint64_t intent;   /* enum arena_intent */
+    volatile uint64_t count;    /* extents that follow */
+    volatile uint64_t status;   /* the host's answer: 0, or an errno */
+    struct { volatile uint64_t gpa, len; } extent[ARENA_MAX_EXTENTS];
+};
+
 #define MB ((struct mailbox *)MAILBOX_GPA)
+#define AR ((struct arena_report *)ARENA_GPA)
 #define BLK ((struct blk_request *)BLK_GPA)
 
 static inline void out(uint16_t port) {
     __asm__ volatile("outb %%al, %w0" : : "Nd"(port), "a"(0) : "memory");
+}
+
+static inline void outl(uint16_t port, uint32_t value) {
+    __asm__ volatile("outl %%eax, %w0" : : "Nd"(port), "a"(value) : "memory");
 }
 
 static inline uint8_t in(uint16_t port) {
@@ -69,6 +101,15 @@ static inline uint8_t in(uint16_t port) {
 
 static uint64_t filled;          /* bytes of app data written so far */
 static volatile uint64_t heartbeat; /* what the model-wait timer's work leaves behind */
+
+/* The guest's arenas: one run of whole extents each, below the top of the application
+ * region. `filled` is what `fill arena=ID` wrote. */
+struct arena { uint64_t id, base, len, intent, filled, state; };
+enum arena_state { A_FREE = 0, A_OPEN = 1, A_CLOSED = 2 };
+static struct arena arenas[ARENA_MAX];
+/* Arenas freed since the last `release`: free memory its report gives back too (on a host that
+ * ignores arena reports, that is the only way it goes). An arena opened over one takes it out. */
+static struct { uint64_t base, len; } unreported[ARENA_MAX];
 
 static inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
 
@@ -131,17 +172,129 @@ static void fill_page(uint64_t *p, uint64_t words, uint64_t kind, uint64_t *stat
     }
 }
 
-static uint64_t op_fill(uint64_t bytes, uint64_t kind, uint64_t seed) {
-    if (bytes > MB->app_size) return ST_TOO_LARGE;
-    uint64_t state = seed_state(seed, 0);
-    fill_page((uint64_t *)MB->app_base, bytes / 8, kind, &state);
-    filled = bytes;
+/* The application data may grow up to the lowest arena. */
+static uint64_t app_limit(void) {
+    uint64_t limit = MB->app_base + MB->app_size;
+    for (int i = 0; i < ARENA_MAX; i++)
+        if (arenas[i].state != A_FREE && arenas[i].base < limit) limit = arenas[i].base;
+    return limit - MB->app_base;
+}
+
+static struct arena *arena_of(uint64_t id) {
+    for (int i = 0; i < ARENA_MAX; i++)
+        if (arenas[i].state != A_FREE && arenas[i].id == id) return &arenas[i];
+    return 0;
+}
+
+/* Where a command works: the application data, or (selector = ID + 1) an arena. */
+static uint64_t target(uint64_t selector, uint64_t *base, uint64_t *size, uint64_t **filled_of) {
+    if (!selector) {
+        *base = MB->app_base;
+        *size = app_limit();
+        *filled_of = &filled;
+        return ST_OK;
+    }
+    struct arena *a = arena_of(selector - 1);
+    if (!a) return ST_ARENA;
+    *base = a->base;
+    *size = a->len;
+    *filled_of = &a->filled;
     return ST_OK;
 }
 
-static uint64_t op_touch(uint64_t bytes, uint64_t *sum) {
-    if (bytes > MB->app_size) return ST_TOO_LARGE;
-    const volatile uint64_t *p = (const volatile uint64_t *)MB->app_base;
+static uint64_t op_fill(uint64_t bytes, uint64_t kind, uint64_t seed, uint64_t selector) {
+    uint64_t base, size, *done;
+    if (target(selector, &base, &size, &done)) return ST_ARENA;
+    if (bytes > size) return ST_TOO_LARGE;
+    uint64_t state = seed_state(seed, 0);
+    fill_page((uint64_t *)base, bytes / 8, kind, &state);
+    *done = bytes;
+    return ST_OK;
+}
+
+/* Sends the report in AR (its fields but the status set) and returns the host's answer. */
+static uint64_t arena_send(void) {
+    AR->magic = ARENA_MAGIC;
+    AR->version = ARENA_VERSION;
+    AR->status = 0;
+    outl(PORT_ARENA, (uint32_t)(ARENA_GPA >> 12));
+    return AR->status;
+}
+
+static void arena_describe(const struct arena *a, uint16_t kind) {
+    AR->kind = kind;
+    AR->id = a->id;
+    AR->intent = a->intent;
+    AR->count = 1;
+    AR->extent[0].gpa = a->base;
+    AR->extent[0].len = a->len;
+}
+
+/* `arena open|close|free ID [SIZE INTENT]`. Open takes the highest run of free extents
+ * above the application data; results: its base and length, the host's errno on refusal. */
+static uint64_t op_arena(uint64_t action, uint64_t id, uint64_t bytes, uint64_t intent) {
+    MB->result[3] = 0;
+    struct arena *a = arena_of(id);
+    if (action == AR_OPEN) {
+        if (a || !bytes || (intent != AR_SURVIVE && intent != AR_DISCARD)) return ST_ARENA;
+        struct arena *slot = 0;
+        for (int i = 0; i < ARENA_MAX && !slot; i++)
+            if (arenas[i].state == A_FREE) slot = &arenas[i];
+        if (!slot) return ST_ARENA;
+        uint64_t len = (bytes + EXTENT - 1) & ~(EXTENT - 1);
+        uint64_t floor = (MB->app_base + filled + EXTENT - 1) & ~(EXTENT - 1);
+        uint64_t end = (MB->app_base + MB->app_size) & ~(EXTENT - 1);
+        for (;;) {
+            if (end < floor + len) return ST_TOO_LARGE;
+            uint64_t start = end - len, lowest = end;
+            for (int i = 0; i < ARENA_MAX; i++) {
+                const struct arena *o = &arenas[i];
+                if (o->state != A_FREE && o->base < end && start < o->base + o->len && o->base < lowest)
+                    lowest = o->base;
+            }
+            if (lowest == end) { end = start; break; }
+            end = lowest;
+        }
+        struct arena fresh = { id, end, len, intent, 0, A_OPEN };
+        arena_describe(&fresh, AR_OPEN);
+        uint64_t st = arena_send();
+        if (st) { MB->result[3] = st; return ST_ARENA; }
+        *slot = fresh;
+        for (int i = 0; i < ARENA_MAX; i++)
+            if (unreported[i].len && unreported[i].base < fresh.base + fresh.len &&
+                fresh.base < unreported[i].base + unreported[i].len)
+                unreported[i].len = 0;
+        MB->result[0] = fresh.base;
+        MB->result[1] = fresh.len;
+        return ST_OK;
+    }
+    if (!a || (action != AR_CLOSE && action != AR_FREE)) return ST_ARENA;
+    if (action == AR_CLOSE && a->state != A_OPEN) return ST_ARENA;
+    arena_describe(a, (uint16_t)action);
+    uint64_t st = arena_send();
+    MB->result[0] = a->base;
+    MB->result[1] = a->len;
+    if (st) { MB->result[3] = st; return ST_ARENA; }
+    if (action == AR_CLOSE) {
+        a->state = A_CLOSED;
+        return ST_OK;
+    }
+    a->state = A_FREE;
+    /* A slot is free: at most ARENA_MAX arenas were freed and not reopened over. */
+    for (int i = 0; i < ARENA_MAX; i++)
+        if (!unreported[i].len) {
+            unreported[i].base = a->base;
+            unreported[i].len = a->len;
+            break;
+        }
+    return ST_OK;
+}
+
+static uint64_t op_touch(uint64_t bytes, uint64_t selector, uint64_t *sum) {
+    uint64_t base, size, *done;
+    if (target(selector, &base, &size, &done)) return ST_ARENA;
+    if (bytes > size) return ST_TOO_LARGE;
+    const volatile uint64_t *p = (const volatile uint64_t *)base;
     uint64_t acc = 0;
     for (uint64_t i = 0; i < bytes / 8; i++) acc += p[i];
     *sum = acc;
@@ -286,18 +439,27 @@ __attribute__((noreturn, section(".text.start"))) void _start(void) {
     for (;;) {
         out(PORT_DONE);
         uint64_t op = MB->op, st = ST_OK;
-        MB->result[0] = MB->result[1] = 0;
+        MB->result[0] = MB->result[1] = MB->result[3] = 0;
         switch (op) {
         case OP_FILL:
-            st = op_fill(MB->arg[0], MB->arg[1], MB->arg[2]);
+            st = op_fill(MB->arg[0], MB->arg[1], MB->arg[2], MB->arg[5]);
             break;
-        case OP_DIGEST:
-            if (MB->arg[0] > MB->app_size) { st = ST_TOO_LARGE; break; }
-            MB->result[0] = digest((const uint64_t *)MB->app_base, MB->arg[0]);
+        case OP_DIGEST: {
+            /* The application data: the first arg[0] bytes; an arena: what was filled. */
+            uint64_t base, size, *done;
+            if (target(MB->arg[5], &base, &size, &done)) { st = ST_ARENA; break; }
+            uint64_t bytes = MB->arg[5] ? *done : MB->arg[0];
+            if (bytes > size) { st = ST_TOO_LARGE; break; }
+            MB->result[0] = digest((const uint64_t *)base, bytes);
+            MB->result[1] = bytes;
+            break;
+        }
+        case OP_ARENA:
+            st = op_arena(MB->arg[0], MB->arg[1], MB->arg[2], MB->arg[3]);
             break;
         case OP_TOUCH: {
             uint64_t sum = 0;
-            st = op_touch(MB->arg[0], &sum);
+            st = op_touch(MB->arg[0], MB->arg[5], &sum);
             MB->result[0] = sum;
             break;
         }
@@ -307,22 +469,35 @@ __attribute__((noreturn, section(".text.start"))) void _start(void) {
             MB->result[0] = pages;
             break;
         }
-        case OP_RELEASE:
+        case OP_RELEASE: {
+            /* The application data, then the arenas freed since the last release. */
+            uint64_t released = 0;
             MB->free_gpa = MB->app_base;
             MB->free_len = (filled + 4095) & ~4095ull;
-            MB->free_status = 0;
-            if (MB->free_len) out(PORT_FREE);
-            if (MB->free_status) { st = ST_RELEASE; break; }
-            MB->result[0] = MB->free_len;
-            filled = 0;
+            for (int i = -1; i < ARENA_MAX && !st; i++) {
+                if (i >= 0) {
+                    MB->free_gpa = unreported[i].base;
+                    MB->free_len = unreported[i].len;
+                    unreported[i].len = 0;
+                }
+                MB->free_status = 0;
+                if (MB->free_len) out(PORT_FREE);
+                if (MB->free_status) st = ST_RELEASE;
+                else released += MB->free_len;
+                if (i < 0 && !st) filled = 0;
+            }
+            MB->result[0] = released;
             break;
+        }
         case OP_POKE: {
             /* `poke GPA VALUE [out=PORT]`: one word written, then one `out` (0: none).
              * Results: the block request's status, the free report's, the model's error
              * flag. */
             uint64_t gpa = MB->arg[0], value = MB->arg[1], port = MB->arg[2];
             *(volatile uint64_t *)gpa = value;
-            if (port) out((uint16_t)port);
+            /* A 32-bit `out` of the poked page's number: what the arena port reads (the
+             * others take no value). */
+            if (port) outl((uint16_t)port, (uint32_t)(gpa >> 12));
             MB->result[0] = BLK->status;
             MB->result[1] = MB->free_status;
             MB->result[3] = MB->arg[2];
@@ -340,8 +515,10 @@ __attribute__((noreturn, section(".text.start"))) void _start(void) {
         }
         case OP_MODEL: {
             /* The VMM answers in io_buf: arg[1] bytes, arg[2] nonzero on an error. While the
-             * guest waits it may keep a timer of arg[3] ms: each `out` carries its idle report
-             * (arg[5]: the next timer fires in that many ms, 0 for none), and the VMM comes
+             * guest waits it may keep a timer of arg[3] ms: before each `out` it hands its idle
+             * state over on the arena channel (kind 4: its next timer fires in that many ns,
+             * or none is pending), as a Linux guest's idle handoff does (arg[5] in ms if the
+             * host refused it, 0 for none), and the VMM comes
              * back early with arg[4] set when the timer falls due; the guest does the timer's
              * work (a heartbeat over its own memory and the first word of its data) and waits
              * on for the same answer. */
@@ -350,7 +527,12 @@ __attribute__((noreturn, section(".text.start"))) void _start(void) {
             MB->arg[2] = 0;
             for (;;) {
                 MB->arg[4] = 0;
-                MB->arg[5] = period;
+                AR->kind = AR_IDLE;
+                AR->id = period * 1000000;
+                AR->intent = period ? 1 : 0;
+                AR->count = 0;
+                /* Refused (a host without the channel, or past its rate): arg[5] says it. */
+                MB->arg[5] = arena_send() ? period : 0;
                 out(PORT_MODEL);
                 if (!MB->arg[4]) break;
                 beats++;

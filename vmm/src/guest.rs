@@ -93,6 +93,10 @@ pub enum Op {
     /// Random writes into the request areas and random port I/O (seed, count); results: outs
     /// sent, outs held back (they would have changed the guest's own pages or its data), ins.
     Chaos = 9,
+    /// An arena (action 1 open, 2 close, 3 free; id; size; intent); results: its base and
+    /// length, the host's errno on a refused report. Fill, touch and digest work on arena
+    /// `arg[5] - 1` when `arg[5]` is not 0.
+    Arena = 10,
 }
 
 /// How `fill` writes data.
@@ -137,6 +141,9 @@ pub mod status {
     pub const MODEL: u64 = 5;
     /// The VMM refused the free report (see the VMM's error).
     pub const RELEASE: u64 = 6;
+    /// An arena command failed: no such arena, no room for it, or the host refused its
+    /// report (its errno in result 3).
+    pub const ARENA: u64 = 7;
 }
 
 /// The mailbox page, as laid out by guest/guest.c.

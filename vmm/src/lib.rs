@@ -25,6 +25,7 @@
 // and logs through `tracing`; its tests may print.
 #![cfg_attr(not(test), warn(clippy::disallowed_macros))]
 
+pub mod arena;
 pub mod control;
 pub mod dedup;
 pub mod gateway;

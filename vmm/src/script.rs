@@ -5,6 +5,7 @@ use std::fmt;
 
 use basics::parse_size;
 
+use crate::arena::Intent;
 use crate::guest::{FillKind, MAX_TIMER_MS};
 
 /// One command of a script.
@@ -75,23 +76,78 @@ pub enum Command {
         /// How many.
         count: u64,
     },
+    /// A phase arena (docs/arenas.md): `arena open ID SIZE survive|discard`, `arena close
+    /// ID`, `arena free ID`, and the data commands on one: `fill SIZE KIND arena=ID`, `touch
+    /// SIZE arena=ID`, `digest arena=ID`.
+    Arena {
+        /// The guest's name for it.
+        id: u64,
+        /// What to do.
+        op: ArenaOp,
+    },
+}
+
+/// What an `arena` command does.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ArenaOp {
+    /// Open it: `size` bytes in whole 2 MiB extents, with its intent.
+    Open {
+        /// Bytes asked.
+        size: u64,
+        /// What becomes of its contents at close.
+        intent: Intent,
+    },
+    /// Its phase is over.
+    Close,
+    /// It is gone.
+    Free,
+    /// Write `size` bytes of it.
+    Fill {
+        /// Bytes.
+        size: u64,
+        /// Content.
+        kind: FillKind,
+        /// Seed for `random`.
+        seed: u64,
+    },
+    /// Read its first `size` bytes.
+    Touch {
+        /// Bytes.
+        size: u64,
+    },
+    /// Digest what was filled.
+    Digest,
 }
 
 /// Most steps of one `chaos` command.
 pub const MAX_CHAOS_STEPS: u64 = 1_000_000;
 
+fn kind_name(kind: FillKind) -> &'static str {
+    match kind {
+        FillKind::Repeated => "repeated",
+        FillKind::Random => "random",
+        FillKind::Zero => "zero",
+        FillKind::Distinct => "distinct",
+    }
+}
+
 impl fmt::Display for Command {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Command::Fill { size, kind, seed } => {
-                let kind = match kind {
-                    FillKind::Repeated => "repeated",
-                    FillKind::Random => "random",
-                    FillKind::Zero => "zero",
-                    FillKind::Distinct => "distinct",
-                };
-                write!(f, "fill {size} {kind} seed={seed}")
+                write!(f, "fill {size} {} seed={seed}", kind_name(*kind))
             }
+            Command::Arena { id, op } => match op {
+                ArenaOp::Open { size, intent } => write!(f, "arena open {id} {size} {intent}"),
+                ArenaOp::Close => write!(f, "arena close {id}"),
+                ArenaOp::Free => write!(f, "arena free {id}"),
+                ArenaOp::Fill { size, kind, seed } => {
+                    write!(f, "fill {size} {} seed={seed} arena={id}", kind_name(*kind))
+                }
+                ArenaOp::Touch { size } => write!(f, "touch {size} arena={id}"),
+                ArenaOp::Digest => write!(f, "digest arena={id}"),
+            },
             Command::Digest => f.write_str("digest"),
             Command::Touch { size } => write!(f, "touch {size}"),
             Command::Rewrite { percent, seed } => write!(f, "rewrite {percent} seed={seed}"),
@@ -135,7 +191,7 @@ pub struct ScriptError {
 }
 
 const COMMANDS: &str =
-    "fill, digest, touch, rewrite, release, task, sleep, idle, model, poke, chaos";
+    "fill, digest, touch, rewrite, release, task, sleep, idle, model, poke, chaos, arena";
 
 /// A whole number, decimal or `0x` hexadecimal.
 fn number(text: &str) -> Result<u64, String> {
@@ -169,16 +225,23 @@ fn parse_one(text: &str) -> Result<Command, String> {
     let name = words.next().unwrap_or_default();
     let mut positional = Vec::new();
     let mut seed = None;
+    let mut arena = None;
     for word in words {
-        match word.strip_prefix("seed=") {
-            Some(value) => {
-                seed = Some(
-                    value
-                        .parse::<u64>()
-                        .map_err(|_| format!("bad seed `{value}`"))?,
-                )
+        if let Some(value) = word.strip_prefix("seed=") {
+            seed = Some(
+                value
+                    .parse::<u64>()
+                    .map_err(|_| format!("bad seed `{value}`"))?,
+            );
+        } else if let Some(value) = word.strip_prefix("arena=") {
+            if !matches!(name, "fill" | "touch" | "digest") {
+                return Err(format!(
+                    "`{name}` takes no arena (fill, touch and digest do)"
+                ));
             }
-            None => positional.push(word),
+            arena = Some(number(value)?);
+        } else {
+            positional.push(word);
         }
     }
     let size = |i: usize| -> Result<u64, String> {
@@ -338,9 +401,56 @@ fn parse_one(text: &str) -> Result<Command, String> {
                 count,
             }
         }
+        "arena" => {
+            no_seed()?;
+            let action = positional
+                .first()
+                .ok_or("`arena` needs open, close or free")?;
+            let id = number(positional.get(1).ok_or("`arena` needs an id")?)?;
+            let op = match *action {
+                "open" => {
+                    let size = positional
+                        .get(2)
+                        .ok_or("`arena open` needs a size (e.g. 64MiB)")?;
+                    let size = parse_size(size).map_err(|e| e.to_string())?;
+                    if size == 0 {
+                        return Err("an arena has at least one byte".into());
+                    }
+                    let intent = positional
+                        .get(3)
+                        .ok_or("`arena open` needs an intent: survive or discard")?
+                        .parse()?;
+                    no_more(4)?;
+                    ArenaOp::Open { size, intent }
+                }
+                "close" | "free" => {
+                    no_more(2)?;
+                    if *action == "close" {
+                        ArenaOp::Close
+                    } else {
+                        ArenaOp::Free
+                    }
+                }
+                other => {
+                    return Err(format!(
+                        "unknown arena action `{other}` (open, close or free)"
+                    ))
+                }
+            };
+            Command::Arena { id, op }
+        }
         other => return Err(format!("unknown command `{other}` (commands: {COMMANDS})")),
     };
-    Ok(command)
+    let Some(id) = arena else {
+        return Ok(command);
+    };
+    let op = match command {
+        Command::Fill { size, kind, seed } => ArenaOp::Fill { size, kind, seed },
+        Command::Touch { size } => ArenaOp::Touch { size },
+        Command::Digest => ArenaOp::Digest,
+        other => return Err(format!("`{other}` takes no arena")),
+    };
+    Ok(Command::Arena { id, op })
 }
 
 #[cfg(test)]
@@ -428,6 +538,78 @@ mod tests {
         );
         let printed: Vec<String> = commands.iter().map(ToString::to_string).collect();
         assert_eq!(parse(&printed.join("; ")).unwrap(), commands);
+    }
+
+    #[test]
+    fn script_arena_commands_parse_and_print_back_as_parsed() {
+        let commands = parse(
+            "arena open 3 64MiB discard; fill 8MiB random seed=2 arena=3; touch 4MiB arena=3; \
+             digest arena=3; arena close 3; arena free 3; arena open 4 1 survive",
+        )
+        .unwrap();
+        assert_eq!(
+            commands,
+            vec![
+                Command::Arena {
+                    id: 3,
+                    op: ArenaOp::Open {
+                        size: 64 << 20,
+                        intent: Intent::Discard
+                    }
+                },
+                Command::Arena {
+                    id: 3,
+                    op: ArenaOp::Fill {
+                        size: 8 << 20,
+                        kind: FillKind::Random,
+                        seed: 2
+                    }
+                },
+                Command::Arena {
+                    id: 3,
+                    op: ArenaOp::Touch { size: 4 << 20 }
+                },
+                Command::Arena {
+                    id: 3,
+                    op: ArenaOp::Digest
+                },
+                Command::Arena {
+                    id: 3,
+                    op: ArenaOp::Close
+                },
+                Command::Arena {
+                    id: 3,
+                    op: ArenaOp::Free
+                },
+                Command::Arena {
+                    id: 4,
+                    op: ArenaOp::Open {
+                        size: 1,
+                        intent: Intent::Survive
+                    }
+                },
+            ]
+        );
+        let printed: Vec<String> = commands.iter().map(ToString::to_string).collect();
+        assert_eq!(parse(&printed.join("; ")).unwrap(), commands);
+        for (bad, expect) in [
+            ("arena", "needs open, close or free"),
+            ("arena open", "needs an id"),
+            ("arena open 1", "needs a size"),
+            ("arena open 1 0 discard", "at least one byte"),
+            ("arena open 1 2MiB", "needs an intent"),
+            ("arena open 1 2MiB forever", "unknown intent `forever`"),
+            ("arena open 1 2MiB discard now", "unexpected argument `now`"),
+            ("arena shut 1", "unknown arena action `shut`"),
+            ("arena close x", "bad number `x`"),
+            ("arena close 1 2", "unexpected argument `2`"),
+            ("arena open 1 2MiB discard seed=3", "takes no seed"),
+            ("rewrite 5 arena=1", "`rewrite` takes no arena"),
+            ("fill 4KiB zero arena=z", "bad number `z`"),
+        ] {
+            let err = parse(bad).unwrap_err();
+            assert!(err.to_string().contains(expect), "{bad}: {err}");
+        }
     }
 
     #[test]

@@ -264,6 +264,14 @@ fn gateway_guest_timer_too_close_keeps_the_vm_from_offloading_and_fires_on_time(
     // Paused between timers, resumed for each, and once more for the answer.
     assert!(wait.pauses > fired, "{wait:?}");
     assert_eq!(wait.delivered, 1);
+    // The timer came over the idle handoff (the guest leaves the mailbox's timer field at 0
+    // when the host takes its report): one report before each `out` to the model port.
+    let arenas = vm.stats().arenas.expect("idle reports");
+    assert_eq!(
+        (arenas.idle_reports, arenas.refused),
+        (fired + 1, 0),
+        "{arenas:?}"
+    );
 }
 
 #[test]

@@ -79,15 +79,70 @@ fn hugetlb_vm_offload_and_resume_keep_every_byte_and_give_huge_pages_back() {
         let after = vm.stats()["guest_ram_pss_bytes"].as_u64().unwrap();
         assert!(after + 30 * MIB <= ram, "{kind}: {ram} -> {after}");
         vm.call("stop", &[]);
-        // The VM's last huge pages go back when its process ends.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while pool_count("surplus_hugepages") != surplus {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{kind}: huge pages kept"
-            );
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        }
+        wait_for_surplus(surplus, kind);
+    }
+}
+
+/// Waits until the host's surplus huge pages are `surplus` again: a VM's last huge pages go
+/// back when its process ends.
+fn wait_for_surplus(surplus: u64, kind: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while pool_count("surplus_hugepages") != surplus {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{kind}: huge pages kept"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn hugetlb_vm_discard_arena_gives_its_whole_huge_pages_back_at_close() {
+    if skip() {
+        return;
+    }
+    let _lent = lend();
+    for kind in ["hugetlb", "hugetlb-memfd"] {
+        let runtime = tempfile::tempdir().unwrap();
+        let surplus = pool_count("surplus_hugepages");
+        let vm = Detached::start(
+            runtime.path(),
+            &["--vm-ram-backing", kind],
+            "fill 8MiB random seed=1; arena open 1 32MiB discard; \
+             fill 32MiB random seed=2 arena=1; idle",
+        );
+        let digest = vm.digest();
+        let held = pool_count("surplus_hugepages");
+        let closed = vm.exec("arena close 1");
+        assert!(closed[0]["arena"]["gpa"]
+            .as_u64()
+            .unwrap()
+            .is_multiple_of(2 * MIB));
+        // At once, and whole: the arena's 16 huge pages, no more and no fewer.
+        assert_eq!(held - pool_count("surplus_hugepages"), 16, "{kind}");
+        let stats = vm.stats();
+        assert_eq!(
+            stats["arenas"]["dropped_bytes"],
+            32 * MIB,
+            "{kind}: {stats}"
+        );
+        assert_eq!(vm.digest(), digest, "{kind}");
+        // Touched after its close: zeros, in huge pages again, and counted.
+        let zeros = vmm::guest::digest_hex(&vec![0u8; 32 << 20]);
+        assert_eq!(
+            vm.exec("digest arena=1")[0]["digest"],
+            zeros.as_str(),
+            "{kind}"
+        );
+        assert_eq!(held, pool_count("surplus_hugepages"), "{kind}");
+        let stats = vm.stats();
+        assert_eq!(
+            stats["arenas"]["touched_after_close_pages"],
+            32 * MIB / 4096,
+            "{kind}: {stats}"
+        );
+        vm.call("stop", &[]);
+        wait_for_surplus(surplus, kind);
     }
 }
 

@@ -231,6 +231,9 @@ pub(crate) struct State {
     full_refusals: AtomicU64,
     full: AtomicBool,
     cpu_ns: AtomicU64,
+    /// Held while a block is compressed: the scanner and [`Cold::compress_now`] never work on
+    /// one block at once.
+    compressing: parking_lot::Mutex<()>,
 }
 
 impl State {
@@ -323,6 +326,7 @@ impl State {
             full_refusals: AtomicU64::new(0),
             full: AtomicBool::new(false),
             cpu_ns: AtomicU64::new(0),
+            compressing: parking_lot::Mutex::new(()),
         })
     }
 
@@ -524,6 +528,14 @@ impl Cold {
     /// What it has done and costs.
     pub fn stats(&self) -> ColdStats {
         self.state.stats(self.shared.table.counts().pooled)
+    }
+
+    /// Compresses the whole blocks of `range` (guest RAM of this pager) into the pool now,
+    /// whatever their age: memory whose owner declared it unused for a while (a closed
+    /// arena whose contents must survive). Blocks not wholly resident, incompressible, or
+    /// written meanwhile stay as they are. Returns the bytes of `range` now in the pool.
+    pub fn compress_now(&self, range: crate::addr::HostRange) -> u64 {
+        scan::compress_now(&self.shared, &self.state, range)
     }
 
     /// The guest reports idle (`true`: scan harder) or busy.

@@ -184,6 +184,44 @@ fn scan(shared: &Shared, cold: &State, buf: &mut [u8]) {
     }
 }
 
+/// See [`super::Cold::compress_now`].
+pub(super) fn compress_now(shared: &Shared, cold: &State, range: HostRange) -> u64 {
+    let per_block = shared.block_size.pages() as u64;
+    let mut buf = vec![0u8; shared.block_size.bytes()];
+    let mut pooled = 0;
+    let Some((region, blocks)) = shared.whole_blocks(range) else {
+        return 0;
+    };
+    for block in blocks {
+        let pages = block * per_block..(block + 1) * per_block;
+        if !shared.table.all(pages.clone(), PageState::Resident)
+            || (region.spec.kind == RamKind::Anon && cold.scratch.is_none())
+        {
+            continue;
+        }
+        let info = &cold.blocks[block as usize];
+        if region.spec.kind.is_memfd() {
+            // Probed as the scanner probes: an access from here on faults and marks the
+            // block, and `compress` then leaves it.
+            let at = HostRange::new(region.addr_of(pages.start), per_block * PAGE_SIZE)
+                .expect("pages of a region");
+            // SAFETY: as in `scan`: our own shared memfd mapping; only its page-table entries
+            // go, and the next access is a MINOR fault to the pager.
+            if unsafe { crate::discard::unmap_shared(at) }.is_err() {
+                continue;
+            }
+        }
+        // Anon RAM: a write meanwhile shows when the moved-out pages are compared.
+        info.flags.store(PROBING, Ordering::Release);
+        info.probed_at.store(cold.epoch(), Ordering::Relaxed);
+        compress(shared, cold, region, block, pages.clone(), &mut buf);
+        if shared.table.all(pages, PageState::Pooled) {
+            pooled += per_block * PAGE_SIZE;
+        }
+    }
+    pooled
+}
+
 fn compress(
     shared: &Shared,
     cold: &State,
@@ -192,6 +230,12 @@ fn compress(
     pages: std::ops::Range<u64>,
     buf: &mut [u8],
 ) {
+    // One block at a time, and only a block still wholly resident: the scanner may have
+    // checked it before `compress_now` took it (or the other way round).
+    let _turn = cold.compressing.lock();
+    if !shared.table.all(pages.clone(), PageState::Resident) {
+        return;
+    }
     let info = &cold.blocks[block as usize];
     let at = region.addr_of(pages.start);
     match &region.spec.memfd {

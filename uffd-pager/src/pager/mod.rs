@@ -320,6 +320,20 @@ impl Shared {
     pub(crate) fn evictions_held(&self) -> bool {
         self.evictions_held.load(Ordering::Acquire) > 0
     }
+
+    /// The region `range` starts in and the blocks that lie wholly inside both (`None`: the
+    /// range starts in no region).
+    pub(crate) fn whole_blocks(&self, range: HostRange) -> Option<(&Region, std::ops::Range<u64>)> {
+        let (region, index) = self
+            .regions
+            .iter()
+            .find_map(|r| Some((r, r.spec.range.page_index(range.start())?)))?;
+        let per_block = self.block_size.pages() as u64;
+        let first = region.first_page + index;
+        let end = (first + range.len() / PAGE_SIZE).min(region.pages().end);
+        let blocks = first.div_ceil(per_block)..end / per_block;
+        Some((region, blocks.start..blocks.end.max(blocks.start)))
+    }
 }
 
 /// The order in which blocks were first faulted in.

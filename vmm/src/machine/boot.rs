@@ -109,9 +109,13 @@ impl Machine {
                 vec![ram.region_spec()],
                 PagerConfig {
                     threads: config.pager_threads.max(1),
-                    // A block holds whole pages: huge-page RAM moves in 2 MiB blocks.
-                    block_size: config
-                        .block_size
+                    // A block holds whole pages: huge-page RAM moves in 2 MiB blocks. RAM
+                    // restored from a store moves in the store's blocks, so that a fault
+                    // reads one payload (one range request from an object store).
+                    block_size: source
+                        .as_ref()
+                        .and_then(|s| s.block_size())
+                        .unwrap_or(config.block_size)
                         .max(huge_block(config.ram_kind.page_size())),
                     initial,
                     register: true,
@@ -206,6 +210,9 @@ impl Machine {
             interrupter: config.interrupter.clone(),
             model_pending: None,
             release_error: None,
+            arenas: crate::arena::Registry::new(config.memory),
+            arena_offload: None,
+            idle_report: None,
             broken: None,
         };
         if config.restore.is_none() {

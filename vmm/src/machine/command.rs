@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use super::{Machine, MachineError};
 use crate::guest::{self, status, Mailbox, Op};
-use crate::script::Command;
+use crate::script::{ArenaOp, Command};
 
 /// What one command produced.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
@@ -41,6 +41,9 @@ pub struct CommandOutput {
     /// `chaos`: what the guest did.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub chaos: Option<ChaosReport>,
+    /// `arena …`: where the arena lies.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub arena: Option<ArenaPlace>,
     /// Application data filled after the command.
     pub app_bytes: u64,
 }
@@ -54,6 +57,15 @@ pub struct PokeReport {
     pub free_status: u64,
     /// The model port's error flag (mailbox `arg[2]`; 1: no answer).
     pub model_error: u64,
+}
+
+/// Where an arena lies in guest-physical memory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ArenaPlace {
+    /// Its first byte.
+    pub gpa: u64,
+    /// Its bytes (whole 2 MiB extents).
+    pub len: u64,
 }
 
 /// What a `chaos` command did.
@@ -143,6 +155,39 @@ impl Machine {
                     ins: result[3],
                 });
             }
+            Command::Arena { id, ref op } => {
+                // The guest names arenas by id + 1 in the data commands (0: the app data).
+                let on = id.checked_add(1).ok_or_else(|| MachineError::Command {
+                    command: command.to_string(),
+                    reason: "arena id too large".into(),
+                })?;
+                let (action, args) = match *op {
+                    ArenaOp::Open { size, intent } => (Some(1), [size, intent as u64]),
+                    ArenaOp::Close => (Some(2), [0, 0]),
+                    ArenaOp::Free => (Some(3), [0, 0]),
+                    ArenaOp::Fill { size, kind, seed } => {
+                        self.guest(command, Op::Fill, &[size, kind as u64, seed, 0, 0, on])?;
+                        (None, [0, 0])
+                    }
+                    ArenaOp::Touch { size } => {
+                        let result = self.guest(command, Op::Touch, &[size, 0, 0, 0, 0, on])?;
+                        output.sum = Some(format!("{:016x}", result[0]));
+                        (None, [0, 0])
+                    }
+                    ArenaOp::Digest => {
+                        let result = self.guest(command, Op::Digest, &[0, 0, 0, 0, 0, on])?;
+                        output.digest = Some(format!("{:016x}", result[0]));
+                        (None, [0, 0])
+                    }
+                };
+                if let Some(action) = action {
+                    let result = self.guest(command, Op::Arena, &[action, id, args[0], args[1]])?;
+                    output.arena = Some(ArenaPlace {
+                        gpa: result[0],
+                        len: result[1],
+                    });
+                }
+            }
             Command::Sleep { ms } => {
                 if self.interrupter.sleep(Duration::from_millis(ms)) {
                     return Err(self.interrupter.stopped_error());
@@ -192,6 +237,17 @@ impl Machine {
                 .release_error
                 .take()
                 .unwrap_or_else(|| "the free report was refused".to_owned()),
+            status::ARENA if mailbox.result[3] != 0 => format!(
+                "the host refused the arena report (errno {}): {}",
+                mailbox.result[3],
+                self.arenas
+                    .stats()
+                    .last_refusal
+                    .unwrap_or_else(|| "no reason kept".into())
+            ),
+            status::ARENA => "no such arena, one of that id open already, or no room for it \
+                              above the application data"
+                .to_owned(),
             other => format!("status {other}"),
         };
         Err(MachineError::Command {

@@ -234,6 +234,13 @@ pub struct Machine {
     model_pending: Option<(u64, Instant)>,
     /// Why the last free report was refused, for the command's error.
     release_error: Option<String>,
+    /// The guest's phase arenas (docs/arenas.md).
+    arenas: crate::arena::Registry,
+    /// Where survive arenas go at their close, if to the offload store.
+    arena_offload: Option<OffloadConfig>,
+    /// The guest's last idle report on the arena channel, not yet used by a wait: when its
+    /// next timer falls due (`None` inside: no timer pending).
+    idle_report: Option<Option<Instant>>,
     /// A command ended with the guest stopped in the middle of it (it crashed, or the VMM
     /// failed serving it): the guest cannot take another command. Why.
     broken: Option<String>,
@@ -313,6 +320,19 @@ impl Machine {
             return Err(fail(std::io::Error::from_raw_os_error(rc)));
         }
         Ok(())
+    }
+
+    /// What the guest's arenas did (`touched_after_close_pages` counted now).
+    pub fn arena_stats(&self) -> crate::arena::ArenaStats {
+        let mut stats = self.arenas.stats();
+        let pager = self.pager();
+        stats.touched_after_close_pages = self
+            .arenas
+            .closed_discarded()
+            .flat_map(|(gpa, len)| (gpa..gpa + len).step_by(basics::PAGE_SIZE as usize))
+            .filter(|&gpa| pager.page_state(gpa) != uffd_pager::state::PageState::Zero)
+            .count() as u64;
+        stats
     }
 
     /// Bytes of application data filled.
@@ -406,6 +426,17 @@ impl Machine {
         // SAFETY: malloc_trim only releases free memory of the allocator.
         unsafe { libc::malloc_trim(0) };
         result
+    }
+
+    /// Whether arena reports are acted on (`false`: checked and counted, nothing moves).
+    pub fn set_arenas(&mut self, act: bool) {
+        self.arenas.set_acting(act);
+    }
+
+    /// Survive arenas go to this offload store at their close (else to cold compression's
+    /// pool, if it runs).
+    pub fn set_arena_offload(&mut self, config: OffloadConfig) {
+        self.arena_offload = Some(config);
     }
 
     /// For the memory governor, with the vCPU out of the guest (between commands, or

@@ -57,8 +57,11 @@ impl Machine {
     pub(super) fn model_request(&mut self) -> Result<(), MachineError> {
         let mut mailbox: Mailbox = self.read(guest::MAILBOX_GPA)?;
         let request = mailbox.arg[0];
-        // The guest's idle report: its next timer fires in this many ms (0: it has none).
-        if mailbox.arg[5] > guest::MAX_TIMER_MS {
+        // The guest's idle report on the arena channel, sent before this `out`, says when its
+        // next timer falls due, as a Linux guest's idle handoff does; a guest without it puts
+        // the timer in arg[5] (ms, 0: none).
+        let reported = self.idle_report.take();
+        if reported.is_none() && mailbox.arg[5] > guest::MAX_TIMER_MS {
             self.model_error = Some(format!(
                 "the guest's timer of {} ms is longer than {} ms",
                 mailbox.arg[5],
@@ -67,7 +70,10 @@ impl Machine {
             mailbox.arg[2] = 1;
             return self.write(guest::MAILBOX_GPA, mailbox);
         }
-        let timer = (mailbox.arg[5] > 0).then(|| Duration::from_millis(mailbox.arg[5]));
+        let timer = match reported {
+            Some(due) => due.map(|due| due.saturating_duration_since(Instant::now())),
+            None => (mailbox.arg[5] > 0).then(|| Duration::from_millis(mailbox.arg[5])),
+        };
         let outcome = match (self.model.clone(), self.wait.clone()) {
             (Some(port), Some(wait)) => self.managed_wait(&*port, request, timer, &wait),
             (Some(port), None) => self.plain_wait(&*port, request, timer),

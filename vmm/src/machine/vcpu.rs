@@ -5,9 +5,11 @@
 use std::os::unix::fs::FileExt;
 
 use kvm_ioctls::VcpuExit;
+use uffd_pager::addr::PAGE_SIZE;
 use vm_memory::{Bytes, GuestAddress};
 
 use super::{Machine, MachineError};
+use crate::arena;
 use crate::governor::client::Order;
 use crate::governor::protocol::WireState;
 use crate::guest::{self, BlkRequest, BlockIo, Mailbox, Refused};
@@ -76,7 +78,10 @@ impl Machine {
                     self.preempted();
                     continue;
                 }
-                Some(VcpuExit::IoOut(port, _)) => Ok(port),
+                Some(VcpuExit::IoOut(port, data)) => {
+                    // The one port that takes a value takes 32 bits (a page number).
+                    Ok((port, <[u8; 4]>::try_from(data).ok().map(u32::from_le_bytes)))
+                }
                 // No port answers reads: an `in` reads all ones, as from an empty bus.
                 Some(VcpuExit::IoIn(_, data)) => {
                     data.fill(0xFF);
@@ -84,8 +89,8 @@ impl Machine {
                 }
                 Some(exit) => Err(format!("{exit:?}")),
             };
-            let port = match exit {
-                Ok(port) => port,
+            let (port, value) = match exit {
+                Ok(out) => out,
                 Err(exit) => {
                     let rip = self.vcpu.get_regs().map(|r| r.rip).unwrap_or(0);
                     return Err(MachineError::GuestCrashed(format!(
@@ -98,6 +103,7 @@ impl Machine {
                 guest::PORT_BLK => self.block_request()?,
                 guest::PORT_FREE => self.free_report()?,
                 guest::PORT_MODEL => self.model_request()?,
+                arena::PORT_ARENA => self.arena_report(value)?,
                 // Writes to a port nothing listens on go nowhere, as on real hardware.
                 _ => {}
             }
@@ -153,6 +159,83 @@ impl Machine {
         };
         let field = guest::MAILBOX_GPA + std::mem::offset_of!(Mailbox, free_status) as u64;
         self.write(field, status)
+    }
+
+    /// Serves an arena report: the report in guest page `page` (the `out`'s value) is
+    /// checked by the registry, what it asks is done, and the guest gets 0 or an errno in
+    /// its status. A report the host cannot even read (not a 32-bit `out`, a page outside
+    /// RAM) is counted and answered nowhere.
+    fn arena_report(&mut self, page: Option<u32>) -> Result<(), MachineError> {
+        let gpa = match arena::report_gpa(page, self.ram.size()) {
+            Ok(gpa) => gpa,
+            Err(reason) => {
+                self.arenas.refuse_malformed(reason);
+                return Ok(());
+            }
+        };
+        let report: arena::Report = self.read(gpa)?;
+        let status = match self.arenas.report(&report, std::time::Instant::now()) {
+            Ok(action) => {
+                self.arena_act(action);
+                0
+            }
+            Err(Refused { errno, .. }) => u64::try_from(errno).unwrap_or(22),
+        };
+        self.write(
+            gpa + std::mem::offset_of!(arena::Report, status) as u64,
+            status,
+        )
+    }
+
+    /// Does what an accepted arena report asks, and counts it. The extents were checked
+    /// (whole 2 MiB of the application memory); a drop, offload or compression that fails
+    /// leaves the memory where it was (counted as kept), never anything else.
+    fn arena_act(&mut self, action: arena::Action) {
+        let mut done = arena::Outcome::default();
+        match action {
+            arena::Action::None => {}
+            arena::Action::Idle(timer) => {
+                self.idle_report = Some(timer.map(|t| std::time::Instant::now() + t));
+            }
+            arena::Action::Drop(extents) => {
+                for (gpa, len) in extents {
+                    match self.drop_free(gpa, len) {
+                        Ok(()) => done.dropped += len,
+                        Err(refused) => {
+                            done.failure = Some(refused.reason);
+                            done.kept += len;
+                        }
+                    }
+                }
+            }
+            arena::Action::Survive(extents) => {
+                for (gpa, len) in extents {
+                    let Some(range) = self.ram.host_range(gpa, len) else {
+                        done.kept += len;
+                        continue;
+                    };
+                    // The vCPU is out of the guest: nothing writes the extent meanwhile.
+                    if let Some(config) = &self.arena_offload {
+                        match self.pager.offload_range(config, range) {
+                            Ok(report) => {
+                                let moved = (report.pages_dropped * PAGE_SIZE).min(len);
+                                done.offloaded += moved;
+                                done.kept += len - moved;
+                            }
+                            Err(e) => {
+                                done.failure = Some(basics::error_chain(&e));
+                                done.kept += len;
+                            }
+                        }
+                    } else {
+                        let moved = self.cold.as_ref().map_or(0, |c| c.compress_now(range));
+                        done.compressed += moved.min(len);
+                        done.kept += len - moved.min(len);
+                    }
+                }
+            }
+        }
+        self.arenas.record(done);
     }
 
     fn drop_free(&mut self, gpa: u64, len: u64) -> Result<(), Refused> {

@@ -70,6 +70,9 @@ pub struct VmStats {
     pub pager: MetricsSnapshot,
     /// Faults that could not be served.
     pub fault_errors: u64,
+    /// What the guest's phase arenas did, once it reported one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub arenas: Option<crate::arena::ArenaStats>,
 }
 
 /// A governed VM's side of the governor.
@@ -135,6 +138,7 @@ impl Vm {
             pages: pager.state_counts(),
             pager: pager.metrics().snapshot(),
             fault_errors: self.fault_errors.load(Ordering::Relaxed),
+            arenas: Some(self.machine.arena_stats()).filter(|a| a.reports > 0),
         }
     }
 }

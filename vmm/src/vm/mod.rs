@@ -19,9 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use compressed_backing::bulk::BulkOptions;
-use compressed_backing::{BlockSize, Codec, CodecConfig};
-use uffd_pager::offload::OffloadConfig;
+use compressed_backing::BlockSize;
 use uffd_pager::pager::RamKind;
 
 use crate::dedup::Dedup;
@@ -213,30 +211,32 @@ impl Vm {
         if let Some(gateway) = gateway {
             machine.set_model_port(Arc::new(gateway));
         }
+        let offloads = options.pool.is_some() || options.ram_backing == RamKind::Snapshot;
         if let Some(policy) = options.wait {
-            if policy.offload
-                && (options.pool.is_some() || options.ram_backing == RamKind::Snapshot)
-            {
+            if policy.offload && offloads {
                 return Err(VmError::State(
                     "waits cannot offload a VM in the memory pool or on snapshot RAM: use the \
                      pause strategy"
                         .into(),
                 ));
             }
-            let codec = if options.ram_compression {
-                options.ram_codec.parse::<Codec>()?
-            } else {
-                Codec::None
-            };
             machine.set_wait_management(crate::machine::WaitManagement {
                 policy,
-                offload: OffloadConfig {
-                    dir: options.store_dir.clone(),
-                    codec: CodecConfig::new(codec),
-                    bulk: BulkOptions::with_threads(options.io_threads.max(1)),
-                },
+                offload: options.offload_config()?,
                 io_threads: options.io_threads.max(1),
             });
+        }
+        machine.set_arenas(options.arenas);
+        if options.arena_offload {
+            if offloads {
+                return Err(VmError::State(
+                    "arenas cannot go to the offload store from a VM in the memory pool or on \
+                     snapshot RAM (leave --vm-arena-offload out: survive arenas then go to \
+                     cold compression's pool)"
+                        .into(),
+                ));
+            }
+            machine.set_arena_offload(options.offload_config()?);
         }
         if let Some(governor) = &options.governor {
             let mut config = LinkConfig::new(

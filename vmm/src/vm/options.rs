@@ -2,8 +2,10 @@
 
 use std::path::PathBuf;
 
+use compressed_backing::bulk::BulkOptions;
+use compressed_backing::{Codec, CodecConfig};
 use uffd_pager::cold::ColdConfig;
-use uffd_pager::offload::OffloadError;
+use uffd_pager::offload::{OffloadConfig, OffloadError};
 use uffd_pager::pager::RamKind;
 
 use crate::dedup::{DedupError, DedupOptions};
@@ -72,6 +74,19 @@ pub struct VmOptions {
     /// Join the host's memory governor (`pvisor serve --memory-governor`).
     #[serde(default)]
     pub governor: Option<GovernorOptions>,
+    /// Survive arenas go to the offload store at their close (else into cold compression's
+    /// pool; docs/arenas.md).
+    #[serde(default)]
+    pub arena_offload: bool,
+    /// Act on the guest's arena reports (docs/arenas.md); else they are checked and counted,
+    /// and memory stays as a host without arenas would leave it, until the guest's own
+    /// free-page reports give it back.
+    #[serde(default = "acts_on_arenas")]
+    pub arenas: bool,
+}
+
+fn acts_on_arenas() -> bool {
+    true
 }
 
 /// How a VM joins the memory governor.
@@ -114,7 +129,24 @@ impl VmOptions {
             model_upstream: None,
             wait: None,
             governor: None,
+            arena_offload: false,
+            arenas: true,
         }
+    }
+
+    /// How this VM's RAM is offloaded: to `store_dir`, compressed with `ram_codec` if
+    /// `ram_compression` says so, with `io_threads` writers.
+    pub fn offload_config(&self) -> Result<OffloadConfig, VmError> {
+        let codec = if self.ram_compression {
+            self.ram_codec.parse::<Codec>()?
+        } else {
+            Codec::None
+        };
+        Ok(OffloadConfig {
+            dir: self.store_dir.clone(),
+            codec: CodecConfig::new(codec),
+            bulk: BulkOptions::with_threads(self.io_threads.max(1)),
+        })
     }
 }
 
@@ -204,6 +236,12 @@ pub struct RemoteSnapshot {
     /// (`--s3-fetch-rest`).
     #[serde(default)]
     pub fetch_rest: bool,
+    /// Range requests in flight at once (`--s3-requests`; 0: the default).
+    #[serde(default)]
+    pub parallel: usize,
+    /// The largest prefetch request, bytes (`--s3-request-size`; 0: the default).
+    #[serde(default)]
+    pub request_size: u64,
     /// Its manifest, as the starting command read and checked it: the VM process takes it
     /// as it takes every other option from its starter, and saves a round trip.
     #[serde(default)]
@@ -226,6 +264,8 @@ impl RemoteSnapshot {
             manifest: None,
             key_file,
             fetch_rest: options.fetch_rest,
+            parallel: options.parallel,
+            request_size: options.request_size,
         }
     }
 
@@ -243,6 +283,12 @@ impl RemoteSnapshot {
         options.cache_size = self.cache_size;
         options.retry_timeout = std::time::Duration::from_millis(self.retry_timeout_ms);
         options.fetch_rest = self.fetch_rest;
+        if self.parallel > 0 {
+            options.parallel = self.parallel;
+        }
+        if self.request_size > 0 {
+            options.request_size = self.request_size;
+        }
         if let Some(path) = &self.key_file {
             let key = compressed_backing::seal::StoreKey::from_file(path).map_err(|e| {
                 crate::snapshot::SnapshotError::Manifest {

@@ -4,11 +4,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use compressed_backing::bulk::BulkOptions;
 use compressed_backing::fuse::{self, FuseOptions, MountedStore};
-use compressed_backing::{Codec, CodecConfig};
 use uffd_pager::load::{LoadMode, LoadReport};
-use uffd_pager::offload::{OffloadConfig, OffloadReport};
+use uffd_pager::offload::OffloadReport;
 use uffd_pager::pager::RamKind;
 
 use super::{Vm, VmError, VmState};
@@ -155,17 +153,9 @@ impl Vm {
         }
         let previous = self.state;
         self.state = VmState::Paused;
-        let codec = if self.options.ram_compression {
-            self.options.ram_codec.parse::<Codec>()?
-        } else {
-            Codec::None
-        };
+        let config = self.options.offload_config()?;
         if self.options.ram_backing == RamKind::Snapshot {
-            let result = snapshot::offload_private(
-                self.machine.ram(),
-                &self.options.store_dir,
-                CodecConfig::new(codec),
-            );
+            let result = snapshot::offload_private(self.machine.ram(), &config.dir, config.codec);
             return match result {
                 Ok(done) => {
                     let _ = self.machine.drop_disk_cache();
@@ -180,11 +170,6 @@ impl Vm {
                 }
             };
         }
-        let config = OffloadConfig {
-            dir: self.options.store_dir.clone(),
-            codec: CodecConfig::new(codec),
-            bulk: BulkOptions::with_threads(self.options.io_threads.max(1)),
-        };
         match self.machine.offload(&config) {
             Ok(done) => {
                 self.state = VmState::Offloaded;
@@ -260,10 +245,14 @@ impl Vm {
     }
 
     /// Writes a sealed snapshot of the VM to `out` (which must not exist), RAM raw or, with a
-    /// codec, compressed; it goes on as it was. An offloaded VM's RAM is read from its offload
+    /// store format, compressed; it goes on as it was. An offloaded VM's RAM is read from its offload
     /// store, never brought back (not for snapshot RAM, whose offload keeps only the pages it
     /// wrote).
-    pub fn snapshot(&self, out: &Path, codec: Option<Codec>) -> Result<SnapshotReport, VmError> {
+    pub fn snapshot(
+        &self,
+        out: &Path,
+        store: Option<snapshot::RamStore>,
+    ) -> Result<SnapshotReport, VmError> {
         if self.state == VmState::Offloaded && self.options.ram_backing == RamKind::Snapshot {
             return Err(VmError::State(
                 "the VM is restored from a snapshot and offloaded: resume it before taking a \
@@ -275,7 +264,7 @@ impl Vm {
             &self.machine,
             self.options.vcpus,
             out,
-            codec.map(CodecConfig::new),
+            store,
         )?)
     }
 }

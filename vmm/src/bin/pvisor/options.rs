@@ -31,6 +31,17 @@ pub struct RunArgs {
     /// on anon RAM (Linux 6.8 or later).
     #[arg(long = "vm-cold-ram-compression", num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub cold_ram_compression: Option<bool>,
+    /// When the guest closes a phase arena it declared `survive` (docs/arenas.md), write its
+    /// memory to the offload store at once and drop it (it comes back on touch); without this,
+    /// survive arenas go to cold compression's pool. Not with --vm-memory-pool or --restore.
+    #[arg(long = "vm-arena-offload", num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub arena_offload: Option<bool>,
+    /// Act on the guest's phase arenas (default true): drop a discard arena's memory at its
+    /// close, compress or offload a survive arena's. `false` checks and counts the reports and
+    /// moves nothing, as a host without arenas (the guest's free-page reports still give
+    /// memory back): the baseline arenas are measured against.
+    #[arg(long = "vm-arenas", num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub arenas: Option<bool>,
     /// After an eager resume, remap the RAM that came back with transparent huge pages
     /// (`MADV_COLLAPSE`), so that the guest's next pass over it pays no fault per 4 KiB page;
     /// anon RAM only, not with cold compression or dedup. Off by default: docs/bench/vm.md
@@ -178,6 +189,8 @@ struct ConfigVm {
     ram_dedup: Option<bool>,
     dedup_cpu_budget: Option<f64>,
     thp_collapse: Option<bool>,
+    arena_offload: Option<bool>,
+    arenas: Option<bool>,
     ram_backing: Option<String>,
     ram_codec: Option<String>,
     restore: Option<PathBuf>,
@@ -220,6 +233,8 @@ pub struct Resolved {
     pub cold: Option<uffd_pager::cold::ColdConfig>,
     pub dedup: Option<vmm::dedup::DedupOptions>,
     pub thp_collapse: bool,
+    pub arena_offload: bool,
+    pub arenas: bool,
     pub restore: Option<PathBuf>,
     pub restore_remote: Option<vmm::vm::RemoteSnapshot>,
     pub pool: Option<PathBuf>,
@@ -423,6 +438,18 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
              RAM) or --vm-ram-dedup (KSM's merged pages cannot be collapsed)"
                 .into(),
         );
+    }
+    let arena_offload = args.arena_offload.or(config.arena_offload).unwrap_or(false);
+    if arena_offload && (pool.is_some() || restoring.is_some()) {
+        return Err(
+            "--vm-arena-offload writes arenas to the VM's offload store: not with \
+             --vm-memory-pool or --restore"
+                .into(),
+        );
+    }
+    let arenas = args.arenas.or(config.arenas).unwrap_or(true);
+    if arena_offload && !arenas {
+        return Err("--vm-arena-offload acts on arenas: not with --vm-arenas false".into());
     }
     let dedup_cpu_budget = args.dedup_cpu_budget.or(config.dedup_cpu_budget);
     if dedup_cpu_budget.is_some_and(|s| !(s > 0.0 && s <= 1.0)) {
@@ -644,6 +671,8 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
     }
     Ok(Resolved {
         thp_collapse,
+        arena_offload,
+        arenas,
         governor,
         governor_hold_timeout_ms,
         cold,

@@ -71,6 +71,8 @@ pub fn run(args: RunArgs) -> CliResult {
             cold: resolved.cold,
             dedup: resolved.dedup,
             thp_collapse: resolved.thp_collapse,
+            arena_offload: resolved.arena_offload,
+            arenas: resolved.arenas,
             exit_on_memory_lost: true,
             restore: resolved.restore.clone(),
             restore_remote: resolved.restore_remote.clone(),
@@ -464,13 +466,14 @@ fn handle(
         Method::Resume { eager } => json(serde_json::to_value(
             vm.resume(eager).map_err(|e| crate::error_chain(&e))?,
         )),
-        Method::Snapshot { out, codec } => {
-            let codec = codec
-                .map(|c| c.parse::<compressed_backing::Codec>())
-                .transpose()
-                .map_err(|e| format!("--codec: {e}"))?;
+        Method::Snapshot {
+            out,
+            codec,
+            block_size,
+        } => {
+            let store = snapshot_store(codec.as_deref(), block_size)?;
             json(serde_json::to_value(
-                vm.snapshot(&out, codec)
+                vm.snapshot(&out, store)
                     .map_err(|e| crate::error_chain(&e))?,
             ))
         }
@@ -479,6 +482,29 @@ fn handle(
 }
 
 /// Sends everything printed from now on to `path` (the log: appended, created if `create`).
+/// The RAM store a `snapshot` request asks for: none without a codec (a raw image), else
+/// the codec's blocks of `block_size` bytes (64 KiB if not given).
+fn snapshot_store(
+    codec: Option<&str>,
+    block_size: Option<u64>,
+) -> Result<Option<vmm::snapshot::RamStore>, String> {
+    let Some(codec) = codec else {
+        return match block_size {
+            Some(_) => Err("--block-size needs --codec: a raw snapshot has no blocks".into()),
+            None => Ok(None),
+        };
+    };
+    let codec = codec
+        .parse::<compressed_backing::Codec>()
+        .map_err(|e| format!("--codec: {e}"))?;
+    let mut store = vmm::snapshot::RamStore::new(compressed_backing::CodecConfig::new(codec));
+    if let Some(bytes) = block_size {
+        store.block_size =
+            compressed_backing::BlockSize::new(bytes).map_err(|e| format!("--block-size: {e}"))?;
+    }
+    Ok(Some(store))
+}
+
 fn redirect_stdout_to(path: &std::path::Path, create: bool) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::OpenOptionsExt;
