@@ -420,6 +420,9 @@ impl Pager {
         batching: Batching,
         only: Option<std::ops::Range<u64>>,
     ) -> Result<OffloadReport, OffloadError> {
+        // A prefetcher of an earlier lazy load would install what it read before the offload
+        // stored newer bytes: what it has not brought back yet comes on faults.
+        self.stop_prefetch();
         let shared = self.shared().as_ref();
         for region in &shared.regions {
             if region.spec.kind == RamKind::Snapshot {
@@ -431,6 +434,16 @@ impl Pager {
                 return Err(OffloadError::Remote {
                     range: region.spec.range,
                 });
+            }
+        }
+        if let Some(only) = &only {
+            let per_block = shared.block_size.pages() as u64;
+            let pages = only.start * per_block..(only.end * per_block).min(shared.table.len());
+            if !shared.table.any(pages.clone(), PageState::Resident)
+                && !shared.table.any(pages, PageState::Pooled)
+            {
+                // Nothing to write: no store opened, nothing committed.
+                return Ok(OffloadReport::default());
             }
         }
         let started = Instant::now();
@@ -561,8 +574,11 @@ impl Pager {
             // compaction the store's options ask for once all batches are in.
             let finished = if store.has_pending() {
                 store.commit().map(drop)
-            } else {
+            } else if only.is_none() {
                 store.compact_if_auto().map(drop)
+            } else {
+                // A range's offload (an arena's close) leaves compaction to the VM's own.
+                Ok(())
             };
             finished.map_err(|e| progress.store_error(e))?;
             // Whatever compaction wrote is durable: its page cache would only hold on to the

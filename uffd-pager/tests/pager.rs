@@ -271,6 +271,40 @@ fn pager_offload_then_lazy_and_eager_load_keep_every_byte() {
 }
 
 #[test]
+fn pager_range_offload_stores_the_whole_blocks_inside_the_range_and_nothing_else() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut ram = Ram::anon(8 * MIB);
+    let pager = pager(&ram, PagerConfig::default());
+    fill(ram.bytes_mut(), 11);
+    let expect = ram.bytes().to_vec();
+    let base = HostAddr::from_ptr(ram.map.as_ptr());
+    let block = pager.block_size().bytes_u64();
+    // Neither end on a block boundary: only the blocks wholly inside go.
+    let (start, end) = (2 * MIB as u64 + 100 * 1024, 6 * MIB as u64 - PAGE_SIZE);
+    let range = HostRange::new(HostAddr(base.0 + start), end - start).unwrap();
+    let config = offload_config(dir.path(), Codec::Lz4);
+    let report = pager.offload_range(&config, range).unwrap();
+    let (first, last) = (start.div_ceil(block) * block, end / block * block);
+    let inside = pager.counts_in(first, last - first);
+    assert_eq!(inside.resident, 0, "{inside:?}");
+    assert_eq!(inside.stored + inside.zero, (last - first) / PAGE_SIZE, "{inside:?}");
+    assert_eq!(report.pages_dropped, inside.stored);
+    // The rest, the partial blocks at both ends included, is as it was.
+    for (at, len) in [(0, first), (last, 8 * MIB as u64 - last)] {
+        let outside = pager.counts_in(at, len);
+        assert_eq!(outside.stored, 0, "{at:#x}: {outside:?}");
+    }
+    // Again, with nothing resident in it: nothing written.
+    let again = pager.offload_range(&config, range).unwrap();
+    assert_eq!((again.blocks_written, again.batches), (0, 0));
+    // Every byte comes back on faults.
+    assert!(ram.bytes() == &expect[..]);
+}
+
+#[test]
 fn pager_second_offload_keeps_pages_that_were_never_loaded() {
     if skip() {
         return;

@@ -108,8 +108,10 @@ struct arena { uint64_t id, base, len, intent, filled, state; };
 enum arena_state { A_FREE = 0, A_OPEN = 1, A_CLOSED = 2 };
 static struct arena arenas[ARENA_MAX];
 /* Arenas freed since the last `release`: free memory its report gives back too (on a host that
- * ignores arena reports, that is the only way it goes). An arena opened over one takes it out. */
-static struct { uint64_t base, len; } unreported[ARENA_MAX];
+ * ignores arena reports, that is the only way it goes). An arena opened over one takes out the
+ * part it covers; adjacent ones merge. Room for twice as many runs as arenas can be open. */
+#define UNREPORTED_MAX (2 * ARENA_MAX)
+static struct { uint64_t base, len; } unreported[UNREPORTED_MAX];
 
 static inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
 
@@ -216,7 +218,7 @@ static uint64_t op_fill(uint64_t bytes, uint64_t kind, uint64_t seed, uint64_t s
 static uint64_t arena_send(void) {
     AR->magic = ARENA_MAGIC;
     AR->version = ARENA_VERSION;
-    AR->status = 0;
+    AR->status = ~0ull; /* a report the host does not answer reads as refused */
     outl(PORT_ARENA, (uint32_t)(ARENA_GPA >> 12));
     return AR->status;
 }
@@ -228,6 +230,42 @@ static void arena_describe(const struct arena *a, uint16_t kind) {
     AR->count = 1;
     AR->extent[0].gpa = a->base;
     AR->extent[0].len = a->len;
+}
+
+/* A freed run joins the unreported ones, merged with its neighbours. (Runs are disjoint: each
+ * was an arena's, and an arena opened over one took its part out.) */
+static void unreported_add(uint64_t base, uint64_t len) {
+    for (int i = 0; i < UNREPORTED_MAX; i++) {
+        if (!unreported[i].len) continue;
+        if (unreported[i].base + unreported[i].len == base) {
+            base = unreported[i].base;
+            len += unreported[i].len;
+            unreported[i].len = 0;
+        } else if (base + len == unreported[i].base) {
+            len += unreported[i].len;
+            unreported[i].len = 0;
+        }
+    }
+    for (int i = 0; i < UNREPORTED_MAX; i++)
+        if (!unreported[i].len) {
+            unreported[i].base = base;
+            unreported[i].len = len;
+            return;
+        }
+    /* No room (twice as many runs as arenas, none adjacent: rare): the run stays unreported,
+     * which costs memory until the host acts on arenas, never data. */
+}
+
+/* An arena opens over [base, base + len): the parts of unreported runs it covers are in use. */
+static void unreported_take(uint64_t base, uint64_t len) {
+    uint64_t end = base + len;
+    for (int i = 0; i < UNREPORTED_MAX; i++) {
+        uint64_t b = unreported[i].base, e = b + unreported[i].len;
+        if (!unreported[i].len || e <= base || end <= b) continue;
+        unreported[i].len = 0;
+        if (b < base) unreported_add(b, base - b);
+        if (end < e) unreported_add(end, e - end);
+    }
 }
 
 /* `arena open|close|free ID [SIZE INTENT]`. Open takes the highest run of free extents
@@ -260,10 +298,7 @@ static uint64_t op_arena(uint64_t action, uint64_t id, uint64_t bytes, uint64_t 
         uint64_t st = arena_send();
         if (st) { MB->result[3] = st; return ST_ARENA; }
         *slot = fresh;
-        for (int i = 0; i < ARENA_MAX; i++)
-            if (unreported[i].len && unreported[i].base < fresh.base + fresh.len &&
-                fresh.base < unreported[i].base + unreported[i].len)
-                unreported[i].len = 0;
+        unreported_take(fresh.base, fresh.len);
         MB->result[0] = fresh.base;
         MB->result[1] = fresh.len;
         return ST_OK;
@@ -280,13 +315,7 @@ static uint64_t op_arena(uint64_t action, uint64_t id, uint64_t bytes, uint64_t 
         return ST_OK;
     }
     a->state = A_FREE;
-    /* A slot is free: at most ARENA_MAX arenas were freed and not reopened over. */
-    for (int i = 0; i < ARENA_MAX; i++)
-        if (!unreported[i].len) {
-            unreported[i].base = a->base;
-            unreported[i].len = a->len;
-            break;
-        }
+    unreported_add(a->base, a->len);
     return ST_OK;
 }
 
@@ -474,17 +503,17 @@ __attribute__((noreturn, section(".text.start"))) void _start(void) {
             uint64_t released = 0;
             MB->free_gpa = MB->app_base;
             MB->free_len = (filled + 4095) & ~4095ull;
-            for (int i = -1; i < ARENA_MAX && !st; i++) {
+            for (int i = -1; i < UNREPORTED_MAX && !st; i++) {
                 if (i >= 0) {
                     MB->free_gpa = unreported[i].base;
                     MB->free_len = unreported[i].len;
-                    unreported[i].len = 0;
                 }
                 MB->free_status = 0;
                 if (MB->free_len) out(PORT_FREE);
-                if (MB->free_status) st = ST_RELEASE;
-                else released += MB->free_len;
-                if (i < 0 && !st) filled = 0;
+                if (MB->free_status) { st = ST_RELEASE; break; }
+                released += MB->free_len;
+                if (i < 0) filled = 0;
+                else unreported[i].len = 0;
             }
             MB->result[0] = released;
             break;

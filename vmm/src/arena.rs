@@ -55,7 +55,7 @@ pub enum Kind {
 pub const MAX_IDLE_NS: u64 = guest::MAX_TIMER_MS * 1_000_000;
 
 /// What must become of an arena's contents when its phase closes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 #[repr(u64)]
 pub enum Intent {
@@ -125,6 +125,20 @@ pub enum Action {
     Idle(Option<std::time::Duration>),
 }
 
+/// A registered arena as a snapshot keeps it (the guest's table of arenas is in its RAM, and
+/// goes on after a restore).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SavedArena {
+    /// The guest's name for it.
+    pub id: u64,
+    /// Its intent.
+    pub intent: Intent,
+    /// Its phase is over.
+    pub closed: bool,
+    /// Its `(gpa, len)` extents.
+    pub extents: Vec<(u64, u64)>,
+}
+
 /// What the host did with an accepted report's extents (see [`Registry::record`]).
 #[derive(Debug, Default)]
 pub struct Outcome {
@@ -159,7 +173,7 @@ struct Arena {
 pub struct ArenaStats {
     /// Reports received, accepted or not.
     pub reports: u64,
-    /// Bytes of closes and frees accepted but not acted on (`--vm-arenas false`).
+    /// Bytes of arenas closed and left as they were (`--vm-arenas false`).
     pub ignored_bytes: u64,
     /// Idle reports accepted (the guest's next clockevent, for wait management).
     pub idle_reports: u64,
@@ -171,15 +185,16 @@ pub struct ArenaStats {
     pub open: u64,
     /// Arenas closed and not yet freed.
     pub closed: u64,
-    /// Bytes dropped at the close of discard arenas and the free of any.
+    /// Bytes of memory dropped (resident before, gone after) at the close of discard arenas
+    /// and the free of any.
     pub dropped_bytes: u64,
-    /// Bytes of survive arenas compressed into the pool at close.
+    /// Bytes of survive arenas that went into the pool at close.
     pub compressed_bytes: u64,
     /// Bytes of survive arenas written to the offload store at close
     /// (`--vm-arena-offload`).
     pub offloaded_bytes: u64,
-    /// Bytes of survive arenas that did not go at close (no pool or store to put them in, not
-    /// compressible, or never touched: not resident), and of arenas the host failed to drop.
+    /// Bytes of arenas still resident after their close or free: a survive arena with no pool
+    /// or store to go to or not compressible, a drop or write that failed.
     pub kept_bytes: u64,
     /// Pages of closed discard arenas in memory again: the guest touched them after it
     /// declared them dead (a harness bug shows here).
@@ -198,11 +213,65 @@ pub struct Registry {
     arenas: BTreeMap<u64, Arena>,
     /// The application region: `[guest::APP_BASE, ram_size)`.
     ram_size: u64,
-    tokens: f64,
-    refilled: Instant,
+    bucket: Bucket,
+    idle_bucket: Bucket,
+    /// Bytes survive closes may move.
+    survive_bucket: Bucket,
     /// Closes and frees are acted on (else only checked and counted).
     acting: bool,
     stats: ArenaStats,
+}
+
+/// A token bucket on the caller's clock (the tests' too): `burst` tokens, refilled at `rate`
+/// a second.
+#[derive(Debug)]
+struct Bucket {
+    tokens: f64,
+    burst: f64,
+    rate: f64,
+    refilled: Instant,
+}
+
+impl Bucket {
+    /// [`REPORT_BURST`] reports, refilled at [`REPORTS_PER_SECOND`].
+    fn full() -> Self {
+        Self::new(REPORT_BURST, REPORTS_PER_SECOND)
+    }
+
+    fn new(burst: f64, rate: f64) -> Self {
+        Self {
+            tokens: burst,
+            burst,
+            rate,
+            refilled: Instant::now(),
+        }
+    }
+
+    fn take(&mut self, now: Instant) -> bool {
+        self.take_many(1.0, now)
+    }
+
+    fn take_many(&mut self, tokens: f64, now: Instant) -> bool {
+        let elapsed = now.saturating_duration_since(self.refilled).as_secs_f64();
+        self.refilled = self.refilled.max(now);
+        self.tokens = (self.tokens + elapsed * self.rate).min(self.burst);
+        if self.tokens < tokens {
+            return false;
+        }
+        self.tokens -= tokens;
+        true
+    }
+}
+
+/// Survive arenas cost the host a compression or a write to disk per byte: their closes may
+/// move this many times guest RAM in a burst, and a tenth of it a second after that (a
+/// harness's phases move a fraction of it between waits of seconds).
+pub const SURVIVE_BURST_RAMS: f64 = 1.0;
+/// See [`SURVIVE_BURST_RAMS`].
+pub const SURVIVE_RAMS_PER_SECOND: f64 = 0.1;
+
+fn bytes(extents: &[(u64, u64)]) -> u64 {
+    extents.iter().map(|&(_, len)| len).sum()
 }
 
 fn refuse(errno: i32, reason: String) -> Refused {
@@ -215,8 +284,12 @@ impl Registry {
         Self {
             arenas: BTreeMap::new(),
             ram_size,
-            tokens: REPORT_BURST,
-            refilled: Instant::now(),
+            bucket: Bucket::full(),
+            idle_bucket: Bucket::full(),
+            survive_bucket: Bucket::new(
+                ram_size as f64 * SURVIVE_BURST_RAMS,
+                ram_size as f64 * SURVIVE_RAMS_PER_SECOND,
+            ),
             acting: true,
             stats: ArenaStats::default(),
         }
@@ -226,7 +299,7 @@ impl Registry {
     /// do, or why it refused (nothing changed then; counted).
     pub fn report(&mut self, report: &Report, now: Instant) -> Result<Action, Refused> {
         self.stats.reports += 1;
-        let result = match self.check_rate(now) {
+        let result = match self.check_rate(report, now) {
             Ok(()) => self.apply(report),
             Err(flood) => {
                 self.stats.refused_flood += 1;
@@ -234,8 +307,21 @@ impl Registry {
             }
         };
         let result = match result {
+            Ok(Action::Survive(extents))
+                if self.acting && !self.survive_bucket.take_many(bytes(&extents) as f64, now) =>
+            {
+                // Closed all the same; its memory stays where it is.
+                self.stats.kept_bytes += bytes(&extents);
+                self.stats.last_failure = Some(format!(
+                    "survive arenas closed faster than {SURVIVE_RAMS_PER_SECOND} times guest RAM \
+                     a second: kept resident"
+                ));
+                Ok(Action::None)
+            }
             Ok(Action::Drop(extents) | Action::Survive(extents)) if !self.acting => {
-                self.stats.ignored_bytes += extents.iter().map(|&(_, len)| len).sum::<u64>();
+                if report.kind == Kind::Close as u16 {
+                    self.stats.ignored_bytes += bytes(&extents);
+                }
                 Ok(Action::None)
             }
             other => other,
@@ -249,6 +335,54 @@ impl Registry {
             Ok(_) => {}
         }
         result
+    }
+
+    /// The arenas registered now, for a snapshot.
+    pub fn saved(&self) -> Vec<SavedArena> {
+        self.arenas
+            .iter()
+            .map(|(&id, a)| SavedArena {
+                id,
+                intent: a.intent,
+                closed: a.state == State::Closed,
+                extents: a.extents.clone(),
+            })
+            .collect()
+    }
+
+    /// Registers a snapshot's arenas, each checked as its open report would be (a manifest is
+    /// no more trusted than the guest): the first one refused is the error, and nothing is
+    /// registered then. Counts nothing.
+    pub fn restore(&mut self, saved: &[SavedArena]) -> Result<(), Refused> {
+        let mut fresh = Self::new(self.ram_size);
+        for arena in saved {
+            if arena.extents.len() > MAX_EXTENTS {
+                return Err(refuse(
+                    libc::EINVAL,
+                    format!("arena {}: {} extents", arena.id, arena.extents.len()),
+                ));
+            }
+            let mut report = Report {
+                magic: MAGIC,
+                version: VERSION,
+                kind: Kind::Open as u16,
+                id: arena.id,
+                intent: arena.intent as u64,
+                count: arena.extents.len() as u64,
+                ..Report::default()
+            };
+            for (slot, &(gpa, len)) in report.extents.iter_mut().zip(&arena.extents) {
+                *slot = [gpa, len];
+            }
+            fresh.apply(&report)?;
+            if arena.closed {
+                if let Some(a) = fresh.arenas.get_mut(&arena.id) {
+                    a.state = State::Closed;
+                }
+            }
+        }
+        self.arenas = fresh.arenas;
+        Ok(())
     }
 
     /// Whether closes and frees are acted on (`false`: a host without arenas, to compare
@@ -275,11 +409,12 @@ impl Registry {
         self.stats.kept_bytes += done.kept;
     }
 
-    /// The closed discard arenas' extents (where a touch after close shows).
+    /// The closed discard arenas' extents (where a touch after close shows); none where the
+    /// host does not act on arenas (nothing was dropped).
     pub fn closed_discarded(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.arenas
             .values()
-            .filter(|a| a.state == State::Closed && a.intent == Intent::Discard)
+            .filter(|a| self.acting && a.state == State::Closed && a.intent == Intent::Discard)
             .flat_map(|a| a.extents.iter().copied())
     }
 
@@ -295,18 +430,22 @@ impl Registry {
         self.arenas.values().filter(|a| a.state == state).count() as u64
     }
 
-    fn check_rate(&mut self, now: Instant) -> Result<(), Refused> {
-        let elapsed = now.saturating_duration_since(self.refilled).as_secs_f64();
-        self.refilled = now;
-        self.tokens = (self.tokens + elapsed * REPORTS_PER_SECOND).min(REPORT_BURST);
-        if self.tokens < 1.0 {
-            return Err(refuse(
+    /// Idle reports have a bucket of their own: a guest that idles often must not have its
+    /// arenas' closes refused.
+    fn check_rate(&mut self, report: &Report, now: Instant) -> Result<(), Refused> {
+        let (bucket, what) = if report.kind == Kind::Idle as u16 {
+            (&mut self.idle_bucket, "idle")
+        } else {
+            (&mut self.bucket, "arena")
+        };
+        if bucket.take(now) {
+            Ok(())
+        } else {
+            Err(refuse(
                 libc::EBUSY,
-                format!("more than {REPORTS_PER_SECOND} arena reports a second"),
-            ));
+                format!("more than {REPORTS_PER_SECOND} {what} reports a second"),
+            ))
         }
-        self.tokens -= 1.0;
-        Ok(())
     }
 
     fn apply(&mut self, report: &Report) -> Result<Action, Refused> {
@@ -508,6 +647,83 @@ mod tests {
             r.extents[i] = [gpa, len];
         }
         r
+    }
+
+    #[test]
+    fn survive_closes_past_their_byte_budget_keep_the_memory_and_say_so() {
+        let mut reg = Registry::new(RAM);
+        let now = Instant::now();
+        // The whole application memory, in 16 extents, opened and closed again and again.
+        let span = (RAM - AT) / 16 / EXTENT * EXTENT;
+        let all: Vec<(u64, u64)> = (0..16).map(|i| (AT + i * span, span)).collect();
+        let mut moved = 0;
+        for id in 0..4 {
+            reg.report(&report(Kind::Open, id, Intent::Survive, &all), now)
+                .unwrap();
+            if reg.report(&report(Kind::Close, id, Intent::Survive, &all), now)
+                == Ok(Action::Survive(all.clone()))
+            {
+                moved += 1;
+            }
+            reg.report(&report(Kind::Free, id, Intent::Survive, &all), now)
+                .unwrap();
+        }
+        // One RAM's worth in the burst (each close moves half of it), no more.
+        assert_eq!(span * 16, RAM / 2);
+        assert_eq!(moved, 2);
+        let stats = reg.stats();
+        assert_eq!(stats.kept_bytes, RAM, "{stats:?}");
+        assert!(stats.last_failure.unwrap().contains("kept resident"));
+        // Ten seconds later the budget is back.
+        let later = now + std::time::Duration::from_secs(10);
+        reg.report(&report(Kind::Open, 9, Intent::Survive, &all), later)
+            .unwrap();
+        assert_eq!(
+            reg.report(&report(Kind::Close, 9, Intent::Survive, &all), later),
+            Ok(Action::Survive(all.clone()))
+        );
+    }
+
+    #[test]
+    fn saved_arenas_restore_as_they_were_and_a_bad_one_restores_nothing() {
+        let mut reg = Registry::new(RAM);
+        let now = Instant::now();
+        let a = [(AT, 4 << 20)];
+        let b = [(AT + (8 << 20), EXTENT)];
+        reg.report(&report(Kind::Open, 1, Intent::Discard, &a), now)
+            .unwrap();
+        reg.report(&report(Kind::Open, 2, Intent::Survive, &b), now)
+            .unwrap();
+        reg.report(&report(Kind::Close, 1, Intent::Discard, &a), now)
+            .unwrap();
+        let saved = reg.saved();
+        let mut back = Registry::new(RAM);
+        back.restore(&saved).unwrap();
+        assert_eq!(back.saved(), saved);
+        assert_eq!((back.stats().open, back.stats().closed), (1, 1));
+        // The restored arenas act as before: the survive one closes to its extents.
+        assert_eq!(
+            back.report(&report(Kind::Close, 2, Intent::Survive, &b), now),
+            Ok(Action::Survive(b.to_vec()))
+        );
+        // Overlapping, or outside the application memory: refused, and nothing registered.
+        for bad in [
+            vec![
+                saved[0].clone(),
+                SavedArena {
+                    id: 9,
+                    ..saved[0].clone()
+                },
+            ],
+            vec![SavedArena {
+                extents: vec![(0, EXTENT)],
+                ..saved[1].clone()
+            }],
+        ] {
+            let mut fresh = Registry::new(RAM);
+            assert!(fresh.restore(&bad).is_err());
+            assert!(fresh.saved().is_empty());
+        }
     }
 
     #[test]

@@ -147,6 +147,43 @@ fn hugetlb_vm_discard_arena_gives_its_whole_huge_pages_back_at_close() {
 }
 
 #[test]
+fn hugetlb_vm_survive_arena_goes_to_the_store_in_whole_huge_pages_and_comes_back_intact() {
+    if skip() {
+        return;
+    }
+    let _lent = lend();
+    for kind in ["hugetlb", "hugetlb-memfd"] {
+        let runtime = tempfile::tempdir().unwrap();
+        let surplus = pool_count("surplus_hugepages");
+        let vm = Detached::start(
+            runtime.path(),
+            &["--vm-ram-backing", kind, "--vm-arena-offload"],
+            "fill 8MiB random seed=1; arena open 1 32MiB survive; \
+             fill 32MiB random seed=2 arena=1; idle",
+        );
+        let digest = vm.digest();
+        let kept = vm.exec("digest arena=1")[0]["digest"].clone();
+        let held = pool_count("surplus_hugepages");
+        vm.exec("arena close 1");
+        // Written to the store and given back at once, whole: the arena's 16 huge pages.
+        assert_eq!(held - pool_count("surplus_hugepages"), 16, "{kind}");
+        let stats = vm.stats();
+        assert_eq!(
+            stats["arenas"]["offloaded_bytes"],
+            32 * MIB,
+            "{kind}: {stats}"
+        );
+        assert_eq!(vm.digest(), digest, "{kind}");
+        // Back on touch, in huge pages, byte for byte.
+        assert_eq!(vm.exec("digest arena=1")[0]["digest"], kept, "{kind}");
+        assert_eq!(held, pool_count("surplus_hugepages"), "{kind}");
+        assert_eq!(vm.stats()["fault_errors"], 0, "{kind}");
+        vm.call("stop", &[]);
+        wait_for_surplus(surplus, kind);
+    }
+}
+
+#[test]
 fn hugetlb_vm_resume_that_the_host_cannot_give_huge_pages_is_refused_and_stays_offloaded() {
     if skip() {
         return;

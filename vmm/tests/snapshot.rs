@@ -481,3 +481,41 @@ fn snapshot_manifest_registers_not_the_guests_cpl3_state_are_refused_naming_the_
     let mut restored = restore(dir.path(), "honest", &snap);
     assert_eq!(digest(&mut restored), digest(&mut origin));
 }
+
+#[test]
+fn snapshot_keeps_the_guests_arenas_and_refuses_a_manifest_that_forges_one() {
+    if skip() {
+        return;
+    }
+    let (dir, _origin, snap, manifest_path, honest) = snapshot_to_edit(
+        "fill 4MiB random seed=7; arena open 1 8MiB discard; fill 8MiB random seed=8 arena=1; \
+         arena close 1; arena open 2 4MiB survive; fill 4MiB distinct seed=9 arena=2",
+    );
+    let manifest: vmm::snapshot::Manifest = serde_json::from_slice(&honest).unwrap();
+    assert_eq!(manifest.arenas.len(), 2, "{:?}", manifest.arenas);
+    // The restored VM's guest goes on with its arenas, and the host knows them.
+    let mut vm = restore(dir.path(), "arenas", &snap);
+    let kept = exec(&mut vm, "digest arena=2")[0].digest.clone();
+    exec(&mut vm, "arena close 2; arena free 1");
+    assert_eq!(exec(&mut vm, "digest arena=2")[0].digest, kept);
+    exec(&mut vm, "arena free 2");
+    let stats = vm.stats().arenas.unwrap();
+    assert_eq!(
+        (stats.open, stats.closed, stats.refused),
+        (0, 0, 0),
+        "{stats:?}"
+    );
+    // A manifest that gives the guest an arena over its own first pages: refused.
+    let mut forged: serde_json::Value = serde_json::from_slice(&honest).unwrap();
+    forged["arenas"][0]["extents"] = serde_json::json!([[0, 2 << 20]]);
+    std::fs::write(&manifest_path, serde_json::to_vec(&forged).unwrap()).unwrap();
+    let Err(err) = Vm::start(options(
+        dir.path(),
+        "forged",
+        RamKind::Snapshot,
+        Some(&snap),
+    )) else {
+        panic!("a snapshot whose manifest forges an arena was restored");
+    };
+    assert!(err.to_string().contains("arenas"), "{err}");
+}

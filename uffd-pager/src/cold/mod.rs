@@ -538,6 +538,12 @@ impl Cold {
         scan::compress_now(&self.shared, &self.state, range)
     }
 
+    /// Waits for a block being compressed, and keeps any other from starting until the guard
+    /// goes: for an offload, which moves pages the scanner would otherwise move under it.
+    pub fn hold_compression(&self) -> parking_lot::MutexGuard<'_, ()> {
+        self.state.compressing.lock()
+    }
+
     /// The guest reports idle (`true`: scan harder) or busy.
     pub fn set_idle(&self, idle: bool) {
         self.state.set_idle(idle);

@@ -580,6 +580,26 @@ impl Pager {
         self.shared.table.get(offset / PAGE_SIZE)
     }
 
+    /// Pages per state in the `len` bytes at image offset `offset` (clipped to the image),
+    /// with every event read so far applied. O(pages).
+    pub fn counts_in(&self, offset: u64, len: u64) -> StateCounts {
+        let _read = self.shared.table.read();
+        let end = offset.saturating_add(len).min(self.shared.image_size) / PAGE_SIZE;
+        let mut counts = StateCounts::default();
+        for page in offset / PAGE_SIZE..end {
+            let count = match self.shared.table.get(page) {
+                PageState::Zero => &mut counts.zero,
+                PageState::Source => &mut counts.source,
+                PageState::Stored => &mut counts.stored,
+                PageState::Resident => &mut counts.resident,
+                PageState::Dropping => &mut counts.dropping,
+                PageState::Pooled => &mut counts.pooled,
+            };
+            *count += 1;
+        }
+        counts
+    }
+
     /// Bytes in the RAM image (all regions).
     pub fn image_size(&self) -> u64 {
         self.shared.image_size

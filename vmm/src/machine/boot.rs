@@ -27,6 +27,18 @@ pub const GUEST_EFER: u64 = 0x500;
 /// start with: the VMM never sets them, and the CPL3 guest cannot (`lgdt`, `lidt`, `lldt`
 /// and `ltr` are CPL0 instructions). A snapshot's manifest is not sealed: an edited GDT base
 /// would let the guest load descriptors (a call gate to CPL0) from its own memory.
+/// The host's record of the guest's arenas: empty at boot, a snapshot's after a restore
+/// (checked again as its opens were).
+fn restored_arenas(config: &MachineConfig) -> Result<crate::arena::Registry, MachineError> {
+    let mut arenas = crate::arena::Registry::new(config.memory);
+    if let Some(restore) = &config.restore {
+        arenas.restore(&restore.arenas).map_err(|refused| {
+            MachineError::Config(format!("the snapshot's arenas: {}", refused.reason))
+        })?;
+    }
+    Ok(arenas)
+}
+
 fn check_tables(
     restored: &kvm_bindings::kvm_sregs,
     fresh: &kvm_bindings::kvm_sregs,
@@ -210,7 +222,7 @@ impl Machine {
             interrupter: config.interrupter.clone(),
             model_pending: None,
             release_error: None,
-            arenas: crate::arena::Registry::new(config.memory),
+            arenas: restored_arenas(config)?,
             arena_offload: None,
             idle_report: None,
             broken: None,

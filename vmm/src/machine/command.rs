@@ -209,6 +209,8 @@ impl Machine {
         self.check_usable()?;
         self.model_error = None;
         self.release_error = None;
+        // An idle report speaks for the command that sent it, never for a later one.
+        self.idle_report = None;
         let mut mailbox: Mailbox = self.read(guest::MAILBOX_GPA)?;
         mailbox.op = op as u64;
         mailbox.arg = [0; 6];

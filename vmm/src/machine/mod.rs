@@ -119,6 +119,8 @@ pub struct Restore {
     pub vcpu: VcpuState,
     /// Application data the guest had filled.
     pub filled: u64,
+    /// The arenas the guest had registered (checked again at boot).
+    pub arenas: Vec<crate::arena::SavedArena>,
 }
 
 /// Errors of a VM.
@@ -335,6 +337,11 @@ impl Machine {
         stats
     }
 
+    /// The arenas the guest has registered, for a snapshot.
+    pub fn saved_arenas(&self) -> Vec<crate::arena::SavedArena> {
+        self.arenas.saved()
+    }
+
     /// Bytes of application data filled.
     pub fn app_bytes(&self) -> u64 {
         self.filled
@@ -419,7 +426,13 @@ impl Machine {
     /// offload's batch buffers), so that an offloaded VM costs what it holds. Both are best
     /// effort; a failed offload leaves RAM resident.
     pub fn offload(&self, config: &OffloadConfig) -> Result<OffloadReport, OffloadError> {
+        // No block is compressed while the RAM moves.
+        let held = self
+            .cold
+            .as_ref()
+            .map(uffd_pager::cold::Cold::hold_compression);
         let result = self.pager.offload(config);
+        drop(held);
         if result.is_ok() {
             let _ = self.drop_disk_cache();
         }

@@ -179,7 +179,13 @@ impl Machine {
                 self.arena_act(action);
                 0
             }
-            Err(Refused { errno, .. }) => u64::try_from(errno).unwrap_or(22),
+            Err(Refused { errno, .. }) => {
+                // A refused idle report leaves no older one to stand for it.
+                if report.kind == arena::Kind::Idle as u16 {
+                    self.idle_report = None;
+                }
+                u64::try_from(errno).unwrap_or(22)
+            }
         };
         self.write(
             gpa + std::mem::offset_of!(arena::Report, status) as u64,
@@ -187,55 +193,66 @@ impl Machine {
         )
     }
 
-    /// Does what an accepted arena report asks, and counts it. The extents were checked
-    /// (whole 2 MiB of the application memory); a drop, offload or compression that fails
-    /// leaves the memory where it was (counted as kept), never anything else.
+    /// Does what an accepted arena report asks, and counts it from the pages' states before
+    /// and after. The extents were checked (whole 2 MiB of the application memory); a drop,
+    /// offload or compression that fails leaves the memory where it was (counted as kept),
+    /// never anything else.
     fn arena_act(&mut self, action: arena::Action) {
         let mut done = arena::Outcome::default();
-        match action {
-            arena::Action::None => {}
+        let (extents, survive) = match action {
+            arena::Action::None => return,
             arena::Action::Idle(timer) => {
                 self.idle_report = Some(timer.map(|t| std::time::Instant::now() + t));
+                return;
             }
-            arena::Action::Drop(extents) => {
-                for (gpa, len) in extents {
-                    match self.drop_free(gpa, len) {
-                        Ok(()) => done.dropped += len,
-                        Err(refused) => {
-                            done.failure = Some(refused.reason);
-                            done.kept += len;
-                        }
-                    }
-                }
+            arena::Action::Drop(extents) => (extents, false),
+            arena::Action::Survive(extents) => (extents, true),
+        };
+        for (gpa, len) in extents {
+            let before = self.pager.counts_in(gpa, len);
+            if let Err(failure) = self.arena_extent(gpa, len, survive) {
+                done.failure = Some(failure);
             }
-            arena::Action::Survive(extents) => {
-                for (gpa, len) in extents {
-                    let Some(range) = self.ram.host_range(gpa, len) else {
-                        done.kept += len;
-                        continue;
-                    };
-                    // The vCPU is out of the guest: nothing writes the extent meanwhile.
-                    if let Some(config) = &self.arena_offload {
-                        match self.pager.offload_range(config, range) {
-                            Ok(report) => {
-                                let moved = (report.pages_dropped * PAGE_SIZE).min(len);
-                                done.offloaded += moved;
-                                done.kept += len - moved;
-                            }
-                            Err(e) => {
-                                done.failure = Some(basics::error_chain(&e));
-                                done.kept += len;
-                            }
-                        }
-                    } else {
-                        let moved = self.cold.as_ref().map_or(0, |c| c.compress_now(range));
-                        done.compressed += moved.min(len);
-                        done.kept += len - moved.min(len);
-                    }
-                }
+            let after = self.pager.counts_in(gpa, len);
+            let gone = |b: u64, a: u64| b.saturating_sub(a) * PAGE_SIZE;
+            let came = |b: u64, a: u64| a.saturating_sub(b) * PAGE_SIZE;
+            if survive {
+                done.offloaded += came(before.stored, after.stored);
+                done.compressed += came(before.pooled, after.pooled);
+                done.kept += after.resident * PAGE_SIZE;
+            } else {
+                done.dropped += gone(before.resident, after.resident);
+                done.kept += after.resident * PAGE_SIZE;
             }
         }
         self.arenas.record(done);
+    }
+
+    /// Drops one extent, or (`survive`) sends it to the offload store or the pool.
+    fn arena_extent(&mut self, gpa: u64, len: u64, survive: bool) -> Result<(), String> {
+        if !survive {
+            return self.drop_free(gpa, len).map_err(|refused| refused.reason);
+        }
+        let range = self
+            .ram
+            .host_range(gpa, len)
+            .ok_or_else(|| format!("arena extent at {gpa:#x} is outside RAM"))?;
+        // The vCPU is out of the guest: nothing writes the extent meanwhile.
+        if let Some(config) = &self.arena_offload {
+            let _held = self
+                .cold
+                .as_ref()
+                .map(uffd_pager::cold::Cold::hold_compression);
+            self.pager
+                .offload_range(config, range)
+                .map(drop)
+                .map_err(|e| basics::error_chain(&e))
+        } else {
+            if let Some(cold) = &self.cold {
+                cold.compress_now(range);
+            }
+            Ok(())
+        }
     }
 
     fn drop_free(&mut self, gpa: u64, len: u64) -> Result<(), Refused> {

@@ -178,6 +178,10 @@ pub struct Manifest {
     pub vcpus: u32,
     /// Application data the guest had filled.
     pub app_bytes: u64,
+    /// The guest's phase arenas (docs/arenas.md): its table of them is in its RAM, the
+    /// host's record of them here.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub arenas: Vec<crate::arena::SavedArena>,
     /// The vCPU's registers.
     pub vcpu: VcpuState,
     /// The RAM image (for a store, the digest is of the image it holds).
@@ -305,6 +309,9 @@ fn parse_manifest(text: &[u8], path: &Path) -> Result<Manifest, SnapshotError> {
         )));
     }
     check_vcpu(&manifest.vcpu, manifest.memory).map_err(&bad)?;
+    crate::arena::Registry::new(manifest.memory)
+        .restore(&manifest.arenas)
+        .map_err(|refused| bad(format!("arenas: {}", refused.reason)))?;
     // The files are the ones `write` makes, in this directory: a manifest naming another
     // file (`../x`, `/x`, or the RAM image as the disk) would have that file checked and
     // another one used.

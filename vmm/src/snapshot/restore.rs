@@ -116,6 +116,7 @@ impl Snapshot {
             ram: self.ram.clone(),
             vcpu: self.manifest.vcpu.clone(),
             filled: self.manifest.app_bytes,
+            arenas: self.manifest.arenas.clone(),
         })
     }
 }

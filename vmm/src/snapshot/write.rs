@@ -163,6 +163,7 @@ fn write_into(
         memory: ram.size(),
         vcpus,
         app_bytes: machine.app_bytes(),
+        arenas: machine.saved_arenas(),
         vcpu: machine.vcpu_state()?,
         disk: disk_seal.clone(),
         ram: ram_seal,

@@ -228,6 +228,11 @@ impl Vm {
         }
         machine.set_arenas(options.arenas);
         if options.arena_offload {
+            if !options.arenas {
+                return Err(VmError::State(
+                    "arena offload acts on arenas, and this VM does not (arenas: false)".into(),
+                ));
+            }
             if offloads {
                 return Err(VmError::State(
                     "arenas cannot go to the offload store from a VM in the memory pool or on \
