@@ -290,7 +290,11 @@ fn pager_range_offload_stores_the_whole_blocks_inside_the_range_and_nothing_else
     let (first, last) = (start.div_ceil(block) * block, end / block * block);
     let inside = pager.counts_in(first, last - first);
     assert_eq!(inside.resident, 0, "{inside:?}");
-    assert_eq!(inside.stored + inside.zero, (last - first) / PAGE_SIZE, "{inside:?}");
+    assert_eq!(
+        inside.stored + inside.zero,
+        (last - first) / PAGE_SIZE,
+        "{inside:?}"
+    );
     assert_eq!(report.pages_dropped, inside.stored);
     // The rest, the partial blocks at both ends included, is as it was.
     for (at, len) in [(0, first), (last, 8 * MIB as u64 - last)] {

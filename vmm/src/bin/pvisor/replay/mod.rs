@@ -34,9 +34,14 @@ pub struct ReplayArgs {
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub vms: usize,
     /// What is done while the agents wait: off, pause, offload, offload-compressed,
-    /// cold-compression (no wait management; cold RAM compressed while the VM runs), or
-    /// governed (offload, and a memory governor started for the replay keeps all the VMs
-    /// inside --memory-budget; without a budget, the same as offload).
+    /// cold-compression (no wait management; cold RAM compressed while the VM runs), governed
+    /// (offload, and a memory governor started for the replay keeps all the VMs inside
+    /// --memory-budget; without a budget, the same as offload), arenas (the guest's phase
+    /// arenas only: discard arenas dropped at close, survive arenas compressed into cold
+    /// compression's pool at close; the cold scanner itself never finds anything cold) or
+    /// arenas-offload (offload, and survive arenas written to the offload store at close).
+    /// All but the two arena strategies run with --vm-arenas false, as a host without arenas
+    /// (docs/arenas.md).
     #[arg(long, default_value = "offload", value_name = "STRATEGY")]
     pub strategy: String,
     /// Guest RAM of each VM.
@@ -81,18 +86,24 @@ pub struct ReplayArgs {
     pub samples: Option<PathBuf>,
 }
 
+/// `pvisor run`'s flags of a replay strategy (see `ReplayArgs::strategy`).
 fn strategy_args(strategy: &str) -> Result<Vec<&'static str>, String> {
+    // A host without arenas: the reports are checked and counted, nothing moves.
+    const NO_ARENAS: [&str; 2] = ["--vm-arenas", "false"];
+    let without_arenas = |flags: &[&'static str]| [flags, &NO_ARENAS[..]].concat();
     Ok(match strategy {
-        "off" => vec![],
-        "pause" => vec!["--vm-wait-management", "--vm-wait-strategy", "pause"],
-        "offload" => vec!["--vm-wait-management"],
-        "offload-compressed" => vec!["--vm-wait-management", "--vm-ram-compression"],
-        "cold-compression" => vec!["--vm-cold-ram-compression"],
-        "governed" => vec!["--vm-wait-management"],
+        "off" => without_arenas(&[]),
+        "pause" => without_arenas(&["--vm-wait-management", "--vm-wait-strategy", "pause"]),
+        "offload" | "governed" => without_arenas(&["--vm-wait-management"]),
+        "offload-compressed" => without_arenas(&["--vm-wait-management", "--vm-ram-compression"]),
+        "cold-compression" => without_arenas(&["--vm-cold-ram-compression"]),
+        // An hour: nothing turns cold by itself in a replay, only the arenas' closes act.
+        "arenas" => vec!["--vm-cold-ram-compression", "--vm-cold-age-ms", "3600000"],
+        "arenas-offload" => vec!["--vm-wait-management", "--vm-arena-offload"],
         other => {
             return Err(format!(
                 "--strategy `{other}`: expected off, pause, offload, offload-compressed, \
-                 cold-compression or governed"
+                 cold-compression, governed, arenas or arenas-offload"
             ))
         }
     })

@@ -1,0 +1,469 @@
+//! The figures derived round by round (against `off`, and between strategies), the verdict on
+//! each target of issue 16, and the Markdown report.
+
+use std::fmt::Write as _;
+
+use crate::common::host::BenchRun;
+use crate::common::results::{fig, num, signed_fig, Results};
+use crate::common::verdict::{table, Verdict};
+use crate::run::{key, NO_DIGEST};
+use crate::{Log, Settings, Strategy, BASE};
+
+/// A target met.
+pub const PASS: &str = "PASS";
+/// A target missed.
+pub const MISS: &str = "MISS";
+/// A target without a figure (a strategy not run, or no run of it gave one).
+const NOT_MEASURED: &str = "NOT MEASURED";
+
+/// The arenas' guest PSS × time, % of cold compression's (at most).
+pub const ARENAS_OF_COLD_MAX_PCT: f64 = 50.0;
+/// The arenas' completion window, % over off's (at most).
+pub const ARENAS_WINDOW_MAX_PCT: f64 = 2.0;
+/// Arenas with offload: its completion window, % over off's (at most).
+pub const ARENAS_OFFLOAD_WINDOW_MAX_PCT: f64 = 3.0;
+
+/// The two memory × time measures: (quantity, words).
+const MEASURES: [(&str, &str); 2] = [
+    ("guest_pss_gib_s", "guest PSS×time"),
+    ("cgroup_gib_s", "cgroup memory×time"),
+];
+
+/// `ratio` × 100: a share, %.
+fn share(ratio: f64) -> f64 {
+    ratio * 100.0
+}
+
+/// (`ratio` − 1) × 100: a change, %.
+fn change(ratio: f64) -> f64 {
+    (ratio - 1.0) * 100.0
+}
+
+/// Puts `derived` = `as_pct(of ÷ base)` round by round, where both were measured.
+fn per_round(results: &mut Results, derived: &str, of: &str, base: &str, as_pct: fn(f64) -> f64) {
+    for round in 0..results.runs {
+        let value = |k: &str| results.values(k).get(round).copied().unwrap_or(f64::NAN);
+        let ratio = value(of) / value(base);
+        if ratio.is_finite() {
+            results.put(derived, "%", round, as_pct(ratio));
+        }
+    }
+}
+
+/// `QUANTITY_pct_of.OTHER`: a strategy's figure as a share of another's in the same round.
+fn pct_of(quantity: &str, other: Strategy) -> String {
+    format!("{quantity}_pct_of.{}", other.key())
+}
+
+/// Adds, round by round: every strategy's memory × time and CPU as a share of off's and its
+/// window as a change against off's (`…_pct_of.off`, `window_change_pct`), and the memory ×
+/// time of the arena strategies as a share of every other strategy's.
+pub fn derive(results: &mut Results, settings: &Settings) {
+    let strategies = &settings.strategies;
+    for &strategy in strategies.iter().filter(|&&s| s != BASE) {
+        for quantity in ["guest_pss_gib_s", "cgroup_gib_s", "cpu_s"] {
+            let derived = key(strategy, &pct_of(quantity, BASE));
+            per_round(
+                results,
+                &derived,
+                &key(strategy, quantity),
+                &key(BASE, quantity),
+                share,
+            );
+        }
+        per_round(
+            results,
+            &key(strategy, "window_change_pct"),
+            &key(strategy, "window_s"),
+            &key(BASE, "window_s"),
+            change,
+        );
+    }
+    for strategy in [Strategy::Arenas, Strategy::ArenasOffload] {
+        for &other in strategies.iter().filter(|&&o| o != strategy && o != BASE) {
+            for (quantity, _) in MEASURES {
+                per_round(
+                    results,
+                    &key(strategy, &pct_of(quantity, other)),
+                    &key(strategy, quantity),
+                    &key(other, quantity),
+                    share,
+                );
+            }
+        }
+    }
+}
+
+/// The round whose arenas/off guest PSS × time ratio is nearest that ratio's median (the
+/// first round if there is none).
+pub fn median_round(results: &Results, settings: &Settings) -> usize {
+    let reference = if settings.strategies.contains(&Strategy::Arenas) {
+        Strategy::Arenas
+    } else {
+        *settings.strategies.last().expect("a bench has a strategy")
+    };
+    let k = key(reference, &pct_of("guest_pss_gib_s", BASE));
+    let median = results.summary(&k).median;
+    results
+        .values(&k)
+        .iter()
+        .enumerate()
+        .filter(|(_, v)| !v.is_nan())
+        .min_by(|(_, a), (_, b)| (*a - median).abs().total_cmp(&(*b - median).abs()))
+        .map_or(0, |(round, _)| round)
+}
+
+/// The verdict on `derived` (a per-round figure, %) whose median must be at most `max`; the
+/// figure names `measured` of `strategy` and of `against` (decimals `d`, `unit`).
+struct Bound<'a> {
+    target: String,
+    derived: String,
+    max: f64,
+    signed: bool,
+    measured: (&'a str, usize, &'a str),
+    strategy: Strategy,
+    against: Strategy,
+}
+
+impl Bound<'_> {
+    fn verdict(&self, results: &Results) -> Verdict {
+        let s = results.summary(&self.derived);
+        let value = if self.signed {
+            signed_fig(results, &self.derived, 1)
+        } else {
+            fig(results, &self.derived, 1)
+        };
+        let (quantity, d, unit) = self.measured;
+        Verdict {
+            target: self.target.clone(),
+            figure: format!(
+                "{value}% ({} of {} rounds meet it): {}{unit} against {}{unit} ({})",
+                results.count(&self.derived, |v| v <= self.max),
+                s.n,
+                fig(results, &key(self.strategy, quantity), d),
+                fig(results, &key(self.against, quantity), d),
+                self.against.key(),
+            ),
+            result: match (s.n, s.median <= self.max) {
+                (0, _) => NOT_MEASURED,
+                (_, true) => PASS,
+                (_, false) => MISS,
+            },
+        }
+    }
+}
+
+/// Arenas with offload below every other strategy on `quantity`: the median of each per-round
+/// ratio under 100%.
+fn lowest(results: &Results, settings: &Settings, quantity: &str, words: &str) -> Verdict {
+    let me = Strategy::ArenasOffload;
+    let others: Vec<Strategy> = settings
+        .strategies
+        .iter()
+        .copied()
+        .filter(|&o| o != me)
+        .collect();
+    let medians: Vec<(Strategy, f64)> = others
+        .iter()
+        .map(|&o| (o, results.summary(&key(me, &pct_of(quantity, o))).median))
+        .collect();
+    let parts: Vec<String> = medians
+        .iter()
+        .map(|(o, m)| format!("{}% of {}", num(*m, 1), o.key()))
+        .collect();
+    let measured = !medians.is_empty() && medians.iter().all(|(_, m)| !m.is_nan());
+    Verdict {
+        target: format!("arenas-offload: {words} below every other strategy's"),
+        figure: format!(
+            "{} GiB·s per task; medians of the per-round ratios: {}",
+            fig(results, &key(me, quantity), 3),
+            parts.join(", ")
+        ),
+        result: match (measured, medians.iter().all(|(_, m)| *m < 100.0)) {
+            (false, _) => NOT_MEASURED,
+            (true, true) => PASS,
+            (true, false) => MISS,
+        },
+    }
+}
+
+pub fn verdicts(results: &Results, settings: &Settings, log: &Log) -> Vec<Verdict> {
+    let window = |strategy: Strategy, max: f64| Bound {
+        target: format!(
+            "{}: completion window ≤ +{max:.0}% over off",
+            strategy.key()
+        ),
+        derived: key(strategy, "window_change_pct"),
+        max,
+        signed: true,
+        measured: ("window_s", 2, " s"),
+        strategy,
+        against: BASE,
+    };
+    let mut out = vec![
+        Bound {
+            target: format!(
+                "arenas: guest PSS×time ≤ {ARENAS_OF_COLD_MAX_PCT:.0}% of cold-compression's"
+            ),
+            derived: key(
+                Strategy::Arenas,
+                &pct_of("guest_pss_gib_s", Strategy::ColdCompression),
+            ),
+            max: ARENAS_OF_COLD_MAX_PCT,
+            signed: false,
+            measured: ("guest_pss_gib_s", 3, " GiB·s per task"),
+            strategy: Strategy::Arenas,
+            against: Strategy::ColdCompression,
+        }
+        .verdict(results),
+        window(Strategy::Arenas, ARENAS_WINDOW_MAX_PCT).verdict(results),
+    ];
+    for (quantity, words) in MEASURES {
+        out.push(lowest(results, settings, quantity, words));
+    }
+    out.push(window(Strategy::ArenasOffload, ARENAS_OFFLOAD_WINDOW_MAX_PCT).verdict(results));
+    out.push(integrity(log));
+    out
+}
+
+/// Zero integrity failures across all runs, and one `results_digest` for all.
+pub fn integrity(log: &Log) -> Verdict {
+    let runs = log.runs();
+    let failed = log.failures.len();
+    let same = log.digests.len() == 1 && !log.digests.contains_key(NO_DIGEST);
+    let counts: Vec<String> = log
+        .digests
+        .iter()
+        .map(|(digest, n)| format!("{digest} ×{n}"))
+        .collect();
+    Verdict {
+        target:
+            "integrity: every run's check passed (answers, commands, the same digests in every \
+                 VM, sampling) and every run gave the same results_digest"
+                .to_owned(),
+        figure: format!(
+            "{failed} failed of {runs} runs ({} by their sampling alone, {} in their results); \
+             results_digest: {}",
+            log.sampling_only,
+            failed - log.sampling_only,
+            counts.join(", ")
+        ),
+        result: match (runs, failed == 0 && same) {
+            (0, _) => NOT_MEASURED,
+            (_, true) => PASS,
+            (_, false) => MISS,
+        },
+    }
+}
+
+/// What the report says besides the figures.
+pub struct Context<'a> {
+    pub settings: &'a Settings,
+    /// The machine, the date, the time and CPU the bench took.
+    pub run: &'a BenchRun,
+    pub log: &'a Log,
+    /// The round the chart shows (from 0).
+    pub chosen: usize,
+}
+
+/// The command that regenerates the report.
+const REPRODUCE: &str =
+    "cargo build --release -p vmm --bin pvisor && cargo bench --bench arenas_report";
+
+pub fn markdown(results: &Results, verdicts: &[Verdict], cx: &Context<'_>) -> String {
+    let s = cx.settings;
+    let mut t = String::new();
+    let _ = writeln!(
+        t,
+        "# Phase arenas: an agent run replayed in {} VMs — benchmark report\n\n{}\nReproduce: \
+         `{REPRODUCE}` (`ARENAS_BENCH_RUNS`, default 5; `ARENAS_BENCH_STEPS`, default 24).\n",
+        s.vms,
+        cx.run.generated("arenas_report", s.runs)
+    );
+    summary(&mut t, results, cx);
+    t.push_str(&table(
+        "Targets (issue 16)",
+        "figure: median (min–max) over the rounds",
+        verdicts,
+        true,
+    ));
+    t.push_str(
+        "\nA target is judged on the median of the per-round figures: a ratio is computed within a round \
+         (the runs of one round are minutes apart at most), then summarised.\n\n",
+    );
+    ratio_table(&mut t, results, s);
+    integrity_section(&mut t, cx.log);
+    let _ = writeln!(
+        t,
+        "## Memory over time\n\n![Guest-RAM PSS and cgroup memory of all the VMs over time, per strategy]\
+         (arenas.svg)\n\nThe chart shows the memory of all {} VMs summed, deadline by deadline (`pvisor \
+         replay --samples`; where a VM's reading came late, its latest one), in round {} (the round whose \
+         arenas/off guest PSS×time ratio is nearest the median).\n",
+        s.vms,
+        cx.chosen + 1
+    );
+    method(&mut t, results, cx);
+    t
+}
+
+/// The paragraph under the title.
+fn summary(t: &mut String, results: &Results, cx: &Context<'_>) {
+    let s = cx.settings;
+    let phases = s.replayed.steps.len() - s.replayed.requests().len();
+    let _ = write!(
+        t,
+        "{} VMs replaying `{}` at once ({} model waits as recorded, {:.1} s of waits in all, and {phases} \
+         tool phases, each in an arena of its own) on this machine's {} CPUs: without anything done (`off`) \
+         the batch took {} s and each task cost {} GiB·s of guest-RAM PSS × time and {} GiB·s of cgroup \
+         memory × time.",
+        s.vms,
+        s.replayed.name,
+        s.replayed.requests().len(),
+        s.replayed.total_wait().as_secs_f64(),
+        cx.run.machine.nproc,
+        fig(results, &key(BASE, "window_s"), 2),
+        fig(results, &key(BASE, "guest_pss_gib_s"), 3),
+        fig(results, &key(BASE, "cgroup_gib_s"), 3),
+    );
+    for &strategy in s.strategies.iter().filter(|&&st| st != BASE) {
+        let median = |q: &str| results.summary(&key(strategy, q)).median;
+        let _ = write!(
+            t,
+            " `{}`: guest PSS × time {}% of off's, cgroup memory × time {}%, window {}%.",
+            strategy.key(),
+            num(median(&pct_of("guest_pss_gib_s", BASE)), 1),
+            num(median(&pct_of("cgroup_gib_s", BASE)), 1),
+            crate::common::results::signed(median("window_change_pct"), 1),
+        );
+    }
+    let _ = writeln!(
+        t,
+        " (Medians of the per-round ratios.) Integrity: {} of {} runs failed, {} of them by their \
+         sampling alone.\n",
+        cx.log.failures.len(),
+        cx.log.runs(),
+        cx.log.sampling_only
+    );
+}
+
+fn ratio_table(t: &mut String, results: &Results, s: &Settings) {
+    let _ = writeln!(
+        t,
+        "## Every strategy against off\n\n\
+         Per task: memory × time summed over the VMs and divided by {}. *Window*: from the common release to \
+         the last VM's last result. *CPU*: user + system of the replay, its VMs and all they start. Against \
+         off: the strategy's figure over off's in the same round, then the median (min–max) over the rounds.\n",
+        s.vms
+    );
+    t.push_str(
+        "| strategy | guest PSS×time, GiB·s per task | % of off | cgroup memory×time, GiB·s per task | % of off | \
+         window, s | window vs off, % | CPU, s | % of off | runs passed |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for &strategy in &s.strategies {
+        let k = |q: &str| key(strategy, q);
+        let against = |q: &str, signed: bool| match (strategy == BASE, signed) {
+            (true, _) => "(the base)".to_owned(),
+            (false, true) => signed_fig(results, &k(q), 1),
+            (false, false) => fig(results, &k(&pct_of(q, BASE)), 1),
+        };
+        let passed = results.count(&k("integrity_passed"), |v| v == 1.0);
+        let _ = writeln!(
+            t,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {passed} of {} |",
+            strategy.key(),
+            fig(results, &k("guest_pss_gib_s"), 3),
+            against("guest_pss_gib_s", false),
+            fig(results, &k("cgroup_gib_s"), 3),
+            against("cgroup_gib_s", false),
+            fig(results, &k("window_s"), 2),
+            against("window_change_pct", true),
+            fig(results, &k("cpu_s"), 1),
+            against("cpu_s", false),
+            results.values(&k("integrity_passed")).len(),
+        );
+    }
+    t.push_str(
+        "\nThe arena strategies against the others (memory × time, % of the other's in the same round):\n\n\
+         | strategy | against | guest PSS×time, % | cgroup memory×time, % |\n|---|---|---:|---:|\n",
+    );
+    for strategy in [Strategy::Arenas, Strategy::ArenasOffload] {
+        for &other in s.strategies.iter().filter(|&&o| o != strategy && o != BASE) {
+            let _ = writeln!(
+                t,
+                "| {} | {} | {} | {} |",
+                strategy.key(),
+                other.key(),
+                fig(
+                    results,
+                    &key(strategy, &pct_of("guest_pss_gib_s", other)),
+                    1
+                ),
+                fig(results, &key(strategy, &pct_of("cgroup_gib_s", other)), 1),
+            );
+        }
+    }
+    t.push('\n');
+}
+
+fn integrity_section(t: &mut String, log: &Log) {
+    t.push_str(
+        "## Integrity\n\nEvery run is checked by `pvisor replay` itself: every model answer's digest, every \
+         command's success, the same digests (the arenas' `digest arena=ID` among them) in every VM, and \
+         sampling without long gaps or dropped readings; its `results_digest` must be the same in every run, \
+         whatever the strategy. A failed run is recorded here and kept in the figures, never dropped.\n\n",
+    );
+    if log.failures.is_empty() {
+        t.push_str("No run failed.\n\n");
+    } else {
+        for failure in &log.failures {
+            let _ = writeln!(t, "- {failure}");
+        }
+        t.push('\n');
+    }
+}
+
+/// The CPU time of every run, summed.
+fn runs_cpu(results: &Results, s: &Settings) -> f64 {
+    s.strategies
+        .iter()
+        .flat_map(|&st| results.values(&key(st, "cpu_s")))
+        .filter(|v| !v.is_nan())
+        .sum()
+}
+
+fn method(t: &mut String, results: &Results, cx: &Context<'_>) {
+    let s = cx.settings;
+    let _ = writeln!(
+        t,
+        "## Method\n\n\
+         - **Trajectory**: `docs/trajectories/qutebrowser-667-arenas.json` (made by `scripts/make-trajectories`: \
+         the waits and fills of `qutebrowser-667.json`, each tool phase in an arena of its own, `discard` for \
+         scratch, `survive` for results the next step reads), its first {} of {} steps, the waits as \
+         recorded.\n\
+         - **Each run**: `pvisor replay TRAJECTORY --vms {} --strategy S --memory {} --sample-ms {} --json \
+         --samples FILE`, all the VMs released at once; a run is stopped (and counted as failed) after {} s.\n\
+         - **Rounds**: {}, interleaved: round r runs the strategies in the order of round 1 rotated by r.\n\
+         - **Strategies** (the `pvisor run` flags `pvisor replay` gives the VMs):",
+        s.replayed.steps.len(),
+        s.whole_steps,
+        s.vms,
+        s.memory,
+        s.sample_ms,
+        s.run_limit.as_secs(),
+        s.runs,
+    );
+    for &strategy in &s.strategies {
+        let _ = writeln!(t, "  - `{}`: {}", strategy.key(), strategy.describe());
+    }
+    let _ = writeln!(
+        t,
+        "- **Memory × time**: the replay's own integrals of each VM's guest-RAM PSS and memory cgroup usage \
+         (`guest_pss_gib_s_per_task`, `cgroup_mem_gib_s_per_task`).\n\
+         - **CPU**: {}; the runs took {:.1} s of CPU in all: what the whole machine used beyond \
+         that (below) was other work on it while the bench ran.\n{}",
+        cx.log.cpu_meter,
+        runs_cpu(results, s),
+        cx.run.machine_markdown()
+    );
+}
