@@ -525,8 +525,10 @@ __attribute__((noreturn, section(".text.start"))) void _start(void) {
             uint64_t gpa = MB->arg[0], value = MB->arg[1], port = MB->arg[2];
             *(volatile uint64_t *)gpa = value;
             /* A 32-bit `out` of the poked page's number: what the arena port reads (the
-             * others take no value). */
-            if (port) outl((uint16_t)port, (uint32_t)(gpa >> 12));
+             * others take no value); a byte `out` where four bytes would run past the I/O
+             * space (this host's hypervisor faults such an `outl`). */
+            if (port > 0xfffc) out((uint16_t)port);
+            else if (port) outl((uint16_t)port, (uint32_t)(gpa >> 12));
             MB->result[0] = BLK->status;
             MB->result[1] = MB->free_status;
             MB->result[3] = MB->arg[2];
