@@ -64,14 +64,7 @@ pub fn median_round(results: &Results, settings: &Settings) -> usize {
         return 0;
     };
     let k = key(settings.judged_vms(), strategy, "guest_pss_pct_of_off");
-    let median = results.summary(&k).median;
-    results
-        .values(&k)
-        .iter()
-        .enumerate()
-        .filter(|(_, v)| !v.is_nan())
-        .min_by(|(_, a), (_, b)| (*a - median).abs().total_cmp(&(*b - median).abs()))
-        .map_or(0, |(round, _)| round)
+    results.median_round(&k)
 }
 
 pub use crate::common::verdict::Verdict;

@@ -103,14 +103,7 @@ pub fn median_round(results: &Results, settings: &Settings) -> usize {
         *settings.strategies.last().expect("a bench has a strategy")
     };
     let k = key(reference, &pct_of("guest_pss_gib_s", BASE));
-    let median = results.summary(&k).median;
-    results
-        .values(&k)
-        .iter()
-        .enumerate()
-        .filter(|(_, v)| !v.is_nan())
-        .min_by(|(_, a), (_, b)| (*a - median).abs().total_cmp(&(*b - median).abs()))
-        .map_or(0, |(round, _)| round)
+    results.median_round(&k)
 }
 
 /// The verdict on `derived` (a per-round figure, %) whose median must be at most `max`; the

@@ -130,6 +130,18 @@ impl Results {
         Summary::of(self.values(key).iter().copied()).unwrap_or(Summary::NONE)
     }
 
+    /// The round whose value of `key` is nearest its median (0 if it has no value): the round
+    /// a report's charts show.
+    pub fn median_round(&self, key: &str) -> usize {
+        let median = self.summary(key).median;
+        self.values(key)
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| !v.is_nan())
+            .min_by(|(_, a), (_, b)| (*a - median).abs().total_cmp(&(*b - median).abs()))
+            .map_or(0, |(round, _)| round)
+    }
+
     /// Runs whose value of `key` satisfies `ok`.
     pub fn count(&self, key: &str, ok: impl Fn(f64) -> bool) -> usize {
         self.values(key)
