@@ -96,7 +96,7 @@ impl Strategy {
             Strategy::Off => "`--vm-arenas false`",
             Strategy::ColdCompression => "`--vm-cold-ram-compression --vm-arenas false`",
             Strategy::Offload => "`--vm-wait-management --vm-arenas false`",
-            Strategy::Arenas => "`--vm-cold-ram-compression --vm-cold-age-ms 3600000`",
+            Strategy::Arenas => "`--vm-cold-ram-compression --vm-cold-scan false`",
             Strategy::ArenasOffload => "`--vm-wait-management --vm-arena-offload`",
         }
     }

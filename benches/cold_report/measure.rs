@@ -160,7 +160,7 @@ pub fn run_vm(
         &timeline(case, variant, last, "memory_mib"),
         "MiB",
         run,
-        mib(stats.process_memory_bytes),
+        mib(stats.memory.process_memory_bytes),
     );
     let wall = end.at.duration_since(window.at).as_secs_f64();
     let idle_cpu = end.cpu.since(window.cpu);
@@ -372,10 +372,10 @@ fn memory(
     results: &mut Results,
 ) {
     for (quantity, bytes) in [
-        ("memory_mib", stats.process_memory_bytes),
-        ("pss_mib", stats.process_pss_bytes),
-        ("guest_pss_mib", stats.guest_ram_pss_bytes),
-        ("guest_resident_mib", stats.guest_ram_resident_bytes),
+        ("memory_mib", stats.memory.process_memory_bytes),
+        ("pss_mib", stats.memory.process_pss_bytes),
+        ("guest_pss_mib", stats.memory.guest_ram_pss_bytes),
+        ("guest_resident_mib", stats.memory.guest_ram_resident_bytes),
         ("pool_mib", stats.pool_bytes),
     ] {
         results.put(&key(&format!("{prefix}{quantity}")), "MiB", run, mib(bytes));
@@ -446,7 +446,7 @@ fn idle(
                 &timeline(sample, "memory_mib"),
                 "MiB",
                 run,
-                mib(stats.process_memory_bytes),
+                mib(stats.memory.process_memory_bytes),
             );
             if let Some(cold) = &stats.cold {
                 results.put(

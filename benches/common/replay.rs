@@ -47,15 +47,21 @@ pub struct Timeline {
 }
 
 impl Timeline {
-    /// Reads `pvisor replay --samples` CSV (`t_s,deadline_s,vm,guest_pss_bytes,cgroup_bytes`,
-    /// one line per VM and deadline, in the deadlines' order) of a run of `vms` VMs. Each VM
-    /// samples on its own thread, so one may have skipped a deadline while it was late: there
-    /// its latest reading stands (the chart's sums; the figures come from `pvisor replay`
-    /// itself). A failed reading, and a deadline before a VM's first reading, is NaN.
+    /// Reads `pvisor replay --samples` CSV
+    /// (`t_s,deadline_s,vm,guest_pss_bytes,cgroup_bytes[,hugetlb_bytes]`, one line per VM and
+    /// deadline, in the deadlines' order) of a run of `vms` VMs. Where a VM has no line for a
+    /// deadline (older runs sampled each VM on a thread of its own, which could skip one) its
+    /// latest reading stands (the chart's sums; the figures come from `pvisor replay` itself).
+    /// The cgroup column is the memory charged (plus huge pages, where the run had them). The
+    /// guest PSS is read at some deadlines only (an empty field; the latest stands) in runs
+    /// with a hugetlb column; in older runs an empty field is a failed reading. A failed
+    /// reading, and a deadline before a VM's first reading, is NaN.
     pub fn parse(csv: &str, vms: usize) -> Res<Self> {
         let mut timeline = Self::default();
         // Each VM's latest (guest, cgroup) reading, GiB.
         let mut latest: Vec<Option<(f64, f64)>> = vec![None; vms];
+        // Each VM's latest hugetlb reading, GiB.
+        let mut huge_latest = vec![0.0; vms];
         let mut current: Option<String> = None;
         let finish = |timeline: &mut Self, deadline: &str, latest: &[Option<(f64, f64)>]| {
             let (mut guest, mut cgroup) = (0.0, 0.0);
@@ -70,8 +76,16 @@ impl Timeline {
         };
         for (i, line) in csv.lines().enumerate().skip(1) {
             let fields: Vec<&str> = line.split(',').collect();
-            let [_t, deadline, vm, guest, cgroup] = fields[..] else {
-                return Err(format!("samples line {}: `{line}`: expected 5 fields", i + 1).into());
+            let (deadline, vm, guest, cgroup, hugetlb) = match fields[..] {
+                [_t, deadline, vm, guest, cgroup] => (deadline, vm, guest, cgroup, None),
+                [_t, deadline, vm, guest, cgroup, hugetlb] => {
+                    (deadline, vm, guest, cgroup, Some(hugetlb))
+                }
+                _ => {
+                    return Err(
+                        format!("samples line {}: `{line}`: expected 5 or 6 fields", i + 1).into(),
+                    )
+                }
             };
             let vm: usize = vm
                 .parse()
@@ -85,7 +99,18 @@ impl Timeline {
             current.get_or_insert_with(|| deadline.to_owned());
             // An empty field (a dropped reading) is NaN, and so is every sum it is in.
             let gib = |field: &str| field.parse::<u64>().map_or(f64::NAN, |b| b as f64 / GIB);
-            latest[vm] = Some((gib(guest), gib(cgroup)));
+            let guest = match (guest, hugetlb, latest[vm]) {
+                // Not read at this deadline: the VM's latest PSS stands.
+                ("", Some(_), Some((last, _))) => last,
+                _ => gib(guest),
+            };
+            // Huge pages are charged to no cgroup: the charge adds them (the latest read).
+            let huge = match hugetlb.filter(|h| !h.is_empty()) {
+                Some(h) => gib(h),
+                None => huge_latest[vm],
+            };
+            huge_latest[vm] = huge;
+            latest[vm] = Some((guest, gib(cgroup) + huge));
         }
         if let Some(done) = current.take() {
             finish(&mut timeline, &done, &latest);

@@ -180,13 +180,13 @@ pub fn run_case(
         &key("pss_running_mib"),
         "MiB",
         run,
-        mib(running.process_pss_bytes),
+        mib(running.memory.process_pss_bytes),
     );
     results.put(
         &key("guest_pss_running_mib"),
         "MiB",
         run,
-        mib(running.guest_ram_pss_bytes),
+        mib(running.memory.guest_ram_pss_bytes),
     );
     let task = script::parse("task")?;
     let touch = script::parse(&format!("touch {}", settings.app))?;
@@ -238,13 +238,13 @@ pub fn run_case(
         &key("pss_offloaded_mib"),
         "MiB",
         run,
-        mib(offloaded.process_pss_bytes),
+        mib(offloaded.memory.process_pss_bytes),
     );
     results.put(
         &key("guest_pss_offloaded_mib"),
         "MiB",
         run,
-        mib(offloaded.guest_ram_pss_bytes),
+        mib(offloaded.memory.guest_ram_pss_bytes),
     );
     results.put(
         &key("backing_mib"),
@@ -299,7 +299,7 @@ pub fn run_case(
         &key("pss_resumed_mib"),
         "MiB",
         run,
-        mib(after.process_pss_bytes),
+        mib(after.memory.process_pss_bytes),
     );
     if after.fault_errors > 0 {
         return Err(format!(

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use crate::offload::WORKING_SET_KEY;
 use crate::pager::{Pager, Shared};
-use crate::source::{Content, PageSource, SourceError};
+use crate::source::SourceError;
 use crate::state::PageState;
 
 /// Smallest prefetch chunk (CRIU starts at 64 KiB).
@@ -114,107 +114,6 @@ impl Shared {
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().expect("chunks of 8")))
             .collect()
-    }
-
-    /// Installs every `Stored` page of `block`, waiting for room under the resident limit
-    /// unless `stop` says to give up; returns the pages filled. A block that a fault thread
-    /// is reading is left to it (`Busy::Pass`, the prefetcher) or waited for (`Busy::Wait`,
-    /// an eager load, which returns when everything is in).
-    pub(crate) fn fill_block(
-        &self,
-        block: u64,
-        buf: &mut [u8],
-        busy: Busy,
-        stop: &dyn Fn() -> bool,
-    ) -> Result<u64, LoadError> {
-        let per_block = self.block_size.pages() as u64;
-        let first = block * per_block;
-        let block_pages = first..(first + per_block).min(self.table.len());
-        if !self.table.any(block_pages.clone(), PageState::Stored) {
-            return Ok(0);
-        }
-        let mut _claim = Some(loop {
-            match self.claim_fetch(block) {
-                Some(fetch) => break fetch,
-                None if busy == Busy::Pass || stop() => return Ok(0),
-                None => std::thread::sleep(Duration::from_micros(50)),
-            }
-        });
-        // Another thread may have installed it before giving the claim back.
-        if !self.table.any(block_pages.clone(), PageState::Stored) {
-            return Ok(0);
-        }
-        self.metrics.blocks_fetched.fetch_add(1, Ordering::Relaxed);
-        let offset = block * self.block_size.bytes_u64();
-        let len = self.block_size.len_in_image(block, self.image_size);
-        let mut decompressed = 0;
-        let content = self
-            .store
-            .read(offset, &mut buf[..len], &mut decompressed)
-            .map_err(|source| LoadError::Source { block, source })?;
-        self.metrics
-            .bytes_decompressed
-            .fetch_add(decompressed, Ordering::Relaxed);
-        let data = match content {
-            Content::Zero => None,
-            Content::Data => Some((first, &buf[..len])),
-        };
-        let mut filled = 0;
-        'retry: loop {
-            let read = self.table.read();
-            for region in &self.regions {
-                let pages = region.pages();
-                let (lo, hi) = (
-                    block_pages.start.max(pages.start),
-                    block_pages.end.min(pages.end),
-                );
-                let mut page = lo;
-                while page < hi {
-                    if self.table.get(page) != PageState::Stored {
-                        page += 1;
-                        continue;
-                    }
-                    let start = page;
-                    while page < hi && self.table.get(page) == PageState::Stored {
-                        page += 1;
-                    }
-                    if page == start {
-                        // A fault thread installed it between the two reads.
-                        continue;
-                    }
-                    let Some(_room) = self.limit.reserve(self.table.resident(), page - start)
-                    else {
-                        drop(read);
-                        // Not while holding the block: a fault on it must be able to take it
-                        // and be held at the limit itself, which asks for the room.
-                        _claim = None;
-                        if stop() {
-                            return Ok(filled);
-                        }
-                        std::thread::sleep(LIMIT_WAIT);
-                        match self.claim_fetch(block) {
-                            Some(again) => _claim = Some(again),
-                            // A fault thread reads and installs it now.
-                            None => return Ok(filled),
-                        }
-                        continue 'retry;
-                    };
-                    match self
-                        .install_run(&read, region, start..page, PageState::Stored, data, None)
-                        .map_err(|source| LoadError::Install { block, source })?
-                    {
-                        Some(n) => filled += n,
-                        None => {
-                            // A discard is pending: let a fault thread read it, then go on.
-                            drop(read);
-                            std::thread::sleep(Duration::from_micros(50));
-                            continue 'retry;
-                        }
-                    }
-                }
-            }
-            return Ok(filled);
-        }
     }
 }
 
@@ -367,9 +266,13 @@ fn eager(shared: &Shared, blocks: &[u64], threads: usize) -> Result<u64, LoadErr
                         let Some(&block) = blocks.get(i) else {
                             return Ok(filled);
                         };
-                        filled += shared.fill_block(block, &mut buf, Busy::Wait, &|| {
-                            shared.owner_gone.load(Ordering::Relaxed)
-                        })?;
+                        filled += shared.fill_block(
+                            block,
+                            PageState::Stored,
+                            &mut buf,
+                            Busy::Wait,
+                            &|| shared.owner_gone.load(Ordering::Relaxed),
+                        )?;
                     }
                 })
             })
@@ -421,8 +324,13 @@ fn prefetch(shared: &Shared, order: &[u64], hot: usize, threads: usize) {
     let stop = || {
         shared.prefetch_stop.load(Ordering::Relaxed) || shared.owner_gone.load(Ordering::Relaxed)
     };
-    let fill = |i: usize, buf: &mut [u8]| match shared.fill_block(order[i], buf, Busy::Pass, &stop)
-    {
+    let fill = |i: usize, buf: &mut [u8]| match shared.fill_block(
+        order[i],
+        PageState::Stored,
+        buf,
+        Busy::Pass,
+        &stop,
+    ) {
         Ok(0) => {}
         Ok(pages) => {
             shared

@@ -193,6 +193,9 @@ counters! {
         /// Blocks of the recorded working set the prefetcher installed before a fault asked
         /// for them.
         prefetch_hits,
+        /// Pages installed ahead of the guest's faults: the rest of a range marked to come
+        /// back together after a fault in it, and ranges populated with zero pages.
+        ahead_pages,
         /// Faults that could not be served (the faulting process is reported, never fed
         /// wrong data).
         fault_errors,

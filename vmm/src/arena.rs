@@ -113,10 +113,16 @@ unsafe impl vm_memory::ByteValued for Report {}
 /// What the host must do for a report it accepted.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
-    /// Nothing moves (an open: the arena is registered).
+    /// Nothing moves.
     None,
-    /// Drop these guest-physical ranges (a discard arena closed, or any arena freed).
+    /// An arena opened on these guest-physical ranges: the guest fills them next, so their
+    /// pages may be installed now, without a fault each.
+    Populate(Vec<(u64, u64)>),
+    /// Drop these guest-physical ranges (a discard arena closed).
     Drop(Vec<(u64, u64)>),
+    /// An arena was freed: these ranges are free memory, which may be dropped (the host
+    /// drops them when the guest goes idle, unless an arena opened on them meanwhile).
+    Free(Vec<(u64, u64)>),
     /// Keep these, out of memory (a survive arena closed): into the offload store or cold
     /// compression's pool.
     Survive(Vec<(u64, u64)>),
@@ -142,6 +148,8 @@ pub struct SavedArena {
 /// What the host did with an accepted report's extents (see [`Registry::record`]).
 #[derive(Debug, Default)]
 pub struct Outcome {
+    /// Bytes installed at an open.
+    pub populated: u64,
     /// Bytes dropped.
     pub dropped: u64,
     /// Bytes compressed into the pool.
@@ -188,6 +196,8 @@ pub struct ArenaStats {
     /// Bytes of memory dropped (resident before, gone after) at the close of discard arenas
     /// and the free of any.
     pub dropped_bytes: u64,
+    /// Bytes of arenas installed as zero pages at their open, before the guest filled them.
+    pub populated_bytes: u64,
     /// Bytes of survive arenas that went into the pool at close.
     pub compressed_bytes: u64,
     /// Bytes of survive arenas written to the offload store at close
@@ -318,7 +328,12 @@ impl Registry {
                 ));
                 Ok(Action::None)
             }
-            Ok(Action::Drop(extents) | Action::Survive(extents)) if !self.acting => {
+            Ok(
+                Action::Drop(extents)
+                | Action::Free(extents)
+                | Action::Survive(extents)
+                | Action::Populate(extents),
+            ) if !self.acting => {
                 if report.kind == Kind::Close as u16 {
                     self.stats.ignored_bytes += bytes(&extents);
                 }
@@ -403,6 +418,7 @@ impl Registry {
         if done.failure.is_some() {
             self.stats.last_failure = done.failure;
         }
+        self.stats.populated_bytes += done.populated;
         self.stats.dropped_bytes += done.dropped;
         self.stats.compressed_bytes += done.compressed;
         self.stats.offloaded_bytes += done.offloaded;
@@ -505,12 +521,12 @@ impl Registry {
                 self.arenas.insert(
                     id,
                     Arena {
-                        extents,
+                        extents: extents.clone(),
                         intent,
                         state: State::Open,
                     },
                 );
-                Ok(Action::None)
+                Ok(Action::Populate(extents))
             }
             k if k == Kind::Close as u16 || k == Kind::Free as u16 => {
                 let arena = self
@@ -527,7 +543,7 @@ impl Registry {
                 }
                 if k == Kind::Free as u16 {
                     let arena = self.arenas.remove(&id).expect("found above");
-                    return Ok(Action::Drop(arena.extents));
+                    return Ok(Action::Free(arena.extents));
                 }
                 if arena.state != State::Open {
                     return Err(refuse(libc::EALREADY, format!("arena {id} is closed")));
@@ -768,14 +784,14 @@ mod tests {
         let ext = [(AT, 4 << 20)];
         assert_eq!(
             reg.report(&report(Kind::Open, 1, Intent::Discard, &ext), now),
-            Ok(Action::None)
+            Ok(Action::Populate(ext.to_vec()))
         );
         assert_eq!(
             reg.report(
                 &report(Kind::Open, 2, Intent::Survive, &[(AT + (4 << 20), EXTENT)]),
                 now
             ),
-            Ok(Action::None)
+            Ok(Action::Populate(vec![(AT + (4 << 20), EXTENT)]))
         );
         assert_eq!(reg.stats().open, 2);
         assert_eq!(
@@ -795,13 +811,13 @@ mod tests {
         assert_eq!(again.unwrap_err().errno, libc::EALREADY);
         assert_eq!(
             reg.report(&report(Kind::Free, 1, Intent::Discard, &ext), now),
-            Ok(Action::Drop(ext.to_vec()))
+            Ok(Action::Free(ext.to_vec()))
         );
         assert_eq!(reg.closed_discarded().count(), 0);
         // Its id and extents can be used again.
         assert_eq!(
             reg.report(&report(Kind::Open, 1, Intent::Survive, &ext), now),
-            Ok(Action::None)
+            Ok(Action::Populate(ext.to_vec()))
         );
         let stats = reg.stats();
         assert_eq!(
@@ -930,7 +946,7 @@ mod tests {
         let open = report(Kind::Open, 1, Intent::Discard, &ext);
         assert_eq!(reg.report(&open, now).unwrap_err().errno, libc::EBUSY);
         let later = now + std::time::Duration::from_millis(10);
-        assert_eq!(reg.report(&open, later), Ok(Action::None));
+        assert_eq!(reg.report(&open, later), Ok(Action::Populate(ext.to_vec())));
     }
 
     #[test]

@@ -26,6 +26,7 @@
 #![cfg_attr(not(test), warn(clippy::disallowed_macros))]
 
 pub mod arena;
+pub mod charged;
 pub mod control;
 pub mod dedup;
 pub mod gateway;

@@ -52,10 +52,25 @@ pub fn range_pss(start: u64, len: u64) -> std::io::Result<u64> {
     range_pss_of(None, start, len)
 }
 
-/// [`range_pss`] of another process (`None`: this one). Read by hand, not through `procfs`:
-/// the replay's sampler reads it ten times a second for every VM, and `procfs` builds a map of
-/// every field of every mapping where this needs one field of a few.
+/// [`range_pss`] of another process (`None`: this one).
 pub fn range_pss_of(pid: Option<u32>, start: u64, len: u64) -> std::io::Result<u64> {
+    range_memory_of(pid, start, len).map(|m| m.pss + m.hugetlb)
+}
+
+/// What the mappings inside a range hold, bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RangeMemory {
+    /// Their PSS, hugetlb pages left out.
+    pub pss: u64,
+    /// Their hugetlb pages (which no memory cgroup is charged for).
+    pub hugetlb: u64,
+}
+
+/// PSS and hugetlb pages of the mappings of process `pid` (`None`: this one) inside
+/// `[start, start + len)`. Read by hand, not through `procfs`: the replay's sampler reads it
+/// for every VM, and `procfs` builds a map of every field of every mapping where this needs
+/// three fields of a few.
+pub fn range_memory_of(pid: Option<u32>, start: u64, len: u64) -> std::io::Result<RangeMemory> {
     let path = match pid {
         Some(pid) => format!("/proc/{pid}/smaps"),
         None => "/proc/self/smaps".to_owned(),
@@ -63,7 +78,7 @@ pub fn range_pss_of(pid: Option<u32>, start: u64, len: u64) -> std::io::Result<u
     let text = std::fs::read_to_string(path)?;
     let end = start.saturating_add(len);
     let mut inside = false;
-    let mut total = 0;
+    let mut total = RangeMemory::default();
     for line in text.lines() {
         if let Some((range, _)) = line.split_once(' ') {
             if let Some((lo, hi)) = range.split_once('-') {
@@ -76,8 +91,10 @@ pub fn range_pss_of(pid: Option<u32>, start: u64, len: u64) -> std::io::Result<u
         }
         if inside {
             if let Some((name, rest)) = line.split_once(':') {
-                if name == "Pss" || HUGETLB_FIELDS.contains(&name) {
-                    total += parse_kib(rest) * 1024;
+                if name == "Pss" {
+                    total.pss += parse_kib(rest) * 1024;
+                } else if HUGETLB_FIELDS.contains(&name) {
+                    total.hugetlb += parse_kib(rest) * 1024;
                 }
             }
         }

@@ -30,6 +30,15 @@ fn start(dir: &std::path::Path, kind: RamKind, cold: Option<ColdConfig>) -> Vm {
     .unwrap()
 }
 
+/// A VM whose closed survive arenas go to the offload store.
+fn start_offload(dir: &std::path::Path, kind: RamKind) -> Vm {
+    Vm::start(VmOptions {
+        arena_offload: true,
+        ..VmOptions::new(256 << 20, kind, dir.join("disk"), dir.join("ram"))
+    })
+    .unwrap()
+}
+
 /// Cold compression that never finds anything cold by itself: what reaches the pool got
 /// there by an arena's close.
 fn never_cold() -> ColdConfig {
@@ -52,7 +61,7 @@ fn arenas(vm: &Vm) -> ArenaStats {
 }
 
 fn resident(vm: &Vm) -> u64 {
-    vm.stats().guest_ram_resident_bytes
+    vm.stats().memory.guest_ram_resident_bytes
 }
 
 #[test]
@@ -77,11 +86,11 @@ fn discard_arena_memory_goes_at_close_and_a_touch_after_reads_zeros_and_counts()
         let expect = guest::digest_hex(&guest::fill_bytes(64 * MIB, FillKind::Random, 2));
         assert_eq!(filled, expect);
         let before = resident(&vm);
-        let pss_before = vm.stats().guest_ram_pss_bytes;
+        let pss_before = vm.stats().memory.guest_ram_pss_bytes;
         exec(&mut vm, "arena close 7");
         // At once: no scan, no cold age; the pager's count and the kernel's agree.
         let after = resident(&vm);
-        let pss_after = vm.stats().guest_ram_pss_bytes;
+        let pss_after = vm.stats().memory.guest_ram_pss_bytes;
         assert!(
             before - after >= 63 * MIB,
             "{kind:?}: {before} -> {after} bytes resident"
@@ -163,6 +172,107 @@ fn survive_arena_is_compressed_at_close_and_comes_back_intact() {
     assert_eq!(digest(&mut vm, "digest arena=1"), kept);
 }
 
+/// The pool without its scanner: only arenas' closes send blocks to it.
+fn pool_only() -> ColdConfig {
+    ColdConfig {
+        scan: false,
+        ..ColdConfig::default()
+    }
+}
+
+#[test]
+fn a_closed_survive_arena_comes_back_together_on_its_first_fault() {
+    const BLOCKS: u64 = 32 * MIB / (64 << 10);
+    for (kind, offload) in [
+        (RamKind::Memfd, false),
+        (RamKind::Anon, false),
+        (RamKind::Memfd, true),
+    ] {
+        if skip() {
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let mut vm = if offload {
+            start_offload(dir.path(), kind)
+        } else {
+            start(dir.path(), kind, Some(pool_only()))
+        };
+        exec(
+            &mut vm,
+            "arena open 1 32MiB survive; fill 32MiB distinct seed=4 arena=1",
+        );
+        let kept = digest(&mut vm, "digest arena=1");
+        exec(&mut vm, "arena close 1");
+        let out = vm.stats().pager;
+        assert_eq!(arenas(&vm).kept_bytes, 0, "{kind:?} {offload}");
+        // Its next reader reads all of it: one fault brings the next blocks with it.
+        assert_eq!(digest(&mut vm, "digest arena=1"), kept);
+        let back = vm.stats().pager;
+        let faults = back.fault_events - out.fault_events;
+        let ahead = back.ahead_pages - out.ahead_pages;
+        assert!(
+            faults <= BLOCKS / 8,
+            "{kind:?} {offload}: {faults} faults for {BLOCKS} blocks"
+        );
+        // Most of it came ahead (a block a fault thread was reading meanwhile is its own).
+        assert!(
+            ahead >= BLOCKS * 16 * 3 / 4,
+            "{kind:?} {offload}: {ahead} pages ahead"
+        );
+        assert!(resident(&vm) >= 32 * MIB);
+        assert_eq!(vm.stats().fault_errors, 0);
+        // Without its scanner the pool probed nothing.
+        if let Some(cold) = vm.stats().cold {
+            assert_eq!(cold.blocks_probed, 0, "{cold:?}");
+        }
+    }
+}
+
+#[test]
+fn an_arena_is_populated_at_open_and_freed_memory_stays_for_the_next_open() {
+    for kind in [RamKind::Memfd, RamKind::Anon] {
+        if skip() {
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let mut vm = start(dir.path(), kind, Some(pool_only()));
+        exec(&mut vm, "arena open 1 32MiB survive");
+        assert_eq!(arenas(&vm).populated_bytes, 32 * MIB, "{kind:?}");
+        // Its fill takes no fault of the pager's.
+        let before = vm.stats().pager.fault_events;
+        exec(&mut vm, "fill 32MiB distinct seed=4 arena=1");
+        assert_eq!(vm.stats().pager.fault_events, before, "{kind:?}");
+        let first = digest(&mut vm, "digest arena=1");
+        // Freed and opened again on the same extents within one batch: nothing is dropped,
+        // nothing populated again.
+        let out = exec(
+            &mut vm,
+            "arena free 1; arena open 2 32MiB survive; fill 32MiB distinct seed=5 arena=2",
+        );
+        assert_eq!(out[1].arena.unwrap().len, 32 * MIB);
+        let stats = arenas(&vm);
+        assert_eq!(
+            (stats.dropped_bytes, stats.populated_bytes),
+            (0, 32 * MIB),
+            "{kind:?}: {stats:?}"
+        );
+        let second = digest(&mut vm, "digest arena=2");
+        assert_ne!(first, second);
+        let expect = guest::digest_hex(&guest::fill_bytes(32 * MIB, FillKind::Distinct, 5));
+        assert_eq!(second, expect);
+        // Freed at the end of a batch: gone when the batch returns.
+        let before = resident(&vm);
+        exec(&mut vm, "arena free 2");
+        let after = resident(&vm);
+        assert!(
+            before - after >= 31 * MIB,
+            "{kind:?}: {before} -> {after} bytes resident"
+        );
+        assert_eq!(arenas(&vm).dropped_bytes, 32 * MIB);
+        assert_eq!(vm.stats().fault_errors, 0);
+    }
+}
+
 #[test]
 fn survive_arena_goes_to_the_offload_store_at_close_and_comes_back_intact() {
     for kind in [RamKind::Anon, RamKind::Memfd] {
@@ -170,16 +280,7 @@ fn survive_arena_goes_to_the_offload_store_at_close_and_comes_back_intact() {
             return;
         }
         let dir = tempfile::tempdir().unwrap();
-        let mut vm = Vm::start(VmOptions {
-            arena_offload: true,
-            ..VmOptions::new(
-                256 << 20,
-                kind,
-                dir.path().join("disk"),
-                dir.path().join("ram"),
-            )
-        })
-        .unwrap();
+        let mut vm = start_offload(dir.path(), kind);
         exec(
             &mut vm,
             "fill 8MiB random seed=3; arena open 1 32MiB survive; \

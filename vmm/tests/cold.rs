@@ -85,7 +85,7 @@ fn cold_repeated_content_goes_to_the_pool_and_comes_back_intact_on(kind: RamKind
     let cold = stats.cold.as_ref().unwrap();
     // Of 32 MiB of data (and the guest's own few MiB), under 6 MiB stay resident. (Blocks
     // may turn cold while the fill still runs, so this is not measured against the peak.)
-    assert!(stats.guest_ram_resident_bytes < 6 << 20, "{stats:?}");
+    assert!(stats.memory.guest_ram_resident_bytes < 6 << 20, "{stats:?}");
     assert!(cold.net_saving_bytes > 28 << 20, "{cold:?}");
     assert!(cold.pool.held_bytes < 1 << 20, "{cold:?}");
     let expect = guest::digest_hex(&guest::fill_bytes(32 << 20, FillKind::Repeated, 1));
@@ -123,7 +123,10 @@ fn cold_random_content_is_left_alone_and_costs_nothing_on(kind: RamKind) {
     assert!(cold.pool.slabs <= 1, "{cold:?}");
     // What it costs: the tracking table, well under 1% of the data.
     assert!(cold.overhead_bytes < (32 << 20) / 100, "{cold:?}");
-    assert!(stats.guest_ram_resident_bytes >= 32 << 20, "{stats:?}");
+    assert!(
+        stats.memory.guest_ram_resident_bytes >= 32 << 20,
+        "{stats:?}"
+    );
     // Backing off: in 1.2 s (eight cold ages, 160 idle scans) each block is tried once or
     // twice more, not at every scan.
     let later = {

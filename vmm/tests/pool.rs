@@ -111,7 +111,7 @@ fn pool_identical_vms_share_one_copy_and_keep_writes_apart() {
     }
     // Reading the data maps the pool's pages: each VM pays about a third of them.
     for vm in &vms {
-        let pss = vm.stats().guest_ram_pss_bytes;
+        let pss = vm.stats().memory.guest_ram_pss_bytes;
         assert!(pss < 20 << 20, "guest RAM PSS {pss}");
     }
     // A write gives the writer its own copy; the others keep the pool's.
@@ -160,9 +160,9 @@ fn pool_unique_content_gains_nothing_and_loses_nothing() {
     for vm in &vms {
         assert!(vm.stats().pool.unwrap().merged_pages < 64);
         // No more than the same VM without the pool.
-        let pss = vm.stats().guest_ram_pss_bytes;
+        let pss = vm.stats().memory.guest_ram_pss_bytes;
         assert!(
-            pss <= plain.stats().guest_ram_pss_bytes + (256 << 10),
+            pss <= plain.stats().memory.guest_ram_pss_bytes + (256 << 10),
             "guest RAM PSS {pss}"
         );
     }

@@ -128,7 +128,7 @@ fn snapshot_restores_continue_share_the_image_and_keep_writes_apart() {
     }
     // Four mappings of one image: each pays about a quarter of the 64 MiB it reads.
     for vm in &restored {
-        let pss = vm.stats().guest_ram_pss_bytes;
+        let pss = vm.stats().memory.guest_ram_pss_bytes;
         assert!(pss < 24 * MIB, "guest RAM PSS {pss}");
     }
     // A write stays in the VM that made it.
@@ -160,7 +160,7 @@ fn snapshot_restored_vm_offloads_only_the_pages_it_wrote() {
     let mut vm = restore(dir.path(), "vm", &snap);
     let rewritten = exec(&mut vm, "rewrite 10 seed=9")[0].pages.unwrap();
     let expected = digest(&mut vm);
-    let before = vm.stats().guest_ram_pss_bytes;
+    let before = vm.stats().memory.guest_ram_pss_bytes;
     let report = vm.suspend(true, None).unwrap();
     let private = report.private_offload.unwrap();
     // The rewritten pages and a few of the guest's own (stack, mailbox), nothing else.
@@ -169,7 +169,7 @@ fn snapshot_restored_vm_offloads_only_the_pages_it_wrote() {
         "{} private pages for {rewritten} rewritten",
         private.private_pages
     );
-    let after = vm.stats().guest_ram_pss_bytes;
+    let after = vm.stats().memory.guest_ram_pss_bytes;
     assert!(
         after + rewritten * 4096 / 2 < before,
         "guest RAM PSS {before} -> {after}"

@@ -45,21 +45,27 @@ fn vm_offload_and_resume_keep_every_byte_and_give_memory_back() {
             .unwrap();
         let before = digest(&mut vm);
         let resident = vm.stats();
-        assert!(resident.guest_ram_pss_bytes >= 64 << 20, "{resident:?}");
+        assert!(
+            resident.memory.guest_ram_pss_bytes >= 64 << 20,
+            "{resident:?}"
+        );
 
         let report = vm.suspend(true, None).unwrap();
         assert_eq!(report.state, VmState::Offloaded);
         let offloaded = vm.stats();
         eprintln!(
             "{kind:?} {content} compression={compression}: PSS {} -> {} KiB (guest RAM {} KiB), store {} KiB",
-            resident.process_pss_bytes >> 10,
-            offloaded.process_pss_bytes >> 10,
-            offloaded.guest_ram_pss_bytes >> 10,
+            resident.memory.process_pss_bytes >> 10,
+            offloaded.memory.process_pss_bytes >> 10,
+            offloaded.memory.guest_ram_pss_bytes >> 10,
             offloaded.backing_disk_bytes >> 10
         );
-        assert!(offloaded.guest_ram_pss_bytes < 1 << 20, "{offloaded:?}");
         assert!(
-            offloaded.process_pss_bytes + (60 << 20) < resident.process_pss_bytes,
+            offloaded.memory.guest_ram_pss_bytes < 1 << 20,
+            "{offloaded:?}"
+        );
+        assert!(
+            offloaded.memory.process_pss_bytes + (60 << 20) < resident.memory.process_pss_bytes,
             "{offloaded:?}"
         );
         // Offloading twice is a no-op.
@@ -87,10 +93,10 @@ fn vm_release_gives_the_application_memory_back() {
         let mut vm = Vm::start(options(dir.path(), kind, false)).unwrap();
         vm.exec(&script::parse("fill 64MiB random").unwrap())
             .unwrap();
-        let before = vm.stats().guest_ram_pss_bytes;
+        let before = vm.stats().memory.guest_ram_pss_bytes;
         let out = vm.exec(&script::parse("release; digest").unwrap()).unwrap();
         assert_eq!(out[0].released_bytes, Some(64 << 20));
-        let after = vm.stats().guest_ram_pss_bytes;
+        let after = vm.stats().memory.guest_ram_pss_bytes;
         assert!(after + (60 << 20) < before, "{kind:?}: {before} -> {after}");
         // The released memory reads as zeros; it can be filled again.
         vm.exec(&script::parse("fill 16MiB repeated; digest").unwrap())
@@ -101,7 +107,7 @@ fn vm_release_gives_the_application_memory_back() {
 #[test]
 fn vm_sampler_integrates_guest_memory_over_time() {
     use std::time::Duration;
-    use vmm::sampler::{Probe, Quantity, Sampler, VmProbe};
+    use vmm::sampler::{Plan, Probe, Quantity, Sampler, VmProbe};
     if skip() {
         return;
     }
@@ -114,8 +120,12 @@ fn vm_sampler_integrates_guest_memory_over_time() {
         ram: (ram.host_base().0, ram.size()),
         cgroup: None,
     };
-    let empty = probe.clone().read().unwrap().guest_pss_bytes.unwrap();
-    let sampler = Sampler::start(Duration::from_millis(20), vec![Box::new(probe)]);
+    let empty = probe.clone().read(true).unwrap().guest_pss_bytes.unwrap();
+    let plan = Plan {
+        period: Duration::from_millis(20),
+        pss_every: 1,
+    };
+    let sampler = Sampler::start(plan, vec![Box::new(probe)]).unwrap();
     std::thread::sleep(Duration::from_millis(100));
     vm.exec(&script::parse("fill 64MiB random seed=9").unwrap())
         .unwrap();

@@ -56,6 +56,15 @@ pub struct ColdConfig {
     pub max_ratio: (u32, u32),
     /// The pool's codec.
     pub codec: Codec,
+    /// Whether the scanner looks for cold blocks (true). Without it the pool holds only
+    /// what is sent to it ([`Cold::compress_now`]: survive arenas at their close) and what a
+    /// governor's order takes, and nothing is probed, so no access pays a fault for it.
+    #[serde(default = "scans")]
+    pub scan: bool,
+}
+
+fn scans() -> bool {
+    true
 }
 
 impl Default for ColdConfig {
@@ -68,6 +77,7 @@ impl Default for ColdConfig {
             pool_cap_share: 0.5,
             max_ratio: (7, 8),
             codec: Codec::Lz4,
+            scan: true,
         }
     }
 }

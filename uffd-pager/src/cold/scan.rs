@@ -47,7 +47,9 @@ pub(crate) fn run(shared: &Shared, cold: &State) {
         let cpu = thread_cpu();
         let began = cold.epoch();
         cold.scan_begins(began);
-        scan(shared, cold, &mut buf);
+        if cold.config.scan || cold.order_pending() {
+            scan(shared, cold, &mut buf);
+        }
         cold.scan_ended(began);
         let used = thread_cpu().saturating_sub(cpu);
         // All of the thread's CPU time, its wake-ups between scans included.
@@ -233,6 +235,11 @@ fn compress(
     // One block at a time, and only a block still wholly resident: the scanner may have
     // checked it before `compress_now` took it (or the other way round).
     let _turn = cold.compressing.lock();
+    // And not while a reader holds the block: a fault or a fill that read its pooled bytes
+    // before a discard must not find it pooled again, with other bytes, when it installs.
+    let Some(_claim) = shared.claim_fetch(block) else {
+        return;
+    };
     if !shared.table.all(pages.clone(), PageState::Resident) {
         return;
     }

@@ -168,6 +168,9 @@ impl Shared {
                             let us = u64::try_from(at.elapsed().as_micros()).unwrap_or(u64::MAX);
                             self.metrics.held_us.fetch_add(us, Ordering::Relaxed);
                         }
+                        if !fault.minor {
+                            self.restore_ahead(fault.addr, &mut buf);
+                        }
                     }
                     Ok(Attempt::Retry) => {
                         self.metrics.eagain_retries.fetch_add(1, Ordering::Relaxed);
@@ -284,6 +287,9 @@ impl Shared {
                 self.metrics.remove_events.fetch_add(1, Ordering::Relaxed);
             }
             let pages = region.first_page + lo..region.first_page + hi.max(lo);
+            let per_block = self.block_size.pages() as u64;
+            self.together
+                .forget_inside(pages.start.div_ceil(per_block)..pages.end / per_block);
             if self.table.discarded(held, pages.clone()) {
                 // An offload waits for these (its own discards' events).
                 let _ordered = self.dropped_lock.lock();
@@ -291,7 +297,6 @@ impl Shared {
             }
             // Released pooled blocks leave the pool at once.
             if let (Some(pool), false) = (self.pool.get(), pages.is_empty()) {
-                let per_block = self.block_size.pages() as u64;
                 for block in pages.start / per_block..=(pages.end - 1) / per_block {
                     let span = self.block_span(region, block * per_block);
                     if !self.table.any(span, PageState::Pooled) {

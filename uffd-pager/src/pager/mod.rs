@@ -30,6 +30,7 @@ use crate::source::{PageSource, SourceError, StoreSource};
 use crate::state::{PageState, PageStates, StateCounts};
 use crate::uffd::{feature, Mode, UffdError, Userfaultfd};
 
+mod ahead;
 mod fault;
 mod fetch;
 mod region;
@@ -244,6 +245,8 @@ pub(crate) struct Shared {
     pub faults_in_flight: AtomicU64,
     /// The blocks being read from a source now, one reader each.
     pub(crate) fetches: fetch::Fetches,
+    /// Ranges marked to come back together (see [`ahead`]).
+    pub(crate) together: ahead::Together,
     /// Faults ever read (the prefetcher grows its chunks while this does not move).
     pub faults_seen: AtomicU64,
     /// The block of the latest fault read (the prefetcher skips ahead of it).
@@ -530,6 +533,7 @@ impl Pager {
             metrics: Metrics::default(),
             faults_in_flight: AtomicU64::new(0),
             fetches: fetch::Fetches::new(blocks),
+            together: ahead::Together::default(),
             faults_seen: AtomicU64::new(0),
             latest_fault_block: AtomicU64::new(u64::MAX),
             working_set: WorkingSet::new(blocks),

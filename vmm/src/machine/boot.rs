@@ -224,7 +224,10 @@ impl Machine {
             release_error: None,
             arenas: restored_arenas(config)?,
             arena_offload: None,
+            freed_arenas: Vec::new(),
+            freed_since: None,
             idle_report: None,
+            cgroup_dir: None,
             broken: None,
         };
         if config.restore.is_none() {

@@ -35,6 +35,7 @@ use crate::operator::Operator;
 use crate::wait::{WaitCoordinator, WaitStats};
 use uffd_pager::offload::{OffloadConfig, OffloadError, OffloadReport};
 
+mod arenas;
 mod boot;
 mod command;
 mod interrupt;
@@ -240,9 +241,15 @@ pub struct Machine {
     arenas: crate::arena::Registry,
     /// Where survive arenas go at their close, if to the offload store.
     arena_offload: Option<OffloadConfig>,
+    /// Guest-physical ranges of arenas freed and not yet dropped (see [`arenas`]).
+    freed_arenas: Vec<(u64, u64)>,
+    /// When the oldest of them was freed.
+    freed_since: Option<Instant>,
     /// The guest's last idle report on the arena channel, not yet used by a wait: when its
     /// next timer falls due (`None` inside: no timer pending).
     idle_report: Option<Option<Instant>>,
+    /// The memory cgroup the VM runs in, if any: its usage is what the VM is charged.
+    cgroup_dir: Option<PathBuf>,
     /// A command ended with the guest stopped in the middle of it (it crashed, or the VMM
     /// failed serving it): the guest cannot take another command. Why.
     broken: Option<String>,
@@ -446,10 +453,21 @@ impl Machine {
         self.arenas.set_acting(act);
     }
 
+    /// The VM runs in the memory cgroup at `dir`: `stats` replies charge it with its usage.
+    pub fn set_cgroup_dir(&mut self, dir: Option<PathBuf>) {
+        self.cgroup_dir = dir;
+    }
+
     /// Survive arenas go to this offload store at their close (else to cold compression's
     /// pool, if it runs).
     pub fn set_arena_offload(&mut self, config: OffloadConfig) {
         self.arena_offload = Some(config);
+    }
+
+    /// The command batch is over (the guest waits for the next one): memory of arenas freed
+    /// during it is dropped now.
+    pub fn commands_done(&mut self) {
+        self.drop_freed_arenas();
     }
 
     /// For the memory governor, with the vCPU out of the guest (between commands, or

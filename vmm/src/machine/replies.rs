@@ -11,6 +11,7 @@ use uffd_pager::state::StateCounts;
 
 use super::model_wait::ModelWait;
 use super::{Machine, WaitManagement};
+use crate::charged::MemoryCost;
 use crate::operator::OperatorRequest;
 use crate::wait::{Action as WaitAction, Phase, WaitCoordinator, WaitEvent, WaitStats};
 
@@ -62,10 +63,10 @@ pub struct StatsReply {
     pub model_wait: WaitView,
     /// Configured guest RAM.
     pub memory_bytes: u64,
-    /// PSS of the whole VM process (0 where it cannot be read).
-    pub process_pss_bytes: u64,
-    /// PSS of the guest-RAM mapping alone.
-    pub guest_ram_pss_bytes: u64,
+    /// What the VM costs the host, `memory_charged_bytes` first, as in `pvisor stats` at any
+    /// other time.
+    #[serde(flatten)]
+    pub memory: MemoryCost,
     /// Where guest RAM is mapped in the VM process.
     pub guest_ram_host_base: u64,
     /// Application data the guest filled.
@@ -213,8 +214,7 @@ impl Machine {
             state: state(w, coordinator.phase()),
             model_wait: WaitView::of(w, coordinator.phase()),
             memory_bytes: ram.size(),
-            process_pss_bytes: crate::stats::process_pss().unwrap_or(0),
-            guest_ram_pss_bytes: ram.pss(),
+            memory: MemoryCost::measure(ram, self.cgroup_dir.as_deref()),
             guest_ram_host_base: ram.host_base().0,
             app_bytes: self.app_bytes(),
             pages: self.pager.state_counts(),

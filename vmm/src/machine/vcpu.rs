@@ -5,7 +5,6 @@
 use std::os::unix::fs::FileExt;
 
 use kvm_ioctls::VcpuExit;
-use uffd_pager::addr::PAGE_SIZE;
 use vm_memory::{Bytes, GuestAddress};
 
 use super::{Machine, MachineError};
@@ -57,6 +56,11 @@ impl Machine {
     /// room again, behind the older VMs. A VM without wait management has no store: it
     /// refuses.
     fn preempted(&mut self) {
+        if self.governor.is_none() {
+            return;
+        }
+        // Freed arena memory goes before anything is offloaded.
+        self.drop_freed_arenas();
         let Some(link) = &self.governor else {
             return;
         };
@@ -98,11 +102,16 @@ impl Machine {
                     )));
                 }
             };
+            self.drop_freed_arenas_due();
             match port {
                 guest::PORT_DONE => return Ok(()),
                 guest::PORT_BLK => self.block_request()?,
                 guest::PORT_FREE => self.free_report()?,
-                guest::PORT_MODEL => self.model_request()?,
+                guest::PORT_MODEL => {
+                    // The guest waits for the model: freed memory goes now.
+                    self.drop_freed_arenas();
+                    self.model_request()?;
+                }
                 arena::PORT_ARENA => self.arena_report(value)?,
                 // Writes to a port nothing listens on go nowhere, as on real hardware.
                 _ => {}
@@ -161,101 +170,9 @@ impl Machine {
         self.write(field, status)
     }
 
-    /// Serves an arena report: the report in guest page `page` (the `out`'s value) is
-    /// checked by the registry, what it asks is done, and the guest gets 0 or an errno in
-    /// its status. A report the host cannot even read (not a 32-bit `out`, a page outside
-    /// RAM) is counted and answered nowhere.
-    fn arena_report(&mut self, page: Option<u32>) -> Result<(), MachineError> {
-        let gpa = match arena::report_gpa(page, self.ram.size()) {
-            Ok(gpa) => gpa,
-            Err(reason) => {
-                self.arenas.refuse_malformed(reason);
-                return Ok(());
-            }
-        };
-        let report: arena::Report = self.read(gpa)?;
-        let status = match self.arenas.report(&report, std::time::Instant::now()) {
-            Ok(action) => {
-                self.arena_act(action);
-                0
-            }
-            Err(Refused { errno, .. }) => {
-                // A refused idle report leaves no older one to stand for it.
-                if report.kind == arena::Kind::Idle as u16 {
-                    self.idle_report = None;
-                }
-                u64::try_from(errno).unwrap_or(22)
-            }
-        };
-        self.write(
-            gpa + std::mem::offset_of!(arena::Report, status) as u64,
-            status,
-        )
-    }
-
-    /// Does what an accepted arena report asks, and counts it from the pages' states before
-    /// and after. The extents were checked (whole 2 MiB of the application memory); a drop,
-    /// offload or compression that fails leaves the memory where it was (counted as kept),
-    /// never anything else.
-    fn arena_act(&mut self, action: arena::Action) {
-        let mut done = arena::Outcome::default();
-        let (extents, survive) = match action {
-            arena::Action::None => return,
-            arena::Action::Idle(timer) => {
-                self.idle_report = Some(timer.map(|t| std::time::Instant::now() + t));
-                return;
-            }
-            arena::Action::Drop(extents) => (extents, false),
-            arena::Action::Survive(extents) => (extents, true),
-        };
-        for (gpa, len) in extents {
-            let before = self.pager.counts_in(gpa, len);
-            if let Err(failure) = self.arena_extent(gpa, len, survive) {
-                done.failure = Some(failure);
-            }
-            let after = self.pager.counts_in(gpa, len);
-            let gone = |b: u64, a: u64| b.saturating_sub(a) * PAGE_SIZE;
-            let came = |b: u64, a: u64| a.saturating_sub(b) * PAGE_SIZE;
-            if survive {
-                done.offloaded += came(before.stored, after.stored);
-                done.compressed += came(before.pooled, after.pooled);
-                done.kept += after.resident * PAGE_SIZE;
-            } else {
-                done.dropped += gone(before.resident, after.resident);
-                done.kept += after.resident * PAGE_SIZE;
-            }
-        }
-        self.arenas.record(done);
-    }
-
-    /// Drops one extent, or (`survive`) sends it to the offload store or the pool.
-    fn arena_extent(&mut self, gpa: u64, len: u64, survive: bool) -> Result<(), String> {
-        if !survive {
-            return self.drop_free(gpa, len).map_err(|refused| refused.reason);
-        }
-        let range = self
-            .ram
-            .host_range(gpa, len)
-            .ok_or_else(|| format!("arena extent at {gpa:#x} is outside RAM"))?;
-        // The vCPU is out of the guest: nothing writes the extent meanwhile.
-        if let Some(config) = &self.arena_offload {
-            let _held = self
-                .cold
-                .as_ref()
-                .map(uffd_pager::cold::Cold::hold_compression);
-            self.pager
-                .offload_range(config, range)
-                .map(drop)
-                .map_err(|e| basics::error_chain(&e))
-        } else {
-            if let Some(cold) = &self.cold {
-                cold.compress_now(range);
-            }
-            Ok(())
-        }
-    }
-
-    fn drop_free(&mut self, gpa: u64, len: u64) -> Result<(), Refused> {
+    /// Drops the free range `gpa..gpa + len` the guest reported (only whole pages of the
+    /// application data; huge pages whole), telling the pager first.
+    pub(super) fn drop_free(&mut self, gpa: u64, len: u64) -> Result<(), Refused> {
         guest::check_free(gpa, len, self.ram.size())?;
         let range = self.ram.host_range(gpa, len).ok_or_else(|| Refused {
             errno: libc::EINVAL,

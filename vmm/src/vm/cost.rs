@@ -9,10 +9,10 @@ use uffd_pager::metrics::MetricsSnapshot;
 use uffd_pager::state::StateCounts;
 
 use super::{Vm, VmState};
+use crate::charged::MemoryCost;
 use crate::dedup::{Dedup, DedupStats};
 use crate::governor::client::LinkStats;
 use crate::sharing::{PoolLink, PoolLinkStats};
-use crate::stats;
 
 /// What `stats` reports.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -21,18 +21,9 @@ pub struct VmStats {
     pub state: VmState,
     /// Configured guest RAM.
     pub memory_bytes: u64,
-    /// PSS of the whole VM process (`smaps_rollup`).
-    pub process_pss_bytes: u64,
-    /// PSS of the guest-RAM mapping alone. For memfd RAM this misses pages that are in the
-    /// memfd but not mapped (cold compression unmaps blocks it watches): see
-    /// `guest_ram_resident_bytes`.
-    pub guest_ram_pss_bytes: u64,
-    /// Guest RAM the host really holds: the mapping's PSS for anon RAM, the memfd's allocated
-    /// bytes for memfd RAM.
-    pub guest_ram_resident_bytes: u64,
-    /// What the VM process really holds: its PSS with guest RAM counted as
-    /// `guest_ram_resident_bytes` (the figure to compare across RAM kinds).
-    pub process_memory_bytes: u64,
+    /// What the VM costs the host: `memory_charged_bytes` first (see [`MemoryCost`]).
+    #[serde(flatten)]
+    pub memory: MemoryCost,
     /// Bytes held by cold compression: the pool's memory plus its tracking (0 without it).
     pub pool_bytes: u64,
     /// Cold compression's counters and costs, when it runs.
@@ -55,8 +46,6 @@ pub struct VmStats {
     pub backing_disk_bytes: u64,
     /// Bytes allocated on disk by the virtual disk.
     pub disk_bytes: u64,
-    /// The memory cgroup's usage, when the VM runs in one.
-    pub cgroup_memory_bytes: Option<u64>,
     /// The memory cgroup's directory, when the VM runs in one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cgroup_dir: Option<PathBuf>,
@@ -101,22 +90,10 @@ impl Vm {
             })
             .unwrap_or(0);
         let cold = self.machine.cold().map(uffd_pager::cold::Cold::stats);
-        let process_pss_bytes = stats::process_pss().unwrap_or(0);
         let ram = self.machine.ram();
-        let guest_ram_pss_bytes = ram.pss();
-        let guest_ram_resident_bytes = match self.machine.ram().memfd() {
-            Some(memfd) => memfd
-                .metadata()
-                .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
-                .unwrap_or(0),
-            None => guest_ram_pss_bytes,
-        };
+        let memory = MemoryCost::measure(ram, self.cgroup_dir());
         VmStats {
-            process_pss_bytes,
-            guest_ram_pss_bytes,
-            guest_ram_resident_bytes,
-            process_memory_bytes: (process_pss_bytes - guest_ram_pss_bytes.min(process_pss_bytes))
-                + guest_ram_resident_bytes,
+            memory,
             pool_bytes: cold.as_ref().map_or(0, |c| c.overhead_bytes),
             cold,
             dedup: self.dedup.as_ref().map(Dedup::stats),
@@ -131,7 +108,6 @@ impl Vm {
             memory_bytes: self.options.memory,
             backing_disk_bytes,
             disk_bytes: compressed_backing::store::allocated_bytes(self.machine.disk_path()),
-            cgroup_memory_bytes: self.cgroup.as_ref().and_then(|c| c.usage().ok()),
             cgroup_dir: self.cgroup.as_ref().map(|c| c.dir().to_path_buf()),
             guest_ram_host_base: ram.host_base().0,
             app_bytes: self.machine.app_bytes(),

@@ -227,6 +227,7 @@ impl Vm {
             });
         }
         machine.set_arenas(options.arenas);
+        machine.set_cgroup_dir(cgroup.as_ref().map(|c| c.dir().to_path_buf()));
         if options.arena_offload {
             if !options.arenas {
                 return Err(VmError::State(
@@ -344,6 +345,7 @@ impl Vm {
             .iter()
             .map(|c| self.machine.run(c).map_err(VmError::from))
             .collect();
+        self.machine.commands_done();
         if let Some(link) = self.machine.governor() {
             // Between commands the governor may take the VM's RAM (see `background_tick`).
             link.report(WireState::Idle, None);

@@ -93,8 +93,8 @@ fn rows(args: &DemoArgs, dir: &std::path::Path) -> Result<Vec<Row>, Box<dyn std:
                 rows.push(Row {
                     content,
                     state: "running (default)".into(),
-                    pss: resident.process_pss_bytes,
-                    guest: resident.guest_ram_pss_bytes,
+                    pss: resident.memory.process_pss_bytes,
+                    guest: resident.memory.guest_ram_pss_bytes,
                     backing: None,
                     check: format!("task {task:.0} ms"),
                 });
@@ -113,8 +113,8 @@ fn rows(args: &DemoArgs, dir: &std::path::Path) -> Result<Vec<Row>, Box<dyn std:
                     if compression { "lz4" } else { "raw" },
                     suspend.elapsed_ms
                 ),
-                pss: offloaded.process_pss_bytes,
-                guest: offloaded.guest_ram_pss_bytes,
+                pss: offloaded.memory.process_pss_bytes,
+                guest: offloaded.memory.guest_ram_pss_bytes,
                 backing: Some(offloaded.backing_disk_bytes),
                 check: format!(
                     "digest {}, resume + task {resume_task:.0} ms",

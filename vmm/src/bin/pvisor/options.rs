@@ -54,6 +54,11 @@ pub struct RunArgs {
     /// Cold compression: milliseconds between scans (500).
     #[arg(long = "vm-cold-scan-ms", value_name = "MS")]
     pub cold_scan_ms: Option<u64>,
+    /// Cold compression: whether its scanner looks for cold RAM (true). `false` keeps the pool
+    /// for what survive arenas send it at their close (docs/arenas.md): nothing is probed, so
+    /// no access pays a fault for it.
+    #[arg(long = "vm-cold-scan", num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub cold_scan: Option<bool>,
     /// Cold compression: share of one core the scanner may use (0.05; four times that idle).
     #[arg(long = "vm-cold-cpu-budget", value_name = "SHARE")]
     pub cold_cpu_budget: Option<f64>,
@@ -183,6 +188,7 @@ struct ConfigVm {
     cold_ram_compression: Option<bool>,
     cold_age_ms: Option<u64>,
     cold_scan_ms: Option<u64>,
+    cold_scan: Option<bool>,
     cold_cpu_budget: Option<f64>,
     cold_pool_cap: Option<f64>,
     cold_min_saving: Option<f64>,
@@ -498,6 +504,7 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
                 .cold_scan_ms
                 .or(config.cold_scan_ms)
                 .map_or(default.scan_period, std::time::Duration::from_millis),
+            scan: args.cold_scan.or(config.cold_scan).unwrap_or(default.scan),
             cpu_budget,
             // While the guest reports idle the scanner may use four times its budget.
             idle_cpu_budget: (cpu_budget * 4.0).min(1.0),

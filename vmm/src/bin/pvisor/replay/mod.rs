@@ -14,7 +14,7 @@ use clap::Args;
 use vmm::control::Method;
 use vmm::replay::{answer, ReplayServer, Trajectory};
 use vmm::runtime::{self, Identity};
-use vmm::sampler::{Probe, Quantity, Sampler, VmProbe};
+use vmm::sampler::{Plan, Probe, Quantity, Sampler, VmProbe};
 use vmm::script::Command;
 use vmm::stats::MemoryCgroup;
 
@@ -38,7 +38,7 @@ pub struct ReplayArgs {
     /// (offload, and a memory governor started for the replay keeps all the VMs inside
     /// --memory-budget; without a budget, the same as offload), arenas (the guest's phase
     /// arenas only: discard arenas dropped at close, survive arenas compressed into cold
-    /// compression's pool at close; the cold scanner itself never finds anything cold) or
+    /// compression's pool at close, with the pool's scanner off: `--vm-cold-scan false`) or
     /// arenas-offload (offload, and survive arenas written to the offload store at close).
     /// All but the two arena strategies run with --vm-arenas false, as a host without arenas
     /// (docs/arenas.md).
@@ -73,15 +73,21 @@ pub struct ReplayArgs {
     /// times. Each VM's task time (from its own start) is reported beside the window.
     #[arg(long, default_value_t = 0, value_name = "MS")]
     pub stagger_ms: u64,
-    /// Sampling period of memory, milliseconds.
+    /// Sampling period of memory, milliseconds: every VM's memory cgroup is read at each
+    /// tick, by one thread for all the VMs.
     #[arg(long, default_value_t = 100, value_name = "MS")]
     pub sample_ms: u64,
+    /// Read each VM's guest-RAM PSS (a walk of its page tables, ~10 ms for 512 MiB) once in
+    /// this many ticks, and only while a tick has used less than half its period.
+    #[arg(long, default_value_t = 10, value_name = "TICKS")]
+    pub pss_every: u32,
     /// End with one JSON line of the summary.
     #[arg(long)]
     pub json: bool,
-    /// Write every memory reading to FILE as CSV: `t_s,deadline_s,vm,guest_pss_bytes,cgroup_bytes`
-    /// (when it was taken and the deadline it was taken for, from the common release; empty
-    /// fields where a reading was dropped).
+    /// Write every memory reading to FILE as CSV:
+    /// `t_s,deadline_s,vm,guest_pss_bytes,cgroup_bytes,hugetlb_bytes` (when it was taken and the
+    /// deadline it was taken for, from the common release; the PSS and huge pages only at the
+    /// ticks they were read, the cgroup empty where a reading was dropped).
     #[arg(long, value_name = "FILE")]
     pub samples: Option<PathBuf>,
 }
@@ -97,8 +103,8 @@ fn strategy_args(strategy: &str) -> Result<Vec<&'static str>, String> {
         "offload" | "governed" => without_arenas(&["--vm-wait-management"]),
         "offload-compressed" => without_arenas(&["--vm-wait-management", "--vm-ram-compression"]),
         "cold-compression" => without_arenas(&["--vm-cold-ram-compression"]),
-        // An hour: nothing turns cold by itself in a replay, only the arenas' closes act.
-        "arenas" => vec!["--vm-cold-ram-compression", "--vm-cold-age-ms", "3600000"],
+        // The pool without its scanner: only the arenas' closes act.
+        "arenas" => vec!["--vm-cold-ram-compression", "--vm-cold-scan", "false"],
         "arenas-offload" => vec!["--vm-wait-management", "--vm-arena-offload"],
         other => {
             return Err(format!(
@@ -122,6 +128,8 @@ const MAX_VMS: usize = 64;
 /// Longest sampling period, milliseconds: a minute (a replay's waits are seconds to minutes;
 /// a longer period would sample nothing).
 const MAX_SAMPLE_MS: u64 = 60_000;
+/// Most ticks between two PSS readings of a VM.
+const MAX_PSS_EVERY: u32 = 1000;
 /// Longest stagger between two VMs' starts, milliseconds: ten minutes.
 const MAX_STAGGER_MS: u64 = 600_000;
 
@@ -135,6 +143,12 @@ fn check_args(args: &ReplayArgs) -> Result<(u64, Option<u64>), String> {
         return Err(format!(
             "--stagger-ms {}: at most {MAX_STAGGER_MS} milliseconds",
             args.stagger_ms
+        ));
+    }
+    if args.pss_every == 0 || args.pss_every > MAX_PSS_EVERY {
+        return Err(format!(
+            "--pss-every {}: 1 to {MAX_PSS_EVERY} ticks",
+            args.pss_every
         ));
     }
     if args.sample_ms == 0 || args.sample_ms > MAX_SAMPLE_MS {
@@ -307,8 +321,14 @@ fn run_replay(
         .map(ToString::to_string)
         .collect::<Vec<_>>()
         .join("; ");
-    let sampler = Sampler::start(Duration::from_millis(args.sample_ms), probes);
+    let plan = Plan {
+        period: Duration::from_millis(args.sample_ms),
+        pss_every: args.pss_every,
+    };
+    let sampler = Sampler::start(plan, probes)?;
     let sampling_started = Instant::now();
+    // CPU from here on: the VMs' and this process's (its sampler, model server and callers).
+    let cpu_before = (own_cpu_s(), vms_cpu_s(&vms));
     // A common release: VM i starts its replay i × the stagger after it (all at once by
     // default).
     let release = Instant::now();
@@ -351,6 +371,11 @@ fn run_replay(
             .collect()
     });
     let recording = sampler.finish();
+    let cpu = serde_json::json!({
+        "replay_s": own_cpu_s() - cpu_before.0,
+        "vms_s": vms_cpu_s(&vms) - cpu_before.1,
+        "sampler_s": recording.cpu.as_secs_f64(),
+    });
     if let Some(path) = &args.samples {
         let offset = release.duration_since(sampling_started).as_secs_f64();
         // A line per VM and deadline, the deadlines in order: `deadline_s` is the deadline a
@@ -364,16 +389,18 @@ fn run_replay(
                     point.tick,
                     vm,
                     format!(
-                        "{:.3},{deadline:.3},{vm},{},{}\n",
+                        "{:.3},{deadline:.3},{vm},{},{},{}\n",
                         point.at.as_secs_f64() - offset,
                         field(point.reading.and_then(|r| r.guest_pss_bytes)),
                         field(point.reading.and_then(|r| r.cgroup_bytes)),
+                        field(point.reading.and_then(|r| r.hugetlb_bytes)),
                     ),
                 ));
             }
         }
         lines.sort_by_key(|&(tick, vm, _)| (tick, vm));
-        let mut csv = String::from("t_s,deadline_s,vm,guest_pss_bytes,cgroup_bytes\n");
+        let mut csv =
+            String::from("t_s,deadline_s,vm,guest_pss_bytes,cgroup_bytes,hugetlb_bytes\n");
         for (_, _, line) in lines {
             csv.push_str(&line);
         }
@@ -529,6 +556,7 @@ fn run_replay(
         "sampling_passed": integrity.passed,
         "failures": failures,
         "results_digest": results_digest,
+        "memory_charged_gib_s_per_task": per_task(Quantity::Charged),
         "guest_pss_gib_s_per_task": per_task(Quantity::GuestPss),
         "cgroup_mem_gib_s_per_task": per_task(Quantity::Cgroup),
         "completion_window_s": window,
@@ -541,26 +569,39 @@ fn run_replay(
         "throughput_tasks_per_min": if window > 0.0 { n as f64 / window * 60.0 } else { 0.0 },
         "model_requests_served": server.served(),
         "sampling": integrity,
+        "harness": recording.harness(),
+        "cpu": cpu,
         "wait": wait,
         "memory_budget_bytes": budget,
         "oom_killed": oom_killed,
         "oom_kills": oom_kills.iter().sum::<u64>(),
         "governor": governor_status,
     });
+    let harness = recording.harness();
     println!(
-        "replay {}: {} VM(s), {}: window {:.2} s, guest PSS×time {:.4} GiB·s per task, cgroup \
-         memory×time {:.4} GiB·s per task, {} samples (largest gap {:.3} s, {} dropped); \
-         integrity {}",
+        "replay {}: {} VM(s), {}: window {:.2} s, memory charged×time {:.4} GiB·s per task \
+         (guest PSS×time {:.4}), {} samples (largest gap {:.3} s, {} dropped); integrity {}",
         trajectory.name,
         n,
         args.strategy,
         window,
+        per_task(Quantity::Charged),
         per_task(Quantity::GuestPss),
-        per_task(Quantity::Cgroup),
         integrity.samples,
         integrity.largest_gap_s,
         integrity.dropped,
         if passed { "passed" } else { "FAILED" }
+    );
+    println!(
+        "  harness: one sampler thread, a tick {:.2} ms mean, {:.2} ms p99, {:.2} ms max \
+         ({} PSS readings), {:.2} s CPU; this process {:.2} s CPU, the VMs {:.2} s",
+        harness.tick_mean_ms,
+        harness.tick_p99_ms,
+        harness.tick_max_ms,
+        harness.pss_reads,
+        harness.cpu_s,
+        cpu["replay_s"].as_f64().unwrap_or(0.0),
+        cpu["vms_s"].as_f64().unwrap_or(0.0),
     );
     if !wait.is_empty() {
         let n = |k: &str| wait.get(k).and_then(serde_json::Value::as_u64).unwrap_or(0);
@@ -596,6 +637,30 @@ fn run_replay(
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// CPU time of `pid` (`None`: this process), seconds; 0 where it cannot be read.
+fn cpu_s(pid: Option<u32>) -> f64 {
+    let process = match pid {
+        Some(pid) => i32::try_from(pid)
+            .map_err(|_| procfs::ProcError::NotFound(None))
+            .and_then(procfs::process::Process::new),
+        None => procfs::process::Process::myself(),
+    };
+    #[allow(clippy::cast_precision_loss, reason = "clock ticks of one run")]
+    process.and_then(|p| p.stat()).map_or(0.0, |s| {
+        (s.utime + s.stime) as f64 / procfs::ticks_per_second() as f64
+    })
+}
+
+/// This process's CPU time, seconds.
+fn own_cpu_s() -> f64 {
+    cpu_s(None)
+}
+
+/// The VM processes' CPU time, seconds, summed.
+fn vms_cpu_s(vms: &[Identity]) -> f64 {
+    vms.iter().map(|vm| cpu_s(Some(vm.pid))).sum()
 }
 
 /// Where one VM's digests part from the reference VM's: the first step whose digest differs,
