@@ -8,13 +8,16 @@
 //! filled in. [`Recording::integrity`] says whether the recording can be trusted: no gap over
 //! twice the period, nothing dropped. Integrals (GiB·s) use the trapezoid rule.
 //!
-//! What a tick reads is split by cost. The headline, the memory charged (the VM's memory
-//! cgroup's usage, a counter read in microseconds), is read for every VM at every tick. Guest
-//! RAM's PSS walks the VM's page tables (`/proc/PID/smaps`: about 10 ms for 512 MiB resident
-//! on this host, as long as a `smaps_rollup`, which cannot tell guest RAM from the rest), so
-//! each VM's is read once every `pss_every` ticks, the stalest first, and only while the tick
-//! has used less than half its period: with 32 VMs the thread stays on its deadlines. What one
-//! tick cost is kept ([`Recording::harness`]).
+//! What is read is split by cost, over two threads whatever the number of VMs. The headline,
+//! the memory charged (the VM's memory cgroup's usage, a counter read in microseconds, that
+//! takes no lock of the VM's), is read for every VM at every tick by the sampler's thread
+//! (`pvisor-sampler`). Guest RAM's PSS walks the VM's page tables under its memory map lock
+//! (`/proc/PID/smaps`: about 10 ms for 512 MiB resident on this host, and as long as a
+//! `smaps_rollup`, which cannot tell guest RAM from the rest), and a VM offloading or faulting
+//! its RAM back holds that lock for long: so a second thread (`pvisor-sampler-pss`) reads it,
+//! the VMs in turn, each once in about `pss_every` ticks, and a slow walk delays only the PSS
+//! column, never a tick. What the ticks cost and both threads' CPU are kept
+//! ([`Recording::harness`]).
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -24,18 +27,26 @@ use std::time::{Duration, Instant};
 
 use crate::stats::{self, MemoryCgroup};
 
-/// The name of the sampler's thread (`/proc/PID/task/*/comm`).
+/// The name of the sampler's thread (`/proc/PID/task/*/comm`); its PSS reader's name starts
+/// with it too.
 pub const THREAD_NAME: &str = "pvisor-sampler";
+/// The name of the thread that reads the VMs' PSS.
+pub const PSS_THREAD_NAME: &str = "pvisor-sampler-pss";
 
-/// One VM's memory at one moment, bytes (`None`: not measured at this tick).
+/// One VM's memory cgroup at one tick, bytes (`None`: not measured for this VM).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Reading {
-    /// The VM's memory cgroup's usage (every tick).
+    /// The VM's memory cgroup's usage.
     pub cgroup_bytes: Option<u64>,
-    /// PSS of the VM's guest RAM, its hugetlb pages included (on the VM's PSS ticks).
-    pub guest_pss_bytes: Option<u64>,
-    /// Hugetlb pages of its guest RAM, which no memory cgroup is charged for (with the PSS).
-    pub hugetlb_bytes: Option<u64>,
+}
+
+/// One VM's guest RAM at one moment, bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct GuestReading {
+    /// PSS of its guest RAM, its hugetlb pages included.
+    pub guest_pss_bytes: u64,
+    /// Hugetlb pages of its guest RAM, which no memory cgroup is charged for.
+    pub hugetlb_bytes: u64,
 }
 
 /// What is measured.
@@ -43,17 +54,19 @@ pub struct Reading {
 pub enum Quantity {
     /// `Reading::cgroup_bytes`.
     Cgroup,
-    /// `Reading::guest_pss_bytes`.
+    /// `GuestReading::guest_pss_bytes`.
     GuestPss,
     /// The memory charged for the VM: its cgroup's usage plus the hugetlb pages it holds (the
-    /// latest reading of them; none before the first).
+    /// latest reading of them before the tick; none before the first).
     Charged,
 }
 
-/// Reads one VM's memory.
-pub trait Probe: Send {
-    /// The memory now: always what is cheap to read; with `pss`, guest RAM's PSS too.
-    fn read(&mut self, pss: bool) -> std::io::Result<Reading>;
+/// Reads one VM's memory; called from the sampler's two threads.
+pub trait Probe: Send + Sync {
+    /// What is cheap to read, at every tick.
+    fn read(&self) -> std::io::Result<Reading>;
+    /// Guest RAM's PSS, once in `pss_every` ticks.
+    fn guest(&self) -> std::io::Result<GuestReading>;
 }
 
 /// A `pvisor` VM process: its guest RAM's PSS (from `/proc/PID/smaps`, the mappings inside
@@ -69,24 +82,27 @@ pub struct VmProbe {
 }
 
 impl Probe for VmProbe {
-    fn read(&mut self, pss: bool) -> std::io::Result<Reading> {
+    fn read(&self) -> std::io::Result<Reading> {
         let cgroup = self
             .cgroup
             .as_deref()
             .map(|dir| MemoryCgroup::at(dir).usage())
             .transpose()?;
-        let guest = pss
-            .then(|| stats::range_memory_of(Some(self.pid), self.ram.0, self.ram.1))
-            .transpose()?;
         Ok(Reading {
             cgroup_bytes: cgroup,
-            guest_pss_bytes: guest.map(|g| g.pss + g.hugetlb),
-            hugetlb_bytes: guest.map(|g| g.hugetlb),
+        })
+    }
+
+    fn guest(&self) -> std::io::Result<GuestReading> {
+        let guest = stats::range_memory_of(Some(self.pid), self.ram.0, self.ram.1)?;
+        Ok(GuestReading {
+            guest_pss_bytes: guest.pss + guest.hugetlb,
+            hugetlb_bytes: guest.hugetlb,
         })
     }
 }
 
-/// One reading of one VM.
+/// One tick's reading of one VM.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct Point {
     /// The deadline it was taken for: `tick × period` after the sampler started.
@@ -97,6 +113,15 @@ pub struct Point {
     pub reading: Option<Reading>,
 }
 
+/// One PSS reading of one VM.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct GuestPoint {
+    /// When it was taken, since the sampler started.
+    pub at: Duration,
+    /// What was read; `None`: the reading failed (dropped).
+    pub reading: Option<GuestReading>,
+}
+
 /// What one tick cost the sampler's thread.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct Tick {
@@ -104,8 +129,6 @@ pub struct Tick {
     pub tick: u32,
     /// From its first reading to its last.
     pub work: Duration,
-    /// PSS readings it took.
-    pub pss_reads: u32,
 }
 
 /// When to sample.
@@ -113,40 +136,78 @@ pub struct Tick {
 pub struct Plan {
     /// Time between two ticks.
     pub period: Duration,
-    /// Each VM's guest PSS is read once in this many ticks (at least 1).
+    /// Each VM's guest PSS is read about once in this many ticks (at least 1).
     pub pss_every: u32,
 }
 
-/// A running sampler: one thread for all the VMs.
+/// What the ticks' thread recorded: per VM its points, each tick's cost, the thread's CPU.
+type Ticked = (Vec<Vec<Point>>, Vec<Tick>, Duration);
+
+/// A running sampler: one thread for every VM's ticks, one for their PSS.
 #[derive(Debug)]
 pub struct Sampler {
     stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<Recording>>,
+    ticks: Option<JoinHandle<Ticked>>,
+    pss: Option<JoinHandle<(Vec<Vec<GuestPoint>>, Duration)>>,
+    plan: Plan,
 }
 
 impl Sampler {
-    /// Starts sampling each of `probes` on `plan`'s ticks, on one thread.
+    /// Starts sampling each of `probes` on `plan`'s ticks.
     pub fn start(plan: Plan, probes: Vec<Box<dyn Probe>>) -> std::io::Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let stop = Arc::clone(&stop);
+        let probes: Arc<[Box<dyn Probe>]> = probes.into();
+        let start = Instant::now();
+        let ticks = {
+            let (stop, probes) = (Arc::clone(&stop), Arc::clone(&probes));
             std::thread::Builder::new()
                 .name(THREAD_NAME.to_owned())
-                .spawn(move || sample(probes, plan, &stop))?
+                .spawn(move || sample_ticks(&probes, start, plan.period, &stop))?
+        };
+        let pss = {
+            let pss_stop = Arc::clone(&stop);
+            let spawned = std::thread::Builder::new()
+                .name(PSS_THREAD_NAME.to_owned())
+                .spawn(move || sample_pss(&probes, start, plan, &pss_stop));
+            match spawned {
+                Ok(thread) => thread,
+                Err(e) => {
+                    stop.store(true, Ordering::Relaxed);
+                    let _ = ticks.join();
+                    return Err(e);
+                }
+            }
         };
         Ok(Self {
             stop,
-            thread: Some(thread),
+            ticks: Some(ticks),
+            pss: Some(pss),
+            plan,
         })
     }
 
     /// Stops and returns what was recorded.
     pub fn finish(mut self) -> Recording {
         self.stop.store(true, Ordering::Relaxed);
-        self.thread
+        let (series, ticks, cpu) = self
+            .ticks
             .take()
-            .and_then(|thread| thread.join().ok())
-            .unwrap_or_default()
+            .and_then(|t| t.join().ok())
+            .unwrap_or_default();
+        let (guest, pss_cpu) = self
+            .pss
+            .take()
+            .and_then(|t| t.join().ok())
+            .unwrap_or_default();
+        Recording {
+            period: self.plan.period,
+            pss_every: self.plan.pss_every,
+            series,
+            guest,
+            ticks,
+            cpu,
+            pss_cpu,
+        }
     }
 }
 
@@ -163,13 +224,9 @@ fn thread_cpu() -> Duration {
         .unwrap_or_default()
 }
 
-/// The sampling loop: at each absolute deadline `start + k × period`, every VM's cheap
-/// reading, then the PSS of the VMs due for it, stalest first, while the tick has used less
-/// than half the period (at least one a tick, so that none waits for ever). A late tick keeps
-/// its real time and the deadlines it overran are skipped (the gaps show).
-fn sample(mut probes: Vec<Box<dyn Probe>>, plan: Plan, stop: &AtomicBool) -> Recording {
-    // A sampler that falls behind the VMs it measures records gaps, not memory: ahead of
-    // them in the scheduler (as root; best effort otherwise).
+/// Puts this thread ahead of the VMs it measures in the scheduler (as root; best effort
+/// otherwise): a sampler that falls behind them records gaps, not memory.
+fn ahead_of_the_vms() {
     // SAFETY: setpriority on this thread's own id; it changes only its niceness.
     unsafe {
         let tid = libc::gettid();
@@ -179,69 +236,83 @@ fn sample(mut probes: Vec<Box<dyn Probe>>, plan: Plan, stop: &AtomicBool) -> Rec
             -10,
         );
     }
+}
+
+/// The next deadline (`start + k × period`) after `now`, from the tick just taken: a late
+/// tick does not shift the others, the deadlines it overran are skipped (the gaps show).
+fn next_tick(tick: u32, now: Duration, period: Duration) -> u32 {
+    let mut next = tick + 1;
+    while period * next <= now {
+        next += 1;
+    }
+    next
+}
+
+/// The ticks: every VM's cheap reading at each absolute deadline `start + k × period`.
+fn sample_ticks(
+    probes: &[Box<dyn Probe>],
+    start: Instant,
+    period: Duration,
+    stop: &AtomicBool,
+) -> Ticked {
+    ahead_of_the_vms();
     let cpu = thread_cpu();
-    let start = Instant::now();
-    let period = plan.period;
-    let every = plan.pss_every.max(1);
-    let mut recording = Recording {
-        period,
-        pss_every: every,
-        series: vec![Vec::new(); probes.len()],
-        ..Recording::default()
-    };
-    // The tick of each VM's latest PSS reading (`None`: none yet, the stalest of all).
-    let mut last_pss: Vec<Option<u32>> = vec![None; probes.len()];
+    let mut series = vec![Vec::new(); probes.len()];
+    let mut ticks = Vec::new();
     let mut tick: u32 = 0;
     while !stop.load(Ordering::Relaxed) {
         let began = start.elapsed();
-        for (vm, probe) in probes.iter_mut().enumerate() {
-            recording.series[vm].push(Point {
+        for (points, probe) in series.iter_mut().zip(probes) {
+            points.push(Point {
                 tick,
                 at: start.elapsed(),
-                reading: probe.read(false).ok(),
+                reading: probe.read().ok(),
             });
         }
-        let mut due: Vec<(Option<u32>, usize)> = last_pss
-            .iter()
-            .enumerate()
-            .filter(|(_, last)| last.is_none_or(|t| tick - t >= every))
-            .map(|(vm, &last)| (last, vm))
-            .collect();
-        due.sort_unstable();
-        let mut pss_reads = 0;
-        for (_, vm) in due {
-            if pss_reads > 0 && start.elapsed() - began >= period / 2 {
-                break;
-            }
-            pss_reads += 1;
-            last_pss[vm] = Some(tick);
-            let point = recording.series[vm]
-                .last_mut()
-                .expect("pushed in this tick");
-            match (probes[vm].read(true), &mut point.reading) {
-                (Ok(full), Some(reading)) => {
-                    reading.guest_pss_bytes = full.guest_pss_bytes;
-                    reading.hugetlb_bytes = full.hugetlb_bytes;
-                }
-                (Ok(_), None) => {}
-                (Err(_), _) => recording.pss_dropped += 1,
-            }
-        }
         let now = start.elapsed();
-        recording.ticks.push(Tick {
+        ticks.push(Tick {
             tick,
             work: now - began,
-            pss_reads,
         });
-        // The next deadline after now: a late tick does not shift the others.
-        tick += 1;
-        while period * tick <= now {
-            tick += 1;
-        }
+        tick = next_tick(tick, now, period);
         std::thread::sleep(period * tick - now);
     }
-    recording.cpu = thread_cpu().saturating_sub(cpu);
-    recording
+    (series, ticks, thread_cpu().saturating_sub(cpu))
+}
+
+/// The PSS: the VMs in turn, VM `i` of `n` at the deadlines `(k × n + i) × slot` where a slot
+/// is `pss_every × period / n`, so that each is read once in `pss_every` ticks and the walks
+/// are spread over them. A walk that runs late delays the next ones (their deadlines overrun
+/// are skipped), never a tick.
+fn sample_pss(
+    probes: &[Box<dyn Probe>],
+    start: Instant,
+    plan: Plan,
+    stop: &AtomicBool,
+) -> (Vec<Vec<GuestPoint>>, Duration) {
+    ahead_of_the_vms();
+    let cpu = thread_cpu();
+    let mut series = vec![Vec::new(); probes.len()];
+    let Some(n) = u32::try_from(probes.len()).ok().filter(|&n| n > 0) else {
+        return (series, Duration::ZERO);
+    };
+    let slot = plan.period * plan.pss_every.max(1) / n;
+    let mut turn: u32 = 0;
+    while !stop.load(Ordering::Relaxed) {
+        let vm = (turn % n) as usize;
+        series[vm].push(GuestPoint {
+            at: start.elapsed(),
+            reading: probes[vm].guest().ok(),
+        });
+        let now = start.elapsed();
+        turn = next_tick(turn, now, slot.max(Duration::from_micros(1)));
+        // Sleep in short steps: a long slot must not hold up the end of the recording.
+        let due = slot * turn;
+        while !stop.load(Ordering::Relaxed) && start.elapsed() < due {
+            std::thread::sleep((due - start.elapsed()).min(plan.period));
+        }
+    }
+    (series, thread_cpu().saturating_sub(cpu))
 }
 
 /// What a sampler recorded.
@@ -251,14 +322,16 @@ pub struct Recording {
     pub period: Duration,
     /// Each VM's PSS was due once in this many ticks.
     pub pss_every: u32,
-    /// Per VM (the order of the probes), its readings in time order.
+    /// Per VM (the order of the probes), its tick readings in time order.
     pub series: Vec<Vec<Point>>,
+    /// Per VM, its PSS readings in time order.
+    pub guest: Vec<Vec<GuestPoint>>,
     /// What each tick cost.
     pub ticks: Vec<Tick>,
-    /// PSS readings that failed.
-    pub pss_dropped: usize,
     /// CPU time of the sampler's thread.
     pub cpu: Duration,
+    /// CPU time of the PSS reader's thread.
+    pub pss_cpu: Duration,
 }
 
 /// Whether a recording can be trusted, and why not.
@@ -274,15 +347,15 @@ pub struct Integrity {
     pub long_gaps: usize,
     /// Readings that failed (a failed PSS reading among them).
     pub dropped: usize,
-    /// The largest time between two PSS readings of a VM, seconds (PSS is read once in
-    /// `pss_every` ticks: this is not judged, it says how fine the PSS column is).
+    /// The largest time between two PSS readings of a VM, seconds (not judged: it says how
+    /// fine the PSS column is).
     pub largest_pss_gap_s: f64,
 }
 
 /// What the sampling cost: the figures that say the harness was not the bottleneck.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct Harness {
-    /// Threads that sampled.
+    /// Threads that sampled, whatever the number of VMs.
     pub threads: usize,
     /// Ticks taken.
     pub ticks: usize,
@@ -293,8 +366,8 @@ pub struct Harness {
     /// The longest tick, milliseconds.
     pub tick_max_ms: f64,
     /// PSS readings taken.
-    pub pss_reads: u64,
-    /// CPU time of the sampler's thread, seconds.
+    pub pss_reads: usize,
+    /// CPU time of the sampler's two threads, seconds.
     pub cpu_s: f64,
     /// That CPU time as a share of one core over the recording.
     pub cpu_share: f64,
@@ -304,21 +377,24 @@ impl Recording {
     /// Gaps and drops, each VM's series on its own.
     pub fn integrity(&self) -> Integrity {
         let limit = self.period * 2;
-        let gaps = |has: &dyn Fn(&Point) -> bool| -> Vec<Duration> {
-            self.series
+        let gaps = |times: Vec<Vec<Duration>>| -> Vec<Duration> {
+            times
                 .iter()
-                .flat_map(|points| {
-                    let taken: Vec<Duration> =
-                        points.iter().filter(|p| has(p)).map(|p| p.at).collect();
-                    taken
-                        .windows(2)
-                        .map(|w| w[1].saturating_sub(w[0]))
-                        .collect::<Vec<_>>()
-                })
+                .flat_map(|t| t.windows(2).map(|w| w[1].saturating_sub(w[0])))
                 .collect()
         };
-        let all = gaps(&|_| true);
-        let pss = gaps(&|p| p.reading.is_some_and(|r| r.guest_pss_bytes.is_some()));
+        let all = gaps(
+            self.series
+                .iter()
+                .map(|s| s.iter().map(|p| p.at).collect())
+                .collect(),
+        );
+        let pss = gaps(
+            self.guest
+                .iter()
+                .map(|s| s.iter().map(|p| p.at).collect())
+                .collect(),
+        );
         let largest = all.iter().max().copied().unwrap_or(Duration::ZERO);
         let long_gaps = all.iter().filter(|&&g| g > limit).count();
         let dropped = self
@@ -327,7 +403,12 @@ impl Recording {
             .flatten()
             .filter(|p| p.reading.is_none())
             .count()
-            + self.pss_dropped;
+            + self
+                .guest
+                .iter()
+                .flatten()
+                .filter(|p| p.reading.is_none())
+                .count();
         let samples = self.series.iter().map(Vec::len).max().unwrap_or(0);
         let every_vm_twice = !self.series.is_empty() && self.series.iter().all(|s| s.len() >= 2);
         Integrity {
@@ -355,9 +436,10 @@ impl Recording {
             .filter_map(|s| s.last().map(|p| p.at))
             .max()
             .unwrap_or_default();
+        let cpu = self.cpu + self.pss_cpu;
         #[allow(clippy::cast_precision_loss, reason = "ticks of one run")]
         Harness {
-            threads: 1,
+            threads: 2,
             ticks: work.len(),
             tick_mean_ms: if work.is_empty() {
                 0.0
@@ -366,14 +448,26 @@ impl Recording {
             },
             tick_p99_ms: ms(p99),
             tick_max_ms: ms(work.last().copied().unwrap_or_default()),
-            pss_reads: self.ticks.iter().map(|t| u64::from(t.pss_reads)).sum(),
-            cpu_s: self.cpu.as_secs_f64(),
+            pss_reads: self.guest.iter().map(Vec::len).sum(),
+            cpu_s: cpu.as_secs_f64(),
             cpu_share: if span.is_zero() {
                 0.0
             } else {
-                self.cpu.as_secs_f64() / span.as_secs_f64()
+                cpu.as_secs_f64() / span.as_secs_f64()
             },
         }
+    }
+
+    /// The hugetlb pages VM `vm` held at `at`: its latest PSS reading's at or before it (0
+    /// before the first).
+    fn hugetlb_at(&self, vm: usize, at: Duration) -> u64 {
+        self.guest
+            .get(vm)
+            .and_then(|g| {
+                let taken = g.partition_point(|p| p.at <= at);
+                g[..taken].iter().rev().find_map(|p| p.reading)
+            })
+            .map_or(0, |r| r.hugetlb_bytes)
     }
 
     /// ∫ memory dt of VM `vm` over the recording, GiB·s: trapezoids between consecutive
@@ -382,30 +476,27 @@ impl Recording {
     pub fn integral_gib_s(&self, vm: usize, quantity: Quantity) -> f64 {
         #[allow(clippy::cast_precision_loss, reason = "bytes far below 2^52")]
         let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
-        let Some(points) = self.series.get(vm) else {
-            return 0.0;
-        };
-        // (when, the value) of each point: `None` where it is not measured there.
-        let mut hugetlb = 0;
-        let values: Vec<(Duration, Option<u64>)> = points
-            .iter()
-            .map(|p| {
-                let value = p.reading.and_then(|r| match quantity {
-                    Quantity::Cgroup => r.cgroup_bytes,
-                    Quantity::GuestPss => r.guest_pss_bytes,
-                    Quantity::Charged => {
-                        hugetlb = r.hugetlb_bytes.unwrap_or(hugetlb);
-                        r.cgroup_bytes.map(|c| c + hugetlb)
-                    }
-                });
-                (p.at, value)
-            })
-            .collect();
-        // PSS is read at some ticks only: its trapezoids span the ticks between.
-        let values: Vec<(Duration, Option<u64>)> = if quantity == Quantity::GuestPss {
-            values.into_iter().filter(|(_, v)| v.is_some()).collect()
-        } else {
-            values
+        // (when, the value) of each reading: `None` where it failed.
+        let values: Vec<(Duration, Option<u64>)> = match quantity {
+            Quantity::GuestPss => self.guest.get(vm).map_or_else(Vec::new, |g| {
+                g.iter()
+                    .map(|p| (p.at, p.reading.map(|r| r.guest_pss_bytes)))
+                    .collect()
+            }),
+            Quantity::Cgroup | Quantity::Charged => {
+                self.series.get(vm).map_or_else(Vec::new, |s| {
+                    s.iter()
+                        .map(|p| {
+                            let cgroup = p.reading.and_then(|r| r.cgroup_bytes);
+                            let huge = match quantity {
+                                Quantity::Charged => self.hugetlb_at(vm, p.at),
+                                _ => 0,
+                            };
+                            (p.at, cgroup.map(|c| c + huge))
+                        })
+                        .collect()
+                })
+            }
         };
         values
             .windows(2)
@@ -422,8 +513,10 @@ impl Recording {
 mod tests {
     use super::*;
 
-    /// A recording of one series per VM from `(ms, bytes)` readings, PSS in each.
+    /// A recording of one series per VM from `(ms, bytes)` readings, the guest PSS half the
+    /// cgroup's, read at the same moments.
     fn recording(series: &[&[(u64, Option<u64>)]]) -> Recording {
+        let at = |ms| Duration::from_millis(ms);
         Recording {
             period: Duration::from_millis(100),
             pss_every: 1,
@@ -434,11 +527,24 @@ mod tests {
                         .iter()
                         .map(|&(ms, bytes)| Point {
                             tick: u32::try_from(ms / 100).unwrap(),
-                            at: Duration::from_millis(ms),
+                            at: at(ms),
                             reading: bytes.map(|b| Reading {
                                 cgroup_bytes: Some(b),
-                                guest_pss_bytes: Some(b / 2),
-                                hugetlb_bytes: Some(0),
+                            }),
+                        })
+                        .collect()
+                })
+                .collect(),
+            guest: series
+                .iter()
+                .map(|points| {
+                    points
+                        .iter()
+                        .map(|&(ms, bytes)| GuestPoint {
+                            at: at(ms),
+                            reading: bytes.map(|b| GuestReading {
+                                guest_pss_bytes: b / 2,
+                                hugetlb_bytes: 0,
                             }),
                         })
                         .collect()
@@ -462,19 +568,24 @@ mod tests {
     }
 
     #[test]
-    fn recording_charged_adds_the_latest_hugetlb_and_pss_spans_the_ticks_between() {
+    fn recording_charged_adds_the_latest_hugetlb_and_pss_spans_its_own_readings() {
         let gib = 1u64 << 30;
         let mut r = recording(&[&[(0, Some(gib)), (100, Some(gib)), (200, Some(gib))]]);
-        let points = &mut r.series[0];
-        // Huge pages read at the first tick only; PSS at the first and the last.
-        points[0].reading.as_mut().unwrap().hugetlb_bytes = Some(gib);
-        points[1].reading.as_mut().unwrap().hugetlb_bytes = None;
-        points[1].reading.as_mut().unwrap().guest_pss_bytes = None;
-        points[2].reading.as_mut().unwrap().hugetlb_bytes = None;
-        // 0.2 s at 1 GiB of cgroup and 1 GiB of huge pages held.
-        assert!((r.integral_gib_s(0, Quantity::Charged) - 0.4).abs() < 1e-9);
-        // One trapezoid of 0.2 s at 0.5 GiB.
-        assert!((r.integral_gib_s(0, Quantity::GuestPss) - 0.1).abs() < 1e-9);
+        // PSS read at 50 ms (1 GiB of huge pages held) and at 250 ms only.
+        r.guest[0] = [(50, gib), (250, 0)]
+            .map(|(ms, huge)| GuestPoint {
+                at: Duration::from_millis(ms),
+                reading: Some(GuestReading {
+                    guest_pss_bytes: gib,
+                    hugetlb_bytes: huge,
+                }),
+            })
+            .to_vec();
+        // At 0 ms the cgroup alone (1 GiB), at 100 and 200 ms with the huge pages read at
+        // 50 ms on top (2 GiB): 0.1 s × 1.5 GiB + 0.1 s × 2 GiB.
+        assert!((r.integral_gib_s(0, Quantity::Charged) - 0.35).abs() < 1e-9);
+        // One trapezoid of 0.2 s at 1 GiB.
+        assert!((r.integral_gib_s(0, Quantity::GuestPss) - 0.2).abs() < 1e-9);
         assert!((r.integrity().largest_pss_gap_s - 0.2).abs() < 1e-9);
     }
 
@@ -489,42 +600,37 @@ mod tests {
             &[(0, Some(1)), (100, Some(1))],
             &[(0, None), (100, Some(1))],
         ]);
-        assert_eq!(r.integrity().dropped, 1);
+        // The dropped tick and the dropped PSS reading.
+        assert_eq!(r.integrity().dropped, 2);
         assert!(!r.integrity().passed);
         // The dropped reading's trapezoid is left out, not filled in.
         assert_eq!(r.integral_gib_s(1, Quantity::Cgroup), 0.0);
-        let mut r = recording(&[&[(0, Some(1)), (100, Some(1))]]);
-        r.pss_dropped = 1;
-        assert!(!r.integrity().passed);
     }
 
-    /// A VM with fixed memory whose PSS reading takes `pss_cost`, counting its PSS reads.
+    /// A VM with fixed memory whose PSS reading takes `pss_cost`.
     struct Fixed {
         bytes: u64,
         pss_cost: Duration,
-        pss_reads: Arc<std::sync::atomic::AtomicUsize>,
     }
 
     impl Fixed {
         fn boxed(bytes: u64, pss_cost: Duration) -> Box<dyn Probe> {
-            Box::new(Self {
-                bytes,
-                pss_cost,
-                pss_reads: Arc::default(),
-            })
+            Box::new(Self { bytes, pss_cost })
         }
     }
 
     impl Probe for Fixed {
-        fn read(&mut self, pss: bool) -> std::io::Result<Reading> {
-            if pss {
-                self.pss_reads.fetch_add(1, Ordering::Relaxed);
-                std::thread::sleep(self.pss_cost);
-            }
+        fn read(&self) -> std::io::Result<Reading> {
             Ok(Reading {
                 cgroup_bytes: Some(self.bytes),
-                guest_pss_bytes: pss.then_some(self.bytes / 2),
-                hugetlb_bytes: pss.then_some(0),
+            })
+        }
+
+        fn guest(&self) -> std::io::Result<GuestReading> {
+            std::thread::sleep(self.pss_cost);
+            Ok(GuestReading {
+                guest_pss_bytes: self.bytes / 2,
+                hugetlb_bytes: 0,
             })
         }
     }
@@ -532,7 +638,11 @@ mod tests {
     struct Failing;
 
     impl Probe for Failing {
-        fn read(&mut self, _: bool) -> std::io::Result<Reading> {
+        fn read(&self) -> std::io::Result<Reading> {
+            Err(std::io::Error::other("gone"))
+        }
+
+        fn guest(&self) -> std::io::Result<GuestReading> {
             Err(std::io::Error::other("gone"))
         }
     }
@@ -564,38 +674,31 @@ mod tests {
         let integral = r.integral_gib_s(0, Quantity::Cgroup);
         assert!((integral - span.as_secs_f64()).abs() < 1e-6, "{integral}");
         let harness = r.harness();
-        assert_eq!(harness.threads, 1);
+        assert_eq!(harness.threads, 2);
         assert_eq!(harness.ticks, r.ticks.len());
         assert!(harness.tick_max_ms >= harness.tick_mean_ms);
     }
 
     #[test]
-    fn sampler_reads_slow_pss_within_half_a_period_and_reaches_every_vm() {
-        // Eight VMs whose PSS takes 15 ms each, sampled every 40 ms: reading all eight in one
-        // tick would take 120 ms, three periods.
+    fn sampler_slow_pss_never_delays_a_tick_and_reaches_every_vm() {
+        // Eight VMs whose PSS walk takes 50 ms each, sampled every 20 ms: one thread doing
+        // both would miss two ticks at every walk.
         let probes: Vec<Box<dyn Probe>> = (0..8)
-            .map(|_| Fixed::boxed(1 << 20, Duration::from_millis(15)))
+            .map(|_| Fixed::boxed(1 << 20, Duration::from_millis(50)))
             .collect();
-        let sampler = Sampler::start(plan(40, 2), probes).unwrap();
+        let sampler = Sampler::start(plan(20, 1), probes).unwrap();
         std::thread::sleep(Duration::from_millis(1000));
         let r = sampler.finish();
-        // After one PSS reading a tick has used 15 ms; after two, 30 ms, over half its period.
-        for tick in &r.ticks {
-            assert!((1..=2).contains(&tick.pss_reads), "{tick:?}");
+        // Ticks take microseconds: none waited on a walk.
+        assert!(r.harness().tick_max_ms < 40.0, "{:?}", r.harness());
+        for (vm, guest) in r.guest.iter().enumerate() {
+            // About two each in a second (8 × 50 ms a round); at least one.
+            assert!(!guest.is_empty(), "VM {vm}: no PSS reading");
         }
-        for (vm, points) in r.series.iter().enumerate() {
-            let pss = points
-                .iter()
-                .filter(|p| p.reading.is_some_and(|r| r.guest_pss_bytes.is_some()))
-                .count();
-            assert!(pss >= 1, "VM {vm}: no PSS in {} ticks", r.ticks.len());
-            // Every tick read every VM's cgroup.
+        // Every tick read every VM.
+        for points in &r.series {
             assert_eq!(points.len(), r.ticks.len());
         }
-        assert_eq!(
-            r.harness().pss_reads,
-            r.ticks.iter().map(|t| u64::from(t.pss_reads)).sum::<u64>()
-        );
         // Deadlines stay on the grid: ticks rise, and a reading is never early.
         for points in &r.series {
             for w in points.windows(2) {
@@ -608,19 +711,31 @@ mod tests {
     }
 
     #[test]
+    fn sampler_reads_each_vm_s_pss_once_in_pss_every_ticks() {
+        let probes: Vec<Box<dyn Probe>> = (0..4)
+            .map(|_| Fixed::boxed(1 << 20, Duration::ZERO))
+            .collect();
+        let sampler = Sampler::start(plan(10, 5), probes).unwrap();
+        std::thread::sleep(Duration::from_millis(500));
+        let r = sampler.finish();
+        // Ten rounds of 50 ms in 0.5 s: about ten readings of each VM, never one per tick.
+        for guest in &r.guest {
+            assert!((3..=12).contains(&guest.len()), "{}", guest.len());
+        }
+    }
+
+    #[test]
     fn vm_probe_reads_this_process() {
         let data = vec![1u8; 4 << 20];
         let start = data.as_ptr() as u64;
-        let mut probe = VmProbe {
+        let probe = VmProbe {
             pid: std::process::id(),
             ram: (start & !0xFFF, 64 << 20),
             cgroup: None,
         };
-        let reading = probe.read(true).unwrap();
-        assert!(reading.guest_pss_bytes.is_some());
-        assert_eq!(reading.hugetlb_bytes, Some(0));
-        assert!(reading.cgroup_bytes.is_none());
-        assert_eq!(probe.read(false).unwrap().guest_pss_bytes, None);
+        let guest = probe.guest().unwrap();
+        assert_eq!(guest.hugetlb_bytes, 0);
+        assert!(probe.read().unwrap().cgroup_bytes.is_none());
         drop(data);
     }
 }

@@ -120,7 +120,7 @@ fn vm_sampler_integrates_guest_memory_over_time() {
         ram: (ram.host_base().0, ram.size()),
         cgroup: None,
     };
-    let empty = probe.clone().read(true).unwrap().guest_pss_bytes.unwrap();
+    let empty = probe.guest().unwrap().guest_pss_bytes;
     let plan = Plan {
         period: Duration::from_millis(20),
         pss_every: 1,
@@ -131,9 +131,9 @@ fn vm_sampler_integrates_guest_memory_over_time() {
         .unwrap();
     std::thread::sleep(Duration::from_millis(300));
     let recording = sampler.finish();
-    let readings: Vec<u64> = recording.series[0]
+    let readings: Vec<u64> = recording.guest[0]
         .iter()
-        .filter_map(|p| p.reading.and_then(|r| r.guest_pss_bytes))
+        .filter_map(|p| p.reading.map(|r| r.guest_pss_bytes))
         .collect();
     // The fill shows: from next to nothing to the 64 MiB of data.
     assert!(empty < 8 << 20, "{empty}");

@@ -27,7 +27,8 @@ pub struct DemoArgs {
 struct Row {
     content: &'static str,
     state: String,
-    pss: u64,
+    /// `memory_charged_bytes`.
+    charged: u64,
     guest: u64,
     backing: Option<u64>,
     check: String,
@@ -47,7 +48,7 @@ pub fn demo(args: &DemoArgs) -> CliResult {
     println!();
     println!(
         "{:<9} {:<22} {:>12} {:>14} {:>12}  after resume",
-        "content", "state", "process PSS", "guest RAM PSS", "backing"
+        "content", "state", "charged", "guest RAM PSS", "backing"
     );
     let mut all_ok = true;
     for row in &rows {
@@ -56,12 +57,18 @@ pub fn demo(args: &DemoArgs) -> CliResult {
             "{:<9} {:<22} {:>12} {:>14} {:>12}  {}",
             row.content,
             row.state,
-            format_bytes(row.pss),
+            format_bytes(row.charged),
             format_bytes(row.guest),
             row.backing.map_or_else(|| "-".to_owned(), format_bytes),
             row.check
         );
     }
+    println!();
+    println!(
+        "charged: what the host is charged for the VM (here, in no memory cgroup, this process's \
+         PSS with guest RAM counted as resident; in one, its usage); guest RAM PSS: that mapping's \
+         PSS alone; backing: the offload store's allocated bytes."
+    );
     Ok(if all_ok {
         ExitCode::SUCCESS
     } else {
@@ -93,7 +100,7 @@ fn rows(args: &DemoArgs, dir: &std::path::Path) -> Result<Vec<Row>, Box<dyn std:
                 rows.push(Row {
                     content,
                     state: "running (default)".into(),
-                    pss: resident.memory.process_pss_bytes,
+                    charged: resident.memory.memory_charged_bytes,
                     guest: resident.memory.guest_ram_pss_bytes,
                     backing: None,
                     check: format!("task {task:.0} ms"),
@@ -113,7 +120,7 @@ fn rows(args: &DemoArgs, dir: &std::path::Path) -> Result<Vec<Row>, Box<dyn std:
                     if compression { "lz4" } else { "raw" },
                     suspend.elapsed_ms
                 ),
-                pss: offloaded.memory.process_pss_bytes,
+                charged: offloaded.memory.memory_charged_bytes,
                 guest: offloaded.memory.guest_ram_pss_bytes,
                 backing: Some(offloaded.backing_disk_bytes),
                 check: format!(

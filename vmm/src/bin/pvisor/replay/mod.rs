@@ -382,8 +382,13 @@ fn run_replay(
         // reading was taken for, `t_s` when it was taken (both from the release).
         let mut lines: Vec<(u32, usize, String)> = Vec::new();
         for (vm, points) in recording.series.iter().enumerate() {
+            // A PSS reading goes on the line of the first tick at or after it.
+            let mut guest = recording.guest.get(vm).map_or(&[][..], Vec::as_slice);
             for point in points {
                 let field = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_default();
+                let taken = guest.partition_point(|g| g.at <= point.at);
+                let pss = guest[..taken].iter().rev().find_map(|g| g.reading);
+                guest = &guest[taken..];
                 let deadline = (recording.period * point.tick).as_secs_f64() - offset;
                 lines.push((
                     point.tick,
@@ -391,9 +396,9 @@ fn run_replay(
                     format!(
                         "{:.3},{deadline:.3},{vm},{},{},{}\n",
                         point.at.as_secs_f64() - offset,
-                        field(point.reading.and_then(|r| r.guest_pss_bytes)),
+                        field(pss.map(|g| g.guest_pss_bytes)),
                         field(point.reading.and_then(|r| r.cgroup_bytes)),
-                        field(point.reading.and_then(|r| r.hugetlb_bytes)),
+                        field(pss.map(|g| g.hugetlb_bytes)),
                     ),
                 ));
             }

@@ -1,0 +1,187 @@
+//! Honest memory figures and a harness that is never the bottleneck (issue 35), with real
+//! VMs: what a VM is charged for counts RAM that no PSS sees, and a replay of many VMs samples
+//! them through the same two threads as a replay of one.
+
+// Test code: a failed setup step should stop the test on the spot.
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use vmm::sampler::{Plan, Probe, Quantity, Sampler, VmProbe};
+
+mod common;
+use common::{skip, text, Detached};
+
+/// Threads of process `pid` whose name starts with `prefix`.
+fn threads_named(pid: u32, prefix: &str) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|tasks| {
+            tasks
+                .filter_map(Result::ok)
+                .filter(|t| {
+                    std::fs::read_to_string(t.path().join("comm"))
+                        .is_ok_and(|name| name.starts_with(prefix))
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+#[test]
+fn replay_of_32_vms_samples_them_through_two_threads() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let trajectory = dir.path().join("trajectory.json");
+    std::fs::write(
+        &trajectory,
+        r#"{"name": "small", "steps": [
+            {"model": {"wait_ms": 400, "answer_bytes": 2000}},
+            {"tool": {"script": "fill 2MiB random seed=1; digest"}},
+            {"model": {"wait_ms": 400, "answer_bytes": 3000}},
+            {"tool": {"script": "digest"}}]}"#,
+    )
+    .unwrap();
+    let runtime = dir.path().join("run");
+    let child = Command::new(env!("CARGO_BIN_EXE_pvisor"))
+        .args(["replay", trajectory.to_str().unwrap(), "--vms", "32"])
+        .args(["--strategy", "off", "--memory", "16MiB", "--json"])
+        .env("PVISOR_RUNTIME_DIR", &runtime)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    // While it runs: the sampler's threads, and all of the replay's.
+    let (mut samplers, mut all) = (0, 0);
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while std::fs::metadata(format!("/proc/{pid}/task")).is_ok() && Instant::now() < deadline {
+        let now = threads_named(pid, vmm::sampler::THREAD_NAME);
+        samplers = samplers.max(now);
+        if now > 0 {
+            all = all.max(threads_named(pid, ""));
+        }
+        if std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+            s.rsplit_once(')')
+                .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+        }) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stdout = text(&out.stdout);
+    let summary: Value = serde_json::from_str(stdout.lines().last().unwrap_or(""))
+        .unwrap_or_else(|e| panic!("no summary ({e}): {stdout}{}", text(&out.stderr)));
+    assert_eq!(summary["results_passed"], true, "{summary}");
+    assert_eq!(summary["vms"], 32, "{summary}");
+    // Two sampling threads for 32 VMs (one per VM before), seen while the replay ran.
+    assert_eq!(samplers, 2, "{summary}");
+    assert_eq!(summary["harness"]["threads"], 2, "{summary}");
+    // Every VM's cgroup was read at every tick, its PSS at least once.
+    assert!(
+        summary["harness"]["ticks"].as_u64().unwrap() >= 2,
+        "{summary}"
+    );
+    assert!(
+        summary["harness"]["pss_reads"].as_u64().unwrap() >= 32,
+        "{summary}"
+    );
+    assert!(summary["memory_charged_gib_s_per_task"].as_f64().unwrap() > 0.0);
+    for key in ["replay_s", "vms_s", "sampler_s"] {
+        assert!(summary["cpu"][key].as_f64().unwrap() >= 0.0, "{summary}");
+    }
+    eprintln!(
+        "32 VMs: {all} threads in the replay at most, {} of them sampling; {}",
+        samplers, summary["harness"]
+    );
+}
+
+#[test]
+fn cold_compressed_memfd_ram_unmapped_but_resident_is_charged() {
+    if skip() {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    let name = format!("pvisor-test/figures-{}", std::process::id());
+    // Random data does not compress: cold compression probes each block (unmaps it to watch
+    // for a touch) and leaves it resident in the memfd.
+    let vm = Detached::start(
+        runtime.path(),
+        &[
+            "--cgroup",
+            &name,
+            "--vm-cold-ram-compression",
+            "--vm-ram-backing",
+            "memfd",
+            "--vm-cold-age-ms",
+            "100",
+            "--vm-cold-scan-ms",
+            "50",
+        ],
+        "fill 64MiB random seed=1; idle",
+    );
+    let stats = vm.stats_until(Instant::now() + Duration::from_secs(30), |s| {
+        s["guest_ram_pss_bytes"].as_u64().unwrap() < 16 << 20
+    });
+    // Guest PSS misses the unmapped pages; what the VM is charged does not.
+    assert_eq!(stats["memory_charged_by"], "cgroup", "{stats}");
+    let charged = stats["memory_charged_bytes"].as_u64().unwrap();
+    assert!(charged >= 64 << 20, "{stats}");
+    assert!(
+        stats["process_memory_bytes"].as_u64().unwrap() >= 64 << 20,
+        "{stats}"
+    );
+    assert!(
+        stats["guest_ram_resident_bytes"].as_u64().unwrap() >= 64 << 20,
+        "{stats}"
+    );
+    // The replay's sampler sees the same: the charge is the cgroup's, PSS a second column.
+    let probe = VmProbe {
+        pid: u32::try_from(vm.identity["pid"].as_u64().unwrap()).unwrap(),
+        ram: (
+            stats["guest_ram_host_base"].as_u64().unwrap(),
+            stats["memory_bytes"].as_u64().unwrap(),
+        ),
+        cgroup: stats["cgroup_dir"].as_str().map(Into::into),
+    };
+    let plan = Plan {
+        period: Duration::from_millis(20),
+        pss_every: 1,
+    };
+    let sampler = Sampler::start(plan, vec![Box::new(probe) as Box<dyn Probe>]).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let recording = sampler.finish();
+    let charged_gib_s = recording.integral_gib_s(0, Quantity::Charged);
+    let pss_gib_s = recording.integral_gib_s(0, Quantity::GuestPss);
+    let span = |points: Vec<Duration>| points.last().unwrap().saturating_sub(points[0]);
+    let ticks = span(recording.series[0].iter().map(|p| p.at).collect());
+    let walks = span(recording.guest[0].iter().map(|p| p.at).collect());
+    // At least 64 MiB charged over the ticks; under 16 MiB of PSS over the walks.
+    assert!(
+        charged_gib_s >= ticks.as_secs_f64() * 64.0 / 1024.0,
+        "{charged_gib_s} over {ticks:?}"
+    );
+    assert!(
+        pss_gib_s <= walks.as_secs_f64() * 16.0 / 1024.0,
+        "{pss_gib_s} over {walks:?}"
+    );
+    let cgroup = std::path::PathBuf::from(stats["cgroup_dir"].as_str().unwrap());
+    drop(vm);
+    remove_when_gone(&cgroup);
+}
+
+/// Removes the test's cgroup parent once the VM took its own cgroup away.
+fn remove_when_gone(cgroup: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while cgroup.exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    if let Some(parent) = cgroup.parent() {
+        let _ = std::fs::remove_dir(parent);
+    }
+}
