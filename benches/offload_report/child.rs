@@ -219,6 +219,7 @@ pub fn run() -> Res<()> {
         dir: case.dir.clone(),
         codec: CodecConfig::new(codec(&case.codec)?),
         bulk: BulkOptions::with_threads(case.threads),
+        durability: compressed_backing::Durability::Process,
     };
     let batching = case.batch.map_or(Batching::WHOLE, Batching::of);
     let started = Instant::now();

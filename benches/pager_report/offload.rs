@@ -101,6 +101,7 @@ fn measure(
         dir: dir.clone(),
         codec: CodecConfig::new(codec),
         bulk: BulkOptions::default(),
+        durability: compressed_backing::Durability::Process,
     })?;
     let elapsed = started.elapsed().as_secs_f64();
     if report.pages_dropped != (resident / PAGE) as u64 {

@@ -256,7 +256,7 @@ pub fn run_case(
         &key("store_cached_mib"),
         "MiB",
         run,
-        mib(cached_bytes(&store_dir)),
+        mib(testkit::page_cache::cached_bytes(&store_dir)),
     );
     let before = offloaded.pager;
 
@@ -367,46 +367,4 @@ fn faults(
             after.fault_latency.mean_us * n1 as f64 - before.fault_latency.mean_us * n0 as f64;
         results.put(&key("fault_mean_us"), "µs", run, total / (n1 - n0) as f64);
     }
-}
-
-/// Bytes of the files in `dir` that are in the page cache (`mincore` of a mapping that is
-/// never read).
-fn cached_bytes(dir: &Path) -> u64 {
-    use std::os::fd::AsRawFd;
-    let mut total = 0;
-    let Ok(entries) = fs::read_dir(dir) else {
-        return 0;
-    };
-    for entry in entries.filter_map(Result::ok) {
-        let Ok(file) = fs::File::open(entry.path()) else {
-            continue;
-        };
-        let len = file.metadata().map_or(0, |m| m.len()) as usize;
-        if len == 0 || !entry.path().is_file() {
-            continue;
-        }
-        // SAFETY: a new read-only shared mapping of a file we hold open; never dereferenced,
-        // unmapped below.
-        let addr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if addr == libc::MAP_FAILED {
-            continue;
-        }
-        let mut resident = vec![0u8; len.div_ceil(4096)];
-        // SAFETY: `resident` has one byte per page of the mapping.
-        if unsafe { libc::mincore(addr, len, resident.as_mut_ptr()) } == 0 {
-            total += resident.iter().filter(|&&b| b & 1 == 1).count() as u64 * 4096;
-        }
-        // SAFETY: unmapping the mapping made above.
-        unsafe { libc::munmap(addr, len) };
-    }
-    total
 }

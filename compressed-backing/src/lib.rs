@@ -33,5 +33,6 @@ pub use image::{pack_file, unpack_file, ImageError, PackOptions};
 pub use layout::{BlockSize, SizeError};
 pub use pool::{MemoryPool, PoolConfig, PoolError, PoolStats, PutOutcome};
 pub use store::{
-    DiskStore, StoreConfig, StoreError, StoreOptions, StoreReader, StoreStats, VerifyReport,
+    DiskStore, Durability, StoreConfig, StoreError, StoreOptions, StoreReader, StoreStats,
+    VerifyReport,
 };

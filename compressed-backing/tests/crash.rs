@@ -13,16 +13,19 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use compressed_backing::{BlockSize, Codec, CodecConfig, DiskStore, StoreConfig, StoreOptions};
+use compressed_backing::{
+    BlockSize, Codec, CodecConfig, DiskStore, Durability, StoreConfig, StoreOptions,
+};
 
 const BLOCK: usize = 16 << 10;
 const BLOCKS: u64 = 48;
 const KILLS: usize = 60;
 
-fn options() -> StoreOptions {
+fn options(durability: Durability) -> StoreOptions {
     // Small segments and an eager compaction threshold, so that commits often also compact:
     // kills then land inside compaction too.
     StoreOptions {
+        durability,
         segment_max_bytes: 256 << 10,
         compact_min_bytes: 32 << 10,
         compact_dead_ratio: 0.3,
@@ -80,7 +83,16 @@ fn describe(store: &DiskStore) -> String {
         .join(" ")
 }
 
+/// The durability the writer child runs with (`CRASH_WRITER_DURABILITY`).
+fn child_durability() -> Durability {
+    match std::env::var("CRASH_WRITER_DURABILITY").as_deref() {
+        Ok("process") => Durability::Process,
+        _ => Durability::Host,
+    }
+}
+
 fn writer(dir: &Path) {
+    let options = || options(child_durability());
     let mut store = match DiskStore::open_with(dir, true, options()) {
         Ok(store) => store,
         Err(_) => {
@@ -129,6 +141,18 @@ fn crash_writer_child() {
 
 #[test]
 fn crash_kill_writer_at_random_points_leaves_old_or_new_image() {
+    kill_writer_at_random_points(Durability::Host);
+}
+
+/// A VM's own offload store, committed without syncs: a writer killed at any point (a pager
+/// replaced by its keeper) leaves the old image or the new one to the next, never a mix.
+#[test]
+fn crash_kill_process_durable_writer_at_random_points_leaves_old_or_new_image() {
+    kill_writer_at_random_points(Durability::Process);
+}
+
+fn kill_writer_at_random_points(durability: Durability) {
+    let options = || options(durability);
     let dir = tempfile::tempdir().expect("tempdir");
     // Generation 0 with its metadata, so every later state has both.
     {
@@ -159,6 +183,13 @@ fn crash_kill_writer_at_random_points_leaves_old_or_new_image() {
                 "--test-threads=1",
             ])
             .env("CRASH_WRITER_DIR", dir.path())
+            .env(
+                "CRASH_WRITER_DURABILITY",
+                match durability {
+                    Durability::Process => "process",
+                    Durability::Host => "host",
+                },
+            )
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()

@@ -196,6 +196,7 @@ fn offload_config(dir: &std::path::Path, codec: Codec) -> OffloadConfig {
         dir: dir.to_path_buf(),
         codec: CodecConfig::new(codec),
         bulk: BulkOptions::with_threads(2),
+        durability: compressed_backing::Durability::Host,
     }
 }
 
@@ -267,6 +268,42 @@ fn pager_offload_then_lazy_and_eager_load_keep_every_byte() {
         if codec != Codec::None {
             assert!(m.bytes_decompressed > 0, "{m:?}");
         }
+    }
+}
+
+#[test]
+fn pager_wait_offload_syncs_nothing_leaves_no_page_cache_and_reads_back() {
+    use compressed_backing::Durability;
+    if skip() {
+        return;
+    }
+    for durability in [Durability::Process, Durability::Host] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut ram = Ram::anon(32 * MIB);
+        let pager = pager(&ram, PagerConfig::default());
+        fill(ram.bytes_mut(), 11);
+        let digest = ram.digest();
+        let config = OffloadConfig {
+            durability,
+            ..offload_config(dir.path(), Codec::None)
+        };
+        let report = pager.offload(&config).unwrap();
+        assert_eq!(report.pages_dropped, (32 * MIB) as u64 / PAGE_SIZE);
+        assert!(report.batches >= 4, "{report:?}");
+        match durability {
+            // A VM's own store: no sync at all.
+            Durability::Process => assert_eq!(report.syncs, 0, "{report:?}"),
+            // A store that must survive the host: segment, index and directory per batch.
+            Durability::Host => assert!(report.syncs >= 3 * report.batches, "{report:?}"),
+        }
+        // Written back and gone from the page cache all the same: 32 MiB of data, and at
+        // most the index's few pages left cached.
+        let cached = testkit::page_cache::cached_bytes(dir.path());
+        assert!(cached <= 64 << 10, "{durability:?}: {cached} bytes cached");
+        // Read back from the disk, every byte.
+        pager.load(LoadMode::Eager, 2).unwrap();
+        assert_eq!(ram.digest(), digest, "{durability:?}");
+        assert_eq!(pager.metrics().snapshot().fault_errors, 0);
     }
 }
 

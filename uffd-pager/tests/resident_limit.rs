@@ -181,6 +181,7 @@ impl Vm {
             dir: dir.to_path_buf(),
             codec: CodecConfig::new(Codec::Lz4),
             bulk: BulkOptions::with_threads(2),
+            durability: compressed_backing::Durability::Host,
         };
         self.pager.offload(&config).unwrap();
     }

@@ -185,10 +185,10 @@ pub(super) fn check_image_size(block_size: BlockSize, image_size: u64) -> Result
     Ok(())
 }
 
-/// Writes a new file at `path`, 0600 from the start; whatever was there (a stale temporary
-/// file, or a link planted to make this write land elsewhere) is unlinked first, never
-/// followed.
-pub(super) fn write_file_durably(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
+/// Writes a new file at `path`, 0600 from the start, and syncs it if `sync` says so; whatever
+/// was there (a stale temporary file, or a link planted to make this write land elsewhere) is
+/// unlinked first, never followed.
+pub(super) fn write_private_file(path: &Path, bytes: &[u8], sync: bool) -> Result<(), StoreError> {
     match fs::remove_file(path) {
         Err(e) if e.kind() != io::ErrorKind::NotFound => {
             return Err(StoreError::io("remove", path)(e))
@@ -198,7 +198,10 @@ pub(super) fn write_file_durably(path: &Path, bytes: &[u8]) -> Result<(), StoreE
     let mut file = file::create_private(path).map_err(StoreError::File)?;
     file.write_all(bytes)
         .map_err(StoreError::io("write", path))?;
-    file.sync_all().map_err(StoreError::io("sync", path))
+    if sync {
+        file.sync_all().map_err(StoreError::io("sync", path))?;
+    }
+    Ok(())
 }
 
 pub(super) fn sync_dir(dir: &Path) -> Result<(), StoreError> {

@@ -74,7 +74,10 @@ impl DiskStore {
             report.bytes_freed += seg.committed_len;
             fs::remove_file(&seg.path).map_err(StoreError::io("remove segment", &seg.path))?;
         }
-        sync_dir(&self.dir)?;
+        if self.options.durability == super::Durability::Host {
+            self.syncs += 1;
+            sync_dir(&self.dir)?;
+        }
         Ok(report)
     }
 

@@ -30,9 +30,11 @@ pub(crate) use batch::EncodedBatch;
 pub use error::StoreError;
 pub use files::allocated_bytes;
 use files::{
-    advise_readahead, check_image_size, lock_dir, read_index, sync_dir, write_file_durably,
+    advise_readahead, check_image_size, lock_dir, read_index, sync_dir, write_private_file,
 };
-pub use report::{CompactionReport, Problem, StoreConfig, StoreOptions, StoreStats, VerifyReport};
+pub use report::{
+    CompactionReport, Durability, Problem, StoreConfig, StoreOptions, StoreStats, VerifyReport,
+};
 pub(crate) use sealed::{
     index_segments, index_size_limit, is_segment_file_name, parse_segment_file_name,
     renumbered_index, segment_file_name, INDEX_HEADER_LEN,
@@ -89,6 +91,8 @@ pub struct DiskStore {
     committed: Committed,
     options: StoreOptions,
     encoder: Option<Encoder>,
+    /// `fsync`s and `fdatasync`s this handle made (see [`DiskStore::syncs`]).
+    syncs: u64,
     /// Reads drop the pages they read from the page cache (see `set_drop_behind`), and fill
     /// missing bytes (see `set_fill`).
     how: ReadPath,
@@ -137,6 +141,7 @@ impl DiskStore {
             dirty: BTreeSet::new(),
             options,
             encoder: None,
+            syncs: 0,
             how: ReadPath::default(),
         };
         store.remove_strays()?;
@@ -211,6 +216,7 @@ impl DiskStore {
             dirty: BTreeSet::new(),
             options,
             encoder: None,
+            syncs: 0,
             how: ReadPath {
                 sealed: index.sealed,
                 ..ReadPath::default()
@@ -529,6 +535,22 @@ impl DiskStore {
         }
     }
 
+    /// What later commits survive (see [`Durability`]; [`Durability::Host`] unless set).
+    pub fn set_durability(&mut self, durability: Durability) {
+        self.options.durability = durability;
+    }
+
+    /// What a commit survives now.
+    pub fn durability(&self) -> Durability {
+        self.options.durability
+    }
+
+    /// `fsync`s and `fdatasync`s this handle has made since it was opened: what its
+    /// durability cost in syncs (none under [`Durability::Process`]).
+    pub fn syncs(&self) -> u64 {
+        self.syncs
+    }
+
     /// Whether reads (of this store and of the readers taken from it from now on) drop what
     /// they read from the page cache at once: for a reader that copies each block elsewhere
     /// and will not read it again soon (a pager installing blocks into guest RAM), where a
@@ -703,13 +725,16 @@ impl DiskStore {
         Ok((id, offset))
     }
 
-    /// Syncs dirty segments, then atomically replaces the index with the current state.
+    /// Syncs dirty segments, then atomically replaces the index with the current state
+    /// (without the syncs under [`Durability::Process`]).
     fn write_index(&mut self) -> Result<(), StoreError> {
-        for &id in &self.dirty {
+        let sync = self.options.durability == Durability::Host;
+        for &id in self.dirty.iter().filter(|_| sync) {
             let seg = &self.segments[&id];
             seg.file
                 .sync_data()
                 .map_err(StoreError::io("sync segment", seg.path.clone()))?;
+            self.syncs += 1;
         }
         let generation =
             self.generation
@@ -737,7 +762,7 @@ impl DiskStore {
         // committed (decoding is far cheaper than the fsyncs around it).
         Index::decode(&bytes).map_err(StoreError::Unloadable)?;
         let tmp = self.dir.join(INDEX_TMP);
-        let result = write_file_durably(&tmp, &bytes).and_then(|()| {
+        let result = write_private_file(&tmp, &bytes, sync).and_then(|()| {
             fs::rename(&tmp, self.dir.join(INDEX_FILE))
                 .map_err(StoreError::io("rename index", &tmp))
         });
@@ -745,7 +770,11 @@ impl DiskStore {
             let _ = fs::remove_file(&tmp);
             return Err(e);
         }
-        sync_dir(&self.dir)?;
+        if sync {
+            // The index file's and the directory's.
+            self.syncs += 2;
+            sync_dir(&self.dir)?;
+        }
         self.generation = index.generation;
         for seg in self.segments.values_mut() {
             seg.committed_len = seg.len;

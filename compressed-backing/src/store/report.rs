@@ -28,6 +28,27 @@ pub struct StoreOptions {
     pub compact_min_bytes: u64,
     /// Run compaction after every commit.
     pub auto_compact: bool,
+    /// What a commit survives.
+    pub durability: Durability,
+}
+
+/// What a commit survives (`../DESIGN.md`: a store that must outlive its writer's host is
+/// synced, one read again only while its host runs is not).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Durability {
+    /// A crash of the host: a commit syncs the segments it wrote (`fdatasync`), writes the
+    /// index to a temporary file, syncs it, renames it over the old one and syncs the
+    /// directory. For stores that outlive the process that wrote them: snapshots, packed
+    /// images.
+    #[default]
+    Host,
+    /// The end of the writing process, not a crash of the host: a commit writes the index to
+    /// a temporary file and renames it over the old one (so that a reader, or a writer taking
+    /// over after this one was killed, finds the old commit or the new one, never a mix), and
+    /// syncs nothing. For a VM's offload store, whose pages die with the host anyway: the
+    /// syncs were most of an offload's time (issue 35).
+    Process,
 }
 
 impl Default for StoreOptions {
@@ -37,6 +58,7 @@ impl Default for StoreOptions {
             compact_dead_ratio: 0.5,
             compact_min_bytes: 1 << 20,
             auto_compact: true,
+            durability: Durability::Host,
         }
     }
 }

@@ -690,3 +690,34 @@ fn store_commit_uncached_leaves_no_page_cache_and_survives_reopen() {
         assert!(read(&store, block) == random_bytes(block, BS as usize));
     }
 }
+
+#[test]
+fn store_durability_host_syncs_each_commit_and_process_syncs_nothing_yet_survives_its_writer() {
+    for durability in [Durability::Host, Durability::Process] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = DiskStore::create(dir.path(), config(8, Codec::Lz4)).unwrap();
+        // What a snapshot or a packed image gets: the host's crash survived.
+        assert_eq!(store.durability(), Durability::Host);
+        store.set_durability(durability);
+        // (Creating the store committed its empty index, as a `Host` store.)
+        let before = store.syncs();
+        for round in 0..3 {
+            store.put(round, &block_bytes(round, BS as usize)).unwrap();
+            store.commit_uncached().unwrap();
+        }
+        store.put(3, &block_bytes(3, BS as usize)).unwrap();
+        store.commit().unwrap();
+        match durability {
+            // Each commit: its segment, the index file and the directory.
+            Durability::Host => assert!(store.syncs() - before >= 4 * 3, "{}", store.syncs()),
+            Durability::Process => assert_eq!(store.syncs(), before),
+        }
+        // The writer is gone: a new one (a pager taking over) finds every commit.
+        drop(store);
+        let store = DiskStore::open(dir.path()).unwrap();
+        assert_eq!(store.durability(), Durability::Host);
+        for block in 0..4 {
+            assert_eq!(read(&store, block), block_bytes(block, BS as usize));
+        }
+    }
+}

@@ -165,6 +165,7 @@ fn run(pager: &Pager, op: &Op, uid: u32) -> Result<serde_json::Value, String> {
                 bulk: threads.map_or_else(BulkOptions::default, |n| {
                     BulkOptions::with_threads(capped_threads(n))
                 }),
+                durability: compressed_backing::Durability::Process,
             };
             let report = pager.offload(&config).map_err(|e| error_chain(&e))?;
             json(serde_json::to_value(report))

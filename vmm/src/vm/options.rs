@@ -26,6 +26,9 @@ pub struct VmOptions {
     pub ram_compression: bool,
     /// Codec of a compressed offload.
     pub ram_codec: String,
+    /// What the offload store's commits survive (`Process`: the VM's own store, not synced).
+    #[serde(default = "own_store")]
+    pub offload_durability: compressed_backing::Durability,
     /// The virtual disk's file.
     pub disk: PathBuf,
     /// Where offloaded RAM goes.
@@ -114,6 +117,7 @@ impl VmOptions {
             ram_backing,
             ram_compression: false,
             ram_codec: "lz4".into(),
+            offload_durability: compressed_backing::Durability::Process,
             disk,
             store_dir,
             cgroup: None,
@@ -146,6 +150,7 @@ impl VmOptions {
             dir: self.store_dir.clone(),
             codec: CodecConfig::new(codec),
             bulk: BulkOptions::with_threads(self.io_threads.max(1)),
+            durability: self.offload_durability,
         })
     }
 }
@@ -303,4 +308,9 @@ impl RemoteSnapshot {
             self.manifest.clone(),
         ))
     }
+}
+
+/// A VM's own offload store is read again only while its host runs.
+fn own_store() -> compressed_backing::Durability {
+    compressed_backing::Durability::Process
 }

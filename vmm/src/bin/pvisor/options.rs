@@ -154,6 +154,12 @@ pub struct RunArgs {
     /// Codec of a compressed offload: lz4 (default) or zstd[:LEVEL].
     #[arg(long = "vm-ram-codec", value_name = "CODEC")]
     pub ram_codec: Option<String>,
+    /// What an offload's store survives: process (default: the VM's own store, read again
+    /// only while this host runs; its batches are written back and out of the page cache
+    /// before the VM's pages go, but never synced) or host (every commit synced: it survives
+    /// a crash of the host, at about twice the offload time). docs/pager.md.
+    #[arg(long = "vm-offload-durability", value_name = "WHAT")]
+    pub offload_durability: Option<String>,
     /// A TOML file whose `[vm]` table sets any of these options (flags win).
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
@@ -199,6 +205,7 @@ struct ConfigVm {
     arenas: Option<bool>,
     ram_backing: Option<String>,
     ram_codec: Option<String>,
+    offload_durability: Option<String>,
     restore: Option<PathBuf>,
     memory_pool: Option<PathBuf>,
     governor: Option<PathBuf>,
@@ -233,6 +240,7 @@ pub struct Resolved {
     pub ram_backing: RamKind,
     pub ram_compression: bool,
     pub ram_codec: String,
+    pub offload_durability: compressed_backing::Durability,
     pub disk: Option<PathBuf>,
     pub cgroup: Option<PathBuf>,
     pub pager_threads: usize,
@@ -476,6 +484,20 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
     ram_codec
         .parse::<compressed_backing::Codec>()
         .map_err(|e| format!("--vm-ram-codec: {e}"))?;
+    let offload_durability = match args
+        .offload_durability
+        .clone()
+        .or(config.offload_durability)
+        .as_deref()
+    {
+        None | Some("process") => compressed_backing::Durability::Process,
+        Some("host") => compressed_backing::Durability::Host,
+        Some(other) => {
+            return Err(format!(
+                "--vm-offload-durability `{other}`: expected process or host"
+            ))
+        }
+    };
     if let Some(host) = host_memory() {
         if memory > host {
             return Err(format!(
@@ -697,6 +719,7 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
             .or(config.ram_compression)
             .unwrap_or(false),
         ram_codec,
+        offload_durability,
         disk,
         cgroup: args.cgroup.clone().or(config.cgroup),
         pager_threads: args.pager_threads.or(config.pager_threads).unwrap_or(1),

@@ -60,6 +60,7 @@ pub fn run(args: RunArgs) -> CliResult {
             ram_backing: resolved.ram_backing,
             ram_compression: resolved.ram_compression,
             ram_codec: resolved.ram_codec,
+            offload_durability: resolved.offload_durability,
             disk: resolved
                 .disk
                 .clone()

@@ -374,7 +374,7 @@ fn run_replay(
     let cpu = serde_json::json!({
         "replay_s": own_cpu_s() - cpu_before.0,
         "vms_s": vms_cpu_s(&vms) - cpu_before.1,
-        "sampler_s": recording.cpu.as_secs_f64(),
+        "sampler_s": recording.harness().cpu_s,
     });
     if let Some(path) = &args.samples {
         let offset = release.duration_since(sampling_started).as_secs_f64();
@@ -598,8 +598,9 @@ fn run_replay(
         if passed { "passed" } else { "FAILED" }
     );
     println!(
-        "  harness: one sampler thread, a tick {:.2} ms mean, {:.2} ms p99, {:.2} ms max \
-         ({} PSS readings), {:.2} s CPU; this process {:.2} s CPU, the VMs {:.2} s",
+        "  harness: {} sampling threads, a tick {:.2} ms mean, {:.2} ms p99, {:.2} ms max \
+         ({} PSS readings), {:.2} s CPU; this process {:.2} s CPU in all, the VMs {:.2} s",
+        harness.threads,
         harness.tick_mean_ms,
         harness.tick_p99_ms,
         harness.tick_max_ms,
