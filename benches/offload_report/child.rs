@@ -220,6 +220,7 @@ pub fn run() -> Res<()> {
         codec: CodecConfig::new(codec(&case.codec)?),
         bulk: BulkOptions::with_threads(case.threads),
         durability: compressed_backing::Durability::Process,
+        direct_reads: true,
     };
     let batching = case.batch.map_or(Batching::WHOLE, Batching::of);
     let started = Instant::now();

@@ -102,6 +102,7 @@ fn measure(
         codec: CodecConfig::new(codec),
         bulk: BulkOptions::default(),
         durability: compressed_backing::Durability::Process,
+        direct_reads: true,
     })?;
     let elapsed = started.elapsed().as_secs_f64();
     if report.pages_dropped != (resident / PAGE) as u64 {

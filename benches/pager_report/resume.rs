@@ -57,6 +57,7 @@ fn chain(run: usize, head_start_ms: u64, setup: &Setup<'_>, results: &mut Result
         codec: CodecConfig::new(Codec::Lz4),
         bulk: BulkOptions::default(),
         durability: compressed_backing::Durability::Process,
+        direct_reads: true,
     };
     let expected = ram::expected_sum(setup.image, setup.working_set);
     pager.offload(&config)?;

@@ -68,6 +68,10 @@ pub struct OffloadConfig {
     /// place, so a pager that takes over after this one was killed finds every batch);
     /// [`Durability::Host`] for a store that must survive a crash of the host.
     pub durability: Durability,
+    /// Whether the store is read back around the page cache (`O_DIRECT`, where its file
+    /// system allows; `DiskStore::set_drop_behind`). On by default; off reads through the page
+    /// cache and drops what was read (the way before, kept to measure against).
+    pub direct_reads: bool,
 }
 
 /// Image bytes of blocks per batch by default: 8 MiB (docs/bench/offload.md measures 2, 8,
@@ -473,6 +477,7 @@ impl Pager {
             let store = slot.as_mut().expect("opened above");
             store.set_codec(config.codec);
             store.set_durability(config.durability);
+            store.set_direct_reads(config.direct_reads);
         }
         let syncs_before = turn().syncs();
         // Nothing is evicted into the pool while the VM's RAM moves.

@@ -197,6 +197,7 @@ fn offload_config(dir: &std::path::Path, codec: Codec) -> OffloadConfig {
         codec: CodecConfig::new(codec),
         bulk: BulkOptions::with_threads(2),
         durability: compressed_backing::Durability::Host,
+        direct_reads: true,
     }
 }
 

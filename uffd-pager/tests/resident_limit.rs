@@ -182,6 +182,7 @@ impl Vm {
             codec: CodecConfig::new(Codec::Lz4),
             bulk: BulkOptions::with_threads(2),
             durability: compressed_backing::Durability::Host,
+            direct_reads: true,
         };
         self.pager.offload(&config).unwrap();
     }

@@ -4,6 +4,7 @@
 use super::files::{load_index, INDEX_PIECE, INDEX_READ_WHOLE};
 use super::*;
 use crate::codec::Codec;
+use crate::store::index::Index;
 use basics::error_chain;
 use std::io::Write;
 use std::time::Duration;

@@ -5,9 +5,11 @@ use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io;
-use std::os::unix::fs::FileExt;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -19,6 +21,96 @@ use crate::layout::BlockSize;
 thread_local! {
     /// Per-thread decoder and payload buffer: reads take `&self`.
     static READ_SCRATCH: RefCell<(Decoder, Vec<u8>)> = RefCell::new((Decoder::new(), Vec::new()));
+    /// Per-thread buffer of direct reads, aligned inside.
+    static DIRECT_SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Alignment of direct reads: offset, length and buffer (the page size; the devices here
+/// need 512 bytes).
+const DIRECT_ALIGN: usize = 4096;
+
+/// Segment files opened a second time with `O_DIRECT`, for reads that must leave nothing in
+/// the page cache (see `DiskStore::set_drop_behind`): such a read goes from the disk straight
+/// to our buffer, where a buffered one copies into the page cache, then to us, then drops the
+/// cache again (`pread` and `fadvise` were 22–24% of a VM's time in a resume: docs/governor.md).
+/// A segment whose file system refuses `O_DIRECT` (or a direct read of it) is read the
+/// buffered way.
+#[derive(Debug, Default)]
+pub(super) struct DirectFiles {
+    /// By segment: its direct descriptor, `None` where direct reads are refused.
+    files: Mutex<BTreeMap<u32, Option<Arc<File>>>>,
+    /// Payloads read directly.
+    reads: AtomicU64,
+}
+
+impl DirectFiles {
+    /// The direct descriptor of segment `id`, whose buffered one is `file`: the same file
+    /// opened again through `/proc/self/fd` (it may be unlinked by compaction already).
+    fn of(&self, id: u32, file: &File) -> Option<Arc<File>> {
+        let mut files = self
+            .files
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        files
+            .entry(id)
+            .or_insert_with(|| {
+                std::fs::OpenOptions::new()
+                    .read(true)
+                    .custom_flags(libc::O_DIRECT)
+                    .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
+                    .ok()
+                    .map(Arc::new)
+            })
+            .clone()
+    }
+
+    /// Direct reads of segment `id` are refused: read it the buffered way from now on.
+    fn refuse(&self, id: u32) {
+        let mut files = self
+            .files
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        files.insert(id, None);
+    }
+
+    /// Payloads read directly so far.
+    pub(super) fn reads(&self) -> u64 {
+        self.reads.load(Ordering::Relaxed)
+    }
+}
+
+/// Reads `out.len()` bytes at `offset` of `file` (opened with `O_DIRECT`): the aligned span
+/// around them into an aligned buffer, then the bytes out of it. `UnexpectedEof` if the file
+/// ends first; `InvalidInput` (`EINVAL`) if the file system will not read it directly.
+fn read_direct(file: &File, offset: u64, out: &mut [u8]) -> io::Result<()> {
+    let align = DIRECT_ALIGN as u64;
+    let start = offset & !(align - 1);
+    let end = (offset + out.len() as u64).div_ceil(align) * align;
+    let span =
+        usize::try_from(end - start).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
+    DIRECT_SCRATCH.with(|scratch| {
+        let raw = &mut *scratch.borrow_mut();
+        if raw.len() < span + DIRECT_ALIGN {
+            raw.resize(span + DIRECT_ALIGN, 0);
+        }
+        let skew = raw.as_ptr().align_offset(DIRECT_ALIGN);
+        let aligned = &mut raw[skew..skew + span];
+        let mut done = 0;
+        while done < span {
+            let n = file.read_at(&mut aligned[done..], start + done as u64)?;
+            done += n;
+            // End of file, or a short read: the next offset would not be aligned.
+            if n == 0 || done % DIRECT_ALIGN != 0 {
+                break;
+            }
+        }
+        let from = usize::try_from(offset - start).expect("under one alignment");
+        if done < from + out.len() {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        out.copy_from_slice(&aligned[from..from + out.len()]);
+        Ok(())
+    })
 }
 
 /// Finds the open file of a segment.
@@ -47,6 +139,8 @@ pub(super) struct ReadPath {
     pub fill: Option<Arc<dyn SegmentFill>>,
     pub sealed: bool,
     pub key: Option<(Arc<crate::seal::StoreKey>, Arc<[u8]>)>,
+    /// With `drop_behind`: the segments opened for direct reads.
+    pub direct: Option<Arc<DirectFiles>>,
 }
 
 /// Reads and checks the payload of `block` into `buf`; with `drop_behind`, drops the whole
@@ -61,9 +155,9 @@ pub(super) fn read_payload(
     file_of: &FileOf<'_>,
 ) -> Result<(), StoreError> {
     let Some(fill) = &how.fill else {
-        return read_checked(dir, block, data, buf, how.drop_behind, file_of);
+        return read_checked(dir, block, data, buf, how, file_of);
     };
-    match read_checked(dir, block, data, buf, how.drop_behind, file_of) {
+    match read_checked(dir, block, data, buf, how, file_of) {
         Err(StoreError::Corrupt { .. } | StoreError::SegmentTruncated { .. }) => {
             buf.resize(data.len as usize, 0);
             fill.fill(data.segment, data.offset, buf)
@@ -84,12 +178,30 @@ fn read_checked(
     block: u64,
     data: &DataRef,
     buf: &mut Vec<u8>,
-    drop_behind: bool,
+    how: &ReadPath,
     file_of: &FileOf<'_>,
 ) -> Result<(), StoreError> {
     let path = || dir.join(segment::file_name(data.segment));
     let file = file_of(data.segment).ok_or_else(|| StoreError::SegmentMissing { path: path() })?;
     buf.resize(data.len as usize, 0);
+    let direct = how
+        .direct
+        .as_ref()
+        .filter(|_| how.drop_behind)
+        .and_then(|direct| Some((direct, direct.of(data.segment, file)?)));
+    if let Some((direct, direct_file)) = direct {
+        match read_direct(&direct_file, data.offset, buf) {
+            Ok(()) => {
+                direct.reads.fetch_add(1, Ordering::Relaxed);
+                return check(dir, block, data, buf);
+            }
+            // This file system reads it only through the page cache.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => direct.refuse(data.segment),
+            // Anything else is for the buffered read to report (or get past).
+            Err(_) => {}
+        }
+    }
+    let drop_behind = how.drop_behind;
     file.read_exact_at(buf, data.offset).map_err(|e| {
         if e.kind() == io::ErrorKind::UnexpectedEof {
             StoreError::SegmentTruncated {
@@ -114,7 +226,7 @@ fn read_checked(
         // SAFETY: fadvise on an open descriptor of ours; it does not touch memory.
         unsafe {
             libc::posix_fadvise(
-                std::os::fd::AsRawFd::as_raw_fd(file),
+                file.as_raw_fd(),
                 libc::off_t::try_from(start).unwrap_or(libc::off_t::MAX),
                 libc::off_t::try_from(end - start).unwrap_or(0),
                 libc::POSIX_FADV_DONTNEED,

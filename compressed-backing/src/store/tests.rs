@@ -625,6 +625,62 @@ fn store_drop_behind_reads_leave_nothing_cached() {
 }
 
 #[test]
+fn store_drop_behind_reads_go_around_the_page_cache_where_the_file_system_allows() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = DiskStore::create(dir.path(), config(16, Codec::Lz4)).unwrap();
+    // Payloads of odd lengths at odd offsets: compressed blocks and raw ones.
+    for b in 0..16 {
+        let bytes = if b % 3 == 0 {
+            random_bytes(b, BS as usize)
+        } else {
+            block_bytes(b + 1, BS as usize)
+        };
+        store.put(b, &bytes).unwrap();
+    }
+    store.commit().unwrap();
+    store.set_drop_behind(true);
+    let mut out = vec![0u8; BS as usize];
+    for round in 0..2 {
+        for b in 0..16 {
+            store.get(b, &mut out).unwrap();
+            let expected = if b % 3 == 0 {
+                random_bytes(b, BS as usize)
+            } else {
+                block_bytes(b + 1, BS as usize)
+            };
+            assert!(out == expected, "round {round}, block {b}");
+        }
+    }
+    // A reader shares the direct descriptors and the count.
+    store.reader().get(5, &mut out).unwrap();
+    let direct = store.direct_reads();
+    if direct == 0 {
+        eprintln!(
+            "{}: no O_DIRECT here, read through the page cache",
+            dir.path().display()
+        );
+    } else {
+        assert_eq!(direct, 33);
+    }
+    // On a file system without direct I/O the same reads go the buffered way (a tmpfs
+    // mount needs root: a device test).
+    if testkit::skip_unless(&[]) {
+        return;
+    }
+    let tmpfs = testkit::Tmpfs::mount("4m");
+    let mut small = DiskStore::create(tmpfs.path().join("s"), config(4, Codec::Lz4)).unwrap();
+    for b in 0..4 {
+        small.put(b, &block_bytes(b + 7, BS as usize)).unwrap();
+    }
+    small.commit().unwrap();
+    small.set_drop_behind(true);
+    for b in 0..4 {
+        small.get(b, &mut out).unwrap();
+        assert!(out == block_bytes(b + 7, BS as usize));
+    }
+}
+
+#[test]
 fn store_drop_behind_reads_from_several_threads_leave_nothing_cached() {
     // What a pager's load does: threads reading blocks out of order, each dropping what it
     // read. Kernel readahead of one thread's read used to bring in blocks another thread had

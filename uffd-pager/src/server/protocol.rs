@@ -166,6 +166,7 @@ fn run(pager: &Pager, op: &Op, uid: u32) -> Result<serde_json::Value, String> {
                     BulkOptions::with_threads(capped_threads(n))
                 }),
                 durability: compressed_backing::Durability::Process,
+                direct_reads: true,
             };
             let report = pager.offload(&config).map_err(|e| error_chain(&e))?;
             json(serde_json::to_value(report))

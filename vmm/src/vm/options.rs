@@ -29,6 +29,9 @@ pub struct VmOptions {
     /// What the offload store's commits survive (`Process`: the VM's own store, not synced).
     #[serde(default = "own_store")]
     pub offload_durability: compressed_backing::Durability,
+    /// The offload store is read back around the page cache (`O_DIRECT`) where it can be.
+    #[serde(default = "reads_direct")]
+    pub direct_reads: bool,
     /// The virtual disk's file.
     pub disk: PathBuf,
     /// Where offloaded RAM goes.
@@ -118,6 +121,7 @@ impl VmOptions {
             ram_compression: false,
             ram_codec: "lz4".into(),
             offload_durability: compressed_backing::Durability::Process,
+            direct_reads: true,
             disk,
             store_dir,
             cgroup: None,
@@ -151,6 +155,7 @@ impl VmOptions {
             codec: CodecConfig::new(codec),
             bulk: BulkOptions::with_threads(self.io_threads.max(1)),
             durability: self.offload_durability,
+            direct_reads: self.direct_reads,
         })
     }
 }
@@ -313,4 +318,9 @@ impl RemoteSnapshot {
 /// A VM's own offload store is read again only while its host runs.
 fn own_store() -> compressed_backing::Durability {
     compressed_backing::Durability::Process
+}
+
+/// Reading the offload store around the page cache is the default.
+fn reads_direct() -> bool {
+    true
 }

@@ -160,6 +160,10 @@ pub struct RunArgs {
     /// a crash of the host, at about twice the offload time). docs/pager.md.
     #[arg(long = "vm-offload-durability", value_name = "WHAT")]
     pub offload_durability: Option<String>,
+    /// Read the offload store back around the page cache (O_DIRECT, where its file system
+    /// allows): true (default) or false (through the page cache, dropping what was read).
+    #[arg(long = "vm-direct-reads", num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub direct_reads: Option<bool>,
     /// A TOML file whose `[vm]` table sets any of these options (flags win).
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
@@ -206,6 +210,7 @@ struct ConfigVm {
     ram_backing: Option<String>,
     ram_codec: Option<String>,
     offload_durability: Option<String>,
+    direct_reads: Option<bool>,
     restore: Option<PathBuf>,
     memory_pool: Option<PathBuf>,
     governor: Option<PathBuf>,
@@ -241,6 +246,7 @@ pub struct Resolved {
     pub ram_compression: bool,
     pub ram_codec: String,
     pub offload_durability: compressed_backing::Durability,
+    pub direct_reads: bool,
     pub disk: Option<PathBuf>,
     pub cgroup: Option<PathBuf>,
     pub pager_threads: usize,
@@ -720,6 +726,7 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
             .unwrap_or(false),
         ram_codec,
         offload_durability,
+        direct_reads: args.direct_reads.or(config.direct_reads).unwrap_or(true),
         disk,
         cgroup: args.cgroup.clone().or(config.cgroup),
         pager_threads: args.pager_threads.or(config.pager_threads).unwrap_or(1),

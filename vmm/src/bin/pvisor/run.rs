@@ -61,6 +61,7 @@ pub fn run(args: RunArgs) -> CliResult {
             ram_compression: resolved.ram_compression,
             ram_codec: resolved.ram_codec,
             offload_durability: resolved.offload_durability,
+            direct_reads: resolved.direct_reads,
             disk: resolved
                 .disk
                 .clone()
