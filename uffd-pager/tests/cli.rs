@@ -137,6 +137,28 @@ fn cli_pack_info_verify_unpack_roundtrip() {
 }
 
 #[test]
+fn cli_output_to_a_closed_pipe_ends_quietly() {
+    // `uffd-pager info … | head` where `head` is gone before anything is written.
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = pack(dir.path(), &[]);
+    for args in [&["info"][..], &["info", "--json"], &["verify"]] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = bin()
+            .args(args)
+            .args(["--store", store.to_str().unwrap()])
+            .stdout(writer)
+            .output()
+            .unwrap();
+        let stderr = text(&out.stderr);
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(stderr.is_empty(), "{args:?}: {stderr}");
+        // What a shell shows for a process that SIGPIPE ended.
+        assert_eq!(out.status.code(), Some(141), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
 fn cli_pack_json_reports_what_was_written() {
     let dir = tempfile::tempdir().unwrap();
     let raw = dir.path().join("mem.raw");

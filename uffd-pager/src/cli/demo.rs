@@ -90,14 +90,21 @@ pub fn demo(size: u64, keep: Option<&Path>) -> CliResult {
         image.display()
     );
     let (digest, description) = write_image(&image, size)?;
-    println!("RAM image: {} ({description})", format_bytes(size));
-    println!();
-    println!(
+    say!("RAM image: {} ({description})", format_bytes(size));
+    say!();
+    say!(
         "{:<8} {:>12} {:>10} {:>9} {:>11} {:>9} {:>11} {:>7}",
-        "codec", "on disk", "saved", "ratio", "pack", "verify", "unpack", "bytes"
+        "codec",
+        "on disk",
+        "saved",
+        "ratio",
+        "pack",
+        "verify",
+        "unpack",
+        "bytes"
     );
     let raw_disk = compressed_backing::store::allocated_bytes(&image);
-    println!(
+    say!(
         "{:<8} {:>12} {:>10} {:>9} {:>11} {:>9} {:>11} {:>7}",
         "raw file",
         format_bytes(raw_disk),
@@ -129,7 +136,7 @@ pub fn demo(size: u64, keep: Option<&Path>) -> CliResult {
         let same = digest_file(&out)? == digest;
         fs::remove_file(&out)?;
         all_ok &= same && problems == 0;
-        println!(
+        say!(
             "{:<8} {:>12} {:>9.1}% {:>8.1}x {:>9.0}ms {:>7.0}ms {:>9.0}ms {:>7}",
             codec.to_string(),
             format_bytes(stats.disk_bytes),
@@ -161,8 +168,8 @@ pub fn demo(size: u64, keep: Option<&Path>) -> CliResult {
     let stats = mounted.unmount()?;
     let view_ok = view.as_ref().is_ok_and(|&d| d == digest);
     all_ok &= view_ok;
-    println!();
-    println!(
+    say!();
+    say!(
         "FUSE view of the zstd store: mmap of {} read in {:.0} ms, {} ({} blocks decompressed)",
         mountpoint.join("ram").display(),
         elapsed.as_secs_f64() * 1e3,
@@ -176,7 +183,7 @@ pub fn demo(size: u64, keep: Option<&Path>) -> CliResult {
     if keep.is_none() {
         fs::remove_dir_all(dir)?;
     } else {
-        println!("files kept in {}", dir.display());
+        say!("files kept in {}", dir.display());
     }
     Ok(if all_ok {
         ExitCode::SUCCESS

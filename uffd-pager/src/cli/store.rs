@@ -95,9 +95,9 @@ pub fn pack(
             "stats": stats,
             "uploaded": uploaded,
         });
-        println!("{value}");
+        say!("{value}");
     } else {
-        println!(
+        say!(
             "packed {} into {} in {:.2} s ({}): {} blocks ({} zero, {} same-byte, {} raw, {} compressed), {} stored, ratio {:.1}x",
             format_bytes(report.bytes),
             location,
@@ -112,7 +112,7 @@ pub fn pack(
             stats.ratio,
         );
         if let Some(up) = &uploaded {
-            println!(
+            say!(
                 "uploaded {} in {} chunks in {:.2} s; {} chunks of the previous image deleted",
                 format_bytes(up.bytes),
                 up.chunks,
@@ -132,7 +132,7 @@ pub fn unpack(store: &Path, out: &Path, threads: Option<usize>) -> CliResult {
     bar.finish_and_clear();
     let report = result?;
     let elapsed = start.elapsed();
-    println!(
+    say!(
         "unpacked {} to {} in {:.2} s ({}): {} blocks, {} zero",
         format_bytes(report.bytes),
         out.display(),
@@ -148,10 +148,10 @@ pub fn verify(store: &StoreLocation, remote: &RemoteArgs, json: bool) -> CliResu
     let opened = open_read_only(store, remote)?;
     let report = opened.verify();
     if json {
-        println!("{}", serde_json::to_string(&report)?);
+        say!("{}", serde_json::to_string(&report)?);
     } else {
         for problem in &report.problems {
-            println!(
+            say!(
                 "bad block {} in {} at offset {}: {}",
                 problem.block,
                 problem.path.display(),
@@ -159,7 +159,7 @@ pub fn verify(store: &StoreLocation, remote: &RemoteArgs, json: bool) -> CliResu
                 problem.reason
             );
         }
-        println!(
+        say!(
             "{}: {} stored blocks checked ({}), {} bad",
             store,
             report.blocks_checked,
@@ -179,45 +179,50 @@ pub fn info(store: &StoreLocation, remote: &RemoteArgs, json: bool) -> CliResult
     if json {
         let mut value = serde_json::to_value(&stats)?;
         value["store"] = serde_json::json!(store.to_string());
-        println!("{value}");
+        say!("{value}");
     } else {
-        print_info(store, &stats);
+        print_info(store, &stats)?;
     }
     Ok(ExitCode::SUCCESS)
 }
 
-fn print_info(store: &StoreLocation, s: &StoreStats) {
-    println!("store           {store}");
-    println!(
+fn print_info(store: &StoreLocation, s: &StoreStats) -> Result<(), super::StdoutClosed> {
+    say!("store           {store}");
+    say!(
         "image           {} ({} blocks of {})",
         format_bytes(s.image_size),
         s.blocks,
         format_bytes(s.block_size)
     );
-    println!("codec           {}", s.codec);
-    println!(
+    say!("codec           {}", s.codec);
+    say!(
         "blocks          {} present: {} zero, {} same-byte, {} raw, {} compressed",
-        s.present_blocks, s.zero_blocks, s.fill_blocks, s.raw_blocks, s.compressed_blocks
+        s.present_blocks,
+        s.zero_blocks,
+        s.fill_blocks,
+        s.raw_blocks,
+        s.compressed_blocks
     );
-    println!(
+    say!(
         "raw bytes       {} ({})",
         s.raw_bytes,
         format_bytes(s.raw_bytes)
     );
-    println!(
+    say!(
         "stored bytes    {} ({})",
         s.stored_bytes,
         format_bytes(s.stored_bytes)
     );
-    println!(
+    say!(
         "disk bytes      {} ({}) in {} segments, {} dead",
         s.disk_bytes,
         format_bytes(s.disk_bytes),
         s.segments,
         format_bytes(s.dead_bytes)
     );
-    println!("ratio           {:.2}x (raw bytes per disk byte)", s.ratio);
-    println!("generation      {}", s.generation);
+    say!("ratio           {:.2}x (raw bytes per disk byte)", s.ratio);
+    say!("generation      {}", s.generation);
+    Ok(())
 }
 
 pub fn mount(
@@ -242,7 +247,7 @@ pub fn mount(
         ..FuseOptions::default()
     };
     let mounted = fuse::mount(opened, mountpoint, &options)?;
-    println!("{}", mounted.file_path().display());
+    say!("{}", mounted.file_path().display());
     eprintln!(
         "serving {} from {}; stop with Ctrl-C or SIGTERM",
         mounted.file_path().display(),
