@@ -6,6 +6,8 @@
 //! - `AGENT_BENCH_WAITS=recorded`: the waits as recorded (232.7 s per task, as the seed ran
 //!   them), 16 VMs, off against the two offloads and offload with a prefetching reload; regenerates
 //!   `docs/bench/agent-waits-recorded.*` (about 4 minutes a run, 80 minutes for 5 rounds).
+//!   With `AGENT_BENCH_STEPS=N`, only the trajectory's first N steps (24: the density bench's
+//!   prefix, about a minute a run), reported as `docs/bench/agent-waits-prefix.*`.
 //!
 //! `cargo bench --bench agent_waits_report` runs `AGENT_BENCH_RUNS` (default 5) interleaved
 //! rounds. In each round every group — N VMs (`Settings::vms`: 1 and 16) under a strategy
@@ -229,10 +231,30 @@ fn settings(tmp: &Path) -> Res<Result<Settings, String>> {
         },
         "recorded" => {
             let recorded = root.join(TRAJECTORY_RECORDED);
+            // `AGENT_BENCH_STEPS=N`: the first N steps only (the density bench's prefix is 24),
+            // reported apart (`agent-waits-prefix`) so that the whole run's report stays.
+            let steps = match std::env::var("AGENT_BENCH_STEPS") {
+                Ok(text) => Some(text.parse::<usize>().ok().filter(|&n| n > 0).ok_or_else(
+                    || format!("AGENT_BENCH_STEPS=`{text}`: expected a number of steps above 0"),
+                )?),
+                Err(_) => None,
+            };
+            let (trajectory, replayed, stem) = match steps {
+                Some(steps) => {
+                    let (path, short) =
+                        common::replay::prefix(&recorded, steps, tmp, "prefix-trajectory.json")?;
+                    (path, short, "agent-waits-prefix")
+                }
+                None => (
+                    recorded.clone(),
+                    Trajectory::load(&recorded)?,
+                    "agent-waits-recorded",
+                ),
+            };
             Settings {
                 runs,
                 write_docs: true,
-                stem: "agent-waits-recorded",
+                stem,
                 vms: vec![16],
                 // Pausing frees nothing (the scaled bench shows it): the time goes to the
                 // other way of bringing RAM back instead.
@@ -244,8 +266,8 @@ fn settings(tmp: &Path) -> Res<Result<Settings, String>> {
                 ],
                 memory: "512MiB",
                 sample_ms: 100,
-                replayed: Trajectory::load(&recorded)?,
-                trajectory: recorded,
+                replayed,
+                trajectory,
                 run_limit: Duration::from_secs(900),
                 pvisor: pvisor?,
             }

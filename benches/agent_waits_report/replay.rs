@@ -65,7 +65,15 @@ impl Outcome {
             .map_or(f64::NAN, f64::from);
         put("exit_status", "code", code);
         put("wall_s", "s", self.wall_s);
-        let numbers: [(&str, &'static str, &[&str]); 14] = [
+        let numbers: [(&str, &'static str, &[&str]); 17] = [
+            (
+                "charged_gib_s",
+                "GiB·s per task",
+                &["memory_charged_gib_s_per_task"],
+            ),
+            // The VM processes' CPU, and the replay's own (sampler, model server) apart.
+            ("cpu_s", "s", &["cpu", "vms_s"]),
+            ("replay_cpu_s", "s", &["cpu", "replay_s"]),
             (
                 "guest_pss_gib_s",
                 "GiB·s per task",
@@ -109,6 +117,15 @@ impl Outcome {
                 self.number(path)
             };
             put(quantity, unit, value);
+        }
+        // What one offload took, over all the VMs' offloads.
+        let offloads = self.number(&["wait", "offloads"]);
+        if offloads > 0.0 {
+            put(
+                "ms_per_offload",
+                "ms",
+                self.number(&["wait", "offload_ms"]) / offloads,
+            );
         }
         let completions = self.completions();
         if !completions.is_empty() {

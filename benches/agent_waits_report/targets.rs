@@ -10,10 +10,14 @@ use crate::{Log, Settings, Strategy, BASE};
 pub const GUEST_PCT_MAX: f64 = 25.0;
 /// The completion window of a judged strategy, % over off's (at most).
 pub const WINDOW_CHANGE_MAX_PCT: f64 = 5.0;
+/// The VMs' CPU under a judged strategy, % of off's (at most; issue 35).
+pub const CPU_PCT_MAX: f64 = 130.0;
 
 /// The per-round figures against off: (derived quantity, measured quantity, as a change).
 /// `…_pct_of_off` is strategy ÷ off × 100; `…_change_pct` is (strategy ÷ off − 1) × 100.
-pub const AGAINST_OFF: [(&str, &str, bool); 5] = [
+pub const AGAINST_OFF: [(&str, &str, bool); 7] = [
+    ("charged_pct_of_off", "charged_gib_s", false),
+    ("cpu_pct_of_off", "cpu_s", false),
     ("guest_pss_pct_of_off", "guest_pss_gib_s", false),
     ("cgroup_pct_of_off", "cgroup_gib_s", false),
     ("window_change_pct", "window_s", true),
@@ -138,6 +142,23 @@ pub fn verdicts(results: &Results, settings: &Settings, log: &Log) -> Vec<Verdic
         .filter(|s| s.judged())
         .collect();
     let bounds = [
+        Bound {
+            target: format!(
+                "memory charged×time ≤ {GUEST_PCT_MAX:.0}% of off (the headline; pvisor quoted guest \
+                 PSS only)"
+            ),
+            derived: "charged_pct_of_off",
+            measured: ("charged_gib_s", 3, " GiB·s per task"),
+            max: GUEST_PCT_MAX,
+            change: false,
+        },
+        Bound {
+            target: format!("VMs' CPU ≤ {CPU_PCT_MAX:.0}% of off (issue 35)"),
+            derived: "cpu_pct_of_off",
+            measured: ("cpu_s", 1, " s"),
+            max: CPU_PCT_MAX,
+            change: false,
+        },
         Bound {
             target: format!(
                 "guest PSS×time ≤ {GUEST_PCT_MAX:.0}% of off (pvisor: {:.0}%)",

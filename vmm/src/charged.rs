@@ -4,7 +4,9 @@
 //! The headline is what the host pays for the VM: its memory cgroup's usage where it runs in
 //! one, else `process_memory_bytes` (the process's PSS with guest RAM counted as the RAM the
 //! host holds for it, mapped or not). Hugetlb pages are charged to no memory cgroup, so a VM of
-//! huge pages adds the pages it holds to its cgroup's usage. Guest PSS stays as a second
+//! huge pages adds the pages it holds to its cgroup's usage. (A cgroup v2 hierarchy mounted with
+//! `memory_hugetlb_accounting` does charge them, and there this sum would count them twice;
+//! these hosts have the memory controller on v1, which never does.) Guest PSS stays as a second
 //! figure: it misses memfd RAM that is resident but unmapped (cold compression unmaps the
 //! blocks it watches), so it flatters a memfd VM.
 

@@ -280,10 +280,10 @@ fn sample_ticks(
     (series, ticks, thread_cpu().saturating_sub(cpu))
 }
 
-/// The PSS: the VMs in turn, VM `i` of `n` at the deadlines `(k × n + i) × slot` where a slot
-/// is `pss_every × period / n`, so that each is read once in `pss_every` ticks and the walks
-/// are spread over them. A walk that runs late delays the next ones (their deadlines overrun
-/// are skipped), never a tick.
+/// The PSS: the VMs in strict turn, one walk per slot of `pss_every × period / n`, so that
+/// each is read once in `pss_every` ticks and the walks are spread over them. A walk that runs
+/// late delays the next ones (the slots it overran are skipped, never a VM's turn), never a
+/// tick.
 fn sample_pss(
     probes: &[Box<dyn Probe>],
     start: Instant,
@@ -296,16 +296,18 @@ fn sample_pss(
     let Some(n) = u32::try_from(probes.len()).ok().filter(|&n| n > 0) else {
         return (series, Duration::ZERO);
     };
-    let slot = plan.period * plan.pss_every.max(1) / n;
-    let mut turn: u32 = 0;
+    let slot = (plan.period * plan.pss_every.max(1) / n).max(Duration::from_micros(1));
+    // The slot on the grid, and whose turn it is: apart, so that a late walk skips slots,
+    // not VMs.
+    let (mut turn, mut vm): (u32, usize) = (0, 0);
     while !stop.load(Ordering::Relaxed) {
-        let vm = (turn % n) as usize;
         series[vm].push(GuestPoint {
             at: start.elapsed(),
             reading: probes[vm].guest().ok(),
         });
+        vm = (vm + 1) % probes.len();
         let now = start.elapsed();
-        turn = next_tick(turn, now, slot.max(Duration::from_micros(1)));
+        turn = next_tick(turn, now, slot);
         // Sleep in short steps: a long slot must not hold up the end of the recording.
         let due = slot * turn;
         while !stop.load(Ordering::Relaxed) && start.elapsed() < due {
@@ -426,10 +428,11 @@ impl Recording {
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         let mut work: Vec<Duration> = self.ticks.iter().map(|t| t.work).collect();
         work.sort_unstable();
-        let p99 = work
-            .len()
+        // Nearest rank: the smallest tick that 99% of them do not exceed.
+        let p99 = (work.len() * 99)
+            .div_ceil(100)
             .checked_sub(1)
-            .map_or(Duration::ZERO, |last| work[last * 99 / 100]);
+            .map_or(Duration::ZERO, |rank| work[rank]);
         let span = self
             .series
             .iter()

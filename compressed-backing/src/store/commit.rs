@@ -9,7 +9,9 @@ use super::index::Index;
 use super::{Committed, DiskStore, Durability, StoreError, INDEX_FILE, INDEX_TMP};
 
 impl DiskStore {
-    /// Makes all writes since the last commit durable, then compacts if the options say so.
+    /// Commits all writes since the last commit (durable against what the store's
+    /// [`Durability`] says: a crash of the host, or only the writer's end), then compacts if the
+    /// options say so.
     pub fn commit(&mut self) -> Result<u64, StoreError> {
         self.check_writable()?;
         self.write_index()?;

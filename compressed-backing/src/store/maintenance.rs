@@ -69,7 +69,8 @@ impl DiskStore {
             self.recount_live();
             return Err(e);
         }
-        for (_, seg) in retired {
+        for (id, seg) in retired {
+            self.forget_segment(id);
             report.segments_removed += 1;
             report.bytes_freed += seg.committed_len;
             fs::remove_file(&seg.path).map_err(StoreError::io("remove segment", &seg.path))?;

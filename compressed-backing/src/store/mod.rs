@@ -473,7 +473,18 @@ impl DiskStore {
     /// [`DiskStore::set_drop_behind`]). For this store and the readers taken from it from now
     /// on.
     pub fn set_direct_reads(&mut self, on: bool) {
-        self.how.direct = on.then(Arc::default);
+        match (on, &self.how.direct) {
+            (true, Some(_)) => {}
+            (true, None) => self.how.direct = Some(Arc::default()),
+            (false, _) => self.how.direct = None,
+        }
+    }
+
+    /// Segment `id` is deleted: no direct descriptor keeps its file's space.
+    fn forget_segment(&self, id: u32) {
+        if let Some(direct) = &self.how.direct {
+            direct.forget(id);
+        }
     }
 
     /// Payloads read around the page cache (`O_DIRECT`) by this store and its readers.
@@ -551,6 +562,7 @@ impl DiskStore {
                 if seg.committed_len == 0 {
                     let path = seg.path.clone();
                     self.segments.remove(&id);
+                    self.forget_segment(id);
                     if self.active == Some(id) {
                         self.active = None;
                     }

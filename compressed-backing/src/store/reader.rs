@@ -64,6 +64,15 @@ impl DirectFiles {
             .clone()
     }
 
+    /// Segment `id` is deleted: its direct descriptor goes, so that the file's space can.
+    pub(super) fn forget(&self, id: u32) {
+        let mut files = self
+            .files
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        files.remove(&id);
+    }
+
     /// Direct reads of segment `id` are refused: read it the buffered way from now on.
     fn refuse(&self, id: u32) {
         let mut files = self

@@ -77,8 +77,9 @@ pub struct ReplayArgs {
     /// tick, by one thread for all the VMs.
     #[arg(long, default_value_t = 100, value_name = "MS")]
     pub sample_ms: u64,
-    /// Read each VM's guest-RAM PSS (a walk of its page tables, ~10 ms for 512 MiB) once in
-    /// this many ticks, and only while a tick has used less than half its period.
+    /// Read each VM's guest-RAM PSS (a walk of its page tables, ~10 ms for 512 MiB) about once
+    /// in this many ticks, the VMs in turn on a thread of their own (a slow walk never delays
+    /// the ticks).
     #[arg(long, default_value_t = 10, value_name = "TICKS")]
     pub pss_every: u32,
     /// End with one JSON line of the summary.
@@ -371,9 +372,11 @@ fn run_replay(
             .collect()
     });
     let recording = sampler.finish();
+    let (vms_cpu, vms_gone) = vms_cpu_between(&cpu_before.1, &vms_cpu_s(&vms));
     let cpu = serde_json::json!({
         "replay_s": own_cpu_s() - cpu_before.0,
-        "vms_s": vms_cpu_s(&vms) - cpu_before.1,
+        "vms_s": vms_cpu,
+        "vms_gone": vms_gone,
         "sampler_s": recording.harness().cpu_s,
     });
     if let Some(path) = &args.samples {
@@ -645,8 +648,9 @@ fn run_replay(
     })
 }
 
-/// CPU time of `pid` (`None`: this process), seconds; 0 where it cannot be read.
-fn cpu_s(pid: Option<u32>) -> f64 {
+/// CPU time of `pid` (`None`: this process), seconds; `None` where it cannot be read (the
+/// process is gone).
+fn cpu_s(pid: Option<u32>) -> Option<f64> {
     let process = match pid {
         Some(pid) => i32::try_from(pid)
             .map_err(|_| procfs::ProcError::NotFound(None))
@@ -654,19 +658,34 @@ fn cpu_s(pid: Option<u32>) -> f64 {
         None => procfs::process::Process::myself(),
     };
     #[allow(clippy::cast_precision_loss, reason = "clock ticks of one run")]
-    process.and_then(|p| p.stat()).map_or(0.0, |s| {
-        (s.utime + s.stime) as f64 / procfs::ticks_per_second() as f64
-    })
+    process
+        .and_then(|p| p.stat())
+        .ok()
+        .map(|s| (s.utime + s.stime) as f64 / procfs::ticks_per_second() as f64)
 }
 
 /// This process's CPU time, seconds.
 fn own_cpu_s() -> f64 {
-    cpu_s(None)
+    cpu_s(None).unwrap_or(0.0)
 }
 
-/// The VM processes' CPU time, seconds, summed.
-fn vms_cpu_s(vms: &[Identity]) -> f64 {
-    vms.iter().map(|vm| cpu_s(Some(vm.pid))).sum()
+/// Each VM process's CPU time, seconds (`None`: gone).
+fn vms_cpu_s(vms: &[Identity]) -> Vec<Option<f64>> {
+    vms.iter().map(|vm| cpu_s(Some(vm.pid))).collect()
+}
+
+/// The VMs' CPU between two readings: summed over the VMs read both times, and how many
+/// were gone at the second (their CPU is not in the sum, which then says too little).
+fn vms_cpu_between(before: &[Option<f64>], after: &[Option<f64>]) -> (f64, usize) {
+    let mut gone = 0;
+    let mut sum = 0.0;
+    for (b, a) in before.iter().zip(after) {
+        match (b, a) {
+            (Some(b), Some(a)) => sum += a - b,
+            _ => gone += 1,
+        }
+    }
+    (sum, gone)
 }
 
 /// Where one VM's digests part from the reference VM's: the first step whose digest differs,
