@@ -18,10 +18,11 @@ const NOT_MEASURED: &str = "NOT MEASURED";
 
 /// The arenas' guest PSS × time, % of cold compression's (at most).
 pub const ARENAS_OF_COLD_MAX_PCT: f64 = 50.0;
-/// The arenas' completion window, % over off's (at most).
-pub const ARENAS_WINDOW_MAX_PCT: f64 = 2.0;
-/// Arenas with offload: its completion window, % over off's (at most).
-pub const ARENAS_OFFLOAD_WINDOW_MAX_PCT: f64 = 3.0;
+/// The arenas' completion window, % over off's (at most; issue 35 replaced issue 16's +2%).
+pub const ARENAS_WINDOW_MAX_PCT: f64 = 3.0;
+/// Arenas with offload: its completion window, % over off's (at most; issue 35 replaced
+/// issue 16's +3%).
+pub const ARENAS_OFFLOAD_WINDOW_MAX_PCT: f64 = 8.0;
 
 /// The two memory × time measures: (quantity, words).
 const MEASURES: [(&str, &str); 2] = [
