@@ -1,6 +1,6 @@
-//! Honest memory × time (issues 7 and 35): one sampler thread reads every VM's memory at a
-//! fixed period, keeps what it could not read and when it was late, and integrates memory over
-//! time.
+//! Honest memory × time (issues 7 and 35): a sampler reads every VM's memory at a fixed
+//! period on two threads, keeps what it could not read and when it was late, and integrates
+//! memory over time.
 //!
 //! Samples are taken at absolute deadlines (`start + k × period`), so one slow tick does not
 //! shift the ones after it; a tick that comes late is kept with its real time, and the time

@@ -49,12 +49,7 @@ const HUGETLB_FIELDS: [&str; 2] = ["Private_Hugetlb", "Shared_Hugetlb"];
 /// PSS of the mappings inside `[start, start + len)`, bytes, with their hugetlb pages (guest
 /// RAM can be split into several: the memory pool maps runs of it from its memfd).
 pub fn range_pss(start: u64, len: u64) -> std::io::Result<u64> {
-    range_pss_of(None, start, len)
-}
-
-/// [`range_pss`] of another process (`None`: this one).
-pub fn range_pss_of(pid: Option<u32>, start: u64, len: u64) -> std::io::Result<u64> {
-    range_memory_of(pid, start, len).map(|m| m.pss + m.hugetlb)
+    range_memory_of(None, start, len).map(|m| m.pss + m.hugetlb)
 }
 
 /// What the mappings inside a range hold, bytes.

@@ -13,7 +13,7 @@ use serde_json::Value;
 use vmm::sampler::{Plan, Probe, Quantity, Sampler, VmProbe};
 
 mod common;
-use common::{skip, text, Detached};
+use common::{alive, skip, text, Detached};
 
 /// Threads of process `pid` whose name starts with `prefix`.
 fn threads_named(pid: u32, prefix: &str) -> usize {
@@ -59,17 +59,11 @@ fn replay_of_32_vms_samples_them_through_two_threads() {
     // While it runs: the sampler's threads, and all of the replay's.
     let (mut samplers, mut all) = (0, 0);
     let deadline = Instant::now() + Duration::from_secs(300);
-    while std::fs::metadata(format!("/proc/{pid}/task")).is_ok() && Instant::now() < deadline {
+    while alive(pid) && Instant::now() < deadline {
         let now = threads_named(pid, vmm::sampler::THREAD_NAME);
         samplers = samplers.max(now);
         if now > 0 {
             all = all.max(threads_named(pid, ""));
-        }
-        if std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-            s.rsplit_once(')')
-                .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
-        }) {
-            break;
         }
         std::thread::sleep(Duration::from_millis(20));
     }

@@ -10,19 +10,12 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{pvisor, skip, text, CgroupParent};
+use common::{alive, pvisor, skip, text, CgroupParent};
 
 fn write_trajectory(dir: &Path, steps: &str) -> PathBuf {
     let path = dir.join("trajectory.json");
     std::fs::write(&path, format!(r#"{{"name": "t", "steps": [{steps}]}}"#)).unwrap();
     path
-}
-
-fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-        !s.rsplit_once(')')
-            .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
-    })
 }
 
 #[test]

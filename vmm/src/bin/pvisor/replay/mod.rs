@@ -372,12 +372,13 @@ fn run_replay(
             .collect()
     });
     let recording = sampler.finish();
+    let harness = recording.harness();
     let (vms_cpu, vms_gone) = vms_cpu_between(&cpu_before.1, &vms_cpu_s(&vms));
     let cpu = serde_json::json!({
         "replay_s": own_cpu_s() - cpu_before.0,
         "vms_s": vms_cpu,
         "vms_gone": vms_gone,
-        "sampler_s": recording.harness().cpu_s,
+        "sampler_s": harness.cpu_s,
     });
     if let Some(path) = &args.samples {
         let offset = release.duration_since(sampling_started).as_secs_f64();
@@ -542,6 +543,8 @@ fn run_replay(
             .sum::<f64>()
             / n as f64
     };
+    let (charged_per_task, guest_per_task) =
+        (per_task(Quantity::Charged), per_task(Quantity::GuestPss));
     let window = outcomes
         .iter()
         .map(|o| o.elapsed)
@@ -564,8 +567,8 @@ fn run_replay(
         "sampling_passed": integrity.passed,
         "failures": failures,
         "results_digest": results_digest,
-        "memory_charged_gib_s_per_task": per_task(Quantity::Charged),
-        "guest_pss_gib_s_per_task": per_task(Quantity::GuestPss),
+        "memory_charged_gib_s_per_task": charged_per_task,
+        "guest_pss_gib_s_per_task": guest_per_task,
         "cgroup_mem_gib_s_per_task": per_task(Quantity::Cgroup),
         "completion_window_s": window,
         "completion_s": outcomes.iter().map(|o| o.elapsed.as_secs_f64()).collect::<Vec<_>>(),
@@ -577,7 +580,7 @@ fn run_replay(
         "throughput_tasks_per_min": if window > 0.0 { n as f64 / window * 60.0 } else { 0.0 },
         "model_requests_served": server.served(),
         "sampling": integrity,
-        "harness": recording.harness(),
+        "harness": harness,
         "cpu": cpu,
         "wait": wait,
         "memory_budget_bytes": budget,
@@ -585,7 +588,6 @@ fn run_replay(
         "oom_kills": oom_kills.iter().sum::<u64>(),
         "governor": governor_status,
     });
-    let harness = recording.harness();
     println!(
         "replay {}: {} VM(s), {}: window {:.2} s, memory charged×time {:.4} GiB·s per task \
          (guest PSS×time {:.4}), {} samples (largest gap {:.3} s, {} dropped); integrity {}",
@@ -593,8 +595,8 @@ fn run_replay(
         n,
         args.strategy,
         window,
-        per_task(Quantity::Charged),
-        per_task(Quantity::GuestPss),
+        charged_per_task,
+        guest_per_task,
         integrity.samples,
         integrity.largest_gap_s,
         integrity.dropped,
