@@ -11,7 +11,13 @@
 //! - `huge-base`, `huge-CODEC-lazy|eager`: `base` and `CODEC-lazy|eager` on RAM of 2 MiB huge
 //!   pages (`--vm-ram-backing hugetlb`);
 //! - `thp-raw-eager`: `raw-eager` with the RAM that came back remapped with transparent huge
-//!   pages before the task (`--vm-thp-collapse`; the collapse is part of the resume).
+//!   pages before the task (`--vm-thp-collapse`; the collapse is part of the resume);
+//! - `floor-CODEC`: the same offload, then no resume: the floor a load cannot go under on this
+//!   host, in two timed parts. Every stored block is read from the store, out of the page cache,
+//!   through the pager's own reader (its read path, checksums and decoding), into one block
+//!   buffer; then as many bytes are installed with `UFFDIO_COPY`, block by block from that
+//!   buffer, into fresh anonymous memory registered on a userfaultfd of this process (no guest,
+//!   so no re-entry).
 
 use std::fs;
 use std::path::Path;
@@ -46,6 +52,10 @@ pub enum Case {
     },
     /// A raw offload, an eager resume and `MADV_COLLAPSE` of what came back.
     Thp,
+    /// An offload, then the floor of loading it back: a cold read and an install, timed apart.
+    Floor {
+        codec: Codec,
+    },
 }
 
 impl Case {
@@ -60,6 +70,7 @@ impl Case {
                 format!("huge-{}-{}", codec.name(), mode(eager))
             }
             Case::Thp => "thp-raw-eager".into(),
+            Case::Floor { codec } => format!("floor-{}", codec.name()),
         }
     }
 
@@ -73,7 +84,7 @@ impl Case {
 }
 
 /// Every case of one content, in the order of run 0.
-pub const CASES: [Case; 16] = [
+pub const CASES: [Case; 18] = [
     Case::Base,
     Case::Resume {
         codec: Codec::Raw,
@@ -129,6 +140,8 @@ pub const CASES: [Case; 16] = [
         eager: true,
     },
     Case::Thp,
+    Case::Floor { codec: Codec::Raw },
+    Case::Floor { codec: Codec::Lz4 },
 ];
 
 fn mib(bytes: u64) -> f64 {
@@ -152,21 +165,24 @@ pub fn run_case(
     let key = |quantity: &str| format!("vm.{}.{name}.{quantity}", content.name());
     let codec = match case {
         Case::Base | Case::HugeBase | Case::Thp => Codec::Raw,
-        Case::Resume { codec, .. } | Case::Touch { codec, .. } | Case::HugeResume { codec, .. } => {
-            codec
-        }
+        Case::Resume { codec, .. }
+        | Case::Touch { codec, .. }
+        | Case::HugeResume { codec, .. }
+        | Case::Floor { codec } => codec,
     };
     let store_dir = dir.join(format!("store-{}-{name}", content.name()));
     let disk = dir.join(format!("disk-{}-{name}.img", content.name()));
     let _ = fs::remove_dir_all(&store_dir);
     let _ = fs::remove_file(&disk);
-    let mut vm = Vm::start(VmOptions {
+    let options = VmOptions {
         ram_compression: codec != Codec::Raw,
         ram_codec: codec.codec_name().into(),
         thp_collapse: case == Case::Thp,
         // Otherwise what `pvisor run` uses by default.
         ..VmOptions::new(settings.memory, case.ram(), disk.clone(), store_dir.clone())
-    })?;
+    };
+    let io_threads = options.io_threads.max(1);
+    let mut vm = Vm::start(options)?;
     let fill = format!(
         "fill {} {} seed={}; digest",
         settings.app,
@@ -217,7 +233,7 @@ pub fn run_case(
             return Ok(());
         }
         Case::Resume { eager, .. } | Case::HugeResume { eager, .. } => (eager, false),
-        Case::Thp => (true, false),
+        Case::Thp | Case::Floor { .. } => (true, false),
         Case::Touch { eager, .. } => (eager, true),
     };
 
@@ -259,6 +275,18 @@ pub fn run_case(
         mib(testkit::page_cache::cached_bytes(&store_dir)),
     );
     let before = offloaded.pager;
+    if let Case::Floor { .. } = case {
+        let reader = vm
+            .machine()
+            .pager()
+            .store_reader()
+            .ok_or("the offload left the pager no store to read")?;
+        floor(&reader, &store_dir, io_threads, &key, run, results)?;
+        drop(vm);
+        let _ = fs::remove_dir_all(&store_dir);
+        let _ = fs::remove_file(&disk);
+        return Ok(());
+    }
 
     crate::settle();
     let started = Instant::now();
@@ -312,6 +340,104 @@ pub fn run_case(
     drop(vm);
     let _ = fs::remove_dir_all(&store_dir);
     let _ = fs::remove_file(&disk);
+    Ok(())
+}
+
+/// What a floor thread does with one block: (block, offset in the install target, a buffer of
+/// the block's length).
+type BlockWork<'a> = dyn Fn(u64, usize, &mut [u8]) -> Result<(), String> + Sync + 'a;
+
+/// The floor of loading an offloaded VM back, measured on its own store with as many threads
+/// as the VM's load uses (`io_threads`, taking blocks in ascending order from one counter, as
+/// the eager load does), in two phases: `floor_read_ms`, every stored block read cold through
+/// the pager's reader (its read path, checksums and decoding) into a block buffer per thread,
+/// then `floor_install_ms`, as many bytes installed with `UFFDIO_COPY` from such a buffer into
+/// fresh registered anonymous memory. Blocks stored as zeros are left out of both (a load maps
+/// nothing for them).
+fn floor(
+    reader: &compressed_backing::StoreReader,
+    store_dir: &Path,
+    threads: usize,
+    key: &dyn Fn(&str) -> String,
+    run: usize,
+    results: &mut Results,
+) -> Res<()> {
+    use compressed_backing::BlockKind;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use uffd_pager::addr::{HostAddr, HostRange};
+    use uffd_pager::uffd::{Mode, Userfaultfd};
+
+    let image = reader.image_size();
+    let block_size = reader.block_size();
+    let len = |b: u64| block_size.len_in_image(b, image);
+    // (block, offset in the install target) of every block holding data.
+    let mut blocks = Vec::new();
+    let mut total = 0usize;
+    for b in 0..image.div_ceil(block_size.bytes_u64()) {
+        if !matches!(reader.kind(b), None | Some(BlockKind::Zero)) {
+            blocks.push((b, total));
+            total += len(b);
+        }
+    }
+    if total == 0 {
+        return Err("the offload stored no data".into());
+    }
+    // Each of `threads` workers takes the next block from one counter until none is left.
+    let in_parallel = |work: &BlockWork<'_>| -> Res<f64> {
+        let next = AtomicUsize::new(0);
+        let started = Instant::now();
+        let outcomes: Vec<Result<(), String>> = std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    scope.spawn(|| -> Result<(), String> {
+                        let mut buf = vec![0u8; block_size.bytes()];
+                        while let Some(&(b, at)) = blocks.get(next.fetch_add(1, Ordering::Relaxed))
+                        {
+                            work(b, at, &mut buf[..len(b)])?;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .map(|w| {
+                    w.join()
+                        .unwrap_or_else(|_| Err("a floor thread panicked".into()))
+                })
+                .collect()
+        });
+        let elapsed = ms(started);
+        outcomes.into_iter().collect::<Result<Vec<()>, String>>()?;
+        Ok(elapsed)
+    };
+
+    testkit::page_cache::drop_cached(store_dir);
+    results.put(
+        &key("floor_store_cached_mib"),
+        "MiB",
+        run,
+        mib(testkit::page_cache::cached_bytes(store_dir)),
+    );
+    crate::settle();
+    let read = in_parallel(&|b, _, buf| reader.get(b, buf).map(drop).map_err(|e| e.to_string()))?;
+    results.put(&key("floor_read_ms"), "ms", run, read);
+
+    let map = testkit::Mapping::try_anon(total)?;
+    let range = HostRange::new(HostAddr::from_ptr(map.as_ptr()), total as u64)?;
+    let uffd = Userfaultfd::create(0)?;
+    // SAFETY: `map` outlives `uffd` (declared before it) and is touched only through it.
+    unsafe { uffd.register(range, Mode::MISSING)? };
+    let start = range.start().0;
+    let install = in_parallel(&|_, at, buf| {
+        uffd.copy(HostAddr(start + at as u64), buf, false)
+            .map(drop)
+            .map_err(|e| e.to_string())
+    })?;
+    results.put(&key("floor_install_ms"), "ms", run, install);
+    results.put(&key("floor_mib"), "MiB", run, mib(total as u64));
+    results.put(&key("floor_blocks"), "blocks", run, blocks.len() as f64);
+    results.put(&key("floor_threads"), "threads", run, threads as f64);
     Ok(())
 }
 

@@ -16,7 +16,8 @@
 //!   on a never-offloaded `pvisor` VM.
 //!
 //! `VM_BENCH_CASES=NAME,…` runs only those in-process cases (`base`, `raw-lazy`,
-//! `huge-lz4-eager`, …), without the `pvisor` part, and writes no report.
+//! `huge-lz4-eager`, `floor-raw`, …), without the `pvisor` part, and writes no report: its
+//! figures go to `target/vm_report-cases.csv`.
 //!
 //! Run `r` does the two parts in the order in-process → pvisor for even `r` and reversed for
 //! odd `r`, swaps the order of the contents likewise, and rotates the order of the cases by
@@ -261,7 +262,12 @@ fn run() -> Res<()> {
         eprintln!("vm_report: {}: {} ({})", v.target, v.result, v.figure);
     }
     if settings.only.is_some() {
-        eprintln!("vm_report: a part of the cases (VM_BENCH_CASES) in {elapsed_s:.1} s: no report written");
+        let csv = common::host::target_dir().join("vm_report-cases.csv");
+        write(&csv, &results.csv())?;
+        eprintln!(
+            "vm_report: a part of the cases (VM_BENCH_CASES) in {elapsed_s:.1} s: no report written; figures in {}",
+            csv.display()
+        );
         return Ok(());
     }
     if !settings.write_docs {
@@ -307,7 +313,7 @@ fn derive(results: &mut Results, settings: &Settings) {
             let name = case.name();
             let k = |q: &str| format!("vm.{c}.{name}.{q}");
             match case {
-                inproc::Case::Base | inproc::Case::HugeBase => {}
+                inproc::Case::Base | inproc::Case::HugeBase | inproc::Case::Floor { .. } => {}
                 inproc::Case::Resume { .. }
                 | inproc::Case::HugeResume { .. }
                 | inproc::Case::Thp => {
@@ -371,6 +377,36 @@ fn derive(results: &mut Results, settings: &Settings) {
                 if let [Some(total), Some(load), Some(reentry), Some(task)] = parts {
                     results.put(&eager("rest_ms"), "ms", run, total - load - reentry - task);
                 }
+            }
+        }
+        // The load itself (issue 35): resume + task less the never-offloaded task and the
+        // re-entry, against the floor of the same codec measured in the same run.
+        for codec in [Codec::Raw, Codec::Lz4] {
+            let n = codec.name();
+            let floor = |q: &str| format!("vm.{c}.floor-{n}.{q}");
+            let reentry = format!("vm.{c}.touch-{n}-eager.touch_extra_ms");
+            for run in 0..runs {
+                if let (Some(read), Some(install)) = (
+                    results.value(&floor("floor_read_ms"), run),
+                    results.value(&floor("floor_install_ms"), run),
+                ) {
+                    results.put(&floor("floor_ms"), "ms", run, read + install);
+                }
+            }
+            for mode in ["lazy", "eager"] {
+                let k = |q: &str| format!("vm.{c}.{n}-{mode}.{q}");
+                for run in 0..runs {
+                    let parts = [
+                        results.value(&k("resume_task_ms"), run),
+                        results.value(&base_task, run),
+                        results.value(&reentry, run),
+                    ];
+                    if let [Some(total), Some(task), Some(reentry)] = parts {
+                        results.put(&k("load_ms"), "ms", run, total - task - reentry);
+                        results.put(&k("ratio_less_reentry"), "×", run, (total - reentry) / task);
+                    }
+                }
+                results.ratio(&k("load_floor"), &k("load_ms"), &floor("floor_ms"), runs);
             }
         }
         let base = format!("pvisor.{c}.base.task_ms");

@@ -11,6 +11,9 @@ pub const RATIO_TARGET: f64 = 1.3;
 pub const HUGE_RATIO_TARGET: f64 = 1.2;
 /// Issue 14: synchronous faults of a lazy resume + task on huge-page RAM, per 64 MiB touched.
 pub const HUGE_FAULTS_TARGET: f64 = 64.0;
+/// Issue 35: the load itself (resume + task − the never-offloaded task − the re-entry) against
+/// the floor of reading the store cold and installing it at the measured `UFFDIO_COPY` rate.
+pub const LOAD_FLOOR_TARGET: f64 = 1.2;
 pub const PSS_TARGET_MIB: f64 = 4.0;
 pub const BACKING_TARGET_MIB: f64 = 1.0;
 
@@ -143,6 +146,20 @@ pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
             HUGE_RATIO_TARGET,
         ));
     }
+    for codec in [Codec::Raw, Codec::Lz4] {
+        for mode in ["lazy", "eager"] {
+            let n = codec.name();
+            out.push(median_verdict(
+                results,
+                &|c| format!("vm.{c}.{n}-{mode}.load_floor"),
+                LOAD_FLOOR_TARGET,
+                format!(
+                    "the load ≤ {LOAD_FLOOR_TARGET}× its floor (reading the store cold + \
+                     installing at the `UFFDIO_COPY` rate), in process, {n} offload, {mode} resume"
+                ),
+            ));
+        }
+    }
     // Synchronous faults per 64 MiB of data touched by the task after a lazy resume.
     let per_64 = 64.0 * MIB as f64 / settings.app as f64;
     let mut ok = true;
@@ -183,10 +200,26 @@ pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
 /// Whether resume + task of `case` in `scope` stays within `target`× the never-offloaded
 /// task, by its median over the runs, for both contents.
 fn ratio_verdict(results: &Results, scope: &str, case: &str, what: &str, target: f64) -> Verdict {
+    median_verdict(
+        results,
+        &|c| format!("{scope}.{c}.{case}.ratio"),
+        target,
+        format!("resume + task ≤ {target}× the never-offloaded task, {what}"),
+    )
+}
+
+/// Whether the ratio at `key(content)` stays within `target` by its median over the runs, for
+/// both contents.
+fn median_verdict(
+    results: &Results,
+    key: &dyn Fn(&str) -> String,
+    target: f64,
+    label: String,
+) -> Verdict {
     let mut ok = true;
     let mut parts = Vec::new();
     for content in Content::ALL {
-        let key = format!("{scope}.{}.{case}.ratio", content.name());
+        let key = key(content.name());
         let Some(s) = results.summary(&key) else {
             ok = false;
             continue;
@@ -203,7 +236,7 @@ fn ratio_verdict(results: &Results, scope: &str, case: &str, what: &str, target:
         ));
     }
     Verdict {
-        target: format!("resume + task ≤ {target}× the never-offloaded task, {what}"),
+        target: label,
         figure: parts.join("; "),
         result: verdict(ok),
     }

@@ -46,3 +46,22 @@ pub fn cached_bytes(dir: &Path) -> u64 {
     }
     total
 }
+
+/// Asks the kernel to drop the page cache of the files in `dir` (`POSIX_FADV_DONTNEED`; dirty
+/// pages are written back first by the caller's `sync`, or stay). Errors are ignored: what is
+/// left is what [`cached_bytes`] reports.
+pub fn drop_cached(dir: &Path) {
+    use std::os::fd::AsRawFd;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.filter_map(Result::ok) {
+        if !entry.file_type().is_ok_and(|t| t.is_file()) {
+            continue;
+        }
+        if let Ok(file) = std::fs::File::open(entry.path()) {
+            // SAFETY: advice on a descriptor we hold open; no memory is involved.
+            unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        }
+    }
+}
