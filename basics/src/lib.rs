@@ -4,11 +4,14 @@
 //! - [`error`]: an error with all its causes, as binaries and replies print it.
 //! - [`page`]: the page size as a value and the arithmetic of pages.
 //! - [`rate`]: logs a guest or a peer can cause, kept to a burst per interval.
+//! - [`output`]: a command's output when nobody reads it any more (`… | head`): the binaries
+//!   end quietly.
 
 // Library code does not print (clippy.toml's `disallowed-macros`); its tests may.
 #![cfg_attr(not(test), warn(clippy::disallowed_macros))]
 
 pub mod error;
+pub mod output;
 pub mod page;
 pub mod rate;
 pub mod size;

@@ -82,13 +82,8 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match run(cli) {
-        Ok(code) => code,
-        Err(e) => {
-            eprintln!("ksm-advisor: error: {}", basics::error_chain(&*e));
-            ExitCode::FAILURE
-        }
-    }
+    // Nobody reads the output any more (`… | head`): it ends quietly.
+    basics::output::exit_code("ksm-advisor: error: ", run(cli))
 }
 
 type Error = Box<dyn std::error::Error>;
@@ -106,8 +101,8 @@ fn run(cli: Cli) -> Result<ExitCode, Error> {
             let ksm = Ksm::system()?;
             if restore {
                 match tune::restore(&ksm, &cli.state_dir, force)? {
-                    Some(knobs) => println!("restored: {}", line(&knobs)),
-                    None => println!("nothing to restore: KSM was not tuned by ksm-advisor"),
+                    Some(knobs) => basics::say!("restored: {}", line(&knobs)),
+                    None => basics::say!("nothing to restore: KSM was not tuned by ksm-advisor"),
                 }
                 return Ok(ExitCode::SUCCESS);
             }
@@ -130,13 +125,13 @@ fn run(cli: Cli) -> Result<ExitCode, Error> {
             }
             let stat = process::ksm_stat(Some(pid))?;
             if cli.json {
-                println!(
+                basics::say!(
                     "{}",
                     serde_json::json!({"pid": pid, "eligible_bytes": eligible,
                         "advised_bytes": advised, "ksm": stat})
                 );
             } else {
-                println!(
+                basics::say!(
                     "pid {pid}: {} of {} of private memory is marked mergeable{}; {} pages merged",
                     mib(advised),
                     mib(eligible),
@@ -172,9 +167,9 @@ fn run(cli: Cli) -> Result<ExitCode, Error> {
                 .collect();
             let found = estimate::estimate(&targets, rate)?;
             if cli.json {
-                println!("{}", serde_json::to_string(&found)?);
+                basics::say!("{}", serde_json::to_string(&found)?);
             } else {
-                println!(
+                basics::say!(
                     "{} resident in mergeable memory; KSM would free about {} ({:.1}%) \
                      (sampled {} pages, 1 in {} by content)",
                     mib(found.resident_pages * 4096),
@@ -209,10 +204,10 @@ fn hold(
 ) -> Result<ExitCode, Error> {
     let signals = block_signals()?;
     let tuning = Tuning::acquire(ksm, state_dir, &profile.knobs(ksm))?;
-    println!("tuned: {}", line(&ksm.knobs()?));
+    basics::announce!("tuned: {}", line(&ksm.knobs()?));
     match until_exit {
-        Some(pid) => println!("holding until process {pid} exits"),
-        None => println!("holding until interrupted"),
+        Some(pid) => basics::announce!("holding until process {pid} exits"),
+        None => basics::announce!("holding until interrupted"),
     }
     loop {
         if wait_signal(&signals, Duration::from_millis(500)) {
@@ -223,8 +218,8 @@ fn hold(
         }
     }
     match tuning.release()? {
-        Released::Restored(knobs) => println!("restored: {}", line(&knobs)),
-        Released::StillHeld(n) => println!("released; {n} other holder(s) keep KSM tuned"),
+        Released::Restored(knobs) => basics::announce!("restored: {}", line(&knobs)),
+        Released::StillHeld(n) => basics::announce!("released; {n} other holder(s) keep KSM tuned"),
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -284,15 +279,15 @@ fn status(state_dir: &std::path::Path, pids: &[u32], json: bool) -> Result<ExitC
                 serde_json::json!({"pid": pid, "advised_bytes": advised, "ksm": stat})
             })
             .collect();
-        println!(
+        basics::say!(
             "{}",
             serde_json::json!({"knobs": knobs, "stats": stats, "ksmd_cpu_seconds": cpu,
                 "holders": holders, "saved": saved, "processes": processes})
         );
         return Ok(ExitCode::SUCCESS);
     }
-    println!("settings: {}", line(&knobs));
-    println!(
+    basics::say!("settings: {}", line(&knobs));
+    basics::say!(
         "merged:   {} pages shared by {} mappings (saving {}), {} unshared, {} volatile, \
          {} full scans, profit {}",
         stats.pages_shared,
@@ -304,13 +299,13 @@ fn status(state_dir: &std::path::Path, pids: &[u32], json: bool) -> Result<ExitC
         signed_mib(stats.general_profit)
     );
     if let Some(cpu) = cpu {
-        println!("ksmd:     {cpu:.2} CPU seconds since boot");
+        basics::say!("ksmd:     {cpu:.2} CPU seconds since boot");
     }
     match (holders.is_empty(), saved) {
-        (true, None) => println!("tuning:   not tuned by ksm-advisor"),
+        (true, None) => basics::say!("tuning:   not tuned by ksm-advisor"),
         (_, saved) => {
             let pids: Vec<String> = holders.iter().map(u32::to_string).collect();
-            println!(
+            basics::say!(
                 "tuning:   held by pid(s) [{}]; restores to: {}",
                 pids.join(", "),
                 saved.as_ref().map_or_else(|| "-".into(), line)
@@ -318,7 +313,7 @@ fn status(state_dir: &std::path::Path, pids: &[u32], json: bool) -> Result<ExitC
         }
     }
     for (pid, stat, advised) in processes {
-        println!(
+        basics::say!(
             "pid {pid}: {} marked mergeable{}, {} pages merged, profit {}",
             mib(advised),
             if stat.merge_any {

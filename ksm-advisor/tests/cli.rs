@@ -141,3 +141,27 @@ fn cli_bad_input_gets_clear_messages() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("/proc/999999999"));
 }
+
+#[test]
+fn cli_output_to_a_closed_pipe_ends_quietly() {
+    if skip() {
+        return;
+    }
+    let state = tempfile::tempdir().unwrap();
+    for args in [&["status"][..], &["--json", "status"]] {
+        // `ksm-advisor status | head` where `head` is gone before anything is written.
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = Command::new(env!("CARGO_BIN_EXE_ksm-advisor"))
+            .arg("--state-dir")
+            .arg(state.path())
+            .args(args)
+            .stdout(writer)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.is_empty(), "{args:?}: {stderr}");
+        // What a shell shows for a process that SIGPIPE ended.
+        assert_eq!(out.status.code(), Some(141), "{args:?}: {stderr}");
+    }
+}

@@ -1442,3 +1442,51 @@ fn cli_oom_killed_vm_leaves_a_tombstone_that_says_so() {
         let _ = std::fs::remove_dir(parent);
     }
 }
+
+/// Runs `pvisor ARGS` with its stdout a pipe whose reader is already gone (`… | head` after
+/// `head` ended).
+fn to_closed_pipe(runtime: &Path, args: &[&str]) -> std::process::Output {
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    Command::new(env!("CARGO_BIN_EXE_pvisor"))
+        .args(args)
+        .env("PVISOR_RUNTIME_DIR", runtime)
+        .stdout(writer)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn cli_output_to_a_closed_pipe_ends_quietly_and_the_vm_runs_on() {
+    if skip() {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    // `run --detach` whose identity line nobody reads: the VM starts all the same.
+    let mut args = common::RUN_DETACHED.to_vec();
+    args.extend_from_slice(&["--job", "piped", "--", "fill 4MiB random seed=1; idle"]);
+    let out = to_closed_pipe(runtime.path(), &args);
+    assert_eq!(out.status.code(), Some(141), "{}", text(&out.stderr));
+    assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
+    let vm = Detached {
+        runtime: runtime.path().to_path_buf(),
+        identity: serde_json::json!({ "job": "piped" }),
+    };
+    for args in [
+        &["status", "piped"][..],
+        &["stats", "piped"],
+        &["exec", "piped", "--", "digest"],
+        &["suspend", "piped", "--vm-pause"],
+    ] {
+        let out = to_closed_pipe(runtime.path(), args);
+        let stderr = text(&out.stderr);
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(stderr.is_empty(), "{args:?}: {stderr}");
+        // What a shell shows for a process that SIGPIPE ended.
+        assert_eq!(out.status.code(), Some(141), "{args:?}: {stderr}");
+    }
+    // The suspend was made before its reply went nowhere; the VM answers on.
+    assert_eq!(vm.call("status", &[])["state"], "paused");
+    vm.call("resume", &[]);
+    assert_eq!(vm.exec("digest").len(), 1);
+}

@@ -1,6 +1,7 @@
 //! `uffd-pager demo`: packs a VM-shaped RAM image with every codec, checks each round trip,
 //! serves the compressed image through the FUSE view and prints what it costs on disk.
 
+use basics::say;
 use std::fs::{self, File};
 use std::io::Write;
 use std::path::Path;

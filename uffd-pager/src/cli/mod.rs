@@ -1,14 +1,5 @@
 //! Command-line parsing and dispatch.
 
-/// `println!` for a command's output that returns [`StdoutClosed`] (through `?`) instead of
-/// panicking when nobody reads it any more (`uffd-pager info … | head`).
-macro_rules! say {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        writeln!(std::io::stdout().lock(), $($arg)*).map_err($crate::cli::StdoutClosed::from)?
-    }};
-}
-
 mod demo;
 mod keeper;
 mod serve;
@@ -26,32 +17,6 @@ pub(crate) use uffd_pager::remote_args::RemoteArgs;
 
 /// What a command returns: its exit code, or an error printed with all its causes.
 pub(crate) type CliResult = Result<ExitCode, Box<dyn Error>>;
-
-/// Writing the command's output failed: the reader went away (a closed pipe, `main` ends
-/// quietly, as a Unix tool killed by `SIGPIPE` does), or another error.
-#[derive(Debug, thiserror::Error)]
-pub enum StdoutClosed {
-    /// Nobody reads the output any more.
-    #[error("standard output was closed")]
-    Closed,
-    /// Any other failure to write it.
-    #[error("cannot write to standard output")]
-    Write(#[source] std::io::Error),
-}
-
-impl From<std::io::Error> for StdoutClosed {
-    fn from(e: std::io::Error) -> Self {
-        if e.kind() == std::io::ErrorKind::BrokenPipe {
-            Self::Closed
-        } else {
-            Self::Write(e)
-        }
-    }
-}
-
-/// The exit status of a command whose reader went away: a shell's for a process that
-/// `SIGPIPE` ended (128 + 13).
-pub const CLOSED_PIPE_STATUS: u8 = 141;
 
 /// Userfaultfd lazy memory service for microVMs, with a compressed block store.
 #[derive(Debug, Parser)]

@@ -1,5 +1,6 @@
 //! The store commands: pack, unpack, verify, info, mount.
 
+use basics::say;
 use std::path::Path;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -186,7 +187,7 @@ pub fn info(store: &StoreLocation, remote: &RemoteArgs, json: bool) -> CliResult
     Ok(ExitCode::SUCCESS)
 }
 
-fn print_info(store: &StoreLocation, s: &StoreStats) -> Result<(), super::StdoutClosed> {
+fn print_info(store: &StoreLocation, s: &StoreStats) -> Result<(), basics::output::StdoutClosed> {
     say!("store           {store}");
     say!(
         "image           {} ({} blocks of {})",

@@ -58,12 +58,13 @@ fn dead_reason(job: &str) -> Option<String> {
     None
 }
 
-fn print(value: &serde_json::Value) {
-    println!("{value}");
+fn print(value: &serde_json::Value) -> Result<(), basics::output::StdoutClosed> {
+    basics::say!("{value}");
+    Ok(())
 }
 
 pub fn simple(target: &Target, method: Method) -> CliResult {
-    print(&call(target, method)?);
+    print(&call(target, method)?)?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -81,7 +82,7 @@ pub fn status(target: &Target) -> CliResult {
         if let Some(object) = value.as_object_mut() {
             object.insert("state".into(), "dead".into());
         }
-        print(&value);
+        print(&value)?;
         return Ok(ExitCode::SUCCESS);
     }
     simple(target, Method::Status)
@@ -95,7 +96,7 @@ pub fn exec(target: &Target, script: &str) -> CliResult {
         Method::Exec {
             script: script.to_owned(),
         },
-    )?);
+    )?)?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -109,7 +110,7 @@ pub fn suspend(
     // The VM process resolves the path: make it absolute here, where it was meant.
     let ram_file = ram_file.map(std::path::absolute).transpose()?;
     let Some(offload_to) = offload_to else {
-        print(&call(target, Method::Suspend { offload, ram_file })?);
+        print(&call(target, Method::Suspend { offload, ram_file })?)?;
         return Ok(ExitCode::SUCCESS);
     };
     // A move: offloaded, written to the bucket with its lease, and only then stopped here.
@@ -143,7 +144,7 @@ pub fn suspend(
         "uploaded": uploaded,
         "stopped": stopped,
         "resume_with": format!("pvisor run --restore {url}"),
-    }));
+    }))?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -187,7 +188,7 @@ fn write_and_upload(
 }
 
 pub fn resume(target: &Target, eager: bool) -> CliResult {
-    print(&call(target, Method::Resume { eager })?);
+    print(&call(target, Method::Resume { eager })?)?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -223,7 +224,7 @@ pub fn snapshot(
                     codec,
                     block_size,
                 },
-            )?);
+            )?)?;
             return Ok(ExitCode::SUCCESS);
         }
         StoreLocation::Remote(url) => url,
@@ -233,6 +234,6 @@ pub fn snapshot(
     print(&serde_json::json!({
         "written": written,
         "uploaded": uploaded,
-    }));
+    }))?;
     Ok(ExitCode::SUCCESS)
 }

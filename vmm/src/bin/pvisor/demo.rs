@@ -40,20 +40,24 @@ pub fn demo(args: &DemoArgs) -> CliResult {
     let result = rows(args, &dir);
     let _ = std::fs::remove_dir_all(&dir);
     let rows = result?;
-    println!(
+    basics::say!(
         "pvisor demo: a {} VM with {} of application data (one VM at a time, this process)",
         format_bytes(args.memory),
         format_bytes(args.app)
     );
-    println!();
-    println!(
+    basics::say!();
+    basics::say!(
         "{:<9} {:<22} {:>12} {:>14} {:>12}  after resume",
-        "content", "state", "charged", "guest RAM PSS", "backing"
+        "content",
+        "state",
+        "charged",
+        "guest RAM PSS",
+        "backing"
     );
     let mut all_ok = true;
     for row in &rows {
         all_ok &= !row.check.contains("DIFFERS");
-        println!(
+        basics::say!(
             "{:<9} {:<22} {:>12} {:>14} {:>12}  {}",
             row.content,
             row.state,
@@ -63,8 +67,8 @@ pub fn demo(args: &DemoArgs) -> CliResult {
             row.check
         );
     }
-    println!();
-    println!(
+    basics::say!();
+    basics::say!(
         "charged: what the host is charged for the VM (here, in no memory cgroup, this process's \
          PSS with guest RAM counted as resident; in one, its usage); guest RAM PSS: that mapping's \
          PSS alone; backing: the offload store's allocated bytes."

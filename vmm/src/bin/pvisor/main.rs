@@ -196,13 +196,8 @@ fn main() -> ExitCode {
         Command::Replay(args) => replay::replay(&args),
         Command::Demo(args) => demo::demo(&args),
     };
-    match result {
-        Ok(code) => code,
-        Err(err) => {
-            eprintln!("pvisor: {}", error_chain(&*err));
-            ExitCode::FAILURE
-        }
-    }
+    // Nobody reads the output any more (`… | head`): it ends quietly.
+    basics::output::exit_code("pvisor: ", result)
 }
 
 use basics::error_chain;

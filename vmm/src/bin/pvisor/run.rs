@@ -110,14 +110,21 @@ const MAX_SPEC_BYTES: u64 = 64 << 20;
 /// the attempt id in it is not for other users to read in `/proc/PID/cmdline`. A start that
 /// fails leaves no job directory.
 fn detach(spec: &Spec) -> CliResult {
-    let started = start_detached(spec);
-    if started.is_err() {
-        let _ = std::fs::remove_dir_all(runtime::job_dir(&spec.job));
+    match start_detached(spec) {
+        Ok(identity) => {
+            // The VM has started: it runs on whether anyone reads this or not.
+            basics::say!("{identity}");
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(runtime::job_dir(&spec.job));
+            Err(e)
+        }
     }
-    started
 }
 
-fn start_detached(spec: &Spec) -> CliResult {
+/// Starts the VM process; its identity line.
+fn start_detached(spec: &Spec) -> Result<String, Box<dyn std::error::Error>> {
     use std::os::unix::fs::OpenOptionsExt;
     let log_path = runtime::job_dir(&spec.job).join("vm.log");
     let log = std::fs::OpenOptions::new()
@@ -140,9 +147,7 @@ fn start_detached(spec: &Spec) -> CliResult {
     let stdout = child.stdout.take().ok_or("the VM process has no stdout")?;
     BufReader::new(stdout.take(MAX_SPEC_BYTES)).read_line(&mut line)?;
     if serde_json::from_str::<Identity>(&line).is_ok() {
-        print!("{line}");
-        std::io::stdout().flush()?;
-        return Ok(ExitCode::SUCCESS);
+        return Ok(line.trim_end().to_owned());
     }
     let status = child.wait()?;
     let log = std::fs::read_to_string(&log_path).unwrap_or_default();
@@ -281,8 +286,8 @@ fn vm_main(spec: Spec) -> CliResult {
         runtime::identity_path(&spec.job),
         serde_json::to_vec(&identity)?,
     )?;
-    println!("{}", serde_json::to_string(&identity)?);
-    std::io::stdout().flush()?;
+    // The VM process: its reader going away is no reason to stop the VM.
+    basics::announce!("{}", serde_json::to_string(&identity)?);
     if spec.detached {
         redirect_stdout_to(&dir.join("vm.log"), true)?;
     }
@@ -298,13 +303,12 @@ fn vm_main(spec: Spec) -> CliResult {
     };
     if !commands.is_empty() {
         match vm.exec(&commands) {
-            Ok(results) => println!("{}", serde_json::json!({ "results": results })),
+            Ok(results) => basics::announce!("{}", serde_json::json!({ "results": results })),
             Err(e) => {
-                println!("{}", serde_json::json!({ "error": crate::error_chain(&e) }));
+                basics::announce!("{}", serde_json::json!({ "error": crate::error_chain(&e) }));
                 failed = true;
             }
         }
-        std::io::stdout().flush()?;
     }
     let stay = spec.detached || commands.last() == Some(&Command::Idle);
     if stay && !failed && !vm.machine().stop_requested() {

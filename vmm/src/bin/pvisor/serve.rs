@@ -230,6 +230,6 @@ pub fn serve(args: &ServeArgs) -> CliResult {
 /// `pvisor governor-status`.
 pub fn status(socket: &std::path::Path) -> CliResult {
     let status = server::query_status(socket, Duration::from_secs(5))?;
-    println!("{}", serde_json::to_string_pretty(&status)?);
+    basics::say!("{}", serde_json::to_string_pretty(&status)?);
     Ok(ExitCode::SUCCESS)
 }

@@ -588,7 +588,7 @@ fn run_replay(
         "oom_kills": oom_kills.iter().sum::<u64>(),
         "governor": governor_status,
     });
-    println!(
+    basics::say!(
         "replay {}: {} VM(s), {}: window {:.2} s, memory charged×time {:.4} GiB·s per task \
          (guest PSS×time {:.4}), {} samples (largest gap {:.3} s, {} dropped); integrity {}",
         trajectory.name,
@@ -602,7 +602,7 @@ fn run_replay(
         integrity.dropped,
         if passed { "passed" } else { "FAILED" }
     );
-    println!(
+    basics::say!(
         "  harness: {} sampling threads, a tick {:.2} ms mean, {:.2} ms p99, {:.2} ms max \
          ({} PSS readings), {:.2} s CPU; this process {:.2} s CPU in all, the VMs {:.2} s",
         harness.threads,
@@ -616,7 +616,7 @@ fn run_replay(
     );
     if !wait.is_empty() {
         let n = |k: &str| wait.get(k).and_then(serde_json::Value::as_u64).unwrap_or(0);
-        println!(
+        basics::say!(
             "  wait management, all VMs: {} pauses, {} offloads ({} ms in all), skipped {} for the \
              cooldown, {} for the guest's timer, {} as not paying; {} failed offloads, {} failed loads",
             n("pauses"),
@@ -630,7 +630,7 @@ fn run_replay(
         );
     }
     if let Some(status) = &governor_status {
-        println!(
+        basics::say!(
             "  memory governor: {}",
             status
                 .get("decisions")
@@ -638,10 +638,10 @@ fn run_replay(
         );
     }
     for failure in summary["failures"].as_array().into_iter().flatten() {
-        println!("  {}", failure.as_str().unwrap_or_default());
+        basics::say!("  {}", failure.as_str().unwrap_or_default());
     }
     if args.json {
-        println!("{summary}");
+        basics::say!("{summary}");
     }
     Ok(if passed {
         ExitCode::SUCCESS
