@@ -24,7 +24,10 @@
 //!
 //! Options, from the environment:
 //! - `DENSITY_BENCH_ROUNDS` (default 3), `DENSITY_BENCH_BUDGETS` (`512MiB,1GiB`),
-//!   `DENSITY_BENCH_STRATEGIES` (`off,offload,offload-compressed,cold-compression,governed`),
+//!   `DENSITY_BENCH_STRATEGIES` (`off,offload,offload-compressed,cold-compression,governed`,
+//!   and the kernel's answer, `off+zram` and `off+zswap`: `off` with swap to a compressed pool
+//!   set up on the host for each budgeted run and put back after, the pool's cap counted in the
+//!   budget, `DENSITY_BENCH_POOL_SHARE` percent of it at most, 50 by default: `swap`),
 //!   `DENSITY_BENCH_VMS` (the sweep), `DENSITY_BENCH_STEPS` (24), `DENSITY_BENCH_MEMORY`
 //!   (guest RAM of each VM, `512MiB`), `DENSITY_BENCH_SPREAD_S` (0: lockstep);
 //! - `DENSITY_BENCH_QUICK=1`: 1 round, 512 MiB only, N up to 8, the first 12 steps (each still
@@ -37,7 +40,7 @@
 //!
 //! `cargo bench --bench density_report` writes `docs/bench/density.md`, `.csv` and `.svg`.
 //! Run without `--bench` (`cargo test --bench density_report`), it runs its unit tests, then a
-//! smoke run (6 steps, 1 and 2 VMs, off, 512 MiB, one round; no report; then the same sweep
+//! smoke run (6 steps, 1 and 2 VMs, off and off+zram, 512 MiB, one round; no report; then the same sweep
 //! again from the runs it kept, which must run nothing and judge alike), skipped when
 //! `target/release/pvisor` is missing or stale or with `PVISOR_SKIP_DEVICE_TESTS=1`;
 //! `cargo test --bench density_report -- --unit` runs the unit tests only.
@@ -57,6 +60,7 @@ mod plan;
 mod report;
 mod resume;
 mod svg;
+mod swap;
 
 use common::cpu::{CpuGroup, CpuUse};
 use common::host::TempRoot;
@@ -94,6 +98,9 @@ pub struct Settings {
     pub resume: Option<PathBuf>,
     /// `DENSITY_BENCH_STOP_AFTER_MIN`: no round begins that would not end within this long.
     pub stop_after: Option<Duration>,
+    /// `DENSITY_BENCH_POOL_SHARE`: the most of a budget the kernel's compressed pool may take
+    /// (`off+zram`, `off+zswap`), percent.
+    pub pool_share: u64,
 }
 
 impl Settings {
@@ -125,6 +132,8 @@ pub struct Measured {
     pub offload_ms: f64,
     pub wall_s: f64,
     pub timeline: Option<Timeline>,
+    /// What the compressed pool held (`off+zram`, `off+zswap`, budgeted runs).
+    pub pool: Option<swap::PoolUse>,
 }
 
 /// Everything the sweep gave.
@@ -184,7 +193,7 @@ fn settings(tmp: &Path) -> Res<Result<Settings, String>> {
     let bench = common::is_bench_run();
     let quick = bench && std::env::var_os("DENSITY_BENCH_QUICK").is_some_and(|v| v == "1");
     let (rounds, budgets, vms, steps, strategies) = if !bench {
-        (1, "512MiB", "1,2", 6, "off")
+        (1, "512MiB", "1,2", 6, "off,off+zram")
     } else if quick {
         (1, "512MiB", "1,2,4,6,8", 12, "off,offload")
     } else {
@@ -193,7 +202,7 @@ fn settings(tmp: &Path) -> Res<Result<Settings, String>> {
             "512MiB,1GiB",
             "1,2,4,6,8,12,16,24,32,48,64",
             24,
-            "off,offload,offload-compressed,cold-compression,governed",
+            "off,offload,offload-compressed,cold-compression,governed,off+zram,off+zswap",
         )
     };
     let (rounds, steps) = if bench {
@@ -263,6 +272,11 @@ fn settings(tmp: &Path) -> Res<Result<Settings, String>> {
         pvisor,
         resume,
         stop_after,
+        pool_share: if bench {
+            common::env_number("DENSITY_BENCH_POOL_SHARE", 50, 1)?
+        } else {
+            50
+        },
     }))
 }
 
@@ -527,19 +541,44 @@ fn sweep(
                     log.runs.push(saved.measured);
                     continue;
                 }
+                // The kernel's answer: swap to a compressed pool, on for a budgeted run only (an
+                // unbudgeted one never swaps), the budget shared between pool and cgroup.
+                let (replayed, pool) = swap::Pool::of(strategy);
+                let host_swap = match (pool, job.budget) {
+                    (Some(pool), Some(b)) => {
+                        let split =
+                            swap::split(pool, s.budgets[b].1, s.pool_share, swap::mem_total()?)?;
+                        let on = swap::HostSwap::enable(pool, &split, tmp)?;
+                        let watch = swap::Watch::start(&on, split)?;
+                        Some((on, watch, split.cgroup_bytes.to_string()))
+                    }
+                    _ => None,
+                };
                 let outcome = Replay {
                     pvisor: &s.pvisor,
                     trajectory: &s.trajectory,
                     vms,
-                    strategy,
+                    strategy: replayed,
                     config: None,
-                    budget,
+                    budget: host_swap
+                        .as_ref()
+                        .map(|(_, _, cgroup)| cgroup.as_str())
+                        .or(budget),
                     memory: &s.memory,
                     sample_ms: s.sample_ms,
                     stagger_ms: s.stagger_ms(vms),
                     limit: s.run_limit(vms),
                 }
-                .run(&samples, Some(cpu))?;
+                .run(&samples, Some(cpu));
+                let pool_use = match host_swap {
+                    Some((on, watch, _)) => {
+                        let used = watch.finish();
+                        drop(on);
+                        Some(used?)
+                    }
+                    None => None,
+                };
+                let outcome = outcome?;
                 done += 1;
                 let elapsed = started.elapsed().as_secs_f64();
                 let done_here = log.runs.iter().filter(|m| m.vms == vms).count() + 1;
@@ -561,7 +600,7 @@ fn sweep(
                     )
                     .into());
                 }
-                let measured = measure(&outcome, job, vms, round);
+                let measured = measure(&outcome, job, vms, round, pool_use);
                 if let Some(resume) = resume.as_deref() {
                     resume.keep(s, &measured, commit, &common::host::utc_now())?;
                 }
@@ -676,14 +715,25 @@ fn runs_left(
     per_stage.saturating_sub(done_here) + per_stage * (s.sweep.len() - stage - 1)
 }
 
-/// What a run gave, for the tables.
-fn measure(outcome: &Outcome, job: Job, vms: usize, round: usize) -> Measured {
+/// What a run gave, for the tables. With a compressed pool, the peak memory judged is the
+/// cgroup's peak plus the pool's (each at its own moment: a bound from above).
+fn measure(
+    outcome: &Outcome,
+    job: Job,
+    vms: usize,
+    round: usize,
+    pool: Option<swap::PoolUse>,
+) -> Measured {
     let number = |path: &[&str]| outcome.number(path);
+    let mut facts = facts(outcome);
+    if let Some(pool) = &pool {
+        facts.peak_bytes += pool.peak_bytes;
+    }
     Measured {
         job,
         vms,
         round,
-        facts: facts(outcome),
+        facts,
         cgroup_gib_s: number(&["cgroup_mem_gib_s_per_task"]),
         guest_gib_s: number(&["guest_pss_gib_s_per_task"]),
         cpu: outcome.cpu,
@@ -691,6 +741,7 @@ fn measure(outcome: &Outcome, job: Job, vms: usize, round: usize) -> Measured {
         offload_ms: number(&["wait", "offload_ms"]),
         wall_s: outcome.wall_s,
         timeline: outcome.timeline.clone(),
+        pool,
     }
 }
 
@@ -702,6 +753,7 @@ fn unit_tests() -> Res<bool> {
         .iter()
         .chain(plan::tests::ALL)
         .chain(resume::tests::ALL)
+        .chain(swap::tests::ALL)
         .chain(tests::ALL);
     let mut failed = Vec::new();
     let mut count = 0;

@@ -2,13 +2,16 @@
 //! from the environment by `main`), the jobs of a round and their order, which differs from
 //! round to round.
 
-/// Every strategy `pvisor replay --strategy` may take here, in the order of round 0.
-pub const STRATEGIES: [&str; 5] = [
+/// Every strategy `pvisor replay --strategy` may take here, in the order of round 0, and the
+/// kernel's answer: `off` with swap to zram or zswap (`swap`).
+pub const STRATEGIES: [&str; 7] = [
     "off",
     "offload",
     "offload-compressed",
     "cold-compression",
     "governed",
+    "off+zram",
+    "off+zswap",
 ];
 
 /// The group sizes the issue searches.

@@ -23,6 +23,7 @@ use crate::common::replay::Timeline;
 use crate::common::Res;
 use crate::judge::Facts;
 use crate::plan::Job;
+use crate::swap::{Pool, PoolUse, Split};
 use crate::{Measured, Settings};
 
 /// A run read back from the directory, with where it came from.
@@ -44,7 +45,7 @@ pub struct Resume {
 
 /// The settings that must match for runs to be reused, as JSON.
 pub fn fingerprint(s: &Settings) -> Value {
-    json!({
+    let mut value = json!({
         "steps": s.steps,
         "trajectory": s.replayed.name,
         "memory": s.memory,
@@ -54,7 +55,15 @@ pub fn fingerprint(s: &Settings) -> Value {
         "strategies": s.strategies,
         "budgets": s.budgets.iter().map(|(text, _)| text).collect::<Vec<_>>(),
         "sweep": s.sweep,
-    })
+    });
+    // Only where a strategy has a pool, so that older sweeps' directories still match.
+    if s.strategies
+        .iter()
+        .any(|n| crate::swap::Pool::of(n).1.is_some())
+    {
+        value["pool_share"] = json!(s.pool_share);
+    }
+    value
 }
 
 /// The keys whose values differ between `saved` and `wanted`.
@@ -154,6 +163,15 @@ pub fn to_json(m: &Measured, commit: &str, finished: &str) -> Value {
             "guest_gib": numbers(&t.guest_gib),
             "cgroup_gib": numbers(&t.cgroup_gib),
         })),
+        "pool": m.pool.as_ref().map(|p| json!({
+            "pool": p.pool.name(),
+            "compressor": p.compressor,
+            "pool_bytes": p.split.pool_bytes,
+            "cgroup_bytes": p.split.cgroup_bytes,
+            "zswap_percent": p.split.zswap_percent,
+            "peak_bytes": number(p.peak_bytes),
+            "gib_s": number(p.gib_s),
+        })),
     })
 }
 
@@ -200,6 +218,30 @@ pub fn from_json(v: &Value, job: Job, vms: usize, round: usize) -> Result<Saved,
             Some(timeline)
         }
     };
+    // Runs made before pools existed have no `pool`.
+    let pool = match &v["pool"] {
+        Value::Null => None,
+        p => Some(PoolUse {
+            pool: match p["pool"].as_str() {
+                Some("zram") => Pool::Zram,
+                Some("zswap") => Pool::Zswap,
+                other => return Err(format!("`pool`: {other:?} is no pool")),
+            },
+            compressor: p["compressor"]
+                .as_str()
+                .ok_or("`compressor`: not text")?
+                .to_owned(),
+            split: Split {
+                pool_bytes: p["pool_bytes"].as_u64().ok_or("`pool_bytes`: not a size")?,
+                cgroup_bytes: p["cgroup_bytes"]
+                    .as_u64()
+                    .ok_or("`cgroup_bytes`: not a size")?,
+                zswap_percent: p["zswap_percent"].as_u64(),
+            },
+            peak_bytes: read_number(p, "peak_bytes")?,
+            gib_s: read_number(p, "gib_s")?,
+        }),
+    };
     let text = |key: &str| {
         v[key]
             .as_str()
@@ -219,6 +261,7 @@ pub fn from_json(v: &Value, job: Job, vms: usize, round: usize) -> Result<Saved,
             offload_ms: read_number(v, "offload_ms")?,
             wall_s: read_number(v, "wall_s")?,
             timeline,
+            pool,
         },
         commit: text("commit")?,
         finished: text("finished")?,
@@ -361,6 +404,17 @@ pub mod tests {
                 guest_gib: vec![f64::NAN, 0.25],
                 cgroup_gib: vec![0.5, 0.5],
             }),
+            pool: Some(PoolUse {
+                pool: Pool::Zswap,
+                compressor: "lzo-rle".into(),
+                split: Split {
+                    pool_bytes: 251_658_240,
+                    cgroup_bytes: 285_212_672,
+                    zswap_percent: Some(1),
+                },
+                peak_bytes: 2.5e8,
+                gib_s: f64::NAN,
+            }),
         }
     }
 
@@ -395,6 +449,20 @@ pub mod tests {
         assert_eq!(t.t_s, u.t_s);
         assert!(t.guest_gib[0].is_nan() && t.guest_gib[1] == 0.25);
         assert_eq!(t.cgroup_gib, u.cgroup_gib);
+        let (p, q) = (b.pool.as_ref().unwrap(), m.pool.as_ref().unwrap());
+        assert_eq!(
+            (p.pool, &p.compressor, p.split, p.peak_bytes),
+            (q.pool, &q.compressor, q.split, q.peak_bytes)
+        );
+        assert!(p.gib_s.is_nan());
+        // A run kept before pools existed reads as one without.
+        let mut old = to_json(&m, "abc1234", "now");
+        old.as_object_mut().unwrap().remove("pool");
+        assert!(from_json(&old, m.job, 8, 2)
+            .unwrap()
+            .measured
+            .pool
+            .is_none());
     }
 
     fn run_file_that_lies_is_refused() {
