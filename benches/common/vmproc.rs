@@ -197,14 +197,33 @@ const SOURCES: [&str; 5] = [
     "ksm-advisor/src",
 ];
 
+/// The source directories `uffd-pager` is built from.
+const PAGER_SOURCES: [&str; 3] = ["uffd-pager/src", "compressed-backing/src", "basics/src"];
+
 /// Where `pvisor` is, and whether it is at least as new as the sources it is built from.
 pub fn find_binary(root: &Path, target: &Path) -> Result<PathBuf, String> {
-    let build = "cargo build --release -p vmm --bin pvisor";
-    let bin = target.join("release").join("pvisor");
+    find_built(root, target, "vmm", "pvisor", &SOURCES)
+}
+
+/// Where `uffd-pager` is, and whether it is at least as new as the sources it is built from.
+pub fn find_pager_binary(root: &Path, target: &Path) -> Result<PathBuf, String> {
+    find_built(root, target, "uffd-pager", "uffd-pager", &PAGER_SOURCES)
+}
+
+/// `target/release/BIN` of `package`, if no file under `sources` is newer.
+fn find_built(
+    root: &Path,
+    target: &Path,
+    package: &str,
+    bin_name: &str,
+    sources: &[&str],
+) -> Result<PathBuf, String> {
+    let build = format!("cargo build --release -p {package} --bin {bin_name}");
+    let bin = target.join("release").join(bin_name);
     let built = std::fs::metadata(&bin)
         .and_then(|m| m.modified())
         .map_err(|e| format!("{}: {e}; build it first: {build}", bin.display()))?;
-    let newest = SOURCES
+    let newest = sources
         .iter()
         .filter_map(|d| newest_file(&root.join(d)))
         .max_by_key(|(t, _)| *t);

@@ -10,10 +10,14 @@
 //!    through a Firecracker-example-style handler (`firecracker`), touching 64 MiB of it or all;
 //! 3. `offload`: `Pager::offload` of 512 MiB regions, raw and lz4, 128 MiB or all written;
 //! 4. `resume`: first vs second (vs third) lazy resume with the recorded working set, with no
-//!    head start and with `PAGER_BENCH_HEAD_START_MS` (default 20).
+//!    head start and with `PAGER_BENCH_HEAD_START_MS` (default 20);
+//! 5. `upgrade`: the real `uffd-pager serve` on a keeper, upgraded (SIGTERM, a new server)
+//!    while a guest reads its memory: the guest's longest fault wait, beside a pass without an
+//!    upgrade. Needs `target/release/uffd-pager` built from the current sources; a smoke run
+//!    skips it otherwise.
 //!
-//! Within a round every part rotates the order of its cases; even rounds run the parts 1→4,
-//! odd rounds 4→1. Ratios are computed within a round, then summarised (min/median/max).
+//! Within a round every part rotates the order of its cases; even rounds run the parts 1→5,
+//! odd rounds 5→1. Ratios are computed within a round, then summarised (min/median/max).
 //! Temporary files live under `target/bench-tmp/pager/` (the real disk) and are removed.
 //!
 //! Run without `--bench` (as `cargo test --benches` does), it is a quick smoke run on 16 MiB
@@ -41,6 +45,7 @@ mod results;
 mod resume;
 mod svg;
 mod targets;
+mod upgrade;
 
 use common::host::TempRoot;
 use common::{env_number, Res};
@@ -59,7 +64,7 @@ pub struct Settings {
     /// shared, and other work at the default priority would otherwise delay every wake-up.
     pub nice: i32,
     /// Parts to run (`PAGER_BENCH_PARTS=1,3`; all by default). Docs are written only when all
-    /// four ran.
+    /// five ran.
     pub parts: Vec<u32>,
     pub write_docs: bool,
     pub head_start_ms: u64,
@@ -82,14 +87,14 @@ fn settings() -> Res<Settings> {
     let parts: Vec<u32> = match std::env::var("PAGER_BENCH_PARTS") {
         Ok(text) => text
             .split(',')
-            .map(|p| p.trim().parse().ok().filter(|p| (1..=4).contains(p)))
+            .map(|p| p.trim().parse().ok().filter(|p| (1..=5).contains(p)))
             .collect::<Option<_>>()
             .ok_or_else(|| {
-                format!("PAGER_BENCH_PARTS={text}: expected numbers 1 to 4, comma-separated")
+                format!("PAGER_BENCH_PARTS={text}: expected numbers 1 to 5, comma-separated")
             })?,
-        Err(_) => vec![1, 2, 3, 4],
+        Err(_) => vec![1, 2, 3, 4, 5],
     };
-    let all_parts = (1..=4).all(|p| parts.contains(&p));
+    let all_parts = (1..=5).all(|p| parts.contains(&p));
     let nice = match std::env::var("PAGER_BENCH_NICE") {
         Ok(text) => text
             .trim()
@@ -235,6 +240,25 @@ fn run() -> Res<()> {
         working_set: &lazy,
         head_starts_ms: &head_starts,
     };
+    // Part 5 runs the real binaries.
+    let upgrade_setup = if settings.parts.contains(&5) {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        match common::vmproc::find_pager_binary(root, &common::host::target_dir()) {
+            Ok(bin) => Some(upgrade::Setup::start(
+                &bin,
+                &tmp.path.join("upgrade"),
+                &raw_path,
+                settings.image.min(64 * MIB),
+            )?),
+            Err(why) if !common::is_bench_run() => {
+                eprintln!("pager_report: part 5 (upgrade) skipped: {why}");
+                None
+            }
+            Err(why) => return Err(why.into()),
+        }
+    } else {
+        None
+    };
     latency::warm_up(
         settings.latency_region.min(16 * MIB),
         &sources,
@@ -265,7 +289,12 @@ fn run() -> Res<()> {
                 )?,
                 2 => restore::round(run, &restore_setup, &mut results)?,
                 3 => offload::round(run, &offload_setup, &mut results)?,
-                _ => resume::round(run, &resume_setup, &mut results)?,
+                4 => resume::round(run, &resume_setup, &mut results)?,
+                _ => {
+                    if let Some(setup) = &upgrade_setup {
+                        upgrade::round(run, setup, &mut results)?;
+                    }
+                }
             }
             results.put(
                 &format!("bench.part{part}_s"),
@@ -294,6 +323,7 @@ fn run() -> Res<()> {
             round.elapsed().as_secs_f64()
         );
     }
+    drop(upgrade_setup);
     drop(raw_server);
     drop(lz4_server);
     drop(sources);

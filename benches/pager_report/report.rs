@@ -84,6 +84,7 @@ pub fn markdown(results: &Results, verdicts: &[Verdict], context: &Context<'_>) 
     restore_section(&mut out, results, s);
     offload_section(&mut out, results, s);
     resume_section(&mut out, results, s);
+    upgrade_section(&mut out, results);
     crate::findings::write(&mut out, results, s);
     out
 }
@@ -148,8 +149,8 @@ fn method(out: &mut String, results: &Results, context: &Context<'_>) {
     let _ = writeln!(out, "## Method\n");
     let _ = writeln!(
         out,
-        "Host threads touch registered memory (no KVM). Each run measures the four parts below once \
-         (even runs in the order 1→4, odd runs 4→1) and each part rotates the order of its cases from run \
+        "Host threads touch registered memory (no KVM). Each run measures the five parts below once \
+         (even runs in the order 1→5, odd runs 5→1) and each part rotates the order of its cases from run \
          to run. Before every measurement the bench allocates, populates and frees somewhat more memory \
          than the measurement will use (untimed), so that it gets pages the host backs now rather than \
          pages it took back (without this, whichever case allocated first after a pause paid several \
@@ -554,4 +555,47 @@ fn resume_section(out: &mut String, results: &Results, s: &Settings) {
         }
     }
     table(out, results, &rows);
+}
+
+/// Part 5: the guest's wait across an upgrade of the real server.
+fn upgrade_section(out: &mut String, results: &Results) {
+    let _ = writeln!(out, "## Upgrade under a guest (part 5)\n");
+    out.push_str(
+        "The real binaries: `uffd-pager keeper`, and `uffd-pager serve --mem-file … --keeper …` \
+         serving 64 MiB of the image to the bench process, which plays Firecracker (private \
+         anonymous RAM registered MISSING, the uffd handed over in Firecracker's handshake). One \
+         thread reads a byte of every page in order, pausing 3 ms every 64 pages, and times each \
+         read. *Upgrade*: a quarter of the way in, SIGTERM to the server, its exit (`waitpid`), \
+         then a new server started on the same keeper, up to its `listening` line; *baseline*: \
+         the same pass with no restart. Median (min–max) over the runs:\n\n\
+         | figure | baseline | upgrade |\n|---|---:|---:|\n",
+    );
+    let fig = |key: &str| {
+        let s = results.summary(key);
+        if s.median.is_nan() {
+            "–".to_owned()
+        } else {
+            format!("{} ({}–{})", fmt(s.median), fmt(s.min), fmt(s.max))
+        }
+    };
+    for (label, q) in [
+        ("longest single page read (ms)", "longest_read_ms"),
+        ("the whole pass (ms)", "pass_ms"),
+        ("SIGTERM → the old server's exit (ms)", "exit_ms"),
+        ("SIGTERM → the new server listening (ms)", "listening_ms"),
+    ] {
+        let _ = writeln!(
+            out,
+            "| {label} | {} | {} |",
+            fig(&format!("upgrade.baseline.{q}")),
+            fig(&format!("upgrade.upgrade.{q}"))
+        );
+    }
+    out.push_str(
+        "\nThe stopping server's threads wait on its descriptors and an eventfd raised at the \
+         stop, so each ends at once (they used to find the stop by polls of 50 and 200 ms); the \
+         new server attaches to the keeper as soon as the old one's connection is gone and takes \
+         the VM over before it says it listens. The longest read across the upgrade is the \
+         guest's stall: from the old server's last fault served to the new server's first.\n\n",
+    );
 }

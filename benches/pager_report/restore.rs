@@ -132,6 +132,7 @@ impl Running {
 impl Drop for Running {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+        self.server.wake();
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }

@@ -89,6 +89,9 @@ fn verdict(
     }
 }
 
+/// Issue 36: the longest a guest's fault may wait across a SIGTERM upgrade, ms.
+pub const UPGRADE_STALL_MS: f64 = 10.0;
+
 pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
     let mut out = Vec::new();
     let le = |limit: f64| move |v: f64| v <= limit;
@@ -187,5 +190,36 @@ pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
             ),
         ));
     }
+    // Issue 36: a SIGTERM upgrade stalls a guest's faults for milliseconds.
+    let key = "upgrade.upgrade.longest_read_ms";
+    let longest = results.summary(key);
+    let baseline = results.summary("upgrade.baseline.longest_read_ms");
+    out.push(Verdict {
+        target: format!(
+            "a SIGTERM upgrade of `uffd-pager serve` stalls the guest's faults ≤ {UPGRADE_STALL_MS} ms \
+             (its longest page read across the upgrade)"
+        ),
+        figure: format!(
+            "{} ms (median of {}; min {}, max {}; {} of {} runs meet it); without an upgrade \
+             {} ms; the old server exited {} ms after SIGTERM, the new one listened at {} ms \
+             (medians)",
+            fmt(longest.median),
+            longest.n,
+            fmt(longest.min),
+            fmt(longest.max),
+            results.count(key, le(UPGRADE_STALL_MS)),
+            longest.n,
+            fmt(baseline.median),
+            fmt(results.summary("upgrade.upgrade.exit_ms").median),
+            fmt(results.summary("upgrade.upgrade.listening_ms").median),
+        ),
+        result: if longest.median.is_nan() {
+            "NOT MEASURED"
+        } else if longest.median <= UPGRADE_STALL_MS {
+            "PASS"
+        } else {
+            "FAIL"
+        },
+    });
     out
 }

@@ -97,6 +97,7 @@ pub fn serve(
         let accept = scope.spawn(|| server.run(&stop));
         let signal = signals.wait()?;
         stop.store(true, Ordering::Relaxed);
+        server.wake();
         // An upgrade: the VMs the keeper holds stop being served at once and are left to the
         // next server; one accepted before the accept loop ends is handed over as it starts.
         let handed_over = server.hand_over();
@@ -106,18 +107,20 @@ pub fn serve(
             tracing::info!("{signal}: VMs held by the keeper left to the next server");
         }
         // VMs still attached would freeze on their next fault if the server left now: serve
-        // them until they go, unless told again to stop.
-        let active = || server.stats().active.load(Ordering::Relaxed);
+        // them until they go, unless told again to stop. Connections in their handshake or
+        // just past it are waited for too: each ends at once after a handover.
+        let active = || server.stats().active.load(Ordering::SeqCst);
+        let open = || server.stats().open.load(Ordering::SeqCst);
         if active() > 0 {
             tracing::warn!(
                 "{signal}: no new VMs; still serving {} (signal again to stop now)",
                 active()
             );
-            while active() > 0 {
-                if wait_signal(&signals, 200) {
-                    tracing::warn!("stopping with {} VMs attached", active());
-                    break;
-                }
+        }
+        while open() > 0 {
+            if wait_signal(&signals, 10) {
+                tracing::warn!("stopping with {} VMs attached", active());
+                break;
             }
         }
         tracing::info!("stopped");

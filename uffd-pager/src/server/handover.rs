@@ -138,7 +138,7 @@ impl Connection {
     /// True if the service ended for a handover and the keeper holds the VM; its journal is
     /// then marked clean (the pager's threads are joined: every event read is applied).
     pub(super) fn handed_over(&self, session: &Session) -> bool {
-        if !self.handover.load(Ordering::Relaxed) {
+        if !self.handover.is_raised() {
             return false;
         }
         match session {
@@ -277,9 +277,13 @@ impl Server {
             regions: meta.regions,
             kept: Some(Kept { id: vm.id, journal }),
         };
+        let open = super::Open::count(&self.stats);
         std::thread::Builder::new()
             .name("uffd-conn".into())
-            .spawn(move || connection.serve_vm(pid, cred.uid, pager, session))
+            .spawn(move || {
+                let _open = open;
+                connection.serve_vm(pid, cred.uid, pager, session);
+            })
             .map_err(|e| format!("cannot start its thread: {e}"))?;
         Ok(())
     }
@@ -305,9 +309,10 @@ impl Server {
             tracing::error!("the keeper is gone: its VMs are served here until they leave");
             return false;
         }
-        self.handover.store(true, Ordering::Relaxed);
+        // Every connection of a kept VM waits on it: each ends its service at once.
+        self.handover.raise();
         while self.stats.kept.load(Ordering::Relaxed) > 0 {
-            std::thread::sleep(Duration::from_millis(5));
+            std::thread::sleep(Duration::from_millis(1));
         }
         true
     }

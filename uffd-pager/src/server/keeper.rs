@@ -421,8 +421,10 @@ impl KeeperClient {
                     })
                 }
                 Message::Error { error } if std::time::Instant::now() < deadline => {
+                    // The server before is stopping: its end reaches the keeper within
+                    // milliseconds, and every one of them is a guest's fault waiting.
                     tracing::debug!("keeper busy: {error}");
-                    std::thread::sleep(Duration::from_millis(50));
+                    std::thread::sleep(Duration::from_millis(2));
                 }
                 other => return Err(KeeperError::Protocol(format!("{other:?}"))),
             }

@@ -64,6 +64,11 @@ pub struct ServerStats {
     pub vms: AtomicU64,
     /// VMs being served right now.
     pub active: AtomicU64,
+    /// Connection threads running: in their handshake, starting their service or serving. A
+    /// stopping server waits for them (a VM between its handshake and its service would
+    /// otherwise be left with neither a server nor, for an upgrade, its error line).
+    #[serde(skip)]
+    pub open: AtomicU64,
     /// Peers killed because a fault could not be served.
     pub peers_killed: AtomicU64,
     /// Connections refused because the peer's uid or gid is not allowed.
@@ -104,8 +109,10 @@ pub struct Server {
     peers: Arc<PeerPolicy>,
     /// The keeper that holds this server's VMs across restarts, if any.
     keeper: Option<Arc<keeper::KeeperClient>>,
-    /// Set to stop serving every VM and leave them to the keeper (an upgrade).
-    handover: Arc<AtomicBool>,
+    /// Raised to stop serving every VM and leave them to the keeper (an upgrade).
+    handover: Arc<Signal>,
+    /// Raised by [`Server::wake`]: the accept loop looks at its stop flag at once.
+    wake: Signal,
     /// What identifies the image served (a VM is taken over only by a server of the same).
     image_id: Arc<str>,
 }
@@ -133,7 +140,8 @@ impl Server {
             cap_log_limit: RateLimit::new(1, Duration::from_secs(10)),
             peers: Arc::new(PeerPolicy::default()),
             keeper: None,
-            handover: Arc::new(AtomicBool::new(false)),
+            handover: Arc::new(Signal::new()?),
+            wake: Signal::new()?,
             image_id: Arc::from(""),
         })
     }
@@ -150,11 +158,12 @@ impl Server {
         &self.stats
     }
 
-    /// Accepts connections until `stop` is set, each served on its own thread. Connections
-    /// still open when it returns go on being served until their peers leave. While
-    /// [`MAX_HANDSHAKES`] connections are in their handshake, a new one pushes the oldest out.
+    /// Accepts connections until `stop` is set, each served on its own thread; it sees
+    /// `stop` at once after [`Server::wake`], else within a second. Connections still open
+    /// when it returns go on being served until their peers leave. While [`MAX_HANDSHAKES`]
+    /// connections are in their handshake, a new one pushes the oldest out.
     pub fn run(&self, stop: &AtomicBool) {
-        while !stop.load(Ordering::Relaxed) {
+        while !stop.load(Ordering::Relaxed) && !self.wake.is_raised() {
             match self.listener.accept() {
                 Ok((stream, _)) => {
                     self.stats.connections.fetch_add(1, Ordering::Relaxed);
@@ -175,15 +184,20 @@ impl Server {
                         );
                     }
                     let connection = self.connection(stream);
-                    let spawned = std::thread::Builder::new()
-                        .name("uffd-conn".into())
-                        .spawn(move || connection.serve(slot));
+                    let open = Open::count(&self.stats);
+                    let spawned =
+                        std::thread::Builder::new()
+                            .name("uffd-conn".into())
+                            .spawn(move || {
+                                let _open = open;
+                                connection.serve(slot);
+                            });
                     if let Err(e) = spawned {
                         tracing::error!("cannot start a connection thread: {e}");
                     }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    wait_readable(self.listener.as_raw_fd(), 200);
+                    wait_readable(self.listener.as_raw_fd(), Some(&self.wake), WAIT_MS);
                 }
                 Err(e) => {
                     if self.log_limit.allow() {
@@ -197,6 +211,12 @@ impl Server {
 }
 
 impl Server {
+    /// Ends [`Server::run`] now, whatever its `stop` flag says (a stop signal's handler sets
+    /// the flag and calls this).
+    pub fn wake(&self) {
+        self.wake.raise();
+    }
+
     fn connection(&self, stream: UnixStream) -> Connection {
         Connection {
             stream,
@@ -295,15 +315,73 @@ impl Drop for HandshakeSlot {
     }
 }
 
-fn wait_readable(fd: i32, timeout_ms: i32) -> bool {
-    let mut pfd = libc::pollfd {
+/// Counts a connection thread in [`ServerStats::open`] for as long as it lives.
+pub(crate) struct Open(Arc<ServerStats>);
+
+impl Open {
+    pub(crate) fn count(stats: &Arc<ServerStats>) -> Self {
+        stats.open.fetch_add(1, Ordering::SeqCst);
+        Self(Arc::clone(stats))
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// The longest a loop of the server waits in `poll` before it looks at what no descriptor
+/// tells it (a stop flag set without [`Server::wake`], a VMM found gone by its pager).
+const WAIT_MS: i32 = 1000;
+
+/// Waits up to `timeout_ms` until `fd` is readable (or hung up) or `signal` is raised; true if
+/// `fd` is.
+fn wait_readable(fd: i32, signal: Option<&Signal>, timeout_ms: i32) -> bool {
+    let event = |fd| libc::pollfd {
         fd,
         events: libc::POLLIN,
         revents: 0,
     };
-    // SAFETY: one valid pollfd.
-    let rc = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
-    rc > 0
+    // A negative descriptor is left out by poll.
+    let mut fds = [event(fd), event(signal.map_or(-1, Signal::raw_fd))];
+    // SAFETY: two valid pollfds.
+    let rc = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout_ms) };
+    rc > 0 && fds[0].revents != 0
+}
+
+/// A one-way switch that threads waiting in `poll` see at once: a flag, and an eventfd that
+/// becomes readable, and stays so, when it is raised.
+#[derive(Debug)]
+pub(crate) struct Signal {
+    raised: AtomicBool,
+    fd: nix::sys::eventfd::EventFd,
+}
+
+impl Signal {
+    fn new() -> std::io::Result<Self> {
+        use nix::sys::eventfd::{EfdFlags, EventFd};
+        Ok(Self {
+            raised: AtomicBool::new(false),
+            fd: EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)?,
+        })
+    }
+
+    pub(crate) fn raise(&self) {
+        self.raised.store(true, Ordering::SeqCst);
+        // Never read: it stays readable. A full counter (it cannot be, at one write a
+        // raise) would leave it readable too.
+        let _ = self.fd.write(1);
+    }
+
+    pub(crate) fn is_raised(&self) -> bool {
+        self.raised.load(Ordering::SeqCst)
+    }
+
+    fn raw_fd(&self) -> i32 {
+        use std::os::fd::AsFd;
+        self.fd.as_fd().as_raw_fd()
+    }
 }
 
 /// One VMM's connection.
@@ -315,7 +393,7 @@ struct Connection {
     log_limit: Arc<RateLimit>,
     peers: Arc<PeerPolicy>,
     keeper: Option<Arc<keeper::KeeperClient>>,
-    handover: Arc<AtomicBool>,
+    handover: Arc<Signal>,
     image_id: Arc<str>,
 }
 
@@ -366,10 +444,11 @@ impl Connection {
         // Its threads are joined here: every event they read is applied to the journal.
         drop(pager);
         let handed_over = self.handed_over(&session);
+        // `active` first: a handover that sees `kept` fall to 0 finds these VMs gone from it.
+        self.stats.active.fetch_sub(1, Ordering::Relaxed);
         if kept {
             self.stats.kept.fetch_sub(1, Ordering::Relaxed);
         }
-        self.stats.active.fetch_sub(1, Ordering::Relaxed);
         if handed_over {
             tracing::info!(peer_pid = pid, "VM left to the keeper for the next server");
             return;
@@ -384,14 +463,14 @@ impl Connection {
         drop(session);
     }
 
-    /// Until the VMM leaves, or a handover if the keeper holds the VM (`kept`).
+    /// Until the VMM leaves, or a handover if the keeper holds the VM (`kept`): woken at
+    /// once by either.
     fn wait_for_end(&self, pager: &Pager, kept: bool) {
         let mut stream = &self.stream;
         let mut discard = [0u8; 256];
-        let handing_over = || kept && self.handover.load(Ordering::Relaxed);
-        while !pager.owner_gone() && !handing_over() {
-            // Short enough for a handover to stop serving within a few faults' time.
-            if !wait_readable(self.stream.as_raw_fd(), 50) {
+        let handover = kept.then_some(&*self.handover);
+        while !pager.owner_gone() && !handover.is_some_and(Signal::is_raised) {
+            if !wait_readable(self.stream.as_raw_fd(), handover, WAIT_MS) {
                 continue;
             }
             match stream.read(&mut discard) {
@@ -408,11 +487,11 @@ impl Connection {
         let mut pending = Vec::new();
         let mut chunk = [0u8; 4096];
         while !pager.owner_gone() {
-            if self.handover.load(Ordering::Relaxed) {
+            if self.handover.is_raised() {
                 let _ = stream.write_all(handover::PVISOR_NOT_HANDED_OVER.as_bytes());
                 return;
             }
-            if !wait_readable(self.stream.as_raw_fd(), 200) {
+            if !wait_readable(self.stream.as_raw_fd(), Some(&self.handover), WAIT_MS) {
                 continue;
             }
             let n = match stream.read(&mut chunk) {
