@@ -38,7 +38,9 @@
 //!   to `DIR/report/`, not `docs/bench/` (which holds finished sweeps only), and says what is not
 //!   finished.
 //!
-//! `cargo bench --bench density_report` writes `docs/bench/density.md`, `.csv` and `.svg`.
+//! `cargo bench --bench density_report` writes `docs/bench/density.md`, `.csv` and `.svg`
+//! (`DENSITY_BENCH_REPORT=NAME`: `docs/bench/NAME.*`, for a sweep that is not the issue's, such
+//! as a few strategies at one budget).
 //! Run without `--bench` (`cargo test --bench density_report`), it runs its unit tests, then a
 //! smoke run (6 steps, 1 and 2 VMs, off and off+zram, 512 MiB, one round; no report; then the same sweep
 //! again from the runs it kept, which must run nothing and judge alike), skipped when
@@ -98,6 +100,8 @@ pub struct Settings {
     pub resume: Option<PathBuf>,
     /// `DENSITY_BENCH_STOP_AFTER_MIN`: no round begins that would not end within this long.
     pub stop_after: Option<Duration>,
+    /// `DENSITY_BENCH_REPORT`: the report's name under `docs/bench/` (`density`).
+    pub report_name: String,
     /// `DENSITY_BENCH_POOL_SHARE`: the most of a budget the kernel's compressed pool may take
     /// (`off+zram`, `off+zswap`), percent.
     pub pool_share: u64,
@@ -272,6 +276,20 @@ fn settings(tmp: &Path) -> Res<Result<Settings, String>> {
         pvisor,
         resume,
         stop_after,
+        report_name: {
+            let name = pick("DENSITY_BENCH_REPORT", "density");
+            if name.is_empty()
+                || !name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+            {
+                return Err(format!(
+                    "DENSITY_BENCH_REPORT=`{name}`: a file name of letters, digits, `-` and `_`"
+                )
+                .into());
+            }
+            name
+        },
         pool_share: if bench {
             common::env_number("DENSITY_BENCH_POOL_SHARE", 50, 1)?
         } else {
@@ -458,7 +476,7 @@ fn run() -> Res<()> {
         let report = dir.join("report");
         std::fs::create_dir_all(&report)?;
         for (ext, text) in &outputs {
-            let path = report.join(format!("density.{ext}"));
+            let path = report.join(format!("{}.{ext}", s.report_name));
             std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
         }
         eprintln!(
@@ -468,7 +486,7 @@ fn run() -> Res<()> {
         );
         return Ok(());
     }
-    common::finish(BENCH, s.write_docs, "density", &outputs, started)
+    common::finish(BENCH, s.write_docs, &s.report_name, &outputs, started)
 }
 
 /// Runs the sweep, taking the runs `resume` holds from there and keeping there each run

@@ -558,9 +558,10 @@ pub fn markdown(targets: &[Verdict], cx: &Context<'_>) -> String {
     let _ = writeln!(
         t,
         "## Memory over time\n\n![Memory of all the VMs over time under each budget, per strategy at its density]\
-         (density.svg)\n\nEach curve is the sum of the VMs' memory cgroup usage (`pvisor replay --samples`, every \
+         ({}.svg)\n\nEach curve is the sum of the VMs' memory cgroup usage (`pvisor replay --samples`, every \
          {} ms; where a VM's reading came late, its latest one) of the budgeted run of a strategy at its density N, \
          in the round whose window is the median of that N's; the dashed line is the budget.\n",
+        s.report_name,
         s.sample_ms
     );
     method(&mut t, cx);
