@@ -390,6 +390,16 @@ fn run() -> Res<()> {
     // Read by `vmm::runtime` here and inherited by every `pvisor` started; set before any
     // thread exists.
     std::env::set_var("PVISOR_RUNTIME_DIR", &run_dir);
+    // A budget a pool cannot share (zswap's pool is a whole percent of the host's RAM) is
+    // refused now, not hours into the sweep.
+    for strategy in &settings.strategies {
+        if let (_, Some(pool)) = swap::Pool::of(strategy) {
+            for (text, bytes) in &settings.budgets {
+                swap::split(pool, *bytes, settings.pool_share, swap::mem_total()?)
+                    .map_err(|e| format!("{strategy} at {text}: {e}"))?;
+            }
+        }
+    }
     let cpu = CpuGroup::create(&format!("density-bench-{}", std::process::id()))?;
     let s = &settings;
     eprintln!(

@@ -65,12 +65,25 @@ struct Rig {
 
 impl Rig {
     fn new() -> Self {
+        Self::with_keeper_args(&[])
+    }
+
+    /// A rig whose keeper also holds the socket VMMs connect to (`keeper --listen`).
+    fn with_listening_keeper() -> Self {
+        let rig = Self::with_keeper_args(&["--listen", "uffd.sock"]);
+        assert!(rig.socket().exists(), "the keeper does not listen for VMMs");
+        rig
+    }
+
+    fn with_keeper_args(extra: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("mem"), image(IMAGE)).unwrap();
         let keeper = spawn_listening(
             Command::new(env!("CARGO_BIN_EXE_uffd-pager"))
+                .current_dir(dir.path())
                 .args(["keeper", "--socket"])
-                .arg(dir.path().join("keeper.sock")),
+                .arg(dir.path().join("keeper.sock"))
+                .args(extra),
             &dir.path().join("keeper.log"),
         );
         Self {
@@ -116,9 +129,11 @@ impl Rig {
 
     /// Kills the server with `signal` and waits for it to exit (within `PATIENCE`).
     fn stop_server(&mut self, signal: nix::sys::signal::Signal) -> std::process::ExitStatus {
-        let mut server = self.server.take().unwrap();
-        let pid = nix::unistd::Pid::from_raw(server.id().cast_signed());
+        let pid = nix::unistd::Pid::from_raw(self.server.as_ref().unwrap().id().cast_signed());
         nix::sys::signal::kill(pid, signal).unwrap();
+        // A server stopped with SIGSTOP takes the signal when it runs again.
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT).unwrap();
+        let mut server = self.server.take().unwrap();
         let deadline = Instant::now() + PATIENCE;
         loop {
             if let Some(status) = server.try_wait().unwrap() {
@@ -406,6 +421,60 @@ fn restart_upgrade_stalls_the_guests_faults_briefly() {
         "the old server took {exited:?} to exit"
     );
     assert!(longest < 1_000_000, "a fault waited {longest} µs");
+}
+
+/// A VMM that connects while its server is down waits in the keeper's backlog: stopped with
+/// SIGSTOP (so the connection is never accepted), then killed with `signal`, the server is
+/// replaced, and the next one serves the VM from its first fault.
+fn vmm_connecting_while_the_server_is_down(signal: nix::sys::signal::Signal) {
+    let mut rig = Rig::with_listening_keeper();
+    rig.start_server();
+    let pid = nix::unistd::Pid::from_raw(rig.server.as_ref().unwrap().id().cast_signed());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let mut vmm = rig.vmm();
+    let status = rig.stop_server(signal);
+    assert!(
+        status.success() || status.signal() == Some(libc::SIGKILL),
+        "{status:?}: {}",
+        rig.server_log()
+    );
+    rig.start_server();
+    vmm.run(&format!("touch 0 {PAGES} 2"));
+    // The socket is the keeper's: the servers leave its path in place.
+    assert!(rig.socket().exists());
+}
+
+#[test]
+fn restart_vmm_connecting_while_the_server_is_killed_waits_for_the_next() {
+    if skip() {
+        return;
+    }
+    vmm_connecting_while_the_server_is_down(nix::sys::signal::Signal::SIGKILL);
+}
+
+#[test]
+fn restart_vmm_connecting_while_the_server_is_upgraded_waits_for_the_next() {
+    if skip() {
+        return;
+    }
+    vmm_connecting_while_the_server_is_down(nix::sys::signal::Signal::SIGTERM);
+}
+
+#[test]
+fn restart_serve_refuses_a_socket_other_than_the_keepers() {
+    let rig = Rig::with_listening_keeper();
+    let output = Command::new(env!("CARGO_BIN_EXE_uffd-pager"))
+        .args(["serve", "--socket"])
+        .arg(rig.dir.path().join("other.sock"))
+        .arg("--mem-file")
+        .arg(rig.dir.path().join("mem"))
+        .arg("--keeper")
+        .arg(rig.keeper_socket())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("give the keeper's"), "{stderr}");
 }
 
 #[test]

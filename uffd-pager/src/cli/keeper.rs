@@ -9,7 +9,7 @@ use uffd_pager::server::keeper::KeeperSocket;
 
 use super::CliResult;
 
-pub fn keeper(socket: &Path) -> CliResult {
+pub fn keeper(socket: &Path, listen: Option<&Path>) -> CliResult {
     super::serve::init_logging();
     let mut signals = SigSet::empty();
     signals.add(Signal::SIGINT);
@@ -17,7 +17,13 @@ pub fn keeper(socket: &Path) -> CliResult {
     signals.thread_block()?;
     let keeper = KeeperSocket::bind(socket)
         .map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?;
-    tracing::info!(socket = %socket.display(), "keeper listening");
+    let keeper = match listen {
+        Some(path) => keeper
+            .listen(path)
+            .map_err(|e| format!("cannot listen on {} for VMMs: {e}", path.display()))?,
+        None => keeper,
+    };
+    tracing::info!(socket = %socket.display(), vmms = ?listen, "keeper listening");
     uffd_pager::socket::announce(socket)?;
     let stop = AtomicBool::new(false);
     std::thread::scope(|scope| -> CliResult {

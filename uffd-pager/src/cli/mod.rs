@@ -146,6 +146,8 @@ enum Command {
         /// Hand every VM to the keeper listening on this socket (`uffd-pager keeper`), take
         /// over those it already holds at start, and on SIGTERM leave them to the next server
         /// instead of serving them until they leave (docs/pager.md, "Restarting the server").
+        /// If the keeper holds the socket VMMs connect to (`keeper --listen`), the server
+        /// accepts on it; --socket must then name it.
         #[arg(long, value_name = "PATH", conflicts_with = "memory_pool")]
         keeper: Option<PathBuf>,
     },
@@ -157,6 +159,12 @@ enum Command {
         /// The Unix socket to listen on (private to this user).
         #[arg(long, value_name = "PATH")]
         socket: PathBuf,
+        /// Also hold the socket VMMs connect to (give the servers the same path as --socket):
+        /// each server attached takes it from the keeper instead of binding its own, so a VMM
+        /// that connects while no server runs, or while one restarts, waits for the next
+        /// server instead of failing to connect.
+        #[arg(long, value_name = "PATH")]
+        listen: Option<PathBuf>,
     },
     /// Mount a store so its image appears as one plain file (MOUNTPOINT/ram) that any VMM can
     /// read, write or mmap. Runs until SIGINT or SIGTERM, then writes back, commits and
@@ -259,7 +267,7 @@ pub fn run(cli: Cli) -> CliResult {
             },
             keeper.as_deref(),
         ),
-        Command::Keeper { socket } => keeper::keeper(&socket),
+        Command::Keeper { socket, listen } => keeper::keeper(&socket, listen.as_deref()),
         Command::Demo { size, keep } => demo::demo(size, keep.as_deref()),
         Command::Mount {
             store,

@@ -4,10 +4,12 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use compressed_backing::remote::StoreLocation;
 use compressed_backing::BlockSize;
 use nix::sys::signal::{SigSet, Signal};
+use uffd_pager::server::keeper::KeeperClient;
 use uffd_pager::server::{Server, ServerConfig};
 use uffd_pager::socket::PeerPolicy;
 use uffd_pager::source::{PageSource, RawFileSource, StoreSource};
@@ -58,14 +60,34 @@ pub fn serve(
         }
         (None, None) => return Err("give --mem-file FILE or --store DIR".into()),
     };
-    let server = Server::bind(
-        socket,
-        Arc::clone(&source),
-        ServerConfig {
-            threads: threads.max(1),
-            block_size,
-        },
-    )
+    let config = ServerConfig {
+        threads: threads.max(1),
+        block_size,
+    };
+    // With a keeper: attach first; a keeper that holds the socket VMMs connect to hands it
+    // over, and this server accepts on it instead of binding its own.
+    let client = match keeper {
+        Some(path) => Some(
+            KeeperClient::attach(path, Duration::from_secs(10))
+                .map_err(|e| format!("cannot attach to the keeper {}: {e}", path.display()))?,
+        ),
+        None => None,
+    };
+    let server = match client.as_ref().and_then(KeeperClient::take_listener) {
+        Some((listener, listen)) => {
+            if !same_path(&listen, socket) {
+                return Err(format!(
+                    "the keeper holds the socket {} for VMMs, and this server was given \
+                     --socket {}: give the keeper's",
+                    listen.display(),
+                    socket.display()
+                )
+                .into());
+            }
+            Server::listen_on(listener, socket, Arc::clone(&source), config)
+        }
+        None => Server::bind(socket, Arc::clone(&source), config),
+    }
     .map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?
     .allow_peers(peers);
     let image_id = match (mem_file, &store_dir) {
@@ -75,16 +97,14 @@ pub fn serve(
         (None, None) => return Err("give --mem-file FILE or --store DIR".into()),
     };
     let server = server.with_image_id(&image_id);
-    let server = match keeper {
-        Some(path) => {
-            let server = server
-                .with_keeper(path)
-                .map_err(|e| format!("cannot attach to the keeper {}: {e}", path.display()))?;
+    let server = match (keeper, client) {
+        (Some(path), Some(client)) => {
+            let server = server.with_keeper_client(client);
             let taken = server.take_over()?;
             tracing::info!(keeper = %path.display(), vms = taken, "attached to the keeper");
             server
         }
-        None => server,
+        _ => server,
     };
     tracing::info!(
         socket = %socket.display(),
@@ -126,6 +146,14 @@ pub fn serve(
         tracing::info!("stopped");
         Ok(ExitCode::SUCCESS)
     })
+}
+
+/// Whether `a` and `b` name the same file (both exist: the keeper bound its socket).
+fn same_path(a: &Path, b: &Path) -> bool {
+    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    }
 }
 
 /// Waits up to `timeout_ms` for one of `signals`; true if one arrived.

@@ -157,10 +157,15 @@ impl Server {
     /// Attaches to the keeper at `path` (waiting up to 10 s for a stopping server to detach):
     /// VMs accepted from now on are handed to it, and [`Server::take_over`] takes those it
     /// already holds.
-    pub fn with_keeper(mut self, path: &Path) -> Result<Self, KeeperError> {
-        let client = KeeperClient::attach(path, Duration::from_secs(10))?;
+    pub fn with_keeper(self, path: &Path) -> Result<Self, KeeperError> {
+        Ok(self.with_keeper_client(KeeperClient::attach(path, Duration::from_secs(10))?))
+    }
+
+    /// As [`Server::with_keeper`], attached already (the caller took the keeper's listening
+    /// socket from `client` to make this server with [`Server::listen_on`]).
+    pub fn with_keeper_client(mut self, client: KeeperClient) -> Self {
         self.keeper = Some(Arc::new(client));
-        Ok(self)
+        self
     }
 
     /// Takes over every VM the keeper holds; returns how many are served now. Each VM that

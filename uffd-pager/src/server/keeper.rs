@@ -14,6 +14,14 @@
 //! attached), then sends `hold` (meta + connection, uffd, journal), `list` (answered by one
 //! `vm` message per VM with its descriptors, then `end`) and `drop` (a VM the server refused).
 //! The attachment ends with the server's connection: the next server may then attach.
+//!
+//! With `--listen PATH` ([`KeeperSocket::listen`]) the keeper also holds the socket VMMs
+//! connect to, as a service manager holds one for socket activation: `attached` comes with its
+//! listening descriptor, the server accepts on it, and a VMM that connects while no server runs
+//! (or while one is stopping) waits in its backlog for the next server instead of finding no
+//! one there. If the keeper itself ends, the socket's path goes with it (its file is removed):
+//! a server still running goes on serving the VMs it has and accepts on the descriptor it holds,
+//! but VMMs can no longer connect by the path until a keeper listens again.
 
 use std::io::{IoSlice, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
@@ -37,8 +45,13 @@ pub const MAX_VMS: usize = 4096;
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Message {
-    /// Keeper → server: this server is the attached one.
-    Attached,
+    /// Keeper → server: this server is the attached one; with `listen`, the socket VMMs connect
+    /// to at that path comes as its descriptor, for the server to accept on.
+    Attached {
+        /// The path of the listening socket sent with it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        listen: Option<PathBuf>,
+    },
     /// Server → keeper: hold this VM (descriptors: connection, uffd, journal).
     Hold {
         /// What the server needs to serve it again (opaque to the keeper).
@@ -193,6 +206,8 @@ pub struct KeeperStats {
 pub struct KeeperSocket {
     listener: UnixListener,
     path: PathBuf,
+    /// The socket VMMs connect to, handed to each server that attaches ([`KeeperSocket::listen`]).
+    vmm_listener: Option<(UnixListener, PathBuf)>,
 }
 
 impl KeeperSocket {
@@ -203,14 +218,25 @@ impl KeeperSocket {
         Ok(Self {
             listener,
             path: path.to_path_buf(),
+            vmm_listener: None,
         })
+    }
+
+    /// Also listens on `path` for VMMs (a private socket, [`crate::socket::bind_private`]), and
+    /// hands that socket to every server that attaches.
+    pub fn listen(mut self, path: &Path) -> std::io::Result<Self> {
+        // Absolute: servers compare it with their own --socket, from their own directories.
+        let path = std::path::absolute(path)?;
+        self.vmm_listener = Some((crate::socket::bind_private(&path)?, path));
+        Ok(self)
     }
 
     /// Holds VMs until `stop` is set; returns the counters. Everything held is closed then.
     pub fn run(&self, stop: &AtomicBool) -> KeeperStats {
         let mut keeper = Keeper::default();
+        let vmms = self.vmm_listener.as_ref().map(|(l, p)| (l, p.as_path()));
         while !stop.load(Ordering::Relaxed) {
-            keeper.step(&self.listener);
+            keeper.step(&self.listener, vmms);
         }
         keeper.stats
     }
@@ -219,6 +245,9 @@ impl KeeperSocket {
 impl Drop for KeeperSocket {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
+        if let Some((_, path)) = &self.vmm_listener {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 
@@ -232,7 +261,8 @@ struct Keeper {
 
 impl Keeper {
     /// One poll round: the attached server's requests, VMMs that left, new connections.
-    fn step(&mut self, listener: &UnixListener) {
+    /// `vmms` is the socket VMMs connect to, if the keeper holds it, and its path.
+    fn step(&mut self, listener: &UnixListener, vmms: Option<(&UnixListener, &Path)>) {
         let mut fds = vec![pollfd(listener.as_fd(), libc::POLLIN)];
         if let Some(server) = &self.server {
             fds.push(pollfd(server.as_fd(), libc::POLLIN));
@@ -262,11 +292,11 @@ impl Keeper {
             self.serve_request();
         }
         if fds[0].revents != 0 {
-            self.accept(listener);
+            self.accept(listener, vmms);
         }
     }
 
-    fn accept(&mut self, listener: &UnixListener) {
+    fn accept(&mut self, listener: &UnixListener, vmms: Option<(&UnixListener, &Path)>) {
         let Ok((stream, _)) = listener.accept() else {
             return;
         };
@@ -294,7 +324,14 @@ impl Keeper {
             || stream
                 .set_write_timeout(Some(Duration::from_secs(5)))
                 .is_err()
-            || send(&stream, &Message::Attached, &[]).is_err()
+            || send(
+                &stream,
+                &Message::Attached {
+                    listen: vmms.map(|(_, path)| path.to_path_buf()),
+                },
+                &vmms.map(|(l, _)| l.as_fd()).into_iter().collect::<Vec<_>>(),
+            )
+            .is_err()
         {
             return;
         }
@@ -399,6 +436,8 @@ pub struct HeldVm {
 #[derive(Debug)]
 pub struct KeeperClient {
     stream: parking_lot::Mutex<UnixStream>,
+    /// The socket VMMs connect to, if the keeper holds one, until [`KeeperClient::take_listener`].
+    listener: parking_lot::Mutex<Option<(UnixListener, PathBuf)>>,
 }
 
 impl KeeperClient {
@@ -414,11 +453,24 @@ impl KeeperClient {
             stream
                 .set_read_timeout(Some(Duration::from_secs(10)))
                 .map_err(io("set a timeout"))?;
-            match recv(&stream)?.0 {
-                Message::Attached => {
+            let (message, mut fds) = recv(&stream)?;
+            match message {
+                Message::Attached { listen } => {
+                    let listener = match (listen, fds.pop()) {
+                        (Some(path), Some(fd)) if fds.is_empty() && is_socket(fd.as_fd()) => {
+                            Some((UnixListener::from(fd), path))
+                        }
+                        (None, None) => None,
+                        _ => {
+                            return Err(KeeperError::Protocol(
+                                "`attached` came with a listening socket that is not one".into(),
+                            ))
+                        }
+                    };
                     return Ok(Self {
                         stream: parking_lot::Mutex::new(stream),
-                    })
+                        listener: parking_lot::Mutex::new(listener),
+                    });
                 }
                 Message::Error { error } if std::time::Instant::now() < deadline => {
                     // The server before is stopping: its end reaches the keeper within
@@ -441,6 +493,11 @@ impl KeeperClient {
             (Message::Error { error }, _) => Err(KeeperError::Protocol(error)),
             (reply, _) => Ok(reply),
         }
+    }
+
+    /// The socket VMMs connect to and its path, if the keeper holds one (once).
+    pub fn take_listener(&self) -> Option<(UnixListener, PathBuf)> {
+        self.listener.lock().take()
     }
 
     /// True while the keeper's end of the connection is open.

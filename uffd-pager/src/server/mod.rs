@@ -98,6 +98,9 @@ pub const MAX_HANDSHAKES: u64 = 64;
 pub struct Server {
     listener: UnixListener,
     path: PathBuf,
+    /// Whether this server bound `path` (and removes it on drop), or serves on a socket the
+    /// keeper holds ([`Server::listen_on`]).
+    owns_path: bool,
     source: Arc<dyn PageSource>,
     config: ServerConfig,
     stats: Arc<ServerStats>,
@@ -128,10 +131,25 @@ impl Server {
         config: ServerConfig,
     ) -> std::io::Result<Self> {
         let listener = crate::socket::bind_private(path)?;
+        let mut server = Self::listen_on(listener, path, source, config)?;
+        server.owns_path = true;
+        Ok(server)
+    }
+
+    /// Serves on `listener`, a socket at `path` that someone else bound and keeps (the
+    /// keeper's, [`keeper::KeeperClient::take_listener`]): connections waiting in its backlog
+    /// are this server's to accept, and its path is left in place when the server ends.
+    pub fn listen_on(
+        listener: UnixListener,
+        path: &Path,
+        source: Arc<dyn PageSource>,
+        config: ServerConfig,
+    ) -> std::io::Result<Self> {
         listener.set_nonblocking(true)?;
         Ok(Self {
             listener,
             path: path.to_path_buf(),
+            owns_path: false,
             source,
             config,
             stats: Arc::new(ServerStats::default()),
@@ -234,7 +252,9 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+        if self.owns_path {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
 
