@@ -3,8 +3,9 @@
 //!
 //! One thread accepts one connection, maps the memory file `PROT_READ`/`MAP_PRIVATE`, receives
 //! the handshake (JSON regions + the uffd), then polls the socket and the uffd; for every
-//! page fault it answers with one `UFFDIO_COPY` (waking) of the faulting 4 KiB page straight
-//! from the file mapping, or `UFFDIO_ZEROPAGE` for a page a `REMOVE` event discarded (kept in a
+//! page fault it answers with one `UFFDIO_COPY` (waking) of the faulting page (4 KiB, or the
+//! region's `page_size`: 2 MiB with Firecracker's `huge_pages: "2M"`) straight from the file
+//! mapping, or `UFFDIO_ZEROPAGE` for a 4 KiB page a `REMOVE` event discarded (kept in a
 //! `HashSet` of page numbers, as the example does). It stops when the socket closes.
 //! Deviations, none of which the bench exercises: events are read with the pager's wrapper
 //! (up to 64 per `read`, where the example reads one; with one touching thread there is only
@@ -55,6 +56,7 @@ struct Region {
     base: u64,
     size: u64,
     offset: u64,
+    page_size: u64,
 }
 
 fn serve(listener: &UnixListener, mem_file: &Path) -> Res<u64> {
@@ -100,17 +102,18 @@ fn serve(listener: &UnixListener, mem_file: &Path) -> Res<u64> {
         }
         let mut retry = Vec::new();
         for addr in pending.drain(..) {
-            let page = addr.page_down();
-            let result = if removed.contains(&(page.0 / PAGE_SIZE)) {
+            let region = regions
+                .iter()
+                .find(|r| addr.0 >= r.base && addr.0 < r.base + r.size)
+                .ok_or_else(|| format!("fault at {addr} outside every region"))?;
+            let page = HostAddr(addr.0 - (addr.0 - region.base) % region.page_size);
+            let len = usize::try_from(region.page_size)?;
+            let result = if len == PAGE && removed.contains(&(page.0 / PAGE_SIZE)) {
                 let range = HostRange::new(page, PAGE_SIZE).expect("one page");
                 uffd.zeropage(range, true).map(|_| ())
             } else {
-                let region = regions
-                    .iter()
-                    .find(|r| page.0 >= r.base && page.0 < r.base + r.size)
-                    .ok_or_else(|| format!("fault at {addr} outside every region"))?;
                 let at = usize::try_from(region.offset + page.0 - region.base)?;
-                uffd.copy(page, &backing.bytes()[at..at + PAGE], true)
+                uffd.copy(page, &backing.bytes()[at..at + len], true)
                     .map(|_| ())
             };
             match result {
@@ -177,6 +180,7 @@ fn parse_regions(json: &str) -> Res<Vec<Region>> {
                 base: field(object, "base_host_virt_addr")?,
                 size: field(object, "size")?,
                 offset: field(object, "offset")?,
+                page_size: field(object, "page_size").unwrap_or(PAGE_SIZE),
             })
         })
         .collect()

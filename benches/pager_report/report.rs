@@ -440,6 +440,15 @@ fn restore_section(out: &mut String, results: &Results, s: &Settings) {
                 format!("ratio.restore.{touch}.firecracker_over_{ours}"),
             ));
         }
+        for ours in ["ours_raw_huge", "ours_lz4_huge"] {
+            rows.push(bold(
+                format!(
+                    "{touch}: {} time / Firecracker-style time on 2 MiB pages",
+                    ours.replace('_', ", ")
+                ),
+                format!("ratio.restore.{touch}.{ours}_over_firecracker_huge"),
+            ));
+        }
     }
     table(out, results, &rows);
     out.push_str(

@@ -32,15 +32,18 @@ pub enum Who {
     /// Ours, on RAM of 2 MiB huge pages.
     OursRawHuge,
     OursLz4Huge,
+    /// The Firecracker-example-style handler on RAM of 2 MiB huge pages.
+    FirecrackerHuge,
 }
 
 impl Who {
-    pub const ALL: [Who; 5] = [
+    pub const ALL: [Who; 6] = [
         Who::OursRaw,
         Who::OursLz4,
         Who::Firecracker,
         Who::OursRawHuge,
         Who::OursLz4Huge,
+        Who::FirecrackerHuge,
     ];
 
     pub fn key(self) -> &'static str {
@@ -50,6 +53,7 @@ impl Who {
             Who::Firecracker => "firecracker",
             Who::OursRawHuge => "ours_raw_huge",
             Who::OursLz4Huge => "ours_lz4_huge",
+            Who::FirecrackerHuge => "firecracker_huge",
         }
     }
 
@@ -60,12 +64,16 @@ impl Who {
             Who::Firecracker => "Firecracker-example-style handler, raw file",
             Who::OursRawHuge => "ours (`Server`), raw file, 2 MiB pages",
             Who::OursLz4Huge => "ours (`Server`), lz4 store, 2 MiB pages",
+            Who::FirecrackerHuge => "Firecracker-example-style handler, raw file, 2 MiB pages",
         }
     }
 
     /// Whether guest RAM is of 2 MiB huge pages.
     pub fn huge(self) -> bool {
-        matches!(self, Who::OursRawHuge | Who::OursLz4Huge)
+        matches!(
+            self,
+            Who::OursRawHuge | Who::OursLz4Huge | Who::FirecrackerHuge
+        )
     }
 }
 
@@ -182,7 +190,7 @@ fn measure(
     }
     let vm = FirecrackerVm::new(len, who.huge())?;
     let handler = match who {
-        Who::Firecracker => Some(firecracker::Handler::spawn(
+        Who::Firecracker | Who::FirecrackerHuge => Some(firecracker::Handler::spawn(
             setup.fc_socket,
             setup.mem_file,
         )?),
@@ -191,7 +199,7 @@ fn measure(
     let socket = match who {
         Who::OursRaw | Who::OursRawHuge => &setup.raw_server.socket,
         Who::OursLz4 | Who::OursLz4Huge => &setup.lz4_server.socket,
-        Who::Firecracker => setup.fc_socket,
+        Who::Firecracker | Who::FirecrackerHuge => setup.fc_socket,
     };
     let cpu = crate::host::CpuSample::now();
     let stream = vm.connect(socket)?;

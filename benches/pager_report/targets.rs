@@ -26,6 +26,17 @@ pub fn derive(results: &mut Results, settings: &Settings) {
             );
         }
     }
+    // Issue 36: on 2 MiB pages, ours against the example-style handler on 2 MiB pages too.
+    for touch in ["lazy", "full"] {
+        for ours in ["ours_raw_huge", "ours_lz4_huge"] {
+            results.ratio(
+                &format!("ratio.restore.{touch}.{ours}_over_firecracker_huge"),
+                &format!("restore.{touch}.{ours}.ms"),
+                &format!("restore.{touch}.firecracker_huge.ms"),
+                "×",
+            );
+        }
+    }
     for content in ["mixed", "full"] {
         results.ratio(
             &format!("ratio.offload.{content}.lz4_over_none"),
@@ -125,6 +136,22 @@ pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
             &format!("ratio.restore.full.firecracker_over_{ours}"),
             &ge(3.0),
             ", Firecracker-style time / our time".into(),
+        ));
+    }
+    for (ours, what, limit) in [
+        ("ours_raw_huge", "raw file", 1.05),
+        ("ours_lz4_huge", "lz4 store", 1.3),
+    ] {
+        out.push(verdict(
+            results,
+            format!(
+                "full restore of {} MiB on 2 MiB pages ≤ {limit}× the Firecracker-style handler's \
+                 on 2 MiB pages (ours from the {what})",
+                settings.image >> 20
+            ),
+            &format!("ratio.restore.full.{ours}_over_firecracker_huge"),
+            &le(limit),
+            ", our time / Firecracker-style time".into(),
         ));
     }
     // Issue 14: the touching thread's synchronous faults per 64 MiB touched on 2 MiB pages.

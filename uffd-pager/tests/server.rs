@@ -406,13 +406,18 @@ fn server_refuses_bad_handshakes_and_keeps_serving() {
     assert!(vm.bytes(0) == &data[..]);
 }
 
-/// The "Firecracker" of the next test: run as a child process so that it can be killed.
+/// The "Firecracker" of the next tests: run as a child process so that it can be killed; its
+/// RAM is of 2 MiB pages with `SERVER_TEST_HUGE` set.
 #[test]
 fn server_child_vm() {
     let Some(socket) = std::env::var_os("SERVER_TEST_SOCKET") else {
         return;
     };
-    let vm = Vm::new(&[4 * MIB]);
+    let vm = if std::env::var_os("SERVER_TEST_HUGE").is_some() {
+        Vm::huge(&[8 * MIB])
+    } else {
+        Vm::new(&[4 * MIB])
+    };
     let _stream = vm.connect(Path::new(&socket), &vm.json(true));
     // Touch everything; the corrupt block never arrives.
     let sum: u64 = vm.bytes(0).iter().map(|&b| u64::from(b)).sum();
@@ -443,7 +448,14 @@ fn server_kills_the_vm_rather_than_serve_a_corrupt_block() {
     let store = DiskStore::open_read_only(&store_dir).unwrap();
     let block_size = store.block_size();
     let running = Running::start(Arc::new(StoreSource::new(store)), block_size);
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+    expect_child_vm_killed(&running, false);
+}
+
+/// Runs `server_child_vm` against `running` and expects it killed (`SIGKILL`) before it read
+/// everything, and the server's one kill counted.
+fn expect_child_vm_killed(running: &Running, huge: bool) {
+    let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+    command
         .args([
             "server_child_vm",
             "--exact",
@@ -451,9 +463,11 @@ fn server_kills_the_vm_rather_than_serve_a_corrupt_block() {
             "--test-threads=1",
         ])
         .env("SERVER_TEST_SOCKET", &running.socket)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+        .stdout(std::process::Stdio::piped());
+    if huge {
+        command.env("SERVER_TEST_HUGE", "1");
+    }
+    let mut child = command.spawn().unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
@@ -474,13 +488,44 @@ fn server_kills_the_vm_rather_than_serve_a_corrupt_block() {
         .unwrap();
     assert!(
         !out.contains("read everything"),
-        "the VM read a corrupt block: {out}"
+        "the VM read bytes it should not have: {out}"
     );
     assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
     assert_eq!(
         running.server.stats().peers_killed.load(Ordering::Relaxed),
         1
     );
+}
+
+#[test]
+fn server_kills_a_huge_page_vm_whose_memory_file_shrank_and_lives_on() {
+    if skip() {
+        return;
+    }
+    let _lent = testkit::hugepages::HugePages::lend(8);
+    let dir = tempfile::tempdir().unwrap();
+    let raw = dir.path().join("mem");
+    std::fs::write(&raw, image(8 * MIB, 9)).unwrap();
+    // Opened at 8 MiB, then cut to 2 MiB under the server: huge pages are installed straight
+    // from a mapping of the file, and the pages past its new end are not there. A read of them
+    // by the server would raise SIGBUS and kill it (and this test); `UFFDIO_COPY` reads them in
+    // the kernel and fails instead, and the VM that cannot be served right is killed.
+    let running = Running::start(
+        Arc::new(RawFileSource::open(&raw).unwrap()),
+        BlockSize::default(),
+    );
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&raw)
+        .unwrap()
+        .set_len(2 * MIB as u64)
+        .unwrap();
+    expect_child_vm_killed(&running, true);
+    // The server serves on: a VM within the file's first 2 MiB reads them right.
+    let data = std::fs::read(&raw).unwrap();
+    let vm = Vm::huge(&[2 * MIB]);
+    let _stream = vm.connect(&running.socket, &vm.json(true));
+    assert!(vm.bytes(0) == &data[..]);
 }
 
 /// Guest RAM as one memfd, shared with the server through the project's own handshake.

@@ -398,9 +398,18 @@ impl Shared {
                         .expect("block of the image");
                     let len = self.block_size.len_in_image(block, self.image_size);
                     let mut decompressed = 0;
-                    let content = source
-                        .read(offset, &mut buf[..len], &mut decompressed)
-                        .map_err(|source| FaultError::Source { addr, source })?;
+                    // A huge page has no zero page to map (zeros are copied like the rest),
+                    // so its bytes need no look: where the source maps them, they are
+                    // installed straight from its mapping, with no copy into `buf` first.
+                    let mapped = (region.spec.kind.page_size() != PageSize::BASE)
+                        .then(|| source.mapped(offset, len))
+                        .flatten();
+                    let content = match mapped {
+                        Some(_) => Content::Data,
+                        None => source
+                            .read(offset, &mut buf[..len], &mut decompressed)
+                            .map_err(|source| FaultError::Source { addr, source })?,
+                    };
                     self.metrics
                         .bytes_decompressed
                         .fetch_add(decompressed, Ordering::Relaxed);
@@ -410,9 +419,12 @@ impl Shared {
                         continue;
                     }
                     self.check_unit(region, page, state, addr)?;
-                    let data = match content {
-                        Content::Zero => None,
-                        Content::Data => Some((offset / PAGE_SIZE, &buf[..len])),
+                    let data = match (content, &mapped) {
+                        (Content::Zero, _) => None,
+                        (Content::Data, Some(window)) => {
+                            Some((offset / PAGE_SIZE, window.for_kernel()))
+                        }
+                        (Content::Data, None) => Some((offset / PAGE_SIZE, &buf[..len])),
                     };
                     if state == PageState::Pooled {
                         let attempt = self
