@@ -280,13 +280,13 @@ fn sweep_table(t: &mut String, cx: &Context<'_>, b: usize, i: usize) {
         t.push_str("Not run.\n\n");
         return;
     };
+    pool_table(t, cx, b, i, sizes);
     t.push_str(
         "| N | verdict | window, budgeted (s) | window, unbudgeted (s) | ratio | cgroup memory × time (GiB·s per task) | \
          peak memory (MiB; budget share) | CPU, budgeted (s; cores busy) | CPU, unbudgeted (s) | offloads | ms per \
          offload |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     let nproc = cx.run.machine.nproc;
-    pool_table(t, cx, b, i, sizes);
     for size in sizes {
         let vms = size.vms;
         let budgeted = runs_of(
