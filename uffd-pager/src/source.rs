@@ -237,6 +237,37 @@ impl PageSource for RawFileSource {
     }
 }
 
+/// Gathers of at least this many bytes (a huge page from a store of smaller blocks) are read in
+/// two halves at once.
+const PARALLEL_GATHER_BYTES: usize = 1 << 20;
+
+/// Reads the store's blocks from `first` on into `buf`, one after the other.
+fn read_blocks(
+    store: &DiskStore,
+    first: u64,
+    buf: &mut [u8],
+    step: usize,
+    decompressed: &mut u64,
+) -> Result<Content, SourceError> {
+    let mut content = Content::Zero;
+    for (i, part) in buf.chunks_mut(step).enumerate() {
+        let block = first + i as u64;
+        let kind = store
+            .get(block, part)
+            .map_err(|source| SourceError::Store { block, source })?;
+        match kind {
+            None | Some(BlockKind::Zero) => part.fill(0),
+            Some(kind) => {
+                if kind.is_compressed() {
+                    *decompressed += part.len() as u64;
+                }
+                content = Content::Data;
+            }
+        }
+    }
+    Ok(content)
+}
+
 /// A `DiskStore`, shared: faults read it while offload (with the VM paused) may write it.
 #[derive(Debug, Clone, Default)]
 pub struct StoreSource {
@@ -276,25 +307,50 @@ impl PageSource for StoreSource {
         let guard = self.store.read();
         let store = guard.as_ref().ok_or(SourceError::NoStore)?;
         // A pager whose blocks are larger than the store's (huge pages served from a store of
-        // 64 KiB blocks) reads several, one after the other, into its buffer.
+        // 64 KiB blocks) reads several into its buffer: a large gather (a 2 MiB page is 32
+        // blocks) in two halves at once, the second on a thread of its own, so that reading
+        // and decoding take both cores of a small host while the fault waits.
         let step = store.block_size().bytes();
-        let mut content = Content::Zero;
-        for (i, part) in buf.chunks_mut(step).enumerate() {
-            let block = store.block_size().index_of(offset) + i as u64;
-            let kind = store
-                .get(block, part)
-                .map_err(|source| SourceError::Store { block, source })?;
-            match kind {
-                None | Some(BlockKind::Zero) => part.fill(0),
-                Some(kind) => {
-                    if kind.is_compressed() {
-                        *decompressed += part.len() as u64;
-                    }
-                    content = Content::Data;
-                }
-            }
+        let first = store.block_size().index_of(offset);
+        if buf.len() < PARALLEL_GATHER_BYTES {
+            return read_blocks(store, first, buf, step, decompressed);
         }
-        Ok(content)
+        let half = buf.len().div_ceil(2 * step) * step;
+        let second = first + (half / step) as u64;
+        let mut high_decompressed = 0;
+        let (low, high) = {
+            let (low, high) = buf.split_at_mut(half);
+            std::thread::scope(|scope| {
+                let helper = std::thread::Builder::new()
+                    .name("uffd-gather".into())
+                    .spawn_scoped(scope, || {
+                        read_blocks(store, second, high, step, &mut high_decompressed)
+                    });
+                let low = read_blocks(store, first, low, step, decompressed);
+                let high = helper.ok().map(|helper| {
+                    helper
+                        .join()
+                        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+                });
+                (low, high)
+            })
+        };
+        // No thread to be had: the second half here, after the first.
+        let high = match high {
+            Some(high) => high,
+            None => read_blocks(
+                store,
+                second,
+                &mut buf[half..],
+                step,
+                &mut high_decompressed,
+            ),
+        };
+        *decompressed += high_decompressed;
+        Ok(match (low?, high?) {
+            (Content::Zero, Content::Zero) => Content::Zero,
+            _ => Content::Data,
+        })
     }
 
     fn block_size(&self) -> Option<compressed_backing::BlockSize> {
