@@ -598,6 +598,45 @@ fn restart_upgrade_with_keeper_gone_serves_on() {
     assert!(rig.server.as_mut().unwrap().try_wait().unwrap().is_none());
 }
 
+/// The keeper holding the VMM socket dies under a running server: killed (`-9`), its socket's
+/// path stays and the server, which holds the listening descriptor too, serves a VMM that
+/// connects after; stopped cleanly (SIGTERM), it removes the path, and the server serves on
+/// the VMs it has while a new VMM finds no socket to connect to.
+fn keeper_with_vmm_socket_dies(signal: nix::sys::signal::Signal) {
+    let mut rig = Rig::with_listening_keeper();
+    rig.start_server();
+    let mut first = rig.vmm();
+    first.run("touch 0 64 1");
+    let keeper = nix::unistd::Pid::from_raw(rig.keeper.id().cast_signed());
+    nix::sys::signal::kill(keeper, signal).unwrap();
+    let _ = rig.keeper.wait();
+    first.run(&format!("touch 64 {PAGES} 2"));
+    if signal == nix::sys::signal::Signal::SIGKILL {
+        let mut second = rig.vmm();
+        second.run(&format!("touch 0 {PAGES} 2"));
+    } else {
+        assert!(!rig.socket().exists(), "the keeper left its socket behind");
+        assert!(UnixStream::connect(rig.socket()).is_err());
+    }
+    assert!(rig.server.as_mut().unwrap().try_wait().unwrap().is_none());
+}
+
+#[test]
+fn restart_keeper_killed_leaves_the_server_serving_old_and_new_vms() {
+    if skip() {
+        return;
+    }
+    keeper_with_vmm_socket_dies(nix::sys::signal::Signal::SIGKILL);
+}
+
+#[test]
+fn restart_keeper_stopped_leaves_the_server_serving_its_vms() {
+    if skip() {
+        return;
+    }
+    keeper_with_vmm_socket_dies(nix::sys::signal::Signal::SIGTERM);
+}
+
 #[test]
 fn restart_upgrade_ends_pvisor_sessions_with_an_error() {
     if skip() {
