@@ -203,7 +203,26 @@ struct Vmm {
 
 impl Vmm {
     fn spawn(socket: &Path, mem: &Path) -> Self {
-        let mut child = Command::new(std::env::current_exe().unwrap())
+        let mut vmm = Self::start(socket, mem, false);
+        assert_eq!(vmm.reply("the handshake"), "ready");
+        vmm
+    }
+
+    /// A VMM that connects and waits for [`Vmm::send_handshake`] before it sends anything.
+    fn spawn_connected(socket: &Path, mem: &Path) -> Self {
+        let mut vmm = Self::start(socket, mem, true);
+        assert_eq!(vmm.reply("the connection"), "connected");
+        vmm
+    }
+
+    fn send_handshake(&mut self) {
+        self.send("handshake");
+        assert_eq!(self.reply("the handshake"), "ready");
+    }
+
+    fn start(socket: &Path, mem: &Path, wait: bool) -> Self {
+        let mut command = Command::new(std::env::current_exe().unwrap());
+        command
             .args([
                 "--exact",
                 "vmm_child_serves_commands_when_spawned",
@@ -211,7 +230,11 @@ impl Vmm {
                 "--test-threads=1",
             ])
             .env("RESTART_VMM_SOCKET", socket)
-            .env("RESTART_VMM_IMAGE", mem)
+            .env("RESTART_VMM_IMAGE", mem);
+        if wait {
+            command.env("RESTART_VMM_WAIT", "1");
+        }
+        let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -242,15 +265,13 @@ impl Vmm {
                 }
             }
         });
-        let mut vmm = Self {
+        Self {
             child,
             stdin,
             lines,
             progress,
             longest,
-        };
-        assert_eq!(vmm.reply("the handshake"), "ready");
-        vmm
+        }
     }
 
     fn send(&mut self, command: &str) {
@@ -458,6 +479,34 @@ fn restart_vmm_connecting_while_the_server_is_upgraded_waits_for_the_next() {
         return;
     }
     vmm_connecting_while_the_server_is_down(nix::sys::signal::Signal::SIGTERM);
+}
+
+/// A connection the server accepted and held at the keeper, its handshake not yet sent, when
+/// the server is killed (`-9`): the next server takes it from the keeper, reads its handshake
+/// and serves the VM.
+#[test]
+fn restart_connection_accepted_before_its_handshake_survives_a_kill() {
+    if skip() {
+        return;
+    }
+    let mut rig = Rig::with_listening_keeper();
+    rig.start_server();
+    let mut vmm = Vmm::spawn_connected(&rig.socket(), &rig.dir.path().join("mem"));
+    // The server accepts it at once and holds it at the keeper before it reads anything: a
+    // connection it had accepted and not handed over would die with it, and the VMM would
+    // freeze. (Were it still in the backlog, the next server would accept it: the test cannot
+    // fail for that, only pass for the wrong reason, which this pause makes unlikely.)
+    std::thread::sleep(Duration::from_millis(300));
+    let status = rig.stop_server(nix::sys::signal::Signal::SIGKILL);
+    assert_eq!(status.signal(), Some(libc::SIGKILL));
+    rig.start_server();
+    vmm.send_handshake();
+    vmm.run(&format!("touch 0 {PAGES} 2"));
+    assert!(
+        rig.server_log().contains("serving a VM"),
+        "{}",
+        rig.server_log()
+    );
 }
 
 #[test]
@@ -740,7 +789,7 @@ fn old_server_died(
     let image = image_id(&rig.dir.path().join("mem"), false).unwrap();
     let meta = serde_json::json!({"session": "firecracker", "regions": regions, "image": image});
     keeper
-        .hold(meta, conn.as_fd(), uffd.as_fd(), journal.fd())
+        .hold(meta, conn.as_fd(), uffd.as_fd(), journal.fd(), None)
         .unwrap();
     drop((keeper, conn, uffd, journal, listener));
     std::fs::remove_file(rig.socket()).unwrap();
@@ -993,6 +1042,13 @@ fn vmm_child_serves_commands_when_spawned() {
         mem.len()
     );
     let stream = UnixStream::connect(socket).unwrap();
+    if std::env::var_os("RESTART_VMM_WAIT").is_some() {
+        // Connected; the handshake goes when the test says so.
+        println!("vmm: connected");
+        let mut line = String::new();
+        std::io::stdin().lock().read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "handshake");
+    }
     let fds = [uffd.as_raw_fd()];
     sendmsg::<()>(
         stream.as_raw_fd(),

@@ -87,6 +87,7 @@ impl Connection {
         uffd: &Userfaultfd,
         specs: &[RegionSpec],
         initial: PageState,
+        pending: Option<u64>,
     ) -> Option<Kept> {
         let keeper = self.keeper.as_ref()?;
         let end = specs.iter().map(|s| s.image_offset + s.range.len()).max()?;
@@ -100,7 +101,13 @@ impl Connection {
                 })
                 .expect("regions serialize");
                 let id = keeper
-                    .hold(meta, self.stream.as_fd(), uffd.as_fd(), journal.fd())
+                    .hold(
+                        meta,
+                        self.stream.as_fd(),
+                        uffd.as_fd(),
+                        journal.fd(),
+                        pending,
+                    )
                     .map_err(|e| error_chain(&e))?;
                 Ok(Kept {
                     id,
@@ -110,6 +117,11 @@ impl Connection {
         match kept {
             Ok(kept) => Some(kept),
             Err(e) => {
+                // Served here without the keeper: it must not hand the connection to the next
+                // server as one whose handshake is yet to come.
+                if let Some(id) = pending {
+                    let _ = keeper.drop_vm(id);
+                }
                 if self.log_limit.allow() {
                     tracing::error!(
                         "the keeper does not hold this VM (a restart would freeze it): {e}"
@@ -175,7 +187,24 @@ impl Server {
             return Ok(0);
         };
         let mut served = 0;
-        for vm in keeper.list()? {
+        let (vms, pending) = keeper.list()?;
+        // Connections a server accepted and died before it read their handshake: each is
+        // served as a new one, its handshake read here.
+        for (id, conn) in pending {
+            let connection = self.connection(conn);
+            let open = super::Open::count(&self.stats);
+            let spawned = std::thread::Builder::new()
+                .name("uffd-conn".into())
+                .spawn(move || {
+                    let _open = open;
+                    connection.serve(None, Some(id));
+                });
+            if let Err(e) = spawned {
+                tracing::error!("cannot start a connection thread: {e}");
+                let _ = keeper.drop_vm(id);
+            }
+        }
+        for vm in vms {
             let id = vm.id;
             let pid = getsockopt(&vm.conn, PeerCredentials).map_or(0, |c| c.pid());
             // Held before the connection is consumed, so that a refused VMM is killed through

@@ -11,8 +11,10 @@
 //! uid only, `SO_PEERCRED`): every message is a little-endian `u32` length and that many bytes
 //! of JSON, sent in one `sendmsg` with its descriptors (`SCM_RIGHTS`). One server at a time is
 //! attached: on connecting it gets `{"op":"attached"}` (or an error while another server is
-//! attached), then sends `hold` (meta + connection, uffd, journal), `list` (answered by one
-//! `vm` message per VM with its descriptors, then `end`) and `drop` (a VM the server refused).
+//! attached), then sends `pending` (a connection just accepted, its handshake not read yet),
+//! `hold` (meta + connection, uffd, journal; in place of a `pending` one when it names it),
+//! `list` (answered by one `vm` message per VM or pending connection with its descriptors,
+//! then `end`) and `drop` (a VM or connection the server refused).
 //! The attachment ends with the server's connection: the next server may then attach.
 //!
 //! With `--listen PATH` ([`KeeperSocket::listen`]) the keeper also holds the socket VMMs
@@ -56,7 +58,14 @@ pub enum Message {
     Hold {
         /// What the server needs to serve it again (opaque to the keeper).
         meta: serde_json::Value,
+        /// The id it was held under as a `pending` connection, which this replaces.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pending: Option<u64>,
     },
+    /// Server → keeper: hold this connection, just accepted, whose handshake is not read yet
+    /// (descriptor: the connection), so that a server dying before it has read it leaves it
+    /// to the next one.
+    Pending,
     /// Keeper → server: the VM is held under `id`.
     Held {
         /// Its id.
@@ -357,16 +366,46 @@ impl Keeper {
             }
         };
         let reply = match message {
-            Message::Hold { .. } if fds.first().is_some_and(|fd| !is_socket(fd.as_fd())) => {
-                Err("hold: the first descriptor is not the VMM's connection socket".into())
+            Message::Hold { .. } | Message::Pending
+                if fds.first().is_some_and(|fd| !is_socket(fd.as_fd())) =>
+            {
+                Err("the first descriptor is not the VMM's connection socket".into())
             }
-            Message::Hold { meta } if fds.len() == MAX_FDS && self.vms.len() < MAX_VMS => {
+            // A pending connection's handshake was valid: the VM replaces it, under its id.
+            Message::Hold {
+                meta,
+                pending: Some(id),
+            } if fds.len() == MAX_FDS
+                && self.vms.iter().any(|vm| vm.id == id && vm.fds.len() == 1) =>
+            {
+                let vm = self
+                    .vms
+                    .iter_mut()
+                    .find(|vm| vm.id == id)
+                    .expect("found just above");
+                vm.meta = meta;
+                vm.fds = fds;
+                self.stats.held += 1;
+                Ok(Message::Held { id })
+            }
+            Message::Hold { meta, .. } if fds.len() == MAX_FDS && self.vms.len() < MAX_VMS => {
                 self.next_id += 1;
                 let id = self.next_id;
                 self.vms.push(Held { id, meta, fds });
                 self.stats.held += 1;
                 Ok(Message::Held { id })
             }
+            Message::Pending if fds.len() == 1 && self.vms.len() < MAX_VMS => {
+                self.next_id += 1;
+                let id = self.next_id;
+                let meta = serde_json::json!({ "session": "pending" });
+                self.vms.push(Held { id, meta, fds });
+                Ok(Message::Held { id })
+            }
+            Message::Pending if fds.len() != 1 => Err(format!(
+                "pending needs 1 descriptor (the connection), {} came",
+                fds.len()
+            )),
             Message::Hold { .. } if fds.len() != MAX_FDS => Err(format!(
                 "hold needs {MAX_FDS} descriptors (connection, uffd, journal), {} came",
                 fds.len()
@@ -431,6 +470,10 @@ pub struct HeldVm {
     /// The journal memfd.
     pub journal: OwnedFd,
 }
+
+/// What the keeper holds, as [`KeeperClient::list`] gives it: the VMs, and the connections
+/// (with their ids) whose handshake no server has read to the end.
+pub type Listed = (Vec<HeldVm>, Vec<(u64, UnixStream)>);
 
 /// A server's attachment to its keeper.
 #[derive(Debug)]
@@ -509,28 +552,50 @@ impl KeeperClient {
         rc == 0 || (rc > 0 && fd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) == 0)
     }
 
-    /// Has the keeper hold a VM; returns its id.
+    /// Has the keeper hold a VM, in place of its `pending` connection if it was one; returns
+    /// its id.
     pub fn hold(
         &self,
         meta: serde_json::Value,
         conn: BorrowedFd<'_>,
         uffd: BorrowedFd<'_>,
         journal: BorrowedFd<'_>,
+        pending: Option<u64>,
     ) -> Result<u64, KeeperError> {
         let stream = self.stream.lock();
-        match Self::request(&stream, &Message::Hold { meta }, &[conn, uffd, journal])? {
+        let message = Message::Hold { meta, pending };
+        match Self::request(&stream, &message, &[conn, uffd, journal])? {
             Message::Held { id } => Ok(id),
             other => Err(KeeperError::Protocol(format!("{other:?} answers hold"))),
         }
     }
 
-    /// Every VM the keeper holds.
-    pub fn list(&self) -> Result<Vec<HeldVm>, KeeperError> {
+    /// Has the keeper hold a connection just accepted, before its handshake is read; returns
+    /// its id (give it to [`KeeperClient::hold`] once the handshake is valid, or to
+    /// [`KeeperClient::drop_vm`] if it is not).
+    pub fn pending(&self, conn: BorrowedFd<'_>) -> Result<u64, KeeperError> {
+        let stream = self.stream.lock();
+        match Self::request(&stream, &Message::Pending, &[conn])? {
+            Message::Held { id } => Ok(id),
+            other => Err(KeeperError::Protocol(format!("{other:?} answers pending"))),
+        }
+    }
+
+    /// Every VM the keeper holds, and every connection it holds whose handshake no server
+    /// has read to the end.
+    pub fn list(&self) -> Result<Listed, KeeperError> {
         let stream = self.stream.lock();
         send(&stream, &Message::List, &[])?;
         let mut vms = Vec::new();
+        let mut pending = Vec::new();
         loop {
             match recv(&stream)? {
+                (Message::Vm { id, meta }, mut fds)
+                    if meta["session"] == "pending" && fds.len() == 1 =>
+                {
+                    let conn = fds.pop().expect("one descriptor");
+                    pending.push((id, UnixStream::from(conn)));
+                }
                 (Message::Vm { id, meta }, fds) => {
                     let [conn, uffd, journal]: [OwnedFd; MAX_FDS] =
                         fds.try_into().map_err(|_| {
@@ -544,7 +609,7 @@ impl KeeperClient {
                         journal,
                     });
                 }
-                (Message::End { .. }, _) => return Ok(vms),
+                (Message::End { .. }, _) => return Ok((vms, pending)),
                 (Message::Error { error }, _) => return Err(KeeperError::Protocol(error)),
                 (other, _) => return Err(KeeperError::Protocol(format!("{other:?} in a list"))),
             }
@@ -573,13 +638,22 @@ mod tests {
         let meta = serde_json::json!({"regions": [1, 2]});
         send(
             &a,
-            &Message::Hold { meta: meta.clone() },
+            &Message::Hold {
+                meta: meta.clone(),
+                pending: None,
+            },
             &[x.as_fd(), x.as_fd(), x.as_fd()],
         )
         .unwrap();
         send(&a, &Message::List, &[]).unwrap();
         let (first, fds) = recv(&b).unwrap();
-        assert_eq!(first, Message::Hold { meta });
+        assert_eq!(
+            first,
+            Message::Hold {
+                meta,
+                pending: None
+            }
+        );
         assert_eq!(fds.len(), 3);
         let (second, fds) = recv(&b).unwrap();
         assert_eq!(second, Message::List);
@@ -609,22 +683,22 @@ mod tests {
                 crate::journal::Journal::create(1, crate::state::PageState::Zero).unwrap();
             let meta = serde_json::json!({"session": "firecracker"});
             first
-                .hold(meta.clone(), conn.as_fd(), conn.as_fd(), journal.fd())
+                .hold(meta.clone(), conn.as_fd(), conn.as_fd(), journal.fd(), None)
                 .unwrap();
-            let held = first.list().unwrap();
+            let held = first.list().unwrap().0;
             assert_eq!((held.len(), &held[0].meta), (1, &meta));
             drop(held);
             // The VMM leaves: the keeper lets the VM go.
             drop(vmm);
             let deadline = std::time::Instant::now() + Duration::from_secs(5);
-            while !first.list().unwrap().is_empty() {
+            while !first.list().unwrap().0.is_empty() {
                 assert!(std::time::Instant::now() < deadline, "the VM is still held");
                 std::thread::sleep(Duration::from_millis(10));
             }
             // The first server's end frees the attachment.
             drop(first);
             let second = KeeperClient::attach(path, Duration::from_secs(5)).unwrap();
-            assert!(second.list().unwrap().is_empty());
+            assert!(second.list().unwrap().0.is_empty());
         });
     }
 
@@ -635,8 +709,11 @@ mod tests {
             let journal =
                 crate::journal::Journal::create(1, crate::state::PageState::Zero).unwrap();
             let fd = journal.fd();
-            assert!(client.hold(serde_json::json!({}), fd, fd, fd).is_err());
-            assert!(client.list().unwrap().is_empty());
+            assert!(client
+                .hold(serde_json::json!({}), fd, fd, fd, None)
+                .is_err());
+            assert!(client.pending(fd).is_err());
+            assert!(client.list().unwrap().0.is_empty());
         });
     }
 

@@ -211,7 +211,7 @@ impl Server {
                             .name("uffd-conn".into())
                             .spawn(move || {
                                 let _open = open;
-                                connection.serve(slot);
+                                connection.serve(Some(slot), None);
                             });
                     if let Err(e) = spawned {
                         tracing::error!("cannot start a connection thread: {e}");
@@ -275,8 +275,10 @@ struct Connection {
 }
 
 impl Connection {
-    /// Takes the handshake (in `slot` until it is read), then serves the VM.
-    fn serve(self, slot: HandshakeSlot) {
+    /// Takes the handshake (in `slot` until it is read), then serves the VM. With a keeper the
+    /// connection is held there (`pending`: its id, if held already, a connection taken over)
+    /// before its handshake is read, so that a server dying meanwhile leaves it to the next.
+    fn serve(self, slot: Option<HandshakeSlot>, pending: Option<u64>) {
         let (pid, uid) = match self.peers.check(&self.stream) {
             Ok(cred) => (cred.pid, cred.uid),
             Err(e) => {
@@ -288,11 +290,48 @@ impl Connection {
             }
         };
         let peer = crate::socket::PeerProcess::of(&self.stream, pid);
-        let (pager, session) = match self.start(peer, slot) {
+        let taken_over = pending.is_some();
+        let pending = pending.or_else(|| {
+            let keeper = self.keeper.as_ref()?;
+            keeper
+                .pending(std::os::fd::AsFd::as_fd(&self.stream))
+                .map_err(|e| {
+                    if self.log_limit.allow() {
+                        tracing::warn!(
+                            "the keeper does not hold this connection before its handshake: {}",
+                            error_chain(&e)
+                        );
+                    }
+                })
+                .ok()
+        });
+        let (pager, session) = match self.start(peer, slot, pending) {
             Ok(started) => started,
             Err(e) => {
                 self.stats.bad_handshakes.fetch_add(1, Ordering::Relaxed);
-                if self.log_limit.allow() {
+                if let (Some(keeper), Some(id)) = (&self.keeper, pending) {
+                    let _ = keeper.drop_vm(id);
+                }
+                // A connection taken over whose handshake never came: the server before read
+                // it and died, and its VMM waits forever for faults nobody can serve.
+                let lost = taken_over
+                    && matches!(
+                        e.downcast_ref::<handshake::HandshakeError>(),
+                        Some(handshake::HandshakeError::Timeout(_))
+                    );
+                if lost && pid > 0 {
+                    self.stats.peers_killed.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!(
+                        peer_pid = pid,
+                        "killing the VMM: its handshake was read by a server that died, and \
+                         its memory can never be served"
+                    );
+                    // Through a pidfd of the connection's peer, so never a recycled pid.
+                    let peer = crate::socket::PeerProcess::of(&self.stream, pid);
+                    if let Err(e) = peer.kill() {
+                        tracing::warn!(peer_pid = pid, "cannot kill the VMM: {e}");
+                    }
+                } else if self.log_limit.allow() {
                     tracing::warn!(peer_pid = pid, "connection refused: {}", error_chain(&*e));
                 }
                 return;
@@ -400,10 +439,11 @@ impl Connection {
     fn start(
         &self,
         peer: crate::socket::PeerProcess,
-        slot: HandshakeSlot,
+        slot: Option<HandshakeSlot>,
+        pending: Option<u64>,
     ) -> Result<(Pager, Session), Box<dyn std::error::Error>> {
         let received = handshake::receive(&self.stream, handshake::HANDSHAKE_TIMEOUT)?;
-        if !slot.finish() {
+        if slot.as_ref().is_some_and(|slot| !slot.finish()) {
             return Err("pushed out of its handshake by newer connections".into());
         }
         drop(slot);
@@ -435,10 +475,16 @@ impl Connection {
         let mut session = session;
         let journal = match &mut session {
             Session::Firecracker { regions, kept } => {
-                *kept = self.deposit(regions, &uffd, &specs, initial);
+                *kept = self.deposit(regions, &uffd, &specs, initial, pending);
                 kept.as_ref().map(|k| Arc::clone(&k.journal))
             }
-            Session::Pvisor { .. } => None,
+            Session::Pvisor { .. } => {
+                // Not handed over (see `handover`): the keeper lets its connection go.
+                if let (Some(keeper), Some(id)) = (&self.keeper, pending) {
+                    let _ = keeper.drop_vm(id);
+                }
+                None
+            }
         };
         // SAFETY: the regions belong to the peer's address space and were registered by the
         // peer; their views are the server's own memfd mappings, which `session` keeps alive
