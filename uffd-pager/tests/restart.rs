@@ -585,6 +585,62 @@ fn restart_random_kills_complete_or_are_refused() {
     eprintln!("{kills} kills mid-restore: {completed} completed, {refused} refused");
 }
 
+/// `RESTART_CONNECT_KILLS` (default 6 in the suite) servers killed, by `-9` and SIGTERM in
+/// turn, at a random moment around a VMM's connection (before it connects, while it waits in
+/// the keeper's backlog, accepted, in its handshake, attached): every VMM is served by the next
+/// server with the image's bytes, or killed with a reason (its handshake read by the server
+/// that died), never left frozen.
+#[test]
+fn restart_random_kills_around_the_connection_serve_or_refuse_every_vm() {
+    if skip() {
+        return;
+    }
+    let kills: u32 = std::env::var("RESTART_CONNECT_KILLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(6);
+    let mut rig = Rig::with_listening_keeper();
+    let (mut served, mut refused) = (0, 0);
+    let mut seed = 0x9E37_79B9_7F4A_7C15_u64;
+    for kill in 0..kills {
+        rig.start_server();
+        let mut vmm = Vmm::start(&rig.socket(), &rig.dir.path().join("mem"), false);
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        // The child takes some milliseconds to start and connect: 0–30 ms covers each moment.
+        std::thread::sleep(Duration::from_micros(seed % 30_000));
+        let signal = if kill % 2 == 0 {
+            nix::sys::signal::Signal::SIGKILL
+        } else {
+            nix::sys::signal::Signal::SIGTERM
+        };
+        rig.stop_server(signal);
+        rig.start_server();
+        assert_eq!(vmm.reply("the handshake"), "ready");
+        vmm.send("touch 0 64 1");
+        match vmm.lines.recv_timeout(PATIENCE) {
+            Ok(line) => {
+                assert_eq!(line, "ok", "{}", rig.server_log());
+                served += 1;
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                assert_eq!(vmm.wait_exit().signal(), Some(libc::SIGKILL));
+                assert!(
+                    rig.server_log().contains("killing the VMM"),
+                    "{}",
+                    rig.server_log()
+                );
+                refused += 1;
+            }
+            Err(RecvTimeoutError::Timeout) => panic!("the guest froze: {}", rig.server_log()),
+        }
+        drop(vmm);
+        rig.stop_server(nix::sys::signal::Signal::SIGKILL);
+    }
+    eprintln!("{kills} kills around a connection: {served} served, {refused} refused");
+}
+
 #[test]
 fn restart_kill_after_discard_serves_zeros_there() {
     if skip() {
