@@ -155,6 +155,15 @@ const FLOOR_ROWS: [(&str, &str, usize); 11] = [
     ),
 ];
 
+/// The medians of a key pattern (`{n}` stands for the codec) in the four columns, for the text.
+fn medians(results: &Results, pattern: &str) -> Vec<f64> {
+    Content::ALL
+        .iter()
+        .flat_map(|c| CODECS.map(|n| (c.name(), n)))
+        .filter_map(|(c, n)| med(results, &format!("vm.{c}.{}", pattern.replace("{n}", n))))
+        .collect()
+}
+
 /// One table row per `(label, key pattern, decimals)`, a column per content and codec.
 fn table(t: &mut String, results: &Results, rows: &[(&str, &str, usize)]) {
     t.push_str(
@@ -179,14 +188,7 @@ pub fn breakdown(t: &mut String, results: &Results, cx: &Context<'_>) {
          stated.\n\n",
     );
     table(t, results, &ROWS);
-    // Medians of the four columns, for the text.
-    let pick = |pattern: &str| -> Vec<f64> {
-        Content::ALL
-            .iter()
-            .flat_map(|c| CODECS.map(|n| (c.name(), n)))
-            .filter_map(|(c, n)| med(results, &format!("vm.{c}.{}", pattern.replace("{n}", n))))
-            .collect()
-    };
+    let pick = |pattern: &str| medians(results, pattern);
     let r0 = |pattern: &str| span(&pick(pattern), 0);
     let reentry = pick("touch-{n}-eager.touch_extra_ms");
     let budget: Vec<f64> = Content::ALL
@@ -319,13 +321,7 @@ pub fn floor(t: &mut String, results: &Results) {
          stated.\n\n",
     );
     table(t, results, &FLOOR_ROWS);
-    let pick = |pattern: &str| -> Vec<f64> {
-        Content::ALL
-            .iter()
-            .flat_map(|c| CODECS.map(|n| (c.name(), n)))
-            .filter_map(|(c, n)| med(results, &format!("vm.{c}.{}", pattern.replace("{n}", n))))
-            .collect()
-    };
+    let pick = |pattern: &str| medians(results, pattern);
     let r0 = |pattern: &str| span(&pick(pattern), 0);
     let r2 = |pattern: &str| span(&pick(pattern), 2);
     // The columns whose median load is over the target, in words.

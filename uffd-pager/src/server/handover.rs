@@ -218,16 +218,7 @@ impl Server {
                 Err(reason) => {
                     self.stats.takeovers_refused.fetch_add(1, Ordering::Relaxed);
                     tracing::error!(peer_pid = pid, "cannot take the VM over: {reason}");
-                    if pid > 0 && pid != std::process::id().cast_signed() {
-                        self.stats.peers_killed.fetch_add(1, Ordering::Relaxed);
-                        tracing::error!(
-                            peer_pid = pid,
-                            "killing the VMM: its memory cannot be served right"
-                        );
-                        if let Err(e) = peer.kill() {
-                            tracing::warn!(peer_pid = pid, "cannot kill the VMM: {e}");
-                        }
-                    }
+                    super::kill_peer(&self.stats, &peer, "its memory cannot be served right");
                     if let Err(e) = keeper.drop_vm(id) {
                         tracing::warn!("cannot release a VM at the keeper: {}", error_chain(&e));
                     }

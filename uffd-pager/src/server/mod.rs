@@ -319,18 +319,14 @@ impl Connection {
                         e.downcast_ref::<handshake::HandshakeError>(),
                         Some(handshake::HandshakeError::Timeout(_))
                     );
-                if lost && pid > 0 {
-                    self.stats.peers_killed.fetch_add(1, Ordering::Relaxed);
-                    tracing::error!(
-                        peer_pid = pid,
-                        "killing the VMM: its handshake was read by a server that died, and \
-                         its memory can never be served"
+                if lost {
+                    // `peer` went into the handshake: the connection gives its pidfd again.
+                    kill_peer(
+                        &self.stats,
+                        &crate::socket::PeerProcess::of(&self.stream, pid),
+                        "its handshake was read by a server that died, and its memory can \
+                         never be served",
                     );
-                    // Through a pidfd of the connection's peer, so never a recycled pid.
-                    let peer = crate::socket::PeerProcess::of(&self.stream, pid);
-                    if let Err(e) = peer.kill() {
-                        tracing::warn!(peer_pid = pid, "cannot kill the VMM: {e}");
-                    }
                 } else if self.log_limit.allow() {
                     tracing::warn!(peer_pid = pid, "connection refused: {}", error_chain(&*e));
                 }
@@ -578,18 +574,25 @@ impl Connection {
                 tracing::error!(peer_pid = pid, "fault cannot be served: {}", error_chain(e));
             }
             // Never feed the guest wrong bytes; a VM frozen forever is worse than a dead one.
-            if pid > 0
-                && pid != std::process::id().cast_signed()
-                && !killed.swap(true, Ordering::Relaxed)
-            {
-                stats.peers_killed.fetch_add(1, Ordering::Relaxed);
-                tracing::error!(
-                    peer_pid = pid,
-                    "killing the VMM: its memory cannot be served"
-                );
-                let _ = peer.kill();
+            if !killed.swap(true, Ordering::Relaxed) {
+                kill_peer(&stats, &peer, "its memory cannot be served");
             }
         })
+    }
+}
+
+/// Kills a VMM whose memory can never be served right (a frozen VM is worse than a dead one),
+/// through the pidfd of its connection, saying `why`; never this process itself (a peer of
+/// unknown pid, or one in the same process, as in tests), and counted in `peers_killed`.
+pub(crate) fn kill_peer(stats: &ServerStats, peer: &crate::socket::PeerProcess, why: &str) {
+    let pid = peer.pid();
+    if pid <= 0 || pid == std::process::id().cast_signed() {
+        return;
+    }
+    stats.peers_killed.fetch_add(1, Ordering::Relaxed);
+    tracing::error!(peer_pid = pid, "killing the VMM: {why}");
+    if let Err(e) = peer.kill() {
+        tracing::warn!(peer_pid = pid, "cannot kill the VMM: {e}");
     }
 }
 
