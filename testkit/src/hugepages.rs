@@ -2,10 +2,15 @@
 //! to give (`nr_overcommit_hugepages`), for as long as the guard lives, and puts the host's
 //! value back afterwards.
 //!
+//! A bench that times faults on huge pages takes them from a pool reserved up front instead
+//! (`nr_hugepages`, [`HugePages::reserve`]): a surplus page is made when it is first faulted,
+//! and where memory is fragmented the kernel may compact it first, a stall of up to seconds
+//! in the middle of what is timed.
+//!
 //! Tests run in parallel threads and in several processes, and each would read the host's
 //! value and write its own: the guard holds an exclusive `flock` on a lock file for its whole
-//! life, so that one test at a time changes the setting. The lock file keeps the host's value
-//! while the setting is changed: a holder that was killed before it could put it back is
+//! life, so that one test at a time changes the setting. The lock file keeps the host's values
+//! while the settings are changed: a holder that was killed before it could put them back is
 //! undone by the next one.
 
 use std::fs::{File, OpenOptions};
@@ -19,6 +24,8 @@ pub const OVERCOMMIT: &str = "/proc/sys/vm/nr_overcommit_hugepages";
 const LOCK: &str = "/run/lock/pvisor-test-hugepages";
 /// The host's 2 MiB pool.
 const POOL: &str = "/sys/kernel/mm/hugepages/hugepages-2048kB";
+/// The pool's reserved (persistent) pages.
+pub const RESERVED: &str = "/proc/sys/vm/nr_hugepages";
 
 /// While it lives, the kernel may lend `pages` more 2 MiB huge pages than the host allowed.
 #[derive(Debug)]
@@ -27,6 +34,8 @@ pub struct HugePages {
     host: u64,
     /// Surplus pages in use when the pages were lent.
     surplus: u64,
+    /// The host's reserved pages, where [`HugePages::reserve`] raised them.
+    reserved: Option<u64>,
 }
 
 /// A pool counter (`free_hugepages`, `surplus_hugepages`, …) of the 2 MiB pool now.
@@ -43,8 +52,12 @@ fn read_count(path: &Path) -> u64 {
 }
 
 fn write_count(value: u64) {
-    std::fs::write(OVERCOMMIT, format!("{value}\n"))
-        .unwrap_or_else(|e| panic!("cannot write {OVERCOMMIT} (needs root): {e}"));
+    write_setting(OVERCOMMIT, value);
+}
+
+fn write_setting(path: &str, value: u64) {
+    std::fs::write(path, format!("{value}\n"))
+        .unwrap_or_else(|e| panic!("cannot write {path} (needs root): {e}"));
 }
 
 impl HugePages {
@@ -65,9 +78,13 @@ impl HugePages {
         assert_eq!(rc, 0, "flock {LOCK}: {}", std::io::Error::last_os_error());
         let mut left = String::new();
         lock.read_to_string(&mut left).expect("read the lock file");
-        if let Ok(host) = left.trim().parse::<u64>() {
-            // A holder died with the setting raised: the host's value is the one it kept.
+        // A holder died with the settings raised: the host's values are the ones it kept.
+        let mut kept = left.split_whitespace().map(str::parse::<u64>);
+        if let Some(Ok(host)) = kept.next() {
             write_count(host);
+        }
+        if let Some(Ok(reserved)) = kept.next() {
+            write_setting(RESERVED, reserved);
         }
         let host = read_count(Path::new(OVERCOMMIT));
         lock.set_len(0).expect("truncate the lock file");
@@ -80,7 +97,23 @@ impl HugePages {
             lock,
             host,
             surplus,
+            reserved: None,
         }
+    }
+
+    /// As [`HugePages::lend`], and `pages` more reserved in the pool now, made before anything
+    /// is timed; returns how many of them the kernel could make (fewer where memory is short
+    /// or fragmented: the rest are lent as surplus pages).
+    pub fn reserve(pages: u64) -> (Self, u64) {
+        let mut guard = Self::lend(pages);
+        let reserved = read_count(Path::new(RESERVED));
+        guard.lock.rewind().expect("rewind the lock file");
+        write!(guard.lock, "{} {reserved}", guard.host).expect("keep the host's values");
+        guard.lock.sync_data().expect("sync the lock file");
+        guard.reserved = Some(reserved);
+        write_setting(RESERVED, reserved + pages);
+        let made = read_count(Path::new(RESERVED)).saturating_sub(reserved);
+        (guard, made)
     }
 
     /// Lets the kernel lend `pages` more than the host allowed from now on (0: the host's own
@@ -109,6 +142,11 @@ impl Drop for HugePages {
         // value for the next holder to put back.
         if std::fs::write(OVERCOMMIT, format!("{}\n", self.host)).is_err() {
             return;
+        }
+        if let Some(reserved) = self.reserved {
+            if std::fs::write(RESERVED, format!("{reserved}\n")).is_err() {
+                return;
+            }
         }
         let _ = self.lock.set_len(0);
         // The lock goes with the descriptor.

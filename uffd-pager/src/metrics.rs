@@ -196,6 +196,9 @@ counters! {
         /// Pages installed ahead of the guest's faults: the rest of a range marked to come
         /// back together after a fault in it, and ranges populated with zero pages.
         ahead_pages,
+        /// Pages installed ahead of the guest's faults along the stride of its faults (huge
+        /// pages read from a store or a restore image that is not mapped).
+        stride_pages,
         /// Faults that could not be served (the faulting process is reported, never fed
         /// wrong data).
         fault_errors,

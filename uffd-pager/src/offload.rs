@@ -439,6 +439,8 @@ impl Pager {
         // stored newer bytes: what it has not brought back yet comes on faults.
         self.stop_prefetch();
         let shared = self.shared().as_ref();
+        // As is reading ahead along the guest's stride, until the offload is done.
+        let _stride = shared.hold_stride();
         for region in &shared.regions {
             if region.spec.kind == RamKind::Snapshot {
                 return Err(OffloadError::Snapshot {

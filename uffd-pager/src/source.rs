@@ -98,6 +98,12 @@ pub trait PageSource: Send + Sync + fmt::Debug {
         let _ = (offset, len);
         None
     }
+
+    /// Whether [`PageSource::mapped`] gives windows: a block is then installed without being
+    /// read first, and reading it ahead of the guest's faults gains nothing.
+    fn maps(&self) -> bool {
+        false
+    }
 }
 
 /// The memory pool of cold compression, as the tier that holds `Pooled` pages: it reads whole
@@ -235,11 +241,11 @@ impl PageSource for RawFileSource {
         }
         Mapped::window(&self.file, offset, len)
     }
-}
 
-/// Gathers of at least this many bytes (a huge page from a store of smaller blocks) are read in
-/// two halves at once.
-const PARALLEL_GATHER_BYTES: usize = 1 << 20;
+    fn maps(&self) -> bool {
+        true
+    }
+}
 
 /// Reads the store's blocks from `first` on into `buf`, one after the other.
 fn read_blocks(
@@ -307,50 +313,11 @@ impl PageSource for StoreSource {
         let guard = self.store.read();
         let store = guard.as_ref().ok_or(SourceError::NoStore)?;
         // A pager whose blocks are larger than the store's (huge pages served from a store of
-        // 64 KiB blocks) reads several into its buffer: a large gather (a 2 MiB page is 32
-        // blocks) in two halves at once, the second on a thread of its own, so that reading
-        // and decoding take both cores of a small host while the fault waits.
+        // 64 KiB blocks) reads several into its buffer, one after the other: the second core
+        // is the pager's to use, reading ahead along the guest's stride (`pager/stride.rs`).
         let step = store.block_size().bytes();
         let first = store.block_size().index_of(offset);
-        if buf.len() < PARALLEL_GATHER_BYTES {
-            return read_blocks(store, first, buf, step, decompressed);
-        }
-        let half = buf.len().div_ceil(2 * step) * step;
-        let second = first + (half / step) as u64;
-        let mut high_decompressed = 0;
-        let (low, high) = {
-            let (low, high) = buf.split_at_mut(half);
-            std::thread::scope(|scope| {
-                let helper = std::thread::Builder::new()
-                    .name("uffd-gather".into())
-                    .spawn_scoped(scope, || {
-                        read_blocks(store, second, high, step, &mut high_decompressed)
-                    });
-                let low = read_blocks(store, first, low, step, decompressed);
-                let high = helper.ok().map(|helper| {
-                    helper
-                        .join()
-                        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-                });
-                (low, high)
-            })
-        };
-        // No thread to be had: the second half here, after the first.
-        let high = match high {
-            Some(high) => high,
-            None => read_blocks(
-                store,
-                second,
-                &mut buf[half..],
-                step,
-                &mut high_decompressed,
-            ),
-        };
-        *decompressed += high_decompressed;
-        Ok(match (low?, high?) {
-            (Content::Zero, Content::Zero) => Content::Zero,
-            _ => Content::Data,
-        })
+        read_blocks(store, first, buf, step, decompressed)
     }
 
     fn block_size(&self) -> Option<compressed_backing::BlockSize> {

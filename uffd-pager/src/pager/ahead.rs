@@ -85,7 +85,7 @@ impl Together {
 }
 
 impl Shared {
-    /// Installs every page of `block` in state `from` (`Stored`, `Pooled` or `Zero`) from its
+    /// Installs every page of `block` in state `from` (`Source`, `Stored`, `Pooled` or `Zero`) from its
     /// tier, waiting for room under the resident limit unless `stop` says to give up; returns
     /// the pages filled. A block that a fault thread is reading is left to it (`Busy::Pass`)
     /// or waited for (`Busy::Wait`, an eager load, which returns when everything is in).
@@ -115,6 +115,10 @@ impl Shared {
             return Ok(0);
         }
         let source: Option<&dyn PageSource> = match from {
+            PageState::Source => match self.restore.as_deref() {
+                Some(restore) => Some(restore),
+                None => return Ok(0),
+            },
             PageState::Stored => Some(&self.store),
             PageState::Pooled => match self.pool.get() {
                 Some(pool) => Some(&**pool),

@@ -54,7 +54,8 @@ impl Shared {
     pub(super) fn serve(&self) {
         let mut events = Vec::with_capacity(64);
         let mut pending: Vec<Pending> = Vec::new();
-        let mut buf = vec![0u8; self.block_size.bytes()];
+        let mut storage = Vec::new();
+        let buf = aligned_block(&mut storage, self.block_size.bytes());
         let mut repeat = (HostAddr(0), 0u32);
         // Held faults: the shortfall last reported, and whether a report is due.
         let mut reported_shortfall = 0;
@@ -62,6 +63,8 @@ impl Shared {
         let mut only_held = false;
         loop {
             let timeout = match (pending.is_empty(), only_held) {
+                // Blocks queued to read ahead: filled between polls that do not wait.
+                (true, _) if self.stride_queued() => 0,
                 (true, _) => -1,
                 (false, true) => HELD_POLL_MS,
                 (false, false) => 1,
@@ -103,6 +106,9 @@ impl Shared {
                                     self.block_size.index_of(page * PAGE_SIZE),
                                     Ordering::Relaxed,
                                 );
+                            }
+                            if !minor {
+                                self.stride_fault(addr);
                             }
                             pending.push(Pending {
                                 addr,
@@ -159,7 +165,7 @@ impl Shared {
                 let result = if repeat.1 > 10_000 {
                     Err(FaultError::Lost { addr: fault.addr })
                 } else {
-                    self.resolve(fault.addr, fault.minor, fault.since, &mut buf)
+                    self.resolve(fault.addr, fault.minor, fault.since, buf)
                 };
                 match result {
                     Ok(Attempt::Resolved) => {
@@ -169,7 +175,7 @@ impl Shared {
                             self.metrics.held_us.fetch_add(us, Ordering::Relaxed);
                         }
                         if !fault.minor {
-                            self.restore_ahead(fault.addr, &mut buf);
+                            self.restore_ahead(fault.addr, buf);
                         }
                     }
                     Ok(Attempt::Retry) => {
@@ -230,6 +236,12 @@ impl Shared {
             } else {
                 reported_shortfall = 0;
                 report_due = false;
+            }
+            // Nothing left to retry but faults on blocks another thread installs (their
+            // install wakes them): one block read ahead, if any is queued, before the next
+            // poll (which does not wait while more are).
+            if retry.iter().all(|f| f.busy) {
+                self.stride_step(buf);
             }
             pending = retry;
         }
@@ -668,6 +680,15 @@ impl Shared {
 }
 
 /// Bytes of the image pages `pages`.
+/// A buffer of `len` bytes in `storage`, page-aligned: `UFFDIO_COPY` copies whole pages
+/// from it at the kernel's best speed, where a heap block of 2 MiB starts 16 bytes into a page.
+pub(super) fn aligned_block(storage: &mut Vec<u8>, len: usize) -> &mut [u8] {
+    let align = PAGE_SIZE as usize;
+    *storage = vec![0u8; len + align];
+    let start = storage.as_ptr().align_offset(align);
+    &mut storage[start..start + len]
+}
+
 fn count_bytes(pages: &std::ops::Range<u64>) -> u64 {
     (pages.end - pages.start) * PAGE_SIZE
 }

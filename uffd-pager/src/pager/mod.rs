@@ -34,6 +34,7 @@ mod ahead;
 mod fault;
 mod fetch;
 mod region;
+mod stride;
 pub(crate) mod table;
 
 use table::PageTable;
@@ -247,6 +248,8 @@ pub(crate) struct Shared {
     pub(crate) fetches: fetch::Fetches,
     /// Ranges marked to come back together (see [`ahead`]).
     pub(crate) together: ahead::Together,
+    /// The stride of the faults, and the read-ahead thread's work (see [`stride`]).
+    pub(crate) stride: stride::Stride,
     /// Faults ever read (the prefetcher grows its chunks while this does not move).
     pub faults_seen: AtomicU64,
     /// The block of the latest fault read (the prefetcher skips ahead of it).
@@ -534,6 +537,7 @@ impl Pager {
             faults_in_flight: AtomicU64::new(0),
             fetches: fetch::Fetches::new(blocks),
             together: ahead::Together::default(),
+            stride: stride::Stride::default(),
             faults_seen: AtomicU64::new(0),
             latest_fault_block: AtomicU64::new(u64::MAX),
             working_set: WorkingSet::new(blocks),
@@ -556,6 +560,14 @@ impl Pager {
             let thread = std::thread::Builder::new()
                 .name(format!("uffd-fault-{index}"))
                 .spawn(move || shared.serve())
+                .map_err(PagerError::Thread)?;
+            threads.push(thread);
+        }
+        if shared.wants_stride() {
+            let shared = Arc::clone(&shared);
+            let thread = std::thread::Builder::new()
+                .name("uffd-ahead".into())
+                .spawn(move || shared.read_ahead())
                 .map_err(PagerError::Thread)?;
             threads.push(thread);
         }
@@ -734,6 +746,7 @@ impl Drop for Pager {
         self.stop_prefetch();
         self.shared.stopping.store(true, Ordering::Relaxed);
         self.shared.signal();
+        self.shared.stop_stride();
         for thread in self.threads.drain(..) {
             let _ = thread.join();
         }
