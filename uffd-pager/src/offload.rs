@@ -435,11 +435,10 @@ impl Pager {
         batching: Batching,
         only: Option<std::ops::Range<u64>>,
     ) -> Result<OffloadReport, OffloadError> {
-        // A prefetcher of an earlier lazy load would install what it read before the offload
-        // stored newer bytes: what it has not brought back yet comes on faults.
+        // A prefetcher of an earlier lazy load (or reading ahead along the guest's stride) would
+        // install what it read before the offload stored newer bytes: it stops (is held off).
         self.stop_prefetch();
         let shared = self.shared().as_ref();
-        // As is reading ahead along the guest's stride, until the offload is done.
         let _stride = shared.hold_stride();
         for region in &shared.regions {
             if region.spec.kind == RamKind::Snapshot {
