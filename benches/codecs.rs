@@ -27,8 +27,7 @@ use criterion::{
     criterion_group, criterion_main, BatchSize, BenchmarkGroup, BenchmarkId, Criterion, Throughput,
 };
 
-mod common;
-use common::{Content, BLOCK, IMAGE};
+use benchkit::{Content, BLOCK, IMAGE};
 
 const CODECS: [Codec; 4] = [
     Codec::None,
@@ -75,17 +74,17 @@ fn encode_all(image: &Image, codec: Codec) -> Vec<(BlockKind, Vec<u8>)> {
 
 fn images() -> Vec<Image> {
     // As a smoke test (`cargo test --benches`) a small image keeps the setup quick.
-    let len = if common::is_bench_run() {
+    let len = if benchkit::is_bench_run() {
         IMAGE
     } else {
         4 << 20
     };
-    let sample = common::realistic(len).expect("realistic sample");
+    let sample = benchkit::realistic(len).expect("realistic sample");
     Content::ALL
         .into_iter()
         .map(|content| Image {
             content,
-            bytes: common::content(content, len, &sample),
+            bytes: benchkit::content(content, len, &sample),
         })
         .collect()
 }

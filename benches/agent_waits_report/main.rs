@@ -36,18 +36,18 @@ use std::time::{Duration, Instant};
 
 use vmm::replay::{Step, Trajectory};
 
-#[path = "../common/mod.rs"]
-mod common;
 mod replay;
 mod report;
 mod seed;
 mod svg;
 mod targets;
 
+use benchkit as common;
 use common::host::TempRoot;
 use common::replay::Timeline;
 use common::results::Results;
 use common::Res;
+use replay::Record as _;
 
 /// The trajectory of the scaled bench, from the workspace root.
 const TRAJECTORY: &str = "docs/trajectories/qutebrowser-667-scaled.json";

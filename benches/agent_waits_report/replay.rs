@@ -44,9 +44,21 @@ pub fn run(settings: &Settings, vms: usize, strategy: Strategy, samples: &Path) 
     .run(samples, None)
 }
 
-impl Outcome {
+/// A replay's outcome put into this bench's results.
+pub trait Record {
     /// Records the run as round `round` of `vms` VMs under `strategy`.
-    pub fn record(
+    fn record(
+        self,
+        vms: usize,
+        strategy: Strategy,
+        round: usize,
+        results: &mut Results,
+        log: &mut Log,
+    );
+}
+
+impl Record for Outcome {
+    fn record(
         self,
         vms: usize,
         strategy: Strategy,

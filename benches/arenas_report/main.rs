@@ -31,8 +31,7 @@ use std::time::{Duration, Instant};
 
 use vmm::replay::Trajectory;
 
-#[path = "../common/mod.rs"]
-mod common;
+use benchkit as common;
 mod report;
 mod run;
 mod svg;

@@ -32,8 +32,7 @@ use uffd_pager::cold::ColdConfig;
 use uffd_pager::pager::RamKind;
 use vmm::guest::FillKind;
 
-#[path = "../common/mod.rs"]
-mod common;
+use benchkit as common;
 mod cpu;
 mod measure;
 mod report;

@@ -55,9 +55,8 @@ use std::time::{Duration, Instant};
 
 use vmm::replay::Trajectory;
 
-#[path = "../common/mod.rs"]
-mod common;
-mod judge;
+use benchkit as common;
+use benchkit::judge;
 mod plan;
 mod report;
 mod resume;
@@ -777,9 +776,8 @@ fn measure(
 /// (`-- --unit`). An error when one failed.
 #[cfg(test)]
 fn unit_tests() -> Res<bool> {
-    let tests = judge::tests::ALL
+    let tests = plan::tests::ALL
         .iter()
-        .chain(plan::tests::ALL)
         .chain(resume::tests::ALL)
         .chain(swap::tests::ALL)
         .chain(tests::ALL);

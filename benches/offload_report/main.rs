@@ -30,8 +30,7 @@ use compressed_backing::{BlockSize, Codec, CodecConfig, DiskStore, StoreConfig};
 
 mod cgroup;
 mod child;
-#[path = "../common/mod.rs"]
-mod common;
+use benchkit as common;
 mod engine;
 mod report;
 

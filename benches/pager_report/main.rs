@@ -31,8 +31,7 @@ use std::time::Instant;
 use compressed_backing::{pack_file, BlockSize, Codec, CodecConfig, DiskStore, PackOptions};
 use uffd_pager::source::{PageSource, RawFileSource, StoreSource};
 
-#[path = "../common/mod.rs"]
-mod common;
+use benchkit as common;
 mod findings;
 mod firecracker;
 mod host;

@@ -36,8 +36,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-#[path = "../common/mod.rs"]
-mod common;
+use benchkit as common;
 mod sizes;
 
 use common::host::{BenchRun, TempRoot};

@@ -36,8 +36,7 @@ use std::time::{Duration, Instant};
 use vmm::guest::FillKind;
 use vmm::script::Command;
 
-#[path = "../common/mod.rs"]
-mod common;
+use benchkit as common;
 mod group;
 mod integrity;
 mod ksmd;

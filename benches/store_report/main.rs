@@ -38,8 +38,7 @@ use std::fs;
 use std::path::Path;
 use std::time::Instant;
 
-#[path = "../common/mod.rs"]
-mod common;
+use benchkit as common;
 mod measure;
 mod pagecache;
 mod plan;

@@ -37,8 +37,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 mod breakdown;
-#[path = "../common/mod.rs"]
-mod common;
+use benchkit as common;
 mod host;
 mod inproc;
 mod process;

@@ -197,7 +197,7 @@ pub fn at_least_times(density: &Density, base: &Density, factor: usize) -> &'sta
 }
 
 #[cfg(test)]
-pub mod tests {
+mod tests {
     use super::*;
 
     const MIB: u64 = 1 << 20;
@@ -218,6 +218,7 @@ pub mod tests {
         judge_size(vms, &runs)
     }
 
+    #[test]
     fn judge_run_within_limit_passes() {
         let v = judge_run(&ok(10.9, 400), Some(&ok(10.0, 600)), 512 * MIB);
         assert!(v.passed, "{v:?}");
@@ -225,6 +226,7 @@ pub mod tests {
         assert!((v.ratio - 1.09).abs() < 1e-9);
     }
 
+    #[test]
     fn judge_run_window_too_long_memory_low_is_cpu_bound() {
         let v = judge_run(&ok(11.5, 300), Some(&ok(10.0, 300)), 512 * MIB);
         assert!(!v.passed);
@@ -233,12 +235,14 @@ pub mod tests {
         assert!(v.reasons[0].contains("1.15×"), "{:?}", v.reasons);
     }
 
+    #[test]
     fn judge_run_window_too_long_memory_at_budget_is_not_cpu_bound() {
         let v = judge_run(&ok(11.5, 500), Some(&ok(10.0, 900)), 512 * MIB);
         assert!(!v.passed);
         assert!(!v.cpu_bound, "{v:?}");
     }
 
+    #[test]
     fn judge_run_window_too_long_memory_low_cores_idle_is_not_cpu_bound() {
         // The governed run at 24 VMs: memory peaked at 79%, 0.85 of 2 cores busy.
         let mut held = ok(83.4, 403);
@@ -251,6 +255,7 @@ pub mod tests {
         assert!(!judge_run(&unmeasured, Some(&ok(10.0, 300)), 512 * MIB).cpu_bound);
     }
 
+    #[test]
     fn judge_run_oom_kill_fails_naming_the_vm() {
         let killed = Facts {
             passed: false,
@@ -272,6 +277,7 @@ pub mod tests {
         );
     }
 
+    #[test]
     fn judge_run_failed_check_and_long_window_is_not_cpu_bound() {
         let mut sampled = ok(12.0, 100);
         sampled.passed = false;
@@ -282,6 +288,7 @@ pub mod tests {
         assert_eq!(v.reasons.len(), 2, "{:?}", v.reasons);
     }
 
+    #[test]
     fn judge_run_without_reference_fails() {
         let v = judge_run(&ok(10.0, 100), None, 512 * MIB);
         assert!(!v.passed);
@@ -293,6 +300,7 @@ pub mod tests {
         assert!(v.reasons[0].starts_with("the unbudgeted run failed"));
     }
 
+    #[test]
     fn judge_size_one_failed_round_fails_with_its_round() {
         let pass = judge_run(&ok(10.0, 100), Some(&ok(10.0, 100)), 512 * MIB);
         let slow = judge_run(&ok(12.0, 100), Some(&ok(10.0, 100)), 512 * MIB);
@@ -307,6 +315,7 @@ pub mod tests {
         assert!(!judge_size(4, &[]).passed);
     }
 
+    #[test]
     fn density_all_pass_is_largest_n() {
         let pass = judge_run(&ok(10.0, 100), Some(&ok(10.0, 100)), 512 * MIB);
         let sizes: Vec<SizeVerdict> = [1, 2, 4]
@@ -317,6 +326,7 @@ pub mod tests {
         assert_eq!((d.vms, d.stopped_at, d.cpu_limit_at), (4, None, None));
     }
 
+    #[test]
     fn density_stops_at_first_failure() {
         let pass = judge_run(&ok(10.0, 100), Some(&ok(10.0, 100)), 512 * MIB);
         let slow = judge_run(&ok(12.0, 100), Some(&ok(10.0, 100)), 512 * MIB);
@@ -331,6 +341,7 @@ pub mod tests {
         assert_eq!((d.vms, d.stopped_at, d.cpu_limit_at), (2, Some(4), Some(4)));
     }
 
+    #[test]
     fn density_first_size_fails_is_zero() {
         let killed = Facts {
             oom_kills: 1,
@@ -341,6 +352,7 @@ pub mod tests {
         assert_eq!((d.vms, d.stopped_at, d.cpu_limit_at), (0, Some(1), None));
     }
 
+    #[test]
     fn at_least_times_open_sweeps_are_not_measured() {
         let d = |vms, stopped_at| Density {
             vms,
@@ -362,55 +374,4 @@ pub mod tests {
         assert_eq!(at_least_times(&d(16, Some(24)), &d(6, None), 4), "missed");
         assert_eq!(at_least_times(&d(0, Some(1)), &d(0, Some(1)), 4), "missed");
     }
-
-    pub const ALL: &[(&str, fn())] = &[
-        (
-            "at_least_times_open_sweeps_are_not_measured",
-            at_least_times_open_sweeps_are_not_measured,
-        ),
-        (
-            "judge_run_within_limit_passes",
-            judge_run_within_limit_passes,
-        ),
-        (
-            "judge_run_window_too_long_memory_low_is_cpu_bound",
-            judge_run_window_too_long_memory_low_is_cpu_bound,
-        ),
-        (
-            "judge_run_window_too_long_memory_at_budget_is_not_cpu_bound",
-            judge_run_window_too_long_memory_at_budget_is_not_cpu_bound,
-        ),
-        (
-            "judge_run_window_too_long_memory_low_cores_idle_is_not_cpu_bound",
-            judge_run_window_too_long_memory_low_cores_idle_is_not_cpu_bound,
-        ),
-        (
-            "judge_run_oom_kill_fails_naming_the_vm",
-            judge_run_oom_kill_fails_naming_the_vm,
-        ),
-        (
-            "judge_run_failed_check_and_long_window_is_not_cpu_bound",
-            judge_run_failed_check_and_long_window_is_not_cpu_bound,
-        ),
-        (
-            "judge_run_without_reference_fails",
-            judge_run_without_reference_fails,
-        ),
-        (
-            "judge_size_one_failed_round_fails_with_its_round",
-            judge_size_one_failed_round_fails_with_its_round,
-        ),
-        (
-            "density_all_pass_is_largest_n",
-            density_all_pass_is_largest_n,
-        ),
-        (
-            "density_stops_at_first_failure",
-            density_stops_at_first_failure,
-        ),
-        (
-            "density_first_size_fails_is_zero",
-            density_first_size_fails_is_zero,
-        ),
-    ];
 }

@@ -1,7 +1,7 @@
-//! What the benches share. Here: the four kinds of content, the realistic sample and where it
-//! comes from, and the run helpers of the scenario benches (`main`, `env_number`,
-//! `is_bench_run`, `skip_smoke`, `end_round`, `finish`). Beside it, for the scenario benches (`store_report`, `pager_report`,
-//! `vm_report`, `cold_report`, `sharing_report`, `agent_waits_report`):
+//! The bench kit: what the scenario benches share, one library (its unit tests run in the
+//! suite). Here: the four kinds of content, the realistic sample and where it comes from, and
+//! the run helpers of the scenario benches (`main`, `env_number`, `is_bench_run`,
+//! `skip_smoke`, `end_round`, `finish`). Beside it:
 //! - `host`: the temporary directory under `target/bench-tmp/`, the machine facts the reports
 //!   state, CPU time from `/proc/stat`;
 //! - `results`: one value per run under a key, min/median/max summaries, the CSV, the numbers
@@ -9,6 +9,8 @@
 //! - `svg`: the pieces of the charts (log axis, 1-2-5 grid, panels of labelled rows, a linear
 //!   axis from zero, a line chart over two linear axes with its legend);
 //! - `verdict`: a target judged, and the reports' table of targets;
+//! - `judge`: the density rule (a budgeted run against its unbudgeted reference, a group size,
+//!   the density of a sweep), decided from measured facts alone;
 //! - `vmproc`: the real `pvisor` VM process (start, control-socket requests, stop) and the
 //!   freshness check of `target/release/pvisor`.
 //!
@@ -22,11 +24,9 @@
 //!   short, the ELF files of `/usr/bin` in name order. `STORE_BENCH_SAMPLE=FILE` puts FILE
 //!   first instead. The source actually used is reported with an FNV-1a hash of the bytes.
 
-// Each bench uses a part of this module.
-#![allow(dead_code)]
-
 pub mod cpu;
 pub mod host;
+pub mod judge;
 pub mod replay;
 pub mod results;
 pub mod svg;
