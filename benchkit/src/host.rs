@@ -12,7 +12,7 @@ use super::Res;
 
 /// `$CARGO_TARGET_DIR` (relative to the workspace root), or the workspace's `target/`.
 pub fn target_dir() -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = super::workspace_root();
     std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), |dir| root.join(dir))
 }
 
@@ -136,7 +136,7 @@ pub fn machine() -> Machine {
         .map_or_else(unknown, |kib| {
             format!("{:.1} GiB", kib as f64 / (1u64 << 20) as f64)
         });
-    let manifest = env!("CARGO_MANIFEST_DIR");
+    let manifest = super::workspace_root().to_str().unwrap_or(".");
     let commit = command_output("git", &["-C", manifest, "rev-parse", "--short", "HEAD"])
         .map_or_else(unknown, |hash| {
             let dirty = command_output("git", &["-C", manifest, "status", "--porcelain"])

@@ -41,6 +41,13 @@ use std::process::Command;
 
 use basics::error_chain;
 
+/// The workspace's root directory (this crate's parent), where `docs/` and `target/` are.
+pub fn workspace_root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("benchkit/ lies inside the workspace")
+}
+
 /// What the fallible parts of a scenario bench return.
 pub type Res<T> = Result<T, Box<dyn Error>>;
 
@@ -81,7 +88,7 @@ pub fn finish(
         );
         return Ok(());
     }
-    let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/bench");
+    let docs = workspace_root().join("docs/bench");
     fs::create_dir_all(&docs)?;
     let mut written = Vec::new();
     for (ext, text) in outputs {
