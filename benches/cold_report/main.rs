@@ -24,7 +24,6 @@
 #![allow(clippy::cast_possible_truncation, clippy::cast_precision_loss)]
 
 use std::collections::BTreeMap;
-use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -341,25 +340,19 @@ fn run() -> Res<()> {
         cpu: cpu_used,
         unsupported: &unsupported,
     };
-    // Built in the smoke run too, so that the test suite exercises the report code.
-    let csv = results.csv(&results::CSV);
-    let chart = svg::svg(&results, &settings);
-    let markdown = report::markdown(&results, &verdicts, &context);
-    if !settings.write_docs {
-        eprintln!(
-            "cold_report: smoke run passed in {elapsed_s:.1} s (no report written; run with `cargo bench` for one)"
-        );
-        return Ok(());
-    }
-    let docs = settings.root.join("docs").join("bench");
-    fs::create_dir_all(&docs)?;
-    write(&docs.join("cold.csv"), &csv)?;
-    write(&docs.join("cold.svg"), &chart)?;
-    write(&docs.join("cold.md"), &markdown)?;
-    eprintln!(
-        "cold_report: wrote docs/bench/cold.md, cold.csv, cold.svg in {:.0} s",
-        started.elapsed().as_secs_f64()
-    );
+    // Built in the smoke run too (under target/, its shape checked).
+    let outputs = [
+        ("md", report::markdown(&results, &verdicts, &context)),
+        ("csv", results.csv(&results::CSV)),
+        ("svg", svg::svg(&results, &settings)),
+    ];
+    common::finish(
+        "cold_report",
+        settings.write_docs,
+        "cold",
+        &outputs,
+        started,
+    )?;
     Ok(())
 }
 
@@ -373,8 +366,4 @@ fn expected_digests(settings: &Settings) -> BTreeMap<&'static str, String> {
             (case.name(), vmm::guest::digest_hex(&bytes))
         })
         .collect()
-}
-
-fn write(path: &Path, text: &str) -> Res<()> {
-    fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()).into())
 }

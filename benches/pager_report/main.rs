@@ -351,21 +351,19 @@ fn run() -> Res<()> {
         elapsed_s: started.elapsed().as_secs_f64(),
         filesystem: common::host::filesystem_of(&common::host::target_dir())?,
     };
-    let markdown = report::markdown(&results, &verdicts, &context);
-    let (csv, chart) = (results.csv(&results::CSV), svg::svg(&results, &settings));
-    if settings.write_docs {
-        let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/bench");
-        fs::create_dir_all(&docs)?;
-        fs::write(docs.join("pager.md"), markdown)?;
-        fs::write(docs.join("pager.csv"), &csv)?;
-        fs::write(docs.join("pager.svg"), chart)?;
-        eprintln!(
-            "pager_report: wrote {}/pager.{{md,csv,svg}}",
-            docs.display()
-        );
-    } else {
-        eprintln!("pager_report: smoke run (no --bench): report not written");
-    }
+    let csv = results.csv(&results::CSV);
+    let outputs = [
+        ("md", report::markdown(&results, &verdicts, &context)),
+        ("csv", csv.clone()),
+        ("svg", svg::svg(&results, &settings)),
+    ];
+    common::finish(
+        "pager_report",
+        settings.write_docs,
+        "pager",
+        &outputs,
+        started,
+    )?;
     if std::env::var_os("PAGER_BENCH_DUMP").is_some() {
         println!("{csv}");
     }

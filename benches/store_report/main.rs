@@ -149,25 +149,19 @@ fn run() -> Res<()> {
         filesystem: host::filesystem_of(&host::target_dir())?,
         disturbance,
     };
-    if settings.write_docs {
-        let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/bench");
-        fs::create_dir_all(&docs)?;
-        fs::write(
-            docs.join("store.md"),
-            report::markdown(&results, &verdicts, &context),
-        )?;
-        fs::write(docs.join("store.csv"), results.csv(&results::CSV))?;
-        fs::write(docs.join("store.svg"), svg::svg(&results))?;
-        eprintln!(
-            "store_report: wrote {}/store.{{md,csv,svg}}",
-            docs.display()
-        );
-    } else {
-        // Renders everything anyway, so the smoke test covers the report code.
-        let _ = report::markdown(&results, &verdicts, &context);
-        let _ = (results.csv(&results::CSV), svg::svg(&results));
-        eprintln!("store_report: smoke run (no --bench): report not written");
-    }
+    // Built in the smoke run too (under target/, its shape checked).
+    let outputs = [
+        ("md", report::markdown(&results, &verdicts, &context)),
+        ("csv", results.csv(&results::CSV)),
+        ("svg", svg::svg(&results)),
+    ];
+    common::finish(
+        "store_report",
+        settings.write_docs,
+        "store",
+        &outputs,
+        started,
+    )?;
     eprintln!(
         "store_report: total {:.1} s",
         started.elapsed().as_secs_f64()

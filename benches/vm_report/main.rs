@@ -269,22 +269,12 @@ fn run() -> Res<()> {
         );
         return Ok(());
     }
-    if !settings.write_docs {
-        eprintln!("vm_report: smoke run passed in {elapsed_s:.1} s (no report written; run with `cargo bench` for one)");
-        return Ok(());
-    }
-    let docs = settings.root.join("docs").join("bench");
-    fs::create_dir_all(&docs)?;
-    write(&docs.join("vm.csv"), &results.csv())?;
-    write(&docs.join("vm.svg"), &svg::svg(&results, &settings))?;
-    write(
-        &docs.join("vm.md"),
-        &report::markdown(&results, &verdicts, &context),
-    )?;
-    eprintln!(
-        "vm_report: wrote docs/bench/vm.md, vm.csv, vm.svg in {:.0} s",
-        started.elapsed().as_secs_f64()
-    );
+    let outputs = [
+        ("md", report::markdown(&results, &verdicts, &context)),
+        ("csv", results.csv()),
+        ("svg", svg::svg(&results, &settings)),
+    ];
+    common::finish("vm_report", settings.write_docs, "vm", &outputs, started)?;
     Ok(())
 }
 

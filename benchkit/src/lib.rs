@@ -72,8 +72,10 @@ pub fn skip_smoke(bench: &str, write_docs: bool) -> bool {
 }
 
 /// The end of a scenario bench that started at `started`: a bench run (`write_docs`) writes
-/// `docs/bench/STEM.EXT` for each `(EXT, text)` of `outputs`; a smoke run only says that it
-/// passed (its outputs were built all the same, so that the tests exercise the report code).
+/// `docs/bench/STEM.EXT` for each `(EXT, text)` of `outputs`. A smoke run writes them under
+/// `target/bench-smoke/` instead, never over `docs/bench/`, and fails if one has not the shape
+/// of a report ([`check_shape`]): the suite runs every bench's smoke mode, so a bench whose
+/// report code breaks fails it.
 pub fn finish(
     bench: &str,
     write_docs: bool,
@@ -81,26 +83,94 @@ pub fn finish(
     outputs: &[(&str, String)],
     started: std::time::Instant,
 ) -> Res<()> {
-    if !write_docs {
-        eprintln!(
-            "{bench}: smoke run passed in {:.1} s (no report written; run with `cargo bench` for one)",
-            started.elapsed().as_secs_f64()
-        );
-        return Ok(());
-    }
-    let docs = workspace_root().join("docs/bench");
-    fs::create_dir_all(&docs)?;
+    let dir = if write_docs {
+        workspace_root().join("docs/bench")
+    } else {
+        for (ext, text) in outputs {
+            check_shape(ext, text).map_err(|why| format!("{bench}: {stem}.{ext}: {why}"))?;
+        }
+        host::target_dir().join("bench-smoke")
+    };
+    fs::create_dir_all(&dir)?;
     let mut written = Vec::new();
     for (ext, text) in outputs {
-        let path = docs.join(format!("{stem}.{ext}"));
+        let path = dir.join(format!("{stem}.{ext}"));
         fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
-        written.push(format!("docs/bench/{stem}.{ext}"));
+        written.push(
+            path.strip_prefix(workspace_root())
+                .unwrap_or(&path)
+                .display()
+                .to_string(),
+        );
     }
+    let what = if write_docs { "" } else { "smoke run passed; " };
     eprintln!(
-        "{bench}: wrote {} in {:.0} s",
+        "{bench}: {what}wrote {} in {:.1} s",
         written.join(", "),
         started.elapsed().as_secs_f64()
     );
+    Ok(())
+}
+
+/// Whether `text` has the shape of a report's file of kind `ext`: Markdown opens with a title
+/// and holds a table, a CSV has a header and rows of as many fields (outside quotes), an SVG is
+/// one whole `<svg>` element. The reason when not.
+pub fn check_shape(ext: &str, text: &str) -> Result<(), String> {
+    match ext {
+        "md" => {
+            if !text.starts_with("# ") {
+                return Err("does not open with a `# ` title".into());
+            }
+            if !text
+                .lines()
+                .any(|l| l.starts_with("|---") || l.starts_with("| ---"))
+            {
+                return Err("holds no table".into());
+            }
+        }
+        "csv" => {
+            let fields = |line: &str| {
+                let mut quoted = false;
+                1 + line
+                    .chars()
+                    .filter(|&c| {
+                        if c == '"' {
+                            quoted = !quoted;
+                        }
+                        c == ',' && !quoted
+                    })
+                    .count()
+            };
+            let mut lines = text.lines().filter(|l| !l.is_empty());
+            let header = lines.next().ok_or("is empty")?;
+            let width = fields(header);
+            let mut rows = 0;
+            for (i, line) in lines.enumerate() {
+                if fields(line) != width {
+                    return Err(format!(
+                        "row {} has {} fields, the header {width}",
+                        i + 1,
+                        fields(line)
+                    ));
+                }
+                rows += 1;
+            }
+            if rows == 0 {
+                return Err("has a header and no rows".into());
+            }
+        }
+        "svg" => {
+            let body = text.trim_start().trim_start_matches(|c| c != '<');
+            let body = match body.strip_prefix("<?xml") {
+                Some(rest) => rest.split_once("?>").map_or("", |(_, r)| r.trim_start()),
+                None => body,
+            };
+            if !body.starts_with("<svg") || !text.trim_end().ends_with("</svg>") {
+                return Err("is not one <svg> element".into());
+            }
+        }
+        _ => {}
+    }
     Ok(())
 }
 
@@ -325,4 +395,22 @@ pub fn end_round(
         round + 1,
         results.runs
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_shape;
+
+    #[test]
+    fn check_shape_accepts_reports_and_names_what_is_wrong() {
+        assert!(check_shape("md", "# T\n\n| a | b |\n|---|---|\n| 1 | 2 |\n").is_ok());
+        assert!(check_shape("md", "T\n|---|\n").is_err());
+        assert!(check_shape("md", "# T\nno table\n").is_err());
+        assert!(check_shape("csv", "key,unit,\"a, b\"\nx,ms,1\n").is_ok());
+        assert!(check_shape("csv", "key,unit\n").is_err_and(|why| why.contains("no rows")));
+        assert!(check_shape("csv", "key,unit\nx,ms,3\n").is_err_and(|why| why.contains("row 1")));
+        assert!(check_shape("svg", "<svg xmlns=\"x\"><g/></svg>\n").is_ok());
+        assert!(check_shape("svg", "<?xml version=\"1.0\"?>\n<svg></svg>").is_ok());
+        assert!(check_shape("svg", "<svg><g/>").is_err());
+    }
 }
