@@ -1,0 +1,473 @@
+//! `pvisor-sandboxd` end to end, with real VMs (/dev/kvm, /dev/userfaultfd): the lifecycle
+//! API and execd driven over HTTP as a client drives them, and what it refuses.
+
+// Test code: a failed setup step should stop the test on the spot.
+#![allow(clippy::unwrap_used)]
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+mod common;
+use common::{alive, outcome, request, send_raw, skip, vm_pids, Daemon};
+
+#[test]
+fn sandbox_runs_commands_pauses_resumes_and_is_deleted() {
+    if skip() {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let created = daemon.api(
+        "POST",
+        "/v1/sandboxes",
+        Some(r#"{"image":{"uri":"pvisor:workload"},"timeout":600,"metadata":{"team":"a","note":"x y"},"resourceLimits":{"cpu":"1","memory":"512Mi"},"env":{}}"#),
+    );
+    assert_eq!(created.status, 202, "{}", created.text());
+    let body = created.json();
+    let id = body["id"].as_str().unwrap().to_owned();
+    assert_eq!(body["status"]["state"], "Pending");
+    assert!(
+        body["createdAt"].is_string() && body["expiresAt"].is_string(),
+        "{body}"
+    );
+    assert!(body["entrypoint"].is_array());
+    daemon.wait_ready(&id);
+    assert_eq!(
+        daemon
+            .api("GET", &format!("/v1/sandboxes/{id}"), None)
+            .json()["status"]["state"],
+        "Running"
+    );
+    let state_file = daemon.state().join("sandboxes").join(format!("{id}.json"));
+    assert!(state_file.is_file());
+
+    // A command: its results as stdout lines, exit code 0.
+    let events = daemon.command(&id, "fill 64MiB random seed=1; task; digest");
+    assert_eq!(events[0]["type"], "init");
+    assert!(events.iter().all(|e| e["timestamp"].is_u64()), "{events:?}");
+    let (stdout, code) = outcome(&events);
+    assert_eq!(code, 0, "{events:?}");
+    assert_eq!(stdout.len(), 3, "{stdout:?}");
+    let digest = stdout[2]["digest"].as_str().unwrap().to_owned();
+    assert_eq!(stdout[1]["digest"], digest.as_str());
+
+    // Failed scripts: not a script (2), failed in the guest (1), with the reason on stderr.
+    let (_, code) = outcome(&daemon.command(&id, "fill 64MiB; bogus"));
+    assert_eq!(code, 2);
+    let events = daemon.command(&id, "fill 600MiB random");
+    let (_, code) = outcome(&events);
+    assert_eq!(code, 1, "{events:?}");
+    assert!(
+        events
+            .iter()
+            .any(|e| e["type"] == "stderr"
+                && e["text"].as_str().unwrap().contains("application memory")),
+        "{events:?}"
+    );
+    // The failed fill did not touch the data.
+    let (stdout, _) = outcome(&daemon.command(&id, "digest"));
+    assert_eq!(stdout[0]["digest"], digest.as_str());
+
+    // Pause (an offload), twice: 409 the second time; commands wait for a resume.
+    assert_eq!(
+        daemon
+            .api("POST", &format!("/v1/sandboxes/{id}/pause"), None)
+            .status,
+        202
+    );
+    let again = daemon.api("POST", &format!("/v1/sandboxes/{id}/pause"), None);
+    assert_eq!(
+        (again.status, again.code().as_str()),
+        (409, "INVALID_STATE")
+    );
+    assert_eq!(
+        daemon
+            .api("GET", &format!("/v1/sandboxes/{id}"), None)
+            .json()["status"]["state"],
+        "Paused"
+    );
+    let (path, token) = daemon.execd(&id);
+    let ping = request(
+        &daemon.addr,
+        "GET",
+        &format!("{path}/ping"),
+        &[("X-Pvisor-Sandbox-Token", &token)],
+        None,
+    );
+    assert_eq!(ping.status, 503);
+    let paused = daemon.api("GET", "/v1/sandboxes?state=Paused", None).json();
+    assert_eq!(paused["items"][0]["id"], id.as_str());
+    assert_eq!(
+        daemon
+            .api("POST", &format!("/v1/sandboxes/{id}/resume"), None)
+            .status,
+        202
+    );
+    let again = daemon.api("POST", &format!("/v1/sandboxes/{id}/resume"), None);
+    assert_eq!(again.status, 409);
+    let (stdout, code) = outcome(&daemon.command(&id, "digest"));
+    assert_eq!(
+        (stdout[0]["digest"].as_str().unwrap(), code),
+        (digest.as_str(), 0)
+    );
+
+    // List: filters and pages.
+    let other = daemon.create(r#","metadata":{"team":"b"}"#);
+    let list = daemon
+        .api(
+            "GET",
+            "/v1/sandboxes?metadata=team%3Da%26note%3Dx%2520y",
+            None,
+        )
+        .json();
+    assert_eq!(list["items"].as_array().unwrap().len(), 1, "{list}");
+    assert_eq!(list["items"][0]["id"], id.as_str());
+    let page = daemon
+        .api("GET", "/v1/sandboxes?pageSize=1&page=2", None)
+        .json();
+    assert_eq!(page["pagination"]["totalItems"], 2, "{page}");
+    assert_eq!(page["pagination"]["totalPages"], 2);
+    assert_eq!(page["pagination"]["hasNextPage"], false);
+    assert_eq!(page["items"][0]["id"], other.as_str());
+    let none = daemon.api("GET", "/v1/sandboxes?state=Failed", None).json();
+    assert_eq!(none["items"].as_array().unwrap().len(), 0);
+
+    // Renew.
+    let renewed = daemon.api(
+        "POST",
+        &format!("/v1/sandboxes/{id}/renew-expiration"),
+        Some(r#"{"expiresAt":"2099-01-01T00:00:00Z"}"#),
+    );
+    assert_eq!(
+        renewed.status,
+        400,
+        "more than 30 days away: {}",
+        renewed.text()
+    );
+    let at = now_plus(3600);
+    let renewed = daemon.api(
+        "POST",
+        &format!("/v1/sandboxes/{id}/renew-expiration"),
+        Some(&format!(r#"{{"expiresAt":"{at}"}}"#)),
+    );
+    assert_eq!(renewed.status, 200, "{}", renewed.text());
+    assert!(renewed.json()["expiresAt"].is_string());
+
+    // Delete: 204, then 404; the VM and its files are gone.
+    let pids = vm_pids(&daemon.state());
+    assert!(!pids.is_empty());
+    assert_eq!(
+        daemon
+            .api("DELETE", &format!("/v1/sandboxes/{id}"), None)
+            .status,
+        204
+    );
+    assert_eq!(
+        daemon
+            .api("GET", &format!("/v1/sandboxes/{id}"), None)
+            .status,
+        404
+    );
+    assert_eq!(
+        daemon
+            .api("DELETE", &format!("/v1/sandboxes/{id}"), None)
+            .status,
+        404
+    );
+    assert!(!daemon.state().join("vms").join(&id).exists());
+    assert!(!state_file.exists());
+    assert_eq!(
+        daemon
+            .api("DELETE", &format!("/v1/sandboxes/{other}"), None)
+            .status,
+        204
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pids.iter().any(|&p| alive(p)) {
+        assert!(Instant::now() < deadline, "VM processes left: {pids:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = daemon.log();
+    assert!(log.contains("deleted") && log.contains("VM up"), "{log}");
+}
+
+/// An RFC 3339 time `s` seconds from now (from `date`, to check the daemon's own parser).
+fn now_plus(s: u64) -> String {
+    let out = Command::new("date")
+        .args([
+            "-u",
+            "-d",
+            &format!("+{s} seconds"),
+            "+%Y-%m-%dT%H:%M:%S+00:00",
+        ])
+        .output()
+        .unwrap();
+    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+}
+
+#[test]
+fn sandbox_expires_and_its_vm_and_files_go() {
+    if skip() {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let id = daemon.create(r#","timeout":60"#);
+    daemon.wait_ready(&id);
+    let pids = vm_pids(&daemon.state());
+    // The shortest timeout is 60 s: renew to 2 s from now.
+    let at = now_plus(2);
+    let renewed = daemon.api(
+        "POST",
+        &format!("/v1/sandboxes/{id}/renew-expiration"),
+        Some(&format!(r#"{{"expiresAt":"{at}"}}"#)),
+    );
+    assert_eq!(renewed.status, 200, "{}", renewed.text());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let body = daemon
+            .api("GET", &format!("/v1/sandboxes/{id}"), None)
+            .json();
+        if body["status"]["state"] == "Terminated" {
+            assert_eq!(body["status"]["reason"], "EXPIRED", "{body}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "did not expire: {body}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(pids.iter().all(|&p| !alive(p)), "{pids:?}");
+    assert!(!daemon.state().join("vms").join(&id).exists());
+    assert!(!daemon
+        .state()
+        .join("sandboxes")
+        .join(format!("{id}.json"))
+        .exists());
+    let (path, token) = (format!("/sandboxes/{id}/port/44772"), "x");
+    let ping = request(
+        &daemon.addr,
+        "GET",
+        &format!("{path}/ping"),
+        &[("X-Pvisor-Sandbox-Token", token)],
+        None,
+    );
+    assert_eq!(ping.status, 401);
+    let again = daemon.api("POST", &format!("/v1/sandboxes/{id}/pause"), None);
+    assert_eq!(again.status, 409);
+}
+
+#[test]
+fn sandbox_api_refuses_hostile_and_bad_input() {
+    if skip() {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let addr = daemon.addr.clone();
+    // Keys.
+    let missing = request(&addr, "GET", "/v1/sandboxes", &[], None);
+    assert_eq!(
+        (missing.status, missing.code().as_str()),
+        (401, "UNAUTHORIZED")
+    );
+    let wrong = request(
+        &addr,
+        "GET",
+        "/v1/sandboxes",
+        &[("OPEN-SANDBOX-API-KEY", "test-key-5f2c9b")],
+        None,
+    );
+    assert_eq!(wrong.status, 401);
+    let create = r#"{"image":{"uri":"pvisor:workload"}}"#;
+    assert_eq!(
+        request(&addr, "POST", "/v1/sandboxes", &[], Some(create)).status,
+        401
+    );
+    // Unknown ids, and ids that are no ids.
+    for path in [
+        "/v1/sandboxes/sb-000000000000",
+        "/v1/sandboxes/..%2F..%2Fetc",
+        "/v1/sandboxes/sb-000000000000/endpoints/44772",
+    ] {
+        let answer = daemon.api("GET", path, None);
+        assert_eq!(
+            (answer.status, answer.code().as_str()),
+            (404, "NOT_FOUND"),
+            "{path}"
+        );
+    }
+    assert_eq!(
+        daemon
+            .api("POST", "/v1/sandboxes/sb-000000000000/pause", None)
+            .status,
+        404
+    );
+    assert_eq!(daemon.api("DELETE", "/v1/sandboxes/nope", None).status, 404);
+    assert_eq!(daemon.api("GET", "/nowhere", None).code(), "NOT_FOUND");
+    // Bodies.
+    for (body, why) in [
+        ("{\"image\":", "malformed JSON"),
+        ("[]", "not an object"),
+        (r#"{"image":{"uri":"python:3.11"}}"#, "unknown template"),
+        (
+            r#"{"image":{"uri":"pvisor:workload"},"timeout":1}"#,
+            "timeout under 60",
+        ),
+        (
+            r#"{"image":{"uri":"pvisor:workload"},"metadata":{"a":1}}"#,
+            "metadata not text",
+        ),
+    ] {
+        let answer = daemon.api("POST", "/v1/sandboxes", Some(body));
+        assert_eq!(
+            (answer.status, answer.code().as_str()),
+            (400, "INVALID_REQUEST"),
+            "{why}: {}",
+            answer.text()
+        );
+    }
+    let unknown = daemon.api(
+        "POST",
+        "/v1/sandboxes",
+        Some(r#"{"image":{"uri":"python:3.11"}}"#),
+    );
+    assert!(
+        unknown.text().contains("pvisor:workload"),
+        "{}",
+        unknown.text()
+    );
+    // A 100 MiB body is refused on its declared length, before it is read.
+    let head = format!(
+        "POST /v1/sandboxes HTTP/1.1\r\nHost: {addr}\r\nOPEN-SANDBOX-API-KEY: {}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{{\"image\":",
+        common::KEY,
+        100 << 20
+    );
+    let answer = send_raw(&addr, head.as_bytes());
+    assert_eq!(
+        (answer.status, answer.code().as_str()),
+        (413, "PAYLOAD_TOO_LARGE")
+    );
+    // And a chunked one as it streams past the limit.
+    let mut raw = format!(
+        "POST /v1/sandboxes HTTP/1.1\r\nHost: {addr}\r\nOPEN-SANDBOX-API-KEY: {}\r\n\
+         Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n",
+        common::KEY
+    )
+    .into_bytes();
+    for _ in 0..5 {
+        raw.extend_from_slice(format!("{:x}\r\n", 32 << 10).as_bytes());
+        raw.extend(std::iter::repeat_n(b' ', 32 << 10));
+        raw.extend_from_slice(b"\r\n");
+    }
+    raw.extend_from_slice(b"0\r\n\r\n");
+    assert_eq!(send_raw(&addr, &raw).status, 413);
+
+    // execd: tokens are per sandbox.
+    let a = daemon.create("");
+    let b = daemon.create("");
+    daemon.wait_ready(&a);
+    daemon.wait_ready(&b);
+    let (path_a, token_a) = daemon.execd(&a);
+    let (_, token_b) = daemon.execd(&b);
+    assert_ne!(token_a, token_b);
+    let body = r#"{"command":"digest"}"#;
+    for (token, why) in [
+        (None, "missing"),
+        (Some(token_b.as_str()), "another sandbox's"),
+        (Some(""), "empty"),
+    ] {
+        let headers: Vec<(&str, &str)> = token
+            .map(|t| ("X-Pvisor-Sandbox-Token", t))
+            .into_iter()
+            .collect();
+        let answer = request(
+            &addr,
+            "POST",
+            &format!("{path_a}/command"),
+            &headers,
+            Some(body),
+        );
+        assert_eq!(
+            (answer.status, answer.code().as_str()),
+            (401, "UNAUTHORIZED"),
+            "{why} token"
+        );
+        let ping = request(&addr, "GET", &format!("{path_a}/ping"), &headers, None);
+        assert_eq!(ping.status, 401, "{why} token");
+    }
+    // The API key is no execd token.
+    let answer = request(
+        &addr,
+        "GET",
+        &format!("{path_a}/ping"),
+        &[("OPEN-SANDBOX-API-KEY", common::KEY)],
+        None,
+    );
+    assert_eq!(answer.status, 401);
+    let own = [("X-Pvisor-Sandbox-Token", token_a.as_str())];
+    let answer = request(
+        &addr,
+        "POST",
+        &format!("{path_a}/command"),
+        &own,
+        Some("{\"command\":"),
+    );
+    assert_eq!(
+        (answer.status, answer.code().as_str()),
+        (400, "INVALID_REQUEST")
+    );
+    let answer = request(
+        &addr,
+        "GET",
+        &format!("{path_a}/files/info?path=/etc/passwd"),
+        &own,
+        None,
+    );
+    assert_eq!(
+        (answer.status, answer.code().as_str()),
+        (501, "NOT_IMPLEMENTED")
+    );
+    let egress = daemon.api("GET", &format!("/v1/sandboxes/{a}/endpoints/18080"), None);
+    assert_eq!(egress.status, 200, "{}", egress.text());
+    let other_port = daemon.api("GET", &format!("/v1/sandboxes/{a}/endpoints/22"), None);
+    assert_eq!(other_port.status, 404);
+    let (_, code) = outcome(&daemon.command(&a, "digest"));
+    assert_eq!(code, 0);
+}
+
+#[test]
+fn daemon_refuses_to_start_without_a_key_or_off_loopback_without_auth() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let run = |args: &[&str]| {
+        Command::new(common::binary())
+            .args([
+                "--state",
+                state.to_str().unwrap(),
+                "--memory-budget",
+                "1GiB",
+            ])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["--listen", "127.0.0.1:0"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--api-key-file"));
+    let out = run(&["--listen", "0.0.0.0:0", "--no-auth"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("loopback"),
+        "{out:?}"
+    );
+    let empty = dir.path().join("empty");
+    std::fs::write(&empty, "\n").unwrap();
+    let out = run(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--api-key-file",
+        empty.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("non-empty"),
+        "{out:?}"
+    );
+}

@@ -1,0 +1,158 @@
+//! `pvisor-sandboxd` driven by the real OpenSandbox Python SDK (`opensandbox`, pinned to
+//! [`SDK_VERSION`]), unmodified: create, commands with their output and exit codes, renew,
+//! pause, resume (same digest), kill (`tests/sdk/flow.py`).
+//!
+//! The SDK lives in a virtual environment under the target directory
+//! (`target/opensandbox-sdk-VERSION/`), made and pip-installed from the package index on the
+//! first run and reused after. Without python3's `venv` module the test installs
+//! `python3-venv` with apt-get when it runs as root (as `guest-patches/build.sh` installs its
+//! build dependencies), and otherwise says what to install.
+
+// Test code: a failed setup step should stop the test on the spot.
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+mod common;
+use common::{skip, vm_pids, Daemon, KEY};
+
+/// The SDK release the daemon is proved against (docs/sandboxd.md).
+const SDK_VERSION: &str = "1.1.1";
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// The target directory (the daemon's binary is in its profile directory).
+fn target_dir() -> PathBuf {
+    let binary = Path::new(common::binary());
+    binary.parent().unwrap().parent().unwrap().to_path_buf()
+}
+
+fn has_sdk(python: &Path) -> bool {
+    let check = format!(
+        "import importlib.metadata as m, opensandbox; assert m.version('opensandbox') == '{SDK_VERSION}'"
+    );
+    Command::new(python)
+        .args(["-c", &check])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+fn make_venv(dir: &Path) -> Output {
+    Command::new("python3")
+        .args(["-m", "venv"])
+        .arg(dir)
+        .output()
+        .unwrap_or_else(|e| panic!("python3 is needed for the SDK test: {e}"))
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// The virtual environment's python, with the SDK installed.
+fn sdk_python() -> PathBuf {
+    let dir = target_dir().join(format!("opensandbox-sdk-{SDK_VERSION}"));
+    let python = dir.join("bin").join("python");
+    if has_sdk(&python) {
+        return python;
+    }
+    // Half made (an interrupted run): start again.
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut out = make_venv(&dir);
+    if !out.status.success() {
+        assert!(
+            is_root(),
+            "python3 cannot make a virtual environment ({}): install python3-venv",
+            text(&out)
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+        let apt = |args: &[&str]| {
+            Command::new("apt-get")
+                .args(args)
+                .env("DEBIAN_FRONTEND", "noninteractive")
+                .output()
+                .unwrap()
+        };
+        if !apt(&["install", "-y", "-qq", "python3-venv"])
+            .status
+            .success()
+        {
+            apt(&["update", "-qq"]);
+            let install = apt(&["install", "-y", "-qq", "python3-venv"]);
+            assert!(
+                install.status.success(),
+                "apt-get install python3-venv: {}",
+                text(&install)
+            );
+        }
+        out = make_venv(&dir);
+        assert!(out.status.success(), "python3 -m venv: {}", text(&out));
+    }
+    let pip = Command::new(&python)
+        .args(["-m", "pip", "install", "-q", "--disable-pip-version-check"])
+        .arg(format!("opensandbox=={SDK_VERSION}"))
+        .output()
+        .unwrap();
+    assert!(
+        pip.status.success(),
+        "pip install opensandbox=={SDK_VERSION}: {}",
+        text(&pip)
+    );
+    assert!(
+        has_sdk(&python),
+        "the SDK does not import after pip install"
+    );
+    python
+}
+
+#[test]
+fn sdk_creates_runs_pauses_resumes_and_kills_a_sandbox() {
+    if skip() {
+        return;
+    }
+    let python = sdk_python();
+    let daemon = Daemon::start(&[]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/sdk/flow.py");
+    let out = Command::new(&python)
+        .arg(&script)
+        .arg(&daemon.addr)
+        .env("OPEN_SANDBOX_API_KEY", KEY)
+        .env_remove("OPEN_SANDBOX_DOMAIN")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "the SDK flow failed: {}\n--- daemon log ---\n{}",
+        text(&out),
+        daemon.log()
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let seen: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(seen["killed"], true, "{seen}");
+    assert_eq!(seen["digest"], seen["digest_after_resume"], "{seen}");
+    // Killed: no sandbox, no VM left.
+    let list = daemon.api("GET", "/v1/sandboxes", None).json();
+    assert_eq!(list["pagination"]["totalItems"], 0, "{list}");
+    assert!(vm_pids(&daemon.state()).is_empty());
+    // The wrong key fails the SDK as it should.
+    let out = Command::new(&python)
+        .arg(&script)
+        .arg(&daemon.addr)
+        .env("OPEN_SANDBOX_API_KEY", "wrong")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("401") || text(&out).to_lowercase().contains("unauthorized"),
+        "{}",
+        text(&out)
+    );
+}
