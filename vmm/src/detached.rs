@@ -597,3 +597,32 @@ impl Drop for Cleanup {
         let _ = std::fs::remove_dir(&self.dir);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn detached_spec_in_job_dir_keeps_the_vm_files_in_its_job_directory() {
+        let spec = Spec::in_job_dir("sb-0123456789ab", 256 << 20);
+        let dir = runtime::job_dir("sb-0123456789ab");
+        assert_eq!(spec.options.disk, dir.join("disk.img"));
+        assert_eq!(spec.options.store_dir, dir.join("ram"));
+        assert_eq!(spec.options.memory, 256 << 20);
+        assert!(spec.detached && spec.temporary_disk && spec.options.exit_on_memory_lost);
+        assert!(spec.script.is_empty());
+        assert_ne!(spec.attempt, Spec::in_job_dir("sb-0123456789ab", 1).attempt);
+    }
+
+    #[test]
+    fn detached_start_refuses_a_job_id_that_is_no_plain_name() {
+        for job in ["../escape", "", ".hidden", "a/b"] {
+            let mut spec = Spec::in_job_dir("vm-x", 1 << 20);
+            spec.job = job.to_owned();
+            assert!(
+                matches!(start(&spec), Err(StartError::Job(_))),
+                "{job:?} was not refused"
+            );
+        }
+    }
+}
