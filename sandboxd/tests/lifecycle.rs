@@ -430,6 +430,32 @@ fn sandbox_api_refuses_hostile_and_bad_input() {
     assert_eq!(other_port.status, 404);
     let (_, code) = outcome(&daemon.command(&a, "digest"));
     assert_eq!(code, 0);
+
+    // A client that opens a command stream and goes away: the command runs to its end, and
+    // the sandbox and the daemon serve on.
+    {
+        use std::io::{Read, Write};
+        let body = r#"{"command":"sleep 1500; digest"}"#;
+        let mut stream = std::net::TcpStream::connect(&addr).unwrap();
+        write!(
+            stream,
+            "POST {path_a}/command HTTP/1.1\r\nHost: {addr}\r\nX-Pvisor-Sandbox-Token: {token_a}\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut first = [0u8; 512];
+        let n = stream.read(&mut first).unwrap();
+        assert!(String::from_utf8_lossy(&first[..n]).contains("200 OK"));
+    }
+    let started = Instant::now();
+    let (_, code) = outcome(&daemon.command(&a, "digest"));
+    assert_eq!(code, 0);
+    assert!(
+        started.elapsed() >= Duration::from_millis(500),
+        "did not wait for the sleep"
+    );
+    assert_eq!(daemon.api("GET", "/v1/sandboxes", None).status, 200);
 }
 
 #[test]

@@ -4,9 +4,10 @@
 //!
 //! The SDK lives in a virtual environment under the target directory
 //! (`target/opensandbox-sdk-VERSION/`), made and pip-installed from the package index on the
-//! first run and reused after. Without python3's `venv` module the test installs
-//! `python3-venv` with apt-get when it runs as root (as `guest-patches/build.sh` installs its
-//! build dependencies), and otherwise says what to install.
+//! first run and reused after. Without python3 or its `venv` module the test installs
+//! `python3` and `python3-venv` with apt-get when it runs as root (as
+//! `guest-patches/build.sh` installs its build dependencies), and otherwise says what to
+//! install.
 
 // Test code: a failed setup step should stop the test on the spot.
 #![allow(clippy::unwrap_used)]
@@ -44,12 +45,34 @@ fn has_sdk(python: &Path) -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
-fn make_venv(dir: &Path) -> Output {
+/// `python3 -m venv DIR`; `None` if python3 does not run at all.
+fn make_venv(dir: &Path) -> Option<Output> {
     Command::new("python3")
         .args(["-m", "venv"])
         .arg(dir)
         .output()
-        .unwrap_or_else(|e| panic!("python3 is needed for the SDK test: {e}"))
+        .ok()
+}
+
+/// Installs python3 and its `venv` module (Debian's `python3-venv`) with apt-get.
+fn install_python() {
+    let apt = |args: &[&str]| {
+        Command::new("apt-get")
+            .args(args)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .output()
+            .unwrap_or_else(|e| panic!("apt-get: {e}"))
+    };
+    let packages = ["install", "-y", "-qq", "python3", "python3-venv"];
+    if !apt(&packages).status.success() {
+        apt(&["update", "-qq"]);
+        let install = apt(&packages);
+        assert!(
+            install.status.success(),
+            "apt-get install python3 python3-venv: {}",
+            text(&install)
+        );
+    }
 }
 
 fn is_root() -> bool {
@@ -66,34 +89,16 @@ fn sdk_python() -> PathBuf {
     }
     // Half made (an interrupted run): start again.
     let _ = std::fs::remove_dir_all(&dir);
-    let mut out = make_venv(&dir);
-    if !out.status.success() {
+    let first = make_venv(&dir);
+    if !first.as_ref().is_some_and(|out| out.status.success()) {
+        let why = first.map_or_else(|| "python3 does not run".to_owned(), |o| text(&o));
         assert!(
             is_root(),
-            "python3 cannot make a virtual environment ({}): install python3-venv",
-            text(&out)
+            "python3 cannot make a virtual environment ({why}): install python3 and python3-venv"
         );
         let _ = std::fs::remove_dir_all(&dir);
-        let apt = |args: &[&str]| {
-            Command::new("apt-get")
-                .args(args)
-                .env("DEBIAN_FRONTEND", "noninteractive")
-                .output()
-                .unwrap()
-        };
-        if !apt(&["install", "-y", "-qq", "python3-venv"])
-            .status
-            .success()
-        {
-            apt(&["update", "-qq"]);
-            let install = apt(&["install", "-y", "-qq", "python3-venv"]);
-            assert!(
-                install.status.success(),
-                "apt-get install python3-venv: {}",
-                text(&install)
-            );
-        }
-        out = make_venv(&dir);
+        install_python();
+        let out = make_venv(&dir).expect("python3 runs once installed");
         assert!(out.status.success(), "python3 -m venv: {}", text(&out));
     }
     let pip = Command::new(&python)
