@@ -67,12 +67,17 @@ fn sandbox_runs_commands_pauses_resumes_and_is_deleted() {
     let (stdout, _) = outcome(&daemon.command(&id, "digest"));
     assert_eq!(stdout[0]["digest"], digest.as_str());
 
-    // Pause (an offload), twice: 409 the second time; commands wait for a resume.
-    assert_eq!(
-        daemon
-            .api("POST", &format!("/v1/sandboxes/{id}/pause"), None)
-            .status,
-        202
+    // Pause (an offload: the VM's memory goes), twice: 409 the second time; commands wait
+    // for a resume.
+    let vm = vm_pid(&daemon, &id);
+    let before = rss_bytes(vm);
+    assert!(before >= 64 << 20, "{before}");
+    let paused = daemon.api("POST", &format!("/v1/sandboxes/{id}/pause"), None);
+    assert_eq!(paused.status, 202);
+    let after = rss_bytes(vm);
+    assert!(
+        after + (48 << 20) <= before,
+        "resident {before} -> {after} bytes"
     );
     let again = daemon.api("POST", &format!("/v1/sandboxes/{id}/pause"), None);
     assert_eq!(
@@ -188,6 +193,72 @@ fn sandbox_runs_commands_pauses_resumes_and_is_deleted() {
     }
     let log = daemon.log();
     assert!(log.contains("deleted") && log.contains("VM up"), "{log}");
+}
+
+/// The VM process of sandbox `id`.
+fn vm_pid(daemon: &Daemon, id: &str) -> u32 {
+    let path = daemon.state().join("vms").join(id).join("vm.json");
+    let identity: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    u32::try_from(identity["pid"].as_u64().unwrap()).unwrap()
+}
+
+/// The resident memory of process `pid`.
+fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .unwrap()
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .unwrap();
+    kib << 10
+}
+
+#[test]
+fn restarted_daemon_reads_its_state_and_stops_what_it_cannot_adopt_yet() {
+    if skip() {
+        return;
+    }
+    let mut daemon = Daemon::start(&[]);
+    let id = daemon.create(r#","metadata":{"keep":"me"}"#);
+    daemon.wait_ready(&id);
+    let (_, code) = outcome(&daemon.command(&id, "fill 8MiB random seed=2; digest"));
+    assert_eq!(code, 0);
+    let pids = vm_pids(&daemon.state());
+    assert!(!pids.is_empty());
+    daemon.restart();
+    // This step does not re-adopt VMs: the record is read back, the VM stopped.
+    let body = daemon
+        .api("GET", &format!("/v1/sandboxes/{id}"), None)
+        .json();
+    assert_eq!(body["status"]["state"], "Failed", "{body}");
+    assert_eq!(body["status"]["reason"], "DAEMON_RESTARTED");
+    assert_eq!(body["metadata"]["keep"], "me");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pids.iter().any(|&p| alive(p)) {
+        assert!(Instant::now() < deadline, "VM processes left: {pids:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!daemon.state().join("vms").join(&id).exists());
+    let failed = daemon.api("GET", "/v1/sandboxes?state=Failed", None).json();
+    assert_eq!(failed["pagination"]["totalItems"], 1, "{failed}");
+    let resume = daemon.api("POST", &format!("/v1/sandboxes/{id}/resume"), None);
+    assert_eq!(resume.status, 409);
+    let deleted = daemon.api("DELETE", &format!("/v1/sandboxes/{id}"), None);
+    assert_eq!(deleted.status, 204);
+    assert!(!daemon
+        .state()
+        .join("sandboxes")
+        .join(format!("{id}.json"))
+        .exists());
+    // A new sandbox works as before.
+    let id = daemon.create("");
+    daemon.wait_ready(&id);
+    assert_eq!(outcome(&daemon.command(&id, "digest")).1, 0);
 }
 
 /// An RFC 3339 time `s` seconds from now (from `date`, to check the daemon's own parser).

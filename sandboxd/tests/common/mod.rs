@@ -31,7 +31,32 @@ pub fn binary() -> &'static str {
 pub struct Daemon {
     pub dir: tempfile::TempDir,
     pub addr: String,
+    args: Vec<String>,
     child: Child,
+}
+
+/// Starts the daemon with `args`; it and its address once it says it listens.
+fn spawn(dir: &Path, args: &[String]) -> (Child, String) {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("daemon.log"))
+        .unwrap();
+    let mut child = Command::new(binary())
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let ready: Value = serde_json::from_str(&line).unwrap_or_else(|e| {
+        let log = std::fs::read_to_string(dir.join("daemon.log")).unwrap_or_default();
+        panic!("the daemon did not start ({e}): {line}{log}")
+    });
+    (child, ready["listen"].as_str().unwrap().to_owned())
 }
 
 impl Daemon {
@@ -52,23 +77,23 @@ impl Daemon {
             key.display().to_string(),
         ];
         args.extend(extra.iter().map(|s| (*s).to_owned()));
-        let log = std::fs::File::create(dir.path().join("daemon.log")).unwrap();
-        let mut child = Command::new(binary())
-            .args(&args)
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let ready: Value = serde_json::from_str(&line).unwrap_or_else(|e| {
-            let log = std::fs::read_to_string(dir.path().join("daemon.log")).unwrap_or_default();
-            panic!("the daemon did not start ({e}): {line}{log}")
-        });
-        let addr = ready["listen"].as_str().unwrap().to_owned();
-        Daemon { dir, addr, child }
+        let (child, addr) = spawn(dir.path(), &args);
+        Daemon {
+            dir,
+            addr,
+            args,
+            child,
+        }
+    }
+
+    /// Kills the daemon (`-9`, its VMs left running) and starts it again on the same state
+    /// directory (on a new port).
+    pub fn restart(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+        let (child, addr) = spawn(self.dir.path(), &self.args);
+        self.child = child;
+        self.addr = addr;
     }
 
     /// The state directory.
