@@ -214,6 +214,13 @@ pub fn router(app: Arc<App>) -> Router {
                 format!("nothing at {path}"),
             )
         })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "METHOD_NOT_ALLOWED",
+                "this path does not take that method",
+            )
+        })
         .with_state(app)
 }
 

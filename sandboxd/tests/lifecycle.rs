@@ -371,6 +371,11 @@ fn sandbox_api_refuses_hostile_and_bad_input() {
     );
     assert_eq!(daemon.api("DELETE", "/v1/sandboxes/nope", None).status, 404);
     assert_eq!(daemon.api("GET", "/nowhere", None).code(), "NOT_FOUND");
+    let wrong_method = daemon.api("PUT", "/v1/sandboxes", Some("{}"));
+    assert_eq!(
+        (wrong_method.status, wrong_method.code().as_str()),
+        (405, "METHOD_NOT_ALLOWED")
+    );
     // Bodies.
     for (body, why) in [
         ("{\"image\":", "malformed JSON"),
