@@ -30,7 +30,6 @@ pub const EGRESS_PORT: u16 = 18080;
 pub const MAX_BODY_BYTES: usize = 64 << 10;
 
 /// What the handlers share.
-#[derive(Debug)]
 pub struct App {
     /// The sandboxes.
     pub sandboxes: Arc<Sandboxes>,
@@ -38,6 +37,17 @@ pub struct App {
     pub api_key: Option<Vec<u8>>,
     /// `host:port` of this server, as endpoints name it.
     pub public: String,
+}
+
+impl std::fmt::Debug for App {
+    // Not the key.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("App")
+            .field("sandboxes", &self.sandboxes)
+            .field("auth", &self.api_key.is_some())
+            .field("public", &self.public)
+            .finish()
+    }
 }
 
 /// An error answer.
@@ -89,8 +99,10 @@ impl From<SandboxError> for ApiError {
         let message = basics::error_chain(&e);
         let (status, code) = match &e {
             SandboxError::NotFound(id) => return ApiError::not_found(id),
-            SandboxError::Conflict { .. } => (StatusCode::CONFLICT, "INVALID_STATE"),
-            SandboxError::Capacity { .. } => {
+            SandboxError::Conflict { .. } | SandboxError::Busy { .. } => {
+                (StatusCode::CONFLICT, "INVALID_STATE")
+            }
+            SandboxError::Capacity { .. } | SandboxError::TooMany { .. } => {
                 (StatusCode::TOO_MANY_REQUESTS, "INSUFFICIENT_CAPACITY")
             }
             SandboxError::Store(_)

@@ -4,6 +4,7 @@
 //! - [`api`]: the HTTP server: the lifecycle API under `/v1`, errors, bodies, the API key.
 //! - [`clock`]: Unix milliseconds and RFC 3339.
 //! - [`execd`]: each sandbox's execd (`/ping`, `/command` as a server-sent event stream).
+//! - [`listener`]: the listener, a bounded number of connections at once.
 //! - [`model`]: the API's wire types, states and input checks.
 //! - [`sandboxes`]: the sandboxes' records and state machine.
 //! - [`store`]: the state directory (0700, records written atomically).
@@ -16,6 +17,7 @@
 pub mod api;
 pub mod clock;
 pub mod execd;
+pub mod listener;
 pub mod model;
 pub mod sandboxes;
 pub mod store;

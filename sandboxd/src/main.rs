@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use sandboxd::api::{self, App};
+use sandboxd::listener::{Bounded, MAX_CONNECTIONS};
 use sandboxd::sandboxes::{Limits, Sandboxes};
 use sandboxd::store::Store;
 use vmm::detached;
@@ -130,11 +131,14 @@ fn serve(cli: Cli) -> MainResult {
         );
         // The readiness line: the address, for whoever started it with port 0.
         basics::announce!("{}", serde_json::json!({ "listen": bound.to_string() }));
+        let listener = Bounded::new(listener, MAX_CONNECTIONS);
         axum::serve(listener, api::router(app))
             .with_graceful_shutdown(shutdown())
             .await?;
         ticker.abort();
-        tracing::info!("pvisor-sandboxd: stopped; sandbox VMs run on");
+        // This step cannot re-adopt VMs: none is left running with nobody to stop it.
+        sandboxes.shutdown().await;
+        tracing::info!("pvisor-sandboxd: stopped, and its sandboxes' VMs");
         Ok(ExitCode::SUCCESS)
     })
 }

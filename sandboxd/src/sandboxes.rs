@@ -31,6 +31,22 @@ pub enum SandboxError {
         /// The state it needs.
         wanted: State,
     },
+    /// Another operation on the sandbox is in progress.
+    #[error("sandbox {id} is busy ({}): {what} waits until the operation in progress is over", state.name())]
+    Busy {
+        /// The sandbox.
+        id: String,
+        /// Its state.
+        state: State,
+        /// What was asked.
+        what: &'static str,
+    },
+    /// The daemon keeps as many sandboxes as it may (live or ended, until deleted).
+    #[error("the daemon keeps {max} sandboxes already: delete some first")]
+    TooMany {
+        /// The most it keeps.
+        max: usize,
+    },
     /// The memory budget has no room for another VM.
     #[error(
         "the memory budget ({budget} bytes) has no room for another sandbox of {need} bytes \
@@ -72,6 +88,9 @@ pub struct Limits {
     /// Bytes of guest RAM of each sandbox's VM.
     pub vm_memory: u64,
 }
+
+/// The most sandboxes kept at once, whatever their state (failed ones stay until deleted).
+pub const MAX_SANDBOXES: usize = 4096;
 
 /// How long a terminated (expired) sandbox stays visible.
 const TERMINATED_KEPT: Duration = Duration::from_secs(300);
@@ -212,7 +231,7 @@ impl Sandboxes {
 
     /// Changes the record of `id` and saves it; the new record.
     fn update(&self, id: &str, change: impl FnOnce(&mut Record)) -> Result<Record, SandboxError> {
-        let record = {
+        let (record, writes) = {
             let mut table = self.table();
             let slot = table
                 .get_mut(id)
@@ -221,9 +240,10 @@ impl Sandboxes {
             if slot.record.state.is_final() && slot.ended.is_none() {
                 slot.ended = Some(Instant::now());
             }
-            slot.record.clone()
+            // Taken before the table is let go: records are written in the order they change.
+            (slot.record.clone(), self.store.writes())
         };
-        self.store.save(&record)?;
+        writes.save(&record)?;
         Ok(record)
     }
 
@@ -263,8 +283,11 @@ impl Sandboxes {
             memory: need,
             vm: None,
         };
-        {
+        let writes = {
             let mut table = self.table();
+            if table.len() >= MAX_SANDBOXES {
+                return Err(SandboxError::TooMany { max: MAX_SANDBOXES });
+            }
             let used: u64 = table
                 .values()
                 .filter(|s| !s.record.state.is_final())
@@ -285,8 +308,9 @@ impl Sandboxes {
                     ended: None,
                 },
             );
-        }
-        if let Err(e) = self.store.save(&record) {
+            self.store.writes()
+        };
+        if let Err(e) = writes.save(&record) {
             self.table().remove(&id);
             return Err(e.into());
         }
@@ -349,8 +373,12 @@ impl Sandboxes {
             None => vm::remove_files(&job),
         })
         .await?;
-        self.table().remove(id);
-        self.store.remove(id)?;
+        let writes = {
+            let mut table = self.table();
+            table.remove(id);
+            self.store.writes()
+        };
+        writes.remove(id)?;
         tracing::info!(%id, "deleted");
         Ok(())
     }
@@ -367,11 +395,10 @@ impl Sandboxes {
         // A second request while one is in progress sees its in-between state.
         let Ok(_op) = ops.try_lock() else {
             let state = self.get(id)?.state;
-            return Err(SandboxError::Conflict {
+            return Err(SandboxError::Busy {
                 id: id.to_owned(),
                 state,
                 what,
-                wanted: from,
             });
         };
         let record = self.get(id)?;
@@ -504,7 +531,7 @@ impl Sandboxes {
             None => vm::remove_files(&job),
         })
         .await?;
-        {
+        let writes = {
             let mut table = self.table();
             if let Some(slot) = table.get_mut(id) {
                 slot.record.state = State::Terminated;
@@ -514,9 +541,60 @@ impl Sandboxes {
                 slot.record.vm = None;
                 slot.ended = Some(Instant::now());
             }
-        }
-        self.store.remove(id)?;
+            self.store.writes()
+        };
+        writes.remove(id)?;
         tracing::info!(%id, "expired");
+        Ok(())
+    }
+
+    /// Stops every sandbox's VM as the daemon stops (this step cannot re-adopt them, so none
+    /// is left running with nobody to stop it): each waits for the operation in progress on
+    /// it, then is `Failed` (`DAEMON_STOPPED`), its files removed, its record kept.
+    pub async fn shutdown(self: &Arc<Self>) {
+        let ids: Vec<String> = self
+            .table()
+            .values()
+            .filter(|s| !s.record.state.is_final())
+            .map(|s| s.record.id.clone())
+            .collect();
+        let mut stops = tokio::task::JoinSet::new();
+        for id in ids {
+            let this = Arc::clone(self);
+            stops.spawn(async move {
+                if let Err(e) = this.stop_for_shutdown(&id).await {
+                    tracing::warn!(%id, "stopping: {}", basics::error_chain(&e));
+                }
+            });
+        }
+        while stops.join_next().await.is_some() {}
+    }
+
+    async fn stop_for_shutdown(&self, id: &str) -> Result<(), SandboxError> {
+        let ops = self.ops(id)?;
+        let _op = ops.lock().await;
+        let record = self.get(id)?;
+        if record.state.is_final() {
+            return Ok(());
+        }
+        let job = id.to_owned();
+        tokio::task::spawn_blocking(move || match &record.vm {
+            Some(vm) => vm::stop(vm),
+            None => vm::remove_files(&job),
+        })
+        .await?;
+        self.update(id, |r| {
+            r.state = State::Failed;
+            r.reason = Some("DAEMON_STOPPED".into());
+            r.message = Some(
+                "the daemon stopped; re-adopting live sandboxes comes in a later step, so its \
+                 VM was stopped"
+                    .into(),
+            );
+            r.transition_ms = clock::now_ms();
+            r.vm = None;
+        })?;
+        tracing::info!(%id, "stopped with the daemon");
         Ok(())
     }
 

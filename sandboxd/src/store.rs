@@ -3,9 +3,10 @@
 //! the old one, the directory synced), and the VMs' runtime directory `vms/`.
 
 use std::collections::BTreeMap;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use serde::{Deserialize, Serialize};
 
@@ -140,6 +141,16 @@ fn private_dir(dir: &Path) -> Result<(), StoreError> {
 #[derive(Debug, Clone)]
 pub struct Store {
     root: PathBuf,
+    /// Held by every write: one at a time (a record has one temporary file name), in the
+    /// order their holders took it (a later state is never overwritten by an earlier one).
+    writes: Arc<Mutex<()>>,
+}
+
+/// The right to write the state directory, taken in the order of the changes written.
+#[derive(Debug)]
+pub struct Writes<'a> {
+    store: &'a Store,
+    _held: MutexGuard<'a, ()>,
 }
 
 impl Store {
@@ -149,7 +160,10 @@ impl Store {
         private_dir(&root)?;
         private_dir(&root.join("sandboxes"))?;
         private_dir(&root.join("vms"))?;
-        Ok(Store { root })
+        Ok(Store {
+            root,
+            writes: Arc::default(),
+        })
     }
 
     /// The runtime directory of the sandboxes' VMs.
@@ -164,36 +178,23 @@ impl Store {
         Ok(self.root.join("sandboxes").join(format!("{id}.json")))
     }
 
+    /// Waits for the right to write. Take it before letting go of the lock under which the
+    /// record changed, so that changes are written in the order they were made.
+    pub fn writes(&self) -> Writes<'_> {
+        Writes {
+            store: self,
+            _held: self.writes.lock().unwrap_or_else(PoisonError::into_inner),
+        }
+    }
+
     /// Writes `record` atomically.
     pub fn save(&self, record: &Record) -> Result<(), StoreError> {
-        let path = self.path(&record.id)?;
-        let tmp = path.with_extension("json.tmp");
-        let bytes = serde_json::to_vec_pretty(record).map_err(|source| StoreError::Encode {
-            id: record.id.clone(),
-            source,
-        })?;
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&tmp)
-            .map_err(io(&tmp))?;
-        file.write_all(&bytes).map_err(io(&tmp))?;
-        file.sync_all().map_err(io(&tmp))?;
-        std::fs::rename(&tmp, &path).map_err(io(&path))?;
-        self.sync_dir()
+        self.writes().save(record)
     }
 
     /// Removes the record of `id` (none is fine).
     pub fn remove(&self, id: &str) -> Result<(), StoreError> {
-        let path = self.path(id)?;
-        match std::fs::remove_file(&path) {
-            Ok(()) => self.sync_dir(),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(io(&path)(e)),
-        }
+        self.writes().remove(id)
     }
 
     fn sync_dir(&self) -> Result<(), StoreError> {
@@ -203,7 +204,8 @@ impl Store {
             .map_err(io(&dir))
     }
 
-    /// Every record kept; files that are not records are skipped, with the reason.
+    /// Every record kept; files that are not records (or are symlinks) are skipped, with the
+    /// reason.
     pub fn load_all(&self) -> (Vec<Record>, Vec<String>) {
         let dir = self.root.join("sandboxes");
         let mut records = Vec::new();
@@ -217,8 +219,7 @@ impl Store {
                 skipped.push(format!("{name}: not a sandbox file"));
                 continue;
             };
-            let read = std::fs::read(entry.path())
-                .map_err(|e| e.to_string())
+            let read = read_plain_file(&entry.path())
                 .and_then(|b| serde_json::from_slice::<Record>(&b).map_err(|e| e.to_string()));
             match read {
                 Ok(record) if record.id == id => records.push(record),
@@ -228,6 +229,66 @@ impl Store {
         }
         records.sort_by_key(|r| r.created_ms);
         (records, skipped)
+    }
+}
+
+/// The largest record file read back.
+const MAX_RECORD_BYTES: u64 = 1 << 20;
+
+/// The bytes of a regular file (not through a symlink), at most [`MAX_RECORD_BYTES`].
+fn read_plain_file(path: &Path) -> Result<Vec<u8>, String> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| e.to_string())?;
+    let meta = file.metadata().map_err(|e| e.to_string())?;
+    if !meta.is_file() {
+        return Err("not a regular file".into());
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_RECORD_BYTES)
+        .read_to_end(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    Ok(bytes)
+}
+
+impl Writes<'_> {
+    /// Writes `record` atomically: a fresh temporary file (one planted there, symlink or not,
+    /// is removed first, never followed), synced, renamed over the record.
+    pub fn save(&self, record: &Record) -> Result<(), StoreError> {
+        let path = self.store.path(&record.id)?;
+        let tmp = path.with_extension("json.tmp");
+        let bytes = serde_json::to_vec_pretty(record).map_err(|source| StoreError::Encode {
+            id: record.id.clone(),
+            source,
+        })?;
+        match std::fs::remove_file(&tmp) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io(&tmp)(e)),
+        }
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&tmp)
+            .map_err(io(&tmp))?;
+        file.write_all(&bytes).map_err(io(&tmp))?;
+        file.sync_all().map_err(io(&tmp))?;
+        std::fs::rename(&tmp, &path).map_err(io(&path))?;
+        self.store.sync_dir()
+    }
+
+    /// Removes the record of `id` (none is fine).
+    pub fn remove(&self, id: &str) -> Result<(), StoreError> {
+        let path = self.store.path(id)?;
+        match std::fs::remove_file(&path) {
+            Ok(()) => self.store.sync_dir(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(io(&path)(e)),
+        }
     }
 }
 
@@ -286,6 +347,37 @@ mod tests {
         store.remove(&r.id).expect("removes");
         store.remove(&r.id).expect("removing twice is fine");
         assert!(store.load_all().0.is_empty());
+    }
+
+    #[test]
+    fn store_follows_no_symlink_planted_among_its_records() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path().join("state");
+        let store = Store::open(&root).expect("opens");
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, b"precious").expect("victim");
+        let r = record("sb-0123456789ab");
+        // A symlink where the temporary file goes, and one for another record.
+        let tmp = root.join("sandboxes/sb-0123456789ab.json.tmp");
+        std::os::unix::fs::symlink(&victim, &tmp).expect("symlink");
+        let mut other = record("sb-00000000000f");
+        other.created_ms = 2;
+        std::fs::write(dir.path().join("other.json"), serde_json::to_vec(&other).expect("json"))
+            .expect("other");
+        std::os::unix::fs::symlink(
+            dir.path().join("other.json"),
+            root.join("sandboxes/sb-00000000000f.json"),
+        )
+        .expect("symlink");
+        store.save(&r).expect("saves");
+        assert_eq!(std::fs::read(&victim).expect("victim"), b"precious");
+        let meta = std::fs::symlink_metadata(root.join("sandboxes/sb-0123456789ab.json"))
+            .expect("record");
+        assert!(meta.is_file());
+        assert_eq!(meta.mode() & 0o777, 0o600);
+        let (loaded, skipped) = store.load_all();
+        assert_eq!(loaded, vec![r]);
+        assert_eq!(skipped.len(), 1, "{skipped:?}");
     }
 
     #[test]

@@ -81,10 +81,53 @@ pub fn exec(vm: &VmRef, script: &str) -> Result<Vec<serde_json::Value>, VmError>
 /// How long a stopped VM gets to exit before it is killed.
 const EXIT_GRACE: Duration = Duration::from_secs(10);
 
-/// Stops the VM (asked through its socket, killed if it does not exit in time), reaps its
-/// supervisor, and removes its job directory.
+/// Whether process `vm.pid` is still this VM, not a process that took its pid after it
+/// ended (the pid comes from a record, perhaps a previous daemon's): it runs the VM command,
+/// its job's identity file names it with the same attempt, and it started before that file
+/// was written.
+pub fn is_this_vm(vm: &VmRef) -> bool {
+    let Ok(identity) = runtime::read_identity(&vm.job) else {
+        return false;
+    };
+    if identity.pid != vm.pid || identity.attempt != vm.attempt || !runtime::process_alive(vm.pid) {
+        return false;
+    }
+    let runs_vm = std::fs::read(format!("/proc/{}/cmdline", vm.pid))
+        .is_ok_and(|c| c.split(|&b| b == 0).nth(1) == Some(detached::VM_ARG.as_bytes()));
+    let written = std::fs::metadata(runtime::identity_path(&vm.job))
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
+    match (runs_vm, written, started_unix(vm.pid)) {
+        // (Whole seconds: the boot time is.)
+        (true, Some(written), Some(started)) => started <= written.as_secs() + 1,
+        _ => false,
+    }
+}
+
+/// When process `pid` started, in Unix seconds.
+fn started_unix(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After the command's name: state is field 3, starttime field 22.
+    let (_, rest) = stat.rsplit_once(')')?;
+    let ticks: u64 = rest.split_whitespace().nth(19)?.parse().ok()?;
+    let boot: u64 = std::fs::read_to_string("/proc/stat")
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("btime "))?
+        .trim()
+        .parse()
+        .ok()?;
+    // SAFETY: sysconf has no memory effects.
+    let hz = u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).ok()?;
+    Some(boot + ticks / hz.max(1))
+}
+
+/// Stops the VM (asked through its socket, killed if it does not exit in time, but only if
+/// the pid is still this VM's: [`is_this_vm`]), reaps its supervisor, and removes its job
+/// directory.
 pub fn stop(vm: &VmRef) {
-    if runtime::process_alive(vm.pid) {
+    if is_this_vm(vm) {
         if let Err(e) = control::call(&vm.socket, &vm.job, &vm.attempt, Method::Stop) {
             tracing::warn!(job = %vm.job, "stop through the control socket: {}", basics::error_chain(&e));
         }
@@ -92,7 +135,7 @@ pub fn stop(vm: &VmRef) {
         while runtime::process_alive(vm.pid) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
         }
-        if runtime::process_alive(vm.pid) {
+        if is_this_vm(vm) {
             tracing::warn!(job = %vm.job, pid = vm.pid, "the VM did not exit: killed");
             kill(vm.pid);
         }
@@ -112,8 +155,8 @@ fn kill(pid: u32) {
     let Ok(pid) = libc::pid_t::try_from(pid) else {
         return;
     };
-    // SAFETY: kill has no memory effects. The pid is the VM's, alive a moment ago; its
-    // supervisor reaps it, so the pid stays its own until it exits.
+    // SAFETY: kill has no memory effects. The pid is the VM's ([`is_this_vm`] a moment ago);
+    // its supervisor reaps it, so the pid stays its own until it exits.
     unsafe { libc::kill(pid, libc::SIGKILL) };
     let deadline = Instant::now() + Duration::from_secs(5);
     while runtime::process_alive(pid.unsigned_abs()) && Instant::now() < deadline {

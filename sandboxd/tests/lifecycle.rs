@@ -535,6 +535,38 @@ fn sandbox_api_refuses_hostile_and_bad_input() {
 }
 
 #[test]
+fn daemon_stopped_with_sigterm_stops_its_vms_and_keeps_their_records() {
+    if skip() {
+        return;
+    }
+    let mut daemon = Daemon::start(&[]);
+    let id = daemon.create(r#","metadata":{"keep":"me"}"#);
+    daemon.wait_ready(&id);
+    let pids = vm_pids(&daemon.state());
+    assert!(!pids.is_empty());
+    let status = daemon.terminate(Duration::from_secs(60));
+    assert!(status.is_some_and(|s| s.success()), "{status:?}: {}", daemon.log());
+    // (A supervisor the daemon did not reap is init's to reap.)
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pids.iter().any(|&p| alive(p)) {
+        assert!(
+            Instant::now() < deadline,
+            "VM processes left: {pids:?}; {}",
+            daemon.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!daemon.state().join("vms").join(&id).exists());
+    let record: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(daemon.state().join(format!("sandboxes/{id}.json"))).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(record["state"], "Failed", "{record}");
+    assert_eq!(record["reason"], "DAEMON_STOPPED", "{record}");
+    assert!(record["vm"].is_null(), "{record}");
+}
+
+#[test]
 fn daemon_refuses_to_start_without_a_key_or_off_loopback_without_auth() {
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");

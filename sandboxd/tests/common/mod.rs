@@ -33,6 +33,8 @@ pub struct Daemon {
     pub addr: String,
     args: Vec<String>,
     child: Child,
+    /// The child was waited for (its pid may be another process's now).
+    ended: bool,
 }
 
 /// Starts the daemon with `args`; it and its address once it says it listens.
@@ -49,13 +51,17 @@ fn spawn(dir: &Path, args: &[String]) -> (Child, String) {
         .spawn()
         .unwrap();
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let ready: Value = serde_json::from_str(&line).unwrap_or_else(|e| {
-        let log = std::fs::read_to_string(dir.join("daemon.log")).unwrap_or_default();
-        panic!("the daemon did not start ({e}): {line}{log}")
-    });
+    let read = BufReader::new(child.stdout.take().unwrap()).read_line(&mut line);
+    let ready: Value = match read.map(|_| serde_json::from_str(&line)) {
+        Ok(Ok(ready)) => ready,
+        failed => {
+            // Not left running behind a failed test.
+            let _ = child.kill();
+            let _ = child.wait();
+            let log = std::fs::read_to_string(dir.join("daemon.log")).unwrap_or_default();
+            panic!("the daemon did not start ({failed:?}): {line}{log}")
+        }
+    };
     (child, ready["listen"].as_str().unwrap().to_owned())
 }
 
@@ -83,6 +89,7 @@ impl Daemon {
             addr,
             args,
             child,
+            ended: false,
         }
     }
 
@@ -94,6 +101,32 @@ impl Daemon {
         let (child, addr) = spawn(self.dir.path(), &self.args);
         self.child = child;
         self.addr = addr;
+    }
+
+    /// Stops the daemon with SIGTERM and waits (at most `within`) for it to exit; its exit
+    /// status, `None` if it did not exit in time (then it is killed).
+    pub fn terminate(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        // SAFETY: a signal to our own child, not waited for yet.
+        unsafe {
+            libc::kill(
+                libc::pid_t::try_from(self.child.id()).unwrap(),
+                libc::SIGTERM,
+            )
+        };
+        let deadline = Instant::now() + within;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break Some(status);
+            }
+            if Instant::now() >= deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        self.ended = true;
+        status
     }
 
     /// The state directory.
@@ -234,15 +267,10 @@ pub fn alive(pid: u32) -> bool {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
-        // SAFETY: a signal to our own child.
-        unsafe {
-            libc::kill(
-                libc::pid_t::try_from(self.child.id()).unwrap(),
-                libc::SIGTERM,
-            )
-        };
-        let _ = self.child.wait();
-        // The VMs outlive the daemon (by design): the test's go with it.
+        if !self.ended {
+            self.terminate(Duration::from_secs(60));
+        }
+        // The daemon stops its VMs; any it left (a failed test) go with it.
         for pid in vm_pids(&self.state()) {
             // SAFETY: a signal to a VM process this test's daemon started.
             unsafe { libc::kill(libc::pid_t::try_from(pid).unwrap(), libc::SIGKILL) };
