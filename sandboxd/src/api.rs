@@ -102,7 +102,9 @@ impl From<SandboxError> for ApiError {
             SandboxError::Conflict { .. } | SandboxError::Busy { .. } => {
                 (StatusCode::CONFLICT, "INVALID_STATE")
             }
-            SandboxError::Capacity { .. } | SandboxError::TooMany { .. } => {
+            SandboxError::Capacity { .. }
+            | SandboxError::TooMany { .. }
+            | SandboxError::Commands { .. } => {
                 (StatusCode::TOO_MANY_REQUESTS, "INSUFFICIENT_CAPACITY")
             }
             SandboxError::Store(_)

@@ -196,11 +196,15 @@ pub async fn command(
         return Err(ApiError::invalid("the command is empty"));
     }
     let (record, vm) = app.sandboxes.running_vm(&record.id)?;
-    let Some(vm) = vm else {
+    let Some((vm, permit)) = vm else {
         return Err(not_running(&record));
     };
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(16);
-    tokio::spawn(run_command(record.id, vm, script, tx));
+    tokio::spawn(async move {
+        run_command(record.id, vm, script, tx).await;
+        // The command is over, whether its client stayed or not.
+        drop(permit);
+    });
     let stream = futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
     });

@@ -41,6 +41,14 @@ pub enum SandboxError {
         /// What was asked.
         what: &'static str,
     },
+    /// The sandbox runs as many commands as it may at once.
+    #[error("sandbox {id} runs {max} commands already: send the next when one is over")]
+    Commands {
+        /// The sandbox.
+        id: String,
+        /// The most at once.
+        max: usize,
+    },
     /// The daemon keeps as many sandboxes as it may (live or ended, until deleted).
     #[error("the daemon keeps {max} sandboxes already: delete some first")]
     TooMany {
@@ -92,6 +100,10 @@ pub struct Limits {
 /// The most sandboxes kept at once, whatever their state (failed ones stay until deleted).
 pub const MAX_SANDBOXES: usize = 4096;
 
+/// The most commands one sandbox has in flight (its VM runs them one after the other; each
+/// waiting one holds a blocking thread of the daemon's).
+pub const MAX_COMMANDS: usize = 8;
+
 /// How long a terminated (expired) sandbox stays visible.
 const TERMINATED_KEPT: Duration = Duration::from_secs(300);
 
@@ -99,6 +111,8 @@ struct Slot {
     record: Record,
     /// Held by the operation in progress.
     ops: Arc<tokio::sync::Mutex<()>>,
+    /// One permit per command in flight ([`MAX_COMMANDS`]).
+    commands: Arc<tokio::sync::Semaphore>,
     /// When it ended, for [`TERMINATED_KEPT`].
     ended: Option<Instant>,
 }
@@ -175,6 +189,7 @@ impl Sandboxes {
                 Slot {
                     record,
                     ops: Arc::default(),
+                    commands: Arc::new(tokio::sync::Semaphore::new(MAX_COMMANDS)),
                     ended: None,
                 },
             );
@@ -305,6 +320,7 @@ impl Sandboxes {
                 Slot {
                     record: record.clone(),
                     ops: Arc::default(),
+                    commands: Arc::new(tokio::sync::Semaphore::new(MAX_COMMANDS)),
                     ended: None,
                 },
             );
@@ -598,12 +614,26 @@ impl Sandboxes {
         Ok(())
     }
 
-    /// The record of `id` and, when it is `Running`, its VM.
-    pub fn running_vm(&self, id: &str) -> Result<(Record, Option<VmRef>), SandboxError> {
-        let record = self.get(id)?;
-        let vm = (record.state == State::Running)
-            .then(|| record.vm.clone())
-            .flatten();
-        Ok((record, vm))
+    /// The record of `id` and, when it is `Running`, its VM with a permit to run a command
+    /// in it (held until the command is over).
+    pub fn running_vm(
+        &self,
+        id: &str,
+    ) -> Result<(Record, Option<(VmRef, tokio::sync::OwnedSemaphorePermit)>), SandboxError> {
+        let (record, commands) = self
+            .table()
+            .get(id)
+            .map(|s| (s.record.clone(), Arc::clone(&s.commands)))
+            .ok_or_else(|| SandboxError::NotFound(id.to_owned()))?;
+        let Some(vm) = record.vm.clone().filter(|_| record.state == State::Running) else {
+            return Ok((record, None));
+        };
+        let permit = commands
+            .try_acquire_owned()
+            .map_err(|_| SandboxError::Commands {
+                id: id.to_owned(),
+                max: MAX_COMMANDS,
+            })?;
+        Ok((record, Some((vm, permit))))
     }
 }

@@ -362,8 +362,11 @@ mod tests {
         std::os::unix::fs::symlink(&victim, &tmp).expect("symlink");
         let mut other = record("sb-00000000000f");
         other.created_ms = 2;
-        std::fs::write(dir.path().join("other.json"), serde_json::to_vec(&other).expect("json"))
-            .expect("other");
+        std::fs::write(
+            dir.path().join("other.json"),
+            serde_json::to_vec(&other).expect("json"),
+        )
+        .expect("other");
         std::os::unix::fs::symlink(
             dir.path().join("other.json"),
             root.join("sandboxes/sb-00000000000f.json"),
@@ -371,8 +374,8 @@ mod tests {
         .expect("symlink");
         store.save(&r).expect("saves");
         assert_eq!(std::fs::read(&victim).expect("victim"), b"precious");
-        let meta = std::fs::symlink_metadata(root.join("sandboxes/sb-0123456789ab.json"))
-            .expect("record");
+        let meta =
+            std::fs::symlink_metadata(root.join("sandboxes/sb-0123456789ab.json")).expect("record");
         assert!(meta.is_file());
         assert_eq!(meta.mode() & 0o777, 0o600);
         let (loaded, skipped) = store.load_all();

@@ -532,6 +532,41 @@ fn sandbox_api_refuses_hostile_and_bad_input() {
         "did not wait for the sleep"
     );
     assert_eq!(daemon.api("GET", "/v1/sandboxes", None).status, 200);
+
+    // Commands in flight are bounded per sandbox: past the bound, a clear 429 at once.
+    let (path_b, token_b) = daemon.execd(&b);
+    let open: Vec<std::net::TcpStream> = (0..sandboxd::sandboxes::MAX_COMMANDS)
+        .map(|_| {
+            use std::io::{Read, Write};
+            let body = r#"{"command":"sleep 300"}"#;
+            let mut stream = std::net::TcpStream::connect(&addr).unwrap();
+            write!(
+                stream,
+                "POST {path_b}/command HTTP/1.1\r\nHost: {addr}\r\nX-Pvisor-Sandbox-Token: {token_b}\r\n\
+                 Content-Length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .unwrap();
+            let mut first = [0u8; 512];
+            let n = stream.read(&mut first).unwrap();
+            assert!(String::from_utf8_lossy(&first[..n]).contains("200 OK"));
+            stream
+        })
+        .collect();
+    let answer = request(
+        &addr,
+        "POST",
+        &format!("{path_b}/command"),
+        &[("X-Pvisor-Sandbox-Token", &token_b)],
+        Some(r#"{"command":"digest"}"#),
+    );
+    assert_eq!(
+        (answer.status, answer.code().as_str()),
+        (429, "INSUFFICIENT_CAPACITY"),
+        "{}",
+        answer.text()
+    );
+    drop(open);
 }
 
 #[test]
@@ -545,7 +580,11 @@ fn daemon_stopped_with_sigterm_stops_its_vms_and_keeps_their_records() {
     let pids = vm_pids(&daemon.state());
     assert!(!pids.is_empty());
     let status = daemon.terminate(Duration::from_secs(60));
-    assert!(status.is_some_and(|s| s.success()), "{status:?}: {}", daemon.log());
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?}: {}",
+        daemon.log()
+    );
     // (A supervisor the daemon did not reap is init's to reap.)
     let deadline = Instant::now() + Duration::from_secs(5);
     while pids.iter().any(|&p| alive(p)) {

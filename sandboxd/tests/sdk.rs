@@ -12,8 +12,10 @@
 // Test code: a failed setup step should stop the test on the spot.
 #![allow(clippy::unwrap_used)]
 
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 mod common;
 use common::{skip, vm_pids, Daemon, KEY};
@@ -80,9 +82,65 @@ fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
-/// The virtual environment's python, with the SDK installed.
+/// How long one run of the SDK flow may take.
+const FLOW_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Runs `command` to its end, or kills it after `within` (then the test fails).
+fn output_within(command: &mut Command, within: Duration) -> Output {
+    let mut child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read both pipes aside, so that a talkative child does not block on a full one.
+    let mut stdout = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let out = std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut stdout, &mut bytes);
+        bytes
+    });
+    let err = std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut stderr, &mut bytes);
+        bytes
+    });
+    let deadline = Instant::now() + within;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "{command:?} did not end within {within:?}: {}{}",
+                String::from_utf8_lossy(&out.join().unwrap()),
+                String::from_utf8_lossy(&err.join().unwrap())
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    Output {
+        status,
+        stdout: out.join().unwrap(),
+        stderr: err.join().unwrap(),
+    }
+}
+
+/// The virtual environment's python, with the SDK installed. Runs that share the target
+/// directory (several worktrees, or test binaries at once) take turns under a lock file, so
+/// that none removes the environment another is making or using.
 fn sdk_python() -> PathBuf {
     let dir = target_dir().join(format!("opensandbox-sdk-{SDK_VERSION}"));
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(target_dir().join(format!("opensandbox-sdk-{SDK_VERSION}.lock")))
+        .unwrap();
+    // SAFETY: flock on a file we hold open; released when it closes, at the end of setup.
+    assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }, 0);
     let python = dir.join("bin").join("python");
     if has_sdk(&python) {
         return python;
@@ -126,13 +184,14 @@ fn sdk_creates_runs_pauses_resumes_and_kills_a_sandbox() {
     let python = sdk_python();
     let daemon = Daemon::start(&[]);
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/sdk/flow.py");
-    let out = Command::new(&python)
-        .arg(&script)
-        .arg(&daemon.addr)
-        .env("OPEN_SANDBOX_API_KEY", KEY)
-        .env_remove("OPEN_SANDBOX_DOMAIN")
-        .output()
-        .unwrap();
+    let out = output_within(
+        Command::new(&python)
+            .arg(&script)
+            .arg(&daemon.addr)
+            .env("OPEN_SANDBOX_API_KEY", KEY)
+            .env_remove("OPEN_SANDBOX_DOMAIN"),
+        FLOW_TIMEOUT,
+    );
     assert!(
         out.status.success(),
         "the SDK flow failed: {}\n--- daemon log ---\n{}",
@@ -148,12 +207,14 @@ fn sdk_creates_runs_pauses_resumes_and_kills_a_sandbox() {
     assert_eq!(list["pagination"]["totalItems"], 0, "{list}");
     assert!(vm_pids(&daemon.state()).is_empty());
     // The wrong key fails the SDK as it should.
-    let out = Command::new(&python)
-        .arg(&script)
-        .arg(&daemon.addr)
-        .env("OPEN_SANDBOX_API_KEY", "wrong")
-        .output()
-        .unwrap();
+    let out = output_within(
+        Command::new(&python)
+            .arg(&script)
+            .arg(&daemon.addr)
+            .env("OPEN_SANDBOX_API_KEY", "wrong")
+            .env_remove("OPEN_SANDBOX_DOMAIN"),
+        FLOW_TIMEOUT,
+    );
     assert!(!out.status.success());
     assert!(
         text(&out).contains("401") || text(&out).to_lowercase().contains("unauthorized"),
