@@ -176,18 +176,20 @@ fn start_detached(spec: &Spec) -> Result<Identity, StartError> {
         .process_group(0)
         .spawn()
         .map_err(StartError::Spawn)?;
-    let no_pipe = || {
-        StartError::Pipe(std::io::Error::other(
-            "the VM process has no stdin or stdout",
-        ))
+    let line = match identity_line(&mut child, spec) {
+        Ok(line) => line,
+        Err(e) => {
+            // Nothing is left running half started: the supervisor and the VM process it may
+            // have started are its process group.
+            if let Ok(group) = libc::pid_t::try_from(child.id()) {
+                // SAFETY: kill has no memory effects; the group is our child's own (it is
+                // not waited for yet, so its id is still its own).
+                unsafe { libc::kill(-group, libc::SIGKILL) };
+            }
+            let _ = child.wait();
+            return Err(StartError::Pipe(e));
+        }
     };
-    let stdin = child.stdin.take().ok_or_else(no_pipe)?;
-    send_spec(stdin, spec).map_err(StartError::Pipe)?;
-    let mut line = String::new();
-    let stdout = child.stdout.take().ok_or_else(no_pipe)?;
-    BufReader::new(stdout.take(MAX_SPEC_BYTES))
-        .read_line(&mut line)
-        .map_err(StartError::Pipe)?;
     if let Ok(identity) = serde_json::from_str::<Identity>(&line) {
         return Ok(identity);
     }
@@ -197,6 +199,17 @@ fn start_detached(spec: &Spec) -> Result<Identity, StartError> {
         status,
         log: log.trim().to_owned(),
     })
+}
+
+/// Hands `spec` to the supervisor `child` and reads the first line it prints.
+fn identity_line(child: &mut std::process::Child, spec: &Spec) -> std::io::Result<String> {
+    let no_pipe = || std::io::Error::other("the VM process has no stdin or stdout");
+    let stdin = child.stdin.take().ok_or_else(no_pipe)?;
+    send_spec(stdin, spec)?;
+    let mut line = String::new();
+    let stdout = child.stdout.take().ok_or_else(no_pipe)?;
+    BufReader::new(stdout.take(MAX_SPEC_BYTES)).read_line(&mut line)?;
+    Ok(line)
 }
 
 /// Writes the spec to a child's stdin and closes it.
