@@ -167,7 +167,9 @@ impl Sandboxes {
                 continue;
             }
             if !record.state.is_final() {
-                if let Some(vm) = record.vm.take() {
+                // A VM still starting when the previous daemon died is not in its record
+                // yet, only in its job directory.
+                if let Some(vm) = record.vm.take().or_else(|| vm::left_in(&record.id)) {
                     vm::stop(&vm);
                 }
                 vm::remove_files(&record.id);

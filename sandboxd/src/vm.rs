@@ -29,13 +29,29 @@ pub enum VmError {
 pub fn start(id: &str, memory: u64) -> Result<VmRef, VmError> {
     let spec = Spec::in_job_dir(id, memory);
     let identity = detached::start(&spec).map_err(VmError::Start)?;
-    Ok(VmRef {
+    Ok(vm_ref(identity))
+}
+
+fn vm_ref(identity: runtime::Identity) -> VmRef {
+    VmRef {
         job: identity.job,
         attempt: identity.attempt,
         socket: identity.socket,
         pid: identity.pid,
         supervisor: identity.supervisor,
-    })
+    }
+}
+
+/// The VM that job `id` (a checked sandbox id) has in its directory, by its identity file:
+/// one a previous daemon started but had not recorded when it died.
+pub fn left_in(id: &str) -> Option<VmRef> {
+    if !crate::store::check_id(id) {
+        return None;
+    }
+    runtime::read_identity(id)
+        .ok()
+        .filter(|identity| identity.job == id)
+        .map(vm_ref)
 }
 
 /// Sends `method` to the VM; a VM that died meanwhile answers with its tombstone's reason.
@@ -99,11 +115,14 @@ pub fn is_this_vm(vm: &VmRef) -> bool {
         .ok()
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
     match (runs_vm, written, started_unix(vm.pid)) {
-        // (Whole seconds: the boot time is.)
-        (true, Some(written), Some(started)) => started <= written.as_secs() + 1,
+        (true, Some(written), Some(started)) => started <= written.as_secs() + START_SLACK_S,
         _ => false,
     }
 }
+
+/// How much later than its identity file a VM process may seem to have started: the boot
+/// time is in whole seconds, and a clock step since boot moves it.
+const START_SLACK_S: u64 = 5;
 
 /// When process `pid` started, in Unix seconds.
 fn started_unix(pid: u32) -> Option<u64> {

@@ -570,6 +570,41 @@ fn sandbox_api_refuses_hostile_and_bad_input() {
 }
 
 #[test]
+fn restarted_daemon_stops_a_vm_its_record_does_not_name_yet() {
+    if skip() {
+        return;
+    }
+    let mut daemon = Daemon::start(&[]);
+    let id = daemon.create("");
+    daemon.wait_ready(&id);
+    let pids = vm_pids(&daemon.state());
+    assert!(!pids.is_empty());
+    // The daemon dies while the VM starts: the record is still `Pending`, without the VM.
+    daemon.kill();
+    let path = daemon.state().join(format!("sandboxes/{id}.json"));
+    let mut record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    record["state"] = "Pending".into();
+    record["vm"] = serde_json::Value::Null;
+    std::fs::write(&path, serde_json::to_vec(&record).unwrap()).unwrap();
+    daemon.respawn();
+    let body = daemon
+        .api("GET", &format!("/v1/sandboxes/{id}"), None)
+        .json();
+    assert_eq!(body["status"]["reason"], "DAEMON_RESTARTED", "{body}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pids.iter().any(|&p| alive(p)) {
+        assert!(
+            Instant::now() < deadline,
+            "VM processes left: {pids:?}; {}",
+            daemon.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!daemon.state().join("vms").join(&id).exists());
+}
+
+#[test]
 fn daemon_stopped_with_sigterm_stops_its_vms_and_keeps_their_records() {
     if skip() {
         return;

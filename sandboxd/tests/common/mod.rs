@@ -96,11 +96,24 @@ impl Daemon {
     /// Kills the daemon (`-9`, its VMs left running) and starts it again on the same state
     /// directory (on a new port).
     pub fn restart(&mut self) {
+        self.kill();
+        self.respawn();
+    }
+
+    /// Kills the daemon (`-9`, its VMs left running).
+    pub fn kill(&mut self) {
         self.child.kill().unwrap();
         self.child.wait().unwrap();
+        self.ended = true;
+    }
+
+    /// Starts the killed daemon again on the same state directory (on a new port).
+    pub fn respawn(&mut self) {
+        assert!(self.ended, "the daemon runs");
         let (child, addr) = spawn(self.dir.path(), &self.args);
         self.child = child;
         self.addr = addr;
+        self.ended = false;
     }
 
     /// Stops the daemon with SIGTERM and waits (at most `within`) for it to exit; its exit
@@ -257,6 +270,36 @@ pub fn vm_pids(state: &Path) -> Vec<u32> {
     pids
 }
 
+/// The VM processes and supervisors running for the state directory `state`, found in
+/// `/proc` by their command and runtime directory.
+pub fn processes_of(state: &Path) -> Vec<u32> {
+    let runtime = format!("PVISOR_RUNTIME_DIR={}", state.join("vms").display());
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+        let ours = args.first() == Some(&binary().as_bytes())
+            && args
+                .get(1)
+                .is_some_and(|a| *a == b"__vm" || *a == b"__supervise");
+        let here = std::fs::read(format!("/proc/{pid}/environ"))
+            .is_ok_and(|env| env.split(|&b| b == 0).any(|var| var == runtime.as_bytes()));
+        if ours && here && alive(pid) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
 /// Whether process `pid` runs (exists and is not a zombie).
 pub fn alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
@@ -270,8 +313,11 @@ impl Drop for Daemon {
         if !self.ended {
             self.terminate(Duration::from_secs(60));
         }
-        // The daemon stops its VMs; any it left (a failed test) go with it.
-        for pid in vm_pids(&self.state()) {
+        // The daemon stops its VMs; any it left (a failed test) go with it, even those
+        // whose job directory is gone.
+        let mut pids = vm_pids(&self.state());
+        pids.extend(processes_of(&self.state()));
+        for pid in pids {
             // SAFETY: a signal to a VM process this test's daemon started.
             unsafe { libc::kill(libc::pid_t::try_from(pid).unwrap(), libc::SIGKILL) };
         }
