@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use sandboxd::api::{self, App};
-use sandboxd::listener::{Bounded, MAX_CONNECTIONS};
+use sandboxd::listener::{Bounded, FIRST_BYTE_TIMEOUT, MAX_CONNECTIONS};
 use sandboxd::sandboxes::{Limits, Sandboxes};
 use sandboxd::store::Store;
 use vmm::detached;
@@ -131,7 +131,7 @@ fn serve(cli: Cli) -> MainResult {
         );
         // The readiness line: the address, for whoever started it with port 0.
         basics::announce!("{}", serde_json::json!({ "listen": bound.to_string() }));
-        let listener = Bounded::new(listener, MAX_CONNECTIONS);
+        let listener = Bounded::new(listener, MAX_CONNECTIONS, FIRST_BYTE_TIMEOUT);
         axum::serve(listener, api::router(app))
             .with_graceful_shutdown(shutdown())
             .await?;
