@@ -42,6 +42,10 @@ struct Cli {
 
 type MainResult = Result<ExitCode, Box<dyn std::error::Error>>;
 
+/// How long requests in flight (command streams) have to finish once the daemon is told to
+/// stop, before it stops the VMs under them.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
 /// The longest API key file.
 const MAX_KEY_BYTES: u64 = 4096;
 
@@ -132,9 +136,28 @@ fn serve(cli: Cli) -> MainResult {
         // The readiness line: the address, for whoever started it with port 0.
         basics::announce!("{}", serde_json::json!({ "listen": bound.to_string() }));
         let listener = Bounded::new(listener, MAX_CONNECTIONS, FIRST_BYTE_TIMEOUT);
-        axum::serve(listener, api::router(app))
-            .with_graceful_shutdown(shutdown())
-            .await?;
+        let stopping = Arc::new(tokio::sync::Notify::new());
+        let signal = {
+            let stopping = Arc::clone(&stopping);
+            async move {
+                shutdown().await;
+                stopping.notify_one();
+            }
+        };
+        let server = axum::serve(listener, api::router(app)).with_graceful_shutdown(signal);
+        // Requests in flight get a while to finish, not forever: a command may run for hours.
+        tokio::select! {
+            served = server => served?,
+            () = async {
+                stopping.notified().await;
+                tokio::time::sleep(SHUTDOWN_GRACE).await;
+            } => {
+                tracing::warn!(
+                    "requests still in flight {} s after the stop signal: stopping the VMs anyway",
+                    SHUTDOWN_GRACE.as_secs()
+                );
+            }
+        }
         ticker.abort();
         // This step cannot re-adopt VMs: none is left running with nobody to stop it.
         sandboxes.shutdown().await;

@@ -614,12 +614,38 @@ fn daemon_stopped_with_sigterm_stops_its_vms_and_keeps_their_records() {
     daemon.wait_ready(&id);
     let pids = vm_pids(&daemon.state());
     assert!(!pids.is_empty());
+    // A command stream in flight, that would run for 10 minutes, holds the stop back only
+    // for a while.
+    let (path, token) = daemon.execd(&id);
+    let mut stream = std::net::TcpStream::connect(&daemon.addr).unwrap();
+    {
+        use std::io::{Read, Write};
+        let body = r#"{"command":"sleep 600000"}"#;
+        write!(
+            stream,
+            "POST {path}/command HTTP/1.1\r\nHost: {}\r\nX-Pvisor-Sandbox-Token: {token}\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            daemon.addr,
+            body.len()
+        )
+        .unwrap();
+        let mut first = [0u8; 512];
+        let n = stream.read(&mut first).unwrap();
+        assert!(String::from_utf8_lossy(&first[..n]).contains("200 OK"));
+    }
+    let asked = Instant::now();
     let status = daemon.terminate(Duration::from_secs(60));
     assert!(
         status.is_some_and(|s| s.success()),
         "{status:?}: {}",
         daemon.log()
     );
+    assert!(
+        asked.elapsed() < Duration::from_secs(40),
+        "{:?}",
+        asked.elapsed()
+    );
+    drop(stream);
     // (A supervisor the daemon did not reap is init's to reap.)
     let deadline = Instant::now() + Duration::from_secs(5);
     while pids.iter().any(|&p| alive(p)) {
