@@ -605,6 +605,88 @@ fn restarted_daemon_stops_a_vm_its_record_does_not_name_yet() {
 }
 
 #[test]
+fn sandbox_pauses_at_once_and_a_delete_during_a_resume_are_race_free() {
+    if skip() {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let id = daemon.create("");
+    daemon.wait_ready(&id);
+    let (path, token) = daemon.execd(&id);
+    // Fill memory, so that a pause has something to offload and takes a while.
+    assert_eq!(
+        outcome(&daemon.command(&id, "fill 64MiB random seed=1")).1,
+        0
+    );
+    // Two pauses at once: one pauses, the other is told why not (busy, or paused already).
+    let statuses: Vec<(u16, String)> = std::thread::scope(|s| {
+        let pauses: Vec<_> = (0..2)
+            .map(|_| {
+                s.spawn(|| {
+                    let answer = daemon.api("POST", &format!("/v1/sandboxes/{id}/pause"), None);
+                    let code = if answer.status == 202 {
+                        String::new()
+                    } else {
+                        answer.code()
+                    };
+                    (answer.status, code)
+                })
+            })
+            .collect();
+        pauses.into_iter().map(|p| p.join().unwrap()).collect()
+    });
+    let mut sorted = statuses.clone();
+    sorted.sort();
+    assert_eq!(
+        sorted,
+        vec![(202, String::new()), (409, "INVALID_STATE".to_owned())],
+        "{statuses:?}"
+    );
+    // A command on a paused sandbox: a clear 503 before any stream.
+    let answer = request(
+        &daemon.addr,
+        "POST",
+        &format!("{path}/command"),
+        &[("X-Pvisor-Sandbox-Token", &token)],
+        Some(r#"{"command":"digest"}"#),
+    );
+    assert_eq!(
+        (answer.status, answer.code().as_str()),
+        (503, "SANDBOX_NOT_RUNNING")
+    );
+    // A resume and a delete at once: the delete wins in the end, whatever the order.
+    let pids = vm_pids(&daemon.state());
+    assert!(!pids.is_empty());
+    let (resume, delete) = std::thread::scope(|s| {
+        let resume = s.spawn(|| {
+            daemon
+                .api("POST", &format!("/v1/sandboxes/{id}/resume"), None)
+                .status
+        });
+        let delete = s.spawn(|| {
+            daemon
+                .api("DELETE", &format!("/v1/sandboxes/{id}"), None)
+                .status
+        });
+        (resume.join().unwrap(), delete.join().unwrap())
+    });
+    assert_eq!(delete, 204);
+    assert!([202, 404, 409].contains(&resume), "{resume}");
+    assert_eq!(
+        daemon
+            .api("GET", &format!("/v1/sandboxes/{id}"), None)
+            .status,
+        404
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pids.iter().any(|&p| alive(p)) {
+        assert!(Instant::now() < deadline, "VM processes left: {pids:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!daemon.state().join("vms").join(&id).exists());
+}
+
+#[test]
 fn daemon_stopped_with_sigterm_stops_its_vms_and_keeps_their_records() {
     if skip() {
         return;
