@@ -193,6 +193,37 @@ async fn authorize(State(app): State<Arc<App>>, request: Request, next: Next) ->
     next.run(request).await
 }
 
+/// Turns an error answer that is not JSON (axum's own rejections: a path segment that is not
+/// UTF-8, say) into `{code, message}`, like every other error.
+async fn json_errors(request: Request, next: Next) -> Response {
+    let response = next.run(request).await;
+    let status = response.status();
+    let is_json = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return response;
+    }
+    let code = match status {
+        StatusCode::NOT_FOUND => "NOT_FOUND",
+        StatusCode::METHOD_NOT_ALLOWED => "METHOD_NOT_ALLOWED",
+        StatusCode::PAYLOAD_TOO_LARGE => "PAYLOAD_TOO_LARGE",
+        s if s.is_client_error() => "INVALID_REQUEST",
+        _ => "INTERNAL_ERROR",
+    };
+    let text = axum::body::to_bytes(response.into_body(), 1024)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default();
+    let mut message: String = text.chars().take(200).collect();
+    message.retain(|c| !c.is_control());
+    if message.is_empty() {
+        message = status.canonical_reason().unwrap_or("error").to_owned();
+    }
+    ApiError::new(status, code, message).into_response()
+}
+
 /// The server's routes.
 pub fn router(app: Arc<App>) -> Router {
     let lifecycle = Router::new()
@@ -235,6 +266,7 @@ pub fn router(app: Arc<App>) -> Router {
                 "this path does not take that method",
             )
         })
+        .layer(middleware::from_fn(json_errors))
         .with_state(app)
 }
 

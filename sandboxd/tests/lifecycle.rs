@@ -371,6 +371,9 @@ fn sandbox_api_refuses_hostile_and_bad_input() {
     );
     assert_eq!(daemon.api("DELETE", "/v1/sandboxes/nope", None).status, 404);
     assert_eq!(daemon.api("GET", "/nowhere", None).code(), "NOT_FOUND");
+    // axum's own rejections answer as JSON too.
+    let bad = daemon.api("GET", "/v1/sandboxes/%FF", None);
+    assert_eq!((bad.status, bad.code().as_str()), (400, "INVALID_REQUEST"));
     let wrong_method = daemon.api("PUT", "/v1/sandboxes", Some("{}"));
     assert_eq!(
         (wrong_method.status, wrong_method.code().as_str()),
