@@ -283,10 +283,10 @@ impl Sandboxes {
     /// is up, `Failed` if it does not start.
     pub fn create(self: &Arc<Self>, create: Create) -> Result<Record, SandboxError> {
         let need = self.limits.vm_memory;
-        let id = vmm::runtime::new_id("sb-");
         let now = clock::now_ms();
-        let record = Record {
-            id: id.clone(),
+        let mut record = Record {
+            // Drawn under the table's lock, below.
+            id: String::new(),
             token: random_hex(24).map_err(SandboxError::Random)?,
             template: create.template,
             entrypoint: create.entrypoint,
@@ -317,8 +317,13 @@ impl Sandboxes {
                     need,
                 });
             }
+            // A fresh id, never one another sandbox has (random, so this loops very rarely).
+            let id = std::iter::repeat_with(|| vmm::runtime::new_id("sb-"))
+                .find(|id| !table.contains_key(id))
+                .expect("the ids never run out");
+            record.id = id.clone();
             table.insert(
-                id.clone(),
+                id,
                 Slot {
                     record: record.clone(),
                     ops: Arc::default(),
@@ -328,7 +333,9 @@ impl Sandboxes {
             );
             self.store.writes()
         };
+        let id = record.id.clone();
         if let Err(e) = writes.save(&record) {
+            drop(writes);
             self.table().remove(&id);
             return Err(e.into());
         }

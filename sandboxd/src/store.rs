@@ -179,7 +179,8 @@ impl Store {
     }
 
     /// Waits for the right to write. Take it before letting go of the lock under which the
-    /// record changed, so that changes are written in the order they were made.
+    /// record changed, so that changes are written in the order they were made; never take
+    /// that lock while holding this.
     pub fn writes(&self) -> Writes<'_> {
         Writes {
             store: self,
