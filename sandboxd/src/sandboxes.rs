@@ -32,7 +32,7 @@ pub enum SandboxError {
         wanted: State,
     },
     /// Another operation on the sandbox is in progress.
-    #[error("sandbox {id} is busy ({}): {what} waits until the operation in progress is over", state.name())]
+    #[error("sandbox {id} is busy ({}): ask for {what} again once the operation in progress is over", state.name())]
     Busy {
         /// The sandbox.
         id: String,

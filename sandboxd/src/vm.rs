@@ -142,21 +142,28 @@ fn started_unix(pid: u32) -> Option<u64> {
     Some(boot + ticks / hz.max(1))
 }
 
-/// Stops the VM (asked through its socket, killed if it does not exit in time, but only if
+/// Stops the VM (asked through its socket; killed if it does not exit in time, but only if
 /// the pid is still this VM's: [`is_this_vm`]), reaps its supervisor, and removes its job
 /// directory.
 pub fn stop(vm: &VmRef) {
-    if is_this_vm(vm) {
+    if runtime::process_alive(vm.pid) {
+        let ours = is_this_vm(vm);
+        // Asked whoever has the pid now: the socket answers only this VM (it checks the job
+        // and the attempt).
         if let Err(e) = control::call(&vm.socket, &vm.job, &vm.attempt, Method::Stop) {
             tracing::warn!(job = %vm.job, "stop through the control socket: {}", basics::error_chain(&e));
         }
-        let deadline = Instant::now() + EXIT_GRACE;
-        while runtime::process_alive(vm.pid) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        if is_this_vm(vm) {
-            tracing::warn!(job = %vm.job, pid = vm.pid, "the VM did not exit: killed");
-            kill(vm.pid);
+        if ours {
+            let deadline = Instant::now() + EXIT_GRACE;
+            while runtime::process_alive(vm.pid) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if is_this_vm(vm) {
+                tracing::warn!(job = %vm.job, pid = vm.pid, "the VM did not exit: killed");
+                kill(vm.pid);
+            }
+        } else {
+            tracing::info!(job = %vm.job, pid = vm.pid, "the pid is no longer this VM's: left alone");
         }
     }
     reap_supervisor(vm);
@@ -199,5 +206,67 @@ pub fn reap_supervisor(vm: &VmRef) {
             return;
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn vm_is_this_vm_only_while_the_pid_is_the_recorded_process() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let runtime = dir.path().join("vms");
+        std::fs::create_dir(&runtime).expect("mkdir");
+        std::fs::set_permissions(&runtime, std::fs::Permissions::from_mode(0o700)).expect("0700");
+        // The only test of this crate that sets it.
+        std::env::set_var("PVISOR_RUNTIME_DIR", &runtime);
+        // A process whose first argument is the VM command, as a VM process's is.
+        // (It waits on its stdin in the shell itself: no grandchild is left behind.)
+        std::fs::write(dir.path().join(detached::VM_ARG), "read line\n").expect("script");
+        let mut child = std::process::Command::new("sh")
+            .arg(detached::VM_ARG)
+            .current_dir(dir.path())
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .expect("sh");
+        let job = "sb-0123456789ab";
+        std::fs::create_dir(runtime.join(job)).expect("job dir");
+        let identity = runtime::Identity {
+            job: job.into(),
+            socket: runtime.join(job).join("control.sock"),
+            attempt: "a1".into(),
+            pid: child.id(),
+            supervisor: None,
+            cgroup: None,
+        };
+        let path = runtime::identity_path(job);
+        std::fs::write(&path, serde_json::to_vec(&identity).expect("json")).expect("identity");
+        let vm = vm_ref(identity);
+        let this = is_this_vm(&vm);
+        let other_attempt = is_this_vm(&VmRef {
+            attempt: "a2".into(),
+            ..vm.clone()
+        });
+        // An identity written an hour before the process started: the pid was taken since.
+        let hour_ago = std::time::SystemTime::now() - Duration::from_secs(3600);
+        std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .and_then(|f| f.set_modified(hour_ago))
+            .expect("mtime");
+        let reused = is_this_vm(&vm);
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(this, "the recorded VM process");
+        assert!(!other_attempt, "another attempt of the job");
+        assert!(
+            !reused,
+            "a process that started after the identity was written"
+        );
+        assert!(!is_this_vm(&vm), "a process that ended");
+        assert_eq!(left_in(job), Some(vm));
+        assert_eq!(left_in("../escape"), None);
     }
 }
