@@ -132,6 +132,17 @@ impl std::fmt::Debug for Sandboxes {
     }
 }
 
+/// Runs `f`, which blocks (a record's write and fsync), telling tokio's multi-thread runtime
+/// so that it moves its other tasks to another worker meanwhile; plainly elsewhere.
+fn off_the_runtime<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
+}
+
 /// `n` random bytes as hex.
 pub fn random_hex(n: usize) -> Result<String, std::io::Error> {
     let mut bytes = vec![0u8; n];
@@ -260,7 +271,7 @@ impl Sandboxes {
             // Taken before the table is let go: records are written in the order they change.
             (slot.record.clone(), self.store.writes())
         };
-        writes.save(&record)?;
+        off_the_runtime(|| writes.save(&record))?;
         Ok(record)
     }
 
@@ -334,7 +345,7 @@ impl Sandboxes {
             self.store.writes()
         };
         let id = record.id.clone();
-        if let Err(e) = writes.save(&record) {
+        if let Err(e) = off_the_runtime(|| writes.save(&record)) {
             drop(writes);
             self.table().remove(&id);
             return Err(e.into());
@@ -403,7 +414,7 @@ impl Sandboxes {
             table.remove(id);
             self.store.writes()
         };
-        writes.remove(id)?;
+        off_the_runtime(|| writes.remove(id))?;
         tracing::info!(%id, "deleted");
         Ok(())
     }
@@ -568,7 +579,7 @@ impl Sandboxes {
             }
             self.store.writes()
         };
-        writes.remove(id)?;
+        off_the_runtime(|| writes.remove(id))?;
         tracing::info!(%id, "expired");
         Ok(())
     }
