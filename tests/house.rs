@@ -24,6 +24,7 @@ const CRATES: &[&str] = &[
     "compressed-backing/src",
     "ksm-advisor/src",
     "testkit/src",
+    "sandboxd/src",
 ];
 
 /// How far above a printing macro its `allow` may be (the attribute and the signature of the

@@ -2,6 +2,7 @@
 //! workload guest, and the `pvisor` command line.
 //!
 //! - [`control`]: the control socket's protocol, server and client.
+//! - [`detached`]: a VM in a process of its own under a supervisor (`pvisor run --detach`).
 //! - [`dedup`]: KSM dedup of guest RAM (`--vm-ram-dedup`).
 //! - [`gateway`]: the model gateway: a VM's model requests over HTTP, answers kept until taken.
 //! - [`governor`]: the memory governor: many VMs inside one host memory budget.
@@ -29,6 +30,7 @@ pub mod arena;
 pub mod charged;
 pub mod control;
 pub mod dedup;
+pub mod detached;
 pub mod gateway;
 pub mod governor;
 pub mod guest;

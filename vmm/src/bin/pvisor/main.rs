@@ -163,8 +163,8 @@ fn main() -> ExitCode {
     init_logging();
     let result = match cli.command {
         Command::Run(args) => run::run(*args),
-        Command::VmProcess => run::vm_process(),
-        Command::Supervise => run::supervise(),
+        Command::VmProcess => vmm::detached::vm_process(),
+        Command::Supervise => vmm::detached::supervise(),
         Command::Status(target) => client::status(&target),
         Command::Stats(target) => client::simple(&target, vmm::control::Method::Stats),
         Command::Stop(target) => client::simple(&target, vmm::control::Method::Stop),
@@ -199,8 +199,6 @@ fn main() -> ExitCode {
     // Nobody reads the output any more (`… | head`): it ends quietly.
     basics::output::exit_code("pvisor: ", result)
 }
-
-use basics::error_chain;
 
 /// The process's log: the libraries' `tracing` events on stderr, each line the message as
 /// written (`pvisor …: …`), `info` and above unless `RUST_LOG` says otherwise

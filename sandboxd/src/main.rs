@@ -1,0 +1,205 @@
+//! `pvisor-sandboxd --listen 127.0.0.1:PORT --state DIR --memory-budget SIZE
+//! --api-key-file F` (or `--no-auth`, loopback only): the sandbox daemon (docs/sandboxd.md).
+
+use std::net::SocketAddr;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use sandboxd::api::{self, App};
+use sandboxd::listener::{Bounded, FIRST_BYTE_TIMEOUT, MAX_CONNECTIONS};
+use sandboxd::sandboxes::{Limits, Sandboxes};
+use sandboxd::store::Store;
+use vmm::detached;
+
+/// Serve OpenSandbox's lifecycle API and a minimal execd; every sandbox is a pvisor VM
+/// running the workload guest (template `pvisor:workload`).
+#[derive(Debug, Parser)]
+#[command(name = "pvisor-sandboxd", version, about, long_about = None)]
+struct Cli {
+    /// The address to serve on (`127.0.0.1:PORT`; port 0: any free one, printed at start).
+    #[arg(long, value_name = "ADDR")]
+    listen: SocketAddr,
+    /// The state directory (created 0700): sandbox records and the VMs' files.
+    #[arg(long, value_name = "DIR")]
+    state: PathBuf,
+    /// Guest RAM all live sandboxes may have together (a create past it is refused, 429).
+    #[arg(long, value_name = "SIZE", value_parser = basics::parse_size)]
+    memory_budget: u64,
+    /// Guest RAM of each sandbox's VM.
+    #[arg(long, value_name = "SIZE", default_value = "512MiB", value_parser = basics::parse_size)]
+    vm_memory: u64,
+    /// The file holding the API key clients send in `OPEN-SANDBOX-API-KEY`.
+    #[arg(long, value_name = "F", required_unless_present = "no_auth")]
+    api_key_file: Option<PathBuf>,
+    /// Serve without an API key (only on a loopback address).
+    #[arg(long, conflicts_with = "api_key_file")]
+    no_auth: bool,
+}
+
+type MainResult = Result<ExitCode, Box<dyn std::error::Error>>;
+
+/// How long requests in flight (command streams) have to finish once the daemon is told to
+/// stop, before it stops the VMs under them.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// The longest API key file.
+const MAX_KEY_BYTES: u64 = 4096;
+
+fn read_key(path: &Path) -> Result<Vec<u8>, Box<dyn std::error::Error>> {
+    let meta =
+        std::fs::metadata(path).map_err(|e| format!("--api-key-file {}: {e}", path.display()))?;
+    if meta.len() > MAX_KEY_BYTES {
+        return Err(format!(
+            "--api-key-file {}: longer than {MAX_KEY_BYTES} bytes",
+            path.display()
+        )
+        .into());
+    }
+    if meta.mode() & 0o077 != 0 {
+        tracing::warn!(
+            "--api-key-file {} is readable by group or others (mode {:o})",
+            path.display(),
+            meta.mode() & 0o777
+        );
+    }
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("--api-key-file {}: {e}", path.display()))?;
+    let key = text.trim();
+    if key.is_empty() || key.chars().any(|c| c.is_control()) {
+        return Err(format!(
+            "--api-key-file {}: the key must be one non-empty line",
+            path.display()
+        )
+        .into());
+    }
+    Ok(key.as_bytes().to_vec())
+}
+
+fn serve(cli: Cli) -> MainResult {
+    let api_key = match (&cli.api_key_file, cli.no_auth) {
+        (Some(path), false) => Some(read_key(path)?),
+        (None, true) if cli.listen.ip().is_loopback() => None,
+        (None, true) => {
+            return Err(format!(
+                "--no-auth serves only on a loopback address, not {}",
+                cli.listen
+            )
+            .into())
+        }
+        _ => return Err("give --api-key-file F, or --no-auth on a loopback address".into()),
+    };
+    if cli.vm_memory == 0 || cli.vm_memory > cli.memory_budget {
+        return Err("--vm-memory must be more than 0 and fit in --memory-budget".into());
+    }
+    let store = Store::open(&cli.state)?;
+    // The sandboxes' VMs keep their sockets and files under the state directory. Set before
+    // any thread starts; the VM processes inherit it.
+    std::env::set_var("PVISOR_RUNTIME_DIR", store.vms_dir());
+    vmm::runtime::ensure_runtime_dir()?;
+    let limits = Limits {
+        memory_budget: cli.memory_budget,
+        vm_memory: cli.vm_memory,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("sandboxd")
+        .build()?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(cli.listen).await?;
+        let bound = listener.local_addr()?;
+        let sandboxes =
+            Arc::new(tokio::task::spawn_blocking(move || Sandboxes::load(store, limits)).await?);
+        let app = Arc::new(App {
+            sandboxes: Arc::clone(&sandboxes),
+            api_key,
+            public: bound.to_string(),
+        });
+        let ticker = {
+            let sandboxes = Arc::clone(&sandboxes);
+            tokio::spawn(async move {
+                let mut every = tokio::time::interval(Duration::from_secs(1));
+                every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    every.tick().await;
+                    sandboxes.tick().await;
+                }
+            })
+        };
+        tracing::info!(
+            "pvisor-sandboxd: listening on {bound} (auth {})",
+            if app.api_key.is_some() { "on" } else { "off" }
+        );
+        // The readiness line: the address, for whoever started it with port 0.
+        basics::announce!("{}", serde_json::json!({ "listen": bound.to_string() }));
+        let listener = Bounded::new(listener, MAX_CONNECTIONS, FIRST_BYTE_TIMEOUT);
+        let stopping = Arc::new(tokio::sync::Notify::new());
+        let signal = {
+            let stopping = Arc::clone(&stopping);
+            async move {
+                shutdown().await;
+                stopping.notify_one();
+            }
+        };
+        let server = axum::serve(listener, api::router(app)).with_graceful_shutdown(signal);
+        // Requests in flight get a while to finish, not forever: a command may run for hours.
+        tokio::select! {
+            served = server => served?,
+            () = async {
+                stopping.notified().await;
+                tokio::time::sleep(SHUTDOWN_GRACE).await;
+            } => {
+                tracing::warn!(
+                    "requests still in flight {} s after the stop signal: stopping the VMs anyway",
+                    SHUTDOWN_GRACE.as_secs()
+                );
+            }
+        }
+        ticker.abort();
+        // This step cannot re-adopt VMs: none is left running with nobody to stop it.
+        sandboxes.shutdown().await;
+        tracing::info!("pvisor-sandboxd: stopped, and its sandboxes' VMs");
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+/// Resolves at SIGTERM or SIGINT.
+async fn shutdown() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::warn!("cannot catch SIGTERM/SIGINT: stop with SIGKILL");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    tracing::info!("pvisor-sandboxd: stopping");
+}
+
+fn main() -> ExitCode {
+    // The sandboxes' VM processes are this program run again (`vmm::detached`).
+    let hidden = std::env::args_os().nth(1);
+    let result = match hidden.as_ref().and_then(|a| a.to_str()) {
+        Some(detached::SUPERVISE_ARG) => {
+            uffd_pager::logging::init(uffd_pager::logging::Style::Plain);
+            detached::supervise()
+        }
+        Some(detached::VM_ARG) => {
+            uffd_pager::logging::init(uffd_pager::logging::Style::Plain);
+            detached::vm_process()
+        }
+        _ => {
+            let cli = Cli::parse();
+            uffd_pager::logging::init(uffd_pager::logging::Style::Full);
+            serve(cli)
+        }
+    };
+    basics::output::exit_code("pvisor-sandboxd: ", result)
+}

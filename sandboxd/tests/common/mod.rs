@@ -1,0 +1,463 @@
+//! What the daemon's end-to-end tests share: the device check, the real `pvisor-sandboxd`
+//! started on a free port with a state directory of the test's own (its VMs stopped on
+//! drop), and a small HTTP/1.1 client that reads whole answers (chunked or not).
+
+// Each test file uses a part of it; test code stops on a failed setup step.
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// The test API key.
+pub const KEY: &str = "test-key-5f2c9a";
+
+/// True (and says why) if /dev/kvm or /dev/userfaultfd is missing and device tests are skipped.
+pub fn skip() -> bool {
+    testkit::skip_unless(&["/dev/kvm", "/dev/userfaultfd"])
+}
+
+/// The daemon's binary.
+pub fn binary() -> &'static str {
+    env!("CARGO_BIN_EXE_pvisor-sandboxd")
+}
+
+/// A running daemon, stopped on drop (SIGTERM), with every VM it left killed.
+pub struct Daemon {
+    pub dir: tempfile::TempDir,
+    pub addr: String,
+    args: Vec<String>,
+    child: Child,
+    /// The child was waited for (its pid may be another process's now).
+    ended: bool,
+}
+
+/// Starts the daemon with `args`; it and its address once it says it listens.
+fn spawn(dir: &Path, args: &[String]) -> (Child, String) {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("daemon.log"))
+        .unwrap();
+    let mut child = Command::new(binary())
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    let read = BufReader::new(child.stdout.take().unwrap()).read_line(&mut line);
+    let ready: Value = match read.map(|_| serde_json::from_str(&line)) {
+        Ok(Ok(ready)) => ready,
+        failed => {
+            // Not left running behind a failed test.
+            let _ = child.kill();
+            let _ = child.wait();
+            let log = std::fs::read_to_string(dir.join("daemon.log")).unwrap_or_default();
+            panic!("the daemon did not start ({failed:?}): {line}{log}")
+        }
+    };
+    (child, ready["listen"].as_str().unwrap().to_owned())
+}
+
+impl Daemon {
+    /// Starts the daemon with an API key and a 4 GiB budget, plus `extra` arguments.
+    pub fn start(extra: &[&str]) -> Daemon {
+        let dir = tempfile::tempdir().unwrap();
+        let key = dir.path().join("key");
+        std::fs::write(&key, format!("{KEY}\n")).unwrap();
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let mut args = vec![
+            "--listen".to_owned(),
+            "127.0.0.1:0".into(),
+            "--state".into(),
+            dir.path().join("state").display().to_string(),
+            "--memory-budget".into(),
+            "4GiB".into(),
+            "--api-key-file".into(),
+            key.display().to_string(),
+        ];
+        args.extend(extra.iter().map(|s| (*s).to_owned()));
+        let (child, addr) = spawn(dir.path(), &args);
+        Daemon {
+            dir,
+            addr,
+            args,
+            child,
+            ended: false,
+        }
+    }
+
+    /// Kills the daemon (`-9`, its VMs left running) and starts it again on the same state
+    /// directory (on a new port).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.respawn();
+    }
+
+    /// Kills the daemon (`-9`, its VMs left running).
+    pub fn kill(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+        self.ended = true;
+    }
+
+    /// Starts the killed daemon again on the same state directory (on a new port).
+    pub fn respawn(&mut self) {
+        assert!(self.ended, "the daemon runs");
+        let (child, addr) = spawn(self.dir.path(), &self.args);
+        self.child = child;
+        self.addr = addr;
+        self.ended = false;
+    }
+
+    /// Stops the daemon with SIGTERM and waits (at most `within`) for it to exit; its exit
+    /// status, `None` if it did not exit in time (then it is killed).
+    pub fn terminate(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        // SAFETY: a signal to our own child, not waited for yet.
+        unsafe {
+            libc::kill(
+                libc::pid_t::try_from(self.child.id()).unwrap(),
+                libc::SIGTERM,
+            )
+        };
+        let deadline = Instant::now() + within;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break Some(status);
+            }
+            if Instant::now() >= deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        self.ended = true;
+        status
+    }
+
+    /// The state directory.
+    pub fn state(&self) -> PathBuf {
+        self.dir.path().join("state")
+    }
+
+    /// The daemon's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("daemon.log")).unwrap_or_default()
+    }
+
+    /// A request with the API key.
+    pub fn api(&self, method: &str, path: &str, body: Option<&str>) -> Answer {
+        request(
+            &self.addr,
+            method,
+            path,
+            &[("OPEN-SANDBOX-API-KEY", KEY)],
+            body,
+        )
+    }
+
+    /// Creates a sandbox of the workload guest; its id.
+    pub fn create(&self, extra: &str) -> String {
+        let body = format!(
+            r#"{{"image":{{"uri":"pvisor:workload"}},"entrypoint":["tail","-f","/dev/null"]{extra}}}"#
+        );
+        let answer = self.api("POST", "/v1/sandboxes", Some(&body));
+        assert_eq!(answer.status, 202, "{}", answer.text());
+        answer.json()["id"].as_str().unwrap().to_owned()
+    }
+
+    /// The execd endpoint of `id`: its path on this daemon and its token.
+    pub fn execd(&self, id: &str) -> (String, String) {
+        let answer = self.api("GET", &format!("/v1/sandboxes/{id}/endpoints/44772"), None);
+        assert_eq!(answer.status, 200, "{}", answer.text());
+        let body = answer.json();
+        let endpoint = body["endpoint"].as_str().unwrap();
+        let path = endpoint
+            .strip_prefix(&self.addr)
+            .unwrap_or_else(|| panic!("{endpoint} is not on {}", self.addr))
+            .to_owned();
+        let token = body["headers"]["X-Pvisor-Sandbox-Token"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        (path, token)
+    }
+
+    /// Polls execd's ping until it answers 200 (at most 30 s, as the SDK does).
+    pub fn wait_ready(&self, id: &str) {
+        let (path, token) = self.execd(id);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let answer = request(
+                &self.addr,
+                "GET",
+                &format!("{path}/ping"),
+                &[("X-Pvisor-Sandbox-Token", &token)],
+                None,
+            );
+            if answer.status == 200 {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "not ready: {} {}; {}",
+                answer.status,
+                answer.text(),
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Runs `command` in `id`; its events.
+    pub fn command(&self, id: &str, command: &str) -> Vec<Value> {
+        let (path, token) = self.execd(id);
+        let body = serde_json::json!({ "command": command }).to_string();
+        let answer = request(
+            &self.addr,
+            "POST",
+            &format!("{path}/command"),
+            &[("X-Pvisor-Sandbox-Token", &token)],
+            Some(&body),
+        );
+        assert_eq!(answer.status, 200, "{}", answer.text());
+        assert_eq!(
+            answer.header("content-type").as_deref(),
+            Some("text/event-stream")
+        );
+        events(&answer.text())
+    }
+}
+
+/// The `stdout` texts and the exit code (from `error`, or 0 on `execution_complete`) of a
+/// command's events.
+pub fn outcome(events: &[Value]) -> (Vec<Value>, i64) {
+    let stdout = events
+        .iter()
+        .filter(|e| e["type"] == "stdout")
+        .map(|e| serde_json::from_str(e["text"].as_str().unwrap().trim_end()).unwrap())
+        .collect();
+    let last = events.last().unwrap();
+    let code = match last["type"].as_str() {
+        Some("execution_complete") => 0,
+        Some("error") => last["error"]["evalue"].as_str().unwrap().parse().unwrap(),
+        other => panic!("the stream ended with {other:?}: {events:?}"),
+    };
+    (stdout, code)
+}
+
+/// The VM processes and supervisors (pids) the daemon's sandboxes have now.
+pub fn vm_pids(state: &Path) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir(state.join("vms"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        if let Ok(text) = std::fs::read_to_string(entry.path().join("vm.json")) {
+            let identity: Value = serde_json::from_str(&text).unwrap();
+            pids.extend(identity["pid"].as_u64().map(|p| p as u32));
+            pids.extend(identity["supervisor"].as_u64().map(|p| p as u32));
+        }
+    }
+    pids
+}
+
+/// The VM processes and supervisors running for the state directory `state`, found in
+/// `/proc` by their command and runtime directory.
+pub fn processes_of(state: &Path) -> Vec<u32> {
+    let runtime = format!("PVISOR_RUNTIME_DIR={}", state.join("vms").display());
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+        let ours = args.first() == Some(&binary().as_bytes())
+            && args
+                .get(1)
+                .is_some_and(|a| *a == b"__vm" || *a == b"__supervise");
+        let here = std::fs::read(format!("/proc/{pid}/environ"))
+            .is_ok_and(|env| env.split(|&b| b == 0).any(|var| var == runtime.as_bytes()));
+        if ours && here && alive(pid) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// Whether process `pid` runs (exists and is not a zombie).
+pub fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        !s.rsplit_once(')')
+            .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+    })
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.terminate(Duration::from_secs(60));
+        }
+        // The daemon stops its VMs; any it left (a failed test) go with it, even those
+        // whose job directory is gone.
+        let mut pids = vm_pids(&self.state());
+        pids.extend(processes_of(&self.state()));
+        for pid in pids {
+            // SAFETY: a signal to a VM process this test's daemon started.
+            unsafe { libc::kill(libc::pid_t::try_from(pid).unwrap(), libc::SIGKILL) };
+        }
+    }
+}
+
+/// An HTTP answer.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Answer {
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("{} is not JSON: {e}", self.text()))
+    }
+
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.clone())
+    }
+
+    /// The error body's code, checking it is `{code, message}`.
+    pub fn code(&self) -> String {
+        let body = self.json();
+        assert!(body["message"].is_string(), "{body}");
+        body["code"].as_str().unwrap().to_owned()
+    }
+}
+
+/// Sends one request (`Connection: close`) and reads the whole answer.
+pub fn request(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> Answer {
+    let mut raw = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        raw.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if let Some(body) = body {
+        raw.push_str(&format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n",
+            body.len()
+        ));
+    }
+    raw.push_str("\r\n");
+    raw.push_str(body.unwrap_or(""));
+    send_raw(addr, raw.as_bytes())
+}
+
+/// Sends `raw` and parses the answer.
+pub fn send_raw(addr: &str, raw: &[u8]) -> Answer {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(120)))
+        .unwrap();
+    stream.write_all(raw).unwrap();
+    let mut bytes = Vec::new();
+    // A server that answers before reading all of a body may reset the connection after.
+    let mut chunk = [0u8; 16 << 10];
+    loop {
+        match stream.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(n) => bytes.extend_from_slice(&chunk[..n]),
+            Err(e) if !bytes.is_empty() && e.kind() == std::io::ErrorKind::ConnectionReset => break,
+            Err(e) => panic!("reading the answer: {e}"),
+        }
+    }
+    parse(&bytes)
+}
+
+fn parse(bytes: &[u8]) -> Answer {
+    let end = bytes
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no header end in {:?}", String::from_utf8_lossy(bytes)));
+    let head = String::from_utf8_lossy(&bytes[..end]).into_owned();
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .unwrap()
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+        .collect();
+    let mut body = bytes[end + 4..].to_vec();
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
+    if chunked {
+        let mut out = Vec::new();
+        let mut rest = &body[..];
+        loop {
+            let line_end = rest.windows(2).position(|w| w == b"\r\n").unwrap();
+            let size_text = String::from_utf8_lossy(&rest[..line_end]).into_owned();
+            let size =
+                usize::from_str_radix(size_text.split(';').next().unwrap().trim(), 16).unwrap();
+            rest = &rest[line_end + 2..];
+            if size == 0 {
+                break;
+            }
+            out.extend_from_slice(&rest[..size]);
+            rest = &rest[size + 2..];
+        }
+        body = out;
+    }
+    Answer {
+        status,
+        headers,
+        body,
+    }
+}
+
+/// The JSON `data:` of each server-sent event.
+pub fn events(text: &str) -> Vec<Value> {
+    text.split("\n\n")
+        .filter_map(|frame| {
+            let data: Vec<&str> = frame
+                .lines()
+                .filter_map(|l| l.strip_prefix("data:"))
+                .map(str::trim_start)
+                .collect();
+            (!data.is_empty()).then(|| serde_json::from_str(&data.join("\n")).unwrap())
+        })
+        .collect()
+}

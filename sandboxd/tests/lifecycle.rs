@@ -1,0 +1,792 @@
+//! `pvisor-sandboxd` end to end, with real VMs (/dev/kvm, /dev/userfaultfd): the lifecycle
+//! API and execd driven over HTTP as a client drives them, and what it refuses.
+
+// Test code: a failed setup step should stop the test on the spot.
+#![allow(clippy::unwrap_used)]
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+mod common;
+use common::{alive, outcome, request, send_raw, skip, vm_pids, Daemon};
+
+#[test]
+fn sandbox_runs_commands_pauses_resumes_and_is_deleted() {
+    if skip() {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let created = daemon.api(
+        "POST",
+        "/v1/sandboxes",
+        Some(r#"{"image":{"uri":"pvisor:workload"},"timeout":600,"metadata":{"team":"a","note":"x y"},"resourceLimits":{"cpu":"1","memory":"512Mi"},"env":{}}"#),
+    );
+    assert_eq!(created.status, 202, "{}", created.text());
+    let body = created.json();
+    let id = body["id"].as_str().unwrap().to_owned();
+    assert_eq!(body["status"]["state"], "Pending");
+    assert!(
+        body["createdAt"].is_string() && body["expiresAt"].is_string(),
+        "{body}"
+    );
+    assert!(body["entrypoint"].is_array());
+    daemon.wait_ready(&id);
+    assert_eq!(
+        daemon
+            .api("GET", &format!("/v1/sandboxes/{id}"), None)
+            .json()["status"]["state"],
+        "Running"
+    );
+    let state_file = daemon.state().join("sandboxes").join(format!("{id}.json"));
+    assert!(state_file.is_file());
+
+    // A command: its results as stdout lines, exit code 0.
+    let events = daemon.command(&id, "fill 64MiB random seed=1; task; digest");
+    assert_eq!(events[0]["type"], "init");
+    assert!(events.iter().all(|e| e["timestamp"].is_u64()), "{events:?}");
+    let (stdout, code) = outcome(&events);
+    assert_eq!(code, 0, "{events:?}");
+    assert_eq!(stdout.len(), 3, "{stdout:?}");
+    let digest = stdout[2]["digest"].as_str().unwrap().to_owned();
+    assert_eq!(stdout[1]["digest"], digest.as_str());
+
+    // Failed scripts: not a script (2), failed in the guest (1), with the reason on stderr.
+    let (_, code) = outcome(&daemon.command(&id, "fill 64MiB; bogus"));
+    assert_eq!(code, 2);
+    let events = daemon.command(&id, "fill 600MiB random");
+    let (_, code) = outcome(&events);
+    assert_eq!(code, 1, "{events:?}");
+    assert!(
+        events
+            .iter()
+            .any(|e| e["type"] == "stderr"
+                && e["text"].as_str().unwrap().contains("application memory")),
+        "{events:?}"
+    );
+    // The failed fill did not touch the data.
+    let (stdout, _) = outcome(&daemon.command(&id, "digest"));
+    assert_eq!(stdout[0]["digest"], digest.as_str());
+
+    // Pause (an offload: the VM's memory goes), twice: 409 the second time; commands wait
+    // for a resume.
+    let vm = vm_pid(&daemon, &id);
+    let before = rss_bytes(vm);
+    assert!(before >= 64 << 20, "{before}");
+    let paused = daemon.api("POST", &format!("/v1/sandboxes/{id}/pause"), None);
+    assert_eq!(paused.status, 202);
+    let after = rss_bytes(vm);
+    assert!(
+        after + (48 << 20) <= before,
+        "resident {before} -> {after} bytes"
+    );
+    let again = daemon.api("POST", &format!("/v1/sandboxes/{id}/pause"), None);
+    assert_eq!(
+        (again.status, again.code().as_str()),
+        (409, "INVALID_STATE")
+    );
+    assert_eq!(
+        daemon
+            .api("GET", &format!("/v1/sandboxes/{id}"), None)
+            .json()["status"]["state"],
+        "Paused"
+    );
+    let (path, token) = daemon.execd(&id);
+    let ping = request(
+        &daemon.addr,
+        "GET",
+        &format!("{path}/ping"),
+        &[("X-Pvisor-Sandbox-Token", &token)],
+        None,
+    );
+    assert_eq!(ping.status, 503);
+    let paused = daemon.api("GET", "/v1/sandboxes?state=Paused", None).json();
+    assert_eq!(paused["items"][0]["id"], id.as_str());
+    assert_eq!(
+        daemon
+            .api("POST", &format!("/v1/sandboxes/{id}/resume"), None)
+            .status,
+        202
+    );
+    let again = daemon.api("POST", &format!("/v1/sandboxes/{id}/resume"), None);
+    assert_eq!(again.status, 409);
+    let (stdout, code) = outcome(&daemon.command(&id, "digest"));
+    assert_eq!(
+        (stdout[0]["digest"].as_str().unwrap(), code),
+        (digest.as_str(), 0)
+    );
+
+    // List: filters and pages.
+    let other = daemon.create(r#","metadata":{"team":"b"}"#);
+    let list = daemon
+        .api(
+            "GET",
+            "/v1/sandboxes?metadata=team%3Da%26note%3Dx%2520y",
+            None,
+        )
+        .json();
+    assert_eq!(list["items"].as_array().unwrap().len(), 1, "{list}");
+    assert_eq!(list["items"][0]["id"], id.as_str());
+    let page = daemon
+        .api("GET", "/v1/sandboxes?pageSize=1&page=2", None)
+        .json();
+    assert_eq!(page["pagination"]["totalItems"], 2, "{page}");
+    assert_eq!(page["pagination"]["totalPages"], 2);
+    assert_eq!(page["pagination"]["hasNextPage"], false);
+    assert_eq!(page["items"][0]["id"], other.as_str());
+    let none = daemon.api("GET", "/v1/sandboxes?state=Failed", None).json();
+    assert_eq!(none["items"].as_array().unwrap().len(), 0);
+
+    // Renew.
+    let renewed = daemon.api(
+        "POST",
+        &format!("/v1/sandboxes/{id}/renew-expiration"),
+        Some(r#"{"expiresAt":"2099-01-01T00:00:00Z"}"#),
+    );
+    assert_eq!(
+        renewed.status,
+        400,
+        "more than 30 days away: {}",
+        renewed.text()
+    );
+    let at = now_plus(3600);
+    let renewed = daemon.api(
+        "POST",
+        &format!("/v1/sandboxes/{id}/renew-expiration"),
+        Some(&format!(r#"{{"expiresAt":"{at}"}}"#)),
+    );
+    assert_eq!(renewed.status, 200, "{}", renewed.text());
+    assert!(renewed.json()["expiresAt"].is_string());
+
+    // Delete: 204, then 404; the VM and its files are gone.
+    let pids = vm_pids(&daemon.state());
+    assert!(!pids.is_empty());
+    assert_eq!(
+        daemon
+            .api("DELETE", &format!("/v1/sandboxes/{id}"), None)
+            .status,
+        204
+    );
+    assert_eq!(
+        daemon
+            .api("GET", &format!("/v1/sandboxes/{id}"), None)
+            .status,
+        404
+    );
+    assert_eq!(
+        daemon
+            .api("DELETE", &format!("/v1/sandboxes/{id}"), None)
+            .status,
+        404
+    );
+    assert!(!daemon.state().join("vms").join(&id).exists());
+    assert!(!state_file.exists());
+    assert_eq!(
+        daemon
+            .api("DELETE", &format!("/v1/sandboxes/{other}"), None)
+            .status,
+        204
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pids.iter().any(|&p| alive(p)) {
+        assert!(Instant::now() < deadline, "VM processes left: {pids:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = daemon.log();
+    assert!(log.contains("deleted") && log.contains("VM up"), "{log}");
+}
+
+/// The VM process of sandbox `id`.
+fn vm_pid(daemon: &Daemon, id: &str) -> u32 {
+    let path = daemon.state().join("vms").join(id).join("vm.json");
+    let identity: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    u32::try_from(identity["pid"].as_u64().unwrap()).unwrap()
+}
+
+/// The resident memory of process `pid`.
+fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .unwrap()
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .unwrap();
+    kib << 10
+}
+
+#[test]
+fn restarted_daemon_reads_its_state_and_stops_what_it_cannot_adopt_yet() {
+    if skip() {
+        return;
+    }
+    let mut daemon = Daemon::start(&[]);
+    let id = daemon.create(r#","metadata":{"keep":"me"}"#);
+    daemon.wait_ready(&id);
+    let (_, code) = outcome(&daemon.command(&id, "fill 8MiB random seed=2; digest"));
+    assert_eq!(code, 0);
+    let pids = vm_pids(&daemon.state());
+    assert!(!pids.is_empty());
+    daemon.restart();
+    // This step does not re-adopt VMs: the record is read back, the VM stopped.
+    let body = daemon
+        .api("GET", &format!("/v1/sandboxes/{id}"), None)
+        .json();
+    assert_eq!(body["status"]["state"], "Failed", "{body}");
+    assert_eq!(body["status"]["reason"], "DAEMON_RESTARTED");
+    assert_eq!(body["metadata"]["keep"], "me");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pids.iter().any(|&p| alive(p)) {
+        assert!(Instant::now() < deadline, "VM processes left: {pids:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!daemon.state().join("vms").join(&id).exists());
+    let failed = daemon.api("GET", "/v1/sandboxes?state=Failed", None).json();
+    assert_eq!(failed["pagination"]["totalItems"], 1, "{failed}");
+    let resume = daemon.api("POST", &format!("/v1/sandboxes/{id}/resume"), None);
+    assert_eq!(resume.status, 409);
+    let deleted = daemon.api("DELETE", &format!("/v1/sandboxes/{id}"), None);
+    assert_eq!(deleted.status, 204);
+    assert!(!daemon
+        .state()
+        .join("sandboxes")
+        .join(format!("{id}.json"))
+        .exists());
+    // A new sandbox works as before.
+    let id = daemon.create("");
+    daemon.wait_ready(&id);
+    assert_eq!(outcome(&daemon.command(&id, "digest")).1, 0);
+}
+
+/// An RFC 3339 time `s` seconds from now (from `date`, to check the daemon's own parser).
+fn now_plus(s: u64) -> String {
+    let out = Command::new("date")
+        .args([
+            "-u",
+            "-d",
+            &format!("+{s} seconds"),
+            "+%Y-%m-%dT%H:%M:%S+00:00",
+        ])
+        .output()
+        .unwrap();
+    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+}
+
+#[test]
+fn sandbox_expires_and_its_vm_and_files_go() {
+    if skip() {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let id = daemon.create(r#","timeout":60"#);
+    daemon.wait_ready(&id);
+    let pids = vm_pids(&daemon.state());
+    // The shortest timeout is 60 s: renew to 2 s from now.
+    let at = now_plus(2);
+    let renewed = daemon.api(
+        "POST",
+        &format!("/v1/sandboxes/{id}/renew-expiration"),
+        Some(&format!(r#"{{"expiresAt":"{at}"}}"#)),
+    );
+    assert_eq!(renewed.status, 200, "{}", renewed.text());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let body = daemon
+            .api("GET", &format!("/v1/sandboxes/{id}"), None)
+            .json();
+        if body["status"]["state"] == "Terminated" {
+            assert_eq!(body["status"]["reason"], "EXPIRED", "{body}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "did not expire: {body}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(pids.iter().all(|&p| !alive(p)), "{pids:?}");
+    assert!(!daemon.state().join("vms").join(&id).exists());
+    assert!(!daemon
+        .state()
+        .join("sandboxes")
+        .join(format!("{id}.json"))
+        .exists());
+    let (path, token) = (format!("/sandboxes/{id}/port/44772"), "x");
+    let ping = request(
+        &daemon.addr,
+        "GET",
+        &format!("{path}/ping"),
+        &[("X-Pvisor-Sandbox-Token", token)],
+        None,
+    );
+    assert_eq!(ping.status, 401);
+    let again = daemon.api("POST", &format!("/v1/sandboxes/{id}/pause"), None);
+    assert_eq!(again.status, 409);
+}
+
+#[test]
+fn sandbox_api_refuses_hostile_and_bad_input() {
+    if skip() {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let addr = daemon.addr.clone();
+    // Keys.
+    let missing = request(&addr, "GET", "/v1/sandboxes", &[], None);
+    assert_eq!(
+        (missing.status, missing.code().as_str()),
+        (401, "UNAUTHORIZED")
+    );
+    let wrong = request(
+        &addr,
+        "GET",
+        "/v1/sandboxes",
+        &[("OPEN-SANDBOX-API-KEY", "test-key-5f2c9b")],
+        None,
+    );
+    assert_eq!(wrong.status, 401);
+    let create = r#"{"image":{"uri":"pvisor:workload"}}"#;
+    assert_eq!(
+        request(&addr, "POST", "/v1/sandboxes", &[], Some(create)).status,
+        401
+    );
+    // Unknown ids, and ids that are no ids.
+    for path in [
+        "/v1/sandboxes/sb-000000000000",
+        "/v1/sandboxes/..%2F..%2Fetc",
+        "/v1/sandboxes/sb-000000000000/endpoints/44772",
+    ] {
+        let answer = daemon.api("GET", path, None);
+        assert_eq!(
+            (answer.status, answer.code().as_str()),
+            (404, "NOT_FOUND"),
+            "{path}"
+        );
+    }
+    assert_eq!(
+        daemon
+            .api("POST", "/v1/sandboxes/sb-000000000000/pause", None)
+            .status,
+        404
+    );
+    assert_eq!(daemon.api("DELETE", "/v1/sandboxes/nope", None).status, 404);
+    assert_eq!(daemon.api("GET", "/nowhere", None).code(), "NOT_FOUND");
+    // axum's own rejections answer as JSON too.
+    let bad = daemon.api("GET", "/v1/sandboxes/%FF", None);
+    assert_eq!((bad.status, bad.code().as_str()), (400, "INVALID_REQUEST"));
+    let wrong_method = daemon.api("PUT", "/v1/sandboxes", Some("{}"));
+    assert_eq!(
+        (wrong_method.status, wrong_method.code().as_str()),
+        (405, "METHOD_NOT_ALLOWED")
+    );
+    // Bodies.
+    for (body, why) in [
+        ("{\"image\":", "malformed JSON"),
+        ("[]", "not an object"),
+        (r#"{"image":{"uri":"python:3.11"}}"#, "unknown template"),
+        (
+            r#"{"image":{"uri":"pvisor:workload"},"timeout":1}"#,
+            "timeout under 60",
+        ),
+        (
+            r#"{"image":{"uri":"pvisor:workload"},"metadata":{"a":1}}"#,
+            "metadata not text",
+        ),
+    ] {
+        let answer = daemon.api("POST", "/v1/sandboxes", Some(body));
+        assert_eq!(
+            (answer.status, answer.code().as_str()),
+            (400, "INVALID_REQUEST"),
+            "{why}: {}",
+            answer.text()
+        );
+    }
+    let unknown = daemon.api(
+        "POST",
+        "/v1/sandboxes",
+        Some(r#"{"image":{"uri":"python:3.11"}}"#),
+    );
+    assert!(
+        unknown.text().contains("pvisor:workload"),
+        "{}",
+        unknown.text()
+    );
+    // A 100 MiB body is refused on its declared length, before it is read.
+    let head = format!(
+        "POST /v1/sandboxes HTTP/1.1\r\nHost: {addr}\r\nOPEN-SANDBOX-API-KEY: {}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{{\"image\":",
+        common::KEY,
+        100 << 20
+    );
+    let answer = send_raw(&addr, head.as_bytes());
+    assert_eq!(
+        (answer.status, answer.code().as_str()),
+        (413, "PAYLOAD_TOO_LARGE")
+    );
+    // And a chunked one as it streams past the limit.
+    let mut raw = format!(
+        "POST /v1/sandboxes HTTP/1.1\r\nHost: {addr}\r\nOPEN-SANDBOX-API-KEY: {}\r\n\
+         Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n",
+        common::KEY
+    )
+    .into_bytes();
+    for _ in 0..5 {
+        raw.extend_from_slice(format!("{:x}\r\n", 32 << 10).as_bytes());
+        raw.extend(std::iter::repeat_n(b' ', 32 << 10));
+        raw.extend_from_slice(b"\r\n");
+    }
+    raw.extend_from_slice(b"0\r\n\r\n");
+    assert_eq!(send_raw(&addr, &raw).status, 413);
+
+    // execd: tokens are per sandbox.
+    let a = daemon.create("");
+    let b = daemon.create("");
+    daemon.wait_ready(&a);
+    daemon.wait_ready(&b);
+    let (path_a, token_a) = daemon.execd(&a);
+    let (_, token_b) = daemon.execd(&b);
+    assert_ne!(token_a, token_b);
+    let body = r#"{"command":"digest"}"#;
+    for (token, why) in [
+        (None, "missing"),
+        (Some(token_b.as_str()), "another sandbox's"),
+        (Some(""), "empty"),
+    ] {
+        let headers: Vec<(&str, &str)> = token
+            .map(|t| ("X-Pvisor-Sandbox-Token", t))
+            .into_iter()
+            .collect();
+        let answer = request(
+            &addr,
+            "POST",
+            &format!("{path_a}/command"),
+            &headers,
+            Some(body),
+        );
+        assert_eq!(
+            (answer.status, answer.code().as_str()),
+            (401, "UNAUTHORIZED"),
+            "{why} token"
+        );
+        let ping = request(&addr, "GET", &format!("{path_a}/ping"), &headers, None);
+        assert_eq!(ping.status, 401, "{why} token");
+    }
+    // The API key is no execd token.
+    let answer = request(
+        &addr,
+        "GET",
+        &format!("{path_a}/ping"),
+        &[("OPEN-SANDBOX-API-KEY", common::KEY)],
+        None,
+    );
+    assert_eq!(answer.status, 401);
+    let own = [("X-Pvisor-Sandbox-Token", token_a.as_str())];
+    let answer = request(
+        &addr,
+        "POST",
+        &format!("{path_a}/command"),
+        &own,
+        Some("{\"command\":"),
+    );
+    assert_eq!(
+        (answer.status, answer.code().as_str()),
+        (400, "INVALID_REQUEST")
+    );
+    let answer = request(
+        &addr,
+        "GET",
+        &format!("{path_a}/files/info?path=/etc/passwd"),
+        &own,
+        None,
+    );
+    assert_eq!(
+        (answer.status, answer.code().as_str()),
+        (501, "NOT_IMPLEMENTED")
+    );
+    let egress = daemon.api("GET", &format!("/v1/sandboxes/{a}/endpoints/18080"), None);
+    assert_eq!(egress.status, 200, "{}", egress.text());
+    let other_port = daemon.api("GET", &format!("/v1/sandboxes/{a}/endpoints/22"), None);
+    assert_eq!(other_port.status, 404);
+    let (_, code) = outcome(&daemon.command(&a, "digest"));
+    assert_eq!(code, 0);
+
+    // A client that opens a command stream and goes away: the command runs to its end, and
+    // the sandbox and the daemon serve on.
+    {
+        use std::io::{Read, Write};
+        let body = r#"{"command":"sleep 1500; digest"}"#;
+        let mut stream = std::net::TcpStream::connect(&addr).unwrap();
+        write!(
+            stream,
+            "POST {path_a}/command HTTP/1.1\r\nHost: {addr}\r\nX-Pvisor-Sandbox-Token: {token_a}\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut first = [0u8; 512];
+        let n = stream.read(&mut first).unwrap();
+        assert!(String::from_utf8_lossy(&first[..n]).contains("200 OK"));
+    }
+    let started = Instant::now();
+    let (_, code) = outcome(&daemon.command(&a, "digest"));
+    assert_eq!(code, 0);
+    assert!(
+        started.elapsed() >= Duration::from_millis(500),
+        "did not wait for the sleep"
+    );
+    assert_eq!(daemon.api("GET", "/v1/sandboxes", None).status, 200);
+
+    // Commands in flight are bounded per sandbox: past the bound, a clear 429 at once.
+    let (path_b, token_b) = daemon.execd(&b);
+    let open: Vec<std::net::TcpStream> = (0..sandboxd::sandboxes::MAX_COMMANDS)
+        .map(|_| {
+            use std::io::{Read, Write};
+            let body = r#"{"command":"sleep 300"}"#;
+            let mut stream = std::net::TcpStream::connect(&addr).unwrap();
+            write!(
+                stream,
+                "POST {path_b}/command HTTP/1.1\r\nHost: {addr}\r\nX-Pvisor-Sandbox-Token: {token_b}\r\n\
+                 Content-Length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .unwrap();
+            let mut first = [0u8; 512];
+            let n = stream.read(&mut first).unwrap();
+            assert!(String::from_utf8_lossy(&first[..n]).contains("200 OK"));
+            stream
+        })
+        .collect();
+    let answer = request(
+        &addr,
+        "POST",
+        &format!("{path_b}/command"),
+        &[("X-Pvisor-Sandbox-Token", &token_b)],
+        Some(r#"{"command":"digest"}"#),
+    );
+    assert_eq!(
+        (answer.status, answer.code().as_str()),
+        (429, "INSUFFICIENT_CAPACITY"),
+        "{}",
+        answer.text()
+    );
+    drop(open);
+}
+
+#[test]
+fn restarted_daemon_stops_a_vm_its_record_does_not_name_yet() {
+    if skip() {
+        return;
+    }
+    let mut daemon = Daemon::start(&[]);
+    let id = daemon.create("");
+    daemon.wait_ready(&id);
+    let pids = vm_pids(&daemon.state());
+    assert!(!pids.is_empty());
+    // The daemon dies while the VM starts: the record is still `Pending`, without the VM.
+    daemon.kill();
+    let path = daemon.state().join(format!("sandboxes/{id}.json"));
+    let mut record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    record["state"] = "Pending".into();
+    record["vm"] = serde_json::Value::Null;
+    std::fs::write(&path, serde_json::to_vec(&record).unwrap()).unwrap();
+    daemon.respawn();
+    let body = daemon
+        .api("GET", &format!("/v1/sandboxes/{id}"), None)
+        .json();
+    assert_eq!(body["status"]["reason"], "DAEMON_RESTARTED", "{body}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pids.iter().any(|&p| alive(p)) {
+        assert!(
+            Instant::now() < deadline,
+            "VM processes left: {pids:?}; {}",
+            daemon.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!daemon.state().join("vms").join(&id).exists());
+}
+
+#[test]
+fn sandbox_pauses_at_once_and_a_delete_during_a_resume_are_race_free() {
+    if skip() {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let id = daemon.create("");
+    daemon.wait_ready(&id);
+    let (path, token) = daemon.execd(&id);
+    // Fill memory, so that a pause has something to offload and takes a while.
+    assert_eq!(
+        outcome(&daemon.command(&id, "fill 64MiB random seed=1")).1,
+        0
+    );
+    // Two pauses at once: one pauses, the other is told why not (busy, or paused already).
+    let statuses: Vec<(u16, String)> = std::thread::scope(|s| {
+        let pauses: Vec<_> = (0..2)
+            .map(|_| {
+                s.spawn(|| {
+                    let answer = daemon.api("POST", &format!("/v1/sandboxes/{id}/pause"), None);
+                    let code = if answer.status == 202 {
+                        String::new()
+                    } else {
+                        answer.code()
+                    };
+                    (answer.status, code)
+                })
+            })
+            .collect();
+        pauses.into_iter().map(|p| p.join().unwrap()).collect()
+    });
+    let mut sorted = statuses.clone();
+    sorted.sort();
+    assert_eq!(
+        sorted,
+        vec![(202, String::new()), (409, "INVALID_STATE".to_owned())],
+        "{statuses:?}"
+    );
+    // A command on a paused sandbox: a clear 503 before any stream.
+    let answer = request(
+        &daemon.addr,
+        "POST",
+        &format!("{path}/command"),
+        &[("X-Pvisor-Sandbox-Token", &token)],
+        Some(r#"{"command":"digest"}"#),
+    );
+    assert_eq!(
+        (answer.status, answer.code().as_str()),
+        (503, "SANDBOX_NOT_RUNNING")
+    );
+    // A resume and a delete at once: the delete wins in the end, whatever the order.
+    let pids = vm_pids(&daemon.state());
+    assert!(!pids.is_empty());
+    let (resume, delete) = std::thread::scope(|s| {
+        let resume = s.spawn(|| {
+            daemon
+                .api("POST", &format!("/v1/sandboxes/{id}/resume"), None)
+                .status
+        });
+        let delete = s.spawn(|| {
+            daemon
+                .api("DELETE", &format!("/v1/sandboxes/{id}"), None)
+                .status
+        });
+        (resume.join().unwrap(), delete.join().unwrap())
+    });
+    assert_eq!(delete, 204);
+    assert!([202, 404, 409].contains(&resume), "{resume}");
+    assert_eq!(
+        daemon
+            .api("GET", &format!("/v1/sandboxes/{id}"), None)
+            .status,
+        404
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pids.iter().any(|&p| alive(p)) {
+        assert!(Instant::now() < deadline, "VM processes left: {pids:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!daemon.state().join("vms").join(&id).exists());
+}
+
+#[test]
+fn daemon_stopped_with_sigterm_stops_its_vms_and_keeps_their_records() {
+    if skip() {
+        return;
+    }
+    let mut daemon = Daemon::start(&[]);
+    let id = daemon.create(r#","metadata":{"keep":"me"}"#);
+    daemon.wait_ready(&id);
+    let pids = vm_pids(&daemon.state());
+    assert!(!pids.is_empty());
+    // A command stream in flight, that would run for 10 minutes, holds the stop back only
+    // for a while.
+    let (path, token) = daemon.execd(&id);
+    let mut stream = std::net::TcpStream::connect(&daemon.addr).unwrap();
+    {
+        use std::io::{Read, Write};
+        let body = r#"{"command":"sleep 600000"}"#;
+        write!(
+            stream,
+            "POST {path}/command HTTP/1.1\r\nHost: {}\r\nX-Pvisor-Sandbox-Token: {token}\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            daemon.addr,
+            body.len()
+        )
+        .unwrap();
+        let mut first = [0u8; 512];
+        let n = stream.read(&mut first).unwrap();
+        assert!(String::from_utf8_lossy(&first[..n]).contains("200 OK"));
+    }
+    let asked = Instant::now();
+    let status = daemon.terminate(Duration::from_secs(60));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?}: {}",
+        daemon.log()
+    );
+    assert!(
+        asked.elapsed() < Duration::from_secs(40),
+        "{:?}",
+        asked.elapsed()
+    );
+    drop(stream);
+    // (A supervisor the daemon did not reap is init's to reap.)
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pids.iter().any(|&p| alive(p)) {
+        assert!(
+            Instant::now() < deadline,
+            "VM processes left: {pids:?}; {}",
+            daemon.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!daemon.state().join("vms").join(&id).exists());
+    let record: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(daemon.state().join(format!("sandboxes/{id}.json"))).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(record["state"], "Failed", "{record}");
+    assert_eq!(record["reason"], "DAEMON_STOPPED", "{record}");
+    assert!(record["vm"].is_null(), "{record}");
+}
+
+#[test]
+fn daemon_refuses_to_start_without_a_key_or_off_loopback_without_auth() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let run = |args: &[&str]| {
+        Command::new(common::binary())
+            .args([
+                "--state",
+                state.to_str().unwrap(),
+                "--memory-budget",
+                "1GiB",
+            ])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["--listen", "127.0.0.1:0"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--api-key-file"));
+    let out = run(&["--listen", "0.0.0.0:0", "--no-auth"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("loopback"),
+        "{out:?}"
+    );
+    let empty = dir.path().join("empty");
+    std::fs::write(&empty, "\n").unwrap();
+    let out = run(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--api-key-file",
+        empty.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("non-empty"),
+        "{out:?}"
+    );
+}
