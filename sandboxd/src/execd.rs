@@ -195,14 +195,18 @@ pub async fn command(
     if script.trim().is_empty() {
         return Err(ApiError::invalid("the command is empty"));
     }
-    let (record, vm) = app.sandboxes.running_vm(&record.id)?;
+    // A sandbox the daemon offloaded while idle comes back first (the client sees latency).
+    let (record, vm) = app.sandboxes.command_vm(&record.id).await?;
     let Some((vm, permit)) = vm else {
         return Err(not_running(&record));
     };
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(16);
+    let sandboxes = Arc::clone(&app.sandboxes);
     tokio::spawn(async move {
+        let id = record.id.clone();
         run_command(record.id, vm, script, tx).await;
-        // The command is over, whether its client stayed or not.
+        // The command is over, whether its client stayed or not: idle from now.
+        sandboxes.used(&id);
         drop(permit);
     });
     let stream = futures_util::stream::unfold(rx, |mut rx| async move {

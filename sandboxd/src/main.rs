@@ -32,12 +32,34 @@ struct Cli {
     /// Guest RAM of each sandbox's VM.
     #[arg(long, value_name = "SIZE", default_value = "512MiB", value_parser = basics::parse_size)]
     vm_memory: u64,
+    /// Offload a running sandbox's memory once it has run no command for this long (it comes
+    /// back on its next command; the client sees only latency): `30s`, `5m`; `0` never.
+    #[arg(long, value_name = "TIME", default_value = "60s", value_parser = parse_idle)]
+    idle_offload: Duration,
     /// The file holding the API key clients send in `OPEN-SANDBOX-API-KEY`.
     #[arg(long, value_name = "F", required_unless_present = "no_auth")]
     api_key_file: Option<PathBuf>,
     /// Serve without an API key (only on a loopback address).
     #[arg(long, conflicts_with = "api_key_file")]
     no_auth: bool,
+}
+
+/// `--idle-offload`: a whole number of seconds or minutes (`30s`, `5m`; `0`: never).
+fn parse_idle(text: &str) -> Result<Duration, String> {
+    let bad = || format!("`{text}`: expected seconds or minutes, as 30s or 5m (0: never)");
+    if text == "0" {
+        return Ok(Duration::ZERO);
+    }
+    let (number, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?);
+    let number: u64 = number.parse().map_err(|_| bad())?;
+    match unit {
+        "s" => Ok(Duration::from_secs(number)),
+        "m" => number
+            .checked_mul(60)
+            .map(Duration::from_secs)
+            .ok_or_else(bad),
+        _ => Err(bad()),
+    }
 }
 
 type MainResult = Result<ExitCode, Box<dyn std::error::Error>>;
@@ -103,6 +125,7 @@ fn serve(cli: Cli) -> MainResult {
     let limits = Limits {
         memory_budget: cli.memory_budget,
         vm_memory: cli.vm_memory,
+        idle_offload: (!cli.idle_offload.is_zero()).then_some(cli.idle_offload),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

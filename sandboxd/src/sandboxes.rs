@@ -13,6 +13,8 @@ use crate::model::{Create, ListQuery, State};
 use crate::store::{Record, Store, StoreError, VmRef};
 use crate::vm::{self, VmError};
 
+mod idle;
+
 /// Errors of a sandbox operation.
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
@@ -95,6 +97,8 @@ pub struct Limits {
     pub memory_budget: u64,
     /// Bytes of guest RAM of each sandbox's VM.
     pub vm_memory: u64,
+    /// A running sandbox with no command for this long is offloaded (see [`idle`]).
+    pub idle_offload: Option<Duration>,
 }
 
 /// The most sandboxes kept at once, whatever their state (failed ones stay until deleted).
@@ -115,6 +119,8 @@ struct Slot {
     commands: Arc<tokio::sync::Semaphore>,
     /// When it ended, for [`TERMINATED_KEPT`].
     ended: Option<Instant>,
+    /// Its commands' times, and whether it was offloaded while idle.
+    used: idle::Use,
 }
 
 /// Every sandbox of this daemon.
@@ -204,6 +210,7 @@ impl Sandboxes {
                     ops: Arc::default(),
                     commands: Arc::new(tokio::sync::Semaphore::new(MAX_COMMANDS)),
                     ended: None,
+                    used: idle::Use::default(),
                 },
             );
         }
@@ -340,6 +347,7 @@ impl Sandboxes {
                     ops: Arc::default(),
                     commands: Arc::new(tokio::sync::Semaphore::new(MAX_COMMANDS)),
                     ended: None,
+                    used: idle::Use::default(),
                 },
             );
             self.store.writes()
@@ -429,13 +437,18 @@ impl Sandboxes {
     ) -> Result<Record, SandboxError> {
         let ops = self.ops(id)?;
         // A second request while one is in progress sees its in-between state.
-        let Ok(_op) = ops.try_lock() else {
-            let state = self.get(id)?.state;
-            return Err(SandboxError::Busy {
-                id: id.to_owned(),
-                state,
-                what,
-            });
+        // The daemon's own idle offload is waited for: the client asked for nothing else.
+        let _op = match ops.try_lock() {
+            Ok(op) => op,
+            Err(_) if self.offloading(id) => ops.lock().await,
+            Err(_) => {
+                let state = self.get(id)?.state;
+                return Err(SandboxError::Busy {
+                    id: id.to_owned(),
+                    state,
+                    what,
+                });
+            }
         };
         let record = self.get(id)?;
         let (true, Some(vm)) = (record.state == from, record.vm) else {
@@ -446,6 +459,11 @@ impl Sandboxes {
                 wanted: from,
             });
         };
+        // A pause of a sandbox offloaded while idle: its VM is suspended, its memory out.
+        if matches!(method, Method::Suspend { .. }) && self.take_offloaded(id) {
+            tracing::info!(%id, "{what} (offloaded while idle already)");
+            return self.transition(id, to, None, None);
+        }
         self.transition(id, during, None, None)?;
         let started = Instant::now();
         let result = tokio::task::spawn_blocking(move || vm::call(&vm, method)).await?;
@@ -507,6 +525,7 @@ impl Sandboxes {
     /// removed), marks those whose VM died `Failed` with its tombstone's reason, and forgets
     /// terminated ones after a while. Called every second.
     pub async fn tick(&self) {
+        self.offload_idle().await;
         let now = clock::now_ms();
         let (expired, live): (Vec<Record>, Vec<Record>) = {
             let mut table = self.table();

@@ -790,3 +790,93 @@ fn daemon_refuses_to_start_without_a_key_or_off_loopback_without_auth() {
         "{out:?}"
     );
 }
+
+/// Waits (at most `within`) until `ok` holds; false if it never did.
+fn eventually(within: Duration, mut ok: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if ok() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    ok()
+}
+
+#[test]
+fn idle_sandbox_is_offloaded_and_comes_back_on_its_next_command() {
+    if skip() {
+        return;
+    }
+    let daemon = Daemon::start(&["--idle-offload", "1s"]);
+    let id = daemon.create("");
+    daemon.wait_ready(&id);
+    let (stdout, code) = outcome(&daemon.command(&id, "fill 64MiB random seed=5; digest"));
+    assert_eq!(code, 0);
+    let digest = stdout[1]["digest"].as_str().unwrap().to_owned();
+    let vm = vm_pid(&daemon, &id);
+    let full = rss_bytes(vm);
+    assert!(full >= 64 << 20, "{full}");
+
+    // Idle for a second: the daemon offloads it on its own; the client still sees Running.
+    assert!(
+        eventually(Duration::from_secs(20), || rss_bytes(vm) + (48 << 20)
+            <= full),
+        "resident {} bytes, was {full}; {}",
+        rss_bytes(vm),
+        daemon.log()
+    );
+    assert!(
+        daemon.log().contains("offloaded while idle"),
+        "{}",
+        daemon.log()
+    );
+    let get = daemon
+        .api("GET", &format!("/v1/sandboxes/{id}"), None)
+        .json();
+    assert_eq!(get["status"]["state"], "Running");
+    daemon.wait_ready(&id);
+
+    // Its next command brings it back: same data, the memory in again.
+    let (stdout, code) = outcome(&daemon.command(&id, "digest; task"));
+    assert_eq!(
+        (stdout[0]["digest"].as_str().unwrap(), code),
+        (digest.as_str(), 0)
+    );
+    assert!(rss_bytes(vm) >= 64 << 20, "{}", rss_bytes(vm));
+    assert!(
+        daemon.log().contains("back for a command"),
+        "{}",
+        daemon.log()
+    );
+
+    // Idle again, then paused: the pause takes the offloaded VM as it is; a resume and a
+    // command find every byte.
+    assert!(
+        eventually(Duration::from_secs(20), || rss_bytes(vm) + (48 << 20)
+            <= full),
+        "not offloaded again; {}",
+        daemon.log()
+    );
+    let paused = daemon.api("POST", &format!("/v1/sandboxes/{id}/pause"), None);
+    assert_eq!(paused.status, 202, "{}", paused.text());
+    assert_eq!(
+        daemon
+            .api("GET", &format!("/v1/sandboxes/{id}"), None)
+            .json()["status"]["state"],
+        "Paused"
+    );
+    let resumed = daemon.api("POST", &format!("/v1/sandboxes/{id}/resume"), None);
+    assert_eq!(resumed.status, 202, "{}", resumed.text());
+    let (stdout, code) = outcome(&daemon.command(&id, "digest"));
+    assert_eq!(
+        (stdout[0]["digest"].as_str().unwrap(), code),
+        (digest.as_str(), 0)
+    );
+    assert_eq!(
+        daemon
+            .api("DELETE", &format!("/v1/sandboxes/{id}"), None)
+            .status,
+        204
+    );
+}
