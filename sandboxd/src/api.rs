@@ -224,6 +224,16 @@ async fn json_errors(request: Request, next: Next) -> Response {
     ApiError::new(status, code, message).into_response()
 }
 
+/// `GET /metrics`: Prometheus' text format ([`crate::metrics`]).
+async fn metrics(State(app): State<Arc<App>>) -> Response {
+    let charged = app.sandboxes.charged().await;
+    let text = app
+        .sandboxes
+        .metrics
+        .render(&app.sandboxes.records(), &charged);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
 /// The server's routes.
 pub fn router(app: Arc<App>) -> Router {
     let lifecycle = Router::new()
@@ -233,6 +243,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/sandboxes/{id}/resume", post(resume))
         .route("/v1/sandboxes/{id}/renew-expiration", post(renew))
         .route("/v1/sandboxes/{id}/endpoints/{port}", get(endpoint))
+        .route("/metrics", get(metrics))
         .route_layer(middleware::from_fn_with_state(Arc::clone(&app), authorize));
     let execd = Router::new()
         .route("/sandboxes/{id}/port/{port}/ping", get(crate::execd::ping))

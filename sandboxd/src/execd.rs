@@ -200,6 +200,10 @@ pub async fn command(
     let Some((vm, permit)) = vm else {
         return Err(not_running(&record));
     };
+    app.sandboxes
+        .metrics
+        .commands
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(16);
     let sandboxes = Arc::clone(&app.sandboxes);
     tokio::spawn(async move {

@@ -5,6 +5,7 @@
 //! - [`clock`]: Unix milliseconds and RFC 3339.
 //! - [`execd`]: each sandbox's execd (`/ping`, `/command` as a server-sent event stream).
 //! - [`listener`]: the listener, a bounded number of connections at once.
+//! - [`metrics`]: `GET /metrics` in Prometheus' text format, and the counters behind it.
 //! - [`model`]: the API's wire types, states and input checks.
 //! - [`sandboxes`]: the sandboxes' records and state machine.
 //! - [`store`]: the state directory (0700, records written atomically).
@@ -18,6 +19,7 @@ pub mod api;
 pub mod clock;
 pub mod execd;
 pub mod listener;
+pub mod metrics;
 pub mod model;
 pub mod sandboxes;
 pub mod store;

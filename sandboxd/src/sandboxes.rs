@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use vmm::control::Method;
 
 use crate::clock;
+use crate::metrics::Metrics;
 use crate::model::{Create, ListQuery, State};
 use crate::store::{Record, Store, StoreError, VmRef};
 use crate::vm::{self, VmError};
@@ -128,6 +129,8 @@ pub struct Sandboxes {
     store: Store,
     limits: Limits,
     table: Mutex<HashMap<String, Slot>>,
+    /// What `GET /metrics` counts.
+    pub metrics: Metrics,
 }
 
 impl std::fmt::Debug for Sandboxes {
@@ -218,6 +221,7 @@ impl Sandboxes {
             store,
             limits,
             table: Mutex::new(table),
+            metrics: Metrics::default(),
         }
     }
 
@@ -329,6 +333,9 @@ impl Sandboxes {
                 .map(|s| s.record.memory)
                 .sum();
             if used + need > self.limits.memory_budget {
+                self.metrics
+                    .creates_refused
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 return Err(SandboxError::Capacity {
                     budget: self.limits.memory_budget,
                     used,
@@ -359,6 +366,9 @@ impl Sandboxes {
             return Err(e.into());
         }
         tracing::info!(%id, "created");
+        self.metrics
+            .creates
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let this = Arc::clone(self);
         tokio::spawn(async move { this.start_vm(id).await });
         Ok(record)
@@ -462,6 +472,7 @@ impl Sandboxes {
         // A pause of a sandbox offloaded while idle: its VM is suspended, its memory out.
         if matches!(method, Method::Suspend { .. }) && self.take_offloaded(id) {
             tracing::info!(%id, "{what} (offloaded while idle already)");
+            self.count(what, Duration::ZERO);
             return self.transition(id, to, None, None);
         }
         self.transition(id, during, None, None)?;
@@ -470,6 +481,7 @@ impl Sandboxes {
         match result {
             Ok(_) => {
                 tracing::info!(%id, ms = started.elapsed().as_millis(), "{what}");
+                self.count(what, started.elapsed());
                 self.transition(id, to, None, None)
             }
             Err(VmError::Ended(reason)) => {

@@ -826,8 +826,11 @@ fn idle_sandbox_is_offloaded_and_comes_back_on_its_next_command() {
         rss_bytes(vm),
         daemon.log()
     );
+    // (The memory goes while the offload runs; its log line comes once it is done.)
     assert!(
-        daemon.log().contains("offloaded while idle"),
+        eventually(Duration::from_secs(20), || daemon
+            .log()
+            .contains("offloaded while idle")),
         "{}",
         daemon.log()
     );
@@ -849,6 +852,27 @@ fn idle_sandbox_is_offloaded_and_comes_back_on_its_next_command() {
         "{}",
         daemon.log()
     );
+    // The metrics say so, and what the VM is charged for now.
+    let metrics = daemon.api("GET", "/metrics", None);
+    assert_eq!(metrics.status, 200, "{}", metrics.text());
+    let metrics = metrics.text();
+    let value = |line: &str| -> f64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(line)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no `{line}` in\n{metrics}"))
+    };
+    assert_eq!(value("pvisor_sandboxes{state=\"Running\"}"), 1.0);
+    assert!(value("pvisor_sandbox_idle_offloads_total") >= 1.0);
+    assert_eq!(value("pvisor_sandbox_commands_total"), 2.0);
+    assert!(value("pvisor_sandbox_resume_seconds_count{by=\"idle\"}") >= 1.0);
+    let charged = value(&format!(
+        "pvisor_sandbox_memory_charged_bytes{{id=\"{id}\"}}"
+    ));
+    assert!(charged >= f64::from(64u32 << 20), "{metrics}");
+    assert!(value("pvisor_sandboxes_memory_charged_bytes") >= charged);
+    let anonymous = request(&daemon.addr, "GET", "/metrics", &[], None);
+    assert_eq!(anonymous.status, 401);
 
     // Idle again, then paused: the pause takes the offloaded VM as it is; a resume and a
     // command find every byte.
@@ -873,6 +897,17 @@ fn idle_sandbox_is_offloaded_and_comes_back_on_its_next_command() {
         (stdout[0]["digest"].as_str().unwrap(), code),
         (digest.as_str(), 0)
     );
+    let metrics = daemon.api("GET", "/metrics", None).text();
+    for line in [
+        "pvisor_sandbox_pauses_total 1",
+        "pvisor_sandbox_resume_seconds_count{by=\"api\"} 1",
+        "pvisor_sandbox_creates_total 1",
+    ] {
+        assert!(
+            metrics.lines().any(|l| l == line),
+            "no `{line}` in\n{metrics}"
+        );
+    }
     assert_eq!(
         daemon
             .api("DELETE", &format!("/v1/sandboxes/{id}"), None)

@@ -4,8 +4,9 @@
 //! `Running` throughout (ping answers, list and get say `Running`), and a pause of an idle
 //! sandbox costs nothing more (its memory is out already).
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use vmm::control::Method;
 
@@ -81,6 +82,7 @@ impl Sandboxes {
             match result {
                 Ok(Ok(_)) => {
                     self.set_offloaded(&id, true);
+                    self.metrics.idle_offloads.fetch_add(1, Ordering::Relaxed);
                     tracing::info!(%id, ms = started.elapsed().as_millis(), "offloaded while idle");
                 }
                 Ok(Err(e)) => tracing::warn!(%id, "idle offload: {}", basics::error_chain(&e)),
@@ -113,6 +115,46 @@ impl Sandboxes {
         self.table()
             .get_mut(id)
             .is_some_and(|slot| std::mem::take(&mut slot.used.offloaded))
+    }
+
+    /// Counts a pause or resume the API asked for, done in `took`.
+    pub(super) fn count(&self, what: &str, took: Duration) {
+        match what {
+            "pause" => {
+                self.metrics.pauses.fetch_add(1, Ordering::Relaxed);
+            }
+            "resume" => self.metrics.resumes.observe(took),
+            _ => {}
+        }
+    }
+
+    /// The live sandboxes (those with a VM) and what each VM is charged for now, asked of
+    /// the VMs one after the other (`None`: no answer).
+    pub async fn charged(&self) -> Vec<crate::metrics::Charged> {
+        let live: Vec<(String, VmRef)> = self
+            .table()
+            .values()
+            .filter(|s| !s.record.state.is_final())
+            .filter_map(|s| Some((s.record.id.clone(), s.record.vm.clone()?)))
+            .collect();
+        tokio::task::spawn_blocking(move || {
+            live.into_iter()
+                .map(|(id, vm)| {
+                    let bytes = vm::call(&vm, Method::Stats).ok().and_then(|v| {
+                        let v = v.get("value").unwrap_or(&v);
+                        v["memory_charged_bytes"].as_u64()
+                    });
+                    (id, bytes)
+                })
+                .collect()
+        })
+        .await
+        .unwrap_or_default()
+    }
+
+    /// Every record, for `GET /metrics`.
+    pub fn records(&self) -> Vec<Record> {
+        self.table().values().map(|s| s.record.clone()).collect()
     }
 
     /// Notes that a command of `id` started or ended now.
@@ -156,6 +198,7 @@ impl Sandboxes {
             match resumed {
                 Ok(_) => {
                     self.set_offloaded(id, false);
+                    self.metrics.idle_resumes.observe(started.elapsed());
                     tracing::info!(%id, ms = started.elapsed().as_millis(), "back for a command");
                 }
                 Err(VmError::Ended(reason)) => {
