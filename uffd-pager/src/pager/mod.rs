@@ -514,6 +514,7 @@ impl Pager {
         }
         // SAFETY: a fresh descriptor owned by nobody else.
         let signal = unsafe { OwnedFd::from_raw_fd(signal) };
+        let huge = regions.iter().any(|r| r.kind.page_size() != PageSize::BASE);
         let shared = Arc::new(Shared {
             uffd,
             remove_events,
@@ -537,7 +538,7 @@ impl Pager {
             faults_in_flight: AtomicU64::new(0),
             fetches: fetch::Fetches::new(blocks),
             together: ahead::Together::default(),
-            stride: stride::Stride::default(),
+            stride: stride::Stride::new(huge),
             faults_seen: AtomicU64::new(0),
             latest_fault_block: AtomicU64::new(u64::MAX),
             working_set: WorkingSet::new(blocks),

@@ -39,6 +39,9 @@ pub(crate) const WINDOW: u64 = 8;
 /// The stride seen in the faults, and the blocks queued ahead of them.
 #[derive(Debug, Default)]
 pub(crate) struct Stride {
+    /// Some RAM is of huge pages: read-ahead can serve (else the fault threads skip it all,
+    /// with no lock taken on their path).
+    enabled: bool,
     seen: Mutex<Seen>,
     work: Mutex<Work>,
     /// Signalled when blocks are queued, when a fill ends, and to stop.
@@ -65,6 +68,16 @@ struct Work {
     /// Read-ahead is held (an offload runs): nothing is queued.
     held: u32,
     stop: bool,
+}
+
+impl Stride {
+    /// Read-ahead for a pager whose RAM has huge pages if `enabled`, else none.
+    pub(crate) fn new(enabled: bool) -> Self {
+        Self {
+            enabled,
+            ..Self::default()
+        }
+    }
 }
 
 impl Seen {
@@ -115,14 +128,15 @@ impl Drop for StrideHold<'_> {
 impl Shared {
     /// Whether read-ahead along a stride can serve this pager: some RAM is of huge pages.
     pub(super) fn wants_stride(&self) -> bool {
-        self.regions
-            .iter()
-            .any(|r| r.spec.kind.page_size() != PageSize::BASE)
+        self.stride.enabled
     }
 
     /// A fault at `addr` has arrived (first try): if the faults follow a stride, queues the
     /// next [`WINDOW`] blocks along it that wait in a tier worth reading ahead of.
     pub(super) fn stride_fault(&self, addr: HostAddr) {
+        if !self.stride.enabled {
+            return;
+        }
         let Some(region) = self.locate(addr) else {
             return;
         };
@@ -166,11 +180,14 @@ impl Shared {
 
     /// Whether blocks are queued to read ahead (a fault thread then fills one between polls).
     pub(super) fn stride_queued(&self) -> bool {
-        !self.stride.work.lock().queue.is_empty()
+        self.stride.enabled && !self.stride.work.lock().queue.is_empty()
     }
 
     /// Fills the next queued block, if any, into `buf`; whether one was taken.
     pub(super) fn stride_step(&self, buf: &mut [u8]) -> bool {
+        if !self.stride.enabled {
+            return false;
+        }
         let mut work = self.stride.work.lock();
         let Some((block, state)) = work.queue.pop_front() else {
             return false;
