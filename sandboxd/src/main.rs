@@ -72,24 +72,28 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 const MAX_KEY_BYTES: u64 = 4096;
 
 fn read_key(path: &Path) -> Result<Vec<u8>, Box<dyn std::error::Error>> {
-    let meta =
-        std::fs::metadata(path).map_err(|e| format!("--api-key-file {}: {e}", path.display()))?;
-    if meta.len() > MAX_KEY_BYTES {
+    let fail = |e: &dyn std::error::Error| format!("--api-key-file: {}", basics::error_chain(e));
+    // A regular file (not a link, FIFO or device), read whole only if it is small.
+    let mut file = compressed_backing::file::open_read(path).map_err(|e| fail(&e))?;
+    let meta = file.metadata().map_err(|e| fail(&e))?;
+    // Whoever can read the key can run commands in every sandbox, and so read its memory: as
+    // for a store's key (`--store-key`), the file must be this user's and private to it.
+    // SAFETY: geteuid cannot fail.
+    let own = unsafe { libc::geteuid() };
+    if meta.uid() != own || meta.mode() & 0o077 != 0 {
         return Err(format!(
-            "--api-key-file {}: longer than {MAX_KEY_BYTES} bytes",
-            path.display()
+            "--api-key-file {}: must be owned by uid {own} and readable by it alone (it is uid {}, \
+             mode {:o}): chmod 600 it",
+            path.display(),
+            meta.uid(),
+            meta.mode() & 0o7777
         )
         .into());
     }
-    if meta.mode() & 0o077 != 0 {
-        tracing::warn!(
-            "--api-key-file {} is readable by group or others (mode {:o})",
-            path.display(),
-            meta.mode() & 0o777
-        );
-    }
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("--api-key-file {}: {e}", path.display()))?;
+    let bytes = compressed_backing::file::read_to_end_bounded(&mut file, path, MAX_KEY_BYTES)
+        .map_err(|e| fail(&e))?;
+    let text = String::from_utf8(bytes)
+        .map_err(|_| format!("--api-key-file {}: not text", path.display()))?;
     let key = text.trim();
     if key.is_empty() || key.chars().any(|c| c.is_control()) {
         return Err(format!(

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 use common::{alive, outcome, request, send_raw, skip, vm_pids, Daemon};
+use testkit::rss_bytes;
 
 #[test]
 fn sandbox_runs_commands_pauses_resumes_and_is_deleted() {
@@ -201,21 +202,6 @@ fn vm_pid(daemon: &Daemon, id: &str) -> u32 {
     let identity: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     u32::try_from(identity["pid"].as_u64().unwrap()).unwrap()
-}
-
-/// The resident memory of process `pid`.
-fn rss_bytes(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .unwrap()
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .unwrap();
-    kib << 10
 }
 
 #[test]
@@ -755,7 +741,7 @@ fn daemon_stopped_with_sigterm_stops_its_vms_and_keeps_their_records() {
 fn daemon_refuses_to_start_without_a_key_or_off_loopback_without_auth() {
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
-    let run = |args: &[&str]| {
+    let run = move |args: &[&str]| {
         Command::new(common::binary())
             .args([
                 "--state",
@@ -778,6 +764,7 @@ fn daemon_refuses_to_start_without_a_key_or_off_loopback_without_auth() {
     );
     let empty = dir.path().join("empty");
     std::fs::write(&empty, "\n").unwrap();
+    std::fs::set_permissions(&empty, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
     let out = run(&[
         "--listen",
         "127.0.0.1:0",
@@ -789,6 +776,34 @@ fn daemon_refuses_to_start_without_a_key_or_off_loopback_without_auth() {
         String::from_utf8_lossy(&out.stderr).contains("non-empty"),
         "{out:?}"
     );
+    // A key others can read (whoever reads it can run commands in every sandbox), a FIFO (its
+    // read would never end), a symbolic link: refused at once, each saying why.
+    let shared = dir.path().join("shared");
+    std::fs::write(&shared, "a-key\n").unwrap();
+    std::fs::set_permissions(&shared, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    let fifo = dir.path().join("fifo");
+    testkit::mkfifo(&fifo);
+    let link = dir.path().join("link");
+    std::os::unix::fs::symlink(&empty, &link).unwrap();
+    for (key, why) in [(&shared, "chmod 600"), (&fifo, "FIFO"), (&link, "link")] {
+        let out = testkit::within(Duration::from_secs(10), "starting on a bad key file", {
+            let key = key.clone();
+            let run = run.clone();
+            move || {
+                run(&[
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--api-key-file",
+                    key.to_str().unwrap(),
+                ])
+            }
+        });
+        assert!(!out.status.success(), "{key:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains(why),
+            "{key:?}: {out:?}"
+        );
+    }
 }
 
 /// Waits (at most `within`) until `ok` holds; false if it never did.

@@ -105,6 +105,22 @@ pub fn mkfifo(path: &Path) {
     );
 }
 
+/// The resident memory of process `pid` (`VmRSS`), bytes.
+pub fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_else(|e| panic!("/proc/{pid}/status: {e}"));
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .unwrap_or_else(|| panic!("process {pid} has no VmRSS"))
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("process {pid}'s VmRSS: {e}"));
+    kib << 10
+}
+
 /// The permission bits of `path` itself (a link is not followed), setuid and sticky included.
 pub fn mode(path: &Path) -> u32 {
     std::fs::symlink_metadata(path)

@@ -1019,21 +1019,6 @@ fn cli_operator_resume_before_the_answer_gives_the_wait_back_to_wait_management(
     assert_eq!(results[1]["digest"].as_str(), Some(before.as_str()));
 }
 
-/// The resident memory of process `pid`, bytes.
-fn rss_bytes(pid: u64) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .unwrap()
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .unwrap();
-    kib << 10
-}
-
 /// Runs `pvisor ARGS` and fails unless it succeeds within `secs` (killed then).
 fn answers_within(runtime: &Path, args: &[&str], secs: f64) {
     let started = std::time::Instant::now();
@@ -1070,7 +1055,7 @@ fn cli_control_socket_floods_and_huge_lines_do_not_starve_or_bloat_the_vm() {
     let socket = std::path::PathBuf::from(vm.identity["socket"].as_str().unwrap());
     // The VM runs with the usual default descriptor limit.
     set_fd_limit(pid, 1024);
-    let before = rss_bytes(pid);
+    let before = testkit::rss_bytes(u32::try_from(pid).unwrap());
     let stop = std::sync::atomic::AtomicBool::new(false);
     /// Stops the trickle however the scope ends (a failed check included).
     struct StopOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
@@ -1120,7 +1105,7 @@ fn cli_control_socket_floods_and_huge_lines_do_not_starve_or_bloat_the_vm() {
                 3.0,
             );
         }
-        let grown = rss_bytes(pid).saturating_sub(before);
+        let grown = testkit::rss_bytes(u32::try_from(pid).unwrap()).saturating_sub(before);
         assert!(grown < 64 << 20, "the VM process grew by {grown} bytes");
         stop.store(true, std::sync::atomic::Ordering::SeqCst);
         trickling.join().unwrap();
