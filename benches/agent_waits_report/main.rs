@@ -47,7 +47,6 @@ use common::host::TempRoot;
 use common::replay::Timeline;
 use common::results::Results;
 use common::Res;
-use replay::Record as _;
 
 /// The trajectory of the scaled bench, from the workspace root.
 const TRAJECTORY: &str = "docs/trajectories/qutebrowser-667-scaled.json";
@@ -347,7 +346,7 @@ fn run() -> Res<()> {
                     )
                     .into());
                 }
-                outcome.record(vms, strategy, round, &mut results, &mut log);
+                replay::record(outcome, vms, strategy, round, &mut results, &mut log);
             }
         }
         common::end_round("agent_waits_report", &mut results, round, round_started);

@@ -44,131 +44,117 @@ pub fn run(settings: &Settings, vms: usize, strategy: Strategy, samples: &Path) 
     .run(samples, None)
 }
 
-/// A replay's outcome put into this bench's results.
-pub trait Record {
-    /// Records the run as round `round` of `vms` VMs under `strategy`.
-    fn record(
-        self,
-        vms: usize,
-        strategy: Strategy,
-        round: usize,
-        results: &mut Results,
-        log: &mut Log,
-    );
-}
-
-impl Record for Outcome {
-    fn record(
-        self,
-        vms: usize,
-        strategy: Strategy,
-        round: usize,
-        results: &mut Results,
-        log: &mut Log,
-    ) {
-        let mut put = |quantity: &str, unit: &'static str, value: f64| {
-            results.put(&key(vms, strategy, quantity), unit, round, value);
+/// Records `outcome` as round `round` of `vms` VMs under `strategy`.
+pub fn record(
+    outcome: Outcome,
+    vms: usize,
+    strategy: Strategy,
+    round: usize,
+    results: &mut Results,
+    log: &mut Log,
+) {
+    let mut put = |quantity: &str, unit: &'static str, value: f64| {
+        results.put(&key(vms, strategy, quantity), unit, round, value);
+    };
+    let flag = |ok: bool| if ok { 1.0 } else { 0.0 };
+    put("integrity_passed", "1 = passed", flag(outcome.passed()));
+    let code = outcome
+        .status
+        .and_then(|s| s.code())
+        .map_or(f64::NAN, f64::from);
+    put("exit_status", "code", code);
+    put("wall_s", "s", outcome.wall_s);
+    let numbers: [(&str, &'static str, &[&str]); 17] = [
+        (
+            "charged_gib_s",
+            "GiB·s per task",
+            &["memory_charged_gib_s_per_task"],
+        ),
+        // The VM processes' CPU, and the replay's own (sampler, model server) apart.
+        ("cpu_s", "s", &["cpu", "vms_s"]),
+        ("replay_cpu_s", "s", &["cpu", "replay_s"]),
+        (
+            "guest_pss_gib_s",
+            "GiB·s per task",
+            &["guest_pss_gib_s_per_task"],
+        ),
+        (
+            "cgroup_gib_s",
+            "GiB·s per task",
+            &["cgroup_mem_gib_s_per_task"],
+        ),
+        ("window_s", "s", &["completion_window_s"]),
+        (
+            "throughput_per_min",
+            "tasks/min",
+            &["throughput_tasks_per_min"],
+        ),
+        ("requests_served", "requests", &["model_requests_served"]),
+        ("samples", "samples", &["sampling", "samples"]),
+        ("largest_gap_s", "s", &["sampling", "largest_gap_s"]),
+        ("long_gaps", "gaps", &["sampling", "long_gaps"]),
+        ("dropped", "readings", &["sampling", "dropped"]),
+        ("sampling_passed", "1 = passed", &["sampling", "passed"]),
+        // What wait management did, summed over the VMs (NaN without it).
+        ("offloads", "offloads", &["wait", "offloads"]),
+        ("offload_ms", "ms", &["wait", "offload_ms"]),
+        (
+            "skipped_for_cooldown",
+            "waits",
+            &["wait", "skipped_for_cooldown"],
+        ),
+        ("skipped_for_gain", "waits", &["wait", "skipped_for_gain"]),
+    ];
+    for (quantity, unit, path) in numbers {
+        let value = if quantity == "sampling_passed" {
+            let passed = outcome
+                .summary
+                .as_ref()
+                .map(|s| s["sampling"]["passed"] == true);
+            passed.map_or(f64::NAN, flag)
+        } else {
+            outcome.number(path)
         };
-        let flag = |ok: bool| if ok { 1.0 } else { 0.0 };
-        put("integrity_passed", "1 = passed", flag(self.passed()));
-        let code = self
-            .status
-            .and_then(|s| s.code())
-            .map_or(f64::NAN, f64::from);
-        put("exit_status", "code", code);
-        put("wall_s", "s", self.wall_s);
-        let numbers: [(&str, &'static str, &[&str]); 17] = [
-            (
-                "charged_gib_s",
-                "GiB·s per task",
-                &["memory_charged_gib_s_per_task"],
-            ),
-            // The VM processes' CPU, and the replay's own (sampler, model server) apart.
-            ("cpu_s", "s", &["cpu", "vms_s"]),
-            ("replay_cpu_s", "s", &["cpu", "replay_s"]),
-            (
-                "guest_pss_gib_s",
-                "GiB·s per task",
-                &["guest_pss_gib_s_per_task"],
-            ),
-            (
-                "cgroup_gib_s",
-                "GiB·s per task",
-                &["cgroup_mem_gib_s_per_task"],
-            ),
-            ("window_s", "s", &["completion_window_s"]),
-            (
-                "throughput_per_min",
-                "tasks/min",
-                &["throughput_tasks_per_min"],
-            ),
-            ("requests_served", "requests", &["model_requests_served"]),
-            ("samples", "samples", &["sampling", "samples"]),
-            ("largest_gap_s", "s", &["sampling", "largest_gap_s"]),
-            ("long_gaps", "gaps", &["sampling", "long_gaps"]),
-            ("dropped", "readings", &["sampling", "dropped"]),
-            ("sampling_passed", "1 = passed", &["sampling", "passed"]),
-            // What wait management did, summed over the VMs (NaN without it).
-            ("offloads", "offloads", &["wait", "offloads"]),
-            ("offload_ms", "ms", &["wait", "offload_ms"]),
-            (
-                "skipped_for_cooldown",
-                "waits",
-                &["wait", "skipped_for_cooldown"],
-            ),
-            ("skipped_for_gain", "waits", &["wait", "skipped_for_gain"]),
-        ];
-        for (quantity, unit, path) in numbers {
-            let value = if quantity == "sampling_passed" {
-                let passed = self
-                    .summary
-                    .as_ref()
-                    .map(|s| s["sampling"]["passed"] == true);
-                passed.map_or(f64::NAN, flag)
-            } else {
-                self.number(path)
-            };
-            put(quantity, unit, value);
-        }
-        // What one offload took, over all the VMs' offloads.
-        let offloads = self.number(&["wait", "offloads"]);
-        if offloads > 0.0 {
-            put(
-                "ms_per_offload",
-                "ms",
-                self.number(&["wait", "offload_ms"]) / offloads,
-            );
-        }
-        let completions = self.completions();
-        if !completions.is_empty() {
-            let mean = completions.iter().sum::<f64>() / completions.len() as f64;
-            let min = completions.iter().copied().fold(f64::INFINITY, f64::min);
-            put("completion_mean_s", "s", mean);
-            put("completion_min_s", "s", min);
-        }
-        if self.sampling_only() {
-            log.sampling_only += 1;
-        }
-        if !self.passed() {
-            log.failures.push(format!(
-                "round {}, {vms} VM(s), {}: {}",
-                round + 1,
-                strategy.key(),
-                self.failure()
-            ));
-        }
-        let digest = self
-            .summary
-            .as_ref()
-            .and_then(|s| s["results_digest"].as_str())
-            .unwrap_or(NO_DIGEST)
-            .to_owned();
-        *log.digests.entry(digest).or_default() += 1;
-        if self.summary.is_some() {
-            log.summaries += 1;
-        }
-        if let Some(timeline) = self.timeline {
-            log.timelines.insert((vms, strategy, round), timeline);
-        }
+        put(quantity, unit, value);
+    }
+    // What one offload took, over all the VMs' offloads.
+    let offloads = outcome.number(&["wait", "offloads"]);
+    if offloads > 0.0 {
+        put(
+            "ms_per_offload",
+            "ms",
+            outcome.number(&["wait", "offload_ms"]) / offloads,
+        );
+    }
+    let completions = outcome.completions();
+    if !completions.is_empty() {
+        let mean = completions.iter().sum::<f64>() / completions.len() as f64;
+        let min = completions.iter().copied().fold(f64::INFINITY, f64::min);
+        put("completion_mean_s", "s", mean);
+        put("completion_min_s", "s", min);
+    }
+    if outcome.sampling_only() {
+        log.sampling_only += 1;
+    }
+    if !outcome.passed() {
+        log.failures.push(format!(
+            "round {}, {vms} VM(s), {}: {}",
+            round + 1,
+            strategy.key(),
+            outcome.failure()
+        ));
+    }
+    let digest = outcome
+        .summary
+        .as_ref()
+        .and_then(|s| s["results_digest"].as_str())
+        .unwrap_or(NO_DIGEST)
+        .to_owned();
+    *log.digests.entry(digest).or_default() += 1;
+    if outcome.summary.is_some() {
+        log.summaries += 1;
+    }
+    if let Some(timeline) = outcome.timeline {
+        log.timelines.insert((vms, strategy, round), timeline);
     }
 }

@@ -3,6 +3,7 @@
 //! sandbox (start, pause, resume, stop); commands run beside them, the VM serializing them.
 
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -15,6 +16,7 @@ use crate::store::{Record, Store, StoreError, VmRef};
 use crate::vm::{self, VmError};
 
 mod idle;
+mod measure;
 
 /// Errors of a sandbox operation.
 #[derive(Debug, thiserror::Error)]
@@ -333,9 +335,7 @@ impl Sandboxes {
                 .map(|s| s.record.memory)
                 .sum();
             if used + need > self.limits.memory_budget {
-                self.metrics
-                    .creates_refused
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.metrics.creates_refused.fetch_add(1, Ordering::Relaxed);
                 return Err(SandboxError::Capacity {
                     budget: self.limits.memory_budget,
                     used,
@@ -366,9 +366,7 @@ impl Sandboxes {
             return Err(e.into());
         }
         tracing::info!(%id, "created");
-        self.metrics
-            .creates
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.metrics.creates.fetch_add(1, Ordering::Relaxed);
         let this = Arc::clone(self);
         tokio::spawn(async move { this.start_vm(id).await });
         Ok(record)
@@ -413,6 +411,17 @@ impl Sandboxes {
         }
     }
 
+    /// Stops the VM of `record` (its files go with it), or removes the files of one that never
+    /// came up, off the runtime.
+    async fn stop_vm(&self, record: Record) -> Result<(), SandboxError> {
+        tokio::task::spawn_blocking(move || match &record.vm {
+            Some(vm) => vm::stop(vm),
+            None => vm::remove_files(&record.id),
+        })
+        .await?;
+        Ok(())
+    }
+
     /// Deletes a sandbox: its VM stopped, its files and record removed.
     pub async fn delete(&self, id: &str) -> Result<(), SandboxError> {
         let ops = self.ops(id)?;
@@ -421,12 +430,7 @@ impl Sandboxes {
         if !record.state.is_final() {
             self.transition(id, State::Stopping, Some("DELETED"), None)?;
         }
-        let job = id.to_owned();
-        tokio::task::spawn_blocking(move || match &record.vm {
-            Some(vm) => vm::stop(vm),
-            None => vm::remove_files(&job),
-        })
-        .await?;
+        self.stop_vm(record).await?;
         let writes = {
             let mut table = self.table();
             table.remove(id);
@@ -437,14 +441,15 @@ impl Sandboxes {
         Ok(())
     }
 
-    /// Runs a VM request for a transition `from` → (`during`) → `to`.
+    /// Runs a VM request for a transition `from` → (`during`) → `to`; the new record and how
+    /// long the VM took (nothing, for a pause of a sandbox offloaded while idle).
     async fn switch(
         &self,
         id: &str,
         what: &'static str,
         (from, during, to): (State, State, State),
         method: Method,
-    ) -> Result<Record, SandboxError> {
+    ) -> Result<(Record, Duration), SandboxError> {
         let ops = self.ops(id)?;
         // A second request while one is in progress sees its in-between state.
         // The daemon's own idle offload is waited for: the client asked for nothing else.
@@ -472,17 +477,16 @@ impl Sandboxes {
         // A pause of a sandbox offloaded while idle: its VM is suspended, its memory out.
         if matches!(method, Method::Suspend { .. }) && self.take_offloaded(id) {
             tracing::info!(%id, "{what} (offloaded while idle already)");
-            self.count(what, Duration::ZERO);
-            return self.transition(id, to, None, None);
+            return Ok((self.transition(id, to, None, None)?, Duration::ZERO));
         }
         self.transition(id, during, None, None)?;
         let started = Instant::now();
         let result = tokio::task::spawn_blocking(move || vm::call(&vm, method)).await?;
         match result {
             Ok(_) => {
-                tracing::info!(%id, ms = started.elapsed().as_millis(), "{what}");
-                self.count(what, started.elapsed());
-                self.transition(id, to, None, None)
+                let took = started.elapsed();
+                tracing::info!(%id, ms = took.as_millis(), "{what}");
+                Ok((self.transition(id, to, None, None)?, took))
             }
             Err(VmError::Ended(reason)) => {
                 self.transition(id, State::Failed, Some("VM_ENDED"), Some(reason.clone()))?;
@@ -509,14 +513,19 @@ impl Sandboxes {
             offload: true,
             ram_file: None,
         };
-        self.switch(id, "pause", states, method).await
+        let (paused, _) = self.switch(id, "pause", states, method).await?;
+        self.metrics.pauses.fetch_add(1, Ordering::Relaxed);
+        Ok(paused)
     }
 
     /// Resumes a paused sandbox (its memory comes back as it is touched).
     pub async fn resume(&self, id: &str) -> Result<Record, SandboxError> {
         let states = (State::Paused, State::Resuming, State::Running);
-        self.switch(id, "resume", states, Method::Resume { eager: false })
-            .await
+        let (resumed, took) = self
+            .switch(id, "resume", states, Method::Resume { eager: false })
+            .await?;
+        self.metrics.resumes.observe(took);
+        Ok(resumed)
     }
 
     /// Sets a live sandbox's expiry.
@@ -592,12 +601,7 @@ impl Sandboxes {
             return Ok(());
         }
         self.transition(id, State::Stopping, Some("EXPIRED"), None)?;
-        let job = id.to_owned();
-        tokio::task::spawn_blocking(move || match &record.vm {
-            Some(vm) => vm::stop(vm),
-            None => vm::remove_files(&job),
-        })
-        .await?;
+        self.stop_vm(record).await?;
         let writes = {
             let mut table = self.table();
             if let Some(slot) = table.get_mut(id) {
@@ -644,12 +648,7 @@ impl Sandboxes {
         if record.state.is_final() {
             return Ok(());
         }
-        let job = id.to_owned();
-        tokio::task::spawn_blocking(move || match &record.vm {
-            Some(vm) => vm::stop(vm),
-            None => vm::remove_files(&job),
-        })
-        .await?;
+        self.stop_vm(record).await?;
         self.update(id, |r| {
             r.state = State::Failed;
             r.reason = Some("DAEMON_STOPPED".into());

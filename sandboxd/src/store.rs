@@ -334,8 +334,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let root = dir.path().join("state");
         let store = Store::open(&root).expect("opens");
-        let meta = std::fs::metadata(&root).expect("exists");
-        assert_eq!(meta.mode() & 0o777, 0o700);
+        assert_eq!(testkit::mode(&root), 0o700);
         let mut r = record("sb-0123456789ab");
         store.save(&r).expect("saves");
         r.state = State::Paused;
@@ -375,10 +374,9 @@ mod tests {
         .expect("symlink");
         store.save(&r).expect("saves");
         assert_eq!(std::fs::read(&victim).expect("victim"), b"precious");
-        let meta =
-            std::fs::symlink_metadata(root.join("sandboxes/sb-0123456789ab.json")).expect("record");
-        assert!(meta.is_file());
-        assert_eq!(meta.mode() & 0o777, 0o600);
+        let saved = root.join("sandboxes/sb-0123456789ab.json");
+        assert!(std::fs::symlink_metadata(&saved).expect("record").is_file());
+        assert_eq!(testkit::mode(&saved), 0o600);
         let (loaded, skipped) = store.load_all();
         assert_eq!(loaded, vec![r]);
         assert_eq!(skipped.len(), 1, "{skipped:?}");

@@ -6,7 +6,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use vmm::control::Method;
 
@@ -115,46 +115,6 @@ impl Sandboxes {
         self.table()
             .get_mut(id)
             .is_some_and(|slot| std::mem::take(&mut slot.used.offloaded))
-    }
-
-    /// Counts a pause or resume the API asked for, done in `took`.
-    pub(super) fn count(&self, what: &str, took: Duration) {
-        match what {
-            "pause" => {
-                self.metrics.pauses.fetch_add(1, Ordering::Relaxed);
-            }
-            "resume" => self.metrics.resumes.observe(took),
-            _ => {}
-        }
-    }
-
-    /// The live sandboxes (those with a VM) and what each VM is charged for now, asked of
-    /// the VMs one after the other (`None`: no answer).
-    pub async fn charged(&self) -> Vec<crate::metrics::Charged> {
-        let live: Vec<(String, VmRef)> = self
-            .table()
-            .values()
-            .filter(|s| !s.record.state.is_final())
-            .filter_map(|s| Some((s.record.id.clone(), s.record.vm.clone()?)))
-            .collect();
-        tokio::task::spawn_blocking(move || {
-            live.into_iter()
-                .map(|(id, vm)| {
-                    let bytes = vm::call(&vm, Method::Stats).ok().and_then(|v| {
-                        let v = v.get("value").unwrap_or(&v);
-                        v["memory_charged_bytes"].as_u64()
-                    });
-                    (id, bytes)
-                })
-                .collect()
-        })
-        .await
-        .unwrap_or_default()
-    }
-
-    /// Every record, for `GET /metrics`.
-    pub fn records(&self) -> Vec<Record> {
-        self.table().values().map(|s| s.record.clone()).collect()
     }
 
     /// Notes that a command of `id` started or ended now.
