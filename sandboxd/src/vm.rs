@@ -244,6 +244,14 @@ mod tests {
         let path = runtime::identity_path(job);
         std::fs::write(&path, serde_json::to_vec(&identity).expect("json")).expect("identity");
         let vm = vm_ref(identity);
+        // The child runs the test's own command line until its exec of `sh`: wait for that.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !std::fs::read(format!("/proc/{}/cmdline", child.id()))
+            .is_ok_and(|c| c.starts_with(b"sh\0"))
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
         let this = is_this_vm(&vm);
         let other_attempt = is_this_vm(&VmRef {
             attempt: "a2".into(),
