@@ -42,6 +42,11 @@ struct Cli {
     /// Serve without an API key (only on a loopback address).
     #[arg(long, conflicts_with = "api_key_file")]
     no_auth: bool,
+    /// Stop every sandbox's VM when the daemon is told to stop (SIGTERM, SIGINT); each
+    /// becomes `Failed` (`DAEMON_STOPPED`). Without it the VMs run on, keeping their memory,
+    /// and the next start on the same `--state` re-adopts them.
+    #[arg(long)]
+    stop_on_exit: bool,
 }
 
 /// `--idle-offload`: a whole number of seconds or minutes (`30s`, `5m`; `0`: never).
@@ -122,6 +127,7 @@ fn serve(cli: Cli) -> MainResult {
         return Err("--vm-memory must be more than 0 and fit in --memory-budget".into());
     }
     let store = Store::open(&cli.state)?;
+    let state_dir = cli.state.clone();
     // The sandboxes' VMs keep their sockets and files under the state directory. Set before
     // any thread starts; the VM processes inherit it.
     std::env::set_var("PVISOR_RUNTIME_DIR", store.vms_dir());
@@ -140,6 +146,7 @@ fn serve(cli: Cli) -> MainResult {
         let bound = listener.local_addr()?;
         let sandboxes =
             Arc::new(tokio::task::spawn_blocking(move || Sandboxes::load(store, limits)).await?);
+        sandboxes.start_pending();
         let app = Arc::new(App {
             sandboxes: Arc::clone(&sandboxes),
             api_key,
@@ -186,9 +193,17 @@ fn serve(cli: Cli) -> MainResult {
             }
         }
         ticker.abort();
-        // This step cannot re-adopt VMs: none is left running with nobody to stop it.
-        sandboxes.shutdown().await;
-        tracing::info!("pvisor-sandboxd: stopped, and its sandboxes' VMs");
+        if cli.stop_on_exit {
+            sandboxes.shutdown().await;
+            tracing::info!("pvisor-sandboxd: stopped, and its sandboxes' VMs");
+        } else {
+            tracing::info!(
+                "pvisor-sandboxd: stopped; {} live sandboxes run on, and the next start on {} \
+                 re-adopts them",
+                sandboxes.live(),
+                state_dir.display()
+            );
+        }
         Ok(ExitCode::SUCCESS)
     })
 }

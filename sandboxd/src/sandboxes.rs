@@ -15,6 +15,7 @@ use crate::model::{Create, ListQuery, State};
 use crate::store::{Record, Store, StoreError, VmRef};
 use crate::vm::{self, VmError};
 
+mod adopt;
 mod idle;
 mod measure;
 
@@ -175,58 +176,6 @@ pub fn random_hex(n: usize) -> Result<String, std::io::Error> {
 }
 
 impl Sandboxes {
-    /// The sandboxes kept in `store`. This step does not re-adopt VMs: a sandbox a previous
-    /// daemon left live has its VM stopped and becomes `Failed` (`DAEMON_RESTARTED`).
-    pub fn load(store: Store, limits: Limits) -> Sandboxes {
-        let (records, skipped) = store.load_all();
-        for why in skipped {
-            tracing::warn!("state directory: skipped {why}");
-        }
-        let mut table = HashMap::new();
-        for mut record in records {
-            if record.state == State::Terminated {
-                let _ = store.remove(&record.id);
-                continue;
-            }
-            if !record.state.is_final() {
-                // A VM still starting when the previous daemon died is not in its record
-                // yet, only in its job directory.
-                if let Some(vm) = record.vm.take().or_else(|| vm::left_in(&record.id)) {
-                    vm::stop(&vm);
-                }
-                vm::remove_files(&record.id);
-                record.state = State::Failed;
-                record.reason = Some("DAEMON_RESTARTED".into());
-                record.message = Some(
-                    "the daemon restarted; re-adopting live sandboxes comes in a later step, \
-                     so its VM was stopped"
-                        .into(),
-                );
-                record.transition_ms = clock::now_ms();
-                if let Err(e) = store.save(&record) {
-                    tracing::warn!(id = %record.id, "{}", basics::error_chain(&e));
-                }
-                tracing::info!(id = %record.id, "left by the previous daemon: failed");
-            }
-            table.insert(
-                record.id.clone(),
-                Slot {
-                    record,
-                    ops: Arc::default(),
-                    commands: Arc::new(tokio::sync::Semaphore::new(MAX_COMMANDS)),
-                    ended: None,
-                    used: idle::Use::default(),
-                },
-            );
-        }
-        Sandboxes {
-            store,
-            limits,
-            table: Mutex::new(table),
-            metrics: Metrics::default(),
-        }
-    }
-
     fn table(&self) -> std::sync::MutexGuard<'_, HashMap<String, Slot>> {
         self.table.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -347,16 +296,7 @@ impl Sandboxes {
                 .find(|id| !table.contains_key(id))
                 .expect("the ids never run out");
             record.id = id.clone();
-            table.insert(
-                id,
-                Slot {
-                    record: record.clone(),
-                    ops: Arc::default(),
-                    commands: Arc::new(tokio::sync::Semaphore::new(MAX_COMMANDS)),
-                    ended: None,
-                    used: idle::Use::default(),
-                },
-            );
+            table.insert(id, Slot::new(record.clone(), idle::Use::default()));
             self.store.writes()
         };
         let id = record.id.clone();
@@ -619,9 +559,17 @@ impl Sandboxes {
         Ok(())
     }
 
-    /// Stops every sandbox's VM as the daemon stops (this step cannot re-adopt them, so none
-    /// is left running with nobody to stop it): each waits for the operation in progress on
-    /// it, then is `Failed` (`DAEMON_STOPPED`), its files removed, its record kept.
+    /// How many sandboxes are live (not `Failed` or `Terminated`).
+    pub fn live(&self) -> usize {
+        self.table()
+            .values()
+            .filter(|s| !s.record.state.is_final())
+            .count()
+    }
+
+    /// Stops every sandbox's VM as the daemon stops (`--stop-on-exit`): each waits for the
+    /// operation in progress on it, then is `Failed` (`DAEMON_STOPPED`), its files removed,
+    /// its record kept.
     pub async fn shutdown(self: &Arc<Self>) {
         let ids: Vec<String> = self
             .table()
@@ -652,11 +600,7 @@ impl Sandboxes {
         self.update(id, |r| {
             r.state = State::Failed;
             r.reason = Some("DAEMON_STOPPED".into());
-            r.message = Some(
-                "the daemon stopped; re-adopting live sandboxes comes in a later step, so its \
-                 VM was stopped"
-                    .into(),
-            );
+            r.message = Some("the daemon stopped with --stop-on-exit, and its VM with it".into());
             r.transition_ms = clock::now_ms();
             r.vm = None;
         })?;

@@ -142,6 +142,14 @@ impl Daemon {
         status
     }
 
+    /// The VM process of sandbox `id` (from its identity file).
+    pub fn vm_pid(&self, id: &str) -> u32 {
+        let path = self.state().join("vms").join(id).join("vm.json");
+        let identity: Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        u32::try_from(identity["pid"].as_u64().unwrap()).unwrap()
+    }
+
     /// The state directory.
     pub fn state(&self) -> PathBuf {
         self.dir.path().join("state")
