@@ -227,10 +227,11 @@ async fn json_errors(request: Request, next: Next) -> Response {
 /// `GET /metrics`: Prometheus' text format ([`crate::metrics`]).
 async fn metrics(State(app): State<Arc<App>>) -> Response {
     let charged = app.sandboxes.charged().await;
+    let (room, status) = app.sandboxes.governor();
     let text = app
         .sandboxes
         .metrics
-        .render(&app.sandboxes.records(), &charged);
+        .render(&app.sandboxes.records(), &charged, &room, &status);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
@@ -317,7 +318,7 @@ async fn create(
 ) -> Result<Response, ApiError> {
     let bytes = read_body(&headers, request).await?;
     let create = parse_json::<CreateRequest>(&bytes)?.check()?;
-    let record = app.sandboxes.create(create)?;
+    let record = app.sandboxes.create(create).await?;
     Ok(json_response(StatusCode::ACCEPTED, &body(&record)))
 }
 

@@ -18,6 +18,7 @@
 pub mod api;
 pub mod clock;
 pub mod execd;
+pub mod governed;
 pub mod listener;
 pub mod metrics;
 pub mod model;

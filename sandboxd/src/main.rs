@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use sandboxd::api::{self, App};
+use sandboxd::governed::Governed;
 use sandboxd::listener::{Bounded, FIRST_BYTE_TIMEOUT, MAX_CONNECTIONS};
 use sandboxd::sandboxes::{Limits, Sandboxes};
 use sandboxd::store::Store;
@@ -18,7 +19,7 @@ use vmm::detached;
 /// Serve OpenSandbox's lifecycle API and a minimal execd; every sandbox is a pvisor VM
 /// running the workload guest (template `pvisor:workload`).
 #[derive(Debug, Parser)]
-#[command(name = "pvisor-sandboxd", version, about, long_about = None)]
+#[command(name = "pvisor-sandboxd", version, about, long_about = None, args_override_self = true)]
 struct Cli {
     /// The address to serve on (`127.0.0.1:PORT`; port 0: any free one, printed at start).
     #[arg(long, value_name = "ADDR")]
@@ -26,9 +27,20 @@ struct Cli {
     /// The state directory (created 0700): sandbox records and the VMs' files.
     #[arg(long, value_name = "DIR")]
     state: PathBuf,
-    /// Guest RAM all live sandboxes may have together (a create past it is refused, 429).
+    /// The memory all sandboxes' VMs may be charged together (their memory cgroups' usage,
+    /// kept there by the memory governor). A create waits for room in it, then is refused
+    /// (429).
     #[arg(long, value_name = "SIZE", value_parser = basics::parse_size)]
     memory_budget: u64,
+    /// How long a create waits for room in the memory budget before it is refused: `30s`,
+    /// `2m`; `0`: refused at once.
+    #[arg(long, value_name = "TIME", default_value = "30s", value_parser = parse_idle)]
+    admission_timeout: Duration,
+    /// What a create leaves free in the memory budget, beyond what the sandboxes hold and
+    /// cannot give back (each VM's floor, commands running), for commands to run in: about
+    /// the working set of the largest command.
+    #[arg(long, value_name = "SIZE", default_value = "128MiB", value_parser = basics::parse_size)]
+    admission_reserve: u64,
     /// Guest RAM of each sandbox's VM.
     #[arg(long, value_name = "SIZE", default_value = "512MiB", value_parser = basics::parse_size)]
     vm_memory: u64,
@@ -49,7 +61,8 @@ struct Cli {
     stop_on_exit: bool,
 }
 
-/// `--idle-offload`: a whole number of seconds or minutes (`30s`, `5m`; `0`: never).
+/// `--idle-offload` and `--admission-timeout`: a whole number of seconds or minutes (`30s`,
+/// `5m`; `0`: never, or not at all).
 fn parse_idle(text: &str) -> Result<Duration, String> {
     let bad = || format!("`{text}`: expected seconds or minutes, as 30s or 5m (0: never)");
     if text == "0" {
@@ -123,8 +136,12 @@ fn serve(cli: Cli) -> MainResult {
         }
         _ => return Err("give --api-key-file F, or --no-auth on a loopback address".into()),
     };
-    if cli.vm_memory == 0 || cli.vm_memory > cli.memory_budget {
-        return Err("--vm-memory must be more than 0 and fit in --memory-budget".into());
+    // A VM's guest RAM may pass the budget: the governor keeps what is resident inside it.
+    if cli.vm_memory == 0 {
+        return Err("--vm-memory must be more than 0".into());
+    }
+    if cli.admission_reserve >= cli.memory_budget {
+        return Err("--admission-reserve must be less than --memory-budget".into());
     }
     let store = Store::open(&cli.state)?;
     let state_dir = cli.state.clone();
@@ -132,8 +149,12 @@ fn serve(cli: Cli) -> MainResult {
     // any thread starts; the VM processes inherit it.
     std::env::set_var("PVISOR_RUNTIME_DIR", store.vms_dir());
     vmm::runtime::ensure_runtime_dir()?;
+    // The VMs' budget cgroup and their governor, before any VM (re-adopted ones included)
+    // needs them.
+    let governed = Governed::start(&cli.state, cli.memory_budget)?;
     let limits = Limits {
-        memory_budget: cli.memory_budget,
+        admission_timeout: cli.admission_timeout,
+        admission_reserve: cli.admission_reserve,
         vm_memory: cli.vm_memory,
         idle_offload: (!cli.idle_offload.is_zero()).then_some(cli.idle_offload),
     };
@@ -144,8 +165,9 @@ fn serve(cli: Cli) -> MainResult {
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(cli.listen).await?;
         let bound = listener.local_addr()?;
-        let sandboxes =
-            Arc::new(tokio::task::spawn_blocking(move || Sandboxes::load(store, limits)).await?);
+        let sandboxes = Arc::new(
+            tokio::task::spawn_blocking(move || Sandboxes::load(store, limits, governed)).await?,
+        );
         sandboxes.start_pending();
         let app = Arc::new(App {
             sandboxes: Arc::clone(&sandboxes),
@@ -195,8 +217,11 @@ fn serve(cli: Cli) -> MainResult {
         ticker.abort();
         if cli.stop_on_exit {
             sandboxes.shutdown().await;
+            sandboxes.stop_governor(true);
             tracing::info!("pvisor-sandboxd: stopped, and its sandboxes' VMs");
         } else {
+            // An empty budget cgroup goes; one with VMs in it waits for the next daemon.
+            sandboxes.stop_governor(sandboxes.live() == 0);
             tracing::info!(
                 "pvisor-sandboxd: stopped; {} live sandboxes run on, and the next start on {} \
                  re-adopts them",

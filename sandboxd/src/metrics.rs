@@ -7,6 +7,7 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::governed::Room;
 use crate::model::State;
 use crate::store::Record;
 
@@ -74,6 +75,8 @@ pub struct Metrics {
     /// Sandboxes offloaded while idle brought back for a command, by how long that took (the
     /// latency the command's client saw before its command started).
     pub idle_resumes: Histogram,
+    /// Creates admitted, by how long they waited for room in the memory budget.
+    pub admission: Histogram,
 }
 
 /// One live sandbox as the metrics show it: its id and what its VM is charged for now
@@ -81,8 +84,15 @@ pub struct Metrics {
 pub type Charged = (String, Option<u64>);
 
 impl Metrics {
-    /// The text of `GET /metrics` for `records` (all sandboxes) and the charges of the live.
-    pub fn render(&self, records: &[Record], charged: &[Charged]) -> String {
+    /// The text of `GET /metrics` for `records` (all sandboxes), the charges of the live, and
+    /// the memory governor's `room` and `status` (its decisions).
+    pub fn render(
+        &self,
+        records: &[Record],
+        charged: &[Charged],
+        room: &Room,
+        status: &serde_json::Value,
+    ) -> String {
         let mut out = String::new();
         let help = |out: &mut String, name: &str, kind: &str, text: &str| {
             let _ = writeln!(out, "# HELP {name} {text}\n# TYPE {name} {kind}");
@@ -156,6 +166,56 @@ impl Metrics {
             .render(&mut out, "pvisor_sandbox_resume_seconds", "by=\"api\"");
         self.idle_resumes
             .render(&mut out, "pvisor_sandbox_resume_seconds", "by=\"idle\"");
+        help(
+            &mut out,
+            "pvisor_sandbox_admission_seconds",
+            "histogram",
+            "How long admitted creates waited for room in the memory budget.",
+        );
+        self.admission
+            .render(&mut out, "pvisor_sandbox_admission_seconds", "by=\"api\"");
+        let gauges: [(&str, u64, &str); 4] = [
+            (
+                "pvisor_governor_budget_bytes",
+                room.budget,
+                "The memory budget (--memory-budget).",
+            ),
+            (
+                "pvisor_governor_usage_bytes",
+                room.usage,
+                "What the sandboxes' VMs are charged, as the governor counts it.",
+            ),
+            (
+                "pvisor_governor_reclaimable_bytes",
+                room.reclaimable,
+                "What the VMs running no command hold beyond their floor.",
+            ),
+            (
+                "pvisor_governor_vms",
+                room.vms as u64,
+                "VMs joined to the memory governor.",
+            ),
+        ];
+        for (name, value, text) in gauges {
+            help(&mut out, name, "gauge", text);
+            let _ = writeln!(out, "{name} {value}");
+        }
+        help(
+            &mut out,
+            "pvisor_governor_decisions_total",
+            "counter",
+            "The memory governor's decisions, by kind (offloads ordered, grants, ...).",
+        );
+        if let Some(decisions) = status["decisions"].as_object() {
+            for (kind, n) in decisions {
+                if let Some(n) = n.as_u64() {
+                    let _ = writeln!(
+                        out,
+                        "pvisor_governor_decisions_total{{kind=\"{kind}\"}} {n}"
+                    );
+                }
+            }
+        }
         out
     }
 }

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use vmm::control::Method;
 
 use crate::clock;
+use crate::governed::{Governed, Room};
 use crate::metrics::Metrics;
 use crate::model::{Create, ListQuery, State};
 use crate::store::{Record, Store, StoreError, VmRef};
@@ -61,18 +62,28 @@ pub enum SandboxError {
         /// The most it keeps.
         max: usize,
     },
-    /// The memory budget has no room for another VM.
+    /// The memory budget had no room for another VM within the admission timeout.
     #[error(
-        "the memory budget ({budget} bytes) has no room for another sandbox of {need} bytes \
-         ({used} bytes held by live sandboxes)"
+        "the memory budget ({}) has no room for another sandbox: its {} VMs are charged {}, \
+         {} of which they hold and cannot give back now (their floors, commands running, \
+         sandboxes starting); a new sandbox needs {} to start, and {} stays free for commands \
+         to run in{}",
+        basics::size_text(room.budget), room.vms, basics::size_text(room.usage),
+        basics::size_text(room.held(*starting, *need)),
+        basics::size_text(*need), basics::size_text(*reserve),
+        if waited.is_zero() { String::new() } else { format!(" (waited {} s for room)", waited.as_secs()) }
     )]
     Capacity {
-        /// The budget.
-        budget: u64,
-        /// Held now.
-        used: u64,
-        /// One more VM.
+        /// The budget as the governor saw it last.
+        room: Box<Room>,
+        /// Sandboxes admitted whose VMs are starting.
+        starting: u64,
+        /// What one more needs.
         need: u64,
+        /// What is kept free.
+        reserve: u64,
+        /// How long the create waited.
+        waited: Duration,
     },
     /// The state directory failed.
     #[error("the state directory")]
@@ -97,13 +108,19 @@ pub enum SandboxError {
 /// How the daemon sizes its sandboxes.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
-    /// Bytes of guest RAM that all live sandboxes' VMs may have together.
-    pub memory_budget: u64,
     /// Bytes of guest RAM of each sandbox's VM.
     pub vm_memory: u64,
+    /// How long a create waits for room in the memory budget before it is refused.
+    pub admission_timeout: Duration,
+    /// What a create leaves free in the budget, beyond what the sandboxes hold and cannot
+    /// give back, for commands to run in.
+    pub admission_reserve: u64,
     /// A running sandbox with no command for this long is offloaded (see [`idle`]).
     pub idle_offload: Option<Duration>,
 }
+
+/// How often a create waiting for room looks at the budget again.
+const ADMISSION_POLL: Duration = Duration::from_millis(100);
 
 /// The most sandboxes kept at once, whatever their state (failed ones stay until deleted).
 pub const MAX_SANDBOXES: usize = 4096;
@@ -131,6 +148,8 @@ struct Slot {
 pub struct Sandboxes {
     store: Store,
     limits: Limits,
+    /// The memory governor every sandbox's VM joins.
+    governed: Governed,
     table: Mutex<HashMap<String, Slot>>,
     /// What `GET /metrics` counts.
     pub metrics: Metrics,
@@ -252,10 +271,36 @@ impl Sandboxes {
         })
     }
 
-    /// Creates a sandbox (`Pending`) and starts its VM in the background; `Running` once it
-    /// is up, `Failed` if it does not start.
-    pub fn create(self: &Arc<Self>, create: Create) -> Result<Record, SandboxError> {
-        let need = self.limits.vm_memory;
+    /// Creates a sandbox (`Pending`) once the memory budget has room for it (waiting for
+    /// that up to the admission timeout), and starts its VM in the background; `Running` once
+    /// it is up, `Failed` if it does not start.
+    pub async fn create(self: &Arc<Self>, create: Create) -> Result<Record, SandboxError> {
+        let asked = Instant::now();
+        loop {
+            match self.admit(&create, asked.elapsed()) {
+                Err(SandboxError::Capacity { .. })
+                    if asked.elapsed() < self.limits.admission_timeout =>
+                {
+                    tokio::time::sleep(ADMISSION_POLL).await;
+                }
+                Err(e @ SandboxError::Capacity { .. }) => {
+                    self.metrics.creates_refused.fetch_add(1, Ordering::Relaxed);
+                    return Err(e);
+                }
+                done => {
+                    self.metrics.admission.observe(asked.elapsed());
+                    return done;
+                }
+            }
+        }
+    }
+
+    /// Creates the sandbox if the budget has room for it now (the governor's reading of it,
+    /// and the sandboxes admitted whose VMs are not counted there yet).
+    fn admit(self: &Arc<Self>, create: &Create, waited: Duration) -> Result<Record, SandboxError> {
+        let room = self.governed.room();
+        let need = self.governed.start_need();
+        let create = create.clone();
         let now = clock::now_ms();
         let mut record = Record {
             // Drawn under the table's lock, below.
@@ -270,7 +315,7 @@ impl Sandboxes {
             reason: Some("STARTING".into()),
             message: Some("its VM is starting".into()),
             transition_ms: now,
-            memory: need,
+            memory: self.limits.vm_memory,
             vm: None,
         };
         let writes = {
@@ -278,17 +323,19 @@ impl Sandboxes {
             if table.len() >= MAX_SANDBOXES {
                 return Err(SandboxError::TooMany { max: MAX_SANDBOXES });
             }
-            let used: u64 = table
+            // Admitted, their VMs not in the governor's figures yet (starting, or up and
+            // about to join it).
+            let starting = table
                 .values()
-                .filter(|s| !s.record.state.is_final())
-                .map(|s| s.record.memory)
-                .sum();
-            if used + need > self.limits.memory_budget {
-                self.metrics.creates_refused.fetch_add(1, Ordering::Relaxed);
+                .filter(|s| !s.record.state.is_final() && !room.joined.contains(&s.record.id))
+                .count() as u64;
+            if !room.admits(starting, need, self.limits.admission_reserve) {
                 return Err(SandboxError::Capacity {
-                    budget: self.limits.memory_budget,
-                    used,
+                    room: Box::new(room),
+                    starting,
                     need,
+                    reserve: self.limits.admission_reserve,
+                    waited,
                 });
             }
             // A fresh id, never one another sandbox has (random, so this loops very rarely).
@@ -319,10 +366,14 @@ impl Sandboxes {
         if !self.get(&id).is_ok_and(|r| r.state == State::Pending) {
             return;
         }
-        let memory = self.limits.vm_memory;
+        let plan = vm::Plan {
+            memory: self.limits.vm_memory,
+            governor: self.governed.socket().to_path_buf(),
+            cgroup: self.governed.vm_cgroup(&id),
+        };
         let job = id.clone();
         let started = Instant::now();
-        let result = tokio::task::spawn_blocking(move || vm::start(&job, memory)).await;
+        let result = tokio::task::spawn_blocking(move || vm::start(&job, &plan)).await;
         let outcome = match result {
             Ok(Ok(vm)) => {
                 tracing::info!(%id, pid = vm.pid, ms = started.elapsed().as_millis(), "VM up");

@@ -254,32 +254,44 @@ fn read_plain_file(path: &Path) -> Result<Vec<u8>, String> {
     Ok(bytes)
 }
 
+/// Writes `bytes` to `path` (mode 0600) whole or not at all: a fresh temporary file beside it
+/// (one planted there, symlink or not, is removed first, never followed), synced, renamed over
+/// `path`, the directory synced.
+pub fn write_private(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    match std::fs::remove_file(&tmp) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io(&tmp)(e)),
+    }
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&tmp)
+        .map_err(io(&tmp))?;
+    file.write_all(bytes).map_err(io(&tmp))?;
+    file.sync_all().map_err(io(&tmp))?;
+    std::fs::rename(&tmp, path).map_err(io(path))?;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io(dir))
+}
+
 impl Writes<'_> {
     /// Writes `record` atomically: a fresh temporary file (one planted there, symlink or not,
     /// is removed first, never followed), synced, renamed over the record.
     pub fn save(&self, record: &Record) -> Result<(), StoreError> {
         let path = self.store.path(&record.id)?;
-        let tmp = path.with_extension("json.tmp");
         let bytes = serde_json::to_vec_pretty(record).map_err(|source| StoreError::Encode {
             id: record.id.clone(),
             source,
         })?;
-        match std::fs::remove_file(&tmp) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(io(&tmp)(e)),
-        }
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&tmp)
-            .map_err(io(&tmp))?;
-        file.write_all(&bytes).map_err(io(&tmp))?;
-        file.sync_all().map_err(io(&tmp))?;
-        std::fs::rename(&tmp, &path).map_err(io(&path))?;
-        self.store.sync_dir()
+        write_private(&path, &bytes)
     }
 
     /// Removes the record of `id` (none is fine).

@@ -2,6 +2,7 @@
 //! --detach`), reached through its control socket. Every call here blocks: the daemon runs
 //! them on tokio's blocking threads.
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use vmm::control::{self, Method};
@@ -24,10 +25,31 @@ pub enum VmError {
     Ended(String),
 }
 
-/// Starts the VM of sandbox `id` with `memory` bytes of guest RAM (its files in the job
-/// directory `id` of the runtime directory).
-pub fn start(id: &str, memory: u64) -> Result<VmRef, VmError> {
-    let spec = Spec::in_job_dir(id, memory);
+/// How a sandbox's VM is made.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// Bytes of guest RAM.
+    pub memory: u64,
+    /// The memory governor's socket.
+    pub governor: PathBuf,
+    /// Its memory cgroup, relative to the daemon's.
+    pub cgroup: PathBuf,
+}
+
+/// Starts the VM of sandbox `id` by `plan` (its files in the job directory `id` of the
+/// runtime directory): anonymous RAM served by its pager, in a memory cgroup of its own,
+/// joined to the governor, with an offload store the governor's orders and pauses use.
+pub fn start(id: &str, plan: &Plan) -> Result<VmRef, VmError> {
+    let mut spec = Spec::in_job_dir(id, plan.memory);
+    spec.options.cgroup = Some(plan.cgroup.clone());
+    spec.options.governor = Some(vmm::vm::GovernorOptions {
+        socket: plan.governor.clone(),
+        name: id.to_owned(),
+        hold_timeout_ms: None,
+    });
+    // Wait management gives the VM the offload store a governor's order offloads into
+    // between commands (a sandbox has no model waits of its own).
+    spec.options.wait = Some(vmm::wait::WaitPolicy::default());
     let identity = detached::start(&spec).map_err(VmError::Start)?;
     Ok(vm_ref(identity))
 }

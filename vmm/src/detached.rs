@@ -373,6 +373,7 @@ pub fn vm_main(spec: Spec) -> ProcessResult {
     }
     let stay = spec.detached || commands.last() == Some(&Command::Idle);
     if stay && !failed && !vm.machine().stop_requested() {
+        vm.between_commands();
         loop {
             // Between commands the memory pool and the KSM governor get their ticks.
             let next = receive(vm.background_wait());

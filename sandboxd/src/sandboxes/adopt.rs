@@ -25,6 +25,7 @@ use vmm::control::Method;
 
 use super::{idle, Limits, Sandboxes, Slot, MAX_COMMANDS};
 use crate::clock;
+use crate::governed::Governed;
 use crate::metrics::Metrics;
 use crate::model::State;
 use crate::store::{check_id, Record, Store, VmRef};
@@ -175,7 +176,7 @@ impl Sandboxes {
     /// The sandboxes kept in `store`, their VMs re-adopted (see the [module](self)); blocks
     /// while it asks the VMs their state. Those whose VM must be started are `Pending`:
     /// [`Sandboxes::start_pending`] starts them.
-    pub fn load(store: Store, limits: Limits) -> Sandboxes {
+    pub fn load(store: Store, limits: Limits, governed: Governed) -> Sandboxes {
         let (records, skipped) = store.load_all();
         for why in skipped {
             tracing::warn!("state directory: skipped {why}");
@@ -217,6 +218,7 @@ impl Sandboxes {
         Sandboxes {
             store,
             limits,
+            governed,
             table: Mutex::new(table),
             metrics: Metrics::default(),
         }

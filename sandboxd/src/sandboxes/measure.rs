@@ -32,6 +32,17 @@ impl Sandboxes {
         .unwrap_or_default()
     }
 
+    /// The memory governor's reading of the budget and its whole status, for `GET /metrics`.
+    pub fn governor(&self) -> (crate::governed::Room, serde_json::Value) {
+        self.governed.reading()
+    }
+
+    /// Stops the memory governor as the daemon exits; with `remove` (every VM stopped) its
+    /// budget cgroup goes too.
+    pub fn stop_governor(&self, remove: bool) {
+        self.governed.stop(remove);
+    }
+
     /// Every record, for `GET /metrics`.
     pub fn records(&self) -> Vec<Record> {
         self.table().values().map(|s| s.record.clone()).collect()

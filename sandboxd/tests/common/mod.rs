@@ -116,6 +116,13 @@ impl Daemon {
         self.ended = false;
     }
 
+    /// Starts the killed daemon again, with `extra` arguments after its first ones (the
+    /// last of a flag given twice counts).
+    pub fn respawn_with(&mut self, extra: &[&str]) {
+        self.args.extend(extra.iter().map(|s| (*s).to_owned()));
+        self.respawn();
+    }
+
     /// Stops the daemon with SIGTERM and waits (at most `within`) for it to exit; its exit
     /// status, `None` if it did not exit in time (then it is killed).
     pub fn terminate(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
@@ -325,10 +332,52 @@ impl Drop for Daemon {
         // whose job directory is gone.
         let mut pids = vm_pids(&self.state());
         pids.extend(processes_of(&self.state()));
-        for pid in pids {
+        for &pid in &pids {
             // SAFETY: a signal to a VM process this test's daemon started.
             unsafe { libc::kill(libc::pid_t::try_from(pid).unwrap(), libc::SIGKILL) };
         }
+        remove_budget_cgroup(&self.state(), &pids);
+    }
+}
+
+/// Removes the memory cgroup the daemon of `state` kept its VMs under (the daemon leaves it
+/// while VMs run), once the processes `pids` are gone: the VMs' own cgroups, then it.
+fn remove_budget_cgroup(state: &Path, pids: &[u32]) {
+    let Ok(name) = std::fs::read_to_string(state.join("budget-cgroup")) else {
+        return;
+    };
+    let Some(own) = std::fs::read_to_string("/proc/self/cgroup")
+        .ok()
+        .and_then(|text| {
+            text.lines().find_map(|l| {
+                let (_, rest) = l.split_once(':')?;
+                let (controllers, path) = rest.split_once(':')?;
+                controllers
+                    .split(',')
+                    .any(|c| c == "memory")
+                    .then(|| path.trim_start_matches('/').to_owned())
+            })
+        })
+    else {
+        return;
+    };
+    let dir = Path::new("/sys/fs/cgroup/memory")
+        .join(own)
+        .join(name.trim());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pids.iter().any(|&p| alive(p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    loop {
+        for child in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            if child.path().is_dir() {
+                let _ = std::fs::remove_dir(child.path());
+            }
+        }
+        if std::fs::remove_dir(&dir).is_ok() || !dir.exists() || Instant::now() >= deadline {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 

@@ -346,12 +346,18 @@ impl Vm {
             .map(|c| self.machine.run(c).map_err(VmError::from))
             .collect();
         self.machine.commands_done();
+        self.between_commands();
+        results
+    }
+
+    /// Tells the memory governor that the VM runs no command (after its commands, or once a
+    /// detached VM is up without any): between commands the governor may take its RAM (see
+    /// [`Vm::background_tick`]).
+    pub fn between_commands(&self) {
         if let Some(link) = self.machine.governor() {
-            // Between commands the governor may take the VM's RAM (see `background_tick`).
             link.report(WireState::Idle, None);
             link.set_waiting(true);
         }
-        results
     }
 
     /// How long until the memory pool wants a tick (`None`: no pool, or it is gone).
