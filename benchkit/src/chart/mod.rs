@@ -18,6 +18,7 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 pub use axis::{tick_value, Scale};
 pub use lines::{Lines, Series};
+pub use plotters::style::RGBColor as Colour;
 pub use rows::{Row, Rows, Stacked, StackedRow};
 
 use crate::Res;
@@ -35,6 +36,7 @@ pub const ORANGE: RGBColor = RGBColor(0xee, 0x88, 0x00);
 pub const RED: RGBColor = RGBColor(0xcc, 0x00, 0x00);
 pub const GREY: RGBColor = RGBColor(0x55, 0x55, 0x55);
 pub const INK: RGBColor = RGBColor(0x11, 0x11, 0x11);
+pub const BLACK: RGBColor = RGBColor(0, 0, 0);
 const GRID: RGBColor = RGBColor(0xdd, 0xdd, 0xdd);
 const AXIS: RGBColor = RGBColor(0x88, 0x88, 0x88);
 
@@ -79,7 +81,7 @@ pub const TARGET: Stroke = Stroke::dashed(RED, 3, 2);
 pub type Area<'a> = DrawingArea<SVGBackend<'a>, Shift>;
 
 /// A panel of a figure.
-pub trait Panel {
+pub trait Panel: std::fmt::Debug {
     /// Its height in pixels.
     fn height(&self) -> i32;
     /// Draws it from `top` down.
@@ -87,18 +89,10 @@ pub trait Panel {
 }
 
 /// A caption over panels.
+#[derive(Debug)]
 pub struct Figure {
     caption: String,
     panels: Vec<Box<dyn Panel>>,
-}
-
-impl std::fmt::Debug for Figure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Figure")
-            .field("caption", &self.caption)
-            .field("panels", &self.panels.len())
-            .finish()
-    }
 }
 
 const CAPTION_H: i32 = 32;
