@@ -30,7 +30,6 @@ pub mod host;
 pub mod judge;
 pub mod replay;
 pub mod results;
-pub mod svg;
 pub mod verdict;
 pub mod vmproc;
 
