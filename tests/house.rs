@@ -199,7 +199,7 @@ fn printing_and_test_module_rules_read_code_as_meant() {
 
 /// Lines of Rust in `benches/` and the bench kit together: issue 39's target is 12,000; until
 /// the benches are ported onto the kit they may shrink, never grow past this.
-const BENCH_LINES: usize = 22_650;
+const BENCH_LINES: usize = 22_600;
 
 #[test]
 fn benches_and_their_kit_stay_within_their_line_budget() {

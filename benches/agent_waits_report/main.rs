@@ -39,7 +39,6 @@ use vmm::replay::{Step, Trajectory};
 mod replay;
 mod report;
 mod seed;
-mod svg;
 mod targets;
 
 use benchkit as common;
@@ -372,7 +371,7 @@ fn run() -> Res<()> {
     };
     let outputs = [
         ("csv", results.csv(&common::results::KEY_RUN_CSV)),
-        ("svg", svg::svg(&results, &context)),
+        ("svg", report::chart(&results, &context)?),
         ("md", report::markdown(&results, &verdicts, &context)),
     ];
     common::finish(

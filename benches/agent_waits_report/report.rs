@@ -2,8 +2,10 @@
 
 use std::fmt::Write as _;
 
+use crate::common::chart::{Figure, Lines, Series, Stroke, BLUE, GREEN, RUST, VIOLET};
 use crate::common::host::BenchRun;
 use crate::common::results::{fig, num, signed, signed_fig, Results};
+use crate::common::Res;
 use crate::replay::key;
 use crate::seed;
 use crate::targets::{median_change, median_pct, vms_label, Verdict};
@@ -437,4 +439,71 @@ fn method(t: &mut String, cx: &Context<'_>) {
          dropped reading); `integrity_passed` is all of them, and the exit status is 1 otherwise. The bench \
          records every run, failed or not, and also checks that every run gives the same `results_digest`.\n",
     );
+}
+
+/// The stroke of a strategy's line.
+fn stroke(strategy: Strategy) -> Stroke {
+    match strategy {
+        Strategy::Off => Stroke::solid(BLUE),
+        Strategy::Pause => Stroke::dashed(VIOLET, 6, 3),
+        Strategy::Offload => Stroke::solid(RUST),
+        Strategy::OffloadCompressed => Stroke::solid(GREEN),
+        Strategy::OffloadLazy => Stroke::dashed(RUST, 2, 2),
+    }
+}
+
+/// The chart of `vms` VMs (`cgroup`: the cgroups' memory, else the guest PSS) over time in
+/// the round the report names, one line per strategy, its GiB·s per task in the legend.
+fn memory_panel(results: &Results, cx: &Context<'_>, vms: usize, cgroup: bool) -> Lines {
+    let (quantity, per_task) = if cgroup {
+        ("memory cgroup usage", "cgroup_gib_s")
+    } else {
+        ("guest-RAM PSS", "guest_pss_gib_s")
+    };
+    let series = cx
+        .settings
+        .strategies
+        .iter()
+        .filter_map(|&strategy| {
+            let timeline = cx.log.timelines.get(&(vms, strategy, cx.chosen))?;
+            let values = results.values(&key(vms, strategy, per_task));
+            let value = values.get(cx.chosen).copied().unwrap_or(f64::NAN);
+            Some(Series {
+                label: format!("{}: {}", strategy.key(), num(value, 3)),
+                stroke: stroke(strategy),
+                points: timeline.points(cgroup),
+            })
+        })
+        .collect();
+    let title = format!(
+        "{}: {quantity} of all the VMs, GiB, round {} (legend: GiB·s per task)",
+        vms_label(vms),
+        cx.chosen + 1
+    );
+    Lines::memory_over_time(title, series)
+}
+
+/// The chart: the memory of all the VMs of a group over time, one line per strategy, in the
+/// round the report names (`Context::chosen`): the guest-RAM PSS and the cgroup memory with
+/// the most VMs, then the guest-RAM PSS of each other group size.
+pub fn chart(results: &Results, cx: &Context<'_>) -> Res<String> {
+    let s = cx.settings;
+    let caption = format!(
+        "{}, VMs of {}: memory summed over the VMs, a sample every {} ms; round {} of {}.",
+        s.replayed.name,
+        s.memory,
+        s.sample_ms,
+        cx.chosen + 1,
+        s.runs,
+    );
+    let mut sizes = s.vms.clone();
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    let mut figure = Figure::new(caption);
+    for (i, &vms) in sizes.iter().enumerate() {
+        figure = figure.panel(memory_panel(results, cx, vms, false));
+        if i == 0 {
+            figure = figure.panel(memory_panel(results, cx, vms, true));
+        }
+    }
+    figure.svg()
 }

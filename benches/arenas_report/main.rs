@@ -34,7 +34,6 @@ use vmm::replay::Trajectory;
 use benchkit as common;
 mod report;
 mod run;
-mod svg;
 
 use common::cpu::CpuGroup;
 use common::host::TempRoot;
@@ -295,7 +294,7 @@ fn run_bench() -> Res<()> {
     };
     let outputs = [
         ("csv", results.csv(&common::results::KEY_RUN_CSV)),
-        ("svg", svg::svg(&results, &context)),
+        ("svg", report::chart(&results, &context)?),
         ("md", report::markdown(&results, &verdicts, &context)),
     ];
     common::finish(

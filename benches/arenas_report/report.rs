@@ -3,9 +3,11 @@
 
 use std::fmt::Write as _;
 
+use crate::common::chart::{Figure, Lines, Series, Stroke, BLUE, GREEN, RUST, VIOLET};
 use crate::common::host::BenchRun;
 use crate::common::results::{fig, num, signed_fig, Results};
 use crate::common::verdict::{table, Verdict};
+use crate::common::Res;
 use crate::run::{key, NO_DIGEST};
 use crate::{Log, Settings, Strategy, BASE};
 
@@ -460,4 +462,52 @@ fn method(t: &mut String, results: &Results, cx: &Context<'_>) {
         runs_cpu(results, s),
         cx.run.machine_markdown()
     );
+}
+
+/// The stroke of a strategy's line.
+fn stroke(strategy: Strategy) -> Stroke {
+    match strategy {
+        Strategy::Off => Stroke::solid(BLUE),
+        Strategy::ColdCompression => Stroke::dashed(VIOLET, 6, 3),
+        Strategy::Offload => Stroke::solid(RUST),
+        Strategy::Arenas => Stroke::solid(GREEN),
+        Strategy::ArenasOffload => Stroke::dashed(GREEN, 2, 2),
+    }
+}
+
+/// The chart: the guest-RAM PSS and the cgroup memory of all the VMs over time, one line per
+/// strategy, in the round the report names (`Context::chosen`).
+pub fn chart(results: &Results, cx: &Context<'_>) -> Res<String> {
+    let s = cx.settings;
+    let caption = format!(
+        "{}, {} VMs of {}: memory summed over the VMs, a sample every {} ms; round {} of {}.",
+        s.replayed.name,
+        s.vms,
+        s.memory,
+        s.sample_ms,
+        cx.chosen + 1,
+        s.runs,
+    );
+    let mut figure = Figure::new(caption);
+    for (cgroup, quantity, per_task) in [
+        (false, "guest-RAM PSS", "guest_pss_gib_s"),
+        (true, "memory cgroup usage", "cgroup_gib_s"),
+    ] {
+        let series = s
+            .strategies
+            .iter()
+            .filter_map(|&st| {
+                let timeline = cx.log.timelines.get(&(st, cx.chosen))?;
+                let value = results.values(&key(st, per_task)).get(cx.chosen).copied();
+                Some(Series {
+                    label: format!("{}: {}", st.key(), num(value.unwrap_or(f64::NAN), 3)),
+                    stroke: stroke(st),
+                    points: timeline.points(cgroup),
+                })
+            })
+            .collect();
+        let title = format!("{quantity} of all the VMs, GiB (legend: GiB·s per task)");
+        figure = figure.panel(Lines::memory_over_time(title, series));
+    }
+    figure.svg()
 }

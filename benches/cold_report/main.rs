@@ -32,12 +32,12 @@ use uffd_pager::pager::RamKind;
 use vmm::guest::FillKind;
 
 use benchkit as common;
+mod chart;
 mod cpu;
 mod measure;
 mod report;
 mod results;
 mod seed;
-mod svg;
 mod targets;
 
 use common::host::TempRoot;
@@ -344,7 +344,7 @@ fn run() -> Res<()> {
     let outputs = [
         ("md", report::markdown(&results, &verdicts, &context)),
         ("csv", results.csv(&results::CSV)),
-        ("svg", svg::svg(&results, &settings)),
+        ("svg", chart::svg(&results, &settings)?),
     ];
     common::finish(
         "cold_report",

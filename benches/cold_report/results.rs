@@ -1,7 +1,7 @@
 //! How this bench writes its figures: the CSV style and the numbers of the tables; the series
 //! themselves are `common::results`.
 
-pub use crate::common::results::{num, Results, Summary};
+pub use crate::common::results::{num, Results};
 
 /// `key,unit,min,median,max,run1..runN`.
 pub use crate::common::results::KEY_RUN_CSV as CSV;

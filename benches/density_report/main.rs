@@ -60,7 +60,6 @@ use benchkit::judge;
 mod plan;
 mod report;
 mod resume;
-mod svg;
 mod swap;
 
 use common::cpu::{CpuGroup, CpuUse};
@@ -474,7 +473,7 @@ fn run() -> Res<()> {
     };
     let outputs = [
         ("csv", report::csv(&log, s)),
-        ("svg", svg::svg(&context)),
+        ("svg", report::chart(&context)?),
         ("md", report::markdown(&targets, &context)),
     ];
     if !s.write_docs && log.runs.iter().any(|m| m.facts.window_s.is_nan()) {

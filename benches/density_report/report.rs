@@ -4,8 +4,10 @@
 
 use std::fmt::Write as _;
 
+use crate::common::chart::{Figure, Lines, Series, Stroke, BLUE, GREEN, INK, RUST, VIOLET};
 use crate::common::host::BenchRun;
 use crate::common::results::{num, Summary};
+use crate::common::Res;
 use crate::judge::{self, SizeVerdict, CPU_SHARE_BOUND, MEMORY_SHARE_CPU_BOUND, WINDOW_LIMIT};
 use crate::plan::Job;
 use crate::{duration_text, Log, Measured, Settings};
@@ -660,4 +662,92 @@ fn method(t: &mut String, cx: &Context<'_>) {
         pieces_text(cx),
         cx.run.machine_markdown()
     );
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// The stroke of the `i`-th strategy's curve.
+fn stroke(i: usize) -> Stroke {
+    const STROKES: [Stroke; 5] = [
+        Stroke::solid(BLUE),
+        Stroke::solid(RUST),
+        Stroke::solid(GREEN),
+        Stroke::solid(VIOLET),
+        Stroke::solid(INK).width(3),
+    ];
+    STROKES[i % STROKES.len()]
+}
+
+/// The budgeted run of `job` with `vms` VMs whose window is the median of its rounds (the
+/// lower of the two middle ones).
+fn median_run<'a>(cx: &Context<'a>, job: Job, vms: usize) -> Option<&'a Measured> {
+    let mut runs: Vec<&Measured> = cx
+        .log
+        .runs
+        .iter()
+        .filter(|m| m.job == job && m.vms == vms && m.timeline.is_some())
+        .collect();
+    runs.sort_by(|a, b| a.facts.window_s.total_cmp(&b.facts.window_s));
+    let middle = runs.len().checked_sub(1)? / 2;
+    runs.get(middle).copied()
+}
+
+/// The chart of budget `b`: the memory cgroup usage of all the VMs over time, one curve per
+/// strategy at its density N (the budgeted run in the round of the median window), against
+/// the budget.
+fn budget_panel(cx: &Context<'_>, b: usize) -> Lines {
+    let s = cx.settings;
+    let (_, bytes) = s.budgets[b];
+    let mut series = Vec::new();
+    for (i, strategy) in s.strategies.iter().enumerate() {
+        let Some(density) = cx.log.density(b, i) else {
+            continue;
+        };
+        let job = Job {
+            strategy: i,
+            budget: Some(b),
+        };
+        let run = (density.vms > 0)
+            .then(|| median_run(cx, job, density.vms))
+            .flatten();
+        let (label, points) = match run.and_then(|m| Some((m, m.timeline.as_ref()?))) {
+            Some((m, timeline)) => {
+                let points = timeline.points(true);
+                let peak = Summary::of(points.iter().map(|&(_, v)| v)).map_or(f64::NAN, |s| s.max);
+                let label = format!(
+                    "{strategy}, N={} (round {}): peak {} GiB",
+                    density.vms,
+                    m.round + 1,
+                    num(peak, 2)
+                );
+                (label, points)
+            }
+            None => (format!("{strategy}: density 0, no curve"), Vec::new()),
+        };
+        series.push(Series {
+            label,
+            stroke: stroke(i),
+            points,
+        });
+    }
+    let title = format!(
+        "Budget {}: memory cgroup usage of all the VMs, GiB, each strategy at its density",
+        size_text(bytes)
+    );
+    Lines {
+        budget: Some((bytes as f64 / GIB, format!("budget {}", size_text(bytes)))),
+        empty: "no strategy passed N=1: nothing to draw".into(),
+        ..Lines::memory_over_time(title, series)
+    }
+}
+
+/// The chart: a panel per budget.
+pub fn chart(cx: &Context<'_>) -> Res<String> {
+    let s = cx.settings;
+    let caption = format!(
+        "{}, VMs of {}: memory summed over the VMs, a sample every {} ms.",
+        s.replayed.name, s.memory, s.sample_ms
+    );
+    let panels = (0..s.budgets.len()).map(|b| budget_panel(cx, b));
+    panels.fold(Figure::new(caption), Figure::panel).svg()
 }

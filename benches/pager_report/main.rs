@@ -32,6 +32,7 @@ use compressed_backing::{pack_file, BlockSize, Codec, CodecConfig, DiskStore, Pa
 use uffd_pager::source::{PageSource, RawFileSource, StoreSource};
 
 use benchkit as common;
+mod chart;
 mod findings;
 mod firecracker;
 mod host;
@@ -42,7 +43,6 @@ mod report;
 mod restore;
 mod results;
 mod resume;
-mod svg;
 mod targets;
 mod upgrade;
 
@@ -355,7 +355,7 @@ fn run() -> Res<()> {
     let outputs = [
         ("md", report::markdown(&results, &verdicts, &context)),
         ("csv", csv.clone()),
-        ("svg", svg::svg(&results, &settings)),
+        ("svg", chart::svg(&results, &settings)?),
     ];
     common::finish(
         "pager_report",

@@ -37,13 +37,13 @@ use vmm::guest::FillKind;
 use vmm::script::Command;
 
 use benchkit as common;
+mod chart;
 mod group;
 mod integrity;
 mod ksmd;
 mod report;
 mod results;
 mod seed;
-mod svg;
 mod targets;
 
 use common::host::TempRoot;
@@ -429,7 +429,7 @@ fn run() -> Res<()> {
     };
     let outputs = [
         ("csv", results.csv(&results::CSV)),
-        ("svg", svg::svg(&results, &settings)),
+        ("svg", chart::svg(&results, &settings)?),
         ("md", report::markdown(&results, &verdicts, &context)),
     ];
     common::finish(

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-pub use crate::common::results::{Results, Summary};
+pub use crate::common::results::Results;
 
 /// `key,unit,min,median,max,run1..runN`.
 pub use crate::common::results::KEY_RUN_CSV as CSV;

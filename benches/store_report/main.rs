@@ -29,9 +29,9 @@
 //!
 //! Modules: `plan` (what is measured, and the keys), `measure` (the three phases),
 //! `pagecache` (ballast, drop, residency), `results` (derived ratios, CSV format), `targets`
-//! (verdicts), `report` (Markdown), `svg` (chart); from `common`: content, `host` (temporary
-//! directory, machine facts, CPU time), `results` (series, summaries, CSV), `svg` (chart
-//! pieces).
+//! (verdicts), `report` (Markdown), `chart` (what the chart shows); from `common`: content,
+//! `host` (temporary directory, machine facts, CPU time), `results` (series, summaries, CSV),
+//! `chart` (the charts, drawn with plotters).
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -39,12 +39,12 @@ use std::path::Path;
 use std::time::Instant;
 
 use benchkit as common;
+mod chart;
 mod measure;
 mod pagecache;
 mod plan;
 mod report;
 mod results;
-mod svg;
 mod targets;
 
 use common::host::{self, CpuTimes, TempRoot};
@@ -153,7 +153,7 @@ fn run() -> Res<()> {
     let outputs = [
         ("md", report::markdown(&results, &verdicts, &context)),
         ("csv", results.csv(&results::CSV)),
-        ("svg", svg::svg(&results)),
+        ("svg", chart::svg(&results)?),
     ];
     common::finish(
         "store_report",

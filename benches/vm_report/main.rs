@@ -37,13 +37,13 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 mod breakdown;
+mod chart;
 use benchkit as common;
 mod host;
 mod inproc;
 mod process;
 mod report;
 mod results;
-mod svg;
 mod targets;
 
 use common::host::TempRoot;
@@ -272,7 +272,7 @@ fn run() -> Res<()> {
     let outputs = [
         ("md", report::markdown(&results, &verdicts, &context)),
         ("csv", results.csv()),
-        ("svg", svg::svg(&results, &settings)),
+        ("svg", chart::svg(&results, &settings)?),
     ];
     common::finish("vm_report", settings.write_docs, "vm", &outputs, started)?;
     Ok(())

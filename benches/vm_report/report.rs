@@ -2,9 +2,9 @@
 
 use std::fmt::Write as _;
 
+use crate::chart::seed;
 use crate::host::Machine;
 use crate::results::Results;
-use crate::svg::seed;
 use crate::targets::Verdict;
 use crate::{Content, Settings};
 

@@ -6,8 +6,8 @@
 //!   state, CPU time from `/proc/stat`;
 //! - `results`: one value per run under a key, min/median/max summaries, the CSV, the numbers
 //!   of the tables (`num`, `signed`, `fig`: `median (min–max)`);
-//! - `svg`: the pieces of the charts (log axis, 1-2-5 grid, panels of labelled rows, a linear
-//!   axis from zero, a line chart over two linear axes with its legend);
+//! - `chart`: the reports' charts, drawn with `plotters` (memory over time with a budget,
+//!   panels of rows with min–max whiskers on a log or linear axis, stacked rows);
 //! - `verdict`: a target judged, and the reports' table of targets;
 //! - `judge`: the density rule (a budgeted run against its unbudgeted reference, a group size,
 //!   the density of a sweep), decided from measured facts alone;
@@ -24,12 +24,12 @@
 //!   short, the ELF files of `/usr/bin` in name order. `STORE_BENCH_SAMPLE=FILE` puts FILE
 //!   first instead. The source actually used is reported with an FNV-1a hash of the bytes.
 
+pub mod chart;
 pub mod cpu;
 pub mod host;
 pub mod judge;
 pub mod replay;
 pub mod results;
-pub mod svg;
 pub mod verdict;
 pub mod vmproc;
 

@@ -1,19 +1,14 @@
 //! The chart of the report: every ratio as a dot (median) with min–max whiskers and a dashed
 //! line at its target, on log scales.
 
-use std::fmt::Write as _;
-
-use crate::common::svg::{document, line, text, LogAxis, Panel};
-use crate::common::{Content, IMAGE};
+use crate::common::chart::{Figure, Row, Rows, Scale, GREEN, GREY, RED};
+use crate::common::Content;
+use crate::common::{Res, IMAGE};
 use crate::plan::{
     self, Goal, MemOp, DECODERS, DECODE_SPEED, LZ4, MEMCPY, MEMORY_CONTENTS,
     REPEATED_DISK_PER_64MIB, SIZE_STORES, WRITE_COST,
 };
 use crate::results::Results;
-
-const SVG_WIDTH: f64 = 980.0;
-const PLOT_X: f64 = 420.0;
-const PLOT_W: f64 = 470.0;
 
 struct Bar {
     label: String,
@@ -21,59 +16,30 @@ struct Bar {
     target: Option<Goal>,
 }
 
-/// Draws one panel with a log-scale axis that holds every whisker and target of `bars`;
-/// returns the y below it.
-fn panel(out: &mut String, results: &Results, y0: f64, title: &str, bars: &[Bar]) -> f64 {
-    let values = bars.iter().flat_map(|bar| {
-        let s = results.summary(&bar.key);
-        [s.min, s.max]
-            .into_iter()
-            .chain(bar.target.map(|goal| goal.value))
-    });
-    let axis = LogAxis::covering(values, PLOT_X, PLOT_W);
-    let ticks = (
-        r#"font-size="11" text-anchor="middle""#,
-        tick as fn(f64) -> String,
-    );
-    let panel = Panel::begin(out, y0, title, axis, bars.len(), ticks);
-    let x = |v: f64| axis.x(v);
-    for (i, bar) in bars.iter().enumerate() {
-        let cy = panel.row(out, i, &bar.label);
-        let s = results.summary(&bar.key);
-        if !(s.min > 0.0 && s.median > 0.0 && s.max > 0.0) {
-            continue;
-        }
-        let color = match bar.target {
-            None => "#555",
-            Some(goal) if goal.met(s.median) => "#1a7f37",
-            Some(_) => "#cf222e",
-        };
-        if let Some(goal) = bar.target {
-            let style = r##"stroke="#cf222e" stroke-width="2" stroke-dasharray="3,2""##;
-            let tx = x(goal.value);
-            line(out, (tx, cy - 9.0), (tx, cy + 9.0), style);
-        }
-        let (x1, x2) = (x(s.min), x(s.max));
-        let style = format!(r#"stroke="{color}" stroke-width="1.5""#);
-        line(out, (x1, cy), (x2, cy), &style);
-        for wx in [x1, x2] {
-            line(out, (wx, cy - 5.0), (wx, cy + 5.0), &style);
-        }
-        let _ = writeln!(
-            out,
-            r#"<circle cx="{:.1}" cy="{cy:.1}" r="4.5" fill="{color}"/>"#,
-            x(s.median)
-        );
-        let value = tick_value(s.median);
-        text(
-            out,
-            PLOT_X + PLOT_W + 12.0,
-            cy + 4.0,
-            r#"font-size="12""#,
-            &value,
-        );
+/// One panel on a log axis: a row per bar, green where its median meets its target, red
+/// where it does not, grey without one.
+fn panel(results: &Results, title: &str, bars: Vec<Bar>) -> Rows {
+    let rows = bars
+        .into_iter()
+        .map(|bar| {
+            let s = results.summary(&bar.key);
+            let colour = match bar.target {
+                None => GREY,
+                Some(goal) if goal.met(s.median) => GREEN,
+                Some(_) => RED,
+            };
+            Row {
+                target: bar.target.map(|goal| goal.value),
+                ..Row::new(bar.label, s, colour)
+            }
+        })
+        .collect();
+    Rows {
+        tick,
+        value: Some(tick_value),
+        plot: (420, 470),
+        ..Rows::new(title, Scale::Log, rows)
     }
-    panel.bottom + 24.0
 }
 
 fn tick(v: f64) -> String {
@@ -157,34 +123,27 @@ fn size_bars() -> Vec<Bar> {
         .collect()
 }
 
-pub fn svg(results: &Results) -> String {
-    let panels = [
-        (
-            "Decompression speed as a share of memcpy speed, against each memcpy (higher is better)",
-            speed_bars(),
-        ),
-        (
-            "Store time / raw file time, 64 MiB write (create+pwrite+fsync) and read from disk (lower is better)",
-            cost_bars(),
-        ),
-        (
-            "Compression: logical bytes per allocated disk byte (higher is better)",
-            size_bars(),
-        ),
-    ];
-    let mut body = String::new();
-    let mut y = 40.0;
-    for (title, bars) in &panels {
-        y = panel(&mut body, results, y, title, bars);
-    }
-    let height = y + 10.0;
-    let title = format!(
+pub fn svg(results: &Results) -> Res<String> {
+    let caption = format!(
         "Compressed block store, {} runs: dot = median of the per-run ratios, whiskers = \
          min–max, dashed red = target; log scale",
         results.runs
     );
-    let mut out = String::new();
-    text(&mut out, 10.0, 22.0, r#"font-size="15""#, &title);
-    out.push_str(&body);
-    document(SVG_WIDTH, height, true, &out)
+    Figure::new(caption)
+        .panel(panel(
+            results,
+            "Decompression speed as a share of memcpy speed, against each memcpy (higher is better)",
+            speed_bars(),
+        ))
+        .panel(panel(
+            results,
+            "Store time / raw file time, 64 MiB write (create+pwrite+fsync) and read from disk (lower is better)",
+            cost_bars(),
+        ))
+        .panel(panel(
+            results,
+            "Compression: logical bytes per allocated disk byte (higher is better)",
+            size_bars(),
+        ))
+        .svg()
 }
