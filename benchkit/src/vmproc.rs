@@ -210,6 +210,14 @@ pub fn find_pager_binary(root: &Path, target: &Path) -> Result<PathBuf, String> 
     find_built(root, target, "uffd-pager", "uffd-pager", &PAGER_SOURCES)
 }
 
+/// Where `pvisor-sandboxd` is, and whether it is at least as new as the sources it is built
+/// from (the VMs' code among them: its VM processes are the same binary).
+pub fn find_sandboxd_binary(root: &Path, target: &Path) -> Result<PathBuf, String> {
+    let mut sources = SOURCES.to_vec();
+    sources.push("sandboxd/src");
+    find_built(root, target, "sandboxd", "pvisor-sandboxd", &sources)
+}
+
 /// `target/release/BIN` of `package`, if no file under `sources` is newer.
 fn find_built(
     root: &Path,

@@ -54,6 +54,11 @@ struct Cli {
     /// Serve without an API key (only on a loopback address).
     #[arg(long, conflicts_with = "api_key_file")]
     no_auth: bool,
+    /// `off`: the daemon takes no memory back, for comparison (its bench runs both): the VMs
+    /// run in the budget's cgroup without the governor and without idle offload, and a
+    /// create is admitted by what they are charged, all of which they keep.
+    #[arg(long, value_name = "on|off", default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
+    memory_management: bool,
     /// Stop every sandbox's VM when the daemon is told to stop (SIGTERM, SIGINT); each
     /// becomes `Failed` (`DAEMON_STOPPED`). Without it the VMs run on, keeping their memory,
     /// and the next start on the same `--state` re-adopts them.
@@ -77,6 +82,14 @@ fn parse_idle(text: &str) -> Result<Duration, String> {
             .map(Duration::from_secs)
             .ok_or_else(bad),
         _ => Err(bad()),
+    }
+}
+
+fn parse_on_off(text: &str) -> Result<bool, String> {
+    match text {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("`{text}`: expected on or off")),
     }
 }
 
@@ -156,7 +169,9 @@ fn serve(cli: Cli) -> MainResult {
         admission_timeout: cli.admission_timeout,
         admission_reserve: cli.admission_reserve,
         vm_memory: cli.vm_memory,
-        idle_offload: (!cli.idle_offload.is_zero()).then_some(cli.idle_offload),
+        idle_offload: (cli.memory_management && !cli.idle_offload.is_zero())
+            .then_some(cli.idle_offload),
+        managed: cli.memory_management,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -117,6 +117,9 @@ pub struct Limits {
     pub admission_reserve: u64,
     /// A running sandbox with no command for this long is offloaded (see [`idle`]).
     pub idle_offload: Option<Duration>,
+    /// The VMs join the memory governor (`--memory-management on`, the default); else they
+    /// only run in the budget's cgroup and keep what they touch.
+    pub managed: bool,
 }
 
 /// How often a create waiting for room looks at the budget again.
@@ -324,10 +327,14 @@ impl Sandboxes {
                 return Err(SandboxError::TooMany { max: MAX_SANDBOXES });
             }
             // Admitted, their VMs not in the governor's figures yet (starting, or up and
-            // about to join it).
+            // about to join it). Unmanaged VMs never join: the budget cgroup's usage counts
+            // them once they are up.
             let starting = table
                 .values()
-                .filter(|s| !s.record.state.is_final() && !room.joined.contains(&s.record.id))
+                .filter(|s| match self.limits.managed {
+                    true => !s.record.state.is_final() && !room.joined.contains(&s.record.id),
+                    false => s.record.state == State::Pending,
+                })
                 .count() as u64;
             if !room.admits(starting, need, self.limits.admission_reserve) {
                 return Err(SandboxError::Capacity {
@@ -368,7 +375,10 @@ impl Sandboxes {
         }
         let plan = vm::Plan {
             memory: self.limits.vm_memory,
-            governor: self.governed.socket().to_path_buf(),
+            governor: self
+                .limits
+                .managed
+                .then(|| self.governed.socket().to_path_buf()),
             cgroup: self.governed.vm_cgroup(&id),
         };
         let job = id.clone();

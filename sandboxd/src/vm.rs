@@ -30,26 +30,30 @@ pub enum VmError {
 pub struct Plan {
     /// Bytes of guest RAM.
     pub memory: u64,
-    /// The memory governor's socket.
-    pub governor: PathBuf,
+    /// The memory governor's socket (`None`: the VM does not join it, and keeps what it
+    /// touches).
+    pub governor: Option<PathBuf>,
     /// Its memory cgroup, relative to the daemon's.
     pub cgroup: PathBuf,
 }
 
 /// Starts the VM of sandbox `id` by `plan` (its files in the job directory `id` of the
 /// runtime directory): anonymous RAM served by its pager, in a memory cgroup of its own,
-/// joined to the governor, with an offload store the governor's orders and pauses use.
+/// joined to the governor (when the plan names it), with an offload store the governor's
+/// orders and pauses use.
 pub fn start(id: &str, plan: &Plan) -> Result<VmRef, VmError> {
     let mut spec = Spec::in_job_dir(id, plan.memory);
     spec.options.cgroup = Some(plan.cgroup.clone());
-    spec.options.governor = Some(vmm::vm::GovernorOptions {
-        socket: plan.governor.clone(),
-        name: id.to_owned(),
-        hold_timeout_ms: None,
-    });
-    // Wait management gives the VM the offload store a governor's order offloads into
-    // between commands (a sandbox has no model waits of its own).
-    spec.options.wait = Some(vmm::wait::WaitPolicy::default());
+    if let Some(socket) = &plan.governor {
+        spec.options.governor = Some(vmm::vm::GovernorOptions {
+            socket: socket.clone(),
+            name: id.to_owned(),
+            hold_timeout_ms: None,
+        });
+        // Wait management gives the VM the offload store a governor's order offloads into
+        // between commands (a sandbox has no model waits of its own).
+        spec.options.wait = Some(vmm::wait::WaitPolicy::default());
+    }
     let identity = detached::start(&spec).map_err(VmError::Start)?;
     Ok(vm_ref(identity))
 }

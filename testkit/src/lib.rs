@@ -1,8 +1,9 @@
 //! Helpers shared by the device tests of every crate: the device check, a small tmpfs to run
 //! out of space on, deterministic test data, and hostile files: FIFOs, modes, another user;
 //! huge pages lent for a test ([`hugepages`]); what of a store is in the page cache
-//! ([`page_cache`]).
+//! ([`page_cache`]); a small HTTP/1.1 client ([`http`]).
 
+pub mod http;
 pub mod hugepages;
 pub mod page_cache;
 pub mod s3;

@@ -5,14 +5,16 @@
 // Each test file uses a part of it; test code stops on a failed setup step.
 #![allow(dead_code, clippy::unwrap_used)]
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
+use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+// (Each test file uses some of them.)
+#[allow(unused_imports)]
+pub use testkit::http::{events, request, send_raw, Answer};
 
 /// The test API key.
 pub const KEY: &str = "test-key-5f2c9a";
@@ -379,142 +381,4 @@ fn remove_budget_cgroup(state: &Path, pids: &[u32]) {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-}
-
-/// An HTTP answer.
-#[derive(Debug)]
-pub struct Answer {
-    pub status: u16,
-    pub headers: Vec<(String, String)>,
-    pub body: Vec<u8>,
-}
-
-impl Answer {
-    pub fn text(&self) -> String {
-        String::from_utf8_lossy(&self.body).into_owned()
-    }
-
-    pub fn json(&self) -> Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("{} is not JSON: {e}", self.text()))
-    }
-
-    pub fn header(&self, name: &str) -> Option<String> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.clone())
-    }
-
-    /// The error body's code, checking it is `{code, message}`.
-    pub fn code(&self) -> String {
-        let body = self.json();
-        assert!(body["message"].is_string(), "{body}");
-        body["code"].as_str().unwrap().to_owned()
-    }
-}
-
-/// Sends one request (`Connection: close`) and reads the whole answer.
-pub fn request(
-    addr: &str,
-    method: &str,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: Option<&str>,
-) -> Answer {
-    let mut raw = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
-    for (k, v) in headers {
-        raw.push_str(&format!("{k}: {v}\r\n"));
-    }
-    if let Some(body) = body {
-        raw.push_str(&format!(
-            "Content-Type: application/json\r\nContent-Length: {}\r\n",
-            body.len()
-        ));
-    }
-    raw.push_str("\r\n");
-    raw.push_str(body.unwrap_or(""));
-    send_raw(addr, raw.as_bytes())
-}
-
-/// Sends `raw` and parses the answer.
-pub fn send_raw(addr: &str, raw: &[u8]) -> Answer {
-    let mut stream = TcpStream::connect(addr).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(120)))
-        .unwrap();
-    stream.write_all(raw).unwrap();
-    let mut bytes = Vec::new();
-    // A server that answers before reading all of a body may reset the connection after.
-    let mut chunk = [0u8; 16 << 10];
-    loop {
-        match stream.read(&mut chunk) {
-            Ok(0) => break,
-            Ok(n) => bytes.extend_from_slice(&chunk[..n]),
-            Err(e) if !bytes.is_empty() && e.kind() == std::io::ErrorKind::ConnectionReset => break,
-            Err(e) => panic!("reading the answer: {e}"),
-        }
-    }
-    parse(&bytes)
-}
-
-fn parse(bytes: &[u8]) -> Answer {
-    let end = bytes
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .unwrap_or_else(|| panic!("no header end in {:?}", String::from_utf8_lossy(bytes)));
-    let head = String::from_utf8_lossy(&bytes[..end]).into_owned();
-    let mut lines = head.split("\r\n");
-    let status = lines
-        .next()
-        .unwrap()
-        .split(' ')
-        .nth(1)
-        .unwrap()
-        .parse()
-        .unwrap();
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
-        .collect();
-    let mut body = bytes[end + 4..].to_vec();
-    let chunked = headers
-        .iter()
-        .any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
-    if chunked {
-        let mut out = Vec::new();
-        let mut rest = &body[..];
-        loop {
-            let line_end = rest.windows(2).position(|w| w == b"\r\n").unwrap();
-            let size_text = String::from_utf8_lossy(&rest[..line_end]).into_owned();
-            let size =
-                usize::from_str_radix(size_text.split(';').next().unwrap().trim(), 16).unwrap();
-            rest = &rest[line_end + 2..];
-            if size == 0 {
-                break;
-            }
-            out.extend_from_slice(&rest[..size]);
-            rest = &rest[size + 2..];
-        }
-        body = out;
-    }
-    Answer {
-        status,
-        headers,
-        body,
-    }
-}
-
-/// The JSON `data:` of each server-sent event.
-pub fn events(text: &str) -> Vec<Value> {
-    text.split("\n\n")
-        .filter_map(|frame| {
-            let data: Vec<&str> = frame
-                .lines()
-                .filter_map(|l| l.strip_prefix("data:"))
-                .map(str::trim_start)
-                .collect();
-            (!data.is_empty()).then(|| serde_json::from_str(&data.join("\n")).unwrap())
-        })
-        .collect()
 }

@@ -1,0 +1,352 @@
+//! One run: the daemon started in a mode, the sandboxes driven through its API by one thread
+//! each, the budget cgroup sampled, and what came of it.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use testkit::http::{self, Answer};
+
+use crate::common::Res;
+use crate::{Mode, Settings};
+
+/// How long a create waits for room before the daemon refuses it.
+const ADMISSION_TIMEOUT: &str = "60s";
+/// How often the budget cgroup's usage is read.
+const SAMPLE: Duration = Duration::from_millis(250);
+/// The first output of a command: the `stdout` event.
+const FIRST_OUTPUT: &[u8] = b"\"type\":\"stdout\"";
+const TOKEN_HEADER: &str = "X-Pvisor-Sandbox-Token";
+
+/// What one sandbox's client saw.
+#[derive(Debug, Default)]
+struct Sandbox {
+    admitted: bool,
+    /// Every iteration ran and found its working set intact.
+    completed: bool,
+    /// What went wrong, if something did.
+    problem: Option<String>,
+    create_ms: f64,
+    ready_ms: f64,
+    first_output_ms: Vec<f64>,
+    pause_ms: Option<f64>,
+    resume_ms: Option<f64>,
+}
+
+/// What came of one run.
+#[derive(Debug)]
+pub struct Outcome {
+    pub sandboxes: usize,
+    pub admitted: usize,
+    pub completed: usize,
+    pub problems: Vec<String>,
+    pub oom_kills: u64,
+    pub create_ms: Vec<f64>,
+    pub ready_ms: Vec<f64>,
+    pub first_output_ms: Vec<f64>,
+    pub pause_ms: Vec<f64>,
+    pub resume_ms: Vec<f64>,
+    /// (seconds since the first create, GiB charged to the budget cgroup).
+    pub samples: Vec<(f64, f64)>,
+    pub window_s: f64,
+}
+
+impl Outcome {
+    pub fn describe(&self) -> String {
+        format!(
+            "{}/{} admitted, {} held to the end, {} OOM kills, {:.0} s{}",
+            self.admitted,
+            self.sandboxes,
+            self.completed,
+            self.oom_kills,
+            self.window_s,
+            self.problems
+                .first()
+                .map(|p| format!("; first problem: {p}"))
+                .unwrap_or_default()
+        )
+    }
+
+    /// GiB·s charged over the run.
+    pub fn gib_s(&self) -> f64 {
+        self.samples
+            .windows(2)
+            .map(|w| (w[1].0 - w[0].0) * (w[0].1 + w[1].1) / 2.0)
+            .sum()
+    }
+
+    pub fn peak_gib(&self) -> f64 {
+        self.samples.iter().map(|s| s.1).fold(0.0, f64::max)
+    }
+}
+
+/// The daemon of one run, stopped (with its VMs: `--stop-on-exit`) on drop.
+struct Daemon {
+    child: Child,
+    addr: String,
+    state: PathBuf,
+}
+
+impl Daemon {
+    fn start(settings: &Settings, mode: Mode, dir: &Path) -> Res<Daemon> {
+        std::fs::create_dir_all(dir)?;
+        let state = dir.join("state");
+        let log = std::fs::File::create(dir.join("daemon.log"))?;
+        let mut child = Command::new(&settings.daemon)
+            .args(["--listen", "127.0.0.1:0", "--no-auth", "--stop-on-exit"])
+            .arg("--state")
+            .arg(&state)
+            .args(["--memory-budget", &format!("{}MiB", settings.budget_mib)])
+            .args(["--admission-timeout", ADMISSION_TIMEOUT])
+            .args(mode.flags())
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()?;
+        let mut line = String::new();
+        if let Some(out) = child.stdout.take() {
+            BufReader::new(out).read_line(&mut line)?;
+        }
+        let ready: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
+        let Some(addr) = ready["listen"].as_str().map(str::to_owned) else {
+            let _ = child.kill();
+            let _ = child.wait();
+            let log = std::fs::read_to_string(dir.join("daemon.log")).unwrap_or_default();
+            return Err(format!("the daemon did not start: {line}{log}").into());
+        };
+        Ok(Daemon { child, addr, state })
+    }
+
+    fn api(&self, method: &str, path: &str, body: Option<&str>) -> Result<Answer, String> {
+        let raw = http::raw_request(&self.addr, method, path, &[], body);
+        http::timed(&self.addr, &raw, b"").map(|(answer, _)| answer)
+    }
+
+    /// The budget cgroup's directory (named in the state directory).
+    fn budget_cgroup(&self) -> Option<PathBuf> {
+        let name = std::fs::read_to_string(self.state.join("budget-cgroup")).ok()?;
+        let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+        let own = own.lines().find_map(|l| {
+            let mut parts = l.splitn(3, ':');
+            let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+            controllers
+                .split(',')
+                .any(|c| c == "memory")
+                .then_some(path)
+        })?;
+        Some(
+            Path::new("/sys/fs/cgroup/memory")
+                .join(own.trim_start_matches('/'))
+                .join(name.trim()),
+        )
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // SAFETY: a signal to our own child, not waited for yet.
+        unsafe {
+            libc::kill(
+                libc::pid_t::try_from(self.child.id()).unwrap_or(0),
+                libc::SIGTERM,
+            )
+        };
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A sandbox's execd: the path of its endpoint on the daemon, and its token.
+fn execd(daemon: &Daemon, id: &str) -> Result<(String, String), String> {
+    let answer = daemon.api("GET", &format!("/v1/sandboxes/{id}/endpoints/44772"), None)?;
+    let body: Value = serde_json::from_slice(&answer.body).map_err(|e| e.to_string())?;
+    let endpoint = body["endpoint"].as_str().unwrap_or_default();
+    let path = endpoint
+        .strip_prefix(&daemon.addr)
+        .ok_or_else(|| format!("endpoint {body}"))?;
+    let token = body["headers"][TOKEN_HEADER].as_str().unwrap_or_default();
+    Ok((path.to_owned(), token.to_owned()))
+}
+
+/// Runs `command` in the sandbox; its stdout results, and when the first came (ms).
+fn command(
+    daemon: &Daemon,
+    (path, token): &(String, String),
+    command: &str,
+) -> Result<(Vec<Value>, f64), String> {
+    let body = serde_json::json!({ "command": command }).to_string();
+    let raw = http::raw_request(
+        &daemon.addr,
+        "POST",
+        &format!("{path}/command"),
+        &[(TOKEN_HEADER, token)],
+        Some(&body),
+    );
+    let (answer, first) = http::timed(&daemon.addr, &raw, FIRST_OUTPUT)?;
+    if answer.status != 200 {
+        return Err(format!("`{command}`: {} {}", answer.status, answer.text()));
+    }
+    let events = http::events(&answer.text());
+    if events.last().map(|e| &e["type"]) != Some(&"execution_complete".into()) {
+        return Err(format!("`{command}` failed: {events:?}"));
+    }
+    let stdout = events
+        .iter()
+        .filter(|e| e["type"] == "stdout")
+        .filter_map(|e| serde_json::from_str(e["text"].as_str()?.trim_end()).ok())
+        .collect();
+    let first = first.ok_or_else(|| format!("`{command}` gave no output"))?;
+    Ok((stdout, first.as_secs_f64() * 1e3))
+}
+
+fn ms_since(at: Instant) -> f64 {
+    at.elapsed().as_secs_f64() * 1e3
+}
+
+/// One sandbox's whole life: created, filled, idle and checked `iterations` times, deleted.
+fn drive(daemon: &Daemon, settings: &Settings, i: usize, out: &mut Sandbox) -> Result<(), String> {
+    let body = r#"{"image":{"uri":"pvisor:workload"},"entrypoint":["tail","-f","/dev/null"]}"#;
+    let asked = Instant::now();
+    let created = daemon.api("POST", "/v1/sandboxes", Some(body))?;
+    out.create_ms = ms_since(asked);
+    match created.status {
+        202 => out.admitted = true,
+        429 => return Ok(()),
+        other => return Err(format!("create: {other} {}", created.text())),
+    }
+    let id = serde_json::from_slice::<Value>(&created.body)
+        .ok()
+        .and_then(|b| b["id"].as_str().map(str::to_owned))
+        .ok_or("create: no id")?;
+    let execd = execd(daemon, &id)?;
+    loop {
+        let raw = http::raw_request(
+            &daemon.addr,
+            "GET",
+            &format!("{}/ping", execd.0),
+            &[(TOKEN_HEADER, &execd.1)],
+            None,
+        );
+        if http::timed(&daemon.addr, &raw, b"")?.0.status == 200 {
+            break;
+        }
+        if asked.elapsed() > Duration::from_secs(60) {
+            return Err(format!("{id} not ready within 60 s"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    out.ready_ms = ms_since(asked);
+    let fill = format!("fill {} random seed={i}; digest", settings.working_set);
+    let (stdout, _) = command(daemon, &execd, &fill)?;
+    let digest = stdout
+        .get(1)
+        .map(|r| r["digest"].clone())
+        .ok_or("no digest")?;
+    for iteration in 0..settings.iterations {
+        std::thread::sleep(settings.idle);
+        if iteration == settings.iterations / 2 {
+            for (what, slot) in [("pause", &mut out.pause_ms), ("resume", &mut out.resume_ms)] {
+                let at = Instant::now();
+                let answer = daemon.api("POST", &format!("/v1/sandboxes/{id}/{what}"), None)?;
+                if answer.status != 202 {
+                    return Err(format!("{what}: {} {}", answer.status, answer.text()));
+                }
+                *slot = Some(ms_since(at));
+            }
+        }
+        let (stdout, first_ms) = command(daemon, &execd, "digest")?;
+        if stdout.first().map(|r| &r["digest"]) != Some(&digest) {
+            return Err(format!("{id}: iteration {iteration} found another digest"));
+        }
+        out.first_output_ms.push(first_ms);
+    }
+    out.completed = true;
+    let deleted = daemon.api("DELETE", &format!("/v1/sandboxes/{id}"), None)?;
+    if deleted.status != 204 {
+        return Err(format!("delete: {}", deleted.status));
+    }
+    Ok(())
+}
+
+/// The kernel's OOM kills in the budget cgroup.
+fn oom_kills(cgroup: &Path) -> u64 {
+    std::fs::read_to_string(cgroup.join("memory.oom_control"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("oom_kill "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Runs the load against a daemon in `mode`, with its files under `dir`.
+pub fn run(settings: &Settings, mode: Mode, dir: &Path) -> Res<Outcome> {
+    let daemon = Daemon::start(settings, mode, dir)?;
+    let cgroup = daemon
+        .budget_cgroup()
+        .ok_or("the daemon named no budget cgroup")?;
+    let began = Instant::now();
+    let done = AtomicBool::new(false);
+    let samples = Mutex::new(Vec::new());
+    let mut sandboxes: Vec<Sandbox> = (0..settings.sandboxes)
+        .map(|_| Sandbox::default())
+        .collect();
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            while !done.load(Ordering::Relaxed) {
+                if let Ok(text) = std::fs::read_to_string(cgroup.join("memory.usage_in_bytes")) {
+                    if let Ok(bytes) = text.trim().parse::<f64>() {
+                        let at = began.elapsed().as_secs_f64();
+                        let mut samples = samples.lock().unwrap_or_else(|e| e.into_inner());
+                        samples.push((at, bytes / f64::from(1u32 << 30)));
+                    }
+                }
+                std::thread::sleep(SAMPLE);
+            }
+        });
+        let clients: Vec<_> = sandboxes
+            .iter_mut()
+            .enumerate()
+            .map(|(i, out)| {
+                let daemon = &daemon;
+                scope.spawn(move || {
+                    std::thread::sleep(settings.stagger * i as u32);
+                    if let Err(why) = drive(daemon, settings, i, out) {
+                        out.problem = Some(why);
+                    }
+                })
+            })
+            .collect();
+        for client in clients {
+            let _ = client.join();
+        }
+        done.store(true, Ordering::Relaxed);
+    });
+    let window_s = began.elapsed().as_secs_f64();
+    let oom_kills = oom_kills(&cgroup);
+    drop(daemon);
+    let all = |f: fn(&Sandbox) -> Vec<f64>| sandboxes.iter().flat_map(f).collect::<Vec<f64>>();
+    Ok(Outcome {
+        sandboxes: settings.sandboxes,
+        admitted: sandboxes.iter().filter(|s| s.admitted).count(),
+        completed: sandboxes.iter().filter(|s| s.completed).count(),
+        problems: sandboxes.iter().filter_map(|s| s.problem.clone()).collect(),
+        oom_kills,
+        create_ms: all(|s| vec![s.create_ms]),
+        ready_ms: all(|s| s.admitted.then_some(s.ready_ms).into_iter().collect()),
+        first_output_ms: all(|s| s.first_output_ms.clone()),
+        pause_ms: all(|s| s.pause_ms.into_iter().collect()),
+        resume_ms: all(|s| s.resume_ms.into_iter().collect()),
+        samples: samples.into_inner().unwrap_or_else(|e| e.into_inner()),
+        window_s,
+    })
+}

@@ -1,0 +1,265 @@
+//! The figures of each run, the targets of issue 37 judged, and the report.
+
+use std::fmt::Write as _;
+
+use crate::client::Outcome;
+use crate::common::chart::{Figure, Lines, Series, Stroke, BLUE, RUST};
+use crate::common::host::BenchRun;
+use crate::common::results::{fig, Results};
+use crate::common::verdict::{self, Verdict};
+use crate::common::Res;
+use crate::{Mode, Settings};
+
+/// Targets of issue 37.
+const FIRST_OUTPUT_P50_MS: f64 = 300.0;
+const FIRST_OUTPUT_P99_MS: f64 = 1000.0;
+const HELD_RATIO: f64 = 4.0;
+
+/// The `q` quantile (nearest rank) of `values`; NaN for none.
+fn quantile(values: &[f64], q: f64) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((q * sorted.len() as f64).ceil().max(1.0) as usize).min(sorted.len());
+    sorted[rank - 1]
+}
+
+/// Puts the figures of `outcome` under `MODE.*`.
+pub fn record(outcome: &Outcome, mode: Mode, round: usize, results: &mut Results) {
+    let m = mode.key();
+    let mut put = |key: &str, unit, value| results.put(&format!("{m}.{key}"), unit, round, value);
+    put("admitted", "", outcome.admitted as f64);
+    put("held", "", outcome.completed as f64);
+    put("problems", "", outcome.problems.len() as f64);
+    put("oom_kills", "", outcome.oom_kills as f64);
+    put("create_p50_ms", "ms", quantile(&outcome.create_ms, 0.5));
+    put("ready_p50_ms", "ms", quantile(&outcome.ready_ms, 0.5));
+    put("ready_p99_ms", "ms", quantile(&outcome.ready_ms, 0.99));
+    put(
+        "first_output_p50_ms",
+        "ms",
+        quantile(&outcome.first_output_ms, 0.5),
+    );
+    put(
+        "first_output_p99_ms",
+        "ms",
+        quantile(&outcome.first_output_ms, 0.99),
+    );
+    put(
+        "first_output_max_ms",
+        "ms",
+        quantile(&outcome.first_output_ms, 1.0),
+    );
+    put("pause_p50_ms", "ms", quantile(&outcome.pause_ms, 0.5));
+    put("resume_p50_ms", "ms", quantile(&outcome.resume_ms, 0.5));
+    put("resume_p99_ms", "ms", quantile(&outcome.resume_ms, 0.99));
+    put("gib_s", "GiB·s", outcome.gib_s());
+    put("peak_gib", "GiB", outcome.peak_gib());
+    put("window_s", "s", outcome.window_s);
+}
+
+/// The ratios within each round.
+pub fn derive(results: &mut Results) {
+    results.ratio("ratio.held", "managed.held", "unmanaged.held", "×");
+    results.ratio("ratio.gib_s", "managed.gib_s", "unmanaged.gib_s", "×");
+}
+
+fn judged(met: bool) -> &'static str {
+    if met {
+        "met"
+    } else {
+        "missed"
+    }
+}
+
+/// The targets of issue 37, judged on the median round (and every round for OOM kills).
+pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
+    let median = |key: &str| results.summary(key).median;
+    let worst = |key: &str| results.summary(key).max;
+    vec![
+        Verdict {
+            target: format!("resume to first output, p50 ≤ {FIRST_OUTPUT_P50_MS:.0} ms (managed)"),
+            figure: format!("{} ms", fig(results, "managed.first_output_p50_ms", 1)),
+            result: judged(median("managed.first_output_p50_ms") <= FIRST_OUTPUT_P50_MS),
+        },
+        Verdict {
+            target: format!("resume to first output, p99 ≤ {FIRST_OUTPUT_P99_MS:.0} ms (managed)"),
+            figure: format!("{} ms", fig(results, "managed.first_output_p99_ms", 1)),
+            result: judged(median("managed.first_output_p99_ms") <= FIRST_OUTPUT_P99_MS),
+        },
+        Verdict {
+            target: format!(
+                "≥ {HELD_RATIO:.0}× the sandboxes of unmanaged in {} MiB",
+                settings.budget_mib
+            ),
+            figure: format!(
+                "{}× ({} against {})",
+                fig(results, "ratio.held", 2),
+                fig(results, "managed.held", 0),
+                fig(results, "unmanaged.held", 0)
+            ),
+            result: judged(median("ratio.held") >= HELD_RATIO),
+        },
+        Verdict {
+            target: "zero OOM kills (managed, every round)".into(),
+            figure: format!("{} at most", fig(results, "managed.oom_kills", 0)),
+            result: judged(worst("managed.oom_kills") == 0.0),
+        },
+        Verdict {
+            target: "every admitted sandbox's data intact, every command answered (managed)".into(),
+            figure: format!("{} problems at most", fig(results, "managed.problems", 0)),
+            result: judged(worst("managed.problems") == 0.0),
+        },
+    ]
+}
+
+/// The smoke run's checks: every sandbox admitted and right in both modes, no OOM kill.
+pub fn smoke_checks(results: &Results, settings: &Settings) -> Res<()> {
+    for mode in Mode::ALL {
+        let m = mode.key();
+        let held = results.summary(&format!("{m}.held")).min;
+        let oom = results.summary(&format!("{m}.oom_kills")).max;
+        if held < settings.sandboxes as f64 || oom > 0.0 {
+            return Err(format!(
+                "{m}: {held} of {} sandboxes held to the end, {oom} OOM kills",
+                settings.sandboxes
+            )
+            .into());
+        }
+    }
+    Ok(())
+}
+
+/// A run's memory samples: its mode, its round, and (seconds, GiB charged).
+pub type Samples = (Mode, usize, Vec<(f64, f64)>);
+
+/// The budget cgroup's usage over the first round, both modes.
+pub fn chart(memory: &[Samples], settings: &Settings) -> Res<String> {
+    let series = memory
+        .iter()
+        .filter(|(_, round, _)| *round == 0)
+        .map(|(mode, _, points)| Series {
+            label: format!("{}: charged to the budget cgroup", mode.key()),
+            stroke: Stroke::solid(if *mode == Mode::Managed { BLUE } else { RUST }),
+            points: points.clone(),
+        })
+        .collect();
+    let mut lines = Lines::memory_over_time(
+        format!(
+            "{} sandboxes, {} MiB working set each, {} × ({} s idle, then a command); round 1",
+            settings.sandboxes,
+            settings.working_set.trim_end_matches("MiB"),
+            settings.iterations,
+            settings.idle.as_secs()
+        ),
+        series,
+    );
+    lines.x_title = "seconds after the first create";
+    lines.budget = Some((
+        settings.budget_mib as f64 / 1024.0,
+        format!("budget {} MiB", settings.budget_mib),
+    ));
+    Figure::new("pvisor-sandboxd: memory charged over time, managed and unmanaged")
+        .panel(lines)
+        .svg()
+}
+
+/// `docs/bench/sandbox.md`.
+pub fn markdown(
+    results: &Results,
+    verdicts: &[Verdict],
+    settings: &Settings,
+    run: &BenchRun,
+) -> String {
+    let mut t = String::from("# pvisor-sandboxd: sandboxes in a memory budget\n\n");
+    t.push_str(&run.generated("sandbox_report", settings.runs));
+    let _ = writeln!(
+        t,
+        "\n{} sandboxes of the workload guest, created through the lifecycle API one every {} ms under \
+         a {} MiB budget. Each fills a {} working set of random data, then {} times waits {} s idle and \
+         runs `digest`, which reads the whole set and must find it unchanged; before the middle \
+         iteration it is paused and resumed through the API. A create waits up to 60 s for room. \
+         Figures are median (min–max) over the rounds.\n",
+        settings.sandboxes,
+        settings.stagger.as_millis(),
+        settings.budget_mib,
+        settings.working_set,
+        settings.iterations,
+        settings.idle.as_secs()
+    );
+    t.push_str(&verdict::table(
+        "Targets (issue 37)",
+        "measured",
+        verdicts,
+        true,
+    ));
+    t.push_str("\n## Both modes\n\n| | managed | unmanaged |\n|---|---|---|\n");
+    let rows: [(&str, &str, usize); 15] = [
+        ("sandboxes admitted", "admitted", 0),
+        (
+            "sandboxes held to the end (every iteration right)",
+            "held",
+            0,
+        ),
+        (
+            "problems (a command failed or found other data)",
+            "problems",
+            0,
+        ),
+        ("OOM kills in the budget cgroup", "oom_kills", 0),
+        ("create answered, p50 (ms)", "create_p50_ms", 1),
+        ("ready (execd ping), p50 (ms)", "ready_p50_ms", 1),
+        ("ready, p99 (ms)", "ready_p99_ms", 1),
+        (
+            "first output after idle, p50 (ms)",
+            "first_output_p50_ms",
+            1,
+        ),
+        (
+            "first output after idle, p99 (ms)",
+            "first_output_p99_ms",
+            1,
+        ),
+        (
+            "first output after idle, max (ms)",
+            "first_output_max_ms",
+            1,
+        ),
+        ("pause, p50 (ms)", "pause_p50_ms", 1),
+        ("resume, p50 (ms)", "resume_p50_ms", 1),
+        ("memory charged × time (GiB·s)", "gib_s", 1),
+        ("peak charged (GiB)", "peak_gib", 3),
+        ("window (s)", "window_s", 0),
+    ];
+    for (label, key, d) in rows {
+        let _ = writeln!(
+            t,
+            "| {label} | {} | {} |",
+            fig(results, &format!("managed.{key}"), d),
+            fig(results, &format!("unmanaged.{key}"), d)
+        );
+    }
+    let _ = writeln!(
+        t,
+        "\nManaged held {}× the sandboxes of unmanaged, for {}× its memory charged × time.\n",
+        fig(results, "ratio.held", 2),
+        fig(results, "ratio.gib_s", 2)
+    );
+    t.push_str(
+        "![memory charged over time](sandbox.svg)\n\n## Method\n\n\
+         `cargo build --release -p sandboxd && cargo bench --bench sandbox_report` \
+         (`SANDBOX_BENCH_RUNS`, `_SANDBOXES`, `_ITERATIONS`, `_IDLE_S`, `_STAGGER_MS`, `_BUDGET_MIB` \
+         change the plan). The daemon runs with `--no-auth --admission-timeout 60s --stop-on-exit` \
+         and its defaults otherwise (`--idle-offload 60s`: longer than the idle waits, so what \
+         takes memory back between commands is the governor under pressure); `unmanaged` adds \
+         `--memory-management off`. The bench's client measures every latency from its own side \
+         of the socket: *first output* is from sending `POST …/command` to the first `stdout` \
+         event. Memory is the budget cgroup's `memory.usage_in_bytes`, read every 250 ms. A \
+         sandbox is *held* when it was admitted and every one of its commands answered with its \
+         data intact.\n\n",
+    );
+    t.push_str(&run.machine_markdown());
+    t
+}
