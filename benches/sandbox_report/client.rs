@@ -35,6 +35,8 @@ struct Sandbox {
     first_output_ms: Vec<f64>,
     pause_ms: Option<f64>,
     resume_ms: Option<f64>,
+    /// From its admission to its delete, seconds since the run began.
+    live: (f64, f64),
 }
 
 /// What came of one run.
@@ -43,6 +45,8 @@ pub struct Outcome {
     pub sandboxes: usize,
     pub admitted: usize,
     pub completed: usize,
+    /// The most sandboxes live at once of those held to the end.
+    pub held_at_once: usize,
     pub problems: Vec<String>,
     pub oom_kills: u64,
     pub create_ms: Vec<f64>,
@@ -58,10 +62,11 @@ pub struct Outcome {
 impl Outcome {
     pub fn describe(&self) -> String {
         format!(
-            "{}/{} admitted, {} held to the end, {} OOM kills, {:.0} s{}",
+            "{}/{} admitted, {} held to the end, at most {} at once, {} OOM kills, {:.0} s{}",
             self.admitted,
             self.sandboxes,
             self.completed,
+            self.held_at_once,
             self.oom_kills,
             self.window_s,
             self.problems
@@ -214,13 +219,22 @@ fn ms_since(at: Instant) -> f64 {
 }
 
 /// One sandbox's whole life: created, filled, idle and checked `iterations` times, deleted.
-fn drive(daemon: &Daemon, settings: &Settings, i: usize, out: &mut Sandbox) -> Result<(), String> {
+fn drive(
+    daemon: &Daemon,
+    settings: &Settings,
+    i: usize,
+    began: Instant,
+    out: &mut Sandbox,
+) -> Result<(), String> {
     let body = r#"{"image":{"uri":"pvisor:workload"},"entrypoint":["tail","-f","/dev/null"]}"#;
     let asked = Instant::now();
     let created = daemon.api("POST", "/v1/sandboxes", Some(body))?;
     out.create_ms = ms_since(asked);
     match created.status {
-        202 => out.admitted = true,
+        202 => {
+            out.admitted = true;
+            out.live.0 = began.elapsed().as_secs_f64();
+        }
         429 => return Ok(()),
         other => return Err(format!("create: {other} {}", created.text())),
     }
@@ -264,21 +278,56 @@ fn drive(daemon: &Daemon, settings: &Settings, i: usize, out: &mut Sandbox) -> R
                 *slot = Some(ms_since(at));
             }
         }
-        let (stdout, first_ms) = command(daemon, &execd, "digest")?;
+        let at = began.elapsed().as_secs_f64();
+        let (stdout, first_ms) = command(daemon, &execd, "digest").map_err(|e| {
+            // Why the sandbox failed, if it did (its VM's tombstone, as the API tells it).
+            let status = daemon
+                .api("GET", &format!("/v1/sandboxes/{id}"), None)
+                .ok()
+                .and_then(|a| serde_json::from_slice::<Value>(&a.body).ok())
+                .map(|b| b["status"].clone())
+                .unwrap_or_default();
+            format!("{e} ({status})")
+        })?;
+        if let Some(trace) = std::env::var_os("SANDBOX_BENCH_TRACE") {
+            use std::io::Write as _;
+            if let Ok(mut f) = std::fs::OpenOptions::new()
+                .append(true)
+                .create(true)
+                .open(trace)
+            {
+                let _ = writeln!(f, "{i},{id},{iteration},{at:.3},{first_ms:.1}");
+            }
+        }
         if stdout.first().map(|r| &r["digest"]) != Some(&digest) {
             return Err(format!("{id}: iteration {iteration} found another digest"));
         }
         out.first_output_ms.push(first_ms);
     }
-    out.completed = true;
     let deleted = daemon.api("DELETE", &format!("/v1/sandboxes/{id}"), None)?;
     if deleted.status != 204 {
         return Err(format!("delete: {}", deleted.status));
     }
+    out.live.1 = began.elapsed().as_secs_f64();
+    out.completed = true;
     Ok(())
 }
 
-/// The kernel's OOM kills in the budget cgroup.
+/// The most of the intervals `live` that overlap at one time.
+fn at_once(live: impl Iterator<Item = (f64, f64)>) -> usize {
+    let mut edges: Vec<(f64, i32)> = live.flat_map(|(a, b)| [(a, 1), (b, -1)]).collect();
+    // At one time, ends before starts.
+    edges.sort_by(|x, y| x.0.total_cmp(&y.0).then(x.1.cmp(&y.1)));
+    let mut live = 0i32;
+    let mut most = 0;
+    for (_, step) in edges {
+        live += step;
+        most = most.max(live);
+    }
+    most.unsigned_abs() as usize
+}
+
+/// The kernel's OOM kills counted in the budget cgroup itself.
 fn oom_kills(cgroup: &Path) -> u64 {
     std::fs::read_to_string(cgroup.join("memory.oom_control"))
         .unwrap_or_default()
@@ -320,7 +369,7 @@ pub fn run(settings: &Settings, mode: Mode, dir: &Path) -> Res<Outcome> {
                 let daemon = &daemon;
                 scope.spawn(move || {
                     std::thread::sleep(settings.stagger * i as u32);
-                    if let Err(why) = drive(daemon, settings, i, out) {
+                    if let Err(why) = drive(daemon, settings, i, began, out) {
                         out.problem = Some(why);
                     }
                 })
@@ -332,13 +381,31 @@ pub fn run(settings: &Settings, mode: Mode, dir: &Path) -> Res<Outcome> {
         done.store(true, Ordering::Relaxed);
     });
     let window_s = began.elapsed().as_secs_f64();
-    let oom_kills = oom_kills(&cgroup);
+    // The kernel counts an OOM kill in the cgroup of the VM it killed (gone with it); the
+    // sandbox's record keeps its tombstone's reason.
+    let failed = daemon
+        .api("GET", "/v1/sandboxes?state=Failed&pageSize=1000", None)
+        .ok()
+        .and_then(|a| serde_json::from_slice::<Value>(&a.body).ok())
+        .unwrap_or_default();
+    let killed = failed["items"].as_array().map_or(0, |items| {
+        items
+            .iter()
+            .filter(|s| {
+                s["status"]["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("OOM killer"))
+            })
+            .count() as u64
+    });
+    let oom_kills = oom_kills(&cgroup).max(killed);
     drop(daemon);
     let all = |f: fn(&Sandbox) -> Vec<f64>| sandboxes.iter().flat_map(f).collect::<Vec<f64>>();
     Ok(Outcome {
         sandboxes: settings.sandboxes,
         admitted: sandboxes.iter().filter(|s| s.admitted).count(),
         completed: sandboxes.iter().filter(|s| s.completed).count(),
+        held_at_once: at_once(sandboxes.iter().filter(|s| s.completed).map(|s| s.live)),
         problems: sandboxes.iter().filter_map(|s| s.problem.clone()).collect(),
         oom_kills,
         create_ms: all(|s| vec![s.create_ms]),

@@ -5,8 +5,8 @@
 //! budget (`SANDBOX_BENCH_BUDGET_MIB`, 1024). Each fills a 64 MiB working set, then
 //! `SANDBOX_BENCH_ITERATIONS` (10) times waits `SANDBOX_BENCH_IDLE_S` (20) seconds idle and runs
 //! `digest`, which reads its whole working set and must find it intact; halfway it is paused
-//! and resumed through the API. Two modes run the same load: `managed` (the daemon as shipped:
-//! the governor, admission by memory charged, idle offload) and `unmanaged`
+//! and resumed through the API. Two modes run the same load: `managed` (the governor, admission
+//! by memory charged, and `--idle-offload 1s`) and `unmanaged`
 //! (`--memory-management off`: the VMs only in the budget's cgroup, nothing taken back,
 //! admission by what they are charged). A create waits up to 60 s for room, then counts as
 //! refused. Regenerates `docs/bench/sandbox.md`, `.csv` and `.svg`.
@@ -18,6 +18,9 @@
 //! by the bench: the budget cgroup's usage every 250 ms (memory charged × time, peak), the
 //! kernel's OOM kills in it, and how many sandboxes the budget held (admitted and every
 //! iteration right).
+//!
+//! `SANDBOX_BENCH_TRACE=FILE` appends one line per command (`sandbox,id,iteration,at_s,
+//! first_output_ms`) to FILE, to see where the slow ones fall.
 //!
 //! Needs root, `/dev/kvm`, `/dev/userfaultfd`, memory cgroups and `target/release/
 //! pvisor-sandboxd` built from the current sources (`cargo build --release -p sandboxd`). Run
@@ -45,7 +48,7 @@ mod report;
 /// How the daemon treats memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
-    /// As shipped: the governor, admission by memory charged, idle offload.
+    /// The governor, admission by memory charged, and idle offload after a second.
     Managed,
     /// `--memory-management off`.
     Unmanaged,
@@ -64,7 +67,7 @@ impl Mode {
     /// The daemon's flags of the mode.
     fn flags(self) -> &'static [&'static str] {
         match self {
-            Mode::Managed => &[],
+            Mode::Managed => &["--idle-offload", "1s"],
             Mode::Unmanaged => &["--memory-management", "off"],
         }
     }

@@ -173,6 +173,13 @@ impl Vm {
         match self.machine.offload(&config) {
             Ok(done) => {
                 self.state = VmState::Offloaded;
+                if let Some(link) = self.machine.governor() {
+                    // The governor learns that this VM holds little now, and that the limit
+                    // above what it holds is a reservation to take back; the VM's own limit
+                    // falls to it at once (its faults after the resume ask for room).
+                    link.offloaded(true, self.machine.resident_bytes());
+                    link.report(crate::governor::protocol::WireState::Offloaded, None);
+                }
                 Ok(report(self.state, Some(done)))
             }
             Err(e) => {
@@ -235,6 +242,8 @@ impl Vm {
         let collapse = (eager && load.is_some() && self.options.thp_collapse)
             .then(|| self.machine.pager().collapse());
         self.state = VmState::Running;
+        // Resumed, it runs no command yet.
+        self.between_commands();
         Ok(ResumeReport {
             state: self.state,
             load,
