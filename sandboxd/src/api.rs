@@ -37,6 +37,8 @@ pub struct App {
     pub api_key: Option<Vec<u8>>,
     /// `host:port` of this server, as endpoints name it.
     pub public: String,
+    /// The most requests the daemon takes a second, all clients together (`None`: no limit).
+    pub rate: Option<basics::RateLimit>,
 }
 
 impl std::fmt::Debug for App {
@@ -193,6 +195,28 @@ async fn authorize(State(app): State<Arc<App>>, request: Request, next: Next) ->
     next.run(request).await
 }
 
+/// Refuses a request past `--max-request-rate` (before its key is checked: a client without
+/// the key floods too) with `429 RATE_LIMITED` and `Retry-After: 1`.
+async fn limit_rate(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
+    if app.rate.as_ref().is_some_and(|rate| !rate.allow()) {
+        app.sandboxes
+            .metrics
+            .rate_limited
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut answer = ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "RATE_LIMITED",
+            "the daemon takes no more requests this second (--max-request-rate): try again in a second",
+        )
+        .into_response();
+        answer
+            .headers_mut()
+            .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        return answer;
+    }
+    next.run(request).await
+}
+
 /// Turns an error answer that is not JSON (axum's own rejections: a path segment that is not
 /// UTF-8, say) into `{code, message}`, like every other error.
 async fn json_errors(request: Request, next: Next) -> Response {
@@ -279,6 +303,7 @@ pub fn router(app: Arc<App>) -> Router {
             )
         })
         .layer(middleware::from_fn(json_errors))
+        .layer(middleware::from_fn_with_state(Arc::clone(&app), limit_rate))
         .with_state(app)
 }
 

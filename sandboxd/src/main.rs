@@ -59,6 +59,11 @@ struct Cli {
     /// create is admitted by what they are charged, all of which they keep.
     #[arg(long, value_name = "on|off", default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
     memory_management: bool,
+    /// The most requests the daemon takes a second, all clients and paths together (the key
+    /// is checked after: a client without it counts too); past it, `429 RATE_LIMITED` with
+    /// `Retry-After: 1`. `0`: no limit.
+    #[arg(long, value_name = "N", default_value_t = 1000)]
+    max_request_rate: u32,
     /// Stop every sandbox's VM when the daemon is told to stop (SIGTERM, SIGINT); each
     /// becomes `Failed` (`DAEMON_STOPPED`). Without it the VMs run on, keeping their memory,
     /// and the next start on the same `--state` re-adopts them.
@@ -188,6 +193,8 @@ fn serve(cli: Cli) -> MainResult {
             sandboxes: Arc::clone(&sandboxes),
             api_key,
             public: bound.to_string(),
+            rate: (cli.max_request_rate > 0)
+                .then(|| basics::RateLimit::new(cli.max_request_rate, Duration::from_secs(1))),
         });
         let ticker = {
             let sandboxes = Arc::clone(&sandboxes);

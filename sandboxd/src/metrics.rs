@@ -77,6 +77,8 @@ pub struct Metrics {
     pub idle_resumes: Histogram,
     /// Creates admitted, by how long they waited for room in the memory budget.
     pub admission: Histogram,
+    /// Requests refused past `--max-request-rate`.
+    pub rate_limited: AtomicU64,
 }
 
 /// One live sandbox as the metrics show it: its id and what its VM is charged for now
@@ -125,7 +127,12 @@ impl Metrics {
             "The sum of pvisor_sandbox_memory_charged_bytes.",
         );
         let _ = writeln!(out, "pvisor_sandboxes_memory_charged_bytes {total}");
-        let counters: [(&str, &AtomicU64, &str); 5] = [
+        let counters: [(&str, &AtomicU64, &str); 6] = [
+            (
+                "pvisor_sandbox_requests_rate_limited_total",
+                &self.rate_limited,
+                "Requests refused past --max-request-rate.",
+            ),
             (
                 "pvisor_sandbox_creates_total",
                 &self.creates,

@@ -808,3 +808,39 @@ fn idle_sandbox_is_offloaded_and_comes_back_on_its_next_command() {
         204
     );
 }
+
+#[test]
+fn daemon_refuses_requests_past_its_rate_and_serves_again_after() {
+    let daemon = Daemon::start(&["--max-request-rate", "20"]);
+    // Without the key too: a client that has none floods as well.
+    let answers: Vec<common::Answer> = (0..60)
+        .map(|i| {
+            let key = if i % 2 == 0 { common::KEY } else { "wrong" };
+            request(
+                &daemon.addr,
+                "GET",
+                "/v1/sandboxes",
+                &[("OPEN-SANDBOX-API-KEY", key)],
+                None,
+            )
+        })
+        .collect();
+    let limited: Vec<&common::Answer> = answers.iter().filter(|a| a.status == 429).collect();
+    // 20 a second: the 60 requests take well under 2 s here, so at least 20 are refused.
+    assert!(limited.len() >= 20, "{} refused", limited.len());
+    assert!(answers.iter().all(|a| [200, 401, 429].contains(&a.status)));
+    assert_eq!(limited[0].code(), "RATE_LIMITED");
+    assert_eq!(limited[0].header("retry-after").as_deref(), Some("1"));
+    std::thread::sleep(Duration::from_millis(1100));
+    assert_eq!(daemon.api("GET", "/v1/sandboxes", None).status, 200);
+    let metrics = daemon.api("GET", "/metrics", None).text();
+    let counted: f64 = metrics
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("pvisor_sandbox_requests_rate_limited_total ")?
+                .parse()
+                .ok()
+        })
+        .unwrap();
+    assert!(counted >= limited.len() as f64, "{metrics}");
+}
