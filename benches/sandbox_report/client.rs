@@ -133,20 +133,9 @@ impl Daemon {
     /// The budget cgroup's directory (named in the state directory).
     fn budget_cgroup(&self) -> Option<PathBuf> {
         let name = std::fs::read_to_string(self.state.join("budget-cgroup")).ok()?;
-        let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-        let own = own.lines().find_map(|l| {
-            let mut parts = l.splitn(3, ':');
-            let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
-            controllers
-                .split(',')
-                .any(|c| c == "memory")
-                .then_some(path)
-        })?;
-        Some(
-            Path::new("/sys/fs/cgroup/memory")
-                .join(own.trim_start_matches('/'))
-                .join(name.trim()),
-        )
+        // The daemon made it under its own memory cgroup, which is this process's.
+        let (base, _) = vmm::stats::MemoryCgroup::own_base().ok()?;
+        Some(base.join(name.trim()))
     }
 }
 

@@ -348,24 +348,11 @@ fn remove_budget_cgroup(state: &Path, pids: &[u32]) {
     let Ok(name) = std::fs::read_to_string(state.join("budget-cgroup")) else {
         return;
     };
-    let Some(own) = std::fs::read_to_string("/proc/self/cgroup")
-        .ok()
-        .and_then(|text| {
-            text.lines().find_map(|l| {
-                let (_, rest) = l.split_once(':')?;
-                let (controllers, path) = rest.split_once(':')?;
-                controllers
-                    .split(',')
-                    .any(|c| c == "memory")
-                    .then(|| path.trim_start_matches('/').to_owned())
-            })
-        })
-    else {
+    // The daemon made it under its own memory cgroup, which is this process's.
+    let Ok((base, _)) = vmm::stats::MemoryCgroup::own_base() else {
         return;
     };
-    let dir = Path::new("/sys/fs/cgroup/memory")
-        .join(own)
-        .join(name.trim());
+    let dir = base.join(name.trim());
     let deadline = Instant::now() + Duration::from_secs(10);
     while pids.iter().any(|&p| alive(p)) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
