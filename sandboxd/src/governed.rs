@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use vmm::governor::policy;
+use vmm::governor::policy::{self, VmState};
 use vmm::governor::server::{GovernorServer, ServerConfig};
 use vmm::stats::MemoryCgroup;
 
@@ -37,6 +37,8 @@ pub struct Governed {
     socket: PathBuf,
     /// The budget cgroup's name under this process's memory cgroup.
     cgroup: PathBuf,
+    /// Its directory.
+    dir: PathBuf,
     config: policy::Config,
 }
 
@@ -84,37 +86,31 @@ impl Room {
         self.held(starting + 1, need).saturating_add(reserve) <= self.high
     }
 
-    /// Reads the governor's status (its JSON shape, `vmm::governor::policy::Status`).
-    fn of(status: &serde_json::Value, remainder: u64) -> Room {
-        let bytes = |v: &serde_json::Value, key: &str| v[key].as_u64().unwrap_or(0);
-        let vms = status["vms"].as_array().map(Vec::as_slice).unwrap_or(&[]);
-        let reclaimable = vms
+    /// The budget as the governor's `status` has it (`remainder`: what it expects an offload
+    /// to leave resident).
+    fn of(status: &policy::Status, remainder: u64) -> Room {
+        let reclaimable = status
+            .vms
             .iter()
-            .filter(|vm| vm["order"].is_null())
-            .map(|vm| {
-                let state = &vm["state"];
-                if state == "idle" || state.get("waiting").is_some() {
-                    // Between commands, or waiting for a model: an offload takes all but a
-                    // remainder.
-                    bytes(vm, "charge").saturating_sub(bytes(vm, "overhead") + remainder)
-                } else if state == "offloaded" {
-                    // Its limit beyond its resident is a reservation the governor revokes.
-                    bytes(vm, "limit").saturating_sub(bytes(vm, "resident"))
-                } else {
-                    0
+            .filter(|vm| vm.order.is_none())
+            .map(|vm| match vm.state {
+                // Between commands, or waiting for a model: an offload takes all but a
+                // remainder.
+                VmState::Idle | VmState::Waiting { .. } => {
+                    vm.charge.saturating_sub(vm.overhead + remainder)
                 }
+                // Its limit beyond its resident is a reservation the governor revokes.
+                VmState::Offloaded => vm.limit.unwrap_or(0).saturating_sub(vm.resident),
+                VmState::Running => 0,
             })
             .sum();
         Room {
-            budget: bytes(status, "budget"),
-            high: bytes(status, "high_bytes"),
-            usage: bytes(status, "usage"),
+            budget: status.budget,
+            high: status.high_bytes,
+            usage: status.usage,
             reclaimable,
-            vms: vms.len(),
-            joined: vms
-                .iter()
-                .filter_map(|vm| vm["name"].as_str().map(str::to_owned))
-                .collect(),
+            vms: status.vms.len(),
+            joined: status.vms.iter().map(|vm| vm.name.clone()).collect(),
         }
     }
 }
@@ -216,6 +212,7 @@ impl Governed {
             thread: std::sync::Mutex::new(Some(thread)),
             socket,
             cgroup,
+            dir: limited.dir().to_path_buf(),
             config,
         })
     }
@@ -241,8 +238,8 @@ impl Governed {
     }
 
     /// The budget now and the governor's whole status (for `GET /metrics`).
-    pub fn reading(&self) -> (Room, serde_json::Value) {
-        let status = self.server.status();
+    pub fn reading(&self) -> (Room, policy::Status) {
+        let status = self.server.policy_status();
         (Room::of(&status, self.config.offload_remainder), status)
     }
 
@@ -261,10 +258,8 @@ impl Governed {
         }
         let _ = std::fs::remove_file(&self.socket);
         if remove {
-            if let Ok((base, _)) = MemoryCgroup::own_base() {
-                // Each VM removes its own cgroup as it ends (its supervisor, if it died).
-                let _ = std::fs::remove_dir(base.join(&self.cgroup));
-            }
+            // Each VM removes its own cgroup as it ends (its supervisor, if it died).
+            let _ = std::fs::remove_dir(&self.dir);
         }
     }
 }
@@ -273,33 +268,92 @@ impl Governed {
 mod tests {
     use super::*;
 
+    const MIB: u64 = 1 << 20;
+
+    /// A VM of a status: its name, state, charge, overhead, limit, resident, whether an
+    /// order runs.
+    fn vm(
+        name: &str,
+        state: VmState,
+        (charge, overhead): (u64, u64),
+        (limit, resident): (Option<u64>, u64),
+        order: bool,
+    ) -> policy::VmStatus {
+        policy::VmStatus {
+            id: 0,
+            name: name.into(),
+            state,
+            memory_bytes: 512 * MIB,
+            resident,
+            cgroup: None,
+            pss: None,
+            held: 0,
+            limit,
+            charge,
+            overhead,
+            overhead_learned: true,
+            peak: resident,
+            offloaded_bytes: 0,
+            reachable: true,
+            silent_ms: 0,
+            order: order.then_some(policy::OrderStatus {
+                kind: policy::OrderKind::Offload,
+                age_ms: 0,
+                expect_free: 0,
+                timed_out: false,
+            }),
+            decisions: policy::DecisionCounts::default(),
+        }
+    }
+
     #[test]
     fn room_counts_what_idle_and_waiting_vms_can_give_back() {
-        const MIB: u64 = 1 << 20;
-        let status = serde_json::json!({
-            "budget": 1024 * MIB, "high_bytes": 900 * MIB, "usage": 500 * MIB,
-            "vms": [
-                { "name": "sb-1", "state": "idle", "charge": 100 * MIB, "overhead": 20 * MIB,
-                  "order": null },
-                { "state": { "waiting": { "expected_remaining": null } },
-                  "charge": 50 * MIB, "overhead": 10 * MIB, "order": null },
-                // Running a command, or offloading already: nothing to be had.
-                { "state": "running", "charge": 300 * MIB, "overhead": 20 * MIB, "order": null },
-                { "state": "idle", "charge": 50 * MIB, "overhead": 10 * MIB,
-                  "order": { "kind": "offload" } },
-                // Below its floor: nothing, not less than nothing.
-                { "state": "idle", "charge": 5 * MIB, "overhead": 4 * MIB, "order": null },
-                // Offloaded: its reservation.
-                { "state": "offloaded", "charge": 70 * MIB, "overhead": 4 * MIB,
-                  "limit": 64 * MIB, "resident": 2 * MIB, "order": null },
-            ]
+        let governor = policy::Governor::new(policy::Config {
+            budget: 1024 * MIB,
+            ..policy::Config::default()
         });
+        let mut status = governor.status(std::time::Instant::now());
+        status.usage = 500 * MIB;
+        let waiting = VmState::Waiting {
+            expected_remaining: None,
+        };
+        status.vms = vec![
+            vm(
+                "sb-1",
+                VmState::Idle,
+                (100 * MIB, 20 * MIB),
+                (None, 0),
+                false,
+            ),
+            vm("sb-2", waiting, (50 * MIB, 10 * MIB), (None, 0), false),
+            // Running a command, or offloading already: nothing to be had.
+            vm(
+                "sb-3",
+                VmState::Running,
+                (300 * MIB, 20 * MIB),
+                (None, 0),
+                false,
+            ),
+            vm("sb-4", VmState::Idle, (50 * MIB, 10 * MIB), (None, 0), true),
+            // Below its floor: nothing, not less than nothing.
+            vm("sb-5", VmState::Idle, (5 * MIB, 4 * MIB), (None, 0), false),
+            // Offloaded: its reservation.
+            vm(
+                "sb-6",
+                VmState::Offloaded,
+                (70 * MIB, 4 * MIB),
+                (Some(64 * MIB), 2 * MIB),
+                false,
+            ),
+        ];
         let room = Room::of(&status, 4 * MIB);
         assert_eq!(room.reclaimable, (100 - 24 + 50 - 14 + 62) * MIB);
         assert_eq!(room.vms, 6);
-        assert!(room.joined.contains("sb-1") && room.joined.len() == 1);
+        assert_eq!((room.budget, room.high), (1024 * MIB, status.high_bytes));
+        assert!(room.joined.contains("sb-1") && room.joined.len() == 6);
         let room = Room {
             reclaimable: 112 * MIB,
+            high: 900 * MIB,
             ..room
         };
         // Held: 500 - 112 = 388 MiB; 40 MiB each: 12 more fit under 900, not 13, and with

@@ -93,7 +93,7 @@ impl Metrics {
         records: &[Record],
         charged: &[Charged],
         room: &Room,
-        status: &serde_json::Value,
+        status: &vmm::governor::policy::Status,
     ) -> String {
         let mut out = String::new();
         let help = |out: &mut String, name: &str, kind: &str, text: &str| {
@@ -213,7 +213,9 @@ impl Metrics {
             "counter",
             "The memory governor's decisions, by kind (offloads ordered, grants, ...).",
         );
-        if let Some(decisions) = status["decisions"].as_object() {
+        // Every kind the governor counts, by its name (so a new kind shows up by itself).
+        let decisions = serde_json::to_value(status.decisions).unwrap_or_default();
+        if let Some(decisions) = decisions.as_object() {
             for (kind, n) in decisions {
                 if let Some(n) = n.as_u64() {
                     let _ = writeln!(

@@ -147,6 +147,18 @@ struct Slot {
     used: idle::Use,
 }
 
+impl Slot {
+    fn new(record: Record, used: idle::Use) -> Slot {
+        Slot {
+            record,
+            ops: Arc::default(),
+            commands: Arc::new(tokio::sync::Semaphore::new(MAX_COMMANDS)),
+            ended: None,
+            used,
+        }
+    }
+}
+
 /// Every sandbox of this daemon.
 pub struct Sandboxes {
     store: Store,
@@ -279,8 +291,10 @@ impl Sandboxes {
     /// it is up, `Failed` if it does not start.
     pub async fn create(self: &Arc<Self>, create: Create) -> Result<Record, SandboxError> {
         let asked = Instant::now();
+        // Drawn once: a create that waits for room looks at the budget many times.
+        let token = random_hex(24).map_err(SandboxError::Random)?;
         loop {
-            match self.admit(&create, asked.elapsed()) {
+            match self.admit(&create, &token, asked.elapsed()) {
                 Err(SandboxError::Capacity { .. })
                     if asked.elapsed() < self.limits.admission_timeout =>
                 {
@@ -298,30 +312,17 @@ impl Sandboxes {
         }
     }
 
-    /// Creates the sandbox if the budget has room for it now (the governor's reading of it,
-    /// and the sandboxes admitted whose VMs are not counted there yet).
-    fn admit(self: &Arc<Self>, create: &Create, waited: Duration) -> Result<Record, SandboxError> {
+    /// Creates the sandbox, with `token`, if the budget has room for it now (the governor's
+    /// reading of it, and the sandboxes admitted whose VMs are not counted there yet).
+    fn admit(
+        self: &Arc<Self>,
+        create: &Create,
+        token: &str,
+        waited: Duration,
+    ) -> Result<Record, SandboxError> {
         let room = self.governed.room();
         let need = self.governed.start_need();
-        let create = create.clone();
-        let now = clock::now_ms();
-        let mut record = Record {
-            // Drawn under the table's lock, below.
-            id: String::new(),
-            token: random_hex(24).map_err(SandboxError::Random)?,
-            template: create.template,
-            entrypoint: create.entrypoint,
-            metadata: create.metadata,
-            created_ms: now,
-            expires_ms: create.timeout_s.map(|s| now + s * 1000),
-            state: State::Pending,
-            reason: Some("STARTING".into()),
-            message: Some("its VM is starting".into()),
-            transition_ms: now,
-            memory: self.limits.vm_memory,
-            vm: None,
-        };
-        let writes = {
+        let (record, writes) = {
             let mut table = self.table();
             if table.len() >= MAX_SANDBOXES {
                 return Err(SandboxError::TooMany { max: MAX_SANDBOXES });
@@ -349,9 +350,24 @@ impl Sandboxes {
             let id = std::iter::repeat_with(|| vmm::runtime::new_id("sb-"))
                 .find(|id| !table.contains_key(id))
                 .expect("the ids never run out");
-            record.id = id.clone();
+            let now = clock::now_ms();
+            let record = Record {
+                id: id.clone(),
+                token: token.to_owned(),
+                template: create.template.clone(),
+                entrypoint: create.entrypoint.clone(),
+                metadata: create.metadata.clone(),
+                created_ms: now,
+                expires_ms: create.timeout_s.map(|s| now + s * 1000),
+                state: State::Pending,
+                reason: Some("STARTING".into()),
+                message: Some("its VM is starting".into()),
+                transition_ms: now,
+                memory: self.limits.vm_memory,
+                vm: None,
+            };
             table.insert(id, Slot::new(record.clone(), idle::Use::default()));
-            self.store.writes()
+            (record, self.store.writes())
         };
         let id = record.id.clone();
         if let Err(e) = off_the_runtime(|| writes.save(&record)) {
@@ -415,11 +431,8 @@ impl Sandboxes {
     /// Stops the VM of `record` (its files go with it), or removes the files of one that never
     /// came up, off the runtime.
     async fn stop_vm(&self, record: Record) -> Result<(), SandboxError> {
-        tokio::task::spawn_blocking(move || match &record.vm {
-            Some(vm) => vm::stop(vm),
-            None => vm::remove_files(&record.id),
-        })
-        .await?;
+        tokio::task::spawn_blocking(move || vm::stop_or_clear(&record.id, record.vm.as_ref()))
+            .await?;
         Ok(())
     }
 

@@ -196,6 +196,15 @@ pub fn stop(vm: &VmRef) {
     remove_files(&vm.job);
 }
 
+/// Stops `vm` (its files go with it: [`stop`]) or, with no VM, removes the files of job
+/// `job` (a start that never came up, or died).
+pub fn stop_or_clear(job: &str, vm: Option<&VmRef>) {
+    match vm {
+        Some(vm) => stop(vm),
+        None => remove_files(job),
+    }
+}
+
 /// Removes the job directory of `job` (a checked sandbox id) and everything in it.
 pub fn remove_files(job: &str) {
     if crate::store::check_id(job) {

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 
 use vmm::control::Method;
 
-use super::{idle, Limits, Sandboxes, Slot, MAX_COMMANDS};
+use super::{idle, Limits, Sandboxes, Slot};
 use crate::clock;
 use crate::governed::Governed;
 use crate::metrics::Metrics;
@@ -107,10 +107,7 @@ fn vm_of(record: &Record) -> Option<VmRef> {
 fn settle_record(store: &Store, mut record: Record) -> Option<(Record, idle::Use)> {
     let vm = vm_of(&record);
     if record.state == State::Stopping {
-        match &vm {
-            Some(vm) => vm::stop(vm),
-            None => vm::remove_files(&record.id),
-        }
+        vm::stop_or_clear(&record.id, vm.as_ref());
         if let Err(e) = store.remove(&record.id) {
             tracing::warn!(id = %record.id, "{}", basics::error_chain(&e));
         }
@@ -137,10 +134,7 @@ fn settle_record(store: &Store, mut record: Record) -> Option<(Record, idle::Use
         }
         Settled::Failed(reason, message) => {
             tracing::warn!(id = %record.id, "{reason}: {message}");
-            if let Some(vm) = &vm {
-                vm::stop(vm);
-            }
-            vm::remove_files(&record.id);
+            vm::stop_or_clear(&record.id, vm.as_ref());
             record.state = State::Failed;
             record.reason = Some(reason.into());
             record.message = Some(message);
@@ -164,11 +158,11 @@ fn stop_orphans(store: &Store, kept: &HashMap<String, Slot>) {
         if !check_id(&name) || kept.contains_key(&name) {
             continue;
         }
-        if let Some(vm) = vm::left_in(&name) {
+        let vm = vm::left_in(&name);
+        if let Some(vm) = &vm {
             tracing::warn!(job = %name, pid = vm.pid, "a VM no sandbox names: stopped");
-            vm::stop(&vm);
         }
-        vm::remove_files(&name);
+        vm::stop_or_clear(&name, vm.as_ref());
     }
 }
 
@@ -235,18 +229,6 @@ impl Sandboxes {
         for id in pending {
             let this = Arc::clone(self);
             tokio::spawn(async move { this.start_vm(id).await });
-        }
-    }
-}
-
-impl Slot {
-    pub(super) fn new(record: Record, used: idle::Use) -> Slot {
-        Slot {
-            record,
-            ops: Arc::default(),
-            commands: Arc::new(tokio::sync::Semaphore::new(MAX_COMMANDS)),
-            ended: None,
-            used,
         }
     }
 }

@@ -33,7 +33,7 @@ impl Sandboxes {
     }
 
     /// The memory governor's reading of the budget and its whole status, for `GET /metrics`.
-    pub fn governor(&self) -> (crate::governed::Room, serde_json::Value) {
+    pub fn governor(&self) -> (crate::governed::Room, vmm::governor::policy::Status) {
         self.governed.reading()
     }
 

@@ -270,6 +270,11 @@ impl GovernorServer {
     pub fn status(&self) -> serde_json::Value {
         self.inner.status()
     }
+
+    /// The policy's status, typed, for a program that runs the governor in its own process.
+    pub fn policy_status(&self) -> policy::Status {
+        self.inner.lock().governor.status(Instant::now())
+    }
 }
 
 fn refuse(stream: &UnixStream, message: &str) {
