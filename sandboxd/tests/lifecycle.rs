@@ -187,11 +187,7 @@ fn sandbox_runs_commands_pauses_resumes_and_is_deleted() {
             .status,
         204
     );
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while pids.iter().any(|&p| alive(p)) {
-        assert!(Instant::now() < deadline, "VM processes left: {pids:?}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    daemon.wait_gone(&pids, Duration::from_secs(5));
     let log = daemon.log();
     assert!(log.contains("deleted") && log.contains("VM up"), "{log}");
 }
@@ -447,21 +443,7 @@ fn sandbox_api_refuses_hostile_and_bad_input() {
 
     // A client that opens a command stream and goes away: the command runs to its end, and
     // the sandbox and the daemon serve on.
-    {
-        use std::io::{Read, Write};
-        let body = r#"{"command":"sleep 1500; digest"}"#;
-        let mut stream = std::net::TcpStream::connect(&addr).unwrap();
-        write!(
-            stream,
-            "POST {path_a}/command HTTP/1.1\r\nHost: {addr}\r\nX-Pvisor-Sandbox-Token: {token_a}\r\n\
-             Content-Length: {}\r\n\r\n{body}",
-            body.len()
-        )
-        .unwrap();
-        let mut first = [0u8; 512];
-        let n = stream.read(&mut first).unwrap();
-        assert!(String::from_utf8_lossy(&first[..n]).contains("200 OK"));
-    }
+    drop(daemon.open_command(&a, "sleep 1500; digest"));
     let started = Instant::now();
     let (_, code) = outcome(&daemon.command(&a, "digest"));
     assert_eq!(code, 0);
@@ -474,22 +456,7 @@ fn sandbox_api_refuses_hostile_and_bad_input() {
     // Commands in flight are bounded per sandbox: past the bound, a clear 429 at once.
     let (path_b, token_b) = daemon.execd(&b);
     let open: Vec<std::net::TcpStream> = (0..sandboxd::sandboxes::MAX_COMMANDS)
-        .map(|_| {
-            use std::io::{Read, Write};
-            let body = r#"{"command":"sleep 300"}"#;
-            let mut stream = std::net::TcpStream::connect(&addr).unwrap();
-            write!(
-                stream,
-                "POST {path_b}/command HTTP/1.1\r\nHost: {addr}\r\nX-Pvisor-Sandbox-Token: {token_b}\r\n\
-                 Content-Length: {}\r\n\r\n{body}",
-                body.len()
-            )
-            .unwrap();
-            let mut first = [0u8; 512];
-            let n = stream.read(&mut first).unwrap();
-            assert!(String::from_utf8_lossy(&first[..n]).contains("200 OK"));
-            stream
-        })
+        .map(|_| daemon.open_command(&b, "sleep 300"))
         .collect();
     let answer = request(
         &addr,
@@ -581,11 +548,7 @@ fn sandbox_pauses_at_once_and_a_delete_during_a_resume_are_race_free() {
             .status,
         404
     );
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while pids.iter().any(|&p| alive(p)) {
-        assert!(Instant::now() < deadline, "VM processes left: {pids:?}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    daemon.wait_gone(&pids, Duration::from_secs(5));
     assert!(!daemon.state().join("vms").join(&id).exists());
 }
 

@@ -10,19 +10,6 @@ use std::time::{Duration, Instant};
 mod common;
 use common::{alive, outcome, skip, vm_pids, Daemon};
 
-/// Waits (at most 10 s) for every process of `pids` to be gone.
-fn all_gone(daemon: &Daemon, pids: &[u32]) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while pids.iter().any(|&p| alive(p)) {
-        assert!(
-            Instant::now() < deadline,
-            "processes left: {pids:?}; {}",
-            daemon.log()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 fn state_of(daemon: &Daemon, id: &str) -> serde_json::Value {
     daemon
         .api("GET", &format!("/v1/sandboxes/{id}"), None)
@@ -77,7 +64,7 @@ fn restarted_daemon_re_adopts_its_sandboxes_and_fails_those_whose_vm_died() {
     // One VM dies while no daemon watches.
     // SAFETY: a signal to a VM process this test's daemon started.
     unsafe { libc::kill(libc::pid_t::try_from(pids[2]).unwrap(), libc::SIGKILL) };
-    all_gone(&daemon, &pids[2..]);
+    daemon.wait_gone(&pids[2..], Duration::from_secs(10));
     daemon.respawn();
 
     // Each sandbox is what its VM is: the same process, the same data, the same token.
@@ -136,7 +123,7 @@ fn restarted_daemon_re_adopts_its_sandboxes_and_fails_those_whose_vm_died() {
         let deleted = daemon.api("DELETE", &format!("/v1/sandboxes/{id}"), None);
         assert_eq!(deleted.status, 204, "{}", deleted.text());
     }
-    all_gone(&daemon, &live);
+    daemon.wait_gone(&live, Duration::from_secs(10));
     assert!(vm_pids(&daemon.state()).is_empty());
 }
 
@@ -185,7 +172,7 @@ fn restarted_daemon_adopts_an_unrecorded_vm_starts_an_unstarted_one_and_stops_or
         outcome(&daemon.command(unstarted, "fill 1MiB random seed=3; digest")).1,
         0
     );
-    all_gone(&daemon, &[orphan_pid]);
+    daemon.wait_gone(&[orphan_pid], Duration::from_secs(10));
     assert!(!daemon.state().join("vms").join(&orphan).exists());
     assert_eq!(
         daemon
@@ -207,23 +194,7 @@ fn daemon_stopped_with_sigterm_and_stop_on_exit_stops_its_vms_and_keeps_their_re
     assert!(!pids.is_empty());
     // A command stream in flight, that would run for 10 minutes, holds the stop back only
     // for a while.
-    let (path, token) = daemon.execd(&id);
-    let mut stream = std::net::TcpStream::connect(&daemon.addr).unwrap();
-    {
-        use std::io::{Read, Write};
-        let body = r#"{"command":"sleep 600000"}"#;
-        write!(
-            stream,
-            "POST {path}/command HTTP/1.1\r\nHost: {}\r\nX-Pvisor-Sandbox-Token: {token}\r\n\
-             Content-Length: {}\r\n\r\n{body}",
-            daemon.addr,
-            body.len()
-        )
-        .unwrap();
-        let mut first = [0u8; 512];
-        let n = stream.read(&mut first).unwrap();
-        assert!(String::from_utf8_lossy(&first[..n]).contains("200 OK"));
-    }
+    let stream = daemon.open_command(&id, "sleep 600000");
     let asked = Instant::now();
     let status = daemon.terminate(Duration::from_secs(60));
     assert!(
@@ -238,7 +209,7 @@ fn daemon_stopped_with_sigterm_and_stop_on_exit_stops_its_vms_and_keeps_their_re
     );
     drop(stream);
     // (A supervisor the daemon did not reap is init's to reap.)
-    all_gone(&daemon, &pids);
+    daemon.wait_gone(&pids, Duration::from_secs(10));
     assert!(!daemon.state().join("vms").join(&id).exists());
     let record: serde_json::Value = serde_json::from_slice(
         &std::fs::read(daemon.state().join(format!("sandboxes/{id}.json"))).unwrap(),

@@ -159,6 +159,44 @@ impl Daemon {
         u32::try_from(identity["pid"].as_u64().unwrap()).unwrap()
     }
 
+    /// Waits (at most `within`) for every process of `pids` to be gone.
+    pub fn wait_gone(&self, pids: &[u32], within: Duration) {
+        let deadline = Instant::now() + within;
+        while pids.iter().any(|&p| alive(p)) {
+            assert!(
+                Instant::now() < deadline,
+                "processes left: {pids:?}; {}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Starts `command` in sandbox `id` and returns its stream once the answer has begun
+    /// (`200 OK`): the command runs while the stream is held, and goes on if it is dropped.
+    pub fn open_command(&self, id: &str, command: &str) -> std::net::TcpStream {
+        use std::io::{Read, Write};
+        let (path, token) = self.execd(id);
+        let body = serde_json::json!({ "command": command }).to_string();
+        let raw = testkit::http::raw_request(
+            &self.addr,
+            "POST",
+            &format!("{path}/command"),
+            &[("X-Pvisor-Sandbox-Token", &token)],
+            Some(&body),
+        );
+        let mut stream = std::net::TcpStream::connect(&self.addr).unwrap();
+        stream.write_all(&raw).unwrap();
+        let mut first = [0u8; 512];
+        let n = stream.read(&mut first).unwrap();
+        assert!(
+            String::from_utf8_lossy(&first[..n]).contains("200 OK"),
+            "{}",
+            String::from_utf8_lossy(&first[..n])
+        );
+        stream
+    }
+
     /// The state directory.
     pub fn state(&self) -> PathBuf {
         self.dir.path().join("state")
