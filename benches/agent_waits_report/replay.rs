@@ -17,8 +17,7 @@ use crate::common::results::Results;
 use crate::common::Res;
 use crate::{Log, Settings, Strategy};
 
-/// The digest of a run that gave none.
-pub const NO_DIGEST: &str = "none";
+pub use crate::common::replay::NO_DIGEST;
 
 /// `nN.STRATEGY.QUANTITY`.
 pub fn key(vms: usize, strategy: Strategy, quantity: &str) -> String {
@@ -144,13 +143,7 @@ pub fn record(
             outcome.failure()
         ));
     }
-    let digest = outcome
-        .summary
-        .as_ref()
-        .and_then(|s| s["results_digest"].as_str())
-        .unwrap_or(NO_DIGEST)
-        .to_owned();
-    *log.digests.entry(digest).or_default() += 1;
+    *log.digests.entry(outcome.results_digest()).or_default() += 1;
     if outcome.summary.is_some() {
         log.summaries += 1;
     }

@@ -16,8 +16,7 @@ use crate::common::results::Results;
 use crate::common::Res;
 use crate::{Log, Settings, Strategy};
 
-/// The digest of a run that gave none.
-pub const NO_DIGEST: &str = "none";
+pub use crate::common::replay::NO_DIGEST;
 
 /// `STRATEGY.QUANTITY`.
 pub fn key(strategy: Strategy, quantity: &str) -> String {
@@ -107,13 +106,7 @@ pub fn record(
             outcome.failure()
         ));
     }
-    let digest = outcome
-        .summary
-        .as_ref()
-        .and_then(|s| s["results_digest"].as_str())
-        .unwrap_or(NO_DIGEST)
-        .to_owned();
-    *log.digests.entry(digest).or_default() += 1;
+    *log.digests.entry(outcome.results_digest()).or_default() += 1;
     log.summaries += usize::from(outcome.summary.is_some());
     if let Some(timeline) = outcome.timeline {
         log.timelines.insert((strategy, round), timeline);

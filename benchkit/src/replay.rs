@@ -291,7 +291,19 @@ fn kill_leftover_vms() {
     }
 }
 
+/// The digest of a run that gave none.
+pub const NO_DIGEST: &str = "none";
+
 impl Outcome {
+    /// The `results_digest` of its summary, [`NO_DIGEST`] without one.
+    pub fn results_digest(&self) -> String {
+        self.summary
+            .as_ref()
+            .and_then(|s| s["results_digest"].as_str())
+            .unwrap_or(NO_DIGEST)
+            .to_owned()
+    }
+
     /// Whether the replay passed every check and exited with status 0.
     pub fn passed(&self) -> bool {
         self.status.is_some_and(|s| s.success())
