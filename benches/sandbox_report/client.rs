@@ -1,9 +1,8 @@
 //! One run: the daemon started in a mode, the sandboxes driven through its API by one thread
 //! each, the budget cgroup sampled, and what came of it.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -101,27 +100,17 @@ impl Daemon {
         std::fs::create_dir_all(dir)?;
         let state = dir.join("state");
         let log = std::fs::File::create(dir.join("daemon.log"))?;
-        let mut child = Command::new(&settings.daemon)
-            .args(["--listen", "127.0.0.1:0", "--no-auth", "--stop-on-exit"])
-            .arg("--state")
-            .arg(&state)
-            .args(["--memory-budget", &format!("{}MiB", settings.budget_mib)])
-            .args(["--admission-timeout", ADMISSION_TIMEOUT])
-            .args(mode.flags())
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .spawn()?;
-        let mut line = String::new();
-        if let Some(out) = child.stdout.take() {
-            BufReader::new(out).read_line(&mut line)?;
-        }
-        let ready: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
-        let Some(addr) = ready["listen"].as_str().map(str::to_owned) else {
-            let _ = child.kill();
-            let _ = child.wait();
-            let log = std::fs::read_to_string(dir.join("daemon.log")).unwrap_or_default();
-            return Err(format!("the daemon did not start: {line}{log}").into());
-        };
+        let (child, addr) = http::spawn_listening(
+            Command::new(&settings.daemon)
+                .args(["--listen", "127.0.0.1:0", "--no-auth", "--stop-on-exit"])
+                .arg("--state")
+                .arg(&state)
+                .args(["--memory-budget", &format!("{}MiB", settings.budget_mib)])
+                .args(["--admission-timeout", ADMISSION_TIMEOUT])
+                .args(mode.flags())
+                .stderr(log),
+            &dir.join("daemon.log"),
+        )?;
         Ok(Daemon { child, addr, state })
     }
 

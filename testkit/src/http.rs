@@ -9,6 +9,36 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+/// Spawns a server by `command` (its stderr set by the caller to the file `log`), and waits for
+/// the readiness line it prints on stdout, one JSON object with its address under `listen`
+/// (`pvisor-sandboxd`'s): the child and that address. A server that prints no such line is
+/// killed (not left running behind a failed test or bench), and the error holds what it
+/// printed and its log.
+pub fn spawn_listening(
+    command: &mut std::process::Command,
+    log: &std::path::Path,
+) -> Result<(std::process::Child, String), String> {
+    use std::io::BufRead;
+    let mut child = command
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot start the server: {e}"))?;
+    let mut line = String::new();
+    if let Some(out) = child.stdout.take() {
+        let _ = std::io::BufReader::new(out).read_line(&mut line);
+    }
+    let ready: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
+    match ready["listen"].as_str() {
+        Some(addr) => Ok((child, addr.to_owned())),
+        None => {
+            let _ = child.kill();
+            let _ = child.wait();
+            let log = std::fs::read_to_string(log).unwrap_or_default();
+            Err(format!("the server did not start: {line}{log}"))
+        }
+    }
+}
+
 /// How long a read may wait for the server.
 const READ_TIMEOUT: Duration = Duration::from_secs(120);
 

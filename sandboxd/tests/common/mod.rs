@@ -5,10 +5,9 @@
 // Each test file uses a part of it; test code stops on a failed setup step.
 #![allow(dead_code, clippy::unwrap_used)]
 
-use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -46,25 +45,11 @@ fn spawn(dir: &Path, args: &[String]) -> (Child, String) {
         .append(true)
         .open(dir.join("daemon.log"))
         .unwrap();
-    let mut child = Command::new(binary())
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    let read = BufReader::new(child.stdout.take().unwrap()).read_line(&mut line);
-    let ready: Value = match read.map(|_| serde_json::from_str(&line)) {
-        Ok(Ok(ready)) => ready,
-        failed => {
-            // Not left running behind a failed test.
-            let _ = child.kill();
-            let _ = child.wait();
-            let log = std::fs::read_to_string(dir.join("daemon.log")).unwrap_or_default();
-            panic!("the daemon did not start ({failed:?}): {line}{log}")
-        }
-    };
-    (child, ready["listen"].as_str().unwrap().to_owned())
+    testkit::http::spawn_listening(
+        Command::new(binary()).args(args).stderr(log),
+        &dir.join("daemon.log"),
+    )
+    .unwrap_or_else(|why| panic!("{why}"))
 }
 
 impl Daemon {
