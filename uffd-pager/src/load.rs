@@ -2,7 +2,9 @@
 //! prefetcher installs the rest, recorded working set first, in CRIU-style growing chunks that
 //! pause while faults are pending), `eager` (everything installed in parallel before
 //! returning) or `faults` (faults only: what the VM does not touch stays in the store). The order of blocks faulted during a resume is recorded and saved with the
-//! next offload, so the next lazy load prefetches that working set first (REAP-style).
+//! next offload, so the next lazy load prefetches that working set first (REAP-style), and a
+//! warm-up ([`Pager::warm`]) can install just that set while the VM is still stopped (its
+//! model answer is arriving), before any load.
 //!
 //! Loads obey the resident limit ([`crate::limit`]): while one is set, every run of pages is
 //! installed only if it fits under the limit, else the load waits for room in steps of
@@ -34,8 +36,9 @@ pub enum LoadMode {
     Lazy,
     /// Install everything before returning.
     Eager,
-    /// Serve on fault only: nothing is prefetched, and what the VM does not touch stays in
-    /// the store (the next offload has nothing to write for it).
+    /// Serve on fault only: nothing is prefetched (a warm-up under way finishes), and what
+    /// the VM does not touch stays in the store (the next offload has nothing to write for
+    /// it).
     Faults,
 }
 
@@ -104,6 +107,22 @@ impl Shared {
             .collect()
     }
 
+    /// The blocks of the recorded working set `saved` that still hold stored pages (in
+    /// `stored`, ascending), in recorded order and each once; and which blocks those are.
+    fn working_set_order(&self, stored: &[u64], saved: &[u64]) -> (Vec<u64>, Vec<bool>) {
+        let mut in_set = vec![false; self.block_size.blocks_for(self.image_size) as usize];
+        let mut order = Vec::new();
+        for &block in saved {
+            if let Some(seen) = in_set.get_mut(block as usize) {
+                if !*seen && stored.binary_search(&block).is_ok() {
+                    *seen = true;
+                    order.push(block);
+                }
+            }
+        }
+        (order, in_set)
+    }
+
     /// The recorded working set saved with the store, if any.
     fn saved_working_set(&self) -> Vec<u64> {
         let guard = self.store.slot().read();
@@ -137,19 +156,11 @@ impl Pager {
             LoadMode::Eager => {
                 report.pages_installed = eager(shared, &stored, threads)?;
             }
-            LoadMode::Faults => self.stop_prefetch(),
+            // A warm-up started during the wait (see `warm`) goes on: it installs what the
+            // guest is about to touch.
+            LoadMode::Faults => {}
             LoadMode::Lazy => {
-                let mut in_set =
-                    vec![false; shared.block_size.blocks_for(shared.image_size) as usize];
-                let mut order = Vec::with_capacity(stored.len());
-                for &block in &saved {
-                    if let Some(seen) = in_set.get_mut(block as usize) {
-                        if !*seen && stored.binary_search(&block).is_ok() {
-                            *seen = true;
-                            order.push(block);
-                        }
-                    }
-                }
+                let (mut order, in_set) = shared.working_set_order(&stored, &saved);
                 report.working_set_blocks = order.len() as u64;
                 let hot = order.len();
                 order.extend(stored.iter().filter(|&&b| !in_set[b as usize]));
@@ -158,6 +169,34 @@ impl Pager {
         }
         report.elapsed_ms = started.elapsed().as_secs_f64() * 1e3;
         Ok(report)
+    }
+
+    /// Starts bringing the recorded working set of offloaded RAM back in the background while
+    /// the VM is still stopped (its answer is arriving, say): `threads` threads install its
+    /// blocks that are still stored, in recorded order, and nothing else. The `load` that
+    /// follows lets it finish (`faults`), or takes it over (`lazy`, `eager`). Recording starts
+    /// afresh as in `load`: the blocks it installs raise no fault, so they stay in the set.
+    /// Returns what it scheduled.
+    pub fn warm(&self, threads: usize) -> Result<LoadReport, LoadError> {
+        let started = Instant::now();
+        let shared = self.shared();
+        let stored = shared.stored_blocks();
+        let saved = shared.saved_working_set();
+        shared.working_set.restart(&saved);
+        let (order, _) = shared.working_set_order(&stored, &saved);
+        let report = LoadReport {
+            blocks: stored.len() as u64,
+            working_set_blocks: order.len() as u64,
+            ..LoadReport::default()
+        };
+        if !order.is_empty() {
+            let hot = order.len();
+            self.start_prefetch(order, hot, threads)?;
+        }
+        Ok(LoadReport {
+            elapsed_ms: started.elapsed().as_secs_f64() * 1e3,
+            ..report
+        })
     }
 
     /// Starts the background prefetcher over `order` (the first `hot` blocks are the

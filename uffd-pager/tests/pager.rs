@@ -411,6 +411,58 @@ fn pager_faults_only_load_brings_back_what_is_touched_and_the_next_offload_write
 }
 
 #[test]
+fn pager_warm_installs_the_recorded_working_set_alone_and_a_faults_load_lets_it_finish() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut ram = Ram::anon(8 * MIB);
+    let pager = pager(&ram, PagerConfig::default());
+    fill(ram.bytes_mut(), 7);
+    let mut expect = ram.bytes().to_vec();
+    pager
+        .offload(&offload_config(dir.path(), Codec::Lz4))
+        .unwrap();
+    // Nothing faulted since the start: there is no working set to warm.
+    let none = pager.warm(2).unwrap();
+    assert_eq!((none.blocks, none.working_set_blocks), (128, 0));
+    pager.wait_prefetch();
+    assert_eq!(ram.resident(), 0);
+    pager.load(LoadMode::Faults, 2).unwrap();
+    // A tool step touches three blocks (reads two, writes one): its working set.
+    assert_eq!(ram.bytes()[5 * MIB + 1], expect[5 * MIB + 1]);
+    assert_eq!(ram.bytes()[MIB + 2], expect[MIB + 2]);
+    ram.bytes_mut()[3 * MIB + 3] ^= 0x33;
+    expect[3 * MIB + 3] ^= 0x33;
+    pager
+        .offload(&offload_config(dir.path(), Codec::Lz4))
+        .unwrap();
+    assert_eq!(ram.resident(), 0);
+    // The answer arrives: the three blocks come back, nothing else, with no fault.
+    let faults = pager.metrics().snapshot().fault_events;
+    let warm = pager.warm(2).unwrap();
+    assert_eq!((warm.blocks, warm.working_set_blocks), (128, 3), "{warm:?}");
+    let load = pager.load(LoadMode::Faults, 2).unwrap();
+    assert_eq!(load.pages_installed, 0);
+    pager.wait_prefetch();
+    assert_eq!(ram.resident(), 3 * 64 * 1024);
+    assert_eq!(pager.state_counts().resident, 3 * 16);
+    for at in [5 * MIB + 1, MIB + 2, 3 * MIB + 3] {
+        assert_eq!(ram.bytes()[at], expect[at], "{at:#x}");
+    }
+    assert_eq!(pager.metrics().snapshot().fault_events, faults);
+    // The set stays recorded (the warm-up's blocks raised no fault): the next offload
+    // carries it again, and everything else still comes back right.
+    pager
+        .offload(&offload_config(dir.path(), Codec::Lz4))
+        .unwrap();
+    assert_eq!(pager.warm(2).unwrap().working_set_blocks, 3);
+    pager.load(LoadMode::Faults, 2).unwrap();
+    assert!(ram.bytes() == &expect[..]);
+    assert_eq!(pager.metrics().snapshot().fault_errors, 0);
+}
+
+#[test]
 fn pager_discarded_range_reads_back_as_zeros() {
     if skip() {
         return;

@@ -41,6 +41,15 @@ pub enum GatewayError {
     Runtime(#[source] std::io::Error),
 }
 
+/// How far a request's answer has come.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Progress {
+    /// Its first bytes have arrived; the rest is streaming in (said once per request).
+    Arriving,
+    /// It is all there (taken).
+    Done(Answer),
+}
+
 /// Where the guest's model requests go (the VMM's side of the model port).
 pub trait ModelPort: Send + Sync {
     /// Sends request `request` (its answer is kept until taken).
@@ -48,6 +57,10 @@ pub trait ModelPort: Send + Sync {
 
     /// The answer of `request`, waiting at most `timeout` for it (`None`: not yet).
     fn wait_for(&self, request: u64, timeout: Duration) -> Option<Answer>;
+
+    /// Like [`wait_for`](Self::wait_for), but also returns, once, as soon as the first bytes
+    /// of the answer arrive (`Progress::Arriving`), so that the VM can be got ready for it.
+    fn wait_progress(&self, request: u64, timeout: Duration) -> Option<Progress>;
 
     /// Sends request `request` and waits for its answer.
     fn exchange(&self, request: u64) -> Answer;
@@ -113,10 +126,14 @@ struct State {
     events: VecDeque<WaitEvent>,
     /// Requests sent and not answered yet (at most [`MAX_IN_FLIGHT`]).
     in_flight: usize,
+    /// Requests whose answers have begun to arrive, not yet said by `wait_progress` (at most
+    /// the requests in flight: an answer that completes takes its request out).
+    arriving: Vec<u64>,
 }
 
 impl State {
     fn keep_answer(&mut self, request: u64, answer: Answer) {
+        self.arriving.retain(|&r| r != request);
         self.answers.insert(request, answer);
         self.order.push_back(request);
         while self.answers.len() > MAX_KEPT || self.order.len() > 4 * MAX_KEPT {
@@ -215,9 +232,19 @@ impl Gateway {
             self.epoch,
             self.timeout,
         );
+        let first = Arc::clone(&self.shared);
+        let arrived = move || {
+            let (lock, ready) = &*first;
+            let mut state = lock
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            state.arriving.push(request);
+            state.push_event(WaitEvent::DataArriving { request, epoch });
+            ready.notify_all();
+        };
         self.runtime.spawn(async move {
-            let answer = match tokio::time::timeout(timeout, post(&upstream, &label, request)).await
-            {
+            let exchange = post(&upstream, &label, request, arrived);
+            let answer = match tokio::time::timeout(timeout, exchange).await {
                 Ok(answer) => answer,
                 Err(_) => Answer::Error(format!("no answer within {} s", timeout.as_secs_f64())),
             };
@@ -251,6 +278,25 @@ impl ModelPort for Gateway {
     }
 
     fn wait_for(&self, request: u64, timeout: Duration) -> Option<Answer> {
+        match self.wait_until(request, timeout, false)? {
+            Progress::Done(answer) => Some(answer),
+            Progress::Arriving => None,
+        }
+    }
+
+    fn wait_progress(&self, request: u64, timeout: Duration) -> Option<Progress> {
+        self.wait_until(request, timeout, true)
+    }
+
+    fn exchange(&self, request: u64) -> Answer {
+        Gateway::send(self, request);
+        self.wait(request)
+    }
+}
+
+impl Gateway {
+    /// Waits at most `timeout` for `request`'s answer, or (if `arrival`) for its first bytes.
+    fn wait_until(&self, request: u64, timeout: Duration, arrival: bool) -> Option<Progress> {
         let (lock, ready) = &*self.shared;
         let mut state = lock
             .lock()
@@ -259,7 +305,13 @@ impl ModelPort for Gateway {
         let deadline = Instant::now().checked_add(timeout);
         loop {
             if let Some(answer) = state.answers.remove(&request) {
-                return Some(answer);
+                return Some(Progress::Done(answer));
+            }
+            if arrival {
+                if let Some(i) = state.arriving.iter().position(|&r| r == request) {
+                    state.arriving.swap_remove(i);
+                    return Some(Progress::Arriving);
+                }
             }
             let left = deadline.map_or(Duration::from_secs(3600), |d| {
                 d.saturating_duration_since(Instant::now())
@@ -273,11 +325,6 @@ impl ModelPort for Gateway {
                 .0;
         }
     }
-
-    fn exchange(&self, request: u64) -> Answer {
-        Gateway::send(self, request);
-        self.wait(request)
-    }
 }
 
 impl EventSource for Gateway {
@@ -286,8 +333,15 @@ impl EventSource for Gateway {
     }
 }
 
-/// One HTTP/1.1 request on a fresh connection.
-async fn post(upstream: &Upstream, label: &str, request: u64) -> Answer {
+/// One HTTP/1.1 request on a fresh connection; `arrived` is called when the first bytes of a
+/// successful answer's body arrive (an answer streamed in chunks, or as server-sent events,
+/// is read as it comes).
+async fn post(
+    upstream: &Upstream,
+    label: &str,
+    request: u64,
+    arrived: impl FnOnce() + Send,
+) -> Answer {
     let stream = match tokio::net::TcpStream::connect(&upstream.authority).await {
         Ok(stream) => stream,
         Err(e) => return Answer::Error(format!("cannot connect to {}: {e}", upstream.authority)),
@@ -327,7 +381,9 @@ async fn post(upstream: &Upstream, label: &str, request: u64) -> Answer {
         }
     };
     let status = response.status();
-    let bytes = match read_bounded(response.into_body(), MAX_ANSWER).await {
+    // An error's body is no answer: nothing to get ready for.
+    let arrived = status.is_success().then_some(arrived);
+    let bytes = match read_bounded(response.into_body(), MAX_ANSWER, arrived).await {
         Ok(bytes) => bytes,
         Err(BodyError::TooLarge) => {
             return Answer::Error(format!(
@@ -358,8 +414,12 @@ enum BodyError {
 }
 
 /// Reads `body` whole if it has at most `limit` bytes; stops (and drops the connection) as soon
-/// as it announces or sends more.
-async fn read_bounded(mut body: hyper::body::Incoming, limit: u64) -> Result<Vec<u8>, BodyError> {
+/// as it announces or sends more. `arrived` is called at its first byte.
+async fn read_bounded(
+    mut body: hyper::body::Incoming,
+    limit: u64,
+    mut arrived: Option<impl FnOnce()>,
+) -> Result<Vec<u8>, BodyError> {
     use hyper::body::Body;
     if body.size_hint().lower() > limit {
         return Err(BodyError::TooLarge);
@@ -370,6 +430,11 @@ async fn read_bounded(mut body: hyper::body::Incoming, limit: u64) -> Result<Vec
         if let Ok(data) = frame.into_data() {
             if (bytes.len() as u64).saturating_add(data.len() as u64) > limit {
                 return Err(BodyError::TooLarge);
+            }
+            if !data.is_empty() {
+                if let Some(arrived) = arrived.take() {
+                    arrived();
+                }
             }
             bytes.extend_from_slice(&data);
         }

@@ -1,6 +1,8 @@
 //! Trajectory replay (issue 7): an agent's recorded run — model waits with their durations
 //! and answers, tool phases as workload-guest scripts — and a local model server that answers
-//! each request after its recorded delay with its recorded bytes.
+//! each request with its recorded bytes, streamed as a model API streams its tokens: the
+//! response head at once, the body in [`ANSWER_CHUNKS`] equal chunks over the last quarter of
+//! the recorded wait, the last at its end (so the answer is whole exactly when it was).
 //!
 //! A trajectory file is JSON:
 //! `{"name": …, "steps": [{"model": {"wait_ms": 5290.5, "answer_bytes": 2048}},
@@ -14,7 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use http_body_util::{BodyExt, Full};
+use http_body_util::channel::Channel;
+use http_body_util::{BodyExt, Either, Full};
 use hyper::body::Bytes;
 
 use crate::script::{self, Command};
@@ -267,6 +270,29 @@ const REQUEST_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// A request's recorded answer: (id, wait, answer bytes).
 type Recorded = Arc<Vec<(u64, Duration, u64)>>;
 
+/// An answer streams in this many equal chunks (fewer if it has fewer bytes).
+pub const ANSWER_CHUNKS: u64 = 20;
+
+/// The share of a recorded wait over which its answer streams: the last quarter.
+const STREAMED_SHARE: f64 = 0.25;
+
+/// When each chunk of an answer of `len` bytes recorded after `wait` is sent (counted from the
+/// request), and which bytes it carries: [`ANSWER_CHUNKS`] equal chunks, one every
+/// `wait / 4 / ANSWER_CHUNKS` from three quarters of the wait on, the last at `wait`.
+pub fn answer_chunks(wait: Duration, len: u64) -> Vec<(Duration, std::ops::Range<usize>)> {
+    let n = len.min(ANSWER_CHUNKS);
+    (1..=n)
+        .map(|k| {
+            let at = wait.mul_f64(1.0 - STREAMED_SHARE + STREAMED_SHARE * k as f64 / n as f64);
+            let bytes = ((k - 1) * len / n) as usize..(k * len / n) as usize;
+            (at, bytes)
+        })
+        .collect()
+}
+
+/// A response body: a whole one (errors) or an answer streaming in.
+type ReplyBody = Either<Full<Bytes>, Channel<Bytes>>;
+
 impl ReplayServer {
     /// Serves `trajectory`'s requests on 127.0.0.1 (a free port).
     pub fn start(trajectory: &Trajectory) -> Result<Self, ReplayError> {
@@ -358,15 +384,16 @@ async fn accept(
     }
 }
 
-/// One request: its recorded answer after its recorded wait, 404 for an id not in the
-/// trajectory, 413 for a body over [`MAX_REQUEST_BODY`].
+/// One request: its recorded answer, streamed over the end of its recorded wait (see
+/// [`answer_chunks`]); 404 for an id not in the trajectory, 413 for a body over
+/// [`MAX_REQUEST_BODY`].
 async fn respond(
     request: hyper::Request<hyper::body::Incoming>,
     requests: Recorded,
-) -> Result<hyper::Response<Full<Bytes>>, std::convert::Infallible> {
+) -> Result<hyper::Response<ReplyBody>, std::convert::Infallible> {
     let path = request.uri().path().to_owned();
     let reply = |status: hyper::StatusCode, body: Vec<u8>| {
-        let mut response = hyper::Response::new(Full::new(Bytes::from(body)));
+        let mut response = hyper::Response::new(Either::Left(Full::new(Bytes::from(body))));
         *response.status_mut() = status;
         Ok(response)
     };
@@ -378,8 +405,21 @@ async fn respond(
     let id: Option<u64> = path.rsplit('/').next().and_then(|id| id.parse().ok());
     match id.and_then(|id| requests.iter().find(|r| r.0 == id)) {
         Some(&(id, wait, len)) => {
-            tokio::time::sleep(wait).await;
-            reply(hyper::StatusCode::OK, answer(id, len))
+            let started = tokio::time::Instant::now();
+            let (mut sender, body) = Channel::new(1);
+            tokio::spawn(async move {
+                let bytes = Bytes::from(answer(id, len));
+                for (at, range) in answer_chunks(wait, len) {
+                    tokio::time::sleep_until(started + at).await;
+                    if sender.send_data(bytes.slice(range)).await.is_err() {
+                        // The client went away.
+                        return;
+                    }
+                }
+                // An empty answer ends when its wait does, too.
+                tokio::time::sleep_until(started + wait).await;
+            });
+            Ok(hyper::Response::new(Either::Right(body)))
         }
         None => reply(
             hyper::StatusCode::NOT_FOUND,
@@ -524,6 +564,63 @@ mod tests {
         let _ = stream.read_to_end(&mut reply);
         let reply = String::from_utf8_lossy(&reply);
         assert!(reply.starts_with("HTTP/1.1 413"), "{reply}");
+    }
+
+    #[test]
+    fn answers_stream_in_equal_chunks_over_the_last_quarter_of_their_wait() {
+        let wait = Duration::from_millis(4000);
+        let chunks = answer_chunks(wait, 1000);
+        assert_eq!(chunks.len() as u64, ANSWER_CHUNKS);
+        assert_eq!(chunks[0], (Duration::from_millis(3050), 0..50));
+        assert_eq!(chunks[19], (wait, 950..1000));
+        let covered: usize = chunks.iter().map(|(_, r)| r.len()).sum();
+        assert_eq!(covered, 1000);
+        assert!(chunks
+            .windows(2)
+            .all(|w| w[0].0 < w[1].0 && w[0].1.end == w[1].1.start));
+        // Short answers: a byte a chunk; none for an empty one.
+        assert_eq!(answer_chunks(wait, 3).len(), 3);
+        assert_eq!(answer_chunks(wait, 3)[2], (wait, 2..3));
+        assert!(answer_chunks(wait, 0).is_empty());
+    }
+
+    #[test]
+    fn replay_server_streams_an_answer_and_the_gateway_says_when_it_begins() {
+        use crate::gateway::{ModelPort, Progress};
+        let t: Trajectory = serde_json::from_str(
+            r#"{"name": "s", "steps": [{"model": {"wait_ms": 2000, "answer_bytes": 4000}}]}"#,
+        )
+        .expect("a trajectory");
+        let server = ReplayServer::start(&t).expect("listens");
+        let gateway = crate::gateway::Gateway::new(&server.url(), "t", 0, Duration::from_secs(10))
+            .expect("a gateway");
+        let started = std::time::Instant::now();
+        gateway.send(1);
+        let first = gateway.wait_progress(1, Duration::from_secs(5));
+        let arriving = started.elapsed();
+        assert_eq!(first, Some(Progress::Arriving));
+        // The first chunk goes at 1525 ms, the last at 2000 ms.
+        assert!(arriving >= Duration::from_millis(1500), "{arriving:?}");
+        let done = gateway.wait_progress(1, Duration::from_secs(5));
+        assert!(started.elapsed() >= Duration::from_millis(1990));
+        assert_eq!(
+            done,
+            Some(Progress::Done(crate::gateway::Answer::Data(answer(
+                1, 4000
+            ))))
+        );
+        // The events a wait coordinator polls say the same, in order.
+        let events = crate::wait::EventSource::poll(&mut { gateway });
+        let kinds: Vec<_> = events
+            .iter()
+            .map(|e| match e {
+                crate::wait::WaitEvent::WaitStart { .. } => "start",
+                crate::wait::WaitEvent::DataArriving { .. } => "arriving",
+                crate::wait::WaitEvent::DataReady { .. } => "ready",
+                _ => "other",
+            })
+            .collect();
+        assert_eq!(kinds, ["start", "arriving", "ready"]);
     }
 
     #[test]

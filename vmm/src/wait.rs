@@ -19,6 +19,9 @@
 //!   long enough to pay for it: its expected remaining time at least `break_even` times what
 //!   this VM's offloads have taken (see [`WaitCoordinator::expected_remaining`]). An offload
 //!   that does not pay yet is looked at again while the wait goes on;
+//! - when the first bytes of a waited-for request's answer arrive while the VM is offloaded,
+//!   its recorded working set starts coming back (`warm`, if the policy allows) while it still
+//!   waits, so that the guest finds it resident when the answer is delivered;
 //! - it is resumed when a waited-for request's data is ready (then the data is delivered),
 //!   when a guest timer falls due, or on an external event; a request may see several pause
 //!   and resume cycles;
@@ -58,6 +61,15 @@ pub struct WaitPolicy {
     /// (faults, and a prefetcher brings the rest back).
     #[serde(default = "default_reload")]
     pub reload: uffd_pager::load::LoadMode,
+    /// When the first bytes of the answer arrive while the VM is offloaded, start bringing its
+    /// recorded working set back (the blocks the guest faulted in after its last resumes)
+    /// while the rest of the answer streams in, rather than on the guest's faults after it.
+    #[serde(default = "default_warm")]
+    pub warm: bool,
+}
+
+fn default_warm() -> bool {
+    true
 }
 
 fn default_reload() -> uffd_pager::load::LoadMode {
@@ -82,6 +94,7 @@ impl WaitPolicy {
             offload: self.offload,
             break_even: self.break_even,
             reload: self.reload,
+            warm: self.warm,
         }
     }
 }
@@ -96,6 +109,7 @@ impl Default for WaitPolicy {
             offload: true,
             break_even: default_break_even(),
             reload: default_reload(),
+            warm: default_warm(),
         }
     }
 }
@@ -108,6 +122,13 @@ pub enum WaitEvent {
         /// The request's id.
         request: u64,
         /// The VM epoch it was sent in.
+        epoch: u64,
+    },
+    /// The first bytes of `request`'s answer have arrived (the rest is streaming in).
+    DataArriving {
+        /// The request's id.
+        request: u64,
+        /// The VM epoch it belongs to.
         epoch: u64,
     },
     /// The data of `request` is ready to deliver.
@@ -149,6 +170,8 @@ pub enum Action {
     Pause,
     /// Offload the paused VM's RAM.
     Offload,
+    /// Start bringing the offloaded VM's recorded working set back; it stays stopped.
+    Warm,
     /// Resume (loading RAM back if it was offloaded).
     Resume,
     /// Hand the data of `request` to the guest.
@@ -189,6 +212,8 @@ pub struct WaitStats {
     pub resumes: u64,
     /// Responses delivered.
     pub delivered: u64,
+    /// Warm-ups started: an offloaded VM's working set brought back as its answer arrived.
+    pub warms: u64,
     /// Events ignored as stale (another epoch, or a request not waiting).
     pub stale: u64,
     /// Offloads skipped: the guest's timer was too close.
@@ -229,6 +254,8 @@ pub struct WaitCoordinator {
     /// The guest's timer is too close for an offload in this pause: nothing to look at until
     /// the guest reports again or runs.
     timer_blocked: bool,
+    /// This offload's working set is already coming back (one warm-up per offload).
+    warming: bool,
     /// The lengths of this VM's last waits, oldest first.
     waits: VecDeque<Duration>,
     /// What its offloads take (a moving average of the durations reported).
@@ -251,6 +278,7 @@ impl WaitCoordinator {
             skipped: false,
             recheck: None,
             timer_blocked: false,
+            warming: false,
             waits: VecDeque::with_capacity(WAIT_HISTORY),
             offload_cost: None,
             stats: WaitStats::default(),
@@ -350,6 +378,7 @@ impl WaitCoordinator {
         self.skipped = false;
         self.recheck = None;
         self.timer_blocked = false;
+        self.warming = false;
     }
 
     fn resume(&mut self, out: &mut Vec<Action>) {
@@ -371,6 +400,17 @@ impl WaitCoordinator {
                 if self.current(epoch) {
                     self.waiting.entry(request).or_insert(now);
                 }
+            }
+            WaitEvent::DataArriving { request, epoch } => {
+                // Only for a request still waited for, once per offload, and never while an
+                // operator holds the VM (its RAM is theirs to bring back).
+                let waited = self.current(epoch) && self.waiting.contains_key(&request);
+                if waited && self.phase == Phase::Offloaded && self.policy.warm && !self.warming {
+                    self.warming = true;
+                    self.stats.warms += 1;
+                    out.push(Action::Warm);
+                }
+                return out;
             }
             WaitEvent::DataReady { request, epoch } => {
                 let began = if self.current(epoch) {
@@ -594,6 +634,20 @@ mod tests {
         c
     }
 
+    /// Request 7's answer at `now` resumes the offloaded VM and is delivered; returns the
+    /// event.
+    fn answer_resumes_and_delivers(c: &mut WaitCoordinator, now: Instant) -> WaitEvent {
+        let ready = WaitEvent::DataReady {
+            request: 7,
+            epoch: 1,
+        };
+        assert_eq!(
+            c.handle(now, ready),
+            vec![Action::Resume, Action::Deliver { request: 7 }]
+        );
+        ready
+    }
+
     #[test]
     fn wait_pauses_after_20ms_then_offloads_after_50ms() {
         let base = Instant::now();
@@ -606,17 +660,53 @@ mod tests {
         assert_eq!(c.tick(at(base, 50)), vec![Action::Offload]);
         assert_eq!(c.phase(), Phase::Offloaded);
         // The answer: resume, then deliver, once.
-        let ready = WaitEvent::DataReady {
-            request: 7,
-            epoch: 1,
-        };
-        assert_eq!(
-            c.handle(at(base, 900), ready),
-            vec![Action::Resume, Action::Deliver { request: 7 }]
-        );
+        let ready = answer_resumes_and_delivers(&mut c, at(base, 900));
         assert!(c.handle(at(base, 901), ready).is_empty());
         assert_eq!(c.stats().delivered, 1);
         assert_eq!(c.stats().stale, 1);
+    }
+
+    #[test]
+    fn wait_warms_an_offloaded_vm_once_as_its_answer_arrives_and_only_then() {
+        let base = Instant::now();
+        let arriving = |request| WaitEvent::DataArriving { request, epoch: 1 };
+        let mut c = waiting_idle(base, WaitPolicy::default(), None);
+        // Running or paused: the RAM is there, nothing to warm.
+        assert!(c.handle(at(base, 10), arriving(7)).is_empty());
+        assert_eq!(c.tick(at(base, 20)), vec![Action::Pause]);
+        assert!(c.handle(at(base, 30), arriving(7)).is_empty());
+        assert_eq!(c.tick(at(base, 50)), vec![Action::Offload]);
+        // Another request, another epoch: not this wait's answer.
+        assert!(c.handle(at(base, 60), arriving(8)).is_empty());
+        let old = WaitEvent::DataArriving {
+            request: 7,
+            epoch: 0,
+        };
+        assert!(c.handle(at(base, 61), old).is_empty());
+        // Its first bytes: the working set starts back, once; the VM stays offloaded.
+        assert_eq!(c.handle(at(base, 700), arriving(7)), vec![Action::Warm]);
+        assert!(c.handle(at(base, 710), arriving(7)).is_empty());
+        assert_eq!(c.phase(), Phase::Offloaded);
+        answer_resumes_and_delivers(&mut c, at(base, 900));
+        assert_eq!(c.stats().warms, 1);
+        // A policy without warm-ups never warms.
+        let mut cold = waiting_idle(
+            base,
+            WaitPolicy {
+                warm: false,
+                ..WaitPolicy::default()
+            },
+            None,
+        );
+        cold.tick(at(base, 20));
+        assert_eq!(cold.tick(at(base, 50)), vec![Action::Offload]);
+        assert!(cold.handle(at(base, 700), arriving(7)).is_empty());
+        // An operator's VM is theirs: its RAM comes back on their resume.
+        let mut manual = waiting_idle(base, WaitPolicy::default(), None);
+        manual.tick(at(base, 20));
+        manual.tick(at(base, 50));
+        manual.handle(at(base, 60), WaitEvent::ManualSuspend);
+        assert!(manual.handle(at(base, 700), arriving(7)).is_empty());
     }
 
     #[test]
@@ -999,10 +1089,11 @@ mod tests {
     proptest::proptest! {
         /// Whatever happens, in any order: a response is delivered once per wait, and only to
         /// a request that waits; nothing but a delivery follows a manual suspend until the
-        /// manual resume; offloads are at least a cooldown apart.
+        /// manual resume; offloads are at least a cooldown apart; a warm-up comes only while
+        /// offloaded, at most once per offload.
         #[test]
         fn wait_any_event_sequence_keeps_the_rules(
-            steps in proptest::collection::vec((0u8..8, 0u64..4, 0u64..400), 1..80)
+            steps in proptest::collection::vec((0u8..9, 0u64..4, 0u64..400), 1..80)
         ) {
             let base = Instant::now();
             let policy = WaitPolicy::default();
@@ -1018,6 +1109,8 @@ mod tests {
             };
             let mut manual = false;
             let mut last_offload: Option<Instant> = None;
+            // Offloaded (by the coordinator), and warmed since.
+            let (mut offloaded, mut warmed) = (false, false);
             for (kind, request, gap_ms) in steps {
                 now += Duration::from_millis(gap_ms);
                 let event = match kind {
@@ -1034,7 +1127,8 @@ mod tests {
                     4 => WaitEvent::GuestBusy { epoch: 1 },
                     5 => { manual = true; WaitEvent::ManualSuspend }
                     6 => WaitEvent::External,
-                    _ => WaitEvent::DataReady { request, epoch: 0 },
+                    7 => WaitEvent::DataReady { request, epoch: 0 },
+                    _ => WaitEvent::DataArriving { request, epoch: 1 },
                 };
                 let mut actions = c.handle(now, event);
                 actions.extend(c.tick(now));
@@ -1049,8 +1143,17 @@ mod tests {
                                 proptest::prop_assert!(now >= last + policy.offload_cooldown);
                             }
                             last_offload = Some(now);
+                            (offloaded, warmed) = (true, false);
                         }
-                        Action::Pause | Action::Resume => proptest::prop_assert!(!manual),
+                        Action::Warm => {
+                            proptest::prop_assert!(!manual && offloaded && !warmed);
+                            warmed = true;
+                        }
+                        Action::Resume => {
+                            proptest::prop_assert!(!manual);
+                            offloaded = false;
+                        }
+                        Action::Pause => proptest::prop_assert!(!manual),
                     }
                 }
                 if manual && kind == 6 {

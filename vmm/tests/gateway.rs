@@ -149,12 +149,19 @@ fn gateway_reports_wait_start_and_data_ready_and_hands_answers_out_once() {
         }]
     );
     assert_eq!(gateway.wait(3), Answer::Data(answer(3)));
+    // Its first bytes, then all of it.
     assert_eq!(
         gateway.poll(),
-        vec![WaitEvent::DataReady {
-            request: 3,
-            epoch: 4
-        }]
+        vec![
+            WaitEvent::DataArriving {
+                request: 3,
+                epoch: 4
+            },
+            WaitEvent::DataReady {
+                request: 3,
+                epoch: 4
+            }
+        ]
     );
     assert_eq!(gateway.take(3), None);
     // A slow upstream: an error after the timeout, not a hang.
@@ -476,4 +483,64 @@ fn gateway_trickling_answer_is_an_error_after_the_timeout() {
     };
     assert!(why.contains("no answer within 0.5 s"), "{why}");
     assert!(started.elapsed() < Duration::from_secs(3));
+}
+
+/// Runs `model 1; digest` then `model 2` on a VM whose 32 MiB the guest digested after its
+/// first wait, against the replay server (answers streamed over the last quarter of 1.5 s
+/// waits); returns the VM's stats right after the second answer was delivered.
+fn second_wait(dir: &Path, warm: bool) -> vmm::vm::VmStats {
+    let trajectory: vmm::replay::Trajectory = serde_json::from_str(
+        r#"{"name": "warm", "steps": [
+            {"model": {"wait_ms": 1500, "answer_bytes": 4096}},
+            {"model": {"wait_ms": 1500, "answer_bytes": 4096}}]}"#,
+    )
+    .unwrap();
+    let server = vmm::replay::ReplayServer::start(&trajectory).unwrap();
+    let policy = WaitPolicy {
+        offload_cooldown: Duration::ZERO,
+        break_even: 0.0,
+        warm,
+        ..WaitPolicy::default()
+    };
+    let mut vm = start_waiting(dir, Some(server.url()), Some(policy));
+    let data = fill(&mut vm, "fill 32MiB random seed=9; digest");
+    // The first wait offloads; the digest after it faults the 32 MiB back: the working set
+    // the second offload records.
+    let out = vm.exec(&script::parse("model 1; digest").unwrap()).unwrap();
+    assert_eq!(out[1].digest, data);
+    let out = vm.exec(&script::parse("model 2").unwrap()).unwrap();
+    let expected = vmm::replay::answer(2, 4096);
+    assert_eq!(
+        out[0].digest.as_deref(),
+        Some(vmm::guest::digest_hex(&expected).as_str())
+    );
+    let stats = vm.stats();
+    // And every byte is still right.
+    let out = vm.exec(&script::parse("digest").unwrap()).unwrap();
+    assert_eq!(out[0].digest, data);
+    stats
+}
+
+#[test]
+fn gateway_streamed_answer_brings_the_working_set_back_before_the_guest_needs_it() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let warmed = second_wait(dir.path(), true);
+    let wait = warmed.wait.unwrap();
+    assert_eq!((wait.offloads, wait.warms), (2, 2), "{wait:?}");
+    // The 32 MiB came back while the answer streamed in, before the guest touched them.
+    assert!(
+        warmed.pages.resident >= 8192 && warmed.pages.stored < 256,
+        "{:?}",
+        warmed.pages
+    );
+    assert!(warmed.pager.prefetch_pages >= 8192, "{:?}", warmed.pager);
+    // Without warm-ups they wait in the store for the guest's faults.
+    let dir = tempfile::tempdir().unwrap();
+    let cold = second_wait(dir.path(), false);
+    let wait = cold.wait.unwrap();
+    assert_eq!((wait.offloads, wait.warms), (2, 0), "{wait:?}");
+    assert!(cold.pages.stored >= 8000, "{:?}", cold.pages);
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use vm_memory::{Bytes, GuestAddress};
 
 use super::{Machine, MachineError};
-use crate::gateway::{Answer, ModelPort};
+use crate::gateway::{Answer, ModelPort, Progress};
 use crate::governor::client::Order;
 use crate::governor::protocol::WireState;
 use crate::guest::{self, Mailbox};
@@ -164,7 +164,8 @@ impl Machine {
 
     /// Waits for the answer to `request` the way the wait policy says: the guest is stopped at
     /// the model port (idle, no timer pending), so it is paused as it is, offloaded once the
-    /// wait is long enough, and brought back (on faults, by default) when the answer arrives.
+    /// wait is long enough, its recorded working set brought back as the answer's first bytes
+    /// arrive, and the rest (on faults, by default) once the answer is there.
     /// Operator requests are answered meanwhile (see [`crate::operator`]).
     fn managed_wait(
         &mut self,
@@ -213,6 +214,12 @@ impl Machine {
                 if action == WaitAction::Offload {
                     self.report_offload(&coordinator, &w, std::mem::take(&mut reclaiming));
                 }
+                if action == WaitAction::Warm {
+                    if let Some(link) = &self.governor {
+                        // Its RAM is coming back: waiting, about to run.
+                        link.report(WireState::Waiting, Some(Duration::ZERO));
+                    }
+                }
             }
             if coordinator.phase() != Phase::Manual {
                 // Held for an operator who has given the VM back now.
@@ -245,7 +252,14 @@ impl Machine {
                 } else {
                     until.min(STOP_POLL)
                 };
-                if let Some(answer) = port.wait_for(request, slice) {
+                let progress = port.wait_progress(request, slice);
+                if progress == Some(Progress::Arriving) {
+                    // The answer streams in: its working set can start back meanwhile.
+                    actions.extend(coordinator.handle(
+                        Instant::now(),
+                        WaitEvent::DataArriving { request, epoch: 0 },
+                    ));
+                } else if let Some(Progress::Done(answer)) = progress {
                     let done = coordinator
                         .handle(Instant::now(), WaitEvent::DataReady { request, epoch: 0 });
                     if coordinator.phase() != Phase::Manual {
@@ -342,6 +356,12 @@ impl Machine {
                 }
                 // Counted; a failure says nothing about what an offload costs.
                 self.wait_failures.0 += 1;
+            }
+            WaitAction::Warm => {
+                // The VM stays stopped; the load that follows lets the warm-up finish.
+                if *offloaded && self.pager.warm(wait.io_threads).is_err() {
+                    self.wait_failures.1 += 1;
+                }
             }
             WaitAction::Resume => {
                 if *offloaded {

@@ -143,6 +143,12 @@ pub struct RunArgs {
     /// or lazy (faults, and a prefetcher brings the rest back).
     #[arg(long = "vm-wait-reload", value_name = "MODE")]
     pub wait_reload: Option<String>,
+    /// When the first bytes of an offloaded VM's answer arrive (an upstream that streams its
+    /// answer, in chunks or as server-sent events), start bringing back the RAM its guest
+    /// touched after its last resumes while the rest streams in, so that the guest finds it
+    /// resident (true).
+    #[arg(long = "vm-wait-warm", value_name = "BOOL")]
+    pub wait_warm: Option<bool>,
     /// Guest RAM mapping: anon (private anonymous, default), memfd (shared memfd), hugetlb
     /// (private 2 MiB huge pages) or hugetlb-memfd (a shared memfd of 2 MiB huge pages). Huge
     /// pages come from the host's pool: raise /proc/sys/vm/nr_overcommit_hugepages (or
@@ -221,6 +227,7 @@ struct ConfigVm {
     wait_scale: Option<f64>,
     wait_break_even: Option<f64>,
     wait_reload: Option<String>,
+    wait_warm: Option<bool>,
     wait_pause_ms: Option<u64>,
     wait_offload_ms: Option<u64>,
     wait_timer_budget_ms: Option<u64>,
@@ -649,6 +656,7 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
                 ))
             }
         },
+        warm: args.wait_warm.or(config.wait_warm).unwrap_or(default.warm),
     };
     // Flags that tune a policy that is off are a mistake; a config file may hold a policy
     // for when it is on.
@@ -661,6 +669,7 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
     .iter()
     .any(Option::is_some)
         || args.wait_reload.is_some()
+        || args.wait_warm.is_some()
         || args.wait_scale.is_some()
         || args.wait_break_even.is_some();
     if tuned && !wait_management {
