@@ -4,10 +4,12 @@
 //!   sharing the machine, under every wait strategy; regenerates `docs/bench/agent-waits.md`,
 //!   `.csv` and `.svg`;
 //! - `AGENT_BENCH_WAITS=recorded`: the waits as recorded (232.7 s per task, as the seed ran
-//!   them), 16 VMs, off against the two offloads and offload with a prefetching reload; regenerates
-//!   `docs/bench/agent-waits-recorded.*` (about 4 minutes a run, 80 minutes for 5 rounds).
+//!   them), 16 VMs, off against the two offloads, offload without the warm-up as answers
+//!   stream in (`offload-late`) and offload with a prefetching reload; regenerates
+//!   `docs/bench/agent-waits-recorded.*` (about 4 minutes a run, 100 minutes for 5 rounds).
 //!   With `AGENT_BENCH_STEPS=N`, only the trajectory's first N steps (24: the density bench's
 //!   prefix, about a minute a run), reported as `docs/bench/agent-waits-prefix.*`.
+//!   `AGENT_BENCH_STRATEGIES=off,offload,offload-late` runs only those (off first).
 //!
 //! `cargo bench --bench agent_waits_report` runs `AGENT_BENCH_RUNS` (default 5) interleaved
 //! rounds. In each round every group — N VMs (`Settings::vms`: 1 and 16) under a strategy
@@ -68,6 +70,10 @@ pub enum Strategy {
     /// Offload with the RAM brought back by a prefetcher after the answer, not on faults
     /// only (`--vm-wait-reload lazy`).
     OffloadLazy,
+    /// Offload without the warm-up as the answer streams in: the RAM comes back on the
+    /// guest's faults after the answer only (`--vm-wait-warm false`), as before issue 35's
+    /// item 3c.
+    OffloadLate,
 }
 
 impl Strategy {
@@ -88,6 +94,7 @@ impl Strategy {
             Strategy::Offload => "offload",
             Strategy::OffloadCompressed => "offload-compressed",
             Strategy::OffloadLazy => "offload-lazy",
+            Strategy::OffloadLate => "offload-late",
         }
     }
 
@@ -95,6 +102,7 @@ impl Strategy {
     pub fn replay_args(self) -> (&'static str, Option<&'static str>) {
         match self {
             Strategy::OffloadLazy => ("offload", Some("[vm]\nwait-reload = \"lazy\"\n")),
+            Strategy::OffloadLate => ("offload", Some("[vm]\nwait-warm = false\n")),
             other => (other.key(), None),
         }
     }
@@ -109,6 +117,11 @@ impl Strategy {
             Strategy::OffloadLazy => {
                 "`--vm-wait-management --vm-wait-reload lazy` (as `pvisor replay --strategy offload \
                  --vm-config FILE` with `wait-reload = \"lazy\"`)"
+            }
+            Strategy::OffloadLate => {
+                "`--vm-wait-management --vm-wait-warm false`: no warm-up as the answer streams \
+                 in (as `pvisor replay --strategy offload --vm-config FILE` with \
+                 `wait-warm = false`)"
             }
         }
     }
@@ -255,13 +268,14 @@ fn settings(tmp: &Path) -> Res<Result<Settings, String>> {
                 stem,
                 vms: vec![16],
                 // Pausing frees nothing (the scaled bench shows it): the time goes to the
-                // other way of bringing RAM back instead.
-                strategies: vec![
+                // other ways of bringing RAM back instead.
+                strategies: chosen_strategies(&[
                     Strategy::Off,
                     Strategy::Offload,
+                    Strategy::OffloadLate,
                     Strategy::OffloadCompressed,
                     Strategy::OffloadLazy,
-                ],
+                ])?,
                 memory: "512MiB",
                 sample_ms: 100,
                 replayed,
@@ -274,6 +288,36 @@ fn settings(tmp: &Path) -> Res<Result<Settings, String>> {
             return Err(format!("AGENT_BENCH_WAITS=`{other}`: expected scaled or recorded").into())
         }
     }))
+}
+
+/// `AGENT_BENCH_STRATEGIES=off,offload,…`: the strategies to run, off first (what the others
+/// are compared with); else `all`.
+fn chosen_strategies(all: &[Strategy]) -> Res<Vec<Strategy>> {
+    let Ok(text) = std::env::var("AGENT_BENCH_STRATEGIES") else {
+        return Ok(all.to_vec());
+    };
+    let mut chosen = Vec::new();
+    for key in text.split(',').map(str::trim) {
+        let strategy = all.iter().find(|s| s.key() == key).ok_or_else(|| {
+            let keys: Vec<_> = all.iter().map(|s| s.key()).collect();
+            format!(
+                "AGENT_BENCH_STRATEGIES: `{key}` is none of {}",
+                keys.join(", ")
+            )
+        })?;
+        if !chosen.contains(strategy) {
+            chosen.push(*strategy);
+        }
+    }
+    if chosen.first() != Some(&BASE) || chosen.len() < 2 {
+        return Err(format!(
+            "AGENT_BENCH_STRATEGIES=`{text}`: start with {} (what the others are compared with) \
+             and name at least one more",
+            BASE.key()
+        )
+        .into());
+    }
+    Ok(chosen)
 }
 
 fn run() -> Res<()> {

@@ -449,6 +449,7 @@ fn stroke(strategy: Strategy) -> Stroke {
         Strategy::Offload => Stroke::solid(RUST),
         Strategy::OffloadCompressed => Stroke::solid(GREEN),
         Strategy::OffloadLazy => Stroke::dashed(RUST, 2, 2),
+        Strategy::OffloadLate => Stroke::dashed(GREEN, 2, 2),
     }
 }
 

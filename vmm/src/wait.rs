@@ -21,7 +21,9 @@
 //!   that does not pay yet is looked at again while the wait goes on;
 //! - when the first bytes of a waited-for request's answer arrive while the VM is offloaded,
 //!   its recorded working set starts coming back (`warm`, if the policy allows) while it still
-//!   waits, so that the guest finds it resident when the answer is delivered;
+//!   waits, so that the guest finds it resident when the answer is delivered: timed to be done
+//!   as the answer ends (see [`WaitCoordinator::warm_due`]), not earlier, since the memory is
+//!   charged from then on;
 //! - it is resumed when a waited-for request's data is ready (then the data is delivered),
 //!   when a guest timer falls due, or on an external event; a request may see several pause
 //!   and resume cycles;
@@ -256,6 +258,14 @@ pub struct WaitCoordinator {
     timer_blocked: bool,
     /// This offload's working set is already coming back (one warm-up per offload).
     warming: bool,
+    /// When the warm-up of this offload is due (the answer has begun to arrive).
+    warm_at: Option<Instant>,
+    /// When the answers of requests waited for began to arrive, and how long they had been
+    /// waited for then.
+    arriving: BTreeMap<u64, (Instant, Duration)>,
+    /// How long this VM's last answers took from their first bytes to their last, over how
+    /// long their first bytes took: oldest first.
+    streams: VecDeque<f64>,
     /// The lengths of this VM's last waits, oldest first.
     waits: VecDeque<Duration>,
     /// What its offloads take (a moving average of the durations reported).
@@ -279,6 +289,9 @@ impl WaitCoordinator {
             recheck: None,
             timer_blocked: false,
             warming: false,
+            warm_at: None,
+            arriving: BTreeMap::new(),
+            streams: VecDeque::with_capacity(WAIT_HISTORY),
             waits: VecDeque::with_capacity(WAIT_HISTORY),
             offload_cost: None,
             stats: WaitStats::default(),
@@ -318,6 +331,24 @@ impl WaitCoordinator {
         }
         left.sort_unstable();
         Some(left[left.len() / 2])
+    }
+
+    /// How long after an answer's first bytes, which came `first` into its wait, its warm-up
+    /// is due: so that it is done as the answer ends. The answer is expected to stream for
+    /// `first` times the median ratio of this VM's last answers (first byte to last, over
+    /// the wait for the first byte: a model that thinks longer tends to say more); the
+    /// warm-up to take about what an offload takes (the same blocks, read instead of
+    /// written), with a margin of as much again. At once while there is nothing to go by.
+    pub fn warm_due(&self, first: Duration) -> Duration {
+        let (Some(cost), false) = (self.offload_cost, self.streams.is_empty()) else {
+            return Duration::ZERO;
+        };
+        let mut ratios: Vec<f64> = self.streams.iter().copied().collect();
+        ratios.sort_unstable_by(f64::total_cmp);
+        let ratio = ratios[ratios.len() / 2];
+        first
+            .mul_f64(ratio.clamp(0.0, 1000.0))
+            .saturating_sub(cost * 2)
     }
 
     /// Whether an offload at `now`, `elapsed` into the request's wait, is expected to pay
@@ -363,6 +394,8 @@ impl WaitCoordinator {
         self.held.clear();
         self.idle_since = None;
         self.timer_due = None;
+        self.arriving.clear();
+        self.warm_at = None;
     }
 
     fn current(&mut self, epoch: u64) -> bool {
@@ -379,6 +412,7 @@ impl WaitCoordinator {
         self.recheck = None;
         self.timer_blocked = false;
         self.warming = false;
+        self.warm_at = None;
     }
 
     fn resume(&mut self, out: &mut Vec<Action>) {
@@ -404,13 +438,20 @@ impl WaitCoordinator {
             WaitEvent::DataArriving { request, epoch } => {
                 // Only for a request still waited for, once per offload, and never while an
                 // operator holds the VM (its RAM is theirs to bring back).
-                let waited = self.current(epoch) && self.waiting.contains_key(&request);
-                if waited && self.phase == Phase::Offloaded && self.policy.warm && !self.warming {
-                    self.warming = true;
-                    self.stats.warms += 1;
-                    out.push(Action::Warm);
+                if !(self.current(epoch) && self.waiting.contains_key(&request)) {
+                    return out;
                 }
-                return out;
+                let waited = self.waiting.get(&request).map_or(Duration::ZERO, |&began| {
+                    now.saturating_duration_since(began)
+                });
+                self.arriving.entry(request).or_insert((now, waited));
+                if self.phase == Phase::Offloaded
+                    && self.policy.warm
+                    && !self.warming
+                    && self.warm_at.is_none()
+                {
+                    self.warm_at = Some(now + self.warm_due(waited));
+                }
             }
             WaitEvent::DataReady { request, epoch } => {
                 let began = if self.current(epoch) {
@@ -428,6 +469,16 @@ impl WaitCoordinator {
                     self.waits.pop_front();
                 }
                 self.waits.push_back(now.saturating_duration_since(began));
+                if let Some((arrived, first)) = self.arriving.remove(&request) {
+                    if !first.is_zero() {
+                        if self.streams.len() == WAIT_HISTORY {
+                            self.streams.pop_front();
+                        }
+                        let stream = now.saturating_duration_since(arrived);
+                        self.streams
+                            .push_back(stream.as_secs_f64() / first.as_secs_f64());
+                    }
+                }
                 if self.phase == Phase::Manual {
                     self.held.push(request);
                     return out;
@@ -541,6 +592,12 @@ impl WaitCoordinator {
                 return out;
             }
         }
+        if self.phase == Phase::Offloaded && self.warm_at.is_some_and(|due| due <= now) {
+            self.warm_at = None;
+            self.warming = true;
+            self.stats.warms += 1;
+            out.push(Action::Warm);
+        }
         if self.pause_due().is_some_and(|due| due <= now) {
             out.push(Action::Pause);
             self.stats.pauses += 1;
@@ -595,7 +652,8 @@ impl WaitCoordinator {
         }
         let timer = self.timer_due.filter(|_| self.phase != Phase::Running);
         let offload = self.offload_due();
-        [self.pause_due(), offload, timer]
+        let warm = self.warm_at.filter(|_| self.phase == Phase::Offloaded);
+        [self.pause_due(), offload, timer, warm]
             .into_iter()
             .flatten()
             .min()
@@ -707,6 +765,79 @@ mod tests {
         manual.tick(at(base, 50));
         manual.handle(at(base, 60), WaitEvent::ManualSuspend);
         assert!(manual.handle(at(base, 700), arriving(7)).is_empty());
+    }
+
+    #[test]
+    fn wait_warm_up_is_timed_to_end_with_the_answer_once_answers_have_been_seen_streaming() {
+        let base = Instant::now();
+        let policy = WaitPolicy {
+            offload_cooldown: Duration::ZERO,
+            break_even: 0.0,
+            ..WaitPolicy::default()
+        };
+        let arriving = WaitEvent::DataArriving {
+            request: 7,
+            epoch: 1,
+        };
+        let mut c = waiting_idle(base, policy, None);
+        c.tick(at(base, 20));
+        assert_eq!(c.tick(at(base, 50)), vec![Action::Offload]);
+        c.offload_took(Duration::from_millis(30));
+        // The first answer: nothing to go by, so at once. Its first bytes came 600 ms into
+        // the wait, its last 400 ms later: two thirds of that.
+        assert_eq!(c.handle(at(base, 600), arriving), vec![Action::Warm]);
+        answer_resumes_and_delivers(&mut c, at(base, 1000));
+        // The next wait, its first bytes 600 ms in again: its answer is expected to stream
+        // 400 ms, the warm-up to take 30 ms (an offload's time), with as much again to spare:
+        // due 340 ms after the first bytes.
+        let next = at(base, 2000);
+        c.handle(next, WaitEvent::GuestBusy { epoch: 1 });
+        c.handle(
+            next,
+            WaitEvent::GuestIdle {
+                epoch: 1,
+                timer_due: None,
+            },
+        );
+        c.handle(
+            next,
+            WaitEvent::WaitStart {
+                request: 7,
+                epoch: 1,
+            },
+        );
+        c.tick(next + Duration::from_millis(20));
+        assert_eq!(
+            c.tick(next + Duration::from_millis(50)),
+            vec![Action::Offload]
+        );
+        c.offload_took(Duration::from_millis(30));
+        assert_eq!(
+            c.warm_due(Duration::from_millis(600)),
+            Duration::from_millis(340)
+        );
+        // A wait twice as long before its first bytes: twice as long a stream expected.
+        assert_eq!(
+            c.warm_due(Duration::from_millis(1200)),
+            Duration::from_millis(740)
+        );
+        let first = next + Duration::from_millis(600);
+        assert!(c.handle(first, arriving).is_empty());
+        assert_eq!(c.next_deadline(), Some(first + Duration::from_millis(340)));
+        assert!(c.tick(first + Duration::from_millis(339)).is_empty());
+        assert_eq!(
+            c.tick(first + Duration::from_millis(340)),
+            vec![Action::Warm]
+        );
+        assert!(c.tick(first + Duration::from_millis(380)).is_empty());
+        assert_eq!(c.stats().warms, 2);
+        // An answer that ends before its warm-up was due: resumed and delivered, no warm-up.
+        let mut early = c.clone();
+        early.warm_at = Some(first + Duration::from_millis(340));
+        early.warming = false;
+        answer_resumes_and_delivers(&mut early, first + Duration::from_millis(100));
+        assert!(early.tick(first + Duration::from_millis(400)).is_empty());
+        assert_eq!(early.stats().warms, 2);
     }
 
     #[test]
