@@ -39,7 +39,7 @@ enum arena_intent { AR_SURVIVE = 1, AR_DISCARD = 2 };
 
 enum op { OP_NONE = 0, OP_FILL = 1, OP_DIGEST = 2, OP_TOUCH = 3, OP_REWRITE = 4,
           OP_RELEASE = 5, OP_TASK = 6, OP_MODEL = 7, OP_POKE = 8, OP_CHAOS = 9,
-          OP_ARENA = 10 };
+          OP_ARENA = 10, OP_MODEL_STREAM = 11 };
 enum fill { FILL_REPEATED = 0, FILL_RANDOM = 1, FILL_ZERO = 2, FILL_DISTINCT = 3 };
 enum blk_op { BLK_READ = 1, BLK_WRITE = 2, BLK_FLUSH = 3 };
 enum status { ST_OK = 0, ST_BAD_OP = 1, ST_TOO_LARGE = 2, ST_IO = 3, ST_MISMATCH = 4,
@@ -544,7 +544,8 @@ __attribute__((noreturn, section(".text.start"))) void _start(void) {
             MB->result[1] = filled;
             break;
         }
-        case OP_MODEL: {
+        case OP_MODEL:
+        case OP_MODEL_STREAM: {
             /* The VMM answers in io_buf: arg[1] bytes, arg[2] nonzero on an error. While the
              * guest waits it may keep a timer of arg[3] ms: before each `out` it hands its idle
              * state over on the arena channel (kind 4: its next timer fires in that many ns,
@@ -552,8 +553,12 @@ __attribute__((noreturn, section(".text.start"))) void _start(void) {
              * host refused it, 0 for none), and the VMM comes
              * back early with arg[4] set when the timer falls due; the guest does the timer's
              * work (a heartbeat over its own memory and the first word of its data) and waits
-             * on for the same answer. */
-            uint64_t period = MB->arg[3], beats = 0;
+             * on for the same answer. OP_MODEL_STREAM takes the answer in batches as it
+             * streams in: the VMM comes back with arg[4] = 2 and the answer so far in io_buf
+             * (arg[1] bytes in all); the guest reads the new bytes (an agent reading tokens as
+             * they come) and waits for the next batch, until it comes back with arg[4] = 0
+             * and the whole answer. Results: digest, bytes, beats, batches. */
+            uint64_t period = MB->arg[3], beats = 0, batches = 0, seen = 0;
             MB->arg[1] = 0;
             MB->arg[2] = 0;
             for (;;) {
@@ -565,11 +570,19 @@ __attribute__((noreturn, section(".text.start"))) void _start(void) {
                 /* Refused (a host without the channel, or past its rate): arg[5] says it. */
                 MB->arg[5] = arena_send() ? period : 0;
                 out(PORT_MODEL);
-                if (!MB->arg[4]) break;
+                if (MB->arg[4] == 2 && op == OP_MODEL_STREAM) {
+                    uint64_t upto = MB->arg[1] < MB->io_buf_size ? MB->arg[1] : MB->io_buf_size;
+                    batches++;
+                    for (; seen < upto; seen++)
+                        heartbeat += ((volatile const uint8_t *)MB->io_buf)[seen];
+                    continue;
+                }
+                if (MB->arg[4] != 1) break;
                 beats++;
                 heartbeat += beats + (filled ? *(volatile const uint64_t *)MB->app_base : 0);
             }
             MB->result[3] = beats;
+            MB->result[4] = batches;
             if (MB->arg[2]) { st = ST_MODEL; break; }
             MB->result[0] = digest((const uint64_t *)MB->io_buf, MB->arg[1]);
             MB->result[1] = MB->arg[1];

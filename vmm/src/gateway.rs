@@ -11,6 +11,13 @@
 //! Upstream protocol: `POST {upstream}/requests/{id}` with a JSON body
 //! `{"request": id, "vm": LABEL}`; the answer is the response body (2xx), anything else is an
 //! error. The gateway is also an [`EventSource`] for the wait coordinator.
+//!
+//! An answer is read as it arrives (an upstream may stream it, chunked or as server-sent
+//! events): its first bytes are said at once (`DataArriving`), so that an offloaded VM can be
+//! got ready, and a request sent with [`Batching`] hands its answer over in batches as they
+//! become deliverable (the seed's rule: a batch reaches its size or its time limit, or the
+//! answer ends), buffering at most `Batching::buffer` bytes the guest has not taken: past that
+//! the gateway stops reading the upstream, whose sends then wait (TCP back-pressure).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
@@ -46,20 +53,50 @@ pub enum GatewayError {
 pub enum Progress {
     /// Its first bytes have arrived; the rest is streaming in (said once per request).
     Arriving,
-    /// It is all there (taken).
+    /// A batch of a request sent with [`Batching`] is deliverable: the bytes that follow the
+    /// ones taken before (taken).
+    Batch(Vec<u8>),
+    /// It is all there (taken); for a batched request, the bytes after the last batch.
     Done(Answer),
+}
+
+/// How a request's answer is handed over while it streams in: a batch is deliverable once it
+/// has `bytes` bytes or its oldest byte has waited `wait`; the rest goes when the answer
+/// ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Batching {
+    /// A batch of this many bytes goes at once.
+    pub bytes: u64,
+    /// A smaller one goes when its first byte has waited this long.
+    pub wait: Duration,
+    /// Most bytes kept on the host that the guest has not taken: past it the upstream is not
+    /// read until the guest takes a batch (it may be passed by the one read that reached it:
+    /// the HTTP stack reads a body a few hundred KiB at a time at most).
+    pub buffer: u64,
+}
+
+impl Default for Batching {
+    fn default() -> Self {
+        Self {
+            bytes: 16 << 10,
+            wait: Duration::from_millis(100),
+            buffer: 256 << 10,
+        }
+    }
 }
 
 /// Where the guest's model requests go (the VMM's side of the model port).
 pub trait ModelPort: Send + Sync {
-    /// Sends request `request` (its answer is kept until taken).
-    fn send(&self, request: u64);
+    /// Sends request `request` (its answer is kept until taken), to be handed over whole or,
+    /// with `batching`, in batches (see [`wait_progress`](Self::wait_progress)).
+    fn send(&self, request: u64, batching: Option<Batching>);
 
     /// The answer of `request`, waiting at most `timeout` for it (`None`: not yet).
     fn wait_for(&self, request: u64, timeout: Duration) -> Option<Answer>;
 
     /// Like [`wait_for`](Self::wait_for), but also returns, once, as soon as the first bytes
-    /// of the answer arrive (`Progress::Arriving`), so that the VM can be got ready for it.
+    /// of the answer arrive (`Progress::Arriving`), so that the VM can be got ready for it,
+    /// and, for a batched request, each batch as it becomes deliverable.
     fn wait_progress(&self, request: u64, timeout: Duration) -> Option<Progress>;
 
     /// Sends request `request` and waits for its answer.
@@ -129,11 +166,60 @@ struct State {
     /// Requests whose answers have begun to arrive, not yet said by `wait_progress` (at most
     /// the requests in flight: an answer that completes takes its request out).
     arriving: Vec<u64>,
+    /// The answers of the requests in flight, as far as they have come.
+    partial: HashMap<u64, Partial>,
+}
+
+/// An answer arriving.
+#[derive(Debug, Default)]
+struct Partial {
+    /// Its body so far.
+    bytes: Vec<u8>,
+    /// Bytes handed over in batches.
+    taken: usize,
+    /// When the oldest byte not taken arrived.
+    since: Option<Instant>,
+    /// How it is handed over, if in batches.
+    batching: Option<Batching>,
+}
+
+impl Partial {
+    /// Bytes arrived and not taken.
+    fn waiting(&self) -> usize {
+        self.bytes.len() - self.taken
+    }
+
+    /// Takes the bytes not taken yet if they make a deliverable batch at `now`.
+    fn take_batch(&mut self, now: Instant) -> Option<Vec<u8>> {
+        let batching = self.batching?;
+        let full = self.waiting() as u64 >= batching.bytes.max(1);
+        let due = self.since.is_some_and(|since| since + batching.wait <= now);
+        if self.waiting() == 0 || !(full || due) {
+            return None;
+        }
+        let batch = self.bytes[self.taken..].to_vec();
+        self.taken = self.bytes.len();
+        self.since = None;
+        Some(batch)
+    }
+
+    /// When the bytes not taken make a batch by time, if there are any.
+    fn batch_due(&self) -> Option<Instant> {
+        Some(self.since? + self.batching?.wait)
+    }
 }
 
 impl State {
     fn keep_answer(&mut self, request: u64, answer: Answer) {
         self.arriving.retain(|&r| r != request);
+        // A batched request gets what it has not taken.
+        let taken = self.partial.remove(&request).map_or(0, |p| p.taken);
+        let answer = match answer {
+            Answer::Data(mut bytes) if taken > 0 => {
+                Answer::Data(bytes.split_off(taken.min(bytes.len())))
+            }
+            other => other,
+        };
         self.answers.insert(request, answer);
         self.order.push_back(request);
         while self.answers.len() > MAX_KEPT || self.order.len() > 4 * MAX_KEPT {
@@ -200,8 +286,9 @@ impl Gateway {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Sends `request` upstream; its answer is kept until taken.
-    pub fn send(&self, request: u64) {
+    /// Sends `request` upstream; its answer is kept until taken (whole, or with `batching`
+    /// in batches).
+    pub fn send(&self, request: u64, batching: Option<Batching>) {
         {
             let mut state = self.lock();
             state.push_event(WaitEvent::WaitStart {
@@ -224,6 +311,13 @@ impl Gateway {
                 return;
             }
             state.in_flight += 1;
+            state.partial.insert(
+                request,
+                Partial {
+                    batching,
+                    ..Partial::default()
+                },
+            );
         }
         let shared = Arc::clone(&self.shared);
         let (upstream, label, epoch, timeout) = (
@@ -232,18 +326,13 @@ impl Gateway {
             self.epoch,
             self.timeout,
         );
-        let first = Arc::clone(&self.shared);
-        let arrived = move || {
-            let (lock, ready) = &*first;
-            let mut state = lock
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            state.arriving.push(request);
-            state.push_event(WaitEvent::DataArriving { request, epoch });
-            ready.notify_all();
+        let sink = Sink {
+            shared: Arc::clone(&self.shared),
+            request,
+            epoch,
         };
         self.runtime.spawn(async move {
-            let exchange = post(&upstream, &label, request, arrived);
+            let exchange = post(&upstream, &label, request, &sink);
             let answer = match tokio::time::timeout(timeout, exchange).await {
                 Ok(answer) => answer,
                 Err(_) => Answer::Error(format!("no answer within {} s", timeout.as_secs_f64())),
@@ -273,14 +362,15 @@ impl Gateway {
 }
 
 impl ModelPort for Gateway {
-    fn send(&self, request: u64) {
-        Gateway::send(self, request);
+    fn send(&self, request: u64, batching: Option<Batching>) {
+        Gateway::send(self, request, batching);
     }
 
     fn wait_for(&self, request: u64, timeout: Duration) -> Option<Answer> {
         match self.wait_until(request, timeout, false)? {
             Progress::Done(answer) => Some(answer),
-            Progress::Arriving => None,
+            // Said only when asked for.
+            Progress::Arriving | Progress::Batch(_) => None,
         }
     }
 
@@ -289,7 +379,7 @@ impl ModelPort for Gateway {
     }
 
     fn exchange(&self, request: u64) -> Answer {
-        Gateway::send(self, request);
+        Gateway::send(self, request, None);
         self.wait(request)
     }
 }
@@ -312,10 +402,20 @@ impl Gateway {
                     state.arriving.swap_remove(i);
                     return Some(Progress::Arriving);
                 }
+                let partial = state.partial.get_mut(&request);
+                if let Some(batch) = partial.and_then(|p| p.take_batch(Instant::now())) {
+                    return Some(Progress::Batch(batch));
+                }
             }
-            let left = deadline.map_or(Duration::from_secs(3600), |d| {
+            let mut left = deadline.map_or(Duration::from_secs(3600), |d| {
                 d.saturating_duration_since(Instant::now())
             });
+            if arrival {
+                // A batch that falls due by time wakes nobody: look again then.
+                if let Some(due) = state.partial.get(&request).and_then(Partial::batch_due) {
+                    left = left.min(due.saturating_duration_since(Instant::now()));
+                }
+            }
             if left.is_zero() {
                 return None;
             }
@@ -333,15 +433,67 @@ impl EventSource for Gateway {
     }
 }
 
-/// One HTTP/1.1 request on a fresh connection; `arrived` is called when the first bytes of a
-/// successful answer's body arrive (an answer streamed in chunks, or as server-sent events,
-/// is read as it comes).
-async fn post(
-    upstream: &Upstream,
-    label: &str,
+/// Where a successful answer's body goes as it arrives: its request's [`Partial`] in the
+/// gateway's state.
+struct Sink {
+    shared: Arc<(Mutex<State>, Condvar)>,
     request: u64,
-    arrived: impl FnOnce() + Send,
-) -> Answer {
+    epoch: u64,
+}
+
+impl Sink {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.shared
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Adds `data` to the answer; its first bytes are said (`DataArriving`).
+    fn push(&self, data: &[u8]) {
+        let mut state = self.lock();
+        let Some(partial) = state.partial.get_mut(&self.request) else {
+            return;
+        };
+        let first = partial.bytes.is_empty();
+        partial.bytes.extend_from_slice(data);
+        partial.since.get_or_insert_with(Instant::now);
+        if first {
+            state.arriving.push(self.request);
+            state.push_event(WaitEvent::DataArriving {
+                request: self.request,
+                epoch: self.epoch,
+            });
+        }
+        self.shared.1.notify_all();
+    }
+
+    /// Whether the bytes the guest has not taken fill the host's buffer (read no more).
+    fn full(&self) -> bool {
+        let state = self.lock();
+        state.partial.get(&self.request).is_some_and(|p| {
+            p.batching
+                .is_some_and(|b| p.waiting() as u64 >= b.buffer.max(1))
+        })
+    }
+
+    /// The whole body, for the answer.
+    fn finish(&self) -> Vec<u8> {
+        let state = self.lock();
+        state
+            .partial
+            .get(&self.request)
+            .map(|p| p.bytes.clone())
+            .unwrap_or_default()
+    }
+}
+
+/// How often a reader held back by a full host buffer looks again.
+const BACKPRESSURE_POLL: Duration = Duration::from_millis(2);
+
+/// One HTTP/1.1 request on a fresh connection. A successful answer's body goes to `sink` as
+/// it arrives (an answer streamed in chunks, or as server-sent events, is read as it comes).
+async fn post(upstream: &Upstream, label: &str, request: u64, sink: &Sink) -> Answer {
     let stream = match tokio::net::TcpStream::connect(&upstream.authority).await {
         Ok(stream) => stream,
         Err(e) => return Answer::Error(format!("cannot connect to {}: {e}", upstream.authority)),
@@ -381,10 +533,10 @@ async fn post(
         }
     };
     let status = response.status();
-    // An error's body is no answer: nothing to get ready for.
-    let arrived = status.is_success().then_some(arrived);
-    let bytes = match read_bounded(response.into_body(), MAX_ANSWER, arrived).await {
-        Ok(bytes) => bytes,
+    // An error's body is no answer: nothing to get ready for, nothing to hand over.
+    let sink = status.is_success().then_some(sink);
+    let bytes = match read_bounded(response.into_body(), MAX_ANSWER, sink).await {
+        Ok(bytes) => sink.map_or(bytes, Sink::finish),
         Err(BodyError::TooLarge) => {
             return Answer::Error(format!(
                 "request {request}: the answer is over {MAX_ANSWER} bytes (the guest's I/O buffer)"
@@ -414,32 +566,39 @@ enum BodyError {
 }
 
 /// Reads `body` whole if it has at most `limit` bytes; stops (and drops the connection) as soon
-/// as it announces or sends more. `arrived` is called at its first byte.
+/// as it announces or sends more. The bytes go to `sink` as they arrive (then none are
+/// returned), reading no further while its host buffer is full; else they are returned.
 async fn read_bounded(
     mut body: hyper::body::Incoming,
     limit: u64,
-    mut arrived: Option<impl FnOnce()>,
+    sink: Option<&Sink>,
 ) -> Result<Vec<u8>, BodyError> {
     use hyper::body::Body;
     if body.size_hint().lower() > limit {
         return Err(BodyError::TooLarge);
     }
     let mut bytes = Vec::new();
-    while let Some(frame) = body.frame().await {
+    let mut read = 0u64;
+    loop {
+        while sink.is_some_and(Sink::full) {
+            tokio::time::sleep(BACKPRESSURE_POLL).await;
+        }
+        let Some(frame) = body.frame().await else {
+            return Ok(bytes);
+        };
         let frame = frame.map_err(BodyError::Read)?;
         if let Ok(data) = frame.into_data() {
-            if (bytes.len() as u64).saturating_add(data.len() as u64) > limit {
+            read = read.saturating_add(data.len() as u64);
+            if read > limit {
                 return Err(BodyError::TooLarge);
             }
-            if !data.is_empty() {
-                if let Some(arrived) = arrived.take() {
-                    arrived();
-                }
+            match sink {
+                Some(sink) if !data.is_empty() => sink.push(&data),
+                Some(_) => {}
+                None => bytes.extend_from_slice(&data),
             }
-            bytes.extend_from_slice(&data);
         }
     }
-    Ok(bytes)
 }
 
 #[cfg(test)]
@@ -473,10 +632,10 @@ mod tests {
         let url = format!("http://{}", silent.local_addr().expect("bound"));
         let gateway = Gateway::new(&url, "t", 0, Duration::from_secs(60)).expect("a gateway");
         for request in 0..MAX_IN_FLIGHT as u64 {
-            gateway.send(request);
+            gateway.send(request, None);
         }
         // A guest that asks for request after request (a new id after each of its timers).
-        gateway.send(u64::MAX);
+        gateway.send(u64::MAX, None);
         let answer = ModelPort::wait_for(&gateway, u64::MAX, Duration::from_secs(2));
         match answer {
             Some(Answer::Error(why)) => assert!(why.contains("in flight"), "{why}"),
@@ -484,6 +643,64 @@ mod tests {
         }
         // The ones within the cap are still waiting for the upstream.
         assert_eq!(gateway.take(0), None);
+    }
+
+    #[test]
+    fn gateway_batched_answer_holds_the_upstream_back_past_its_buffer_and_loses_nothing() {
+        use std::io::{BufRead, Write};
+        const ONE_READ: usize = 400 << 10;
+        // An upstream that sends 1 MiB as fast as it can.
+        let len = 1usize << 20;
+        let body: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a local port");
+        let url = format!("http://{}", listener.local_addr().expect("bound"));
+        let sent = body.clone();
+        std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().expect("the gateway connects");
+            let mut reader = std::io::BufReader::new(stream.try_clone().expect("a clone"));
+            let mut line = String::new();
+            while reader.read_line(&mut line).unwrap_or(0) > 0 && line != "\r\n" {
+                line.clear();
+            }
+            let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {len}\r\n\r\n");
+            let _ = stream.write_all(head.as_bytes());
+            let _ = stream.write_all(&sent);
+        });
+        let gateway = Gateway::new(&url, "t", 0, Duration::from_secs(20)).expect("a gateway");
+        let batching = Batching {
+            bytes: 16 << 10,
+            wait: Duration::from_millis(10),
+            buffer: 128 << 10,
+        };
+        gateway.send(1, Some(batching));
+        // Nobody takes a batch: the gateway reads no further than its buffer and the read
+        // that filled it (hyper's reads of a body are of at most a few hundred KiB).
+        std::thread::sleep(Duration::from_millis(500));
+        let held = gateway.lock().partial.get(&1).map_or(0, |p| p.bytes.len());
+        assert!(
+            (1..=ONE_READ + (128 << 10)).contains(&held),
+            "{held} bytes read while nobody took a batch"
+        );
+        // Taken batch by batch, then the rest: every byte, in order.
+        let mut got = Vec::new();
+        let mut batches = 0;
+        loop {
+            match gateway.wait_progress(1, Duration::from_secs(10)) {
+                Some(Progress::Arriving) => {}
+                Some(Progress::Batch(bytes)) => {
+                    assert!(bytes.len() <= ONE_READ + (128 << 10), "{}", bytes.len());
+                    batches += 1;
+                    got.extend(bytes);
+                }
+                Some(Progress::Done(Answer::Data(rest))) => {
+                    got.extend(rest);
+                    break;
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(batches >= 2, "{batches} batches");
+        assert!(got == body, "{} bytes, not the ones sent", got.len());
     }
 
     #[test]

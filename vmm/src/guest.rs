@@ -97,6 +97,9 @@ pub enum Op {
     /// length, the host's errno on a refused report. Fill, touch and digest work on arena
     /// `arg[5] - 1` when `arg[5]` is not 0.
     Arena = 10,
+    /// Ask the model (request id) and take its answer in batches as it streams in; digest
+    /// the whole. Results: digest, bytes, timer runs, batches.
+    ModelStream = 11,
 }
 
 /// How `fill` writes data.

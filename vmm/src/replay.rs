@@ -225,6 +225,7 @@ impl Trajectory {
                     out.push(Command::Model {
                         request: id,
                         timer_ms: None,
+                        stream: false,
                     });
                 }
                 Step::Tool { script } => {
@@ -595,7 +596,7 @@ mod tests {
         let gateway = crate::gateway::Gateway::new(&server.url(), "t", 0, Duration::from_secs(10))
             .expect("a gateway");
         let started = std::time::Instant::now();
-        gateway.send(1);
+        gateway.send(1, None);
         let first = gateway.wait_progress(1, Duration::from_secs(5));
         let arriving = started.elapsed();
         assert_eq!(first, Some(Progress::Arriving));
@@ -630,13 +631,13 @@ mod tests {
         let gateway = crate::gateway::Gateway::new(&server.url(), "t", 0, Duration::from_secs(5))
             .expect("a gateway");
         let started = std::time::Instant::now();
-        gateway.send(1);
+        gateway.send(1, None);
         assert_eq!(
             gateway.wait(1),
             crate::gateway::Answer::Data(answer(1, 100))
         );
         assert!(started.elapsed() >= Duration::from_millis(20));
-        gateway.send(7);
+        gateway.send(7, None);
         let crate::gateway::Answer::Error(why) = gateway.wait(7) else {
             panic!("an answer for a request not in the trajectory");
         };

@@ -53,6 +53,8 @@ pub enum Command {
         /// The guest keeps a timer while it waits: every this many milliseconds it wakes,
         /// does its timer's work (a heartbeat that touches its memory) and waits on.
         timer_ms: Option<u64>,
+        /// The guest takes the answer in batches as it streams in (reading each), not whole.
+        stream: bool,
     },
     /// The guest writes `value` at guest-physical `gpa`, then (with a port) does one `out` to
     /// it: a hostile guest's request, one field at a time. An address outside the guest's
@@ -157,12 +159,18 @@ impl fmt::Display for Command {
             Command::Idle => f.write_str("idle"),
             Command::Model {
                 request,
-                timer_ms: None,
-            } => write!(f, "model {request}"),
-            Command::Model {
-                request,
-                timer_ms: Some(ms),
-            } => write!(f, "model {request} timer={ms}"),
+                timer_ms,
+                stream,
+            } => {
+                write!(f, "model {request}")?;
+                if let Some(ms) = timer_ms {
+                    write!(f, " timer={ms}")?;
+                }
+                if *stream {
+                    f.write_str(" stream")?;
+                }
+                Ok(())
+            }
             Command::Poke {
                 gpa,
                 value,
@@ -303,12 +311,21 @@ fn parse_one(text: &str) -> Result<Command, String> {
             let request = id
                 .parse()
                 .map_err(|_| format!("bad request id `{id}` (a whole number)"))?;
-            let timer_ms = match positional.get(1) {
-                None => None,
-                Some(word) => {
-                    let ms = word
-                        .strip_prefix("timer=")
-                        .ok_or_else(|| format!("unexpected argument `{word}` (timer=MS?)"))?;
+            let mut stream = false;
+            let mut timer_ms = None;
+            // The words after the id: at most a timer and `stream`, in either order.
+            for word in positional.iter().skip(1) {
+                if *word == "stream" && !stream {
+                    stream = true;
+                    continue;
+                }
+                if timer_ms.is_some() {
+                    return Err(format!("unexpected argument `{word}`"));
+                }
+                timer_ms = {
+                    let ms = word.strip_prefix("timer=").ok_or_else(|| {
+                        format!("unexpected argument `{word}` (timer=MS? stream?)")
+                    })?;
                     let ms: u64 = ms
                         .trim_end_matches("ms")
                         .parse()
@@ -322,10 +339,13 @@ fn parse_one(text: &str) -> Result<Command, String> {
                         ));
                     }
                     Some(ms)
-                }
-            };
-            no_more(2)?;
-            Command::Model { request, timer_ms }
+                };
+            }
+            Command::Model {
+                request,
+                timer_ms,
+                stream,
+            }
         }
         "touch" => {
             no_more(1)?;
@@ -483,28 +503,38 @@ mod tests {
 
     #[test]
     fn script_model_takes_a_guest_timer_and_prints_back_as_parsed() {
-        let commands = parse("model 4; model 5 timer=600; model 6 timer=250ms").unwrap();
+        let commands = parse(
+            "model 4; model 5 timer=600; model 6 timer=250ms; model 7 stream; \
+             model 8 stream timer=9; model 9 timer=9 stream",
+        )
+        .unwrap();
+        let model = |request, timer_ms, stream| Command::Model {
+            request,
+            timer_ms,
+            stream,
+        };
         assert_eq!(
             commands,
             vec![
-                Command::Model {
-                    request: 4,
-                    timer_ms: None
-                },
-                Command::Model {
-                    request: 5,
-                    timer_ms: Some(600)
-                },
-                Command::Model {
-                    request: 6,
-                    timer_ms: Some(250)
-                },
+                model(4, None, false),
+                model(5, Some(600), false),
+                model(6, Some(250), false),
+                model(7, None, true),
+                model(8, Some(9), true),
+                model(9, Some(9), true),
             ]
         );
         let printed: Vec<String> = commands.iter().map(ToString::to_string).collect();
         assert_eq!(
             printed,
-            ["model 4", "model 5 timer=600", "model 6 timer=250"]
+            [
+                "model 4",
+                "model 5 timer=600",
+                "model 6 timer=250",
+                "model 7 stream",
+                "model 8 timer=9 stream",
+                "model 9 timer=9 stream"
+            ]
         );
         let again = parse(&printed.join("; ")).unwrap();
         assert_eq!(again, commands);
@@ -639,6 +669,8 @@ mod tests {
             ("model 4 timer=0", "at least 1 ms"),
             ("model 4 timer=often", "bad timer"),
             ("model 4 timer=5 timer=6", "unexpected argument `timer=6`"),
+            ("model 4 stream stream", "unexpected argument `stream`"),
+            ("model 4 stream timer=1 x", "unexpected argument `x`"),
             ("model 4 timer=18446744073709551615", "at most 3600000 ms"),
             ("poke", "needs an address"),
             ("poke 0x9000", "needs a value"),

@@ -24,6 +24,8 @@
 //!   waits, so that the guest finds it resident when the answer is delivered: timed to be done
 //!   as the answer ends (see [`WaitCoordinator::warm_due`]), not earlier, since the memory is
 //!   charged from then on;
+//! - a batch of a streamed answer resumes it and is delivered; the request goes on waiting
+//!   (and the guest, idle again, is paused and offloaded again as the rules say);
 //! - it is resumed when a waited-for request's data is ready (then the data is delivered),
 //!   when a guest timer falls due, or on an external event; a request may see several pause
 //!   and resume cycles;
@@ -133,6 +135,14 @@ pub enum WaitEvent {
         /// The VM epoch it belongs to.
         epoch: u64,
     },
+    /// A batch of `request`'s answer is ready to deliver; the rest is still to come (the
+    /// request goes on waiting).
+    BatchReady {
+        /// The request's id.
+        request: u64,
+        /// The VM epoch it belongs to.
+        epoch: u64,
+    },
     /// The data of `request` is ready to deliver.
     DataReady {
         /// The request's id.
@@ -216,6 +226,8 @@ pub struct WaitStats {
     pub delivered: u64,
     /// Warm-ups started: an offloaded VM's working set brought back as its answer arrived.
     pub warms: u64,
+    /// Batches of streamed answers delivered before their ends.
+    pub batches: u64,
     /// Events ignored as stale (another epoch, or a request not waiting).
     pub stale: u64,
     /// Offloads skipped: the guest's timer was too close.
@@ -452,6 +464,22 @@ impl WaitCoordinator {
                 {
                     self.warm_at = Some(now + self.warm_due(waited));
                 }
+            }
+            WaitEvent::BatchReady { request, epoch } => {
+                // The guest takes it and comes back for the rest; an operator's VM takes
+                // none (its answer waits for their resume, whole).
+                if !(self.current(epoch) && self.waiting.contains_key(&request)) {
+                    if epoch == self.epoch {
+                        self.stats.stale += 1;
+                    }
+                    return out;
+                }
+                if self.phase != Phase::Manual {
+                    self.resume(&mut out);
+                    out.push(Action::Deliver { request });
+                    self.stats.batches += 1;
+                }
+                return out;
             }
             WaitEvent::DataReady { request, epoch } => {
                 let began = if self.current(epoch) {
@@ -1224,7 +1252,7 @@ mod tests {
         /// offloaded, at most once per offload.
         #[test]
         fn wait_any_event_sequence_keeps_the_rules(
-            steps in proptest::collection::vec((0u8..9, 0u64..4, 0u64..400), 1..80)
+            steps in proptest::collection::vec((0u8..10, 0u64..4, 0u64..400), 1..80)
         ) {
             let base = Instant::now();
             let policy = WaitPolicy::default();
@@ -1259,12 +1287,19 @@ mod tests {
                     5 => { manual = true; WaitEvent::ManualSuspend }
                     6 => WaitEvent::External,
                     7 => WaitEvent::DataReady { request, epoch: 0 },
-                    _ => WaitEvent::DataArriving { request, epoch: 1 },
+                    8 => WaitEvent::DataArriving { request, epoch: 1 },
+                    _ => WaitEvent::BatchReady { request, epoch: 1 },
                 };
+                let batch = matches!(event, WaitEvent::BatchReady { .. });
                 let mut actions = c.handle(now, event);
                 actions.extend(c.tick(now));
                 for action in actions {
                     match action {
+                        // A batch: only of a request waited for, which goes on waiting.
+                        Action::Deliver { request } if batch => {
+                            proptest::prop_assert!(!manual);
+                            proptest::prop_assert!(waiting.get(&request).is_some_and(|&n| n > 0), "a batch of a request not waited for");
+                        }
                         Action::Deliver { request } => {
                             proptest::prop_assert!(take(&mut waiting, request), "delivered twice, or unasked");
                         }

@@ -140,7 +140,7 @@ fn gateway_upstream_errors_reach_the_guest_as_errors() {
 fn gateway_reports_wait_start_and_data_ready_and_hands_answers_out_once() {
     let url = upstream(Duration::from_millis(30));
     let mut gateway = Gateway::new(&url, "test", 4, Duration::from_secs(10)).unwrap();
-    gateway.send(3);
+    gateway.send(3, None);
     assert_eq!(
         gateway.poll(),
         vec![WaitEvent::WaitStart {
@@ -172,7 +172,7 @@ fn gateway_reports_wait_start_and_data_ready_and_hands_answers_out_once() {
         Duration::from_millis(100),
     )
     .unwrap();
-    slow.send(1);
+    slow.send(1, None);
     let Answer::Error(why) = slow.wait(1) else {
         panic!("an answer from a slow upstream")
     };
@@ -408,7 +408,7 @@ fn hostile_upstream(
 fn hostile_answer(head: &str, body: u64, pause: Duration, timeout: Duration) -> (Answer, u64) {
     let (url, written) = hostile_upstream(head.as_bytes().to_vec(), body, pause);
     let gateway = Gateway::new(&url, "test", 0, timeout).unwrap();
-    gateway.send(1);
+    gateway.send(1, None);
     let answer = gateway.wait(1);
     // Let the upstream notice the hang-up (or run into a full socket).
     std::thread::sleep(Duration::from_millis(200));
@@ -554,4 +554,37 @@ fn gateway_streamed_answer_brings_the_working_set_back_before_the_guest_needs_it
     assert_eq!((wait.offloads, wait.warms), (2, 0), "{wait:?}");
     assert!(cold.pages.stored >= 8000, "{:?}", cold.pages);
     assert!(faults >= 32, "{faults} faults without the warm-up");
+}
+
+#[test]
+fn gateway_streamed_answer_reaches_a_guest_that_takes_it_in_batches() {
+    if skip() {
+        return;
+    }
+    // 256 KiB in four writes 150 ms apart: each makes one or more batches (16 KiB or over)
+    // as it arrives.
+    let len = 256u64 << 10;
+    let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {len}\r\n\r\n");
+    let expected = vmm::guest::digest_hex(&vec![b'x'; len as usize]);
+    let dir = tempfile::tempdir().unwrap();
+    for wait in [None, Some(WaitPolicy::default())] {
+        let (url, _) = hostile_upstream(head.as_bytes().to_vec(), len, Duration::from_millis(150));
+        let mut vm = start_waiting(dir.path(), Some(url), wait);
+        let out = vm
+            .exec(&script::parse("model 3 stream; model 3").unwrap())
+            .unwrap();
+        // The whole answer, in order, after at least two batches; taken whole the second time.
+        assert_eq!(out[0].answer_bytes, Some(len));
+        assert_eq!(out[0].digest.as_deref(), Some(expected.as_str()));
+        let batches = out[0].batches.unwrap();
+        // (A write may reach the gateway in several reads, each a batch if over 16 KiB.)
+        assert!((2..=16).contains(&batches), "{batches} batches");
+        assert_eq!(out[1].batches, None);
+        assert_eq!(out[1].digest.as_deref(), Some(expected.as_str()));
+        if wait.is_some() {
+            let stats = vm.stats().wait.unwrap();
+            assert_eq!(stats.batches, batches, "{stats:?}");
+            assert_eq!(stats.delivered, 2, "{stats:?}");
+        }
+    }
 }

@@ -199,7 +199,7 @@ fn hostile_guest_model_timer_out_of_range_is_an_error_not_a_panic() {
     let dir = tempfile::tempdir().unwrap();
     let mut machine = boot(dir.path(), RamKind::Anon);
     let (_server, gateway) = model();
-    machine.set_model_port(gateway);
+    machine.set_model_port(gateway, vmm::gateway::Batching::default());
     let data = fill(&mut machine, 5);
     for timer in [u64::MAX, guest::MAX_TIMER_MS + 1, 1 << 62] {
         let report = request(&mut machine, &[(ARG5, timer)], guest::PORT_MODEL);
@@ -269,7 +269,10 @@ fn hostile_guest_chaos_leaves_the_vmm_running_and_the_data_intact() {
         };
         let mut machine = boot(dir.path(), kind);
         if seed % 4 < 2 {
-            machine.set_model_port(Arc::clone(&gateway) as Arc<dyn vmm::gateway::ModelPort>);
+            machine.set_model_port(
+                Arc::clone(&gateway) as Arc<dyn vmm::gateway::ModelPort>,
+                vmm::gateway::Batching::default(),
+            );
         }
         let data = fill(&mut machine, seed);
         for round in 0..3 {

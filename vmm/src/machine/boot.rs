@@ -221,6 +221,8 @@ impl Machine {
             stop_requested: false,
             interrupter: config.interrupter.clone(),
             model_pending: None,
+            model_received: 0,
+            model_batching: crate::gateway::Batching::default(),
             release_error: None,
             arenas: restored_arenas(config)?,
             arena_offload: None,

@@ -35,6 +35,9 @@ pub struct CommandOutput {
     /// `model … timer=MS`: how many times the guest's timer fired during the wait.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub timer_fired: Option<u64>,
+    /// `model … stream`: the batches the answer came in before its end.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub batches: Option<u64>,
     /// `poke … out=PORT`: what the VMM answered in the request areas.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub poke: Option<PokeReport>,
@@ -128,12 +131,17 @@ impl Machine {
                 output.digest = Some(format!("{:016x}", result[0]));
                 output.disk_bytes = Some(result[1]);
             }
-            Command::Model { request, timer_ms } => {
-                let result =
-                    self.guest(command, Op::Model, &[request, 0, 0, timer_ms.unwrap_or(0)])?;
+            Command::Model {
+                request,
+                timer_ms,
+                stream,
+            } => {
+                let op = if stream { Op::ModelStream } else { Op::Model };
+                let result = self.guest(command, op, &[request, 0, 0, timer_ms.unwrap_or(0)])?;
                 output.digest = Some(format!("{:016x}", result[0]));
                 output.answer_bytes = Some(result[1]);
                 output.timer_fired = timer_ms.map(|_| result[3]);
+                output.batches = stream.then_some(result[4]);
             }
             Command::Poke { gpa, value, port } => {
                 let result = self.guest(

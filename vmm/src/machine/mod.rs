@@ -233,8 +233,12 @@ pub struct Machine {
     /// Ends the running command from another thread (`stop`, SIGTERM).
     interrupter: Interrupter,
     /// The model request in flight and when it went out: the guest comes back to the model
-    /// port with it after each of its timers.
+    /// port with it after each of its timers and each batch of its answer.
     model_pending: Option<(u64, Instant)>,
+    /// Bytes of the pending request's answer handed to the guest in batches so far.
+    model_received: u64,
+    /// How a streamed answer is handed to a guest that takes it in batches.
+    model_batching: crate::gateway::Batching,
     /// Why the last free report was refused, for the command's error.
     release_error: Option<String>,
     /// The guest's phase arenas (docs/arenas.md).
@@ -478,9 +482,15 @@ impl Machine {
         Some(self.offload(&wait.offload))
     }
 
-    /// Where the guest's `model` requests go.
-    pub fn set_model_port(&mut self, port: std::sync::Arc<dyn crate::gateway::ModelPort>) {
+    /// Where the guest's `model` requests go, and how their answers are handed to a guest
+    /// that takes them in batches (`model ID stream`).
+    pub fn set_model_port(
+        &mut self,
+        port: std::sync::Arc<dyn crate::gateway::ModelPort>,
+        batching: crate::gateway::Batching,
+    ) {
         self.model = Some(port);
+        self.model_batching = batching;
     }
 
     /// The virtual disk's file.

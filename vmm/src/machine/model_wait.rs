@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use vm_memory::{Bytes, GuestAddress};
 
 use super::{Machine, MachineError};
-use crate::gateway::{Answer, ModelPort, Progress};
+use crate::gateway::{Answer, Batching, ModelPort, Progress};
 use crate::governor::client::Order;
 use crate::governor::protocol::WireState;
 use crate::guest::{self, Mailbox};
@@ -21,6 +21,8 @@ enum WaitOutcome {
     Answer(Answer),
     /// The guest's timer fell due: it runs its timer's work and comes back for the answer.
     Timer,
+    /// A batch of a streamed answer (the guest takes it and comes back for the rest).
+    Batch(Vec<u8>),
 }
 
 /// How often a model wait without wait management looks for a stop.
@@ -74,9 +76,11 @@ impl Machine {
             Some(due) => due.map(|due| due.saturating_duration_since(Instant::now())),
             None => (mailbox.arg[5] > 0).then(|| Duration::from_millis(mailbox.arg[5])),
         };
+        // A guest that takes the answer in batches as it streams in.
+        let batching = (mailbox.op == guest::Op::ModelStream as u64).then_some(self.model_batching);
         let outcome = match (self.model.clone(), self.wait.clone()) {
-            (Some(port), Some(wait)) => self.managed_wait(&*port, request, timer, &wait),
-            (Some(port), None) => self.plain_wait(&*port, request, timer),
+            (Some(port), Some(wait)) => self.managed_wait(&*port, request, timer, batching, &wait),
+            (Some(port), None) => self.plain_wait(&*port, request, timer, batching),
             (None, _) => WaitOutcome::Answer(Answer::Error(
                 "this VM has no model gateway (pvisor run --vm-model-upstream URL)".into(),
             )),
@@ -92,26 +96,19 @@ impl Machine {
                 mailbox.arg[4] = 1;
                 return self.write(guest::MAILBOX_GPA, mailbox);
             }
+            WaitOutcome::Batch(bytes) => {
+                // After the ones before it, in the guest's buffer; it comes back for more.
+                if self.deliver(request, &bytes, &mut mailbox)? {
+                    mailbox.arg[4] = 2;
+                }
+                return self.write(guest::MAILBOX_GPA, mailbox);
+            }
         };
         match answer {
-            Answer::Data(bytes) if bytes.len() as u64 <= guest::IO_BUF_SIZE => {
-                self.ram
-                    .memory()
-                    .write_slice(&bytes, GuestAddress(guest::IO_BUF_GPA))
-                    .map_err(|e| MachineError::GuestMemory {
-                        gpa: guest::IO_BUF_GPA,
-                        source: e,
-                    })?;
-                mailbox.arg[1] = bytes.len() as u64;
-                mailbox.arg[2] = 0;
-            }
             Answer::Data(bytes) => {
-                self.model_error = Some(format!(
-                    "the answer to request {request} has {} bytes, more than the guest's {} byte buffer",
-                    bytes.len(),
-                    guest::IO_BUF_SIZE
-                ));
-                mailbox.arg[2] = 1;
+                // The whole answer, or what follows the batches handed over before.
+                self.deliver(request, &bytes, &mut mailbox)?;
+                self.model_received = 0;
             }
             Answer::Error(why) => {
                 self.model_error = Some(why);
@@ -121,15 +118,51 @@ impl Machine {
         self.write(guest::MAILBOX_GPA, mailbox)
     }
 
-    /// Sends `request` unless it is already out (the guest is back from a timer); returns
-    /// when it went out.
-    fn send_once(&mut self, port: &dyn ModelPort, request: u64) -> Instant {
+    /// Puts `bytes` of request `request`'s answer into the guest's buffer after the ones it
+    /// has had (`arg[1]`: all it has now); false (an error for the guest) if they do not fit.
+    fn deliver(
+        &mut self,
+        request: u64,
+        bytes: &[u8],
+        mailbox: &mut Mailbox,
+    ) -> Result<bool, MachineError> {
+        let at = self.model_received;
+        let end = at.saturating_add(bytes.len() as u64);
+        if end > guest::IO_BUF_SIZE {
+            self.model_error = Some(format!(
+                "the answer to request {request} has {end} bytes, more than the guest's {} byte buffer",
+                guest::IO_BUF_SIZE
+            ));
+            self.model_received = 0;
+            mailbox.arg[2] = 1;
+            return Ok(false);
+        }
+        let gpa = guest::IO_BUF_GPA + at;
+        self.ram
+            .memory()
+            .write_slice(bytes, GuestAddress(gpa))
+            .map_err(|e| MachineError::GuestMemory { gpa, source: e })?;
+        self.model_received = end;
+        mailbox.arg[1] = end;
+        mailbox.arg[2] = 0;
+        Ok(true)
+    }
+
+    /// Sends `request` unless it is already out (the guest is back from a timer or a batch);
+    /// returns when it went out.
+    fn send_once(
+        &mut self,
+        port: &dyn ModelPort,
+        request: u64,
+        batching: Option<Batching>,
+    ) -> Instant {
         match self.model_pending {
             Some((pending, since)) if pending == request => since,
             _ => {
                 let now = Instant::now();
-                port.send(request);
+                port.send(request, batching);
                 self.model_pending = Some((request, now));
+                self.model_received = 0;
                 now
             }
         }
@@ -142,8 +175,9 @@ impl Machine {
         port: &dyn ModelPort,
         request: u64,
         timer: Option<Duration>,
+        batching: Option<Batching>,
     ) -> WaitOutcome {
-        self.send_once(port, request);
+        self.send_once(port, request, batching);
         let until = timer.and_then(|t| Instant::now().checked_add(t));
         // In slices, so that a stop ends the wait.
         loop {
@@ -153,7 +187,14 @@ impl Machine {
                 )));
             }
             let left = until.map_or(STOP_POLL, |u| u.saturating_duration_since(Instant::now()));
-            if let Some(answer) = port.wait_for(request, left.min(STOP_POLL)) {
+            let slice = left.min(STOP_POLL);
+            if batching.is_some() {
+                match port.wait_progress(request, slice) {
+                    Some(Progress::Done(answer)) => return WaitOutcome::Answer(answer),
+                    Some(Progress::Batch(bytes)) => return WaitOutcome::Batch(bytes),
+                    Some(Progress::Arriving) | None => {}
+                }
+            } else if let Some(answer) = port.wait_for(request, slice) {
                 return WaitOutcome::Answer(answer);
             }
             if until.is_some_and(|u| u <= Instant::now()) {
@@ -172,6 +213,7 @@ impl Machine {
         port: &dyn ModelPort,
         request: u64,
         timer: Option<Duration>,
+        batching: Option<Batching>,
         wait: &WaitManagement,
     ) -> WaitOutcome {
         let mut coordinator = self
@@ -179,7 +221,7 @@ impl Machine {
             .take()
             .unwrap_or_else(|| WaitCoordinator::new(wait.policy, 0));
         let mut operator = self.operator.take();
-        let began = self.send_once(port, request);
+        let began = self.send_once(port, request, batching);
         let now = Instant::now();
         let mut w = ModelWait {
             request,
@@ -252,8 +294,23 @@ impl Machine {
                 } else {
                     until.min(STOP_POLL)
                 };
-                let progress = port.wait_progress(request, slice);
-                if progress == Some(Progress::Arriving) {
+                // An operator's VM takes no batch: the answer waits for their resume, whole
+                // (the host buffers what the guest has not taken, bounded, then holds the
+                // upstream back).
+                let progress = if coordinator.phase() == Phase::Manual {
+                    port.wait_for(request, slice).map(Progress::Done)
+                } else {
+                    port.wait_progress(request, slice)
+                };
+                if let Some(Progress::Batch(bytes)) = progress {
+                    let deliver = coordinator
+                        .handle(Instant::now(), WaitEvent::BatchReady { request, epoch: 0 });
+                    for action in deliver {
+                        // A resume and a delivery.
+                        let _ = self.carry_out(action, wait, &mut w.offloaded);
+                    }
+                    break WaitOutcome::Batch(bytes);
+                } else if progress == Some(Progress::Arriving) {
                     // The answer streams in: its working set can start back meanwhile.
                     actions.extend(coordinator.handle(
                         Instant::now(),

@@ -209,7 +209,7 @@ impl Vm {
             machine.start_cold(config).map_err(VmError::Cold)?;
         }
         if let Some(gateway) = gateway {
-            machine.set_model_port(Arc::new(gateway));
+            machine.set_model_port(Arc::new(gateway), options.model_batching);
         }
         let offloads = options.pool.is_some() || options.ram_backing == RamKind::Snapshot;
         if let Some(policy) = options.wait {

@@ -74,6 +74,9 @@ pub struct VmOptions {
     /// The upstream model endpoint of the guest's `model` requests (`http://HOST:PORT[/PATH]`).
     #[serde(default)]
     pub model_upstream: Option<String>,
+    /// How an answer streams into a guest that takes it in batches (`model ID stream`).
+    #[serde(default)]
+    pub model_batching: crate::gateway::Batching,
     /// Pause, and offload if the policy says so, while a model request is out.
     #[serde(default)]
     pub wait: Option<crate::wait::WaitPolicy>,
@@ -135,6 +138,7 @@ impl VmOptions {
             restore_remote: None,
             pool: None,
             model_upstream: None,
+            model_batching: crate::gateway::Batching::default(),
             wait: None,
             governor: None,
             arena_offload: false,

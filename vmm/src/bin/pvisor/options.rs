@@ -110,6 +110,19 @@ pub struct RunArgs {
     /// response body; an error status reaches the guest as an error).
     #[arg(long = "vm-model-upstream", value_name = "URL")]
     pub model_upstream: Option<String>,
+    /// A guest that takes its answer in batches (`model ID stream`) gets one as soon as this
+    /// much of the answer has arrived (16KiB)...
+    #[arg(long = "vm-model-batch", value_parser = parse_size, value_name = "SIZE")]
+    pub model_batch: Option<u64>,
+    /// ...or when the oldest byte it has not had has waited MS (100), and the rest at the
+    /// answer's end.
+    #[arg(long = "vm-model-batch-ms", value_name = "MS")]
+    pub model_batch_ms: Option<u64>,
+    /// Most bytes of a streamed answer kept on the host that the guest has not taken (while
+    /// it is offloaded, or held by an operator): past it the gateway stops reading the
+    /// upstream until the guest takes a batch (256KiB).
+    #[arg(long = "vm-model-buffer", value_parser = parse_size, value_name = "SIZE")]
+    pub model_buffer: Option<u64>,
     /// While a `model` request is out, pause the VM after 20 ms and offload it after 50 ms
     /// (at most every 5 s, and only when the wait is expected to pay for it: see
     /// --vm-wait-break-even); load it back when the answer arrives. Needs --vm-model-upstream.
@@ -222,6 +235,9 @@ struct ConfigVm {
     governor: Option<PathBuf>,
     governor_hold_timeout_ms: Option<u64>,
     model_upstream: Option<String>,
+    model_batch: Option<String>,
+    model_batch_ms: Option<u64>,
+    model_buffer: Option<String>,
     wait_management: Option<bool>,
     wait_strategy: Option<String>,
     wait_scale: Option<f64>,
@@ -268,7 +284,40 @@ pub struct Resolved {
     pub governor: Option<PathBuf>,
     pub governor_hold_timeout_ms: Option<u64>,
     pub model_upstream: Option<String>,
+    pub model_batching: vmm::gateway::Batching,
     pub wait: Option<vmm::wait::WaitPolicy>,
+}
+
+/// How streamed answers are handed to the guest, from the flags and the config file.
+fn batching(args: &RunArgs, config: &ConfigVm) -> Result<vmm::gateway::Batching, String> {
+    let size = |flag: Option<u64>, key: &Option<String>, name: &str| match (flag, key) {
+        (Some(bytes), _) => Ok(Some(bytes)),
+        (None, Some(text)) => parse_size(text)
+            .map(Some)
+            .map_err(|e| format!("config {name}: {e}")),
+        (None, None) => Ok(None),
+    };
+    let default = vmm::gateway::Batching::default();
+    let batching = vmm::gateway::Batching {
+        bytes: size(args.model_batch, &config.model_batch, "model-batch")?.unwrap_or(default.bytes),
+        wait: args
+            .model_batch_ms
+            .or(config.model_batch_ms)
+            .map_or(default.wait, std::time::Duration::from_millis),
+        buffer: size(args.model_buffer, &config.model_buffer, "model-buffer")?
+            .unwrap_or(default.buffer),
+    };
+    let most = vmm::guest::IO_BUF_SIZE;
+    if !(1..=most).contains(&batching.bytes) || !(1..=most).contains(&batching.buffer) {
+        return Err(format!(
+            "--vm-model-batch and --vm-model-buffer are from 1 byte to the guest's {} KiB buffer",
+            most >> 10
+        ));
+    }
+    if batching.wait > std::time::Duration::from_secs(3600) {
+        return Err("--vm-model-batch-ms is at most an hour".into());
+    }
+    Ok(batching)
 }
 
 /// Most bytes of a config file: a `[vm]` table is a few hundred bytes; 1 MiB is far beyond
@@ -297,6 +346,7 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
         Some(path) => read_config(path)?,
         None => ConfigVm::default(),
     };
+    let model_batching = batching(args, &config)?;
     let executor = args
         .executor
         .clone()
@@ -725,6 +775,7 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
         restore_remote,
         pool,
         model_upstream,
+        model_batching,
         wait,
         memory,
         vcpus: args.vcpus.or(config.vcpus).unwrap_or(1),

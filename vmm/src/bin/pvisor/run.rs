@@ -49,6 +49,7 @@ pub fn run(args: RunArgs) -> CliResult {
             restore_remote: resolved.restore_remote.clone(),
             pool: resolved.pool.clone(),
             model_upstream: resolved.model_upstream.clone(),
+            model_batching: resolved.model_batching,
             wait: resolved.wait,
             governor: resolved
                 .governor
