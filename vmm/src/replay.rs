@@ -216,6 +216,12 @@ impl Trajectory {
     /// The whole run as one workload script: `model ID` for each model step, the tool
     /// scripts as they are.
     pub fn script(&self) -> Vec<Command> {
+        self.script_taking(false)
+    }
+
+    /// The same, with each answer taken in batches as it streams in (`model ID stream`) if
+    /// `stream`.
+    pub fn script_taking(&self, stream: bool) -> Vec<Command> {
         let mut id = 0;
         let mut out = Vec::new();
         for step in &self.steps {
@@ -225,7 +231,7 @@ impl Trajectory {
                     out.push(Command::Model {
                         request: id,
                         timer_ms: None,
-                        stream: false,
+                        stream,
                     });
                 }
                 Step::Tool { script } => {

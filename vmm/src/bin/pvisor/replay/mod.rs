@@ -73,6 +73,11 @@ pub struct ReplayArgs {
     /// times. Each VM's task time (from its own start) is reported beside the window.
     #[arg(long, default_value_t = 0, value_name = "MS")]
     pub stagger_ms: u64,
+    /// Each agent takes its model answers in batches as they stream in (`model ID stream`;
+    /// the server streams every answer over the last quarter of its recorded wait), as an
+    /// agent reading tokens as they come; else whole, once they have all arrived.
+    #[arg(long)]
+    pub stream_answers: bool,
     /// Sampling period of memory, milliseconds: every VM's memory cgroup is read at each
     /// tick, by one thread for all the VMs.
     #[arg(long, default_value_t = 100, value_name = "MS")]
@@ -317,7 +322,7 @@ fn run_replay(
         }));
     }
     let script = trajectory
-        .script()
+        .script_taking(args.stream_answers)
         .iter()
         .map(ToString::to_string)
         .collect::<Vec<_>>()
@@ -468,7 +473,7 @@ fn run_replay(
 
     // Every result against the trajectory: each answer's digest, each command's success, and
     // the same digests in every VM.
-    let commands = trajectory.script();
+    let commands = trajectory.script_taking(args.stream_answers);
     let requests = trajectory.requests();
     let mut failures = Vec::new();
     let mut reference: Option<Vec<Option<String>>> = None;
@@ -573,6 +578,7 @@ fn run_replay(
         "completion_window_s": window,
         "completion_s": outcomes.iter().map(|o| o.elapsed.as_secs_f64()).collect::<Vec<_>>(),
         "stagger_ms": args.stagger_ms,
+        "stream_answers": args.stream_answers,
         "start_s": outcomes.iter().map(|o| o.started.as_secs_f64()).collect::<Vec<_>>(),
         "task_s": tasks,
         "longest_task_s": tasks.iter().copied().fold(0.0, f64::max),
@@ -617,11 +623,14 @@ fn run_replay(
     if !wait.is_empty() {
         let n = |k: &str| wait.get(k).and_then(serde_json::Value::as_u64).unwrap_or(0);
         basics::say!(
-            "  wait management, all VMs: {} pauses, {} offloads ({} ms in all), skipped {} for the \
-             cooldown, {} for the guest's timer, {} as not paying; {} failed offloads, {} failed loads",
+            "  wait management, all VMs: {} pauses, {} offloads ({} ms in all), {} warm-ups, {} \
+             batches delivered, skipped {} for the cooldown, {} for the guest's timer, {} as not \
+             paying; {} failed offloads, {} failed loads",
             n("pauses"),
             n("offloads"),
             n("offload_ms"),
+            n("warms"),
+            n("batches"),
             n("skipped_for_cooldown"),
             n("skipped_for_timer"),
             n("skipped_for_gain"),
