@@ -588,3 +588,32 @@ fn gateway_streamed_answer_reaches_a_guest_that_takes_it_in_batches() {
         }
     }
 }
+
+#[test]
+fn gateway_streamed_answer_arrives_whole_after_an_offload_in_the_middle_of_the_stream() {
+    if skip() {
+        return;
+    }
+    // 192 KiB in three writes 600 ms apart; the VM is offloaded 800 ms into the wait, after
+    // the first write, and the rest streams in while its RAM is in the store.
+    let len = 192u64 << 10;
+    let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {len}\r\n\r\n");
+    let (url, _) = hostile_upstream(head.into_bytes(), len, Duration::from_millis(600));
+    let policy = WaitPolicy {
+        offload_after: Duration::from_millis(800),
+        break_even: 0.0,
+        ..WaitPolicy::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut vm = start_waiting(dir.path(), Some(url), Some(policy));
+    let data = fill(&mut vm, "fill 16MiB random seed=4; digest");
+    let out = vm.exec(&script::parse("model 9; digest").unwrap()).unwrap();
+    assert_eq!(out[0].answer_bytes, Some(len));
+    assert_eq!(
+        out[0].digest.as_deref(),
+        Some(vmm::guest::digest_hex(&vec![b'x'; len as usize]).as_str())
+    );
+    assert_eq!(out[1].digest, data);
+    let wait = vm.stats().wait.unwrap();
+    assert_eq!((wait.offloads, wait.resumes, wait.delivered), (1, 1, 1), "{wait:?}");
+}
