@@ -615,5 +615,9 @@ fn gateway_streamed_answer_arrives_whole_after_an_offload_in_the_middle_of_the_s
     );
     assert_eq!(out[1].digest, data);
     let wait = vm.stats().wait.unwrap();
-    assert_eq!((wait.offloads, wait.resumes, wait.delivered), (1, 1, 1), "{wait:?}");
+    assert_eq!(
+        (wait.offloads, wait.resumes, wait.delivered),
+        (1, 1, 1),
+        "{wait:?}"
+    );
 }

@@ -757,9 +757,13 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
             ram_backing.name()
         ));
     }
-    if governor.is_some() && (pool.is_some() || restoring.is_some()) {
+    // A snapshot restored into the VM's own RAM is served by its pager like any other RAM;
+    // its image mapped as RAM is not.
+    if governor.is_some() && (pool.is_some() || ram_backing == RamKind::Snapshot) {
         return Err(
-            "--vm-governor limits RAM the pager serves: not with --vm-memory-pool or --restore"
+            "--vm-governor limits RAM the pager serves: not with --vm-memory-pool, nor with \
+             --restore mapping the snapshot's image as RAM (restore into the VM's own RAM: \
+             --vm-ram-backing anon)"
                 .into(),
         );
     }
