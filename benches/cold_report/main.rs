@@ -347,8 +347,14 @@ fn run() -> Res<()> {
         ("svg", chart::svg(&results, &settings)?),
     ];
     if !settings.write_docs {
-        common::render::check(&outputs, &results::CSV, |results, run| {
-            Ok(report_of(results, &settings, run, &unsupported_in(results)))
+        common::render::check(&outputs[0].1, |run| {
+            let results = Results::from_csv(&outputs[1].1, &results::CSV)?;
+            Ok(report_of(
+                &results,
+                &settings,
+                run,
+                &unsupported_in(&results),
+            ))
         })?;
     }
     write(&settings, &outputs, started)

@@ -305,8 +305,8 @@ impl BenchRun {
         let rendered = self.kept.as_ref().map_or(String::new(), |kept| {
             format!(
                 " Re-rendered on {} from that run's kept data (`BENCH_RENDER=1`: nothing was run \
-                 again), its figures as its CSV keeps them (to four decimals: a report written \
-                 before render mode may differ from it in a last digit).",
+                 again), its figures as its CSV keeps them (rounded: a report written before \
+                 render mode may differ from it in a last digit).",
                 kept.rendered
             )
         });
@@ -380,12 +380,14 @@ fn parse_machine(text: &str) -> Option<Machine> {
     })
 }
 
-/// The machine of an older report's `## Machine` list (`- CPU: …`, `- kernel: …; clock source:
-/// …`, `- memory: …`, `- toolchain: …; commit …`).
+/// The machine of an older report's `## Machine` list (`- CPU: …`, `- kernel: …[; clock
+/// source: …]`, `- memory: …`, `- toolchain: …; commit …`).
 fn parse_machine_list(markdown: &str) -> Option<Machine> {
     let item = |prefix: &str| markdown.lines().find_map(|l| l.strip_prefix(prefix));
     let (cpu, nproc) = item("- CPU: ")?.rsplit_once(" (`nproc`: ")?;
-    let (kernel, clocksource) = item("- kernel: ")?.split_once("; clock source: ")?;
+    let kernel = item("- kernel: ")?;
+    let (kernel, rest) = kernel.split_once("; ").unwrap_or((kernel, ""));
+    let clocksource = rest.strip_prefix("clock source: ").unwrap_or("unknown");
     let (rustc, commit) = item("- toolchain: ")?.split_once("; commit ")?;
     Some(Machine {
         cpu: cpu.to_owned(),

@@ -122,9 +122,8 @@ pub fn run<B: ReplayBench>(bench: &B, run: &BenchRun, tmp: &Path, started: Insta
     }
     let markdown = bench.markdown(&results, run, &log);
     if !bench.write_docs() {
-        let outputs = [("csv", csv.clone()), ("md", markdown.clone())];
-        render::check(&outputs, &KEY_RUN_CSV, |results, run| {
-            let mut results = results.clone();
+        render::check(&markdown, |run| {
+            let mut results = Results::from_csv(&csv, &KEY_RUN_CSV)?;
             let mut kept = kept(bench, &mut results, markdown.clone());
             kept.timelines = log.timelines.clone();
             Ok(bench.markdown(&results, run, &kept))
