@@ -365,8 +365,14 @@ impl ReplayBench for Settings {
     fn rounds(&self) -> usize {
         self.runs
     }
-    fn set_rounds(&mut self, rounds: usize) {
-        self.runs = rounds;
+    fn fit(&mut self, results: &Results) {
+        self.runs = results.runs;
+        let vms = &self.vms;
+        let held = |s: &Strategy| {
+            let passed = |&n: &usize| results.has(&replay::key(n, *s, "integrity_passed"));
+            vms.iter().any(passed)
+        };
+        self.strategies.retain(held);
     }
     fn order(&self, round: usize) -> Vec<Self::Run> {
         Settings::order(self, round)

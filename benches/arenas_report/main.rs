@@ -223,8 +223,10 @@ impl ReplayBench for Settings {
     fn rounds(&self) -> usize {
         self.runs
     }
-    fn set_rounds(&mut self, rounds: usize) {
-        self.runs = rounds;
+    fn fit(&mut self, results: &Results) {
+        self.runs = results.runs;
+        let held = |s: &Strategy| results.has(&run::key(*s, "integrity_passed"));
+        self.strategies.retain(held);
     }
     fn order(&self, round: usize) -> Vec<Strategy> {
         Settings::order(self, round)

@@ -55,7 +55,9 @@ pub trait ReplayBench {
     /// A bench run (`docs/bench/`), not a smoke run (`target/bench-smoke/`).
     fn write_docs(&self) -> bool;
     fn rounds(&self) -> usize;
-    fn set_rounds(&mut self, rounds: usize);
+    /// Fits the settings to kept `results`: their rounds, and only the runs they hold (a
+    /// strategy added since that run is left out of its report).
+    fn fit(&mut self, results: &Results);
     /// The runs of round `round` (from 0), in the order they run.
     fn order(&self, round: usize) -> Vec<Self::Run>;
     /// `16 VM(s), offload`: the run in progress lines and failures.
@@ -138,7 +140,7 @@ pub fn run<B: ReplayBench>(bench: &B, run: &BenchRun, tmp: &Path, started: Insta
 /// (`render::dir`); the CSV and the chart stay as they are.
 pub fn render<B: ReplayBench>(mut bench: B, started: Instant) -> Res<()> {
     let (mut results, run) = render::load(bench.write_docs(), bench.stem(), &KEY_RUN_CSV)?;
-    bench.set_rounds(results.runs);
+    bench.fit(&results);
     let path = |ext: &str| render::dir(bench.write_docs()).join(format!("{}.{ext}", bench.stem()));
     let mut log = kept(&bench, &mut results, fs::read_to_string(path("md"))?);
     log.kept_chart = fs::read_to_string(path("svg")).ok();
