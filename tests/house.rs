@@ -199,8 +199,11 @@ fn printing_and_test_module_rules_read_code_as_meant() {
 
 /// Lines of Rust in `benches/` and the bench kit together: issue 39's target is 12,000; until
 /// the benches are ported onto the kit they may shrink, never grow past this (22,600 before
-/// `sandbox_report`, issue 37's bench, added its 881).
-const BENCH_LINES: usize = 23_481;
+/// `sandbox_report`, issue 37's bench, added its 881; 23,481 before render mode, issue 35,
+/// added 1,064: `benchkit::render`, the CSV read back, `BenchRun::kept`, the replay benches'
+/// run in `benchkit::scenario`, the render modes of cold_report and vm_report (its own CSV
+/// form read back), and their tests; then main's offload-late strategy added 45).
+const BENCH_LINES: usize = 24_590;
 
 #[test]
 fn benches_and_their_kit_stay_within_their_line_budget() {

@@ -27,11 +27,16 @@
 //! `SMOKE_STEPS` steps, 1 and 2 VMs, off and offload, one round; every run must pass its
 //! integrity check and give the same `results_digest`; no report is written. It is skipped with
 //! a message when the binary is missing or stale, and altogether with
-//! `PVISOR_SKIP_DEVICE_TESTS=1`.
+//! `PVISOR_SKIP_DEVICE_TESTS=1`. The smoke run also checks render mode on its own CSV.
+//!
+//! Render mode (`BENCH_RENDER=1`, `benchkit::render`): the report that the same variables
+//! name (`AGENT_BENCH_WAITS`, `AGENT_BENCH_STEPS`) is written again from its kept CSV and
+//! report, nothing run: `BENCH_RENDER=1 AGENT_BENCH_WAITS=recorded cargo bench --bench
+//! agent_waits_report` re-renders `docs/bench/agent-waits-recorded.md`. The chart is not
+//! redrawn (its samples are not kept in the CSV); the report says which chart it shows.
 
 #![allow(clippy::cast_possible_truncation, clippy::cast_precision_loss)]
 
-use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -44,9 +49,11 @@ mod seed;
 mod targets;
 
 use benchkit as common;
-use common::host::TempRoot;
-use common::replay::Timeline;
+use common::host::{BenchRun, TempRoot};
+use common::replay::Outcome;
 use common::results::Results;
+use common::scenario::{self, ReplayBench};
+use common::verdict::Verdict;
 use common::Res;
 
 /// The trajectory of the scaled bench, from the workspace root.
@@ -154,6 +161,11 @@ pub struct Settings {
     pub sample_ms: u64,
     /// The trajectory as given to `pvisor replay`, and what it holds.
     pub trajectory: PathBuf,
+    /// The trajectory as the report names it: its file, or the first steps of its file (a
+    /// prefix is written to a temporary file).
+    pub source: String,
+    /// The environment variables that pick this report (`AGENT_BENCH_WAITS=recorded `…).
+    pub picks: &'static str,
     pub replayed: Trajectory,
     /// The longest a replay may take before it is stopped and counted as failed.
     pub run_limit: Duration,
@@ -161,6 +173,21 @@ pub struct Settings {
 }
 
 impl Settings {
+    /// The runs of round `round` (from 0), in order: it rotates the order of the strategies
+    /// by `round` and reverses the order of the group sizes for odd rounds.
+    pub fn order(&self, round: usize) -> Vec<(usize, Strategy)> {
+        let mut strategies = self.strategies.clone();
+        strategies.rotate_left(round % self.strategies.len());
+        let mut sizes = self.vms.clone();
+        if round % 2 == 1 {
+            sizes.reverse();
+        }
+        sizes
+            .into_iter()
+            .flat_map(|vms| strategies.iter().map(move |&s| (vms, s)))
+            .collect()
+    }
+
     /// The group size the targets are judged on (16 in the bench).
     pub fn judged_vms(&self) -> usize {
         *self
@@ -171,36 +198,21 @@ impl Settings {
     }
 }
 
-/// The replay's figures of one run that are not numbers, and the memory over time.
-#[derive(Debug, Default)]
-pub struct Log {
-    /// `round N, N VMs, STRATEGY: why` for every run whose integrity failed.
-    pub failures: Vec<String>,
-    /// Failed runs whose results were all right: only the sampling failed.
-    pub sampling_only: usize,
-    /// Runs by `results_digest` (`none` for a run that gave none).
-    pub digests: BTreeMap<String, usize>,
-    /// Runs that printed their JSON summary.
-    pub summaries: usize,
-    /// The summed memory of every run, by (VMs, strategy, round).
-    pub timelines: BTreeMap<(usize, Strategy, usize), Timeline>,
-}
-
-impl Log {
-    /// Runs recorded.
-    pub fn runs(&self) -> usize {
-        self.digests.values().sum()
-    }
-}
+/// What the runs give that is not a number, by (VMs, strategy).
+pub type Log = scenario::Log<(usize, Strategy)>;
 
 fn main() {
     common::main("agent_waits_report", run);
 }
 
-/// The settings, or why the smoke run is skipped; `tmp` holds the smoke's trajectory.
-fn settings(tmp: &Path) -> Res<Result<Settings, String>> {
+/// The settings, or why the smoke run is skipped; `tmp` holds the smoke's trajectory. With
+/// `render`, no `pvisor` is needed.
+fn settings(tmp: &Path, render: bool) -> Res<Result<Settings, String>> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let pvisor = common::vmproc::find_binary(&root, &common::host::target_dir());
+    let pvisor = match common::vmproc::find_binary(&root, &common::host::target_dir()) {
+        Err(_) if render => Ok(PathBuf::new()),
+        found => found,
+    };
     let full = root.join(TRAJECTORY);
     let trajectory = Trajectory::load(&full)?;
     if !common::is_bench_run() {
@@ -219,6 +231,8 @@ fn settings(tmp: &Path) -> Res<Result<Settings, String>> {
             memory: "512MiB",
             sample_ms: 100,
             trajectory: path,
+            source: format!("the first {SMOKE_STEPS} steps of `{TRAJECTORY}`"),
+            picks: "",
             replayed: short,
             run_limit: Duration::from_secs(60),
             pvisor,
@@ -236,6 +250,8 @@ fn settings(tmp: &Path) -> Res<Result<Settings, String>> {
             memory: "512MiB",
             sample_ms: 100,
             trajectory: full,
+            source: format!("`{TRAJECTORY}`"),
+            picks: "",
             replayed: trajectory,
             run_limit: Duration::from_secs(600),
             pvisor: pvisor?,
@@ -262,6 +278,20 @@ fn settings(tmp: &Path) -> Res<Result<Settings, String>> {
                     "agent-waits-recorded",
                 ),
             };
+            let (source, picks) = match steps {
+                Some(steps) => (
+                    format!("the first {steps} steps of `{TRAJECTORY_RECORDED}`"),
+                    if steps == 24 {
+                        "AGENT_BENCH_WAITS=recorded AGENT_BENCH_STEPS=24 "
+                    } else {
+                        "AGENT_BENCH_WAITS=recorded AGENT_BENCH_STEPS=N "
+                    },
+                ),
+                None => (
+                    format!("`{TRAJECTORY_RECORDED}`"),
+                    "AGENT_BENCH_WAITS=recorded ",
+                ),
+            };
             Settings {
                 runs,
                 write_docs: true,
@@ -280,6 +310,8 @@ fn settings(tmp: &Path) -> Res<Result<Settings, String>> {
                 sample_ms: 100,
                 replayed,
                 trajectory,
+                source,
+                picks,
                 run_limit: Duration::from_secs(900),
                 pvisor: pvisor?,
             }
@@ -320,16 +352,77 @@ fn chosen_strategies(all: &[Strategy]) -> Res<Vec<Strategy>> {
     Ok(chosen)
 }
 
+impl ReplayBench for Settings {
+    type Run = (usize, Strategy);
+    const NAME: &'static str = "agent_waits_report";
+
+    fn stem(&self) -> &str {
+        self.stem
+    }
+    fn write_docs(&self) -> bool {
+        self.write_docs
+    }
+    fn rounds(&self) -> usize {
+        self.runs
+    }
+    fn fit(&mut self, results: &Results) {
+        self.runs = results.runs;
+        let vms = &self.vms;
+        let held = |s: &Strategy| {
+            let passed = |&n: &usize| results.has(&replay::key(n, *s, "integrity_passed"));
+            vms.iter().any(passed)
+        };
+        self.strategies.retain(held);
+    }
+    fn order(&self, round: usize) -> Vec<Self::Run> {
+        Settings::order(self, round)
+    }
+    fn label(&self, (vms, strategy): Self::Run) -> String {
+        format!("{vms} VM(s), {}", strategy.key())
+    }
+    fn prefix(&self, (vms, strategy): Self::Run) -> String {
+        replay::key(vms, strategy, "")
+            .trim_end_matches('.')
+            .to_owned()
+    }
+    fn replay(&self, (vms, strategy): Self::Run, samples: &Path) -> Res<Outcome> {
+        replay::run(self, vms, strategy, samples)
+    }
+    fn record(
+        &self,
+        outcome: &Outcome,
+        (vms, strategy): Self::Run,
+        round: usize,
+        results: &mut Results,
+    ) {
+        replay::record(outcome, vms, strategy, round, results);
+    }
+    fn derive(&self, results: &mut Results) {
+        targets::derive(results, self);
+    }
+    fn verdicts(&self, results: &Results, log: &Log) -> Vec<Verdict> {
+        targets::verdicts(results, self, log)
+    }
+    fn markdown(&self, results: &Results, run: &BenchRun, log: &Log) -> String {
+        report::markdown(results, self, run, log)
+    }
+    fn chart(&self, results: &Results, log: &Log) -> Res<String> {
+        report::chart(results, self, log)
+    }
+}
+
 fn run() -> Res<()> {
     let started = Instant::now();
-    let bench_run = common::host::BenchRun::begin();
-    if common::skip_smoke("agent_waits_report", common::is_bench_run()) {
+    let render = common::render::requested();
+    if !render && common::skip_smoke("agent_waits_report", common::is_bench_run()) {
         return Ok(());
     }
+    let bench_run = BenchRun::begin();
     // One directory per bench process, so that a smoke run cannot clear a running bench's files.
     let relative = Path::new("agent-waits").join(format!("p{}", std::process::id()));
     let tmp = TempRoot::create("agent_waits_report", &relative)?;
-    let settings = match settings(&tmp.path)? {
+    let settings = match settings(&tmp.path, render)? {
+        Ok(settings) if render => return scenario::render(settings, started),
         Ok(settings) => settings,
         Err(why) => {
             eprintln!("agent_waits_report: smoke run skipped: {why}");
@@ -355,92 +448,7 @@ fn run() -> Res<()> {
         tmp.path.display(),
         tmp.filesystem
     );
-
-    let mut results = Results::new(settings.runs);
-    let mut log = Log::default();
-    let total = settings.runs * settings.vms.len() * settings.strategies.len();
-    let mut done = 0;
-    for round in 0..settings.runs {
-        let round_started = Instant::now();
-        let mut strategies = settings.strategies.clone();
-        strategies.rotate_left(round % settings.strategies.len());
-        let mut sizes = settings.vms.clone();
-        if round % 2 == 1 {
-            sizes.reverse();
-        }
-        for &vms in &sizes {
-            for &strategy in &strategies {
-                done += 1;
-                let samples = tmp
-                    .path
-                    .join(format!("samples-{vms}-{}.csv", strategy.key()));
-                let outcome = replay::run(&settings, vms, strategy, &samples)?;
-                eprintln!(
-                    "agent_waits_report: [{done}/{total}] round {}, {vms} VM(s), {}: {}",
-                    round + 1,
-                    strategy.key(),
-                    outcome.describe()
-                );
-                if outcome.summary.is_none() && log.summaries == 0 {
-                    // Not one replay got as far as its summary: `pvisor replay` cannot run here.
-                    return Err(format!(
-                        "`pvisor replay` did not run: {}",
-                        outcome.problem.as_deref().unwrap_or("no summary")
-                    )
-                    .into());
-                }
-                replay::record(outcome, vms, strategy, round, &mut results, &mut log);
-            }
-        }
-        common::end_round("agent_waits_report", &mut results, round, round_started);
-    }
-    drop(tmp);
-    targets::derive(&mut results, &settings);
-    let verdicts = targets::verdicts(&results, &settings, &log);
-    for v in &verdicts {
-        eprintln!(
-            "agent_waits_report: {}: {} ({})",
-            v.target, v.result, v.figure
-        );
-    }
-    if !settings.write_docs {
-        smoke_checks(&log)?;
-    }
-    let chosen = targets::median_round(&results, &settings);
-    let context = report::Context {
-        settings: &settings,
-        run: &bench_run,
-        log: &log,
-        chosen,
-    };
-    let outputs = [
-        ("csv", results.csv(&common::results::KEY_RUN_CSV)),
-        ("svg", report::chart(&results, &context)?),
-        ("md", report::markdown(&results, &verdicts, &context)),
-    ];
-    common::finish(
-        "agent_waits_report",
-        settings.write_docs,
-        settings.stem,
-        &outputs,
-        started,
-    )
-}
-
-/// The smoke run's checks: every run passed its integrity check, and all gave the same
-/// `results_digest`.
-fn smoke_checks(log: &Log) -> Res<()> {
-    if !log.failures.is_empty() {
-        return Err(format!("integrity failed: {}", log.failures.join("; ")).into());
-    }
-    if log.digests.len() != 1 || log.digests.contains_key(replay::NO_DIGEST) {
-        return Err(format!(
-            "the runs gave different results_digest values (runs by digest: {:?})",
-            log.digests
-        )
-        .into());
-    }
-    Ok(())
+    scenario::run(&settings, &bench_run, &tmp.path, started)
 }
 
 /// The model steps and the tool steps of a trajectory.

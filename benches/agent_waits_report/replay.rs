@@ -5,19 +5,18 @@
 //! The figures of a run (`KEY` = `nN.STRATEGY.QUANTITY`, see `key`): `guest_pss_gib_s` and
 //! `cgroup_gib_s` (memory × time per task), `window_s` (release to the last VM's end),
 //! `completion_mean_s` and `completion_min_s` (over the VMs), `throughput_per_min`,
-//! `requests_served`, `integrity_passed` (1 or 0), `exit_status`, the sampling's `samples`,
+//! `requests_served`, `exit_status`, the sampling's `samples`,
 //! `largest_gap_s`, `long_gaps`, `dropped` and `sampling_passed`, wait management's
 //! `offloads`, `offload_ms`, `skipped_for_cooldown` and `skipped_for_gain` (summed over the
-//! VMs), and `wall_s` (the whole command, VM starts and stops included).
+//! VMs), `wall_s` (the whole command, VM starts and stops included); and its integrity,
+//! recorded by `common::scenario` (`integrity_passed`, `sampling_only`, `results_digest.…`).
 
 use std::path::Path;
 
 use crate::common::replay::{Outcome, Replay};
 use crate::common::results::Results;
 use crate::common::Res;
-use crate::{Log, Settings, Strategy};
-
-pub use crate::common::replay::NO_DIGEST;
+use crate::{Settings, Strategy};
 
 /// `nN.STRATEGY.QUANTITY`.
 pub fn key(vms: usize, strategy: Strategy, quantity: &str) -> String {
@@ -45,18 +44,16 @@ pub fn run(settings: &Settings, vms: usize, strategy: Strategy, samples: &Path) 
 
 /// Records `outcome` as round `round` of `vms` VMs under `strategy`.
 pub fn record(
-    outcome: Outcome,
+    outcome: &Outcome,
     vms: usize,
     strategy: Strategy,
     round: usize,
     results: &mut Results,
-    log: &mut Log,
 ) {
     let mut put = |quantity: &str, unit: &'static str, value: f64| {
         results.put(&key(vms, strategy, quantity), unit, round, value);
     };
     let flag = |ok: bool| if ok { 1.0 } else { 0.0 };
-    put("integrity_passed", "1 = passed", flag(outcome.passed()));
     let code = outcome
         .status
         .and_then(|s| s.code())
@@ -131,23 +128,5 @@ pub fn record(
         let min = completions.iter().copied().fold(f64::INFINITY, f64::min);
         put("completion_mean_s", "s", mean);
         put("completion_min_s", "s", min);
-    }
-    if outcome.sampling_only() {
-        log.sampling_only += 1;
-    }
-    if !outcome.passed() {
-        log.failures.push(format!(
-            "round {}, {vms} VM(s), {}: {}",
-            round + 1,
-            strategy.key(),
-            outcome.failure()
-        ));
-    }
-    *log.digests.entry(outcome.results_digest()).or_default() += 1;
-    if outcome.summary.is_some() {
-        log.summaries += 1;
-    }
-    if let Some(timeline) = outcome.timeline {
-        log.timelines.insert((vms, strategy, round), timeline);
     }
 }

@@ -8,20 +8,34 @@ use crate::common::results::{fig, num, signed, signed_fig, Results};
 use crate::common::Res;
 use crate::replay::key;
 use crate::seed;
-use crate::targets::{median_change, median_pct, vms_label, Verdict};
+use crate::targets::{self, median_change, median_pct, vms_label};
 use crate::{step_counts, Log, Settings, Strategy, BASE};
 
 /// What the report says besides the figures.
-pub struct Context<'a> {
-    pub settings: &'a Settings,
+struct Context<'a> {
+    settings: &'a Settings,
     /// The machine, the date, the time and CPU the bench took.
-    pub run: &'a BenchRun,
-    pub log: &'a Log,
+    run: &'a BenchRun,
+    log: &'a Log,
     /// The round the chart shows (from 0).
-    pub chosen: usize,
+    chosen: usize,
 }
 
-pub fn markdown(results: &Results, verdicts: &[Verdict], cx: &Context<'_>) -> String {
+impl<'a> Context<'a> {
+    fn new(results: &Results, settings: &'a Settings, run: &'a BenchRun, log: &'a Log) -> Self {
+        Self {
+            settings,
+            run,
+            log,
+            chosen: targets::median_round(results, settings),
+        }
+    }
+}
+
+/// The report of `results` (as its CSV keeps them) of the run `run`.
+pub fn markdown(results: &Results, settings: &Settings, run: &BenchRun, log: &Log) -> String {
+    let cx = Context::new(results, settings, run, log);
+    let verdicts = targets::verdicts(results, settings, log);
     let s = cx.settings;
     let mut t = String::new();
     let sizes: Vec<String> = s.vms.iter().map(ToString::to_string).collect();
@@ -31,41 +45,60 @@ pub fn markdown(results: &Results, verdicts: &[Verdict], cx: &Context<'_>) -> St
         sizes.join(" and "),
         cx.run.generated("agent_waits_report", s.runs)
     );
-    summary(&mut t, results, cx);
+    summary(&mut t, results, &cx);
     t.push_str(&crate::common::verdict::table(
         "Targets (issue 7)",
         "figure: median (min–max) over the rounds",
-        verdicts,
+        &verdicts,
         false,
     ));
     let _ = writeln!(
         t,
         "\nA target is judged on the median of the per-round figures with {} (a ratio is computed within a \
          round: the strategy against `off` with as many VMs, minutes apart at most); the figure says in how many \
-         rounds it is met. The rows with other group sizes are for information.\n",
+         rounds it is met. The rows with other group sizes are for information. Memory is judged on memory \
+         charged (issue 35): guest PSS misses memfd RAM resident but unmapped; its target stays, for \
+         comparison with pvisor's.\n",
         vms_label(s.judged_vms())
     );
-    wait_share(&mut t, results, cx);
+    wait_share(&mut t, results, &cx);
     let mut sizes = s.vms.clone();
     sizes.sort_unstable_by(|a, b| b.cmp(a));
     for &vms in &sizes {
         group_table(&mut t, results, s, vms);
     }
     seed_table(&mut t, results, s);
-    sampling_table(&mut t, results, cx);
+    sampling_table(&mut t, results, &cx);
+    chart_section(&mut t, &cx);
+    method(&mut t, &cx);
+    t
+}
+
+/// What the chart shows: the one drawn now, or, re-rendered, the one the run drew (its samples
+/// are not in the CSV), as its own captions say.
+fn chart_section(t: &mut String, cx: &Context<'_>) {
+    let s = cx.settings;
     let _ = writeln!(
         t,
-        "## Memory over time\n\n![Guest-RAM PSS and cgroup memory of all the VMs over time, per strategy]\
-         ({}.svg)\n\nThe chart shows the memory of all the VMs of a group summed, deadline by deadline \
-         (`pvisor replay --samples`; where a VM's reading came late, its latest one), in round {} (the round \
-         whose offload/off guest PSS×time ratio with {} is nearest the median), from the common release to the \
-         last VM's end.\n",
-        s.stem,
-        cx.chosen + 1,
-        vms_label(s.judged_vms())
+        "## Memory over time\n\n![Memory charged (cgroup memory) and guest-RAM PSS of all the VMs over time, per \
+         strategy]({}.svg)\n",
+        s.stem
     );
-    method(&mut t, cx);
-    t
+    let Some(svg) = &cx.log.kept_chart else {
+        let _ = writeln!(
+            t,
+            "The chart shows the memory of all the VMs of a group summed, deadline by deadline (`pvisor replay \
+             --samples`; where a VM's reading came late, its latest one), in round {} (the round whose offload/off \
+             memory charged×time ratio with {} is nearest the median), from the common release to the last VM's \
+             end: memory charged (the cgroups' usage) first, then guest-RAM PSS.\n",
+            cx.chosen + 1,
+            vms_label(s.judged_vms())
+        );
+        return;
+    };
+    let note =
+        crate::common::render::kept_chart(svg, &cx.run.date, crate::common::render::MEMORY_PANELS);
+    let _ = writeln!(t, "{note}\n");
 }
 
 /// The paragraph under the title.
@@ -87,27 +120,44 @@ fn summary(t: &mut String, results: &Results, cx: &Context<'_>) {
         fig(results, &key(vms, BASE, "charged_gib_s"), 3),
         fig(results, &key(vms, BASE, "guest_pss_gib_s"), 3),
     );
+    if cx.log.charged_is_cgroup {
+        t.push_str(
+            " (This run predates the replay's own memory-charged figure: its CSV has the VMs' memory cgroup \
+             usage, `cgroup_gib_s`, which is the memory charged for VMs that each run in a memory cgroup of \
+             their own without huge pages, as these did.)",
+        );
+    }
+    if !results.has(&key(vms, BASE, "cpu_s")) {
+        t.push_str(" The VMs' CPU was not measured in this run (its CSV has no `cpu_s`).");
+    }
     for &strategy in s.strategies.iter().filter(|&&st| st != BASE) {
+        let cpu = if results.has(&key(vms, strategy, "cpu_pct_of_off")) {
+            format!(
+                " and the VMs' CPU {}%",
+                median_pct(results, vms, strategy, "cpu_pct_of_off")
+            )
+        } else {
+            String::new()
+        };
         let _ = write!(
             t,
-            " With `{}`, memory charged × time was {}% of off's (guest PSS × time {}%) and the VMs' CPU {}%, \
-             for a window {}% and a throughput {}% against off.",
+            " With `{}`, memory charged × time was {}% of off's (guest PSS × time {}%){cpu}, for a window {}% \
+             and a throughput {}% against off.",
             strategy.key(),
             median_pct(results, vms, strategy, "charged_pct_of_off"),
             median_pct(results, vms, strategy, "guest_pss_pct_of_off"),
-            median_pct(results, vms, strategy, "cpu_pct_of_off"),
             median_change(results, vms, strategy, "window_change_pct"),
             median_change(results, vms, strategy, "throughput_change_pct"),
         );
     }
-    let log = cx.log;
+    let integrity = &cx.log.integrity;
     let _ = writeln!(
         t,
         " (Medians over the rounds.) Integrity: {} of {} runs failed, {} of them by their sampling alone. The \
          seed's offload kept {}% of off's guest PSS × time for a window {}% longer.\n",
-        log.failures.len(),
-        log.runs(),
-        log.sampling_only,
+        integrity.failures.len(),
+        integrity.runs,
+        integrity.sampling_only,
         num(seed::offload_guest_pct(), 0),
         signed(seed::OFFLOAD_WINDOW_CHANGE_PCT, 0),
     );
@@ -329,12 +379,12 @@ fn sampling_table(t: &mut String, results: &Results, cx: &Context<'_>) {
             );
         }
     }
-    let log = cx.log;
-    if log.failures.is_empty() {
+    let failures = &cx.log.integrity.failures;
+    if failures.is_empty() {
         t.push_str("\nNo run failed.\n\n");
     } else {
         t.push_str("\nFailed runs:\n\n");
-        for failure in &log.failures {
+        for failure in failures {
             let _ = writeln!(t, "- {failure}");
         }
         t.push('\n');
@@ -350,7 +400,15 @@ fn method(t: &mut String, cx: &Context<'_>) {
          cgroups; `target/release/pvisor` built from the current sources):\n\n```sh\n\
          cargo build --release -p vmm --bin pvisor && cargo bench --bench agent_waits_report\n\
          AGENT_BENCH_RUNS=9 cargo bench --bench agent_waits_report   # more rounds\n\
-         AGENT_BENCH_WAITS=recorded cargo bench --bench agent_waits_report   # the waits as recorded, 16 VMs\n```\n\n",
+         AGENT_BENCH_WAITS=recorded cargo bench --bench agent_waits_report   # the waits as recorded, 16 VMs\n\
+         AGENT_BENCH_WAITS=recorded AGENT_BENCH_STEPS=24 cargo bench --bench agent_waits_report   # their first 24 \
+         steps\n",
+    );
+    let _ = writeln!(
+        t,
+        "BENCH_RENDER=1 {}cargo bench --bench agent_waits_report   # re-render this report from \
+         docs/bench/{}.csv, nothing run\n```\n",
+        s.picks, s.stem
     );
     t.push_str(&cx.run.machine_markdown());
     let _ = writeln!(
@@ -379,14 +437,9 @@ fn method(t: &mut String, cx: &Context<'_>) {
     };
     let _ = writeln!(
         t,
-        "- **Trajectory**: `{}` ({}): {} steps, {models} model waits ({:.3} s in all) and {tools} tool phases \
+        "- **Trajectory**: {} ({}): {} steps, {models} model waits ({:.3} s in all) and {tools} tool phases \
          (workload-guest scripts: fills, digests, releases). `time_scale` {scale}: {scaling} {}",
-        s.trajectory
-            .strip_prefix(env!("CARGO_MANIFEST_DIR"))
-            .unwrap_or(&s.trajectory)
-            .display()
-            .to_string()
-            .trim_start_matches('/'),
+        s.source,
         tr.name,
         tr.steps.len(),
         tr.total_wait().as_secs_f64(),
@@ -428,7 +481,8 @@ fn method(t: &mut String, cx: &Context<'_>) {
         "- **Figures** (from the replay's JSON summary): memory × time per task is each VM's reading integrated \
          by trapezoids between samples, from the start of sampling (just before the release) to the end of the \
          last VM's run, summed over the VMs and divided by N — a VM that finished early is counted until the \
-         window closes. *Guest PSS*: the PSS of the mappings inside the VM's guest RAM (`/proc/PID/smaps`); \
+         window closes. *Memory charged*: the VM's memory cgroup usage plus the huge pages it holds \
+         (`memory_charged_gib_s_per_task`; see `vmm::charged`). *Guest PSS*: the PSS of the mappings inside the VM's guest RAM (`/proc/PID/smaps`); \
          *cgroup memory*: its memory cgroup's usage, which includes the page cache charged to it (a raw offload \
          store read back through the page cache is counted there). Completion times run from the common \
          release; throughput is N over the window, per minute.\n",
@@ -453,11 +507,20 @@ fn stroke(strategy: Strategy) -> Stroke {
     }
 }
 
-/// The chart of `vms` VMs (`cgroup`: the cgroups' memory, else the guest PSS) over time in
-/// the round the report names, one line per strategy, its GiB·s per task in the legend.
-fn memory_panel(results: &Results, cx: &Context<'_>, vms: usize, cgroup: bool) -> Lines {
+/// What the chart's panels are drawn from.
+struct Panels<'a> {
+    settings: &'a Settings,
+    log: &'a Log,
+    /// The round the chart shows (from 0).
+    chosen: usize,
+}
+
+/// The chart of `vms` VMs (`cgroup`: the memory charged, the cgroups' usage, else the guest
+/// PSS) over time in the round the report names, one line per strategy, its GiB·s per task in
+/// the legend.
+fn memory_panel(results: &Results, cx: &Panels<'_>, vms: usize, cgroup: bool) -> Lines {
     let (quantity, per_task) = if cgroup {
-        ("memory cgroup usage", "cgroup_gib_s")
+        ("memory charged (cgroup usage)", "charged_gib_s")
     } else {
         ("guest-RAM PSS", "guest_pss_gib_s")
     };
@@ -466,7 +529,7 @@ fn memory_panel(results: &Results, cx: &Context<'_>, vms: usize, cgroup: bool) -
         .strategies
         .iter()
         .filter_map(|&strategy| {
-            let timeline = cx.log.timelines.get(&(vms, strategy, cx.chosen))?;
+            let timeline = cx.log.timelines.get(&((vms, strategy), cx.chosen))?;
             let values = results.values(&key(vms, strategy, per_task));
             let value = values.get(cx.chosen).copied().unwrap_or(f64::NAN);
             Some(Series {
@@ -485,9 +548,14 @@ fn memory_panel(results: &Results, cx: &Context<'_>, vms: usize, cgroup: bool) -
 }
 
 /// The chart: the memory of all the VMs of a group over time, one line per strategy, in the
-/// round the report names (`Context::chosen`): the guest-RAM PSS and the cgroup memory with
-/// the most VMs, then the guest-RAM PSS of each other group size.
-pub fn chart(results: &Results, cx: &Context<'_>) -> Res<String> {
+/// round the report names (`targets::median_round`): the memory charged and the guest-RAM
+/// PSS with the most VMs, then the memory charged of each other group size.
+pub fn chart(results: &Results, settings: &Settings, log: &Log) -> Res<String> {
+    let cx = &Panels {
+        settings,
+        log,
+        chosen: targets::median_round(results, settings),
+    };
     let s = cx.settings;
     let caption = format!(
         "{}, VMs of {}: memory summed over the VMs, a sample every {} ms; round {} of {}.",
@@ -501,9 +569,9 @@ pub fn chart(results: &Results, cx: &Context<'_>) -> Res<String> {
     sizes.sort_unstable_by(|a, b| b.cmp(a));
     let mut figure = Figure::new(caption);
     for (i, &vms) in sizes.iter().enumerate() {
-        figure = figure.panel(memory_panel(results, cx, vms, false));
+        figure = figure.panel(memory_panel(results, cx, vms, true));
         if i == 0 {
-            figure = figure.panel(memory_panel(results, cx, vms, true));
+            figure = figure.panel(memory_panel(results, cx, vms, false));
         }
     }
     figure.svg()

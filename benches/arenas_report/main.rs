@@ -20,11 +20,16 @@
 //! `--bench` (as `cargo test --benches` does), it is a quick smoke run: the first
 //! `SMOKE_STEPS` steps, 2 VMs, off and arenas, one round; every run must pass its integrity
 //! check and give the same `results_digest`; no report is written. It is skipped with a message
-//! when the binary is missing or stale, and altogether with `PVISOR_SKIP_DEVICE_TESTS=1`.
+//! when the binary is missing or stale, and altogether with `PVISOR_SKIP_DEVICE_TESTS=1`. The
+//! smoke run also checks render mode on its own CSV.
+//!
+//! Render mode (`BENCH_RENDER=1 cargo bench --bench arenas_report`, `benchkit::render`):
+//! `docs/bench/arenas.md` written again from its kept CSV and report, nothing run (the steps
+//! replayed from `ARENAS_BENCH_STEPS` as for the run). The chart is not redrawn (its samples
+//! are not kept in the CSV); the report says which chart it shows.
 
 #![allow(clippy::cast_possible_truncation, clippy::cast_precision_loss)]
 
-use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -36,9 +41,11 @@ mod report;
 mod run;
 
 use common::cpu::CpuGroup;
-use common::host::TempRoot;
-use common::replay::Timeline;
+use common::host::{BenchRun, TempRoot};
+use common::replay::Outcome;
 use common::results::Results;
+use common::scenario::{self, ReplayBench};
+use common::verdict::Verdict;
 use common::Res;
 
 /// The trajectory, from the workspace root.
@@ -104,7 +111,7 @@ impl Strategy {
 pub const BASE: Strategy = Strategy::ALL[0];
 
 /// Sizes and places of one bench (full or smoke).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Settings {
     pub runs: usize,
     pub write_docs: bool,
@@ -122,29 +129,19 @@ pub struct Settings {
     /// The longest a replay may take before it is stopped and counted as failed.
     pub run_limit: Duration,
     pub pvisor: PathBuf,
+    /// The CPU accounting group the runs enter (set before the first run).
+    pub cpu: Option<CpuGroup>,
 }
 
-/// What the runs gave that is not a number, and the memory over time.
-#[derive(Debug, Default)]
-pub struct Log {
-    /// `round N, STRATEGY: why` for every run whose integrity failed.
-    pub failures: Vec<String>,
-    /// Failed runs whose results were all right: only the sampling failed.
-    pub sampling_only: usize,
-    /// Runs by `results_digest` (`none` for a run that gave none).
-    pub digests: BTreeMap<String, usize>,
-    /// Runs that printed their JSON summary.
-    pub summaries: usize,
-    /// The summed memory of every run, by (strategy, round).
-    pub timelines: BTreeMap<(Strategy, usize), Timeline>,
-    /// How the CPU time was measured.
-    pub cpu_meter: String,
-}
+/// What the runs give that is not a number, by strategy.
+pub type Log = scenario::Log<Strategy>;
 
-impl Log {
-    /// Runs recorded.
-    pub fn runs(&self) -> usize {
-        self.digests.values().sum()
+impl Settings {
+    /// The strategies of round `round` (from 0), in order: round 1's rotated by `round`.
+    pub fn order(&self, round: usize) -> Vec<Strategy> {
+        let mut strategies = self.strategies.clone();
+        strategies.rotate_left(round % self.strategies.len());
+        strategies
     }
 }
 
@@ -152,10 +149,14 @@ fn main() {
     common::main("arenas_report", run_bench);
 }
 
-/// The settings, or why the smoke run is skipped; `tmp` holds the replayed prefix.
-fn settings(tmp: &Path) -> Res<Result<Settings, String>> {
+/// The settings, or why the smoke run is skipped; `tmp` holds the replayed prefix. With
+/// `render`, no `pvisor` is needed.
+fn settings(tmp: &Path, render: bool) -> Res<Result<Settings, String>> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let pvisor = common::vmproc::find_binary(&root, &common::host::target_dir());
+    let pvisor = match common::vmproc::find_binary(&root, &common::host::target_dir()) {
+        Err(_) if render => Ok(PathBuf::new()),
+        found => found,
+    };
     let full = root.join(TRAJECTORY);
     let whole_steps = Trajectory::load(&full)?.steps.len();
     if !common::is_bench_run() {
@@ -177,12 +178,15 @@ fn settings(tmp: &Path) -> Res<Result<Settings, String>> {
             whole_steps,
             run_limit: Duration::from_secs(60),
             pvisor,
+            cpu: None,
         }));
     }
     // A copy, so that a rebuild of target/release/pvisor while the bench runs (the replay
     // starts its VMs from its own executable) cannot change what a later round measures.
     let copy = tmp.join("pvisor");
-    fs::copy(pvisor?, &copy)?;
+    if !render {
+        fs::copy(pvisor?, &copy)?;
+    }
     let runs = common::env_number("ARENAS_BENCH_RUNS", 5, 1)? as usize;
     let steps = common::env_number("ARENAS_BENCH_STEPS", BENCH_STEPS, 2)? as usize;
     let (trajectory, replayed) = if steps >= whole_steps {
@@ -202,19 +206,69 @@ fn settings(tmp: &Path) -> Res<Result<Settings, String>> {
         whole_steps,
         run_limit: Duration::from_secs(900),
         pvisor: copy,
+        cpu: None,
     }))
+}
+
+impl ReplayBench for Settings {
+    type Run = Strategy;
+    const NAME: &'static str = "arenas_report";
+
+    fn stem(&self) -> &str {
+        "arenas"
+    }
+    fn write_docs(&self) -> bool {
+        self.write_docs
+    }
+    fn rounds(&self) -> usize {
+        self.runs
+    }
+    fn fit(&mut self, results: &Results) {
+        self.runs = results.runs;
+        let held = |s: &Strategy| results.has(&run::key(*s, "integrity_passed"));
+        self.strategies.retain(held);
+    }
+    fn order(&self, round: usize) -> Vec<Strategy> {
+        Settings::order(self, round)
+    }
+    fn label(&self, strategy: Strategy) -> String {
+        strategy.key().to_owned()
+    }
+    fn prefix(&self, strategy: Strategy) -> String {
+        strategy.key().to_owned()
+    }
+    fn replay(&self, strategy: Strategy, samples: &Path) -> Res<Outcome> {
+        run::run(self, strategy, samples)
+    }
+    fn record(&self, outcome: &Outcome, strategy: Strategy, round: usize, results: &mut Results) {
+        run::record(outcome, strategy, round, results);
+    }
+    fn derive(&self, results: &mut Results) {
+        report::derive(results, self);
+    }
+    fn verdicts(&self, results: &Results, log: &Log) -> Vec<Verdict> {
+        report::verdicts(results, self, log)
+    }
+    fn markdown(&self, results: &Results, run: &BenchRun, log: &Log) -> String {
+        report::markdown(results, self, run, log)
+    }
+    fn chart(&self, results: &Results, log: &Log) -> Res<String> {
+        report::chart(results, self, log)
+    }
 }
 
 fn run_bench() -> Res<()> {
     let started = Instant::now();
-    let bench_run = common::host::BenchRun::begin();
-    if common::skip_smoke("arenas_report", common::is_bench_run()) {
+    let render = common::render::requested();
+    if !render && common::skip_smoke("arenas_report", common::is_bench_run()) {
         return Ok(());
     }
+    let bench_run = BenchRun::begin();
     // One directory per bench process, so that a smoke run cannot clear a running bench's files.
     let relative = Path::new("arenas").join(format!("p{}", std::process::id()));
     let tmp = TempRoot::create("arenas_report", &relative)?;
-    let settings = match settings(&tmp.path)? {
+    let mut settings = match settings(&tmp.path, render)? {
+        Ok(settings) if render => return scenario::render(settings, started),
         Ok(settings) => settings,
         Err(why) => {
             eprintln!("arenas_report: smoke run skipped: {why}");
@@ -227,7 +281,10 @@ fn run_bench() -> Res<()> {
     // Read by `vmm::runtime` here and inherited by every `pvisor` started; set before any
     // thread exists.
     std::env::set_var("PVISOR_RUNTIME_DIR", &run_dir);
-    let cpu = CpuGroup::create(&format!("arenas-bench-{}", std::process::id()))?;
+    settings.cpu = Some(CpuGroup::create(&format!(
+        "arenas-bench-{}",
+        std::process::id()
+    ))?);
     eprintln!(
         "arenas_report: {} round(s) of {} VMs × {} strategies replaying {} ({} model waits, {:.1} s of \
          waits); {}; temporary files in {} ({})",
@@ -241,78 +298,5 @@ fn run_bench() -> Res<()> {
         tmp.path.display(),
         tmp.filesystem
     );
-
-    let mut results = Results::new(settings.runs);
-    let mut log = Log {
-        cpu_meter: cpu.describe(),
-        ..Log::default()
-    };
-    let total = settings.runs * settings.strategies.len();
-    let mut done = 0;
-    for round in 0..settings.runs {
-        let round_started = Instant::now();
-        let mut strategies = settings.strategies.clone();
-        strategies.rotate_left(round % settings.strategies.len());
-        for &strategy in &strategies {
-            done += 1;
-            let samples = tmp.path.join(format!("samples-{}.csv", strategy.key()));
-            let outcome = run::run(&settings, strategy, &samples, &cpu)?;
-            eprintln!(
-                "arenas_report: [{done}/{total}] round {}, {}: {}",
-                round + 1,
-                strategy.key(),
-                outcome.describe()
-            );
-            if outcome.summary.is_none() && log.summaries == 0 {
-                // Not one replay got as far as its summary: `pvisor replay` cannot run here.
-                return Err(format!(
-                    "`pvisor replay` did not run: {}",
-                    outcome.problem.as_deref().unwrap_or("no summary")
-                )
-                .into());
-            }
-            run::record(outcome, strategy, round, &mut results, &mut log);
-        }
-        common::end_round("arenas_report", &mut results, round, round_started);
-    }
-    drop(cpu);
-    drop(tmp);
-    report::derive(&mut results, &settings);
-    let verdicts = report::verdicts(&results, &settings, &log);
-    for v in &verdicts {
-        eprintln!("arenas_report: {}: {} ({})", v.target, v.result, v.figure);
-    }
-    if !settings.write_docs {
-        smoke_checks(&log)?;
-    }
-    let chosen = report::median_round(&results, &settings);
-    let context = report::Context {
-        settings: &settings,
-        run: &bench_run,
-        log: &log,
-        chosen,
-    };
-    let outputs = [
-        ("csv", results.csv(&common::results::KEY_RUN_CSV)),
-        ("svg", report::chart(&results, &context)?),
-        ("md", report::markdown(&results, &verdicts, &context)),
-    ];
-    common::finish(
-        "arenas_report",
-        settings.write_docs,
-        "arenas",
-        &outputs,
-        started,
-    )
-}
-
-/// The smoke run's check: the integrity target (every run passed its integrity check, and
-/// all gave the same `results_digest`).
-fn smoke_checks(log: &Log) -> Res<()> {
-    let integrity = report::integrity(log);
-    if integrity.result == report::PASS {
-        Ok(())
-    } else {
-        Err(format!("integrity failed: {}", integrity.figure).into())
-    }
+    scenario::run(&settings, &bench_run, &tmp.path, started)
 }

@@ -1,6 +1,7 @@
 //! The figures derived round by round (against `off`, and between strategies), the verdict on
 //! each target of issue 16, and the Markdown report.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use crate::common::chart::{Figure, Lines, Series, Stroke, BLUE, GREEN, RUST, VIOLET};
@@ -8,7 +9,7 @@ use crate::common::host::BenchRun;
 use crate::common::results::{fig, num, signed_fig, Results};
 use crate::common::verdict::{table, Verdict};
 use crate::common::Res;
-use crate::run::{key, NO_DIGEST};
+use crate::run::key;
 use crate::{Log, Settings, Strategy, BASE};
 
 /// A target met.
@@ -18,7 +19,9 @@ pub const MISS: &str = "MISS";
 /// A target without a figure (a strategy not run, or no run of it gave one).
 const NOT_MEASURED: &str = "NOT MEASURED";
 
-/// The arenas' guest PSS × time, % of cold compression's (at most).
+/// The arenas' memory charged × time, % of cold compression's (at most). Issue 16 set it on
+/// guest PSS × time; issue 35 judges it on memory charged, the threshold kept: guest PSS
+/// misses the memfd RAM that cold compression unmapped but still holds.
 pub const ARENAS_OF_COLD_MAX_PCT: f64 = 50.0;
 /// The arenas' completion window, % over off's (at most; issue 35 replaced issue 16's +2%).
 pub const ARENAS_WINDOW_MAX_PCT: f64 = 3.0;
@@ -26,10 +29,10 @@ pub const ARENAS_WINDOW_MAX_PCT: f64 = 3.0;
 /// issue 16's +3%).
 pub const ARENAS_OFFLOAD_WINDOW_MAX_PCT: f64 = 8.0;
 
-/// The two memory × time measures: (quantity, words).
+/// The two memory × time measures, the headline first: (quantity, words).
 const MEASURES: [(&str, &str); 2] = [
+    ("charged_gib_s", "memory charged×time"),
     ("guest_pss_gib_s", "guest PSS×time"),
-    ("cgroup_gib_s", "cgroup memory×time"),
 ];
 
 /// `ratio` × 100: a share, %.
@@ -64,7 +67,7 @@ fn pct_of(quantity: &str, other: Strategy) -> String {
 pub fn derive(results: &mut Results, settings: &Settings) {
     let strategies = &settings.strategies;
     for &strategy in strategies.iter().filter(|&&s| s != BASE) {
-        for quantity in ["guest_pss_gib_s", "cgroup_gib_s", "cpu_s"] {
+        for quantity in ["charged_gib_s", "guest_pss_gib_s", "cgroup_gib_s", "cpu_s"] {
             let derived = key(strategy, &pct_of(quantity, BASE));
             per_round(
                 results,
@@ -97,7 +100,7 @@ pub fn derive(results: &mut Results, settings: &Settings) {
     }
 }
 
-/// The round whose arenas/off guest PSS × time ratio is nearest that ratio's median (the
+/// The round whose arenas/off memory charged × time ratio is nearest that ratio's median (the
 /// first round if there is none).
 pub fn median_round(results: &Results, settings: &Settings) -> usize {
     let reference = if settings.strategies.contains(&Strategy::Arenas) {
@@ -105,7 +108,7 @@ pub fn median_round(results: &Results, settings: &Settings) -> usize {
     } else {
         *settings.strategies.last().expect("a bench has a strategy")
     };
-    let k = key(reference, &pct_of("guest_pss_gib_s", BASE));
+    let k = key(reference, &pct_of("charged_gib_s", BASE));
     results.median_round(&k)
 }
 
@@ -196,21 +199,26 @@ pub fn verdicts(results: &Results, settings: &Settings, log: &Log) -> Vec<Verdic
         strategy,
         against: BASE,
     };
+    let of_cold = |quantity: &'static str, target: String| Bound {
+        target,
+        derived: key(
+            Strategy::Arenas,
+            &pct_of(quantity, Strategy::ColdCompression),
+        ),
+        max: ARENAS_OF_COLD_MAX_PCT,
+        signed: false,
+        measured: (quantity, 3, " GiB·s per task"),
+        strategy: Strategy::Arenas,
+        against: Strategy::ColdCompression,
+    };
     let mut out = vec![
-        Bound {
-            target: format!(
-                "arenas: guest PSS×time ≤ {ARENAS_OF_COLD_MAX_PCT:.0}% of cold-compression's"
+        of_cold(
+            "charged_gib_s",
+            format!(
+                "arenas: memory charged×time ≤ {ARENAS_OF_COLD_MAX_PCT:.0}% of cold-compression's (on \
+                 guest PSS×time until issue 35)"
             ),
-            derived: key(
-                Strategy::Arenas,
-                &pct_of("guest_pss_gib_s", Strategy::ColdCompression),
-            ),
-            max: ARENAS_OF_COLD_MAX_PCT,
-            signed: false,
-            measured: ("guest_pss_gib_s", 3, " GiB·s per task"),
-            strategy: Strategy::Arenas,
-            against: Strategy::ColdCompression,
-        }
+        )
         .verdict(results),
         window(Strategy::Arenas, ARENAS_WINDOW_MAX_PCT).verdict(results),
     ];
@@ -219,60 +227,84 @@ pub fn verdicts(results: &Results, settings: &Settings, log: &Log) -> Vec<Verdic
     }
     out.push(window(Strategy::ArenasOffload, ARENAS_OFFLOAD_WINDOW_MAX_PCT).verdict(results));
     out.push(integrity(log));
+    let mut before = of_cold(
+        "guest_pss_gib_s",
+        format!(
+            "for information: arenas: guest PSS×time ≤ {ARENAS_OF_COLD_MAX_PCT:.0}% of \
+             cold-compression's (the target before issue 35)"
+        ),
+    )
+    .verdict(results);
+    before.result = match before.result {
+        PASS => "met (for information)",
+        MISS => "missed (for information)",
+        other => other,
+    };
+    out.push(before);
     out
 }
 
-/// Zero integrity failures across all runs, and one `results_digest` for all.
+/// Zero integrity failures across all runs, and one `results_digest` for all (on the failures
+/// alone where a re-rendered CSV did not keep the digests).
 pub fn integrity(log: &Log) -> Verdict {
-    let runs = log.runs();
-    let failed = log.failures.len();
-    let same = log.digests.len() == 1 && !log.digests.contains_key(NO_DIGEST);
-    let counts: Vec<String> = log
-        .digests
-        .iter()
-        .map(|(digest, n)| format!("{digest} ×{n}"))
-        .collect();
-    Verdict {
-        target:
-            "integrity: every run's check passed (answers, commands, the same digests in every \
-                 VM, sampling) and every run gave the same results_digest"
-                .to_owned(),
-        figure: format!(
-            "{failed} failed of {runs} runs ({} by their sampling alone, {} in their results); \
-             results_digest: {}",
-            log.sampling_only,
-            failed - log.sampling_only,
-            counts.join(", ")
-        ),
-        result: match (runs, failed == 0 && same) {
-            (0, _) => NOT_MEASURED,
-            (_, true) => PASS,
-            (_, false) => MISS,
-        },
-    }
+    log.integrity.verdict(
+        "integrity: every run's check passed (answers, commands, the same digests in every VM, \
+         sampling) and every run gave the same results_digest",
+        [NOT_MEASURED, PASS, MISS],
+    )
 }
 
 /// What the report says besides the figures.
-pub struct Context<'a> {
-    pub settings: &'a Settings,
+struct Context<'a> {
+    settings: &'a Settings,
     /// The machine, the date, the time and CPU the bench took.
-    pub run: &'a BenchRun,
-    pub log: &'a Log,
+    run: &'a BenchRun,
+    log: &'a Log,
     /// The round the chart shows (from 0).
-    pub chosen: usize,
+    chosen: usize,
 }
 
-/// The command that regenerates the report.
+/// The command that regenerates the report, and the one that re-renders it.
 const REPRODUCE: &str =
     "cargo build --release -p vmm --bin pvisor && cargo bench --bench arenas_report";
+const RENDER: &str = "BENCH_RENDER=1 cargo bench --bench arenas_report";
 
-pub fn markdown(results: &Results, verdicts: &[Verdict], cx: &Context<'_>) -> String {
+/// The `- **CPU**:` words of a report `markdown`: how its run measured CPU time.
+pub fn cpu_meter(markdown: &str) -> Option<String> {
+    let line = markdown
+        .lines()
+        .find_map(|l| l.strip_prefix("- **CPU**: "))?;
+    Some(line.split_once("; the runs took")?.0.to_owned())
+}
+
+/// The flags each strategy ran with, by its key, as a report `markdown` lists them (`  - `KEY`:
+/// FLAGS` lines): what a re-rendered report says its run ran, whatever the flags are now.
+pub fn kept_flags(markdown: &str) -> BTreeMap<String, String> {
+    markdown
+        .lines()
+        .filter_map(|line| {
+            let (key, flags) = line.strip_prefix("  - `")?.split_once("`: ")?;
+            Some((key.to_owned(), flags.to_owned()))
+        })
+        .collect()
+}
+
+/// The report of `results` (as its CSV keeps them) of the run `run`.
+pub fn markdown(results: &Results, settings: &Settings, run: &BenchRun, log: &Log) -> String {
+    let cx = &Context {
+        settings,
+        run,
+        log,
+        chosen: median_round(results, settings),
+    };
+    let verdicts = verdicts(results, settings, log);
     let s = cx.settings;
     let mut t = String::new();
     let _ = writeln!(
         t,
         "# Phase arenas: an agent run replayed in {} VMs — benchmark report\n\n{}\nReproduce: \
-         `{REPRODUCE}` (`ARENAS_BENCH_RUNS`, default 5; `ARENAS_BENCH_STEPS`, default 24).\n",
+         `{REPRODUCE}` (`ARENAS_BENCH_RUNS`, default 5; `ARENAS_BENCH_STEPS`, default 24); re-render this report \
+         from `docs/bench/arenas.csv`, nothing run: `{RENDER}`.\n",
         s.vms,
         cx.run.generated("arenas_report", s.runs)
     );
@@ -280,24 +312,44 @@ pub fn markdown(results: &Results, verdicts: &[Verdict], cx: &Context<'_>) -> St
     t.push_str(&table(
         "Targets (issue 16)",
         "figure: median (min–max) over the rounds",
-        verdicts,
+        &verdicts,
         true,
     ));
     t.push_str(
         "\nA target is judged on the median of the per-round figures: a ratio is computed within a round \
-         (the runs of one round are minutes apart at most), then summarised.\n\n",
+         (the runs of one round are minutes apart at most), then summarised. The arenas' target against cold \
+         compression was set on guest PSS × time (issue 16); it is judged on memory charged × time since \
+         issue 35, its threshold kept, because guest PSS misses the memfd RAM that cold compression has \
+         unmapped but still holds: by guest PSS cold compression looked smaller than the host's bill says. \
+         The old form stays in the table for information.\n\n",
     );
     ratio_table(&mut t, results, s);
     integrity_section(&mut t, cx.log);
     let _ = writeln!(
         t,
-        "## Memory over time\n\n![Guest-RAM PSS and cgroup memory of all the VMs over time, per strategy]\
-         (arenas.svg)\n\nThe chart shows the memory of all {} VMs summed, deadline by deadline (`pvisor \
-         replay --samples`; where a VM's reading came late, its latest one), in round {} (the round whose \
-         arenas/off guest PSS×time ratio is nearest the median).\n",
-        s.vms,
-        cx.chosen + 1
+        "## Memory over time\n\n![Memory charged (cgroup memory) and guest-RAM PSS of all the VMs over time, per \
+         strategy](arenas.svg)\n"
     );
+    match &cx.log.kept_chart {
+        Some(svg) => {
+            let note = crate::common::render::kept_chart(
+                svg,
+                &cx.run.date,
+                crate::common::render::MEMORY_PANELS,
+            );
+            let _ = writeln!(t, "{note}\n");
+        }
+        None => {
+            let _ = writeln!(
+                t,
+                "The chart shows the memory of all {} VMs summed, deadline by deadline (`pvisor replay --samples`; \
+                 where a VM's reading came late, its latest one), in round {} (the round whose arenas/off memory \
+                 charged×time ratio is nearest the median): memory charged first, then guest-RAM PSS.\n",
+                s.vms,
+                cx.chosen + 1
+            );
+        }
+    }
     method(&mut t, results, cx);
     t
 }
@@ -310,25 +362,32 @@ fn summary(t: &mut String, results: &Results, cx: &Context<'_>) {
         t,
         "{} VMs replaying `{}` at once ({} model waits as recorded, {:.1} s of waits in all, and {phases} \
          tool phases, each in an arena of its own) on this machine's {} CPUs: without anything done (`off`) \
-         the batch took {} s and each task cost {} GiB·s of guest-RAM PSS × time and {} GiB·s of cgroup \
-         memory × time.",
+         the batch took {} s and each task was charged {} GiB·s of memory × time (its cgroup's; guest-RAM \
+         PSS × time {} GiB·s).",
         s.vms,
         s.replayed.name,
         s.replayed.requests().len(),
         s.replayed.total_wait().as_secs_f64(),
         cx.run.machine.nproc,
         fig(results, &key(BASE, "window_s"), 2),
+        fig(results, &key(BASE, "charged_gib_s"), 3),
         fig(results, &key(BASE, "guest_pss_gib_s"), 3),
-        fig(results, &key(BASE, "cgroup_gib_s"), 3),
     );
+    if cx.log.charged_is_cgroup {
+        t.push_str(
+            " (This run predates the replay's own memory-charged figure: its CSV has the VMs' memory cgroup \
+             usage, `cgroup_gib_s`, which is the memory charged for VMs that each run in a memory cgroup of \
+             their own without huge pages, as these did.)",
+        );
+    }
     for &strategy in s.strategies.iter().filter(|&&st| st != BASE) {
         let median = |q: &str| results.summary(&key(strategy, q)).median;
         let _ = write!(
             t,
-            " `{}`: guest PSS × time {}% of off's, cgroup memory × time {}%, window {}%.",
+            " `{}`: memory charged × time {}% of off's (guest PSS × time {}%), window {}%.",
             strategy.key(),
+            num(median(&pct_of("charged_gib_s", BASE)), 1),
             num(median(&pct_of("guest_pss_gib_s", BASE)), 1),
-            num(median(&pct_of("cgroup_gib_s", BASE)), 1),
             crate::common::results::signed(median("window_change_pct"), 1),
         );
     }
@@ -336,9 +395,9 @@ fn summary(t: &mut String, results: &Results, cx: &Context<'_>) {
         t,
         " (Medians of the per-round ratios.) Integrity: {} of {} runs failed, {} of them by their \
          sampling alone.\n",
-        cx.log.failures.len(),
-        cx.log.runs(),
-        cx.log.sampling_only
+        cx.log.integrity.failures.len(),
+        cx.log.integrity.runs,
+        cx.log.integrity.sampling_only
     );
 }
 
@@ -346,13 +405,15 @@ fn ratio_table(t: &mut String, results: &Results, s: &Settings) {
     let _ = writeln!(
         t,
         "## Every strategy against off\n\n\
-         Per task: memory × time summed over the VMs and divided by {}. *Window*: from the common release to \
+         Per task: memory × time summed over the VMs and divided by {}; memory charged is the VMs' memory \
+         cgroups' usage (with huge pages held), guest PSS the second column (it misses memfd RAM resident but \
+         unmapped). *Window*: from the common release to \
          the last VM's last result. *CPU*: user + system of the replay, its VMs and all they start. Against \
          off: the strategy's figure over off's in the same round, then the median (min–max) over the rounds.\n",
         s.vms
     );
     t.push_str(
-        "| strategy | guest PSS×time, GiB·s per task | % of off | cgroup memory×time, GiB·s per task | % of off | \
+        "| strategy | memory charged×time, GiB·s per task | % of off | guest PSS×time, GiB·s per task | % of off | \
          window, s | window vs off, % | CPU, s | % of off | runs passed |\n\
          |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
@@ -368,10 +429,10 @@ fn ratio_table(t: &mut String, results: &Results, s: &Settings) {
             t,
             "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {passed} of {} |",
             strategy.key(),
+            fig(results, &k("charged_gib_s"), 3),
+            against("charged_gib_s", false),
             fig(results, &k("guest_pss_gib_s"), 3),
             against("guest_pss_gib_s", false),
-            fig(results, &k("cgroup_gib_s"), 3),
-            against("cgroup_gib_s", false),
             fig(results, &k("window_s"), 2),
             against("window_change_pct", true),
             fig(results, &k("cpu_s"), 1),
@@ -381,7 +442,7 @@ fn ratio_table(t: &mut String, results: &Results, s: &Settings) {
     }
     t.push_str(
         "\nThe arena strategies against the others (memory × time, % of the other's in the same round):\n\n\
-         | strategy | against | guest PSS×time, % | cgroup memory×time, % |\n|---|---|---:|---:|\n",
+         | strategy | against | memory charged×time, % | guest PSS×time, % |\n|---|---|---:|---:|\n",
     );
     for strategy in [Strategy::Arenas, Strategy::ArenasOffload] {
         for &other in s.strategies.iter().filter(|&&o| o != strategy && o != BASE) {
@@ -390,12 +451,12 @@ fn ratio_table(t: &mut String, results: &Results, s: &Settings) {
                 "| {} | {} | {} | {} |",
                 strategy.key(),
                 other.key(),
+                fig(results, &key(strategy, &pct_of("charged_gib_s", other)), 1),
                 fig(
                     results,
                     &key(strategy, &pct_of("guest_pss_gib_s", other)),
                     1
                 ),
-                fig(results, &key(strategy, &pct_of("cgroup_gib_s", other)), 1),
             );
         }
     }
@@ -409,10 +470,10 @@ fn integrity_section(t: &mut String, log: &Log) {
          sampling without long gaps or dropped readings; its `results_digest` must be the same in every run, \
          whatever the strategy. A failed run is recorded here and kept in the figures, never dropped.\n\n",
     );
-    if log.failures.is_empty() {
+    if log.integrity.failures.is_empty() {
         t.push_str("No run failed.\n\n");
     } else {
-        for failure in &log.failures {
+        for failure in &log.integrity.failures {
             let _ = writeln!(t, "- {failure}");
         }
         t.push('\n');
@@ -449,16 +510,24 @@ fn method(t: &mut String, results: &Results, cx: &Context<'_>) {
         s.run_limit.as_secs(),
         s.runs,
     );
+    // What the run ran with, as its report said when re-rendered.
+    let kept = cx.log.report.as_deref();
+    let kept_flags = kept.map(kept_flags).unwrap_or_default();
     for &strategy in &s.strategies {
-        let _ = writeln!(t, "  - `{}`: {}", strategy.key(), strategy.describe());
+        let flags = kept_flags.get(strategy.key());
+        let flags = flags.map_or(strategy.describe(), String::as_str);
+        let _ = writeln!(t, "  - `{}`: {flags}", strategy.key());
     }
     let _ = writeln!(
         t,
-        "- **Memory × time**: the replay's own integrals of each VM's guest-RAM PSS and memory cgroup usage \
-         (`guest_pss_gib_s_per_task`, `cgroup_mem_gib_s_per_task`).\n\
+        "- **Memory × time**: the replay's own integrals of each VM's memory charged (its memory cgroup's \
+         usage plus the huge pages it holds, `memory_charged_gib_s_per_task`; see `vmm::charged`), guest-RAM \
+         PSS and memory cgroup usage (`guest_pss_gib_s_per_task`, `cgroup_mem_gib_s_per_task`).\n\
          - **CPU**: {}; the runs took {:.1} s of CPU in all: what the whole machine used beyond \
          that (below) was other work on it while the bench ran.\n{}",
-        cx.log.cpu_meter,
+        kept.and_then(cpu_meter)
+            .or_else(|| s.cpu.as_ref().map(|cpu| cpu.describe()))
+            .unwrap_or_default(),
         runs_cpu(results, s),
         cx.run.machine_markdown()
     );
@@ -475,30 +544,31 @@ fn stroke(strategy: Strategy) -> Stroke {
     }
 }
 
-/// The chart: the guest-RAM PSS and the cgroup memory of all the VMs over time, one line per
-/// strategy, in the round the report names (`Context::chosen`).
-pub fn chart(results: &Results, cx: &Context<'_>) -> Res<String> {
-    let s = cx.settings;
+/// The chart: the memory charged (the cgroups' usage) and the guest-RAM PSS of all the VMs
+/// over time, one line per strategy, in the round the report names (`median_round`).
+pub fn chart(results: &Results, settings: &Settings, log: &Log) -> Res<String> {
+    let s = settings;
+    let chosen = median_round(results, settings);
     let caption = format!(
         "{}, {} VMs of {}: memory summed over the VMs, a sample every {} ms; round {} of {}.",
         s.replayed.name,
         s.vms,
         s.memory,
         s.sample_ms,
-        cx.chosen + 1,
+        chosen + 1,
         s.runs,
     );
     let mut figure = Figure::new(caption);
     for (cgroup, quantity, per_task) in [
+        (true, "memory charged (cgroup usage)", "charged_gib_s"),
         (false, "guest-RAM PSS", "guest_pss_gib_s"),
-        (true, "memory cgroup usage", "cgroup_gib_s"),
     ] {
         let series = s
             .strategies
             .iter()
             .filter_map(|&st| {
-                let timeline = cx.log.timelines.get(&(st, cx.chosen))?;
-                let value = results.values(&key(st, per_task)).get(cx.chosen).copied();
+                let timeline = log.timelines.get(&(st, chosen))?;
+                let value = results.values(&key(st, per_task)).get(chosen).copied();
                 Some(Series {
                     label: format!("{}: {}", st.key(), num(value.unwrap_or(f64::NAN), 3)),
                     stroke: stroke(st),

@@ -108,7 +108,7 @@ pub fn svg(results: &Results, settings: &Settings) -> Res<String> {
     );
     Figure::new(caption)
         .panel(panel(
-            "1. Memory at the end of the idle period, MiB (PSS, guest RAM as held)".into(),
+            "1. Memory charged at the end of the idle period, MiB (process memory: PSS, guest RAM as held)".into(),
             Scale::Linear,
             rows(results, "memory_mib"),
             one_decimal,

@@ -19,7 +19,13 @@
 //! Needs root, `/dev/kvm` and `/dev/userfaultfd`. Run without `--bench` (as
 //! `cargo test --benches` does), it is a quick smoke run (a 32 MiB VM with 4 MiB of data, an
 //! idle period under a second and fast cold-compression knobs) that checks every digest and
-//! writes no report; `PVISOR_SKIP_DEVICE_TESTS=1` skips it.
+//! writes no report; `PVISOR_SKIP_DEVICE_TESTS=1` skips it. It also checks render mode on its
+//! own CSV.
+//!
+//! Render mode (`BENCH_RENDER=1 cargo bench --bench cold_report`, `benchkit::render`):
+//! `docs/bench/cold.md` and `cold.svg` written again from `cold.csv` and the date, duration
+//! and machine `cold.md` gives, nothing run. A variant with no figure in the CSV is said not
+//! measured (why is not kept).
 
 #![allow(clippy::cast_possible_truncation, clippy::cast_precision_loss)]
 
@@ -234,6 +240,9 @@ fn settings() -> Res<Settings> {
 fn run() -> Res<()> {
     let started = Instant::now();
     let settings = settings()?;
+    if common::render::requested() {
+        return render(&settings, started);
+    }
     if !settings.write_docs
         && std::env::var_os("PVISOR_SKIP_DEVICE_TESTS").is_some_and(|v| v == "1")
     {
@@ -244,8 +253,7 @@ fn run() -> Res<()> {
     // One directory per bench process, so that a smoke run cannot clear a running bench's files.
     let relative = Path::new("cold").join(format!("p{}", std::process::id()));
     let tmp = TempRoot::create("cold_report", &relative)?;
-    let machine = common::host::machine();
-    let date = common::host::utc_now();
+    let bench_run = common::host::BenchRun::begin();
     eprintln!(
         "cold_report: {} round(s) of {} cases × {} variants: a {} MiB VM with {} MiB of data, idle {:.1} s each; \
          temporary files in {} ({})",
@@ -260,7 +268,6 @@ fn run() -> Res<()> {
     );
 
     let digests = expected_digests(&settings);
-    let cpu = common::host::CpuTimes::now();
     let mut results = Results::new(settings.runs);
     let mut unsupported: BTreeMap<&'static str, String> = BTreeMap::new();
     let total = settings.runs * Case::ALL.len() * VARIANTS.len();
@@ -323,37 +330,90 @@ fn run() -> Res<()> {
             round.elapsed().as_secs_f64()
         );
     }
-    let cpu_used = cpu.zip(common::host::CpuTimes::now());
     drop(tmp);
     targets::derive(&mut results);
-
-    let verdicts = targets::verdicts(&results, &settings);
-    for v in &verdicts {
+    let csv = results.csv(&results::CSV);
+    // The report says what its CSV keeps, as render mode does.
+    let results = Results::from_csv(&csv, &results::CSV)?;
+    for v in targets::verdicts(&results, &settings) {
         eprintln!("cold_report: {}: {} ({})", v.target, v.result, v.figure);
     }
-    let elapsed_s = started.elapsed().as_secs_f64();
-    let context = report::Context {
-        settings: &settings,
-        machine: &machine,
-        date: &date,
-        elapsed_s,
-        cpu: cpu_used,
-        unsupported: &unsupported,
-    };
-    // Built in the smoke run too (under target/, its shape checked).
+    let markdown = report_of(&results, &settings, &bench_run, &unsupported);
+    // Built in the smoke run too (under target/, its shape checked), and its render mode
+    // checked on its own CSV.
     let outputs = [
-        ("md", report::markdown(&results, &verdicts, &context)),
-        ("csv", results.csv(&results::CSV)),
+        ("md", markdown),
+        ("csv", csv),
         ("svg", chart::svg(&results, &settings)?),
     ];
-    common::finish(
-        "cold_report",
-        settings.write_docs,
-        "cold",
-        &outputs,
-        started,
-    )?;
-    Ok(())
+    if !settings.write_docs {
+        common::render::check(&outputs[0].1, |run| {
+            let results = Results::from_csv(&outputs[1].1, &results::CSV)?;
+            Ok(report_of(
+                &results,
+                &settings,
+                run,
+                &unsupported_in(&results),
+            ))
+        })?;
+    }
+    write(&settings, &outputs, started)
+}
+
+/// Writes the report's `outputs` (`common::finish`).
+fn write(settings: &Settings, outputs: &[(&str, String)], started: Instant) -> Res<()> {
+    common::finish("cold_report", settings.write_docs, "cold", outputs, started)
+}
+
+/// The report of `results` (as the CSV keeps them) of the run `run`.
+fn report_of(
+    results: &Results,
+    settings: &Settings,
+    run: &common::host::BenchRun,
+    unsupported: &BTreeMap<&'static str, String>,
+) -> String {
+    let verdicts = targets::verdicts(results, settings);
+    let context = report::Context {
+        settings,
+        run,
+        unsupported,
+    };
+    report::markdown(results, &verdicts, &context)
+}
+
+/// The variants kept results have no memory figure of: refused by the pager in that run, for a
+/// reason the CSV does not keep.
+fn unsupported_in(results: &Results) -> BTreeMap<&'static str, String> {
+    VARIANTS
+        .iter()
+        .filter(|v| {
+            let key = |case: Case| format!("{}.{}.memory_mib", case.name(), v.key);
+            Case::ALL.iter().all(|&case| !results.has(&key(case)))
+        })
+        .map(|v| {
+            (
+                v.key,
+                "not measured in this run (why is not kept in the CSV)".to_owned(),
+            )
+        })
+        .collect()
+}
+
+/// Render mode: `cold.md` and `cold.svg` written again from the kept CSV and report.
+fn render(settings: &Settings, started: Instant) -> Res<()> {
+    let (results, run) = common::render::load(settings.write_docs, "cold", &results::CSV)?;
+    let settings = Settings {
+        runs: results.runs,
+        ..settings.clone()
+    };
+    let outputs = [
+        (
+            "md",
+            report_of(&results, &settings, &run, &unsupported_in(&results)),
+        ),
+        ("svg", chart::svg(&results, &settings)?),
+    ];
+    write(&settings, &outputs, started)
 }
 
 /// The digest every VM of a case must report: the guest's digest of the bytes its fill writes,

@@ -545,8 +545,10 @@ pub fn markdown(targets: &[Verdict], cx: &Context<'_>) -> String {
         "Figures are `median (min–max)` over the rounds of the budgeted runs (a failed run ends its N: later rounds \
          of that N are not run, so an N that failed may have fewer rounds). *Ratio*: budgeted window / unbudgeted \
          window, within a round. *Peak memory*: the largest sum of the VMs' memory cgroup usage over the run's \
-         samples (each VM samples on its own thread, so a sum of readings taken a few milliseconds apart can pass \
-         the budget by a little). *CPU*: user + system seconds of the replay and all it started; *cores busy*: that over the \
+         samples (the sampler of each run's commit: before commit fbb1281 (2026-12-04) `pvisor replay` read each VM on a \
+         thread of its own, so a sum of readings taken a few milliseconds apart can pass the budget by a little; \
+         since then `vmm::sampler` reads every VM's cgroup at each tick on one thread, microseconds apart, and the \
+         VMs' guest PSS on a second thread). *CPU*: user + system seconds of the replay and all it started; *cores busy*: that over the \
          command's wall time. *Offloads*: summed over the VMs, with their mean time.\n"
     );
     for b in 0..s.budgets.len() {

@@ -221,7 +221,7 @@ pub fn breakdown(t: &mut String, results: &Results, cx: &Context<'_>) {
         r0("{n}-eager.resume_ms"),
         span(&reentry, 0),
         span(&pick("touch-{n}-eager.touch_extra_us_per_page"), 1),
-        cx.machine.paging,
+        crate::report::paging(cx.machine),
         r0("touch-{n}-eager.task_extra_ms"),
         span(&pick("{n}-eager.rest_ms"), 0),
         span(&budget, 0),
@@ -283,7 +283,7 @@ pub fn breakdown(t: &mut String, results: &Results, cx: &Context<'_>) {
         r0("touch-{n}-lazy.task_extra_ms"),
         r0("{n}-lazy.resume_task_ms"),
         r0("{n}-eager.resume_task_ms"),
-        cx.machine.host.nproc
+        cx.run.machine.nproc
     );
     let base: Vec<String> = Content::ALL
         .iter()

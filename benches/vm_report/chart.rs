@@ -156,7 +156,7 @@ pub fn svg(results: &Results, settings: &Settings) -> Res<String> {
             (1.3, "target 1.3×"),
         ))
         .panel(panel(
-            "Whole-process PSS after offload, MiB (pvisor process = headline; log scale)",
+            "Memory charged (whole-process PSS) after offload, MiB (pvisor process = headline; log scale)",
             pss,
             (4.0, "target 4 MiB"),
         ))

@@ -10,8 +10,6 @@ use crate::common::host;
 pub struct Machine {
     /// CPU, memory, kernel, toolchain and commit.
     pub host: host::Machine,
-    /// When the bench started.
-    pub date: String,
     /// `TYPE on DEVICE` of the temporary directory.
     pub filesystem: String,
     pub pvisor: String,
@@ -68,7 +66,6 @@ fn pre_fault() -> i32 {
 pub fn machine(filesystem: &str, pvisor: &str) -> Machine {
     Machine {
         host: host::machine(),
-        date: host::utc_now(),
         filesystem: filesystem.to_owned(),
         pvisor: pvisor.to_owned(),
         paging: paging(),

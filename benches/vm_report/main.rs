@@ -28,7 +28,13 @@
 //! current sources (`cargo build --release -p vmm --bin pvisor`). Run without `--bench` (as
 //! `cargo test --benches` does), it is a quick smoke run of a 32 MiB VM with 4 MiB of data
 //! that writes no report (and skips the pvisor part if the binary is missing or stale;
-//! `PVISOR_SKIP_DEVICE_TESTS=1` skips it altogether).
+//! `PVISOR_SKIP_DEVICE_TESTS=1` skips it altogether); it also checks render mode on its own
+//! CSV.
+//!
+//! Render mode (`BENCH_RENDER=1 cargo bench --bench vm_report`, `benchkit::render`):
+//! `docs/bench/vm.md` and `vm.svg` written again from `vm.csv` (its own long form, read back by
+//! `Results::from_csv`), the date and duration `vm.md` gives and its `## Machine` items as they
+//! are, nothing run.
 
 #![allow(clippy::cast_possible_truncation, clippy::cast_precision_loss)]
 
@@ -46,7 +52,7 @@ mod report;
 mod results;
 mod targets;
 
-use common::host::TempRoot;
+use common::host::{BenchRun, TempRoot};
 use common::Res;
 use results::Results;
 
@@ -123,7 +129,7 @@ fn main() {
     common::main("vm_report", run);
 }
 
-fn settings() -> Res<Settings> {
+fn settings(render: bool) -> Res<Settings> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let pvisor = common::vmproc::find_binary(&root, &common::host::target_dir());
     if !common::is_bench_run() {
@@ -147,7 +153,8 @@ fn settings() -> Res<Settings> {
         memory: 512 * MIB,
         app: 64 * MIB,
         seed: 1,
-        pvisor: Ok(pvisor?),
+        // Render mode runs nothing: whether the pvisor part ran is in the CSV.
+        pvisor: if render { pvisor } else { Ok(pvisor?) },
         only,
         root,
     })
@@ -155,7 +162,12 @@ fn settings() -> Res<Settings> {
 
 fn run() -> Res<()> {
     let started = Instant::now();
-    let settings = settings()?;
+    let render = common::render::requested();
+    let settings = settings(render)?;
+    if render {
+        return render_kept(settings, started);
+    }
+    let bench_run = common::host::BenchRun::begin();
     if !settings.write_docs
         && std::env::var_os("PVISOR_SKIP_DEVICE_TESTS").is_some_and(|v| v == "1")
     {
@@ -248,16 +260,16 @@ fn run() -> Res<()> {
     derive(&mut results, &settings);
 
     let elapsed_s = started.elapsed().as_secs_f64();
-    let context = report::Context {
-        settings: &settings,
-        machine: &machine,
-        elapsed_s,
+    let cpu = report::CpuUsed {
         busy_s,
         own_s,
         steal_s,
     };
-    let verdicts = targets::verdicts(&results, &settings);
-    for v in &verdicts {
+    let machine = report::machine_items(&machine, elapsed_s, cpu);
+    let csv = results.csv();
+    // The report says what its CSV keeps, as render mode does.
+    let results = Results::from_csv(&csv)?;
+    for v in targets::verdicts(&results, &settings) {
         eprintln!("vm_report: {}: {} ({})", v.target, v.result, v.figure);
     }
     if settings.only.is_some() {
@@ -269,13 +281,63 @@ fn run() -> Res<()> {
         );
         return Ok(());
     }
+    let markdown = report_of(&results, &settings, &bench_run, &machine);
+    if !settings.write_docs {
+        if Results::from_csv(&csv)?.csv() != csv {
+            return Err("the CSV read back is not written the same again".into());
+        }
+        common::render::check(&markdown, |run| {
+            Ok(report_of(
+                &Results::from_csv(&csv)?,
+                &settings,
+                run,
+                &machine,
+            ))
+        })?;
+    }
     let outputs = [
-        ("md", report::markdown(&results, &verdicts, &context)),
-        ("csv", results.csv()),
+        ("md", markdown),
+        ("csv", csv),
         ("svg", chart::svg(&results, &settings)?),
     ];
-    common::finish("vm_report", settings.write_docs, "vm", &outputs, started)?;
-    Ok(())
+    common::finish("vm_report", settings.write_docs, "vm", &outputs, started)
+}
+
+/// The report of `results` (as the CSV keeps them) of the run `run`, its machine `machine`.
+fn report_of(results: &Results, settings: &Settings, run: &BenchRun, machine: &str) -> String {
+    let verdicts = targets::verdicts(results, settings);
+    let context = report::Context {
+        settings,
+        run,
+        machine,
+    };
+    report::markdown(results, &verdicts, &context)
+}
+
+/// Render mode: `vm.md` and `vm.svg` written again from the kept CSV and report.
+fn render_kept(settings: Settings, started: Instant) -> Res<()> {
+    let dir = common::render::dir(settings.write_docs);
+    let read = |ext: &str| fs::read_to_string(dir.join(format!("vm.{ext}")));
+    let kept = read("md")?;
+    let results = Results::from_csv(&read("csv")?).map_err(|e| format!("vm.csv: {e}"))?;
+    let run = BenchRun::kept(&kept, common::host::utc_now())?;
+    let machine = report::kept_machine(&kept).ok_or("vm.md: no `## Machine` section")?;
+    let ran_pvisor = results.has_prefix("pvisor.");
+    let settings = Settings {
+        runs: results.runs(),
+        // What the kept run did, whatever the binary here is.
+        pvisor: if ran_pvisor {
+            Ok(settings.pvisor.unwrap_or_default())
+        } else {
+            Err("not run in the kept run".to_owned())
+        },
+        ..settings
+    };
+    let outputs = [
+        ("md", report_of(&results, &settings, &run, &machine)),
+        ("svg", chart::svg(&results, &settings)?),
+    ];
+    common::finish("vm_report", settings.write_docs, "vm", &outputs, started)
 }
 
 /// Untimed, before every timed section: writes back whatever is dirty on the machine (the

@@ -1,6 +1,9 @@
 //! Samples per metric and run (sparse: a run that did not measure a metric has no entry),
-//! their summaries (`common::results::Summary`, of the finite values) and the long-form CSV.
+//! their summaries (`common::results::Summary`, of the finite values) and the long-form CSV,
+//! which `Results::from_csv` reads back (render mode; this bench's CSV is its own form, not
+//! the kit's `key,unit,min,median,max,runs` one).
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
@@ -9,7 +12,8 @@ pub use crate::common::results::Summary;
 /// One metric: its unit and one value per run that measured it.
 #[derive(Debug, Clone)]
 pub struct Metric {
-    pub unit: &'static str,
+    /// Static when measured, owned when read back.
+    pub unit: Cow<'static, str>,
     pub values: Vec<(usize, f64)>,
 }
 
@@ -24,7 +28,7 @@ impl Results {
         self.metrics
             .entry(key.to_owned())
             .or_insert_with(|| Metric {
-                unit,
+                unit: Cow::Borrowed(unit),
                 values: Vec::new(),
             })
             .values
@@ -88,12 +92,62 @@ impl Results {
         for (key, metric) in &self.metrics {
             let values = metric.values.iter().map(|&(_, v)| v);
             if let Some(s) = Summary::of(values.filter(|v| v.is_finite())) {
-                let unit = metric.unit;
+                let unit = &metric.unit;
                 let _ = writeln!(text, "{key},{unit},min,{:.6}", s.min);
                 let _ = writeln!(text, "{key},{unit},median,{:.6}", s.median);
                 let _ = writeln!(text, "{key},{unit},max,{:.6}", s.max);
             }
         }
         text
+    }
+
+    /// The results a CSV written by `csv` holds: its lines of runs (six decimals, as written);
+    /// the summary lines are checked to be of known metrics, and left, as `csv` writes them
+    /// again from the runs.
+    pub fn from_csv(text: &str) -> Result<Self, String> {
+        let mut lines = text.lines();
+        if lines.next() != Some("metric,unit,run,value") {
+            return Err("the CSV does not open with `metric,unit,run,value`".into());
+        }
+        let mut results = Self::default();
+        for (i, line) in lines.enumerate().filter(|(_, l)| !l.is_empty()) {
+            let at = || format!("line {} (`{line}`)", i + 2);
+            let [key, unit, run, value] = line.split(',').collect::<Vec<_>>()[..] else {
+                return Err(format!("{}: not four fields", at()));
+            };
+            let value: f64 = value
+                .parse()
+                .map_err(|_| format!("{}: not a number", at()))?;
+            if ["min", "median", "max"].contains(&run) {
+                if !results.metrics.contains_key(key) {
+                    return Err(format!("{}: a summary of no runs", at()));
+                }
+                continue;
+            }
+            let run: usize = run.parse().map_err(|_| format!("{}: no run", at()))?;
+            let metric = results
+                .metrics
+                .entry(key.to_owned())
+                .or_insert_with(|| Metric {
+                    unit: Cow::Owned(unit.to_owned()),
+                    values: Vec::new(),
+                });
+            metric.values.push((run, value));
+        }
+        Ok(results)
+    }
+
+    /// Whether some metric's key starts with `prefix`.
+    pub fn has_prefix(&self, prefix: &str) -> bool {
+        self.metrics.keys().any(|key| key.starts_with(prefix))
+    }
+
+    /// Runs: one more than the highest run any metric has.
+    pub fn runs(&self) -> usize {
+        let last = self
+            .metrics
+            .values()
+            .flat_map(|m| m.values.iter().map(|&(run, _)| run));
+        last.max().map_or(0, |run| run + 1)
     }
 }

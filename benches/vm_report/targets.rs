@@ -52,7 +52,10 @@ pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
             "bench process (pvisor part skipped)"
         };
         out.push(Verdict {
-            target: format!("whole-process PSS after a {n} offload ≤ {PSS_TARGET_MIB} MiB"),
+            target: format!(
+                "memory charged (whole-process PSS: no cgroup, anonymous RAM) after a {n} offload \
+                 ≤ {PSS_TARGET_MIB} MiB"
+            ),
             figure: format!("{scope}: {}; largest {worst:.2} MiB", parts.join("; ")),
             result: verdict(worst <= PSS_TARGET_MIB),
         });

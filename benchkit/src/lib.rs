@@ -11,6 +11,10 @@
 //! - `verdict`: a target judged, and the reports' table of targets;
 //! - `judge`: the density rule (a budgeted run against its unbudgeted reference, a group size,
 //!   the density of a sweep), decided from measured facts alone;
+//! - `render`: render mode (`BENCH_RENDER=1`), a report written again from its kept CSV and
+//!   report without running anything, and the smoke runs' check of it;
+//! - `scenario`: the run of a replay bench (rounds of `pvisor replay`, the report from its
+//!   CSV read back, render mode), shared by `agent_waits_report` and `arenas_report`;
 //! - `vmproc`: the real `pvisor` VM process (start, control-socket requests, stop) and the
 //!   freshness check of `target/release/pvisor`.
 //!
@@ -28,8 +32,10 @@ pub mod chart;
 pub mod cpu;
 pub mod host;
 pub mod judge;
+pub mod render;
 pub mod replay;
 pub mod results;
+pub mod scenario;
 pub mod verdict;
 pub mod vmproc;
 

@@ -3,6 +3,7 @@
 //! time it took (`cpu::CpuGroup`) and its memory samples summed over the VMs (`Timeline`);
 //! and the recorded-wait prefix of a trajectory that a shorter bench replays (`prefix`).
 
+use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus};
@@ -12,6 +13,8 @@ use serde_json::Value;
 use vmm::replay::Trajectory;
 
 use super::cpu::{CpuGroup, CpuUse};
+use super::results::Results;
+use super::verdict::Verdict;
 use super::Res;
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -293,6 +296,192 @@ fn kill_leftover_vms() {
 
 /// The digest of a run that gave none.
 pub const NO_DIGEST: &str = "none";
+
+/// The key prefix under which a bench's results count, round by round, the runs that gave a
+/// `results_digest`: `results_digest.DIGEST` (so that the CSV keeps them for render mode).
+pub const DIGEST_KEY: &str = "results_digest.";
+
+/// What the runs of a replay bench gave that is not a single number: their integrity. It is
+/// kept in the CSV ([`Integrity::record`]) so that render mode rebuilds it
+/// ([`Integrity::kept`]), but for the reasons a run failed.
+#[derive(Debug, Default)]
+pub struct Integrity {
+    /// `round N, WHAT: why` for every run whose integrity failed.
+    pub failures: Vec<String>,
+    /// Failed runs whose results were all right: only the sampling failed.
+    pub sampling_only: usize,
+    /// Runs by `results_digest` ([`NO_DIGEST`] for a run that gave none); empty when
+    /// re-rendered from a CSV that predates `results_digest.DIGEST`.
+    pub digests: BTreeMap<String, usize>,
+    /// Runs recorded.
+    pub runs: usize,
+    /// Runs that printed their JSON summary.
+    pub summaries: usize,
+}
+
+impl Integrity {
+    /// Records `outcome`, round `round` of `what`, whose figures are `PREFIX.QUANTITY` in
+    /// `results`: `integrity_passed` and `sampling_only` (1 or 0), and one more run of the round
+    /// under `results_digest.DIGEST`.
+    pub fn record(
+        &mut self,
+        outcome: &Outcome,
+        results: &mut Results,
+        prefix: &str,
+        round: usize,
+        what: &str,
+    ) {
+        let flag = |yes: bool| if yes { 1.0 } else { 0.0 };
+        let passed = outcome.passed();
+        results.put(
+            &format!("{prefix}.integrity_passed"),
+            "1 = passed",
+            round,
+            flag(passed),
+        );
+        let sampling_only = outcome.sampling_only();
+        results.put(
+            &format!("{prefix}.sampling_only"),
+            "1 = yes",
+            round,
+            flag(sampling_only),
+        );
+        let digest = outcome.results_digest();
+        let key = format!("{DIGEST_KEY}{digest}");
+        let before = results
+            .values(&key)
+            .get(round)
+            .copied()
+            .filter(|v| !v.is_nan());
+        results.put(&key, "runs", round, before.unwrap_or(0.0) + 1.0);
+        *self.digests.entry(digest).or_default() += 1;
+        self.sampling_only += usize::from(sampling_only);
+        if !passed {
+            self.failures.push(format!(
+                "round {}, {what}: {}",
+                round + 1,
+                outcome.failure()
+            ));
+        }
+        self.runs += 1;
+        self.summaries += usize::from(outcome.summary.is_some());
+    }
+
+    /// The integrity `results` kept of the runs `(round, PREFIX, WHAT)`, in the order they ran
+    /// (see [`Integrity::record`]); a run without `integrity_passed` was not recorded. Why a
+    /// failed run failed is not kept: its line says so.
+    pub fn kept(
+        results: &Results,
+        runs: impl IntoIterator<Item = (usize, String, String)>,
+    ) -> Self {
+        let mut kept = Self {
+            digests: results
+                .series()
+                .filter_map(|(key, series)| {
+                    let digest = key.strip_prefix(DIGEST_KEY)?;
+                    let runs = series.values.iter().filter(|v| v.is_finite() && **v > 0.0);
+                    // Whole counts of runs.
+                    #[allow(clippy::cast_sign_loss, clippy::cast_possible_truncation)]
+                    let runs = runs.map(|&v| v as usize).sum();
+                    Some((digest.to_owned(), runs))
+                })
+                .collect(),
+            ..Self::default()
+        };
+        for (round, prefix, what) in runs {
+            let value = |quantity: &str| {
+                let values = results.values(&format!("{prefix}.{quantity}"));
+                values.get(round).copied().filter(|v| !v.is_nan())
+            };
+            let Some(passed) = value("integrity_passed") else {
+                continue;
+            };
+            kept.runs += 1;
+            kept.summaries += 1;
+            kept.sampling_only += usize::from(value("sampling_only") == Some(1.0));
+            if passed != 1.0 {
+                kept.failures.push(format!(
+                    "round {}, {what}: integrity failed (why is in the run's output, not kept in the CSV)",
+                    round + 1
+                ));
+            }
+        }
+        kept
+    }
+
+    /// Whether every run passed and all gave one `results_digest`; on the failures alone where
+    /// the runs' digests are not kept (a re-rendered CSV from before they were).
+    pub fn all_passed(&self) -> bool {
+        let same = self.digests.is_empty()
+            || self.digests.len() == 1 && !self.digests.contains_key(NO_DIGEST);
+        self.failures.is_empty() && same
+    }
+
+    /// The verdict on the runs' integrity, `target` its words: its result is `words`' first
+    /// (no run), second (all passed, [`Integrity::all_passed`]) or third.
+    pub fn verdict(&self, target: &str, words: [&'static str; 3]) -> Verdict {
+        let failed = self.failures.len();
+        Verdict {
+            target: target.to_owned(),
+            figure: format!(
+                "{failed} failed of {} runs ({} by their sampling alone, {} in their results); {}",
+                self.runs,
+                self.sampling_only,
+                failed - self.sampling_only,
+                self.digest_text()
+            ),
+            result: match (self.runs, self.all_passed()) {
+                (0, _) => words[0],
+                (_, true) => words[1],
+                (_, false) => words[2],
+            },
+        }
+    }
+
+    /// What the runs' `results_digest` values were: `every run gave D`, `D ×N, E ×M`, or that
+    /// they are not kept.
+    pub fn digest_text(&self) -> String {
+        let mut digests = self.digests.keys();
+        match (digests.next(), digests.next()) {
+            (None, _) => {
+                "the runs' results_digest values are not kept in this run's CSV (each run's own \
+                          check, the same digests in every VM, is in its integrity)"
+                    .to_owned()
+            }
+            (Some(digest), None) if digest != NO_DIGEST => {
+                format!("every run gave results_digest {digest}")
+            }
+            _ => {
+                let counts: Vec<String> = self
+                    .digests
+                    .iter()
+                    .map(|(digest, n)| format!("{digest} ×{n}"))
+                    .collect();
+                format!("results_digest differs: {}", counts.join(", "))
+            }
+        }
+    }
+}
+
+/// For results kept from a run that predates the replay's `memory_charged` figure: every
+/// `….cgroup_…` series copied to `….charged_…`, and true, unless some `charged_` series is
+/// there already (false then, nothing copied). A replay runs each VM in a memory cgroup of its
+/// own, so the memory charged for a VM without huge pages is its cgroup's usage
+/// (`vmm::charged`); a report that uses this says so.
+pub fn charged_from_cgroup(results: &mut Results) -> bool {
+    let copies: Vec<(String, String)> = results
+        .series()
+        .filter(|(key, _)| key.contains(".cgroup_"))
+        .map(|(key, _)| (key.to_owned(), key.replacen(".cgroup_", ".charged_", 1)))
+        .collect();
+    if copies.is_empty() || results.series().any(|(key, _)| key.contains(".charged_")) {
+        return false;
+    }
+    for (cgroup, charged) in copies {
+        results.copy(&cgroup, &charged);
+    }
+    true
+}
 
 impl Outcome {
     /// The `results_digest` of its summary, [`NO_DIGEST`] without one.

@@ -1,6 +1,8 @@
 //! Every figure of a scenario bench: one value per run under a key, summarised as
-//! min/median/max, and the CSV of them all.
+//! min/median/max, and the CSV of them all, which [`Results::from_csv`] reads back (the render
+//! mode of `render`).
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
@@ -46,12 +48,13 @@ impl Summary {
 /// The values of one quantity, one per run (NaN where a run did not measure it).
 #[derive(Debug, Clone)]
 pub struct Series {
-    pub unit: &'static str,
+    /// Static when measured, owned when read back from a CSV.
+    pub unit: Cow<'static, str>,
     pub values: Vec<f64>,
 }
 
 /// Every series of a bench, by key, with as many runs each.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Results {
     pub runs: usize,
     series: BTreeMap<String, Series>,
@@ -64,11 +67,13 @@ pub struct CsvStyle {
     pub key: &'static str,
     /// Heading of the run columns, before the run's number (from 1).
     pub run: &'static str,
-    /// A value; the empty string for NaN.
+    /// A value; the empty string for NaN, `inf` and `-inf` for the infinities (what
+    /// [`Results::from_csv`] reads back).
     pub number: fn(f64) -> String,
 }
 
-/// `key,unit,min,median,max,run1..runN`, whole numbers without decimals, others with four.
+/// `key,unit,min,median,max,run1..runN`, numbers rounded to four decimals, written without
+/// decimals where that leaves a whole number.
 pub const KEY_RUN_CSV: CsvStyle = CsvStyle {
     key: "key",
     run: "run",
@@ -79,11 +84,27 @@ fn csv_number(v: f64) -> String {
     if v.is_nan() {
         String::new()
     } else if v.is_infinite() {
-        "inf".to_owned()
-    } else if v.fract() == 0.0 && v.abs() < 1e15 {
-        format!("{v:.0}")
-    } else {
+        if v > 0.0 { "inf" } else { "-inf" }.to_owned()
+    } else if v.abs() >= 1e15 {
         format!("{v:.4}")
+    } else {
+        // Rounded first, so that what is read back is written the same way again.
+        let rounded = (v * 1e4).round() / 1e4;
+        if rounded.fract() == 0.0 {
+            format!("{rounded:.0}")
+        } else {
+            format!("{rounded:.4}")
+        }
+    }
+}
+
+/// A value of a CSV as [`CsvStyle::number`] writes it: NaN for the empty field.
+fn parse_number(field: &str) -> Option<f64> {
+    match field {
+        "" => Some(f64::NAN),
+        "inf" => Some(f64::INFINITY),
+        "-inf" => Some(f64::NEG_INFINITY),
+        _ => field.parse().ok(),
     }
 }
 
@@ -99,10 +120,78 @@ impl Results {
     pub fn put(&mut self, key: &str, unit: &'static str, run: usize, value: f64) {
         let runs = self.runs;
         let series = self.series.entry(key.to_owned()).or_insert_with(|| Series {
-            unit,
+            unit: Cow::Borrowed(unit),
             values: vec![f64::NAN; runs],
         });
         series.values[run] = value;
+    }
+
+    /// The results a CSV written by [`Results::csv`] in `style` holds: the exact inverse, as
+    /// far as the CSV's numbers go (a value is read as written, four decimals at most). The
+    /// min/median/max columns are checked against the runs'.
+    pub fn from_csv(text: &str, style: &CsvStyle) -> Result<Self, String> {
+        let mut lines = text.lines().filter(|line| !line.is_empty());
+        let header = lines.next().ok_or("the CSV is empty")?;
+        let heads: Vec<&str> = header.split(',').collect();
+        let fixed = [style.key, "unit", "min", "median", "max"];
+        if heads.len() < fixed.len() || heads[..fixed.len()] != fixed {
+            return Err(format!(
+                "the header `{header}` does not open with `{}`",
+                fixed.join(",")
+            ));
+        }
+        let runs = heads.len() - fixed.len();
+        for (i, head) in heads[fixed.len()..].iter().enumerate() {
+            if *head != format!("{}{}", style.run, i + 1) {
+                return Err(format!(
+                    "column {} is `{head}`, not a run",
+                    fixed.len() + i + 1
+                ));
+            }
+        }
+        let mut results = Self::new(runs);
+        for (row, line) in lines.enumerate() {
+            let fields: Vec<&str> = line.split(',').collect();
+            let at = || format!("row {} (`{line}`)", row + 1);
+            if fields.len() != heads.len() {
+                return Err(format!(
+                    "{} has {} fields, the header {}",
+                    at(),
+                    fields.len(),
+                    heads.len()
+                ));
+            }
+            let numbers: Vec<f64> = fields[2..]
+                .iter()
+                .map(|field| {
+                    parse_number(field)
+                        .ok_or_else(|| format!("{}: `{field}` is not a number", at()))
+                })
+                .collect::<Result<_, _>>()?;
+            let values = numbers[3..].to_vec();
+            let summary = Summary::of(values.iter().copied()).unwrap_or(Summary::NONE);
+            let same = |a: f64, b: f64| a.is_nan() && b.is_nan() || number_eq(a, b, style);
+            if !(same(numbers[0], summary.min)
+                && same(numbers[1], summary.median)
+                && same(numbers[2], summary.max))
+            {
+                return Err(format!("{}: min/median/max do not match its runs", at()));
+            }
+            let key = fields[0].to_owned();
+            if results.series.contains_key(&key) {
+                return Err(format!("{}: `{key}` appears twice", at()));
+            }
+            let unit = Cow::Owned(fields[1].to_owned());
+            results.series.insert(key, Series { unit, values });
+        }
+        Ok(results)
+    }
+
+    /// Sets the series `to` to a copy of `from` (nothing if `from` has none).
+    pub fn copy(&mut self, from: &str, to: &str) {
+        if let Some(series) = self.series.get(from).cloned() {
+            self.series.insert(to.to_owned(), series);
+        }
     }
 
     pub fn has(&self, key: &str) -> bool {
@@ -114,8 +203,8 @@ impl Results {
         self.series.get(key).map_or(&[], |s| s.values.as_slice())
     }
 
-    pub fn unit(&self, key: &str) -> &'static str {
-        self.series.get(key).map_or("", |s| s.unit)
+    pub fn unit(&self, key: &str) -> &str {
+        self.series.get(key).map_or("", |s| &s.unit)
     }
 
     /// Every series, in key order.
@@ -172,11 +261,13 @@ impl Results {
         }
         out.push('\n');
         for (key, series) in &self.series {
-            let s = Summary::of(series.values.iter().copied()).unwrap_or(Summary::NONE);
+            // Summarised as written, so that the CSV read back is written the same again.
+            let written = series.values.iter().map(|&v| parse_number(&number(v)));
+            let s = Summary::of(written.map(|v| v.unwrap_or(f64::NAN))).unwrap_or(Summary::NONE);
             let _ = write!(
                 out,
                 "{key},{},{},{},{}",
-                series.unit,
+                &series.unit,
                 number(s.min),
                 number(s.median),
                 number(s.max)
@@ -188,6 +279,12 @@ impl Results {
         }
         out
     }
+}
+
+/// Whether `a` and `b` read the same in a CSV of `style` (a median of two runs may have more
+/// decimals than either).
+fn number_eq(a: f64, b: f64, style: &CsvStyle) -> bool {
+    (style.number)(a) == (style.number)(b)
 }
 
 /// `v` with `d` decimals; `–` for NaN; a value that rounds to zero reads `0`, never `-0`.
@@ -238,4 +335,45 @@ pub fn fig(results: &Results, key: &str, d: usize) -> String {
 /// `fig_with(…, signed)`: `+4.1 (-2.0 to +9.3)`.
 pub fn signed_fig(results: &Results, key: &str, d: usize) -> String {
     fig_with(results, key, d, signed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn results_from_csv_reads_back_what_csv_wrote() {
+        let mut results = Results::new(4);
+        for (run, v) in [1.0, 2.5, f64::NAN, 123_456.789_01].into_iter().enumerate() {
+            results.put("a.window_s", "s", run, v);
+        }
+        results.put("b.ratio", "%", 1, f64::INFINITY);
+        results.put("b.ratio", "%", 2, f64::NEG_INFINITY);
+        results.put("c.flag", "1 = passed", 0, 1.0);
+        results.put("d.median", "GiB·s per task", 0, 0.000_04);
+        results.put("d.median", "GiB·s per task", 1, 0.000_05);
+        let csv = results.csv(&KEY_RUN_CSV);
+
+        let back = Results::from_csv(&csv, &KEY_RUN_CSV).expect("reads back");
+
+        assert_eq!(back.csv(&KEY_RUN_CSV), csv);
+        assert_eq!(back.runs, 4);
+        assert_eq!(back.unit("d.median"), "GiB·s per task");
+        assert_eq!(back.values("a.window_s")[1], 2.5);
+        assert!(back.values("a.window_s")[2].is_nan());
+        assert_eq!(back.values("b.ratio")[2], f64::NEG_INFINITY);
+        assert_eq!(back.summary("c.flag").n, 1);
+    }
+
+    #[test]
+    fn results_from_csv_names_what_is_wrong() {
+        let bad = |text: &str| Results::from_csv(text, &KEY_RUN_CSV).expect_err(text);
+        assert!(bad("").contains("empty"));
+        assert!(bad("metric,unit,run,value\n").contains("header"));
+        assert!(bad("key,unit,min,median,max,run1,round2\n").contains("column 7"));
+        assert!(bad("key,unit,min,median,max,run1\nx,s,1,1,1\n").contains("row 1"));
+        assert!(bad("key,unit,min,median,max,run1\nx,s,1,1,1,z\n").contains("`z`"));
+        assert!(bad("key,unit,min,median,max,run1\nx,s,2,1,2,1\n").contains("min/median/max"));
+        assert!(bad("key,unit,min,median,max,run1\nx,s,1,1,1,1\nx,s,1,1,1,1\n").contains("twice"));
+    }
 }
