@@ -342,7 +342,7 @@ async fn create(
     request: Body,
 ) -> Result<Response, ApiError> {
     let bytes = read_body(&headers, request).await?;
-    let create = parse_json::<CreateRequest>(&bytes)?.check()?;
+    let create = parse_json::<CreateRequest>(&bytes)?.check(app.sandboxes.templates())?;
     let record = app.sandboxes.create(create).await?;
     Ok(json_response(StatusCode::ACCEPTED, &body(&record)))
 }

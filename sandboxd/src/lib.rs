@@ -24,4 +24,5 @@ pub mod metrics;
 pub mod model;
 pub mod sandboxes;
 pub mod store;
+pub mod templates;
 pub mod vm;

@@ -41,9 +41,16 @@ struct Cli {
     /// the working set of the largest command.
     #[arg(long, value_name = "SIZE", default_value = "128MiB", value_parser = basics::parse_size)]
     admission_reserve: u64,
-    /// Guest RAM of each sandbox's VM.
+    /// Guest RAM of each sandbox's VM of the workload guest (`pvisor:workload`); a snapshot
+    /// template's VMs have the snapshot's.
     #[arg(long, value_name = "SIZE", default_value = "512MiB", value_parser = basics::parse_size)]
     vm_memory: u64,
+    /// Serve a snapshot made with `pvisor snapshot --out DIR` as the template NAME
+    /// (`image.uri` or `snapshotId`): each sandbox of it is restored into its own RAM, loaded
+    /// from DIR as its guest touches it. Repeatable. DIR is read, never written: keep it
+    /// while the daemon runs.
+    #[arg(long, value_name = "NAME=DIR", value_parser = sandboxd::templates::parse_template)]
+    template: Vec<(String, PathBuf)>,
     /// Offload a running sandbox's memory once it has run no command for this long (it comes
     /// back on its next command; the client sees only latency): `30s`, `5m`; `0` never.
     #[arg(long, value_name = "TIME", default_value = "60s", value_parser = parse_idle)]
@@ -161,6 +168,7 @@ fn serve(cli: Cli) -> MainResult {
     if cli.admission_reserve >= cli.memory_budget {
         return Err("--admission-reserve must be less than --memory-budget".into());
     }
+    let templates = sandboxd::templates::Templates::new(cli.vm_memory, &cli.template)?;
     let store = Store::open(&cli.state)?;
     let state_dir = cli.state.clone();
     // The sandboxes' VMs keep their sockets and files under the state directory. Set before
@@ -173,7 +181,6 @@ fn serve(cli: Cli) -> MainResult {
     let limits = Limits {
         admission_timeout: cli.admission_timeout,
         admission_reserve: cli.admission_reserve,
-        vm_memory: cli.vm_memory,
         idle_offload: (cli.memory_management && !cli.idle_offload.is_zero())
             .then_some(cli.idle_offload),
         managed: cli.memory_management,
@@ -186,7 +193,10 @@ fn serve(cli: Cli) -> MainResult {
         let listener = tokio::net::TcpListener::bind(cli.listen).await?;
         let bound = listener.local_addr()?;
         let sandboxes = Arc::new(
-            tokio::task::spawn_blocking(move || Sandboxes::load(store, limits, governed)).await?,
+            tokio::task::spawn_blocking(move || {
+                Sandboxes::load(store, limits, governed, templates)
+            })
+            .await?,
         );
         sandboxes.start_pending();
         let app = Arc::new(App {

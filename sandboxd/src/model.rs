@@ -9,8 +9,10 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::clock;
+use crate::templates::Templates;
 
-/// The one template of this step: the plain workload guest (`vmm::guest`).
+/// The template always served: the plain workload guest (`vmm::guest`); the others are
+/// snapshots (`crate::templates`).
 pub const WORKLOAD_TEMPLATE: &str = "pvisor:workload";
 
 /// The entrypoint a sandbox reports when the request names none (the spec's default).
@@ -100,7 +102,7 @@ pub struct ImageSpec {
 pub struct CreateRequest {
     /// The template.
     pub image: Option<ImageSpec>,
-    /// Restoring a snapshot is not served yet.
+    /// A snapshot template to restore (the same names as `image.uri`).
     pub snapshot_id: Option<String>,
     /// Seconds until the sandbox expires; `None` (absent or null): never.
     pub timeout: Option<u64>,
@@ -115,6 +117,8 @@ pub struct CreateRequest {
 pub struct Create {
     /// The template.
     pub template: String,
+    /// Bytes of guest RAM of its VM (the template's).
+    pub memory: u64,
     /// Seconds until it expires.
     pub timeout_s: Option<u64>,
     /// Reported back.
@@ -141,26 +145,31 @@ fn text_ok(what: &str, text: &str) -> Result<(), Invalid> {
 }
 
 impl CreateRequest {
-    /// Checks the request: a known template, a timeout in bounds, bounded labels.
-    pub fn check(self) -> Result<Create, Invalid> {
-        if self.snapshot_id.is_some() {
-            return Err(Invalid(
-                "snapshotId: restoring snapshots is not served yet; use image.uri".into(),
-            ));
-        }
-        let Some(image) = self.image else {
-            return Err(Invalid(format!(
-                "image.uri is required: the template `{WORKLOAD_TEMPLATE}`"
-            )));
+    /// Checks the request: one of `templates` (by `image.uri`, or a snapshot by
+    /// `snapshotId`), a timeout in bounds, bounded labels.
+    pub fn check(self, templates: &Templates) -> Result<Create, Invalid> {
+        let name = match (self.image, self.snapshot_id) {
+            (Some(_), Some(_)) => {
+                return Err(Invalid("give image.uri or snapshotId, not both".into()))
+            }
+            (Some(image), None) => image.uri,
+            (None, Some(snapshot)) => snapshot,
+            (None, None) => {
+                return Err(Invalid(format!(
+                    "image.uri is required: one of the templates {}",
+                    templates.names()
+                )))
+            }
         };
-        if image.uri != WORKLOAD_TEMPLATE {
-            let mut shown = image.uri.chars().take(80).collect::<String>();
+        let Some(template) = templates.get(&name) else {
+            let mut shown = name.chars().take(80).collect::<String>();
             shown.retain(|c| !c.is_control());
             return Err(Invalid(format!(
-                "image.uri `{shown}` names no template here; the templates are: \
-                 `{WORKLOAD_TEMPLATE}` (the workload guest)"
+                "`{shown}` names no template here; the templates are: {} (`{WORKLOAD_TEMPLATE}` \
+                 is the workload guest, the others snapshots)",
+                templates.names()
             )));
-        }
+        };
         if let Some(timeout) = self.timeout {
             if !(MIN_TIMEOUT_S..=MAX_TIMEOUT_S).contains(&timeout) {
                 return Err(Invalid(format!(
@@ -192,7 +201,8 @@ impl CreateRequest {
             text_ok("a metadata value", value)?;
         }
         Ok(Create {
-            template: image.uri,
+            template: template.name.clone(),
+            memory: template.memory,
             timeout_s: self.timeout,
             entrypoint,
             metadata,
@@ -396,9 +406,10 @@ mod tests {
     use super::*;
 
     fn request(json: &str) -> Result<Create, Invalid> {
+        let templates = Templates::new(64 << 20, &[]).expect("the workload guest");
         serde_json::from_str::<CreateRequest>(json)
             .expect("parses")
-            .check()
+            .check(&templates)
     }
 
     #[test]

@@ -108,8 +108,6 @@ pub enum SandboxError {
 /// How the daemon sizes its sandboxes.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
-    /// Bytes of guest RAM of each sandbox's VM.
-    pub vm_memory: u64,
     /// How long a create waits for room in the memory budget before it is refused.
     pub admission_timeout: Duration,
     /// What a create leaves free in the budget, beyond what the sandboxes hold and cannot
@@ -165,6 +163,8 @@ pub struct Sandboxes {
     limits: Limits,
     /// The memory governor every sandbox's VM joins.
     governed: Governed,
+    /// What sandboxes are made from.
+    templates: crate::templates::Templates,
     table: Mutex<HashMap<String, Slot>>,
     /// What `GET /metrics` counts.
     pub metrics: Metrics,
@@ -215,6 +215,11 @@ impl Sandboxes {
     }
 
     /// A copy of the record of `id`.
+    /// What sandboxes are made from.
+    pub fn templates(&self) -> &crate::templates::Templates {
+        &self.templates
+    }
+
     pub fn get(&self, id: &str) -> Result<Record, SandboxError> {
         self.table()
             .get(id)
@@ -363,7 +368,7 @@ impl Sandboxes {
                 reason: Some("STARTING".into()),
                 message: Some("its VM is starting".into()),
                 transition_ms: now,
-                memory: self.limits.vm_memory,
+                memory: create.memory,
                 vm: None,
             };
             table.insert(id, Slot::new(record.clone(), idle::Use::default()));
@@ -389,8 +394,19 @@ impl Sandboxes {
         if !self.get(&id).is_ok_and(|r| r.state == State::Pending) {
             return;
         }
+        let Ok(record) = self.get(&id) else { return };
+        // A sandbox re-adopted by a daemon that no longer serves its template cannot start.
+        let Some(template) = self.templates.get(&record.template) else {
+            let why = format!(
+                "its template `{}` is not served by this daemon (--template)",
+                record.template
+            );
+            let _ = self.transition(&id, State::Failed, Some("VM_START_FAILED"), Some(why));
+            return;
+        };
         let plan = vm::Plan {
-            memory: self.limits.vm_memory,
+            memory: record.memory,
+            restore: template.snapshot.clone(),
             governor: self
                 .limits
                 .managed

@@ -30,6 +30,9 @@ pub enum VmError {
 pub struct Plan {
     /// Bytes of guest RAM.
     pub memory: u64,
+    /// The snapshot it is restored from, into its own RAM (`None`: the workload guest,
+    /// started afresh).
+    pub restore: Option<PathBuf>,
     /// The memory governor's socket (`None`: the VM does not join it, and keeps what it
     /// touches).
     pub governor: Option<PathBuf>,
@@ -44,6 +47,10 @@ pub struct Plan {
 pub fn start(id: &str, plan: &Plan) -> Result<VmRef, VmError> {
     let mut spec = Spec::in_job_dir(id, plan.memory);
     spec.options.cgroup = Some(plan.cgroup.clone());
+    // Anonymous RAM its pager loads from the snapshot as the guest touches it (the kind
+    // `Spec::in_job_dir` gives), never the snapshot's image mapped: the governor limits and
+    // takes back what the pager serves, and no sandbox sees another's writes.
+    spec.options.restore = plan.restore.clone();
     if let Some(socket) = &plan.governor {
         spec.options.governor = Some(vmm::vm::GovernorOptions {
             socket: socket.clone(),

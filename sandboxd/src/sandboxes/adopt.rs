@@ -170,7 +170,12 @@ impl Sandboxes {
     /// The sandboxes kept in `store`, their VMs re-adopted (see the [module](self)); blocks
     /// while it asks the VMs their state. Those whose VM must be started are `Pending`:
     /// [`Sandboxes::start_pending`] starts them.
-    pub fn load(store: Store, limits: Limits, governed: Governed) -> Sandboxes {
+    pub fn load(
+        store: Store,
+        limits: Limits,
+        governed: Governed,
+        templates: crate::templates::Templates,
+    ) -> Sandboxes {
         let (records, skipped) = store.load_all();
         for why in skipped {
             tracing::warn!("state directory: skipped {why}");
@@ -213,6 +218,7 @@ impl Sandboxes {
             store,
             limits,
             governed,
+            templates,
             table: Mutex::new(table),
             metrics: Metrics::default(),
         }

@@ -1,0 +1,149 @@
+//! What a sandbox is made from (`image.uri`, or `snapshotId`): the plain workload guest
+//! (`pvisor:workload`), or a snapshot made with `pvisor snapshot --out DIR` and served under a
+//! name (`--template NAME=DIR`), restored into each sandbox's own RAM: its pager brings the
+//! snapshot's pages in as the guest touches them, the governor takes them back like any
+//! other, and what one sandbox writes no other sees.
+
+use std::path::{Path, PathBuf};
+
+use crate::model::WORKLOAD_TEMPLATE;
+
+/// One template.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Template {
+    /// Its name, as clients give it.
+    pub name: String,
+    /// The snapshot its sandboxes are restored from (`None`: the workload guest, started
+    /// afresh).
+    pub snapshot: Option<PathBuf>,
+    /// Bytes of guest RAM of its sandboxes (a snapshot's own).
+    pub memory: u64,
+}
+
+/// The templates a daemon serves.
+#[derive(Debug, Clone)]
+pub struct Templates {
+    list: Vec<Template>,
+}
+
+/// Longest template name.
+const MAX_NAME: usize = 64;
+
+/// `--template NAME=DIR`: a name and a snapshot directory.
+pub fn parse_template(text: &str) -> Result<(String, PathBuf), String> {
+    let (name, dir) = text.split_once('=').ok_or_else(|| {
+        format!("`{text}`: expected NAME=DIR (a snapshot made with `pvisor snapshot --out DIR`)")
+    })?;
+    check_name(name)?;
+    if dir.is_empty() {
+        return Err(format!("`{text}`: no snapshot directory after `=`"));
+    }
+    Ok((name.to_owned(), PathBuf::from(dir)))
+}
+
+/// A name clients can send back as it is: letters, digits and `._:/-`, at most 64, not the
+/// workload guest's.
+fn check_name(name: &str) -> Result<(), String> {
+    let allowed = |c: char| c.is_ascii_alphanumeric() || "._:/-".contains(c);
+    if name.is_empty() || name.len() > MAX_NAME || !name.chars().all(allowed) {
+        return Err(format!(
+            "template name `{name}`: 1 to {MAX_NAME} letters, digits or `._:/-`"
+        ));
+    }
+    if name == WORKLOAD_TEMPLATE {
+        return Err(format!(
+            "template name `{name}` is the workload guest's, served always"
+        ));
+    }
+    Ok(())
+}
+
+impl Templates {
+    /// The workload guest (with `vm_memory` of RAM) and the snapshots given, each checked
+    /// now: a directory (not a link to one) holding a snapshot `pvisor` can restore, under a
+    /// name given once.
+    pub fn new(vm_memory: u64, snapshots: &[(String, PathBuf)]) -> Result<Self, String> {
+        let mut list = vec![Template {
+            name: WORKLOAD_TEMPLATE.to_owned(),
+            snapshot: None,
+            memory: vm_memory,
+        }];
+        for (name, dir) in snapshots {
+            check_name(name)?;
+            if list.iter().any(|t| &t.name == name) {
+                return Err(format!("template `{name}` is given twice"));
+            }
+            let dir = std::path::absolute(dir)
+                .map_err(|e| format!("template `{name}`: {}: {e}", dir.display()))?;
+            let manifest = snapshot_manifest(&dir)
+                .map_err(|why| format!("template `{name}`: {}: {why}", dir.display()))?;
+            list.push(Template {
+                name: name.clone(),
+                snapshot: Some(dir),
+                memory: manifest.memory,
+            });
+        }
+        Ok(Self { list })
+    }
+
+    /// The template called `name`.
+    pub fn get(&self, name: &str) -> Option<&Template> {
+        self.list.iter().find(|t| t.name == name)
+    }
+
+    /// Every name, for an error that lists them.
+    pub fn names(&self) -> String {
+        let names: Vec<String> = self.list.iter().map(|t| format!("`{}`", t.name)).collect();
+        names.join(", ")
+    }
+}
+
+/// The manifest of the snapshot in `dir`, which must be a real directory.
+fn snapshot_manifest(dir: &Path) -> Result<vmm::snapshot::Manifest, String> {
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| e.to_string())?;
+    if !meta.is_dir() {
+        return Err("not a directory (a link to one is refused too)".into());
+    }
+    vmm::snapshot::read_manifest(dir).map_err(|e| basics::error_chain(&e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn template_flags_and_names_are_checked() {
+        assert_eq!(
+            parse_template("base=/snap").unwrap(),
+            ("base".to_owned(), PathBuf::from("/snap"))
+        );
+        for bad in [
+            "base",
+            "=/snap",
+            "base=",
+            "bad name=/snap",
+            "pvisor:workload=/snap",
+        ] {
+            assert!(parse_template(bad).is_err(), "{bad}");
+        }
+        let long = format!("{}=/snap", "a".repeat(65));
+        assert!(parse_template(&long).is_err());
+    }
+
+    #[test]
+    fn templates_refuse_what_is_no_snapshot_or_a_link_to_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let empty = dir.path().join("empty");
+        std::fs::create_dir(&empty).unwrap();
+        let err = Templates::new(64 << 20, &[("e".into(), empty.clone())]).unwrap_err();
+        assert!(err.contains("template `e`"), "{err}");
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&empty, &link).unwrap();
+        let err = Templates::new(64 << 20, &[("l".into(), link)]).unwrap_err();
+        assert!(err.contains("not a directory"), "{err}");
+        let templates = Templates::new(64 << 20, &[]).unwrap();
+        assert_eq!(templates.names(), "`pvisor:workload`");
+        assert_eq!(templates.get(WORKLOAD_TEMPLATE).unwrap().memory, 64 << 20);
+        assert!(templates.get("base").is_none());
+    }
+}
