@@ -54,8 +54,8 @@ pub enum Progress {
     /// Its first bytes have arrived; the rest is streaming in (said once per request).
     Arriving,
     /// A batch of a request sent with [`Batching`] is deliverable: the bytes that follow the
-    /// ones taken before (taken).
-    Batch(Vec<u8>),
+    /// ones taken before (taken), and when they became a batch (by size or by time).
+    Batch(Vec<u8>, Instant),
     /// It is all there (taken); for a batched request, the bytes after the last batch.
     Done(Answer),
 }
@@ -179,6 +179,8 @@ struct Partial {
     taken: usize,
     /// When the oldest byte not taken arrived.
     since: Option<Instant>,
+    /// When the bytes not taken reached a batch's size, if they have.
+    full_at: Option<Instant>,
     /// How it is handed over, if in batches.
     batching: Option<Batching>,
 }
@@ -189,18 +191,33 @@ impl Partial {
         self.bytes.len() - self.taken
     }
 
-    /// Takes the bytes not taken yet if they make a deliverable batch at `now`.
-    fn take_batch(&mut self, now: Instant) -> Option<Vec<u8>> {
-        let batching = self.batching?;
-        let full = self.waiting() as u64 >= batching.bytes.max(1);
-        let due = self.since.is_some_and(|since| since + batching.wait <= now);
-        if self.waiting() == 0 || !(full || due) {
+    /// Notes the moment the bytes not taken reach a batch's size.
+    fn note_full(&mut self, now: Instant) {
+        let full = self
+            .batching
+            .is_some_and(|b| self.waiting() as u64 >= b.bytes.max(1));
+        if full {
+            self.full_at.get_or_insert(now);
+        }
+    }
+
+    /// Takes the bytes not taken yet if they make a deliverable batch at `now`; with when
+    /// they became one.
+    fn take_batch(&mut self, now: Instant) -> Option<(Vec<u8>, Instant)> {
+        let by_time = self.batch_due().filter(|&due| due <= now);
+        let since = match (self.full_at, by_time) {
+            (Some(full), Some(due)) => full.min(due),
+            (Some(at), None) | (None, Some(at)) => at,
+            (None, None) => return None,
+        };
+        if self.waiting() == 0 {
             return None;
         }
         let batch = self.bytes[self.taken..].to_vec();
         self.taken = self.bytes.len();
         self.since = None;
-        Some(batch)
+        self.full_at = None;
+        Some((batch, since))
     }
 
     /// When the bytes not taken make a batch by time, if there are any.
@@ -370,7 +387,7 @@ impl ModelPort for Gateway {
         match self.wait_until(request, timeout, false)? {
             Progress::Done(answer) => Some(answer),
             // Said only when asked for.
-            Progress::Arriving | Progress::Batch(_) => None,
+            Progress::Arriving | Progress::Batch(..) => None,
         }
     }
 
@@ -403,8 +420,8 @@ impl Gateway {
                     return Some(Progress::Arriving);
                 }
                 let partial = state.partial.get_mut(&request);
-                if let Some(batch) = partial.and_then(|p| p.take_batch(Instant::now())) {
-                    return Some(Progress::Batch(batch));
+                if let Some((batch, since)) = partial.and_then(|p| p.take_batch(Instant::now())) {
+                    return Some(Progress::Batch(batch, since));
                 }
             }
             let mut left = deadline.map_or(Duration::from_secs(3600), |d| {
@@ -457,7 +474,9 @@ impl Sink {
         };
         let first = partial.bytes.is_empty();
         partial.bytes.extend_from_slice(data);
-        partial.since.get_or_insert_with(Instant::now);
+        let now = Instant::now();
+        partial.since.get_or_insert(now);
+        partial.note_full(now);
         if first {
             state.arriving.push(self.request);
             state.push_event(WaitEvent::DataArriving {
@@ -687,7 +706,7 @@ mod tests {
         loop {
             match gateway.wait_progress(1, Duration::from_secs(10)) {
                 Some(Progress::Arriving) => {}
-                Some(Progress::Batch(bytes)) => {
+                Some(Progress::Batch(bytes, _)) => {
                     assert!(bytes.len() <= ONE_READ + (128 << 10), "{}", bytes.len());
                     batches += 1;
                     got.extend(bytes);

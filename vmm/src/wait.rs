@@ -41,6 +41,10 @@ use std::time::{Duration, Instant};
 /// How many of a VM's past waits predict its next one.
 const WAIT_HISTORY: usize = 32;
 
+/// A batch delivered later than this after it became deliverable is counted late (issue 38's
+/// target).
+pub const BATCH_LATE: Duration = Duration::from_millis(20);
+
 /// The policy's knobs.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct WaitPolicy {
@@ -228,6 +232,11 @@ pub struct WaitStats {
     pub warms: u64,
     /// Batches of streamed answers delivered before their ends.
     pub batches: u64,
+    /// Microseconds from the moments batches became deliverable (by size or by time) to
+    /// their being in the guest's buffer, summed (with `batches`: the mean).
+    pub batch_delay_us: u64,
+    /// Batches delivered more than [`BATCH_LATE`] after they became deliverable.
+    pub batches_late: u64,
     /// Events ignored as stale (another epoch, or a request not waiting).
     pub stale: u64,
     /// Offloads skipped: the guest's timer was too close.
@@ -307,6 +316,15 @@ impl WaitCoordinator {
             waits: VecDeque::with_capacity(WAIT_HISTORY),
             offload_cost: None,
             stats: WaitStats::default(),
+        }
+    }
+
+    /// The VMM reports that a batch reached the guest `delay` after it became deliverable.
+    pub fn batch_delivered(&mut self, delay: Duration) {
+        let us = u64::try_from(delay.as_micros()).unwrap_or(u64::MAX);
+        self.stats.batch_delay_us = self.stats.batch_delay_us.saturating_add(us);
+        if delay > BATCH_LATE {
+            self.stats.batches_late += 1;
         }
     }
 

@@ -585,6 +585,10 @@ fn gateway_streamed_answer_reaches_a_guest_that_takes_it_in_batches() {
             let stats = vm.stats().wait.unwrap();
             assert_eq!(stats.batches, batches, "{stats:?}");
             assert_eq!(stats.delivered, 2, "{stats:?}");
+            // How long each waited between becoming deliverable and reaching the guest is
+            // kept (how long is the bench's to say).
+            assert!(stats.batch_delay_us > 0, "{stats:?}");
+            assert!(stats.batches_late <= stats.batches, "{stats:?}");
         }
     }
 }

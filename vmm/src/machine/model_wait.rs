@@ -21,8 +21,9 @@ enum WaitOutcome {
     Answer(Answer),
     /// The guest's timer fell due: it runs its timer's work and comes back for the answer.
     Timer,
-    /// A batch of a streamed answer (the guest takes it and comes back for the rest).
-    Batch(Vec<u8>),
+    /// A batch of a streamed answer (the guest takes it and comes back for the rest), and
+    /// when it became deliverable.
+    Batch(Vec<u8>, Instant),
 }
 
 /// How often a model wait without wait management looks for a stop.
@@ -96,12 +97,18 @@ impl Machine {
                 mailbox.arg[4] = 1;
                 return self.write(guest::MAILBOX_GPA, mailbox);
             }
-            WaitOutcome::Batch(bytes) => {
+            WaitOutcome::Batch(bytes, deliverable) => {
                 // After the ones before it, in the guest's buffer; it comes back for more.
                 if self.deliver(request, &bytes, &mut mailbox)? {
                     mailbox.arg[4] = 2;
                 }
-                return self.write(guest::MAILBOX_GPA, mailbox);
+                self.write(guest::MAILBOX_GPA, mailbox)?;
+                // In the guest's hands now (its RAM back if it was offloaded: the copy
+                // faulted the buffer in): how long after it could have been.
+                if let Some(coordinator) = self.coordinator.as_mut() {
+                    coordinator.batch_delivered(deliverable.elapsed());
+                }
+                return Ok(());
             }
         };
         match answer {
@@ -191,7 +198,7 @@ impl Machine {
             if batching.is_some() {
                 match port.wait_progress(request, slice) {
                     Some(Progress::Done(answer)) => return WaitOutcome::Answer(answer),
-                    Some(Progress::Batch(bytes)) => return WaitOutcome::Batch(bytes),
+                    Some(Progress::Batch(bytes, at)) => return WaitOutcome::Batch(bytes, at),
                     Some(Progress::Arriving) | None => {}
                 }
             } else if let Some(answer) = port.wait_for(request, slice) {
@@ -302,14 +309,14 @@ impl Machine {
                 } else {
                     port.wait_progress(request, slice)
                 };
-                if let Some(Progress::Batch(bytes)) = progress {
+                if let Some(Progress::Batch(bytes, deliverable)) = progress {
                     let deliver = coordinator
                         .handle(Instant::now(), WaitEvent::BatchReady { request, epoch: 0 });
                     for action in deliver {
                         // A resume and a delivery.
                         let _ = self.carry_out(action, wait, &mut w.offloaded);
                     }
-                    break WaitOutcome::Batch(bytes);
+                    break WaitOutcome::Batch(bytes, deliverable);
                 } else if progress == Some(Progress::Arriving) {
                     // The answer streams in: its working set can start back meanwhile.
                     actions.extend(coordinator.handle(

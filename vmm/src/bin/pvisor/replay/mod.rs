@@ -624,13 +624,16 @@ fn run_replay(
         let n = |k: &str| wait.get(k).and_then(serde_json::Value::as_u64).unwrap_or(0);
         basics::say!(
             "  wait management, all VMs: {} pauses, {} offloads ({} ms in all), {} warm-ups, {} \
-             batches delivered, skipped {} for the cooldown, {} for the guest's timer, {} as not \
-             paying; {} failed offloads, {} failed loads",
+             batches delivered ({:.1} ms after they became deliverable on average, {} over 20 \
+             ms), skipped {} for the cooldown, {} for the guest's timer, {} as not paying; {} \
+             failed offloads, {} failed loads",
             n("pauses"),
             n("offloads"),
             n("offload_ms"),
             n("warms"),
             n("batches"),
+            n("batch_delay_us") as f64 / 1e3 / n("batches").max(1) as f64,
+            n("batches_late"),
             n("skipped_for_cooldown"),
             n("skipped_for_timer"),
             n("skipped_for_gain"),
