@@ -51,6 +51,12 @@ struct Cli {
     /// while the daemon runs.
     #[arg(long, value_name = "NAME=DIR", value_parser = sandboxd::templates::parse_template)]
     template: Vec<(String, PathBuf)>,
+    /// Sandboxes of a snapshot template mark their RAM mergeable for KSM: the pages they
+    /// restored from the same snapshot and have not written are kept once, copy-on-write
+    /// (ksmd is tuned to merge fast while any such VM runs, and the host's KSM settings
+    /// come back when the last one ends).
+    #[arg(long)]
+    share_template_pages: bool,
     /// Offload a running sandbox's memory once it has run no command for this long (it comes
     /// back on its next command; the client sees only latency): `30s`, `5m`; `0` never.
     #[arg(long, value_name = "TIME", default_value = "60s", value_parser = parse_idle)]
@@ -184,6 +190,7 @@ fn serve(cli: Cli) -> MainResult {
         idle_offload: (cli.memory_management && !cli.idle_offload.is_zero())
             .then_some(cli.idle_offload),
         managed: cli.memory_management,
+        share_template_pages: cli.share_template_pages,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -118,6 +118,9 @@ pub struct Limits {
     /// The VMs join the memory governor (`--memory-management on`, the default); else they
     /// only run in the budget's cgroup and keep what they touch.
     pub managed: bool,
+    /// Sandboxes of snapshot templates share the pages they restored alike through KSM
+    /// (`--share-template-pages`).
+    pub share_template_pages: bool,
 }
 
 /// How often a create waiting for room looks at the budget again.
@@ -407,6 +410,7 @@ impl Sandboxes {
         let plan = vm::Plan {
             memory: record.memory,
             restore: template.snapshot.clone(),
+            dedup: self.limits.share_template_pages && template.snapshot.is_some(),
             governor: self
                 .limits
                 .managed

@@ -33,6 +33,9 @@ pub struct Plan {
     /// The snapshot it is restored from, into its own RAM (`None`: the workload guest,
     /// started afresh).
     pub restore: Option<PathBuf>,
+    /// Its RAM is marked mergeable for KSM (`--vm-ram-dedup`), so that the pages sandboxes of
+    /// one snapshot restored alike and have not written are kept once, copy-on-write.
+    pub dedup: bool,
     /// The memory governor's socket (`None`: the VM does not join it, and keeps what it
     /// touches).
     pub governor: Option<PathBuf>,
@@ -51,6 +54,9 @@ pub fn start(id: &str, plan: &Plan) -> Result<VmRef, VmError> {
     // `Spec::in_job_dir` gives), never the snapshot's image mapped: the governor limits and
     // takes back what the pager serves, and no sandbox sees another's writes.
     spec.options.restore = plan.restore.clone();
+    if plan.dedup {
+        spec.options.dedup = Some(vmm::dedup::DedupOptions::default());
+    }
     if let Some(socket) = &plan.governor {
         spec.options.governor = Some(vmm::vm::GovernorOptions {
             socket: socket.clone(),

@@ -37,24 +37,7 @@ fn sandboxes_of_a_snapshot_template_start_from_its_state_and_keep_their_writes_a
     }
     // The template: a VM of 64 MiB that filled 24 MiB, snapshotted.
     let snaps = tempfile::tempdir().unwrap();
-    let snap = snaps.path().join("base");
-    let filled = {
-        let mut vm = Vm::start(VmOptions {
-            io_threads: 1,
-            ..VmOptions::new(
-                64 << 20,
-                RamKind::Anon,
-                snaps.path().join("disk"),
-                snaps.path().join("ram"),
-            )
-        })
-        .unwrap();
-        let out = vm
-            .exec(&script::parse("fill 24MiB random seed=21; digest").unwrap())
-            .unwrap();
-        vm.snapshot(&snap, None).unwrap();
-        out[1].digest.clone().unwrap()
-    };
+    let (snap, filled) = template_snapshot(snaps.path());
     let template = format!("base={}", snap.display());
     let daemon = Daemon::start(&["--template", &template]);
     // One by image.uri, one by snapshotId: both start from the snapshot's data.
@@ -93,6 +76,67 @@ fn sandboxes_of_a_snapshot_template_start_from_its_state_and_keep_their_writes_a
         Some(r#"{"image":{"uri":"other"}}"#),
     );
     assert!(answer.text().contains("`base`"), "{}", answer.text());
+}
+
+/// A snapshot of a 64 MiB VM that filled 24 MiB, in `dir`; with the digest of its data.
+fn template_snapshot(dir: &std::path::Path) -> (std::path::PathBuf, String) {
+    let snap = dir.join("base");
+    let mut vm = Vm::start(VmOptions {
+        io_threads: 1,
+        ..VmOptions::new(64 << 20, RamKind::Anon, dir.join("disk"), dir.join("ram"))
+    })
+    .unwrap();
+    let out = vm
+        .exec(&script::parse("fill 24MiB random seed=21; digest").unwrap())
+        .unwrap();
+    vm.snapshot(&snap, None).unwrap();
+    (snap, out[1].digest.clone().unwrap())
+}
+
+/// Pages of process `pid` that KSM has merged.
+fn ksm_merged_pages(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/ksm_merging_pages"))
+        .ok()
+        .and_then(|text| text.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn sandboxes_of_a_template_share_the_pages_they_restored_alike() {
+    if skip() || !std::path::Path::new("/sys/kernel/mm/ksm/run").exists() {
+        return;
+    }
+    let snaps = tempfile::tempdir().unwrap();
+    let (snap, filled) = template_snapshot(snaps.path());
+    let template = format!("base={}", snap.display());
+    let daemon = Daemon::start(&["--template", &template, "--share-template-pages"]);
+    let ids: Vec<String> = (0..3)
+        .map(|_| create(&daemon, r#""image":{"uri":"base"}"#))
+        .collect();
+    for id in &ids {
+        daemon.wait_ready(id);
+        // Each reads the 24 MiB back from the snapshot into its own RAM.
+        assert_eq!(digest(&daemon, id, "digest"), filled);
+    }
+    // KSM keeps them once: most of each VM's 6144 pages of data end up merged.
+    let pids: Vec<u32> = ids.iter().map(|id| daemon.vm_pid(id)).collect();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(90);
+    loop {
+        let merged: Vec<u64> = pids.iter().map(|&pid| ksm_merged_pages(pid)).collect();
+        if merged.iter().all(|&m| m >= 5000) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "merged pages per VM: {merged:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(500));
+    }
+    // Copy-on-write: one's writes are its own.
+    let written = digest(&daemon, &ids[0], "rewrite 50 seed=5; digest");
+    assert_ne!(written, filled);
+    assert_eq!(digest(&daemon, &ids[1], "digest"), filled);
+    assert_eq!(digest(&daemon, &ids[2], "digest"), filled);
 }
 
 #[test]
