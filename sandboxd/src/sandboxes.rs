@@ -217,12 +217,12 @@ impl Sandboxes {
         self.table.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// A copy of the record of `id`.
     /// What sandboxes are made from.
     pub fn templates(&self) -> &crate::templates::Templates {
         &self.templates
     }
 
+    /// A copy of the record of `id`.
     pub fn get(&self, id: &str) -> Result<Record, SandboxError> {
         self.table()
             .get(id)
@@ -407,8 +407,15 @@ impl Sandboxes {
             let _ = self.transition(&id, State::Failed, Some("VM_START_FAILED"), Some(why));
             return;
         };
+        // The template's RAM size now (a snapshot served under the same name after a restart
+        // may differ from the one the record was made for).
+        if template.memory != record.memory
+            && self.update(&id, |r| r.memory = template.memory).is_err()
+        {
+            return;
+        }
         let plan = vm::Plan {
-            memory: record.memory,
+            memory: template.memory,
             restore: template.snapshot.clone(),
             dedup: self.limits.share_template_pages && template.snapshot.is_some(),
             governor: self

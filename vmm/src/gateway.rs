@@ -96,11 +96,14 @@ pub trait ModelPort: Send + Sync {
 
     /// Like [`wait_for`](Self::wait_for), but also returns, once, as soon as the first bytes
     /// of the answer arrive (`Progress::Arriving`), so that the VM can be got ready for it,
-    /// and, for a batched request, each batch as it becomes deliverable.
-    fn wait_progress(&self, request: u64, timeout: Duration) -> Option<Progress>;
+    /// and, with `batches`, for a batched request, each batch as it becomes deliverable.
+    fn wait_progress(&self, request: u64, timeout: Duration, batches: bool) -> Option<Progress>;
 
     /// Sends request `request` and waits for its answer.
     fn exchange(&self, request: u64) -> Answer;
+
+    /// Gives request `request` up (its command ended without its answer).
+    fn cancel(&self, request: u64);
 }
 
 #[derive(Debug, Clone)]
@@ -166,13 +169,18 @@ struct State {
     /// Requests whose answers have begun to arrive, not yet said by `wait_progress` (at most
     /// the requests in flight: an answer that completes takes its request out).
     arriving: Vec<u64>,
-    /// The answers of the requests in flight, as far as they have come.
+    /// The answers of the requests in flight, as far as they have come (a request sent again
+    /// while in flight replaces its entry: the earlier send is superseded).
     partial: HashMap<u64, Partial>,
+    /// The number the next send gets, to tell a request's sends apart.
+    next_send: u64,
 }
 
 /// An answer arriving.
 #[derive(Debug, Default)]
 struct Partial {
+    /// Which send of the request this is.
+    send: u64,
     /// Its body so far.
     bytes: Vec<u8>,
     /// Bytes handed over in batches.
@@ -222,21 +230,31 @@ impl Partial {
 
     /// When the bytes not taken make a batch by time, if there are any.
     fn batch_due(&self) -> Option<Instant> {
-        Some(self.since? + self.batching?.wait)
+        self.since?.checked_add(self.batching?.wait)
     }
 }
 
 impl State {
-    fn keep_answer(&mut self, request: u64, answer: Answer) {
-        self.arriving.retain(|&r| r != request);
-        // A batched request gets what it has not taken.
-        let taken = self.partial.remove(&request).map_or(0, |p| p.taken);
+    /// The `send`th send of `request` is over with `answer`: kept for it (for a batched
+    /// request, what it has not taken), unless it was superseded or cancelled meanwhile.
+    fn finish_send(&mut self, request: u64, send: u64, answer: Answer) -> bool {
+        let Some(partial) = self.partial.get(&request).filter(|p| p.send == send) else {
+            return false;
+        };
+        let taken = partial.taken;
+        self.partial.remove(&request);
         let answer = match answer {
             Answer::Data(mut bytes) if taken > 0 => {
                 Answer::Data(bytes.split_off(taken.min(bytes.len())))
             }
             other => other,
         };
+        self.keep_answer(request, answer);
+        true
+    }
+
+    fn keep_answer(&mut self, request: u64, answer: Answer) {
+        self.arriving.retain(|&r| r != request);
         self.answers.insert(request, answer);
         self.order.push_back(request);
         while self.answers.len() > MAX_KEPT || self.order.len() > 4 * MAX_KEPT {
@@ -306,7 +324,7 @@ impl Gateway {
     /// Sends `request` upstream; its answer is kept until taken (whole, or with `batching`
     /// in batches).
     pub fn send(&self, request: u64, batching: Option<Batching>) {
-        {
+        let send = {
             let mut state = self.lock();
             state.push_event(WaitEvent::WaitStart {
                 request,
@@ -328,14 +346,21 @@ impl Gateway {
                 return;
             }
             state.in_flight += 1;
+            state.next_send += 1;
+            let send = state.next_send;
+            // A request sent again while in flight supersedes its earlier send, whose bytes
+            // and answer go nowhere from now on.
+            state.arriving.retain(|&r| r != request);
             state.partial.insert(
                 request,
                 Partial {
+                    send,
                     batching,
                     ..Partial::default()
                 },
             );
-        }
+            send
+        };
         let shared = Arc::clone(&self.shared);
         let (upstream, label, epoch, timeout) = (
             self.upstream.clone(),
@@ -347,6 +372,7 @@ impl Gateway {
             shared: Arc::clone(&self.shared),
             request,
             epoch,
+            send,
         };
         self.runtime.spawn(async move {
             let exchange = post(&upstream, &label, request, &sink);
@@ -359,10 +385,21 @@ impl Gateway {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             state.in_flight = state.in_flight.saturating_sub(1);
-            state.keep_answer(request, answer);
-            state.push_event(WaitEvent::DataReady { request, epoch });
-            ready.notify_all();
+            if state.finish_send(request, send, answer) {
+                state.push_event(WaitEvent::DataReady { request, epoch });
+                ready.notify_all();
+            }
         });
+    }
+
+    /// Gives up `request`: its answer, whatever of it has come and whatever comes later go
+    /// nowhere, and the upstream is no longer read for it once anything more arrives (the
+    /// command that sent it ended without it).
+    pub fn cancel(&self, request: u64) {
+        let mut state = self.lock();
+        state.partial.remove(&request);
+        state.arriving.retain(|&r| r != request);
+        state.answers.remove(&request);
     }
 
     /// The answer of `request` if it is there (taken: each answer is handed out once).
@@ -384,26 +421,37 @@ impl ModelPort for Gateway {
     }
 
     fn wait_for(&self, request: u64, timeout: Duration) -> Option<Answer> {
-        match self.wait_until(request, timeout, false)? {
+        match self.wait_until(request, timeout, false, false)? {
             Progress::Done(answer) => Some(answer),
             // Said only when asked for.
             Progress::Arriving | Progress::Batch(..) => None,
         }
     }
 
-    fn wait_progress(&self, request: u64, timeout: Duration) -> Option<Progress> {
-        self.wait_until(request, timeout, true)
+    fn wait_progress(&self, request: u64, timeout: Duration, batches: bool) -> Option<Progress> {
+        self.wait_until(request, timeout, true, batches)
     }
 
     fn exchange(&self, request: u64) -> Answer {
         Gateway::send(self, request, None);
         self.wait(request)
     }
+
+    fn cancel(&self, request: u64) {
+        Gateway::cancel(self, request);
+    }
 }
 
 impl Gateway {
-    /// Waits at most `timeout` for `request`'s answer, or (if `arrival`) for its first bytes.
-    fn wait_until(&self, request: u64, timeout: Duration, arrival: bool) -> Option<Progress> {
+    /// Waits at most `timeout` for `request`'s answer, or (if `arrival`) for its first bytes,
+    /// or (if `batches`) for a batch.
+    fn wait_until(
+        &self,
+        request: u64,
+        timeout: Duration,
+        arrival: bool,
+        batches: bool,
+    ) -> Option<Progress> {
         let (lock, ready) = &*self.shared;
         let mut state = lock
             .lock()
@@ -419,6 +467,8 @@ impl Gateway {
                     state.arriving.swap_remove(i);
                     return Some(Progress::Arriving);
                 }
+            }
+            if batches {
                 let partial = state.partial.get_mut(&request);
                 if let Some((batch, since)) = partial.and_then(|p| p.take_batch(Instant::now())) {
                     return Some(Progress::Batch(batch, since));
@@ -427,7 +477,7 @@ impl Gateway {
             let mut left = deadline.map_or(Duration::from_secs(3600), |d| {
                 d.saturating_duration_since(Instant::now())
             });
-            if arrival {
+            if batches {
                 // A batch that falls due by time wakes nobody: look again then.
                 if let Some(due) = state.partial.get(&request).and_then(Partial::batch_due) {
                     left = left.min(due.saturating_duration_since(Instant::now()));
@@ -456,6 +506,8 @@ struct Sink {
     shared: Arc<(Mutex<State>, Condvar)>,
     request: u64,
     epoch: u64,
+    /// Which send of the request it reads for.
+    send: u64,
 }
 
 impl Sink {
@@ -466,11 +518,17 @@ impl Sink {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Adds `data` to the answer; its first bytes are said (`DataArriving`).
-    fn push(&self, data: &[u8]) {
+    /// Adds `data` to the answer; its first bytes are said (`DataArriving`). False if the
+    /// send was superseded or cancelled: read no more.
+    fn push(&self, data: &[u8]) -> bool {
         let mut state = self.lock();
-        let Some(partial) = state.partial.get_mut(&self.request) else {
-            return;
+        let send = self.send;
+        let Some(partial) = state
+            .partial
+            .get_mut(&self.request)
+            .filter(|p| p.send == send)
+        else {
+            return false;
         };
         let first = partial.bytes.is_empty();
         partial.bytes.extend_from_slice(data);
@@ -485,14 +543,16 @@ impl Sink {
             });
         }
         self.shared.1.notify_all();
+        true
     }
 
     /// Whether the bytes the guest has not taken fill the host's buffer (read no more).
     fn full(&self) -> bool {
         let state = self.lock();
         state.partial.get(&self.request).is_some_and(|p| {
-            p.batching
-                .is_some_and(|b| p.waiting() as u64 >= b.buffer.max(1))
+            p.send == self.send
+                && p.batching
+                    .is_some_and(|b| p.waiting() as u64 >= b.buffer.max(1))
         })
     }
 
@@ -502,6 +562,7 @@ impl Sink {
         state
             .partial
             .get(&self.request)
+            .filter(|p| p.send == self.send)
             .map(|p| p.bytes.clone())
             .unwrap_or_default()
     }
@@ -564,6 +625,9 @@ async fn post(upstream: &Upstream, label: &str, request: u64, sink: &Sink) -> An
         Err(BodyError::Read(e)) => {
             return Answer::Error(format!("request {request}: reading the answer: {e}"))
         }
+        Err(BodyError::Abandoned) => {
+            return Answer::Error(format!("request {request} was sent again or given up"))
+        }
     };
     if status.is_success() {
         Answer::Data(bytes)
@@ -582,6 +646,8 @@ enum BodyError {
     TooLarge,
     /// The connection failed.
     Read(hyper::Error),
+    /// The request was sent again or given up: nobody reads this answer.
+    Abandoned,
 }
 
 /// Reads `body` whole if it has at most `limit` bytes; stops (and drops the connection) as soon
@@ -612,7 +678,11 @@ async fn read_bounded(
                 return Err(BodyError::TooLarge);
             }
             match sink {
-                Some(sink) if !data.is_empty() => sink.push(&data),
+                Some(sink) if !data.is_empty() => {
+                    if !sink.push(&data) {
+                        return Err(BodyError::Abandoned);
+                    }
+                }
                 Some(_) => {}
                 None => bytes.extend_from_slice(&data),
             }
@@ -704,7 +774,7 @@ mod tests {
         let mut got = Vec::new();
         let mut batches = 0;
         loop {
-            match gateway.wait_progress(1, Duration::from_secs(10)) {
+            match gateway.wait_progress(1, Duration::from_secs(10), true) {
                 Some(Progress::Arriving) => {}
                 Some(Progress::Batch(bytes, _)) => {
                     assert!(bytes.len() <= ONE_READ + (128 << 10), "{}", bytes.len());
@@ -720,6 +790,53 @@ mod tests {
         }
         assert!(batches >= 2, "{batches} batches");
         assert!(got == body, "{} bytes, not the ones sent", got.len());
+    }
+
+    #[test]
+    fn gateway_request_sent_again_in_flight_supersedes_its_first_send_and_cancel_drops_it() {
+        use std::io::{BufRead, Write};
+        // An upstream whose k-th connection answers 4096 bytes of b'a' + k, in two halves.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a local port");
+        let url = format!("http://{}", listener.local_addr().expect("bound"));
+        std::thread::spawn(move || {
+            for (k, stream) in listener.incoming().enumerate() {
+                let Ok(mut stream) = stream else { continue };
+                std::thread::spawn(move || {
+                    let mut reader = std::io::BufReader::new(stream.try_clone().expect("a clone"));
+                    let mut line = String::new();
+                    while reader.read_line(&mut line).unwrap_or(0) > 0 && line != "\r\n" {
+                        line.clear();
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                    let head = "HTTP/1.1 200 OK\r\ncontent-length: 4096\r\n\r\n";
+                    let body = vec![b'a' + k as u8; 4096];
+                    let _ = stream.write_all(head.as_bytes());
+                    let _ = stream.write_all(&body[..2048]);
+                    std::thread::sleep(Duration::from_millis(100));
+                    let _ = stream.write_all(&body[2048..]);
+                });
+            }
+        });
+        let gateway = Gateway::new(&url, "t", 0, Duration::from_secs(10)).expect("a gateway");
+        let whole = Batching {
+            bytes: 1 << 20,
+            wait: Duration::from_secs(10),
+            buffer: 1 << 20,
+        };
+        gateway.send(1, Some(whole));
+        std::thread::sleep(Duration::from_millis(30));
+        gateway.send(1, Some(whole));
+        // The second send's answer, whole and unmixed; the first's goes nowhere.
+        assert_eq!(gateway.wait(1), Answer::Data(vec![b'b'; 4096]));
+        std::thread::sleep(Duration::from_millis(400));
+        assert_eq!(gateway.take(1), None);
+        // Given up: nothing of it is kept.
+        gateway.send(2, None);
+        std::thread::sleep(Duration::from_millis(150));
+        gateway.cancel(2);
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(gateway.take(2), None);
+        assert_eq!(gateway.lock().partial.len(), 0);
     }
 
     #[test]

@@ -603,12 +603,12 @@ mod tests {
             .expect("a gateway");
         let started = std::time::Instant::now();
         gateway.send(1, None);
-        let first = gateway.wait_progress(1, Duration::from_secs(5));
+        let first = gateway.wait_progress(1, Duration::from_secs(5), false);
         let arriving = started.elapsed();
         assert_eq!(first, Some(Progress::Arriving));
         // The first chunk goes at 1525 ms, the last at 2000 ms.
         assert!(arriving >= Duration::from_millis(1500), "{arriving:?}");
-        let done = gateway.wait_progress(1, Duration::from_secs(5));
+        let done = gateway.wait_progress(1, Duration::from_secs(5), false);
         assert!(started.elapsed() >= Duration::from_millis(1990));
         assert_eq!(
             done,

@@ -225,8 +225,11 @@ impl Machine {
         mailbox.arg[..args.len()].copy_from_slice(args);
         self.write(guest::MAILBOX_GPA, mailbox)?;
         let ran = self.run_until_done();
-        // However the command ended, none of its model requests is in flight any more.
-        self.model_pending = None;
+        // However the command ended, none of its model requests is in flight any more: one it
+        // left without its answer is given up (the upstream no longer read for it).
+        if let (Some((request, _)), Some(port)) = (self.model_pending.take(), &self.model) {
+            port.cancel(request);
+        }
         if let Err(e) = ran {
             self.broken = Some(basics::error_chain(&e));
             return Err(e);

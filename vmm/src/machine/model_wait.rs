@@ -196,7 +196,7 @@ impl Machine {
             let left = until.map_or(STOP_POLL, |u| u.saturating_duration_since(Instant::now()));
             let slice = left.min(STOP_POLL);
             if batching.is_some() {
-                match port.wait_progress(request, slice) {
+                match port.wait_progress(request, slice, true) {
                     Some(Progress::Done(answer)) => return WaitOutcome::Answer(answer),
                     Some(Progress::Batch(bytes, at)) => return WaitOutcome::Batch(bytes, at),
                     Some(Progress::Arriving) | None => {}
@@ -307,11 +307,17 @@ impl Machine {
                 let progress = if coordinator.phase() == Phase::Manual {
                     port.wait_for(request, slice).map(Progress::Done)
                 } else {
-                    port.wait_progress(request, slice)
+                    // Batches only to a guest that takes them now.
+                    port.wait_progress(request, slice, batching.is_some())
                 };
                 if let Some(Progress::Batch(bytes, deliverable)) = progress {
                     let deliver = coordinator
                         .handle(Instant::now(), WaitEvent::BatchReady { request, epoch: 0 });
+                    if let Some(link) = &self.governor {
+                        // Running from here, as for an answer: told before its RAM comes back.
+                        link.set_waiting(false);
+                        link.report(WireState::Running, None);
+                    }
                     for action in deliver {
                         // A resume and a delivery.
                         let _ = self.carry_out(action, wait, &mut w.offloaded);
