@@ -202,19 +202,12 @@ const PAGER_SOURCES: [&str; 3] = ["uffd-pager/src", "compressed-backing/src", "b
 
 /// Where `pvisor` is, and whether it is at least as new as the sources it is built from.
 pub fn find_binary(root: &Path, target: &Path) -> Result<PathBuf, String> {
-    find_built(root, target, "vmm", "pvisor", &SOURCES, &[])
+    find_built(root, target, "vmm", "pvisor", &SOURCES)
 }
 
 /// Where `uffd-pager` is, and whether it is at least as new as the sources it is built from.
 pub fn find_pager_binary(root: &Path, target: &Path) -> Result<PathBuf, String> {
-    find_built(
-        root,
-        target,
-        "uffd-pager",
-        "uffd-pager",
-        &PAGER_SOURCES,
-        &[],
-    )
+    find_built(root, target, "uffd-pager", "uffd-pager", &PAGER_SOURCES)
 }
 
 /// Where `pvisor-sandboxd` is, and whether it is at least as new as the sources it is built
@@ -222,28 +215,23 @@ pub fn find_pager_binary(root: &Path, target: &Path) -> Result<PathBuf, String> 
 /// command-line code is not in it).
 pub fn find_sandboxd_binary(root: &Path, target: &Path) -> Result<PathBuf, String> {
     let mut sources = SOURCES.to_vec();
-    sources.push("sandboxd/src");
-    find_built(
-        root,
-        target,
-        "sandboxd",
-        "pvisor-sandboxd",
-        &sources,
-        &["vmm/src/bin"],
-    )
+    sources.extend(["sandboxd/src", "!vmm/src/bin"]);
+    find_built(root, target, "sandboxd", "pvisor-sandboxd", &sources)
 }
 
-/// `target/release/BIN` of `package`, if no file under `sources` (but outside `except`) is
-/// newer.
+/// `target/release/BIN` of `package`, if no file under `sources` (but outside those written
+/// `!DIR`) is newer.
 fn find_built(
     root: &Path,
     target: &Path,
     package: &str,
     bin_name: &str,
     sources: &[&str],
-    except: &[&str],
 ) -> Result<PathBuf, String> {
-    let except: Vec<PathBuf> = except.iter().map(|d| root.join(d)).collect();
+    let except: Vec<PathBuf> = sources
+        .iter()
+        .filter_map(|d| Some(root.join(d.strip_prefix('!')?)))
+        .collect();
     let build = format!("cargo build --release -p {package} --bin {bin_name}");
     let bin = target.join("release").join(bin_name);
     let built = std::fs::metadata(&bin)
@@ -251,6 +239,7 @@ fn find_built(
         .map_err(|e| format!("{}: {e}; build it first: {build}", bin.display()))?;
     let newest = sources
         .iter()
+        .filter(|d| !d.starts_with('!'))
         .filter_map(|d| newest_file(&root.join(d), &except))
         .max_by_key(|(t, _)| *t);
     if let Some((time, path)) = newest {
@@ -265,27 +254,15 @@ fn find_built(
     Ok(bin)
 }
 
+/// The newest file under `dir` (not under `except`), and when it changed.
 fn newest_file(dir: &Path, except: &[PathBuf]) -> Option<(SystemTime, PathBuf)> {
-    let mut newest: Option<(SystemTime, PathBuf)> = None;
-    for entry in std::fs::read_dir(dir).ok()?.filter_map(Result::ok) {
-        let path = entry.path();
-        if except.iter().any(|e| path.starts_with(e)) {
-            continue;
-        }
-        let candidate = if path.is_dir() {
-            newest_file(&path, except)
-        } else {
-            entry
-                .metadata()
-                .and_then(|m| m.modified())
-                .ok()
-                .map(|t| (t, path))
-        };
-        if let Some(c) = candidate {
-            if newest.as_ref().is_none_or(|n| c.0 > n.0) {
-                newest = Some(c);
-            }
-        }
-    }
-    newest
+    let entries = std::fs::read_dir(dir).ok()?.filter_map(Result::ok);
+    entries
+        .map(|entry| entry.path())
+        .filter(|path| !except.iter().any(|e| path.starts_with(e)))
+        .filter_map(|path| match path.is_dir() {
+            true => newest_file(&path, except),
+            false => Some((path.metadata().and_then(|m| m.modified()).ok()?, path)),
+        })
+        .max_by_key(|(time, _)| *time)
 }
