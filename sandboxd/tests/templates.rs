@@ -93,6 +93,12 @@ fn template_snapshot(dir: &std::path::Path) -> (std::path::PathBuf, String) {
     (snap, out[1].digest.clone().unwrap())
 }
 
+/// KSM's global knobs that VMs tune: run, pages_to_scan, sleep_millisecs.
+fn ksm_knobs() -> [String; 3] {
+    ["run", "pages_to_scan", "sleep_millisecs"]
+        .map(|k| std::fs::read_to_string(format!("/sys/kernel/mm/ksm/{k}")).unwrap())
+}
+
 /// Pages of process `pid` that KSM has merged.
 fn ksm_merged_pages(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/ksm_merging_pages"))
@@ -106,10 +112,18 @@ fn sandboxes_of_a_template_share_the_pages_they_restored_alike() {
     if skip() || !std::path::Path::new("/sys/kernel/mm/ksm/run").exists() {
         return;
     }
+    let before = ksm_knobs();
     let snaps = tempfile::tempdir().unwrap();
     let (snap, filled) = template_snapshot(snaps.path());
     let template = format!("base={}", snap.display());
-    let daemon = Daemon::start(&["--template", &template, "--share-template-pages"]);
+    // Stopped on exit: its VMs end cleanly and give KSM's settings back (a VM killed with
+    // -9 leaves them tuned until the next VM that tunes KSM prunes its lease).
+    let daemon = Daemon::start(&[
+        "--template",
+        &template,
+        "--share-template-pages",
+        "--stop-on-exit",
+    ]);
     let ids: Vec<String> = (0..3)
         .map(|_| create(&daemon, r#""image":{"uri":"base"}"#))
         .collect();
@@ -137,6 +151,13 @@ fn sandboxes_of_a_template_share_the_pages_they_restored_alike() {
     assert_ne!(written, filled);
     assert_eq!(digest(&daemon, &ids[1], "digest"), filled);
     assert_eq!(digest(&daemon, &ids[2], "digest"), filled);
+    // The host's KSM settings come back once the daemon has stopped the VMs.
+    drop(daemon);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while ksm_knobs() != before && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert_eq!(ksm_knobs(), before);
 }
 
 #[test]
