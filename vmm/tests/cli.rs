@@ -565,6 +565,14 @@ fn cli_dedup_merges_identical_vms_keeps_them_apart_and_restores_ksm() {
     let _ksm = KSM
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
+    // A VM of an earlier test killed with -9 may have left KSM tuned, with no live holder:
+    // the host's own settings come back first (what the next VM's lease would do anyway), so
+    // that they are what this test expects to find again at its end.
+    let ksm = ksm_advisor::Ksm::system().unwrap();
+    let state = Path::new(ksm_advisor::tune::DEFAULT_STATE_DIR);
+    if state.exists() {
+        ksm_advisor::tune::restore(&ksm, state, false).unwrap();
+    }
     let before: Vec<String> = ["run", "pages_to_scan", "sleep_millisecs"]
         .iter()
         .map(|k| ksm_knob(k))
