@@ -394,10 +394,9 @@ impl Sandboxes {
         let Ok(ops) = self.ops(&id) else { return };
         let _op = ops.lock().await;
         // Deleted before it started.
-        if !self.get(&id).is_ok_and(|r| r.state == State::Pending) {
+        let Some(record) = self.get(&id).ok().filter(|r| r.state == State::Pending) else {
             return;
-        }
-        let Ok(record) = self.get(&id) else { return };
+        };
         // A sandbox re-adopted by a daemon that no longer serves its template cannot start.
         let Some(template) = self.templates.get(&record.template) else {
             let why = format!(

@@ -107,6 +107,16 @@ impl Shared {
             .collect()
     }
 
+    /// What a load or a warm-up starts from: the blocks holding stored pages and the working
+    /// set saved with the store. Recording starts afresh for this resume, on top of what the
+    /// last ones recorded: blocks the prefetcher installs raise no fault, so a set recorded
+    /// from faults alone would lose them and shrink with every resume.
+    fn begin_load(&self) -> (Vec<u64>, Vec<u64>) {
+        let saved = self.saved_working_set();
+        self.working_set.restart(&saved);
+        (self.stored_blocks(), saved)
+    }
+
     /// The blocks of the recorded working set `saved` that still hold stored pages (in
     /// `stored`, ascending), in recorded order and each once; and which blocks those are.
     fn working_set_order(&self, stored: &[u64], saved: &[u64]) -> (Vec<u64>, Vec<bool>) {
@@ -142,12 +152,7 @@ impl Pager {
     pub fn load(&self, mode: LoadMode, threads: usize) -> Result<LoadReport, LoadError> {
         let started = Instant::now();
         let shared = self.shared();
-        let stored = shared.stored_blocks();
-        let saved = shared.saved_working_set();
-        // Recording starts afresh for this resume, on top of what the last ones recorded:
-        // blocks the prefetcher installs raise no fault, so a set recorded from faults alone
-        // would lose them and shrink with every resume.
-        shared.working_set.restart(&saved);
+        let (stored, saved) = shared.begin_load();
         let mut report = LoadReport {
             blocks: stored.len() as u64,
             ..LoadReport::default()
@@ -180,11 +185,9 @@ impl Pager {
     pub fn warm(&self, threads: usize) -> Result<LoadReport, LoadError> {
         let started = Instant::now();
         let shared = self.shared();
-        let stored = shared.stored_blocks();
-        let saved = shared.saved_working_set();
-        shared.working_set.restart(&saved);
+        let (stored, saved) = shared.begin_load();
         let (order, _) = shared.working_set_order(&stored, &saved);
-        let report = LoadReport {
+        let mut report = LoadReport {
             blocks: stored.len() as u64,
             working_set_blocks: order.len() as u64,
             ..LoadReport::default()
@@ -193,10 +196,8 @@ impl Pager {
             let hot = order.len();
             self.start_prefetch(order, hot, threads)?;
         }
-        Ok(LoadReport {
-            elapsed_ms: started.elapsed().as_secs_f64() * 1e3,
-            ..report
-        })
+        report.elapsed_ms = started.elapsed().as_secs_f64() * 1e3;
+        Ok(report)
     }
 
     /// Starts the background prefetcher over `order` (the first `hot` blocks are the

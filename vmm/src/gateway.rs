@@ -20,7 +20,7 @@
 //! the gateway stops reading the upstream, whose sends then wait (TCP back-pressure).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use http_body_util::{BodyExt, Full};
@@ -166,9 +166,6 @@ struct State {
     events: VecDeque<WaitEvent>,
     /// Requests sent and not answered yet (at most [`MAX_IN_FLIGHT`]).
     in_flight: usize,
-    /// Requests whose answers have begun to arrive, not yet said by `wait_progress` (at most
-    /// the requests in flight: an answer that completes takes its request out).
-    arriving: Vec<u64>,
     /// The answers of the requests in flight, as far as they have come (a request sent again
     /// while in flight replaces its entry: the earlier send is superseded).
     partial: HashMap<u64, Partial>,
@@ -183,6 +180,8 @@ struct Partial {
     send: u64,
     /// Its body so far.
     bytes: Vec<u8>,
+    /// Its first bytes have arrived and `wait_progress` has not said so yet.
+    arrival_unsaid: bool,
     /// Bytes handed over in batches.
     taken: usize,
     /// When the oldest byte not taken arrived.
@@ -234,6 +233,17 @@ impl Partial {
     }
 }
 
+/// The gateway's state and the condition its waiters wait on, shared with its request tasks.
+type Shared = (Mutex<State>, Condvar);
+
+/// Locks the state; a lock poisoned by a panic elsewhere is taken as it is.
+fn lock(shared: &Shared) -> MutexGuard<'_, State> {
+    shared
+        .0
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 impl State {
     /// The `send`th send of `request` is over with `answer`: kept for it (for a batched
     /// request, what it has not taken), unless it was superseded or cancelled meanwhile.
@@ -241,6 +251,7 @@ impl State {
         let Some(partial) = self.partial.get(&request).filter(|p| p.send == send) else {
             return false;
         };
+        // Read now, not when the body was read: a batch may have been taken in between.
         let taken = partial.taken;
         self.partial.remove(&request);
         let answer = match answer {
@@ -254,7 +265,6 @@ impl State {
     }
 
     fn keep_answer(&mut self, request: u64, answer: Answer) {
-        self.arriving.retain(|&r| r != request);
         self.answers.insert(request, answer);
         self.order.push_back(request);
         while self.answers.len() > MAX_KEPT || self.order.len() > 4 * MAX_KEPT {
@@ -285,7 +295,7 @@ pub struct Gateway {
     epoch: u64,
     timeout: Duration,
     runtime: tokio::runtime::Runtime,
-    shared: Arc<(Mutex<State>, Condvar)>,
+    shared: Arc<Shared>,
 }
 
 impl Gateway {
@@ -314,11 +324,8 @@ impl Gateway {
         })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.shared
-            .0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn lock(&self) -> MutexGuard<'_, State> {
+        lock(&self.shared)
     }
 
     /// Sends `request` upstream; its answer is kept until taken (whole, or with `batching`
@@ -350,7 +357,6 @@ impl Gateway {
             let send = state.next_send;
             // A request sent again while in flight supersedes its earlier send, whose bytes
             // and answer go nowhere from now on.
-            state.arriving.retain(|&r| r != request);
             state.partial.insert(
                 request,
                 Partial {
@@ -380,14 +386,11 @@ impl Gateway {
                 Ok(answer) => answer,
                 Err(_) => Answer::Error(format!("no answer within {} s", timeout.as_secs_f64())),
             };
-            let (lock, ready) = &*shared;
-            let mut state = lock
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut state = lock(&shared);
             state.in_flight = state.in_flight.saturating_sub(1);
             if state.finish_send(request, send, answer) {
                 state.push_event(WaitEvent::DataReady { request, epoch });
-                ready.notify_all();
+                shared.1.notify_all();
             }
         });
     }
@@ -398,7 +401,6 @@ impl Gateway {
     pub fn cancel(&self, request: u64) {
         let mut state = self.lock();
         state.partial.remove(&request);
-        state.arriving.retain(|&r| r != request);
         state.answers.remove(&request);
     }
 
@@ -452,25 +454,23 @@ impl Gateway {
         arrival: bool,
         batches: bool,
     ) -> Option<Progress> {
-        let (lock, ready) = &*self.shared;
-        let mut state = lock
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let ready = &self.shared.1;
+        let mut state = self.lock();
         // A timeout too long for an `Instant` is no timeout (an hour at a time).
         let deadline = Instant::now().checked_add(timeout);
         loop {
             if let Some(answer) = state.answers.remove(&request) {
                 return Some(Progress::Done(answer));
             }
-            if arrival {
-                if let Some(i) = state.arriving.iter().position(|&r| r == request) {
-                    state.arriving.swap_remove(i);
+            if let Some(partial) = state.partial.get_mut(&request) {
+                if arrival && partial.arrival_unsaid {
+                    partial.arrival_unsaid = false;
                     return Some(Progress::Arriving);
                 }
-            }
-            if batches {
-                let partial = state.partial.get_mut(&request);
-                if let Some((batch, since)) = partial.and_then(|p| p.take_batch(Instant::now())) {
+                if let Some((batch, since)) = batches
+                    .then(|| partial.take_batch(Instant::now()))
+                    .flatten()
+                {
                     return Some(Progress::Batch(batch, since));
                 }
             }
@@ -503,7 +503,7 @@ impl EventSource for Gateway {
 /// Where a successful answer's body goes as it arrives: its request's [`Partial`] in the
 /// gateway's state.
 struct Sink {
-    shared: Arc<(Mutex<State>, Condvar)>,
+    shared: Arc<Shared>,
     request: u64,
     epoch: u64,
     /// Which send of the request it reads for.
@@ -511,11 +511,8 @@ struct Sink {
 }
 
 impl Sink {
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.shared
-            .0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn lock(&self) -> MutexGuard<'_, State> {
+        lock(&self.shared)
     }
 
     /// Adds `data` to the answer; its first bytes are said (`DataArriving`). False if the
@@ -536,7 +533,7 @@ impl Sink {
         partial.since.get_or_insert(now);
         partial.note_full(now);
         if first {
-            state.arriving.push(self.request);
+            partial.arrival_unsaid = true;
             state.push_event(WaitEvent::DataArriving {
                 request: self.request,
                 epoch: self.epoch,

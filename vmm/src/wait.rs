@@ -257,6 +257,25 @@ pub struct WaitStats {
     pub offload_cost_ms: u64,
 }
 
+/// Where an offload's warm-up is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Warm {
+    /// None yet.
+    Idle,
+    /// Due then (the answer has begun to arrive).
+    Due(Instant),
+    /// Started: the working set is coming back.
+    Started,
+}
+
+/// Keeps `value` as the newest of a history of at most [`WAIT_HISTORY`].
+fn remember<T>(history: &mut VecDeque<T>, value: T) {
+    if history.len() == WAIT_HISTORY {
+        history.pop_front();
+    }
+    history.push_back(value);
+}
+
 /// One VM's coordinator.
 #[derive(Debug, Clone)]
 pub struct WaitCoordinator {
@@ -277,10 +296,8 @@ pub struct WaitCoordinator {
     /// The guest's timer is too close for an offload in this pause: nothing to look at until
     /// the guest reports again or runs.
     timer_blocked: bool,
-    /// This offload's working set is already coming back (one warm-up per offload).
-    warming: bool,
-    /// When the warm-up of this offload is due (the answer has begun to arrive).
-    warm_at: Option<Instant>,
+    /// This offload's warm-up (one per offload).
+    warm: Warm,
     /// When the answers of requests waited for began to arrive, and how long they had been
     /// waited for then.
     arriving: BTreeMap<u64, (Instant, Duration)>,
@@ -309,8 +326,7 @@ impl WaitCoordinator {
             skipped: false,
             recheck: None,
             timer_blocked: false,
-            warming: false,
-            warm_at: None,
+            warm: Warm::Idle,
             arriving: BTreeMap::new(),
             streams: VecDeque::with_capacity(WAIT_HISTORY),
             waits: VecDeque::with_capacity(WAIT_HISTORY),
@@ -425,7 +441,10 @@ impl WaitCoordinator {
         self.idle_since = None;
         self.timer_due = None;
         self.arriving.clear();
-        self.warm_at = None;
+        // A warm-up under way stays counted for this offload.
+        if let Warm::Due(_) = self.warm {
+            self.warm = Warm::Idle;
+        }
     }
 
     fn current(&mut self, epoch: u64) -> bool {
@@ -441,8 +460,7 @@ impl WaitCoordinator {
         self.skipped = false;
         self.recheck = None;
         self.timer_blocked = false;
-        self.warming = false;
-        self.warm_at = None;
+        self.warm = Warm::Idle;
     }
 
     fn resume(&mut self, out: &mut Vec<Action>) {
@@ -468,19 +486,16 @@ impl WaitCoordinator {
             WaitEvent::DataArriving { request, epoch } => {
                 // Only for a request still waited for, once per offload, and never while an
                 // operator holds the VM (its RAM is theirs to bring back).
-                if !(self.current(epoch) && self.waiting.contains_key(&request)) {
+                if !self.current(epoch) {
                     return out;
                 }
-                let waited = self.waiting.get(&request).map_or(Duration::ZERO, |&began| {
-                    now.saturating_duration_since(began)
-                });
+                let Some(&began) = self.waiting.get(&request) else {
+                    return out;
+                };
+                let waited = now.saturating_duration_since(began);
                 self.arriving.entry(request).or_insert((now, waited));
-                if self.phase == Phase::Offloaded
-                    && self.policy.warm
-                    && !self.warming
-                    && self.warm_at.is_none()
-                {
-                    self.warm_at = Some(now + self.warm_due(waited));
+                if self.phase == Phase::Offloaded && self.policy.warm && self.warm == Warm::Idle {
+                    self.warm = Warm::Due(now + self.warm_due(waited));
                 }
             }
             WaitEvent::BatchReady { request, epoch } => {
@@ -511,18 +526,14 @@ impl WaitCoordinator {
                     }
                     return out;
                 };
-                if self.waits.len() == WAIT_HISTORY {
-                    self.waits.pop_front();
-                }
-                self.waits.push_back(now.saturating_duration_since(began));
+                remember(&mut self.waits, now.saturating_duration_since(began));
                 if let Some((arrived, first)) = self.arriving.remove(&request) {
                     if !first.is_zero() {
-                        if self.streams.len() == WAIT_HISTORY {
-                            self.streams.pop_front();
-                        }
                         let stream = now.saturating_duration_since(arrived);
-                        self.streams
-                            .push_back(stream.as_secs_f64() / first.as_secs_f64());
+                        remember(
+                            &mut self.streams,
+                            stream.as_secs_f64() / first.as_secs_f64(),
+                        );
                     }
                 }
                 if self.phase == Phase::Manual {
@@ -638,9 +649,8 @@ impl WaitCoordinator {
                 return out;
             }
         }
-        if self.phase == Phase::Offloaded && self.warm_at.is_some_and(|due| due <= now) {
-            self.warm_at = None;
-            self.warming = true;
+        if self.phase == Phase::Offloaded && matches!(self.warm, Warm::Due(due) if due <= now) {
+            self.warm = Warm::Started;
             self.stats.warms += 1;
             out.push(Action::Warm);
         }
@@ -698,7 +708,10 @@ impl WaitCoordinator {
         }
         let timer = self.timer_due.filter(|_| self.phase != Phase::Running);
         let offload = self.offload_due();
-        let warm = self.warm_at.filter(|_| self.phase == Phase::Offloaded);
+        let warm = match self.warm {
+            Warm::Due(due) if self.phase == Phase::Offloaded => Some(due),
+            _ => None,
+        };
         [self.pause_due(), offload, timer, warm]
             .into_iter()
             .flatten()
@@ -879,8 +892,7 @@ mod tests {
         assert_eq!(c.stats().warms, 2);
         // An answer that ends before its warm-up was due: resumed and delivered, no warm-up.
         let mut early = c.clone();
-        early.warm_at = Some(first + Duration::from_millis(340));
-        early.warming = false;
+        early.warm = Warm::Due(first + Duration::from_millis(340));
         answer_resumes_and_delivers(&mut early, first + Duration::from_millis(100));
         assert!(early.tick(first + Duration::from_millis(400)).is_empty());
         assert_eq!(early.stats().warms, 2);

@@ -194,15 +194,11 @@ impl Machine {
                 )));
             }
             let left = until.map_or(STOP_POLL, |u| u.saturating_duration_since(Instant::now()));
-            let slice = left.min(STOP_POLL);
-            if batching.is_some() {
-                match port.wait_progress(request, slice, true) {
-                    Some(Progress::Done(answer)) => return WaitOutcome::Answer(answer),
-                    Some(Progress::Batch(bytes, at)) => return WaitOutcome::Batch(bytes, at),
-                    Some(Progress::Arriving) | None => {}
-                }
-            } else if let Some(answer) = port.wait_for(request, slice) {
-                return WaitOutcome::Answer(answer);
+            match port.wait_progress(request, left.min(STOP_POLL), batching.is_some()) {
+                Some(Progress::Done(answer)) => return WaitOutcome::Answer(answer),
+                Some(Progress::Batch(bytes, at)) => return WaitOutcome::Batch(bytes, at),
+                // Nothing to get ready: the VM keeps its RAM.
+                Some(Progress::Arriving) | None => {}
             }
             if until.is_some_and(|u| u <= Instant::now()) {
                 return WaitOutcome::Timer;
