@@ -22,6 +22,16 @@
 #define PORT_MODEL 0x40  /* model request arg[0] is out; the answer is in io_buf when it returns */
 #define PORT_PANIC 0x3f  /* something impossible happened; see status */
 #define PORT_ARENA 0x50  /* outl: the page number of an arena report (struct arena_report) */
+#define PORT_NET 0x60    /* outl: the page number of a net request (struct net_request) */
+
+/* Downloads: the guest asks the host to GET a URL and takes the body chunk by chunk, each
+ * written by the host into the buffer the request names; the host answers in the request's
+ * own fields. The same message a Linux guest's driver would send (vmm/src/net.rs,
+ * docs/waits.md). */
+#define NET_GPA 0xB000ull
+#define NET_MAGIC 0x544E5650u /* "PVNT" */
+#define NET_VERSION 1
+enum net_kind { NET_GET = 1, NET_NEXT = 2, NET_CLOSE = 3 };
 
 /* Arenas (Tide): memory a phase owns, in 2 MiB-aligned extents of its own at the top of the
  * application region, never shared with the application data below. The guest tells the host
@@ -39,11 +49,11 @@ enum arena_intent { AR_SURVIVE = 1, AR_DISCARD = 2 };
 
 enum op { OP_NONE = 0, OP_FILL = 1, OP_DIGEST = 2, OP_TOUCH = 3, OP_REWRITE = 4,
           OP_RELEASE = 5, OP_TASK = 6, OP_MODEL = 7, OP_POKE = 8, OP_CHAOS = 9,
-          OP_ARENA = 10, OP_MODEL_STREAM = 11 };
+          OP_ARENA = 10, OP_MODEL_STREAM = 11, OP_DOWNLOAD = 12 };
 enum fill { FILL_REPEATED = 0, FILL_RANDOM = 1, FILL_ZERO = 2, FILL_DISTINCT = 3 };
 enum blk_op { BLK_READ = 1, BLK_WRITE = 2, BLK_FLUSH = 3 };
 enum status { ST_OK = 0, ST_BAD_OP = 1, ST_TOO_LARGE = 2, ST_IO = 3, ST_MISMATCH = 4,
-              ST_MODEL = 5, ST_RELEASE = 6, ST_ARENA = 7 };
+              ST_MODEL = 5, ST_RELEASE = 6, ST_ARENA = 7, ST_NET = 8 };
 
 struct mailbox {
     volatile uint64_t op;
@@ -81,7 +91,23 @@ struct arena_report {
     struct { volatile uint64_t gpa, len; } extent[ARENA_MAX_EXTENTS];
 };
 
+struct net_request {
+    volatile uint32_t magic;
+    volatile uint16_t version;
+    volatile uint16_t kind;     /* enum net_kind */
+    volatile uint64_t id;       /* the guest's name for the transfer */
+    volatile uint64_t buf_gpa;  /* where the host writes a chunk */
+    volatile uint64_t buf_len;  /* room there (at NET_GET: for the whole body) */
+    volatile uint64_t url_gpa;  /* NET_GET: the URL */
+    volatile uint64_t url_len;
+    volatile uint64_t status;   /* the host's answer: 0, or an errno */
+    volatile uint64_t len;      /* bytes written at buf_gpa */
+    volatile uint64_t more;     /* 1 while more chunks follow */
+    volatile uint64_t total;    /* the length announced, or ~0 */
+};
+
 #define MB ((struct mailbox *)MAILBOX_GPA)
+#define NET ((struct net_request *)NET_GPA)
 #define AR ((struct arena_report *)ARENA_GPA)
 #define BLK ((struct blk_request *)BLK_GPA)
 
@@ -211,6 +237,43 @@ static uint64_t op_fill(uint64_t bytes, uint64_t kind, uint64_t seed, uint64_t s
     uint64_t state = seed_state(seed, 0);
     fill_page((uint64_t *)base, bytes / 8, kind, &state);
     *done = bytes;
+    return ST_OK;
+}
+
+/* `download URL`: the URL (arg[0] bytes in io_buf) fetched by the host into the application
+ * data from its start, chunk by chunk (a download replaces the data, as `fill` does). The
+ * guest sleeps at the port between chunks; the host may take its memory meanwhile. Results:
+ * bytes, chunks, the host's errno on a failure. */
+static uint64_t downloads;
+
+static uint64_t op_download(uint64_t url_len, uint64_t *got, uint64_t *chunks, uint64_t *err) {
+    uint64_t base, size, *done;
+    target(0, &base, &size, &done);
+    NET->magic = NET_MAGIC;
+    NET->version = NET_VERSION;
+    NET->kind = NET_GET;
+    NET->id = ++downloads;
+    NET->url_gpa = MB->io_buf;
+    NET->url_len = url_len;
+    *got = *chunks = *err = 0;
+    for (;;) {
+        NET->buf_gpa = base + *got;
+        NET->buf_len = size - *got;
+        NET->status = ~0ull; /* a request the host does not answer reads as failed */
+        if (!NET->buf_len) {
+            NET->kind = NET_CLOSE;
+            outl(PORT_NET, (uint32_t)(NET_GPA >> 12));
+            return ST_TOO_LARGE;
+        }
+        outl(PORT_NET, (uint32_t)(NET_GPA >> 12));
+        if (NET->status) { *err = NET->status; return ST_NET; }
+        if (NET->len > NET->buf_len) { *err = ~0ull; return ST_NET; }
+        *got += NET->len;
+        if (NET->len) (*chunks)++;
+        if (!NET->more) break;
+        NET->kind = NET_NEXT;
+    }
+    *done = *got;
     return ST_OK;
 }
 
@@ -537,6 +600,15 @@ __attribute__((noreturn, section(".text.start"))) void _start(void) {
         case OP_CHAOS:
             op_chaos(MB->arg[0], MB->arg[1]);
             break;
+        case OP_DOWNLOAD: {
+            uint64_t got = 0, chunks = 0, err = 0;
+            st = op_download(MB->arg[0], &got, &chunks, &err);
+            MB->result[0] = st ? 0 : digest((const uint64_t *)MB->app_base, got);
+            MB->result[1] = got;
+            MB->result[3] = err;
+            MB->result[4] = chunks;
+            break;
+        }
         case OP_TASK: {
             uint64_t d = 0;
             st = op_task(&d);

@@ -628,12 +628,19 @@ fn idle(report: &Report) -> Result<Action, Refused> {
 /// Where the report of an `out` of `value` to [`PORT_ARENA`] lies: a 32-bit page number whose
 /// page holds a whole report inside `ram_size` bytes of RAM; else why not.
 pub fn report_gpa(value: Option<u32>, ram_size: u64) -> Result<u64, String> {
+    message_gpa::<Report>(value, ram_size, "an arena report")
+}
+
+/// Where a message of type `M` (`what`, with its article) sent by an `out` of `value` lies: a 32-bit page
+/// number whose page holds a whole `M` inside `ram_size` bytes of RAM; else why not. The
+/// shape of every page-number channel (arenas, downloads).
+pub fn message_gpa<M>(value: Option<u32>, ram_size: u64, what: &str) -> Result<u64, String> {
     let Some(page) = value else {
-        return Err("an arena report's `out` is not 32 bits (the report's page number)".into());
+        return Err(format!("{what}'s `out` is not 32 bits (its page number)"));
     };
     let gpa = u64::from(page) << 12;
-    if gpa + std::mem::size_of::<Report>() as u64 > ram_size {
-        return Err(format!("an arena report at {gpa:#x} is outside RAM"));
+    if gpa + std::mem::size_of::<M>() as u64 > ram_size {
+        return Err(format!("{what} at {gpa:#x} is outside RAM"));
     }
     Ok(gpa)
 }

@@ -60,6 +60,21 @@ pub enum Progress {
     Done(Answer),
 }
 
+/// How far an answer in flight has come.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Flow {
+    /// Bytes of the body arrived, taken or not.
+    pub received: u64,
+    /// The length the response announced, if it did.
+    pub total: Option<u64>,
+    /// When the first bytes arrived.
+    pub first_at: Option<Instant>,
+    /// Bytes arrived and not taken.
+    pub waiting: u64,
+    /// When the oldest of those arrived.
+    pub since: Option<Instant>,
+}
+
 /// How a request's answer is handed over while it streams in: a batch is deliverable once it
 /// has `bytes` bytes or its oldest byte has waited `wait`; the rest goes when the answer
 /// ends.
@@ -104,6 +119,19 @@ pub trait ModelPort: Send + Sync {
 
     /// Gives request `request` up (its command ended without its answer).
     fn cancel(&self, request: u64);
+
+    /// Fetches `target` for the guest as request `request` (see [`Gateway::fetch`]).
+    fn fetch(
+        &self,
+        request: u64,
+        target: &crate::net::Target,
+        batching: Batching,
+        limit: u64,
+        stall: Duration,
+    );
+
+    /// How far `request`'s answer has come, while it is in flight.
+    fn flow(&self, request: u64) -> Option<Flow>;
 }
 
 #[derive(Debug, Clone)]
@@ -178,12 +206,17 @@ struct State {
 struct Partial {
     /// Which send of the request this is.
     send: u64,
-    /// Its body so far.
+    /// Its body so far, less the batches taken (they are not kept: a download may be far
+    /// larger than any buffer).
     bytes: Vec<u8>,
     /// Its first bytes have arrived and `wait_progress` has not said so yet.
     arrival_unsaid: bool,
-    /// Bytes handed over in batches.
-    taken: usize,
+    /// Bytes of the body arrived so far, taken or not.
+    received: u64,
+    /// When its first bytes arrived.
+    first_at: Option<Instant>,
+    /// The length its response announced, if it did.
+    total: Option<u64>,
     /// When the oldest byte not taken arrived.
     since: Option<Instant>,
     /// When the bytes not taken reached a batch's size, if they have.
@@ -195,7 +228,7 @@ struct Partial {
 impl Partial {
     /// Bytes arrived and not taken.
     fn waiting(&self) -> usize {
-        self.bytes.len() - self.taken
+        self.bytes.len()
     }
 
     /// Notes the moment the bytes not taken reach a batch's size.
@@ -220,8 +253,7 @@ impl Partial {
         if self.waiting() == 0 {
             return None;
         }
-        let batch = self.bytes[self.taken..].to_vec();
-        self.taken = self.bytes.len();
+        let batch = std::mem::take(&mut self.bytes);
         self.since = None;
         self.full_at = None;
         Some((batch, since))
@@ -245,20 +277,18 @@ fn lock(shared: &Shared) -> MutexGuard<'_, State> {
 }
 
 impl State {
-    /// The `send`th send of `request` is over with `answer`: kept for it (for a batched
-    /// request, what it has not taken), unless it was superseded or cancelled meanwhile.
-    fn finish_send(&mut self, request: u64, send: u64, answer: Answer) -> bool {
-        let Some(partial) = self.partial.get(&request).filter(|p| p.send == send) else {
+    /// The `send`th send of `request` is over: its body was read whole (`Ok`: the answer is
+    /// what it has not taken, read now, not when the body ended, as a batch may have been
+    /// taken in between) or not (why). Kept for it, unless it was superseded or cancelled
+    /// meanwhile.
+    fn finish_send(&mut self, request: u64, send: u64, read: Result<(), String>) -> bool {
+        if self.partial.get(&request).is_none_or(|p| p.send != send) {
             return false;
-        };
-        // Read now, not when the body was read: a batch may have been taken in between.
-        let taken = partial.taken;
-        self.partial.remove(&request);
-        let answer = match answer {
-            Answer::Data(mut bytes) if taken > 0 => {
-                Answer::Data(bytes.split_off(taken.min(bytes.len())))
-            }
-            other => other,
+        }
+        let partial = self.partial.remove(&request).unwrap_or_default();
+        let answer = match read {
+            Ok(()) => Answer::Data(partial.bytes),
+            Err(why) => Answer::Error(why),
         };
         self.keep_answer(request, answer);
         true
@@ -290,7 +320,8 @@ impl State {
 /// One VM's gateway.
 #[derive(Debug)]
 pub struct Gateway {
-    upstream: Upstream,
+    /// Where model requests go (none: a VM that only downloads).
+    upstream: Option<Upstream>,
     label: String,
     epoch: u64,
     timeout: Duration,
@@ -298,16 +329,32 @@ pub struct Gateway {
     shared: Arc<Shared>,
 }
 
+/// What a request asks the network for.
+#[derive(Debug, Clone)]
+enum Exchange {
+    /// A model request: `POST {upstream}/requests/{id}`, answered within the gateway's
+    /// timeout, at most the guest's I/O buffer.
+    Model(Upstream),
+    /// A download for the guest (its origin allowed already): `GET`, at most `limit` bytes,
+    /// given up once the origin sends nothing for `stall`.
+    Get {
+        target: crate::net::Target,
+        limit: u64,
+        stall: Duration,
+    },
+}
+
 impl Gateway {
-    /// A gateway to `upstream` (`http://HOST:PORT[/PATH]`) for the VM called `label`, in VM
-    /// epoch `epoch`; a request unanswered after `timeout` is answered with an error.
+    /// A gateway to `upstream` (`http://HOST:PORT[/PATH]`; none for a VM without model
+    /// requests) for the VM called `label`, in VM epoch `epoch`; a model request unanswered
+    /// after `timeout` is answered with an error.
     pub fn new(
-        upstream: &str,
+        upstream: Option<&str>,
         label: &str,
         epoch: u64,
         timeout: Duration,
     ) -> Result<Self, GatewayError> {
-        let upstream = Upstream::parse(upstream)?;
+        let upstream = upstream.map(Upstream::parse).transpose()?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("pvisor-gateway")
@@ -331,27 +378,80 @@ impl Gateway {
     /// Sends `request` upstream; its answer is kept until taken (whole, or with `batching`
     /// in batches).
     pub fn send(&self, request: u64, batching: Option<Batching>) {
+        match &self.upstream {
+            Some(upstream) => self.start(request, batching, Exchange::Model(upstream.clone())),
+            None => self.refuse(
+                request,
+                "this VM has no model upstream (pvisor run --vm-model-upstream URL)".into(),
+            ),
+        }
+    }
+
+    /// Fetches `target` for the guest as request `request` (an id of the caller's, apart from
+    /// its model requests'), handed over in batches as `batching` says: at most `limit`
+    /// bytes, given up once the origin has sent nothing for `stall`. The caller has checked
+    /// the origin against the VM's allow-list.
+    pub fn fetch(
+        &self,
+        request: u64,
+        target: &crate::net::Target,
+        batching: Batching,
+        limit: u64,
+        stall: Duration,
+    ) {
+        let get = Exchange::Get {
+            target: target.clone(),
+            limit,
+            stall,
+        };
+        self.start(request, Some(batching), get);
+    }
+
+    /// How far `request`'s answer has come, while it is in flight.
+    pub fn flow(&self, request: u64) -> Option<Flow> {
+        let state = self.lock();
+        let partial = state.partial.get(&request)?;
+        Some(Flow {
+            received: partial.received,
+            total: partial.total,
+            first_at: partial.first_at,
+            waiting: partial.waiting() as u64,
+            since: partial.since,
+        })
+    }
+
+    /// Answers `request` at once with an error.
+    fn refuse(&self, request: u64, why: String) {
+        let mut state = self.lock();
+        state.push_event(WaitEvent::WaitStart {
+            request,
+            epoch: self.epoch,
+        });
+        state.keep_answer(request, Answer::Error(why));
+        state.push_event(WaitEvent::DataReady {
+            request,
+            epoch: self.epoch,
+        });
+        self.shared.1.notify_all();
+    }
+
+    fn start(&self, request: u64, batching: Option<Batching>, exchange: Exchange) {
         let send = {
             let mut state = self.lock();
+            if state.in_flight >= MAX_IN_FLIGHT {
+                drop(state);
+                return self.refuse(
+                    request,
+                    format!(
+                        "request {request} refused: {MAX_IN_FLIGHT} requests are in flight \
+                         already"
+                    ),
+                );
+            }
             state.push_event(WaitEvent::WaitStart {
                 request,
                 epoch: self.epoch,
             });
-            if state.in_flight >= MAX_IN_FLIGHT {
-                state.keep_answer(
-                    request,
-                    Answer::Error(format!(
-                        "request {request} refused: {MAX_IN_FLIGHT} model requests are in \
-                         flight already"
-                    )),
-                );
-                state.push_event(WaitEvent::DataReady {
-                    request,
-                    epoch: self.epoch,
-                });
-                self.shared.1.notify_all();
-                return;
-            }
             state.in_flight += 1;
             state.next_send += 1;
             let send = state.next_send;
@@ -368,12 +468,7 @@ impl Gateway {
             send
         };
         let shared = Arc::clone(&self.shared);
-        let (upstream, label, epoch, timeout) = (
-            self.upstream.clone(),
-            self.label.clone(),
-            self.epoch,
-            self.timeout,
-        );
+        let (label, epoch, timeout) = (self.label.clone(), self.epoch, self.timeout);
         let sink = Sink {
             shared: Arc::clone(&self.shared),
             request,
@@ -381,14 +476,23 @@ impl Gateway {
             send,
         };
         self.runtime.spawn(async move {
-            let exchange = post(&upstream, &label, request, &sink);
-            let answer = match tokio::time::timeout(timeout, exchange).await {
-                Ok(answer) => answer,
-                Err(_) => Answer::Error(format!("no answer within {} s", timeout.as_secs_f64())),
+            let read = match exchange {
+                Exchange::Model(upstream) => {
+                    let post = post(&upstream, &label, request, &sink);
+                    match tokio::time::timeout(timeout, post).await {
+                        Ok(read) => read,
+                        Err(_) => Err(format!("no answer within {} s", timeout.as_secs_f64())),
+                    }
+                }
+                Exchange::Get {
+                    target,
+                    limit,
+                    stall,
+                } => get(&target, limit, stall, &sink).await,
             };
             let mut state = lock(&shared);
             state.in_flight = state.in_flight.saturating_sub(1);
-            if state.finish_send(request, send, answer) {
+            if state.finish_send(request, send, read) {
                 state.push_event(WaitEvent::DataReady { request, epoch });
                 shared.1.notify_all();
             }
@@ -441,6 +545,21 @@ impl ModelPort for Gateway {
 
     fn cancel(&self, request: u64) {
         Gateway::cancel(self, request);
+    }
+
+    fn fetch(
+        &self,
+        request: u64,
+        target: &crate::net::Target,
+        batching: Batching,
+        limit: u64,
+        stall: Duration,
+    ) {
+        Gateway::fetch(self, request, target, batching, limit, stall);
+    }
+
+    fn flow(&self, request: u64) -> Option<Flow> {
+        Gateway::flow(self, request)
     }
 }
 
@@ -527,9 +646,11 @@ impl Sink {
         else {
             return false;
         };
-        let first = partial.bytes.is_empty();
+        let first = partial.received == 0;
         partial.bytes.extend_from_slice(data);
+        partial.received += data.len() as u64;
         let now = Instant::now();
+        partial.first_at.get_or_insert(now);
         partial.since.get_or_insert(now);
         partial.note_full(now);
         if first {
@@ -553,86 +674,130 @@ impl Sink {
         })
     }
 
-    /// The whole body, for the answer.
-    fn finish(&self) -> Vec<u8> {
-        let state = self.lock();
-        state
-            .partial
-            .get(&self.request)
-            .filter(|p| p.send == self.send)
-            .map(|p| p.bytes.clone())
-            .unwrap_or_default()
+    /// The response announced `total` bytes of body.
+    fn announce(&self, total: u64) {
+        let mut state = self.lock();
+        if let Some(partial) = state.partial.get_mut(&self.request) {
+            if partial.send == self.send {
+                partial.total = Some(total);
+            }
+        }
     }
 }
 
 /// How often a reader held back by a full host buffer looks again.
 const BACKPRESSURE_POLL: Duration = Duration::from_millis(2);
 
-/// One HTTP/1.1 request on a fresh connection. A successful answer's body goes to `sink` as
-/// it arrives (an answer streamed in chunks, or as server-sent events, is read as it comes).
-async fn post(upstream: &Upstream, label: &str, request: u64, sink: &Sink) -> Answer {
-    let stream = match tokio::net::TcpStream::connect(&upstream.authority).await {
-        Ok(stream) => stream,
-        Err(e) => return Answer::Error(format!("cannot connect to {}: {e}", upstream.authority)),
-    };
+/// A model request: `POST {upstream}/requests/{id}` on a fresh connection. A successful
+/// answer's body goes to `sink` as it arrives (an answer streamed in chunks, or as
+/// server-sent events, is read as it comes); `Err` says why there is no answer.
+async fn post(upstream: &Upstream, label: &str, request: u64, sink: &Sink) -> Result<(), String> {
+    let body = serde_json::json!({ "request": request, "vm": label }).to_string();
+    let built = hyper::Request::post(format!("{}/requests/{request}", upstream.prefix))
+        .header(hyper::header::HOST, &upstream.authority)
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .map_err(|e| format!("request {request}: {e}"))?;
+    let what = format!("request {request}");
+    exchange(&upstream.authority, built, &what, MAX_ANSWER, None, sink).await
+}
+
+/// A download: `GET` of `target` on a fresh connection, its body to `sink` as it arrives, at
+/// most `limit` bytes, given up when the origin is silent for `stall` (the connection, the
+/// response head and each read of the body).
+async fn get(
+    target: &crate::net::Target,
+    limit: u64,
+    stall: Duration,
+    sink: &Sink,
+) -> Result<(), String> {
+    let built = hyper::Request::get(target.path())
+        .header(hyper::header::HOST, target.authority())
+        .header(hyper::header::USER_AGENT, "pvisor")
+        .body(Full::new(Bytes::new()))
+        .map_err(|e| format!("GET {target}: {e}"))?;
+    let what = format!("GET {target}");
+    exchange(target.authority(), built, &what, limit, Some(stall), sink).await
+}
+
+/// Waits for `step`, at most `stall` if given.
+async fn within<T>(
+    stall: Option<Duration>,
+    what: &str,
+    step: impl std::future::Future<Output = T>,
+) -> Result<T, String> {
+    match stall {
+        None => Ok(step.await),
+        Some(stall) => tokio::time::timeout(stall, step).await.map_err(|_| {
+            format!(
+                "{what}: nothing from the origin for {} s",
+                stall.as_secs_f64()
+            )
+        }),
+    }
+}
+
+/// One HTTP/1.1 exchange with `authority` on a fresh connection: `request` sent, the body of
+/// a successful answer (2xx) to `sink` as it arrives, at most `limit` bytes; anything else an
+/// error naming `what`.
+async fn exchange(
+    authority: &str,
+    request: hyper::Request<Full<Bytes>>,
+    what: &str,
+    limit: u64,
+    stall: Option<Duration>,
+    sink: &Sink,
+) -> Result<(), String> {
+    let stream = within(stall, what, tokio::net::TcpStream::connect(authority))
+        .await?
+        .map_err(|e| format!("cannot connect to {authority}: {e}"))?;
     let io = hyper_util::rt::TokioIo::new(stream);
     let handshake = hyper::client::conn::http1::Builder::new()
         .max_buf_size(MAX_HEAD)
         .handshake(io)
         .await;
-    let (mut sender, connection) = match handshake {
-        Ok(pair) => pair,
-        Err(e) => return Answer::Error(format!("HTTP handshake with {}: {e}", upstream.authority)),
-    };
+    let (mut sender, connection) =
+        handshake.map_err(|e| format!("HTTP handshake with {authority}: {e}"))?;
     tokio::spawn(connection);
-    let body = serde_json::json!({ "request": request, "vm": label }).to_string();
-    let built = hyper::Request::post(format!("{}/requests/{request}", upstream.prefix))
-        .header(hyper::header::HOST, &upstream.authority)
-        .header(hyper::header::CONTENT_TYPE, "application/json")
-        .body(Full::new(Bytes::from(body)));
-    let built = match built {
-        Ok(r) => r,
-        Err(e) => return Answer::Error(format!("request {request}: {e}")),
-    };
-    let response = match sender.send_request(built).await {
+    let response = match within(stall, what, sender.send_request(request)).await? {
         Ok(response) => response,
         // hyper tells a head over `max_buf_size` from other parse errors only with its
         // `server` feature: name the limit for both.
         Err(e) if e.is_parse() => {
-            return Answer::Error(format!(
-                "request {request} to {}: the answer's head (status line and headers, at most {} KiB) is invalid: {e}",
-                upstream.authority,
+            return Err(format!(
+                "{what} to {authority}: the answer's head (status line and headers, at most {} KiB) is invalid: {e}",
                 MAX_HEAD >> 10
             ))
         }
-        Err(e) => {
-            return Answer::Error(format!("request {request} to {}: {e}", upstream.authority))
-        }
+        Err(e) => return Err(format!("{what} to {authority}: {e}")),
     };
     let status = response.status();
-    // An error's body is no answer: nothing to get ready for, nothing to hand over.
-    let sink = status.is_success().then_some(sink);
-    let bytes = match read_bounded(response.into_body(), MAX_ANSWER, sink).await {
-        Ok(bytes) => sink.map_or(bytes, Sink::finish),
-        Err(BodyError::TooLarge) => {
-            return Answer::Error(format!(
-                "request {request}: the answer is over {MAX_ANSWER} bytes (the guest's I/O buffer)"
-            ))
+    if !status.is_success() {
+        // An error's body is no answer: nothing to get ready for, nothing to hand over; a
+        // little of it says why.
+        let body = read_bounded(response.into_body(), 4096, None, stall)
+            .await
+            .unwrap_or_default();
+        return Err(format!(
+            "{what}: {authority} answered {status}: {}",
+            String::from_utf8_lossy(&body[..body.len().min(200)]).trim()
+        ));
+    }
+    {
+        use hyper::body::Body;
+        if let Some(total) = response.body().size_hint().exact() {
+            sink.announce(total);
         }
-        Err(BodyError::Read(e)) => {
-            return Answer::Error(format!("request {request}: reading the answer: {e}"))
-        }
-        Err(BodyError::Abandoned) => {
-            return Answer::Error(format!("request {request} was sent again or given up"))
-        }
-    };
-    if status.is_success() {
-        Answer::Data(bytes)
-    } else {
-        Answer::Error(format!(
-            "request {request}: upstream answered {status}: {}",
-            String::from_utf8_lossy(&bytes[..bytes.len().min(200)]).trim()
-        ))
+    }
+    match read_bounded(response.into_body(), limit, Some(sink), stall).await {
+        Ok(_) => Ok(()),
+        Err(BodyError::TooLarge) => Err(format!("{what}: the answer is over {limit} bytes")),
+        Err(BodyError::Read(e)) => Err(format!("{what}: reading the answer: {e}")),
+        Err(BodyError::Stalled) => Err(format!(
+            "{what}: nothing from the origin for {} s",
+            stall.unwrap_or_default().as_secs_f64()
+        )),
+        Err(BodyError::Abandoned) => Err(format!("{what} was sent again or given up")),
     }
 }
 
@@ -645,15 +810,19 @@ enum BodyError {
     Read(hyper::Error),
     /// The request was sent again or given up: nobody reads this answer.
     Abandoned,
+    /// The origin sent nothing for the stall time.
+    Stalled,
 }
 
 /// Reads `body` whole if it has at most `limit` bytes; stops (and drops the connection) as soon
-/// as it announces or sends more. The bytes go to `sink` as they arrive (then none are
-/// returned), reading no further while its host buffer is full; else they are returned.
+/// as it announces or sends more, or (with `stall`) once no frame came for that long. The
+/// bytes go to `sink` as they arrive (then none are returned), reading no further while its
+/// host buffer is full (that wait is not a stall); else they are returned.
 async fn read_bounded(
     mut body: hyper::body::Incoming,
     limit: u64,
     sink: Option<&Sink>,
+    stall: Option<Duration>,
 ) -> Result<Vec<u8>, BodyError> {
     use hyper::body::Body;
     if body.size_hint().lower() > limit {
@@ -665,7 +834,13 @@ async fn read_bounded(
         while sink.is_some_and(Sink::full) {
             tokio::time::sleep(BACKPRESSURE_POLL).await;
         }
-        let Some(frame) = body.frame().await else {
+        let next = match stall {
+            Some(stall) => tokio::time::timeout(stall, body.frame())
+                .await
+                .map_err(|_| BodyError::Stalled)?,
+            None => body.frame().await,
+        };
+        let Some(frame) = next else {
             return Ok(bytes);
         };
         let frame = frame.map_err(BodyError::Read)?;
@@ -716,7 +891,7 @@ mod tests {
         // An upstream that takes connections and never answers.
         let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("a local port");
         let url = format!("http://{}", silent.local_addr().expect("bound"));
-        let gateway = Gateway::new(&url, "t", 0, Duration::from_secs(60)).expect("a gateway");
+        let gateway = Gateway::new(Some(&url), "t", 0, Duration::from_secs(60)).expect("a gateway");
         for request in 0..MAX_IN_FLIGHT as u64 {
             gateway.send(request, None);
         }
@@ -752,7 +927,7 @@ mod tests {
             let _ = stream.write_all(head.as_bytes());
             let _ = stream.write_all(&sent);
         });
-        let gateway = Gateway::new(&url, "t", 0, Duration::from_secs(20)).expect("a gateway");
+        let gateway = Gateway::new(Some(&url), "t", 0, Duration::from_secs(20)).expect("a gateway");
         let batching = Batching {
             bytes: 16 << 10,
             wait: Duration::from_millis(10),
@@ -814,7 +989,7 @@ mod tests {
                 });
             }
         });
-        let gateway = Gateway::new(&url, "t", 0, Duration::from_secs(10)).expect("a gateway");
+        let gateway = Gateway::new(Some(&url), "t", 0, Duration::from_secs(10)).expect("a gateway");
         let whole = Batching {
             bytes: 1 << 20,
             wait: Duration::from_secs(10),

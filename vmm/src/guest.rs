@@ -100,6 +100,9 @@ pub enum Op {
     /// Ask the model (request id) and take its answer in batches as it streams in; digest
     /// the whole. Results: digest, bytes, timer runs, batches.
     ModelStream = 11,
+    /// Download the URL in the I/O buffer (arg[0] bytes) into the application data, chunk by
+    /// chunk over the net channel; results: digest of the bytes, bytes, chunks.
+    Download = 12,
 }
 
 /// How `fill` writes data.
@@ -147,6 +150,8 @@ pub mod status {
     /// An arena command failed: no such arena, no room for it, or the host refused its
     /// report (its errno in result 3).
     pub const ARENA: u64 = 7;
+    /// A download failed (see the VMM's error; the host's errno in result 3).
+    pub const NET: u64 = 8;
 }
 
 /// The mailbox page, as laid out by guest/guest.c.

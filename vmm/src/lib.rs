@@ -37,6 +37,7 @@ pub mod guest;
 pub mod hugepages;
 pub mod machine;
 pub mod memory;
+pub mod net;
 pub mod operator;
 pub mod replay;
 pub mod runtime;

@@ -599,8 +599,9 @@ mod tests {
         )
         .expect("a trajectory");
         let server = ReplayServer::start(&t).expect("listens");
-        let gateway = crate::gateway::Gateway::new(&server.url(), "t", 0, Duration::from_secs(10))
-            .expect("a gateway");
+        let gateway =
+            crate::gateway::Gateway::new(Some(&server.url()), "t", 0, Duration::from_secs(10))
+                .expect("a gateway");
         let started = std::time::Instant::now();
         gateway.send(1, None);
         let first = gateway.wait_progress(1, Duration::from_secs(5), false);
@@ -634,8 +635,9 @@ mod tests {
     fn replay_server_answers_after_the_recorded_wait() {
         let t = sample();
         let server = ReplayServer::start(&t).expect("listens");
-        let gateway = crate::gateway::Gateway::new(&server.url(), "t", 0, Duration::from_secs(5))
-            .expect("a gateway");
+        let gateway =
+            crate::gateway::Gateway::new(Some(&server.url()), "t", 0, Duration::from_secs(5))
+                .expect("a gateway");
         let started = std::time::Instant::now();
         gateway.send(1, None);
         assert_eq!(

@@ -78,6 +78,17 @@ pub enum Command {
         /// How many.
         count: u64,
     },
+    /// Download `url` (plain http, from an origin the VM allows: `--vm-net-allow`) into the
+    /// application data, as `fill` would write it, chunk by chunk; with `bytes` or `digest`,
+    /// the command fails unless it got exactly that (the digest as `digest` prints it).
+    Download {
+        /// What to fetch.
+        url: String,
+        /// The length expected, if known.
+        bytes: Option<u64>,
+        /// The digest expected, if known.
+        digest: Option<u64>,
+    },
     /// A phase arena (docs/arenas.md): `arena open ID SIZE survive|discard`, `arena close
     /// ID`, `arena free ID`, and the data commands on one: `fill SIZE KIND arena=ID`, `touch
     /// SIZE arena=ID`, `digest arena=ID`.
@@ -182,6 +193,16 @@ impl fmt::Display for Command {
                 port: Some(port),
             } => write!(f, "poke {gpa:#x} {value:#x} out={port:#x}"),
             Command::Chaos { seed, count } => write!(f, "chaos seed={seed} count={count}"),
+            Command::Download { url, bytes, digest } => {
+                write!(f, "download {url}")?;
+                if let Some(bytes) = bytes {
+                    write!(f, " bytes={bytes}")?;
+                }
+                if let Some(digest) = digest {
+                    write!(f, " digest={digest:016x}")?;
+                }
+                Ok(())
+            }
         }
     }
 }
@@ -199,7 +220,7 @@ pub struct ScriptError {
 }
 
 const COMMANDS: &str =
-    "fill, digest, touch, rewrite, release, task, sleep, idle, model, poke, chaos, arena";
+    "fill, digest, touch, rewrite, release, task, sleep, idle, model, download, poke, chaos, arena";
 
 /// A whole number, decimal or `0x` hexadecimal.
 fn number(text: &str) -> Result<u64, String> {
@@ -345,6 +366,41 @@ fn parse_one(text: &str) -> Result<Command, String> {
                 request,
                 timer_ms,
                 stream,
+            }
+        }
+        "download" => {
+            no_seed()?;
+            let url = positional
+                .first()
+                .ok_or("`download` needs a URL (http://HOST[:PORT]/PATH)")?;
+            if url.len() as u64 > crate::net::URL_MAX {
+                return Err(format!(
+                    "the URL has {} bytes, more than {}",
+                    url.len(),
+                    crate::net::URL_MAX
+                ));
+            }
+            crate::net::Target::parse(url)?;
+            let (mut bytes, mut digest) = (None, None);
+            for word in positional.iter().skip(1) {
+                if let Some(value) = word.strip_prefix("bytes=").filter(|_| bytes.is_none()) {
+                    bytes = Some(parse_size(value).map_err(|e| e.to_string())?);
+                } else if let Some(value) =
+                    word.strip_prefix("digest=").filter(|_| digest.is_none())
+                {
+                    digest = Some(u64::from_str_radix(value, 16).map_err(|_| {
+                        format!("bad digest `{value}` (16 hex digits, as `digest` prints it)")
+                    })?);
+                } else {
+                    return Err(format!(
+                        "unexpected argument `{word}` (bytes=SIZE? digest=HEX?)"
+                    ));
+                }
+            }
+            Command::Download {
+                url: (*url).to_owned(),
+                bytes,
+                digest,
             }
         }
         "touch" => {

@@ -308,6 +308,10 @@ pub struct WaitCoordinator {
     waits: VecDeque<Duration>,
     /// What its offloads take (a moving average of the durations reported).
     offload_cost: Option<Duration>,
+    /// Requests whose source estimates their wait (a download: from the bytes left and the
+    /// rate seen), with its latest estimate (when made, what was left then) if it has one:
+    /// used instead of this VM's past waits, and their ends kept out of them.
+    estimates: BTreeMap<u64, Option<(Instant, Duration)>>,
     stats: WaitStats,
 }
 
@@ -331,8 +335,32 @@ impl WaitCoordinator {
             streams: VecDeque::with_capacity(WAIT_HISTORY),
             waits: VecDeque::with_capacity(WAIT_HISTORY),
             offload_cost: None,
+            estimates: BTreeMap::new(),
             stats: WaitStats::default(),
         }
+    }
+
+    /// The source of `request` expects its wait to last `left` more from `now` (`None`: it
+    /// cannot tell yet). From then on the request's wait is judged by its source's estimate,
+    /// not by this VM's past waits, and its end is not counted among them (a download's wait
+    /// for its next chunk says nothing of a model's).
+    pub fn expect(&mut self, now: Instant, request: u64, left: Option<Duration>) {
+        self.estimates.insert(request, left.map(|left| (now, left)));
+    }
+
+    /// `request` was given up (its command ended without its data): it is waited for no
+    /// more, and its data, should any come, is stale.
+    pub fn forget(&mut self, request: u64) {
+        self.waiting.remove(&request);
+        self.arriving.remove(&request);
+        self.estimates.remove(&request);
+    }
+
+    /// What the source of `request` expects to be left of its wait at `now`: `None` if it
+    /// gives no estimate, `Some(None)` if it cannot tell yet.
+    fn estimated(&self, request: u64, now: Instant) -> Option<Option<Duration>> {
+        let estimate = self.estimates.get(&request)?;
+        Some(estimate.map(|(at, left)| left.saturating_sub(now.saturating_duration_since(at))))
     }
 
     /// The VMM reports that a batch reached the guest `delay` after it became deliverable.
@@ -401,8 +429,16 @@ impl WaitCoordinator {
     /// (until the answer, or the guest's timer if that comes first); if not, when to look
     /// again.
     fn pays(&self, now: Instant, elapsed: Duration) -> Result<(), Instant> {
-        let (Some(cost), Some(mut left)) = (self.offload_cost, self.expected_remaining(elapsed))
-        else {
+        let oldest = self
+            .waiting
+            .iter()
+            .min_by_key(|&(_, &began)| began)
+            .map(|(&request, _)| request);
+        let expected = match oldest.and_then(|request| self.estimated(request, now)) {
+            Some(estimate) => estimate,
+            None => self.expected_remaining(elapsed),
+        };
+        let (Some(cost), Some(mut left)) = (self.offload_cost, expected) else {
             // Nothing to go by yet: the first offload measures the cost.
             return Ok(());
         };
@@ -437,6 +473,7 @@ impl WaitCoordinator {
     pub fn new_epoch(&mut self, epoch: u64) {
         self.epoch = epoch;
         self.waiting.clear();
+        self.estimates.clear();
         self.held.clear();
         self.idle_since = None;
         self.timer_due = None;
@@ -495,7 +532,14 @@ impl WaitCoordinator {
                 let waited = now.saturating_duration_since(began);
                 self.arriving.entry(request).or_insert((now, waited));
                 if self.phase == Phase::Offloaded && self.policy.warm && self.warm == Warm::Idle {
-                    self.warm = Warm::Due(now + self.warm_due(waited));
+                    // Done as the data is due: by its source's estimate, if it gives one.
+                    let due = match self.estimated(request, now) {
+                        Some(left) => left
+                            .unwrap_or_default()
+                            .saturating_sub(self.offload_cost.unwrap_or_default() * 2),
+                        None => self.warm_due(waited),
+                    };
+                    self.warm = Warm::Due(now + due);
                 }
             }
             WaitEvent::BatchReady { request, epoch } => {
@@ -526,9 +570,12 @@ impl WaitCoordinator {
                     }
                     return out;
                 };
-                remember(&mut self.waits, now.saturating_duration_since(began));
+                let estimated = self.estimates.remove(&request).is_some();
+                if !estimated {
+                    remember(&mut self.waits, now.saturating_duration_since(began));
+                }
                 if let Some((arrived, first)) = self.arriving.remove(&request) {
-                    if !first.is_zero() {
+                    if !first.is_zero() && !estimated {
                         let stream = now.saturating_duration_since(arrived);
                         remember(
                             &mut self.streams,

@@ -139,7 +139,7 @@ fn gateway_upstream_errors_reach_the_guest_as_errors() {
 #[test]
 fn gateway_reports_wait_start_and_data_ready_and_hands_answers_out_once() {
     let url = upstream(Duration::from_millis(30));
-    let mut gateway = Gateway::new(&url, "test", 4, Duration::from_secs(10)).unwrap();
+    let mut gateway = Gateway::new(Some(&url), "test", 4, Duration::from_secs(10)).unwrap();
     gateway.send(3, None);
     assert_eq!(
         gateway.poll(),
@@ -166,7 +166,7 @@ fn gateway_reports_wait_start_and_data_ready_and_hands_answers_out_once() {
     assert_eq!(gateway.take(3), None);
     // A slow upstream: an error after the timeout, not a hang.
     let slow = Gateway::new(
-        &upstream(Duration::from_secs(5)),
+        Some(&upstream(Duration::from_secs(5))),
         "test",
         0,
         Duration::from_millis(100),
@@ -407,7 +407,7 @@ fn hostile_upstream(
 /// An answer of `len` bytes from `head`'s upstream, through a gateway with `timeout`.
 fn hostile_answer(head: &str, body: u64, pause: Duration, timeout: Duration) -> (Answer, u64) {
     let (url, written) = hostile_upstream(head.as_bytes().to_vec(), body, pause);
-    let gateway = Gateway::new(&url, "test", 0, timeout).unwrap();
+    let gateway = Gateway::new(Some(&url), "test", 0, timeout).unwrap();
     gateway.send(1, None);
     let answer = gateway.wait(1);
     // Let the upstream notice the hang-up (or run into a full socket).

@@ -187,7 +187,7 @@ fn model() -> (ReplayServer, Arc<Gateway>) {
         }],
     };
     let server = ReplayServer::start(&trajectory).unwrap();
-    let gateway = Gateway::new(&server.url(), "t", 0, Duration::from_secs(5)).unwrap();
+    let gateway = Gateway::new(Some(&server.url()), "t", 0, Duration::from_secs(5)).unwrap();
     (server, Arc::new(gateway))
 }
 

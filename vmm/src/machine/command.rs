@@ -3,6 +3,8 @@
 
 use std::time::{Duration, Instant};
 
+use vm_memory::Bytes;
+
 use super::{Machine, MachineError};
 use crate::guest::{self, status, Mailbox, Op};
 use crate::script::{ArenaOp, Command};
@@ -38,6 +40,12 @@ pub struct CommandOutput {
     /// `model … stream`: the batches the answer came in before its end.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub batches: Option<u64>,
+    /// `download`: bytes downloaded (their digest is in `digest`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub download_bytes: Option<u64>,
+    /// `download`: the chunks they came in.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chunks: Option<u64>,
     /// `poke … out=PORT`: what the VMM answered in the request areas.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub poke: Option<PokeReport>,
@@ -143,6 +151,41 @@ impl Machine {
                 output.timer_fired = timer_ms.map(|_| result[3]);
                 output.batches = stream.then_some(result[4]);
             }
+            Command::Download {
+                ref url,
+                bytes,
+                digest,
+            } => {
+                // The URL goes in the guest's I/O buffer (checked at parse: at most
+                // `net::URL_MAX` bytes, far below the buffer).
+                let gpa = guest::IO_BUF_GPA;
+                self.ram
+                    .memory()
+                    .write_slice(url.as_bytes(), vm_memory::GuestAddress(gpa))
+                    .map_err(|e| MachineError::GuestMemory { gpa, source: e })?;
+                let result = self.guest(command, Op::Download, &[url.len() as u64])?;
+                let mismatch = |what: String| MachineError::Command {
+                    command: command.to_string(),
+                    reason: what,
+                };
+                if bytes.is_some_and(|b| b != result[1]) {
+                    return Err(mismatch(format!(
+                        "got {} bytes, expected {}",
+                        result[1],
+                        bytes.unwrap_or_default()
+                    )));
+                }
+                if digest.is_some_and(|d| d != result[0]) {
+                    return Err(mismatch(format!(
+                        "got bytes of digest {:016x}, expected {:016x}",
+                        result[0],
+                        digest.unwrap_or_default()
+                    )));
+                }
+                output.digest = Some(format!("{:016x}", result[0]));
+                output.download_bytes = Some(result[1]);
+                output.chunks = Some(result[4]);
+            }
             Command::Poke { gpa, value, port } => {
                 let result = self.guest(
                     command,
@@ -217,6 +260,7 @@ impl Machine {
         self.check_usable()?;
         self.model_error = None;
         self.release_error = None;
+        self.net_error = None;
         // An idle report speaks for the command that sent it, never for a later one.
         self.idle_report = None;
         let mut mailbox: Mailbox = self.read(guest::MAILBOX_GPA)?;
@@ -229,7 +273,12 @@ impl Machine {
         // left without its answer is given up (the upstream no longer read for it).
         if let (Some((request, _)), Some(port)) = (self.model_pending.take(), &self.model) {
             port.cancel(request);
+            if let Some(coordinator) = self.coordinator.as_mut() {
+                coordinator.forget(request);
+            }
         }
+        // A download it left unfinished goes with it.
+        self.transfer = None;
         if let Err(e) = ran {
             self.broken = Some(basics::error_chain(&e));
             return Err(e);
@@ -257,6 +306,13 @@ impl Machine {
                     .stats()
                     .last_refusal
                     .unwrap_or_else(|| "no reason kept".into())
+            ),
+            status::NET => format!(
+                "the download failed (errno {}): {}",
+                mailbox.result[3],
+                self.net_error
+                    .take()
+                    .unwrap_or_else(|| "the host did not answer".into())
             ),
             status::ARENA => "no such arena, one of that id open already, or no room for it \
                               above the application data"

@@ -15,6 +15,8 @@
 //! - `command`: a command's dispatch to the guest and what it produced;
 //! - `model_wait`: the guest's model requests and the wait for their answer,
 //!   managed (pause, offload, the governor's orders) or not;
+//! - `download`: the guest's downloads, chunk by chunk, each chunk's wait like a model
+//!   wait;
 //! - `replies`: the operator's requests during a model wait, and their replies;
 //! - here: the configuration, the errors, the machine's state and what the rest of the VMM
 //!   reads of it.
@@ -38,6 +40,7 @@ use uffd_pager::offload::{OffloadConfig, OffloadError, OffloadReport};
 mod arenas;
 mod boot;
 mod command;
+mod download;
 mod interrupt;
 mod model_wait;
 mod replies;
@@ -239,6 +242,14 @@ pub struct Machine {
     model_received: u64,
     /// How a streamed answer is handed to a guest that takes it in batches.
     model_batching: crate::gateway::Batching,
+    /// How the guest's downloads go (none: it has no network).
+    net: Option<crate::net::NetOptions>,
+    /// The download in progress.
+    transfer: Option<download::Transfer>,
+    /// Downloads sent so far (their gateway ids).
+    net_sent: u64,
+    /// Why the last net request failed, for the command's error.
+    net_error: Option<String>,
     /// Why the last free report was refused, for the command's error.
     release_error: Option<String>,
     /// The guest's phase arenas (docs/arenas.md).
@@ -491,6 +502,11 @@ impl Machine {
     ) {
         self.model = Some(port);
         self.model_batching = batching;
+    }
+
+    /// How the guest's downloads go; they use the gateway of [`Machine::set_model_port`].
+    pub fn set_net(&mut self, options: crate::net::NetOptions) {
+        self.net = Some(options);
     }
 
     /// The virtual disk's file.

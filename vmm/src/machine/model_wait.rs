@@ -15,8 +15,8 @@ use crate::guest::{self, Mailbox};
 use crate::wait::{Action as WaitAction, Phase, WaitCoordinator, WaitEvent, WaitPolicy};
 use uffd_pager::offload::OffloadConfig;
 
-/// How a model wait ended.
-enum WaitOutcome {
+/// How a model wait (or a download's wait for its next chunk) ended.
+pub(super) enum WaitOutcome {
     /// With the answer (or why there is none).
     Answer(Answer),
     /// The guest's timer fell due: it runs its timer's work and comes back for the answer.
@@ -80,7 +80,9 @@ impl Machine {
         // A guest that takes the answer in batches as it streams in.
         let batching = (mailbox.op == guest::Op::ModelStream as u64).then_some(self.model_batching);
         let outcome = match (self.model.clone(), self.wait.clone()) {
-            (Some(port), Some(wait)) => self.managed_wait(&*port, request, timer, batching, &wait),
+            (Some(port), Some(wait)) => {
+                self.managed_wait(&*port, request, timer, batching, &wait, false)
+            }
             (Some(port), None) => self.plain_wait(&*port, request, timer, batching),
             (None, _) => WaitOutcome::Answer(Answer::Error(
                 "this VM has no model gateway (pvisor run --vm-model-upstream URL)".into(),
@@ -177,7 +179,7 @@ impl Machine {
 
     /// Waits for the answer to `request` without wait management: the VM keeps running (it
     /// only waits), and comes back early for the guest's timer.
-    fn plain_wait(
+    pub(super) fn plain_wait(
         &mut self,
         port: &dyn ModelPort,
         request: u64,
@@ -210,15 +212,25 @@ impl Machine {
     /// the model port (idle, no timer pending), so it is paused as it is, offloaded once the
     /// wait is long enough, its recorded working set brought back as the answer's first bytes
     /// arrive, and the rest (on faults, by default) once the answer is there.
-    /// Operator requests are answered meanwhile (see [`crate::operator`]).
-    fn managed_wait(
+    /// Operator requests are answered meanwhile (see [`crate::operator`]). A `download`'s wait
+    /// for its next chunk is judged by what is left of it at the rate seen
+    /// ([`super::download::next_chunk`]), not by the VM's past model waits.
+    pub(super) fn managed_wait(
         &mut self,
         port: &dyn ModelPort,
         request: u64,
         timer: Option<Duration>,
         batching: Option<Batching>,
         wait: &WaitManagement,
+        download: bool,
     ) -> WaitOutcome {
+        let estimate = |coordinator: &mut WaitCoordinator| {
+            if let (true, Some(chunking)) = (download, batching) {
+                let now = Instant::now();
+                let left = super::download::next_chunk(port.flow(request), chunking, now);
+                coordinator.expect(now, request, left);
+            }
+        };
         let mut coordinator = self
             .coordinator
             .take()
@@ -233,6 +245,7 @@ impl Machine {
             held: None,
             timer_due: timer.map(|t| now + t),
         };
+        estimate(&mut coordinator);
         coordinator.handle(
             now,
             WaitEvent::GuestIdle {
@@ -372,6 +385,7 @@ impl Machine {
                     }
                 }
             }
+            estimate(&mut coordinator);
             actions.extend(coordinator.tick(Instant::now()));
         };
         if let Some(link) = &self.governor {

@@ -83,7 +83,7 @@ impl Machine {
                     continue;
                 }
                 Some(VcpuExit::IoOut(port, data)) => {
-                    // The one port that takes a value takes 32 bits (a page number).
+                    // The ports that take a value take 32 bits (a page number).
                     Ok((port, <[u8; 4]>::try_from(data).ok().map(u32::from_le_bytes)))
                 }
                 // No port answers reads: an `in` reads all ones, as from an empty bus.
@@ -113,6 +113,11 @@ impl Machine {
                     self.model_request()?;
                 }
                 arena::PORT_ARENA => self.arena_report(value)?,
+                crate::net::PORT_NET => {
+                    // The guest waits for its download: freed memory goes now.
+                    self.drop_freed_arenas();
+                    self.net_request(value)?;
+                }
                 // Writes to a port nothing listens on go nowhere, as on real hardware.
                 _ => {}
             }

@@ -139,12 +139,12 @@ impl Vm {
             }
             None => None,
         };
-        let gateway = options
-            .model_upstream
-            .as_deref()
-            .map(|url| {
+        // One gateway carries the model requests and the downloads.
+        let networked = options.model_upstream.is_some() || !options.net.allow.is_empty();
+        let gateway = networked
+            .then(|| {
                 crate::gateway::Gateway::new(
-                    url,
+                    options.model_upstream.as_deref(),
                     &format!("pid-{}", std::process::id()),
                     0,
                     MODEL_TIMEOUT,
@@ -210,6 +210,9 @@ impl Vm {
         }
         if let Some(gateway) = gateway {
             machine.set_model_port(Arc::new(gateway), options.model_batching);
+            if !options.net.allow.is_empty() {
+                machine.set_net(options.net.clone());
+            }
         }
         let offloads = options.pool.is_some() || options.ram_backing == RamKind::Snapshot;
         if let Some(policy) = options.wait {

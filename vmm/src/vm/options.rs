@@ -77,6 +77,9 @@ pub struct VmOptions {
     /// How an answer streams into a guest that takes it in batches (`model ID stream`).
     #[serde(default)]
     pub model_batching: crate::gateway::Batching,
+    /// The guest's downloads: the origins allowed (none: no network), chunking, stall time.
+    #[serde(default)]
+    pub net: crate::net::NetOptions,
     /// Pause, and offload if the policy says so, while a model request is out.
     #[serde(default)]
     pub wait: Option<crate::wait::WaitPolicy>,
@@ -139,6 +142,7 @@ impl VmOptions {
             pool: None,
             model_upstream: None,
             model_batching: crate::gateway::Batching::default(),
+            net: crate::net::NetOptions::default(),
             wait: None,
             governor: None,
             arena_offload: false,

@@ -123,6 +123,26 @@ pub struct RunArgs {
     /// upstream until the guest takes a batch (256KiB).
     #[arg(long = "vm-model-buffer", value_parser = parse_size, value_name = "SIZE")]
     pub model_buffer: Option<u64>,
+    /// An origin the guest's `download URL` commands may fetch from, http://HOST[:PORT]
+    /// (repeat the flag for more; none: the guest has no network). Plain HTTP, GET only,
+    /// no redirects followed.
+    #[arg(long = "vm-net-allow", value_name = "ORIGIN")]
+    pub net_allow: Vec<String>,
+    /// A download's body is handed to the guest in chunks: one as soon as this much has
+    /// arrived (1MiB)...
+    #[arg(long = "vm-net-chunk", value_parser = parse_size, value_name = "SIZE")]
+    pub net_chunk: Option<u64>,
+    /// ...or when its oldest byte has waited MS (1000), and the rest at the end.
+    #[arg(long = "vm-net-chunk-ms", value_name = "MS")]
+    pub net_chunk_ms: Option<u64>,
+    /// Most bytes of a download kept on the host that the guest has not taken (while it is
+    /// offloaded): past it the origin is not read until the guest takes a chunk (4MiB).
+    #[arg(long = "vm-net-buffer", value_parser = parse_size, value_name = "SIZE")]
+    pub net_buffer: Option<u64>,
+    /// A download whose origin sends nothing for MS ends with an error; the VM goes on
+    /// (30000).
+    #[arg(long = "vm-net-stall-ms", value_name = "MS")]
+    pub net_stall_ms: Option<u64>,
     /// While a `model` request is out, pause the VM after 20 ms and offload it after 50 ms
     /// (at most every 5 s, and only when the wait is expected to pay for it: see
     /// --vm-wait-break-even); load it back when the answer arrives. Needs --vm-model-upstream.
@@ -238,6 +258,11 @@ struct ConfigVm {
     model_batch: Option<String>,
     model_batch_ms: Option<u64>,
     model_buffer: Option<String>,
+    net_allow: Option<Vec<String>>,
+    net_chunk: Option<String>,
+    net_chunk_ms: Option<u64>,
+    net_buffer: Option<String>,
+    net_stall_ms: Option<u64>,
     wait_management: Option<bool>,
     wait_strategy: Option<String>,
     wait_scale: Option<f64>,
@@ -285,18 +310,63 @@ pub struct Resolved {
     pub governor_hold_timeout_ms: Option<u64>,
     pub model_upstream: Option<String>,
     pub model_batching: vmm::gateway::Batching,
+    pub net: vmm::net::NetOptions,
     pub wait: Option<vmm::wait::WaitPolicy>,
 }
 
-/// How streamed answers are handed to the guest, from the flags and the config file.
-fn batching(args: &RunArgs, config: &ConfigVm) -> Result<vmm::gateway::Batching, String> {
-    let size = |flag: Option<u64>, key: &Option<String>, name: &str| match (flag, key) {
+/// A size from its flag, else its config key (`name`).
+fn size(flag: Option<u64>, key: &Option<String>, name: &str) -> Result<Option<u64>, String> {
+    match (flag, key) {
         (Some(bytes), _) => Ok(Some(bytes)),
         (None, Some(text)) => parse_size(text)
             .map(Some)
             .map_err(|e| format!("config {name}: {e}")),
         (None, None) => Ok(None),
+    }
+}
+
+/// How the guest's downloads go, from the flags and the config file.
+fn net(args: &RunArgs, config: &ConfigVm) -> Result<vmm::net::NetOptions, String> {
+    let allow = if args.net_allow.is_empty() {
+        config.net_allow.clone().unwrap_or_default()
+    } else {
+        args.net_allow.clone()
     };
+    let default = vmm::net::NetOptions::default();
+    let options = vmm::net::NetOptions {
+        allow: vmm::net::Allow::parse(&allow)?,
+        chunking: vmm::gateway::Batching {
+            bytes: size(args.net_chunk, &config.net_chunk, "net-chunk")?
+                .unwrap_or(default.chunking.bytes),
+            wait: args
+                .net_chunk_ms
+                .or(config.net_chunk_ms)
+                .map_or(default.chunking.wait, std::time::Duration::from_millis),
+            buffer: size(args.net_buffer, &config.net_buffer, "net-buffer")?
+                .unwrap_or(default.chunking.buffer),
+        },
+        stall: args
+            .net_stall_ms
+            .or(config.net_stall_ms)
+            .map_or(default.stall, std::time::Duration::from_millis),
+    };
+    let most = 1u64 << 30;
+    if !(1..=most).contains(&options.chunking.bytes)
+        || !(1..=most).contains(&options.chunking.buffer)
+    {
+        return Err("--vm-net-chunk and --vm-net-buffer are from 1 byte to 1 GiB".into());
+    }
+    let hour = std::time::Duration::from_secs(3600);
+    if options.chunking.wait > hour || options.stall > hour || options.stall.is_zero() {
+        return Err(
+            "--vm-net-chunk-ms is at most an hour, --vm-net-stall-ms 1 ms to an hour".into(),
+        );
+    }
+    Ok(options)
+}
+
+/// How streamed answers are handed to the guest, from the flags and the config file.
+fn batching(args: &RunArgs, config: &ConfigVm) -> Result<vmm::gateway::Batching, String> {
     let default = vmm::gateway::Batching::default();
     let batching = vmm::gateway::Batching {
         bytes: size(args.model_batch, &config.model_batch, "model-batch")?.unwrap_or(default.bytes),
@@ -347,6 +417,7 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
         None => ConfigVm::default(),
     };
     let model_batching = batching(args, &config)?;
+    let net = net(args, &config)?;
     let executor = args
         .executor
         .clone()
@@ -642,10 +713,10 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
     if args.wait_strategy.is_some() && !wait_management {
         return Err("--vm-wait-strategy needs --vm-wait-management".into());
     }
-    if wait_management && model_upstream.is_none() {
+    if wait_management && model_upstream.is_none() && net.allow.is_empty() {
         return Err(
-            "--vm-wait-management manages the waits of `model` requests: it needs \
-             --vm-model-upstream"
+            "--vm-wait-management manages the waits of `model` requests and downloads: it \
+             needs --vm-model-upstream or --vm-net-allow"
                 .into(),
         );
     }
@@ -780,6 +851,7 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
         pool,
         model_upstream,
         model_batching,
+        net,
         wait,
         memory,
         vcpus: args.vcpus.or(config.vcpus).unwrap_or(1),

@@ -50,6 +50,7 @@ pub fn run(args: RunArgs) -> CliResult {
             pool: resolved.pool.clone(),
             model_upstream: resolved.model_upstream.clone(),
             model_batching: resolved.model_batching,
+            net: resolved.net.clone(),
             wait: resolved.wait,
             governor: resolved
                 .governor

@@ -1,0 +1,326 @@
+//! The guest's downloads (see [`crate::net`]): its net requests carried to the gateway, which
+//! fetches the URL, and the body handed back chunk by chunk. The wait for each chunk is a
+//! wait like a model wait: plain, or managed (paused, offloaded, brought back when the chunk
+//! is deliverable), judged by what is left of it at the rate seen. A chunk is written into
+//! guest RAM only once the VM is back (the wait resumes it before it returns).
+
+use std::time::{Duration, Instant};
+
+use vm_memory::{Bytes, GuestAddress};
+
+use super::model_wait::WaitOutcome;
+use super::{Machine, MachineError};
+use crate::gateway::{Answer, Batching, Flow};
+use crate::guest::Refused;
+use crate::net::{self, Kind, Target};
+
+/// The gateway's ids of downloads: the top half of the id space. The guest picks its model
+/// requests' ids; one from up here can only get in the way of its own download (a command
+/// has one request out at a time).
+const NET_REQUESTS: u64 = 1 << 63;
+
+/// A download in progress.
+#[derive(Debug)]
+pub(super) struct Transfer {
+    /// The guest's name for it.
+    id: u64,
+    /// The gateway's.
+    request: u64,
+    /// Bytes received and not yet written to the guest (more than its buffer had room for).
+    leftover: Vec<u8>,
+    /// The body has ended: whole (`Ok`: `leftover` is all that is left), or not (why).
+    ended: Option<Result<(), String>>,
+    /// The length the origin announced, if it did.
+    total: Option<u64>,
+}
+
+/// What the host answers a net request.
+struct Reply {
+    len: u64,
+    more: bool,
+    total: Option<u64>,
+}
+
+fn refuse(errno: i32, reason: String) -> Refused {
+    Refused { errno, reason }
+}
+
+/// How long until the next chunk of a download is deliverable, from how far it has come
+/// (`None`: nothing to go by yet, no byte arrived): the bytes a chunk still needs (or the
+/// body still has, if less) at the rate seen since its first byte, or the chunk's time
+/// limit, whichever comes first.
+pub(super) fn next_chunk(flow: Option<Flow>, chunking: Batching, now: Instant) -> Option<Duration> {
+    let flow = flow?;
+    let first = flow.first_at?;
+    let by_time = flow
+        .since
+        .map(|since| (since + chunking.wait).saturating_duration_since(now));
+    let elapsed = now.saturating_duration_since(first).as_secs_f64();
+    if elapsed <= 0.0 || flow.received == 0 {
+        return by_time;
+    }
+    let rate = flow.received as f64 / elapsed;
+    let mut need = chunking.bytes.saturating_sub(flow.waiting);
+    if let Some(total) = flow.total {
+        need = need.min(total.saturating_sub(flow.received));
+    }
+    let by_size = Duration::from_secs_f64((need as f64 / rate).min(3600.0));
+    Some(by_time.map_or(by_size, |t| t.min(by_size)))
+}
+
+impl Machine {
+    /// Serves the net request whose page the guest named with its `out` to
+    /// [`net::PORT_NET`], and writes the answer into it (a refused one gets an errno; why is
+    /// kept for the command's error).
+    pub(super) fn net_request(&mut self, page: Option<u32>) -> Result<(), MachineError> {
+        let gpa = match net::request_gpa(page, self.ram.size()) {
+            Ok(gpa) => gpa,
+            Err(reason) => {
+                // Nowhere to answer: the guest finds its request unanswered.
+                self.net_error = Some(reason);
+                return Ok(());
+            }
+        };
+        let mut request: net::Request = self.read(gpa)?;
+        let served = match net::check(&request, self.ram.size()) {
+            Ok(checked) => self.net_serve(checked)?,
+            Err(refused) => Err(refused),
+        };
+        match served {
+            Ok(reply) => {
+                request.status = 0;
+                request.len = reply.len;
+                request.more = u64::from(reply.more);
+                request.total = reply.total.unwrap_or(net::UNKNOWN_TOTAL);
+            }
+            Err(Refused { errno, reason }) => {
+                request.status = u64::try_from(errno).unwrap_or(libc::EIO as u64);
+                request.len = 0;
+                request.more = 0;
+                self.net_error = Some(reason);
+            }
+        }
+        self.write(gpa, request)
+    }
+
+    fn net_serve(&mut self, checked: net::Checked) -> Result<Result<Reply, Refused>, MachineError> {
+        match checked.kind {
+            Kind::Close => {
+                if self.transfer.as_ref().is_some_and(|t| t.id == checked.id) {
+                    self.end_transfer();
+                }
+                Ok(Ok(Reply {
+                    len: 0,
+                    more: false,
+                    total: None,
+                }))
+            }
+            Kind::Get => {
+                if let Err(refused) = self.start_transfer(checked) {
+                    return Ok(Err(refused));
+                }
+                self.next_chunk(checked)
+            }
+            Kind::Next => {
+                if self.transfer.as_ref().is_none_or(|t| t.id != checked.id) {
+                    return Ok(Err(refuse(
+                        libc::ENOENT,
+                        format!("no download {} in progress", checked.id),
+                    )));
+                }
+                self.next_chunk(checked)
+            }
+        }
+    }
+
+    /// Gives the download in progress up: the gateway reads no more of it.
+    fn end_transfer(&mut self) {
+        let Some(transfer) = self.transfer.take() else {
+            return;
+        };
+        if self
+            .model_pending
+            .is_some_and(|(r, _)| r == transfer.request)
+        {
+            self.model_pending = None;
+            if let Some(port) = &self.model {
+                port.cancel(transfer.request);
+            }
+            if let Some(coordinator) = self.coordinator.as_mut() {
+                coordinator.forget(transfer.request);
+            }
+        }
+    }
+
+    /// Checks a `Get`'s URL against the allow-list and sends it (one download at a time: a
+    /// new one replaces the one in progress).
+    fn start_transfer(&mut self, checked: net::Checked) -> Result<(), Refused> {
+        let (Some(port), Some(options)) = (self.model.clone(), self.net.clone()) else {
+            return Err(refuse(
+                libc::ENETUNREACH,
+                "this VM has no network (pvisor run --vm-net-allow ORIGIN)".into(),
+            ));
+        };
+        let (gpa, len) = checked.url;
+        let mut url = vec![0u8; usize::try_from(len).unwrap_or(0)];
+        self.ram
+            .memory()
+            .read_slice(&mut url, GuestAddress(gpa))
+            .map_err(|_| refuse(libc::EFAULT, format!("the URL at {gpa:#x} cannot be read")))?;
+        let url = String::from_utf8(url)
+            .map_err(|_| refuse(libc::EINVAL, "the URL is not UTF-8".into()))?;
+        let target = Target::parse(&url).map_err(|why| refuse(libc::EINVAL, why))?;
+        if !options.allow.permits(&target) {
+            return Err(refuse(
+                libc::EACCES,
+                format!(
+                    "{} is not an allowed origin (--vm-net-allow: {})",
+                    target.origin(),
+                    match options.allow.origins() {
+                        [] => "none".to_owned(),
+                        origins => origins.join(", "),
+                    }
+                ),
+            ));
+        }
+        self.end_transfer();
+        self.net_sent += 1;
+        let request = NET_REQUESTS | self.net_sent;
+        // The guest's buffer at the start bounds the whole body.
+        let limit = checked.buf.1;
+        port.fetch(request, &target, options.chunking, limit, options.stall);
+        self.model_pending = Some((request, Instant::now()));
+        self.transfer = Some(Transfer {
+            id: checked.id,
+            request,
+            leftover: Vec::new(),
+            ended: None,
+            total: None,
+        });
+        Ok(())
+    }
+
+    /// The next chunk of the download in progress into the guest's buffer: what is left of
+    /// the last one, else the next batch once deliverable (waiting for it as for a model
+    /// answer), or the end.
+    fn next_chunk(
+        &mut self,
+        checked: net::Checked,
+    ) -> Result<Result<Reply, Refused>, MachineError> {
+        let Some(mut transfer) = self.transfer.take() else {
+            return Ok(Err(refuse(libc::ENOENT, "no download in progress".into())));
+        };
+        if transfer.leftover.is_empty() && transfer.ended.is_none() {
+            if let Some(port) = self.model.clone() {
+                if let Some(flow) = port.flow(transfer.request) {
+                    transfer.total = flow.total.or(transfer.total);
+                }
+                let chunking = self.net.as_ref().map(|n| n.chunking);
+                let outcome = match self.wait.clone() {
+                    Some(wait) => {
+                        self.managed_wait(&*port, transfer.request, None, chunking, &wait, true)
+                    }
+                    None => self.plain_wait(&*port, transfer.request, None, chunking),
+                };
+                match outcome {
+                    WaitOutcome::Batch(bytes, deliverable) => {
+                        transfer.leftover = bytes;
+                        if let Some(coordinator) = self.coordinator.as_mut() {
+                            coordinator.batch_delivered(deliverable.elapsed());
+                        }
+                    }
+                    WaitOutcome::Answer(Answer::Data(rest)) => {
+                        self.model_pending = None;
+                        transfer.leftover = rest;
+                        transfer.ended = Some(Ok(()));
+                    }
+                    WaitOutcome::Answer(Answer::Error(why)) => {
+                        self.model_pending = None;
+                        transfer.ended = Some(Err(why));
+                    }
+                    // No timer is kept while a download waits.
+                    WaitOutcome::Timer => {}
+                }
+            }
+        }
+        if let Some(Err(why)) = &transfer.ended {
+            let errno = if why.contains("nothing from the origin") {
+                libc::ETIMEDOUT
+            } else if why.contains("is over") {
+                libc::EFBIG
+            } else {
+                libc::EIO
+            };
+            return Ok(Err(refuse(errno, why.clone())));
+        }
+        let (gpa, room) = checked.buf;
+        let n = transfer
+            .leftover
+            .len()
+            .min(usize::try_from(room).unwrap_or(usize::MAX));
+        self.ram
+            .memory()
+            .write_slice(&transfer.leftover[..n], GuestAddress(gpa))
+            .map_err(|e| MachineError::GuestMemory { gpa, source: e })?;
+        transfer.leftover.drain(..n);
+        let more = !transfer.leftover.is_empty() || transfer.ended.is_none();
+        let reply = Reply {
+            len: n as u64,
+            more,
+            total: transfer.total,
+        };
+        if more {
+            self.transfer = Some(transfer);
+        }
+        Ok(Ok(reply))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn next_chunk_is_due_by_size_at_the_rate_seen_or_by_time() {
+        let now = Instant::now();
+        let chunking = Batching {
+            bytes: 1 << 20,
+            wait: Duration::from_secs(1),
+            buffer: 4 << 20,
+        };
+        let flow = |received: u64, waiting: u64, total: Option<u64>| Flow {
+            received,
+            total,
+            first_at: Some(now - Duration::from_secs(2)),
+            waiting,
+            since: Some(now - Duration::from_millis(100)),
+        };
+        // Nothing arrived yet: nothing to go by.
+        assert_eq!(next_chunk(None, chunking, now), None);
+        let none = Flow {
+            first_at: None,
+            since: None,
+            ..flow(0, 0, None)
+        };
+        assert_eq!(next_chunk(Some(none), chunking, now), None);
+        // 2 MiB in 2 s: 1 MiB/s; half a chunk waiting: half a second more by size, before
+        // the 0.9 s left by time.
+        let left = next_chunk(Some(flow(2 << 20, 512 << 10, None)), chunking, now).expect("some");
+        assert!((left.as_secs_f64() - 0.5).abs() < 0.01, "{left:?}");
+        // The body ends sooner than a chunk fills.
+        let left = next_chunk(
+            Some(flow(2 << 20, 0, Some((2 << 20) + (256 << 10)))),
+            chunking,
+            now,
+        )
+        .expect("some");
+        assert!((left.as_secs_f64() - 0.25).abs() < 0.01, "{left:?}");
+        // A slow origin: the time limit comes first.
+        let slow = Flow {
+            received: 1 << 10,
+            ..flow(0, 512, None)
+        };
+        let left = next_chunk(Some(slow), chunking, now).expect("some");
+        assert!((left.as_secs_f64() - 0.9).abs() < 0.01, "{left:?}");
+    }
+}
