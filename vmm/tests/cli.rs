@@ -159,6 +159,62 @@ fn cli_foreground_run_prints_identity_then_results() {
 }
 
 #[test]
+fn cli_download_from_an_allowed_origin_given_by_flag_or_config() {
+    if skip() {
+        return;
+    }
+    use std::io::{BufRead, Write};
+    // An origin that answers every GET with the same 300000 bytes.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let body: Vec<u8> = (0..300_000u32).map(|i| (i % 253) as u8).collect();
+    let sent = body.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut reader = std::io::BufReader::new(stream.try_clone().unwrap());
+            let mut line = String::new();
+            while reader.read_line(&mut line).unwrap_or(0) > 0 && line != "\r\n" {
+                line.clear();
+            }
+            let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", sent.len());
+            let _ = stream.write_all(head.as_bytes());
+            let _ = stream.write_all(&sent);
+        }
+    });
+    let runtime = tempfile::tempdir().unwrap();
+    let script = format!("download {url}/pkg.tar bytes=300000; digest");
+    let lines = ok(
+        runtime.path(),
+        &[
+            "run",
+            "--memory",
+            "16MiB",
+            "--vm-net-allow",
+            &url,
+            "--",
+            &script,
+        ],
+    );
+    let results = lines[1]["results"].as_array().unwrap();
+    let digest = vmm::guest::digest_hex(&body);
+    assert_eq!(results[0]["download_bytes"], 300_000);
+    assert_eq!(results[0]["digest"], digest.as_str());
+    assert_eq!(results[1]["digest"], digest.as_str());
+    // The same from the config file's `[vm]` table.
+    let config = runtime.path().join("vm.toml");
+    std::fs::write(&config, format!("[vm]\nnet-allow = [\"{url}\"]\n")).unwrap();
+    let config = config.to_str().unwrap();
+    let lines = ok(
+        runtime.path(),
+        &[
+            "run", "--memory", "16MiB", "--config", config, "--", &script,
+        ],
+    );
+    assert_eq!(lines[1]["results"][0]["digest"], digest.as_str());
+}
+
+#[test]
 fn cli_bad_input_gets_clear_messages() {
     if skip() {
         return;
@@ -209,6 +265,32 @@ fn cli_bad_input_gets_clear_messages() {
             &["http://HOST:PORT"],
         ),
         (&["run", "--", "model five"], &["bad request id"]),
+        (
+            &["run", "--vm-net-allow", "https://mirror:443", "--", "idle"],
+            &["--vm-net-allow `https://mirror:443`", "only plain http://"],
+        ),
+        (
+            &[
+                "run",
+                "--vm-net-allow",
+                "http://mirror:80/pkgs",
+                "--",
+                "idle",
+            ],
+            &["without a path"],
+        ),
+        (
+            &["run", "--vm-net-stall-ms", "0", "--", "idle"],
+            &["--vm-net-stall-ms"],
+        ),
+        (
+            &["run", "--", "download ftp://mirror/x"],
+            &["command 1", "expected http://"],
+        ),
+        (
+            &["run", "--", "download http://mirror/x bytes=1 bytes=2"],
+            &["unexpected argument `bytes=2`"],
+        ),
         (&["replay", "/nonexistent.json"], &["/nonexistent.json"]),
         (
             &["replay", "/dev/null", "--strategy", "nap"],
