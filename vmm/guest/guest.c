@@ -31,7 +31,7 @@
 #define NET_GPA 0xB000ull
 #define NET_MAGIC 0x544E5650u /* "PVNT" */
 #define NET_VERSION 1
-enum net_kind { NET_GET = 1, NET_NEXT = 2, NET_CLOSE = 3 };
+enum net_kind { NET_GET = 1, NET_NEXT = 2, NET_CLOSE = 3, NET_READ = 4 };
 
 /* Arenas (Tide): memory a phase owns, in 2 MiB-aligned extents of its own at the top of the
  * application region, never shared with the application data below. The guest tells the host
@@ -49,7 +49,7 @@ enum arena_intent { AR_SURVIVE = 1, AR_DISCARD = 2 };
 
 enum op { OP_NONE = 0, OP_FILL = 1, OP_DIGEST = 2, OP_TOUCH = 3, OP_REWRITE = 4,
           OP_RELEASE = 5, OP_TASK = 6, OP_MODEL = 7, OP_POKE = 8, OP_CHAOS = 9,
-          OP_ARENA = 10, OP_MODEL_STREAM = 11, OP_DOWNLOAD = 12 };
+          OP_ARENA = 10, OP_MODEL_STREAM = 11, OP_DOWNLOAD = 12, OP_READ = 13 };
 enum fill { FILL_REPEATED = 0, FILL_RANDOM = 1, FILL_ZERO = 2, FILL_DISTINCT = 3 };
 enum blk_op { BLK_READ = 1, BLK_WRITE = 2, BLK_FLUSH = 3 };
 enum status { ST_OK = 0, ST_BAD_OP = 1, ST_TOO_LARGE = 2, ST_IO = 3, ST_MISMATCH = 4,
@@ -240,18 +240,20 @@ static uint64_t op_fill(uint64_t bytes, uint64_t kind, uint64_t seed, uint64_t s
     return ST_OK;
 }
 
-/* `download URL`: the URL (arg[0] bytes in io_buf) fetched by the host into the application
- * data from its start, chunk by chunk (a download replaces the data, as `fill` does). The
- * guest sleeps at the port between chunks; the host may take its memory meanwhile. Results:
- * bytes, chunks, the host's errno on a failure. */
+/* `download URL` (kind NET_GET) and `read PATH` (NET_READ, a file of the VM's image): the
+ * URL or path (arg[0] bytes in io_buf) fetched by the host into the application data from its
+ * start, chunk by chunk (it replaces the data, as `fill` does). The guest sleeps at the port
+ * between chunks; the host may take its memory meanwhile. Results: bytes, chunks, the host's
+ * errno on a failure. */
 static uint64_t downloads;
 
-static uint64_t op_download(uint64_t url_len, uint64_t *got, uint64_t *chunks, uint64_t *err) {
+static uint64_t op_download(uint16_t kind, uint64_t url_len, uint64_t *got, uint64_t *chunks,
+                            uint64_t *err) {
     uint64_t base, size, *done;
     target(0, &base, &size, &done);
     NET->magic = NET_MAGIC;
     NET->version = NET_VERSION;
-    NET->kind = NET_GET;
+    NET->kind = kind;
     NET->id = ++downloads;
     NET->url_gpa = MB->io_buf;
     NET->url_len = url_len;
@@ -600,9 +602,10 @@ __attribute__((noreturn, section(".text.start"))) void _start(void) {
         case OP_CHAOS:
             op_chaos(MB->arg[0], MB->arg[1]);
             break;
-        case OP_DOWNLOAD: {
+        case OP_DOWNLOAD:
+        case OP_READ: {
             uint64_t got = 0, chunks = 0, err = 0;
-            st = op_download(MB->arg[0], &got, &chunks, &err);
+            st = op_download(op == OP_READ ? NET_READ : NET_GET, MB->arg[0], &got, &chunks, &err);
             MB->result[0] = st ? 0 : digest((const uint64_t *)MB->app_base, got);
             MB->result[1] = got;
             MB->result[3] = err;

@@ -132,6 +132,9 @@ pub trait ModelPort: Send + Sync {
 
     /// How far `request`'s answer has come, while it is in flight.
     fn flow(&self, request: u64) -> Option<Flow>;
+
+    /// Reads `path` of `image` for the guest as request `request` (see [`Gateway::read`]).
+    fn read(&self, request: u64, image: &Arc<crate::image::Image>, path: &str);
 }
 
 #[derive(Debug, Clone)]
@@ -342,6 +345,12 @@ enum Exchange {
         limit: u64,
         stall: Duration,
     },
+    /// A file of the VM's image, fetched (or taken from the staging) and verified whole
+    /// before any of it is handed over.
+    Read {
+        image: Arc<crate::image::Image>,
+        path: String,
+    },
 }
 
 impl Gateway {
@@ -405,6 +414,16 @@ impl Gateway {
             stall,
         };
         self.start(request, Some(batching), get);
+    }
+
+    /// Reads `path` of `image` for the guest as request `request`: its answer is the whole
+    /// file once it has been fetched and checked (or why not).
+    pub fn read(&self, request: u64, image: &Arc<crate::image::Image>, path: &str) {
+        let read = Exchange::Read {
+            image: Arc::clone(image),
+            path: path.to_owned(),
+        };
+        self.start(request, None, read);
     }
 
     /// How far `request`'s answer has come, while it is in flight.
@@ -489,6 +508,22 @@ impl Gateway {
                     limit,
                     stall,
                 } => get(&target, limit, stall, &sink).await,
+                Exchange::Read { image, path } => {
+                    // The origin's client blocks: off the runtime's one worker.
+                    let fetched = tokio::task::spawn_blocking(move || image.fetch(&path)).await;
+                    match fetched {
+                        Ok(Ok(fetched)) => {
+                            sink.announce(fetched.bytes.len() as u64);
+                            if fetched.bytes.is_empty() || sink.push(&fetched.bytes) {
+                                Ok(())
+                            } else {
+                                Err("the read was given up".into())
+                            }
+                        }
+                        Ok(Err(why)) => Err(why),
+                        Err(e) => Err(format!("the read failed: {e}")),
+                    }
+                }
             };
             let mut state = lock(&shared);
             state.in_flight = state.in_flight.saturating_sub(1);
@@ -560,6 +595,10 @@ impl ModelPort for Gateway {
 
     fn flow(&self, request: u64) -> Option<Flow> {
         Gateway::flow(self, request)
+    }
+
+    fn read(&self, request: u64, image: &Arc<crate::image::Image>, path: &str) {
+        Gateway::read(self, request, image, path);
     }
 }
 

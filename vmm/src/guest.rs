@@ -103,6 +103,9 @@ pub enum Op {
     /// Download the URL in the I/O buffer (arg[0] bytes) into the application data, chunk by
     /// chunk over the net channel; results: digest of the bytes, bytes, chunks.
     Download = 12,
+    /// Read the file of the VM's image at the path in the I/O buffer (arg[0] bytes) into the
+    /// application data over the net channel; results as `Download`.
+    Read = 13,
 }
 
 /// How `fill` writes data.

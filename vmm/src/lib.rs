@@ -35,6 +35,7 @@ pub mod gateway;
 pub mod governor;
 pub mod guest;
 pub mod hugepages;
+pub mod image;
 pub mod machine;
 pub mod memory;
 pub mod net;

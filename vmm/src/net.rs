@@ -37,6 +37,10 @@ pub enum Kind {
     Next = 2,
     /// Give transfer `id` up.
     Close = 3,
+    /// Start transfer `id`: read the file of the VM's image at the path (in the URL's
+    /// fields); the answer carries its first chunk, once the whole file is fetched and
+    /// checked.
+    Read = 4,
 }
 
 /// The message, as laid out in guest memory (guest/guest.c `struct net_request`).
@@ -81,8 +85,28 @@ pub struct Checked {
     pub id: u64,
     /// The chunk's buffer, inside RAM.
     pub buf: (u64, u64),
-    /// The URL's bytes, inside RAM (`Get`).
+    /// The URL's (`Get`) or path's (`Read`) bytes, inside RAM.
     pub url: (u64, u64),
+}
+
+/// What the guest's downloads and image reads came to.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct IoStats {
+    /// Downloads started.
+    pub downloads: u64,
+    /// Image reads started.
+    pub reads: u64,
+    /// Of those, served from the host's staging (no trip to the origin).
+    pub staged_reads: u64,
+    /// Downloads and reads that failed (refused, or the origin failed).
+    pub failed: u64,
+    /// Bytes written into the guest.
+    pub bytes: u64,
+    /// Chunks written.
+    pub chunks: u64,
+    /// Chunks written after the VM was brought back for them: their data became ready while
+    /// it was paused or offloaded, and reached its RAM only after the resume.
+    pub after_resume: u64,
 }
 
 fn refuse(errno: i32, reason: String) -> Refused {
@@ -112,6 +136,7 @@ pub fn check(request: &Request, ram_size: u64) -> Result<Checked, Refused> {
         1 => Kind::Get,
         2 => Kind::Next,
         3 => Kind::Close,
+        4 => Kind::Read,
         other => {
             return Err(refuse(
                 libc::EINVAL,
@@ -129,7 +154,7 @@ pub fn check(request: &Request, ram_size: u64) -> Result<Checked, Refused> {
             ),
         ));
     }
-    if kind == Kind::Get
+    if matches!(kind, Kind::Get | Kind::Read)
         && (!(1..=URL_MAX).contains(&request.url_len) || !inside(request.url_gpa, request.url_len))
     {
         return Err(refuse(

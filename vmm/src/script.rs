@@ -84,10 +84,16 @@ pub enum Command {
     Download {
         /// What to fetch.
         url: String,
-        /// The length expected, if known.
-        bytes: Option<u64>,
-        /// The digest expected, if known.
-        digest: Option<u64>,
+        /// What the bytes must be, if known.
+        expect: Expect,
+    },
+    /// Read the file at `path` of the VM's image (`--vm-image`) into the application data,
+    /// as `download` does; fetched from the image's origin on its first read.
+    Read {
+        /// The file, from the image's root.
+        path: String,
+        /// What the bytes must be, if known.
+        expect: Expect,
     },
     /// A phase arena (docs/arenas.md): `arena open ID SIZE survive|discard`, `arena close
     /// ID`, `arena free ID`, and the data commands on one: `fill SIZE KIND arena=ID`, `touch
@@ -98,6 +104,54 @@ pub enum Command {
         /// What to do.
         op: ArenaOp,
     },
+}
+
+/// What a `download` or `read` must get, if the script knows it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Expect {
+    /// The length.
+    pub bytes: Option<u64>,
+    /// The digest (as `digest` prints it).
+    pub digest: Option<u64>,
+}
+
+impl Expect {
+    /// Reads `bytes=SIZE` and `digest=HEX`, each at most once.
+    fn parse(words: &[&str]) -> Result<Self, String> {
+        let mut expect = Self::default();
+        for word in words {
+            if let Some(value) = word
+                .strip_prefix("bytes=")
+                .filter(|_| expect.bytes.is_none())
+            {
+                expect.bytes = Some(parse_size(value).map_err(|e| e.to_string())?);
+            } else if let Some(value) = word
+                .strip_prefix("digest=")
+                .filter(|_| expect.digest.is_none())
+            {
+                expect.digest = Some(u64::from_str_radix(value, 16).map_err(|_| {
+                    format!("bad digest `{value}` (16 hex digits, as `digest` prints it)")
+                })?);
+            } else {
+                return Err(format!(
+                    "unexpected argument `{word}` (bytes=SIZE? digest=HEX?)"
+                ));
+            }
+        }
+        Ok(expect)
+    }
+}
+
+impl fmt::Display for Expect {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(bytes) = self.bytes {
+            write!(f, " bytes={bytes}")?;
+        }
+        if let Some(digest) = self.digest {
+            write!(f, " digest={digest:016x}")?;
+        }
+        Ok(())
+    }
 }
 
 /// What an `arena` command does.
@@ -193,16 +247,8 @@ impl fmt::Display for Command {
                 port: Some(port),
             } => write!(f, "poke {gpa:#x} {value:#x} out={port:#x}"),
             Command::Chaos { seed, count } => write!(f, "chaos seed={seed} count={count}"),
-            Command::Download { url, bytes, digest } => {
-                write!(f, "download {url}")?;
-                if let Some(bytes) = bytes {
-                    write!(f, " bytes={bytes}")?;
-                }
-                if let Some(digest) = digest {
-                    write!(f, " digest={digest:016x}")?;
-                }
-                Ok(())
-            }
+            Command::Download { url, expect } => write!(f, "download {url}{expect}"),
+            Command::Read { path, expect } => write!(f, "read {path}{expect}"),
         }
     }
 }
@@ -220,7 +266,8 @@ pub struct ScriptError {
 }
 
 const COMMANDS: &str =
-    "fill, digest, touch, rewrite, release, task, sleep, idle, model, download, poke, chaos, arena";
+    "fill, digest, touch, rewrite, release, task, sleep, idle, model, download, read, poke, chaos, \
+     arena";
 
 /// A whole number, decimal or `0x` hexadecimal.
 fn number(text: &str) -> Result<u64, String> {
@@ -381,26 +428,20 @@ fn parse_one(text: &str) -> Result<Command, String> {
                 ));
             }
             crate::net::Target::parse(url)?;
-            let (mut bytes, mut digest) = (None, None);
-            for word in positional.iter().skip(1) {
-                if let Some(value) = word.strip_prefix("bytes=").filter(|_| bytes.is_none()) {
-                    bytes = Some(parse_size(value).map_err(|e| e.to_string())?);
-                } else if let Some(value) =
-                    word.strip_prefix("digest=").filter(|_| digest.is_none())
-                {
-                    digest = Some(u64::from_str_radix(value, 16).map_err(|_| {
-                        format!("bad digest `{value}` (16 hex digits, as `digest` prints it)")
-                    })?);
-                } else {
-                    return Err(format!(
-                        "unexpected argument `{word}` (bytes=SIZE? digest=HEX?)"
-                    ));
-                }
-            }
             Command::Download {
                 url: (*url).to_owned(),
-                bytes,
-                digest,
+                expect: Expect::parse(&positional[1..])?,
+            }
+        }
+        "read" => {
+            no_seed()?;
+            let path = positional
+                .first()
+                .ok_or("`read` needs a path in the VM's image (e.g. usr/lib/libc.so.6)")?;
+            crate::image::check_path(path)?;
+            Command::Read {
+                path: (*path).to_owned(),
+                expect: Expect::parse(&positional[1..])?,
             }
         }
         "touch" => {

@@ -215,6 +215,67 @@ fn cli_download_from_an_allowed_origin_given_by_flag_or_config() {
 }
 
 #[test]
+fn cli_image_in_an_object_store_is_fetched_on_first_read_and_staged() {
+    if skip() {
+        return;
+    }
+    // An image of two files, indexed here and put in a bucket of a real S3 server.
+    let work = tempfile::tempdir().unwrap();
+    let root = work.path().join("image");
+    std::fs::create_dir_all(root.join("lib")).unwrap();
+    let lib: Vec<u8> = (0..700_000u32).map(|i| (i % 241) as u8).collect();
+    std::fs::write(root.join("lib/a.so"), &lib).unwrap();
+    std::fs::write(root.join("hosts"), b"127.0.0.1 localhost\n").unwrap();
+    vmm::image::index(&root).unwrap();
+    let server = testkit::s3::S3Server::start();
+    server.create_bucket("images");
+    for name in ["image.json", "lib/a.so", "hosts"] {
+        let object = server.object_path("images", &format!("base/{name}"));
+        std::fs::create_dir_all(object.parent().unwrap()).unwrap();
+        std::fs::copy(root.join(name), object).unwrap();
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    let cache = work.path().join("cache");
+    let endpoint = server.endpoint();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pvisor"))
+        .args([
+            "run",
+            "--memory",
+            "16MiB",
+            "--vm-image",
+            "s3://images/base",
+            "--s3-endpoint",
+            &endpoint,
+            "--cache",
+            cache.to_str().unwrap(),
+            "--",
+            "read lib/a.so bytes=700000; read hosts; read lib/a.so; digest",
+        ])
+        .envs(server.env())
+        .env("PVISOR_RUNTIME_DIR", runtime.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let lines: Vec<Value> = text(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let results = lines[1]["results"].as_array().unwrap();
+    let digest = vmm::guest::digest_hex(&lib);
+    assert_eq!(results[0]["digest"], digest.as_str());
+    assert_eq!(results[1]["download_bytes"], 20);
+    assert_eq!(results[2]["digest"], digest.as_str());
+    assert_eq!(results[3]["digest"], digest.as_str());
+    // The second read of lib/a.so came from the staging, not the bucket.
+    let served = server.bytes_out();
+    assert!(
+        served < 2 * lib.len() as u64,
+        "{served} bytes served for one {} byte file read twice",
+        lib.len()
+    );
+}
+
+#[test]
 fn cli_bad_input_gets_clear_messages() {
     if skip() {
         return;
@@ -265,6 +326,14 @@ fn cli_bad_input_gets_clear_messages() {
             &["http://HOST:PORT"],
         ),
         (&["run", "--", "model five"], &["bad request id"]),
+        (
+            &["run", "--vm-image", "/nonexistent-image", "--", "idle"],
+            &["/nonexistent-image/image.json"],
+        ),
+        (
+            &["run", "--", "read ../etc/passwd"],
+            &["an image path is relative"],
+        ),
         (
             &["run", "--vm-net-allow", "https://mirror:443", "--", "idle"],
             &["--vm-net-allow `https://mirror:443`", "only plain http://"],

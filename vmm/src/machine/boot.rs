@@ -227,6 +227,8 @@ impl Machine {
             transfer: None,
             net_sent: 0,
             net_error: None,
+            image: None,
+            io_stats: crate::net::IoStats::default(),
             release_error: None,
             arenas: restored_arenas(config)?,
             arena_offload: None,

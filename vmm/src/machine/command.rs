@@ -40,10 +40,10 @@ pub struct CommandOutput {
     /// `model … stream`: the batches the answer came in before its end.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub batches: Option<u64>,
-    /// `download`: bytes downloaded (their digest is in `digest`).
+    /// `download` and `read`: bytes received (their digest is in `digest`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub download_bytes: Option<u64>,
-    /// `download`: the chunks they came in.
+    /// `download` and `read`: the chunks they came in.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub chunks: Option<u64>,
     /// `poke … out=PORT`: what the VMM answered in the request areas.
@@ -152,34 +152,39 @@ impl Machine {
                 output.batches = stream.then_some(result[4]);
             }
             Command::Download {
-                ref url,
-                bytes,
-                digest,
+                url: ref what,
+                expect,
+            }
+            | Command::Read {
+                path: ref what,
+                expect,
             } => {
-                // The URL goes in the guest's I/O buffer (checked at parse: at most
+                // The URL or path goes in the guest's I/O buffer (checked at parse: at most
                 // `net::URL_MAX` bytes, far below the buffer).
                 let gpa = guest::IO_BUF_GPA;
                 self.ram
                     .memory()
-                    .write_slice(url.as_bytes(), vm_memory::GuestAddress(gpa))
+                    .write_slice(what.as_bytes(), vm_memory::GuestAddress(gpa))
                     .map_err(|e| MachineError::GuestMemory { gpa, source: e })?;
-                let result = self.guest(command, Op::Download, &[url.len() as u64])?;
+                let op = match command {
+                    Command::Read { .. } => Op::Read,
+                    _ => Op::Download,
+                };
+                let result = self.guest(command, op, &[what.len() as u64])?;
                 let mismatch = |what: String| MachineError::Command {
                     command: command.to_string(),
                     reason: what,
                 };
-                if bytes.is_some_and(|b| b != result[1]) {
+                if let Some(bytes) = expect.bytes.filter(|&b| b != result[1]) {
                     return Err(mismatch(format!(
-                        "got {} bytes, expected {}",
-                        result[1],
-                        bytes.unwrap_or_default()
+                        "got {} bytes, expected {bytes}",
+                        result[1]
                     )));
                 }
-                if digest.is_some_and(|d| d != result[0]) {
+                if let Some(digest) = expect.digest.filter(|&d| d != result[0]) {
                     return Err(mismatch(format!(
-                        "got bytes of digest {:016x}, expected {:016x}",
-                        result[0],
-                        digest.unwrap_or_default()
+                        "got bytes of digest {:016x}, expected {digest:016x}",
+                        result[0]
                     )));
                 }
                 output.digest = Some(format!("{:016x}", result[0]));
@@ -308,7 +313,7 @@ impl Machine {
                     .unwrap_or_else(|| "no reason kept".into())
             ),
             status::NET => format!(
-                "the download failed (errno {}): {}",
+                "the transfer failed (errno {}): {}",
                 mailbox.result[3],
                 self.net_error
                     .take()

@@ -1,18 +1,21 @@
-//! The guest's downloads (see [`crate::net`]): its net requests carried to the gateway, which
-//! fetches the URL, and the body handed back chunk by chunk. The wait for each chunk is a
-//! wait like a model wait: plain, or managed (paused, offloaded, brought back when the chunk
-//! is deliverable), judged by what is left of it at the rate seen. A chunk is written into
-//! guest RAM only once the VM is back (the wait resumes it before it returns).
+//! The guest's downloads and image reads (see [`crate::net`], [`crate::image`]): its net
+//! requests carried to the gateway, which fetches the URL (or the image's file), and the body
+//! handed back chunk by chunk. The wait for each chunk is a wait like a model wait: plain, or
+//! managed (paused, offloaded, brought back when the chunk is deliverable), judged by its
+//! source's estimate (a download: what is left of the chunk at the rate seen; a read: the
+//! file at its origin's rate). A chunk is written into guest RAM only once the VM is back
+//! (the wait resumes it before it returns; checked before every write).
 
 use std::time::{Duration, Instant};
 
 use vm_memory::{Bytes, GuestAddress};
 
-use super::model_wait::WaitOutcome;
+use super::model_wait::{WaitOutcome, Waited};
 use super::{Machine, MachineError};
 use crate::gateway::{Answer, Batching, Flow};
 use crate::guest::Refused;
 use crate::net::{self, Kind, Target};
+use crate::wait::Phase;
 
 /// The gateway's ids of downloads: the top half of the id space. The guest picks its model
 /// requests' ids; one from up here can only get in the way of its own download (a command
@@ -32,6 +35,8 @@ pub(super) struct Transfer {
     ended: Option<Result<(), String>>,
     /// The length the origin announced, if it did.
     total: Option<u64>,
+    /// What its waits wait for.
+    waited: Waited,
 }
 
 /// What the host answers a net request.
@@ -115,8 +120,14 @@ impl Machine {
                     total: None,
                 }))
             }
-            Kind::Get => {
-                if let Err(refused) = self.start_transfer(checked) {
+            Kind::Get | Kind::Read => {
+                let started = if checked.kind == Kind::Get {
+                    self.start_download(checked)
+                } else {
+                    self.start_read(checked)
+                };
+                if let Err(refused) = started {
+                    self.io_stats.failed += 1;
                     return Ok(Err(refused));
                 }
                 self.next_chunk(checked)
@@ -152,23 +163,85 @@ impl Machine {
         }
     }
 
-    /// Checks a `Get`'s URL against the allow-list and sends it (one download at a time: a
+    /// The bytes the guest named in a request's URL fields, as text.
+    fn request_text(&self, (gpa, len): (u64, u64), what: &str) -> Result<String, Refused> {
+        let mut text = vec![0u8; usize::try_from(len).unwrap_or(0)];
+        self.ram
+            .memory()
+            .read_slice(&mut text, GuestAddress(gpa))
+            .map_err(|_| {
+                refuse(
+                    libc::EFAULT,
+                    format!("the {what} at {gpa:#x} cannot be read"),
+                )
+            })?;
+        String::from_utf8(text)
+            .map_err(|_| refuse(libc::EINVAL, format!("the {what} is not UTF-8")))
+    }
+
+    /// The transfer `request` of the guest's `id` is under way.
+    fn begin(&mut self, id: u64, request: u64, waited: Waited) {
+        self.model_pending = Some((request, Instant::now()));
+        self.transfer = Some(Transfer {
+            id,
+            request,
+            leftover: Vec::new(),
+            ended: None,
+            total: None,
+            waited,
+        });
+    }
+
+    /// Checks a `Read`'s path against the VM's image and sends it (one transfer at a time: a
     /// new one replaces the one in progress).
-    fn start_transfer(&mut self, checked: net::Checked) -> Result<(), Refused> {
+    fn start_read(&mut self, checked: net::Checked) -> Result<(), Refused> {
+        let (Some(port), Some(image)) = (self.model.clone(), self.image.clone()) else {
+            return Err(refuse(
+                libc::ENODEV,
+                "this VM has no image (pvisor run --vm-image DIR|s3://BUCKET/PREFIX)".into(),
+            ));
+        };
+        let path = self.request_text(checked.url, "path")?;
+        crate::image::check_path(&path).map_err(|why| refuse(libc::EINVAL, why))?;
+        let Some(entry) = image.entry(&path) else {
+            return Err(refuse(
+                libc::ENOENT,
+                format!("`{path}` is not in the image"),
+            ));
+        };
+        if entry.bytes > checked.buf.1 {
+            return Err(refuse(
+                libc::EFBIG,
+                format!(
+                    "`{path}` has {} bytes, more than the {} the guest has room for",
+                    entry.bytes, checked.buf.1
+                ),
+            ));
+        }
+        let expected = image.expected(&path);
+        self.io_stats.reads += 1;
+        if expected == Some(Duration::ZERO) {
+            self.io_stats.staged_reads += 1;
+        }
+        self.end_transfer();
+        self.net_sent += 1;
+        let request = NET_REQUESTS | self.net_sent;
+        port.read(request, &image, &path);
+        let due = expected.and_then(|e| Instant::now().checked_add(e));
+        self.begin(checked.id, request, Waited::Read(due));
+        Ok(())
+    }
+
+    /// Checks a `Get`'s URL against the allow-list and sends it (one transfer at a time: a
+    /// new one replaces the one in progress).
+    fn start_download(&mut self, checked: net::Checked) -> Result<(), Refused> {
         let (Some(port), Some(options)) = (self.model.clone(), self.net.clone()) else {
             return Err(refuse(
                 libc::ENETUNREACH,
                 "this VM has no network (pvisor run --vm-net-allow ORIGIN)".into(),
             ));
         };
-        let (gpa, len) = checked.url;
-        let mut url = vec![0u8; usize::try_from(len).unwrap_or(0)];
-        self.ram
-            .memory()
-            .read_slice(&mut url, GuestAddress(gpa))
-            .map_err(|_| refuse(libc::EFAULT, format!("the URL at {gpa:#x} cannot be read")))?;
-        let url = String::from_utf8(url)
-            .map_err(|_| refuse(libc::EINVAL, "the URL is not UTF-8".into()))?;
+        let url = self.request_text(checked.url, "URL")?;
         let target = Target::parse(&url).map_err(|why| refuse(libc::EINVAL, why))?;
         if !options.allow.permits(&target) {
             return Err(refuse(
@@ -183,20 +256,14 @@ impl Machine {
                 ),
             ));
         }
+        self.io_stats.downloads += 1;
         self.end_transfer();
         self.net_sent += 1;
         let request = NET_REQUESTS | self.net_sent;
         // The guest's buffer at the start bounds the whole body.
         let limit = checked.buf.1;
         port.fetch(request, &target, options.chunking, limit, options.stall);
-        self.model_pending = Some((request, Instant::now()));
-        self.transfer = Some(Transfer {
-            id: checked.id,
-            request,
-            leftover: Vec::new(),
-            ended: None,
-            total: None,
-        });
+        self.begin(checked.id, request, Waited::Download(options.chunking));
         Ok(())
     }
 
@@ -210,16 +277,32 @@ impl Machine {
         let Some(mut transfer) = self.transfer.take() else {
             return Ok(Err(refuse(libc::ENOENT, "no download in progress".into())));
         };
+        let resumes = |machine: &Self| {
+            machine
+                .coordinator
+                .as_ref()
+                .map_or(0, |c| c.stats().resumes)
+        };
+        let resumes_before = resumes(self);
         if transfer.leftover.is_empty() && transfer.ended.is_none() {
             if let Some(port) = self.model.clone() {
                 if let Some(flow) = port.flow(transfer.request) {
                     transfer.total = flow.total.or(transfer.total);
                 }
-                let chunking = self.net.as_ref().map(|n| n.chunking);
+                // A read is handed over whole, once fetched and checked.
+                let chunking = match transfer.waited {
+                    Waited::Download(chunking) => Some(chunking),
+                    Waited::Model | Waited::Read(_) => None,
+                };
                 let outcome = match self.wait.clone() {
-                    Some(wait) => {
-                        self.managed_wait(&*port, transfer.request, None, chunking, &wait, true)
-                    }
+                    Some(wait) => self.managed_wait(
+                        &*port,
+                        transfer.request,
+                        None,
+                        chunking,
+                        &wait,
+                        transfer.waited,
+                    ),
                     None => self.plain_wait(&*port, transfer.request, None, chunking),
                 };
                 match outcome {
@@ -244,6 +327,7 @@ impl Machine {
             }
         }
         if let Some(Err(why)) = &transfer.ended {
+            self.io_stats.failed += 1;
             let errno = if why.contains("nothing from the origin") {
                 libc::ETIMEDOUT
             } else if why.contains("is over") {
@@ -258,11 +342,29 @@ impl Machine {
             .leftover
             .len()
             .min(usize::try_from(room).unwrap_or(usize::MAX));
+        // The RAM gate: the device writes guest RAM only while the VM runs, its RAM back.
+        let phase = self
+            .coordinator
+            .as_ref()
+            .map_or(Phase::Running, |c| c.phase());
+        if phase != Phase::Running {
+            return Err(MachineError::Command {
+                command: "download".into(),
+                reason: format!("a chunk was about to be written while the VM is {phase:?}"),
+            });
+        }
         self.ram
             .memory()
             .write_slice(&transfer.leftover[..n], GuestAddress(gpa))
             .map_err(|e| MachineError::GuestMemory { gpa, source: e })?;
         transfer.leftover.drain(..n);
+        self.io_stats.bytes += n as u64;
+        if n > 0 {
+            self.io_stats.chunks += 1;
+            if resumes(self) > resumes_before {
+                self.io_stats.after_resume += 1;
+            }
+        }
         let more = !transfer.leftover.is_empty() || transfer.ended.is_none();
         let reply = Reply {
             len: n as u64,

@@ -250,6 +250,10 @@ pub struct Machine {
     net_sent: u64,
     /// Why the last net request failed, for the command's error.
     net_error: Option<String>,
+    /// The VM's read-only image (`--vm-image`), if it has one.
+    image: Option<std::sync::Arc<crate::image::Image>>,
+    /// What its downloads and image reads came to.
+    io_stats: crate::net::IoStats,
     /// Why the last free report was refused, for the command's error.
     release_error: Option<String>,
     /// The guest's phase arenas (docs/arenas.md).
@@ -507,6 +511,17 @@ impl Machine {
     /// How the guest's downloads go; they use the gateway of [`Machine::set_model_port`].
     pub fn set_net(&mut self, options: crate::net::NetOptions) {
         self.net = Some(options);
+    }
+
+    /// The guest's read-only image; its reads use the gateway of
+    /// [`Machine::set_model_port`].
+    pub fn set_image(&mut self, image: crate::image::Image) {
+        self.image = Some(std::sync::Arc::new(image));
+    }
+
+    /// What the guest's downloads and image reads came to, if it has done any.
+    pub fn io_stats(&self) -> Option<crate::net::IoStats> {
+        Some(self.io_stats).filter(|s| s.downloads + s.reads > 0)
     }
 
     /// The virtual disk's file.

@@ -26,6 +26,18 @@ pub(super) enum WaitOutcome {
     Batch(Vec<u8>, Instant),
 }
 
+/// What a managed wait waits for, and so what tells how long it will last.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Waited {
+    /// A model answer: the VM's past model waits.
+    Model,
+    /// A download's next chunk, handed over as this says: the bytes it still needs at the
+    /// rate seen.
+    Download(Batching),
+    /// An image read: when its origin is expected to be done, if it is held to a rate.
+    Read(Option<Instant>),
+}
+
 /// How often a model wait without wait management looks for a stop.
 const STOP_POLL: Duration = Duration::from_millis(50);
 
@@ -81,7 +93,7 @@ impl Machine {
         let batching = (mailbox.op == guest::Op::ModelStream as u64).then_some(self.model_batching);
         let outcome = match (self.model.clone(), self.wait.clone()) {
             (Some(port), Some(wait)) => {
-                self.managed_wait(&*port, request, timer, batching, &wait, false)
+                self.managed_wait(&*port, request, timer, batching, &wait, Waited::Model)
             }
             (Some(port), None) => self.plain_wait(&*port, request, timer, batching),
             (None, _) => WaitOutcome::Answer(Answer::Error(
@@ -212,9 +224,9 @@ impl Machine {
     /// the model port (idle, no timer pending), so it is paused as it is, offloaded once the
     /// wait is long enough, its recorded working set brought back as the answer's first bytes
     /// arrive, and the rest (on faults, by default) once the answer is there.
-    /// Operator requests are answered meanwhile (see [`crate::operator`]). A `download`'s wait
-    /// for its next chunk is judged by what is left of it at the rate seen
-    /// ([`super::download::next_chunk`]), not by the VM's past model waits.
+    /// Operator requests are answered meanwhile (see [`crate::operator`]). A download's or an
+    /// image read's wait is judged by its source's estimate ([`Waited`]), not by the VM's past
+    /// model waits.
     pub(super) fn managed_wait(
         &mut self,
         port: &dyn ModelPort,
@@ -222,14 +234,18 @@ impl Machine {
         timer: Option<Duration>,
         batching: Option<Batching>,
         wait: &WaitManagement,
-        download: bool,
+        waited: Waited,
     ) -> WaitOutcome {
         let estimate = |coordinator: &mut WaitCoordinator| {
-            if let (true, Some(chunking)) = (download, batching) {
-                let now = Instant::now();
-                let left = super::download::next_chunk(port.flow(request), chunking, now);
-                coordinator.expect(now, request, left);
-            }
+            let now = Instant::now();
+            let left = match waited {
+                Waited::Model => return,
+                Waited::Download(chunking) => {
+                    super::download::next_chunk(port.flow(request), chunking, now)
+                }
+                Waited::Read(due) => due.map(|due| due.saturating_duration_since(now)),
+            };
+            coordinator.expect(now, request, left);
         };
         let mut coordinator = self
             .coordinator

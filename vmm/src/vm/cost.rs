@@ -35,6 +35,9 @@ pub struct VmStats {
     /// What wait management did, with `--vm-wait-management`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub wait: Option<crate::wait::WaitStats>,
+    /// What the guest's downloads and image reads came to, if it did any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub io: Option<crate::net::IoStats>,
     /// What the memory pool did, with `--vm-memory-pool`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pool: Option<PoolLinkStats>,
@@ -104,6 +107,7 @@ impl Vm {
                 held_bytes: pager.held_bytes(),
             }),
             wait: self.machine.wait_stats(),
+            io: self.machine.io_stats(),
             state: self.state,
             memory_bytes: self.options.memory,
             backing_disk_bytes,

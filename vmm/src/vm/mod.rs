@@ -140,7 +140,13 @@ impl Vm {
             None => None,
         };
         // One gateway carries the model requests and the downloads.
-        let networked = options.model_upstream.is_some() || !options.net.allow.is_empty();
+        let image = options
+            .image
+            .as_ref()
+            .map(crate::image::Image::open)
+            .transpose()?;
+        let networked =
+            options.model_upstream.is_some() || !options.net.allow.is_empty() || image.is_some();
         let gateway = networked
             .then(|| {
                 crate::gateway::Gateway::new(
@@ -212,6 +218,9 @@ impl Vm {
             machine.set_model_port(Arc::new(gateway), options.model_batching);
             if !options.net.allow.is_empty() {
                 machine.set_net(options.net.clone());
+            }
+            if let Some(image) = image {
+                machine.set_image(image);
             }
         }
         let offloads = options.pool.is_some() || options.ram_backing == RamKind::Snapshot;

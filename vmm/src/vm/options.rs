@@ -80,6 +80,9 @@ pub struct VmOptions {
     /// The guest's downloads: the origins allowed (none: no network), chunking, stall time.
     #[serde(default)]
     pub net: crate::net::NetOptions,
+    /// The guest's read-only image, whose files are fetched on first read (`read PATH`).
+    #[serde(default)]
+    pub image: Option<crate::image::ImageOptions>,
     /// Pause, and offload if the policy says so, while a model request is out.
     #[serde(default)]
     pub wait: Option<crate::wait::WaitPolicy>,
@@ -143,6 +146,7 @@ impl VmOptions {
             model_upstream: None,
             model_batching: crate::gateway::Batching::default(),
             net: crate::net::NetOptions::default(),
+            image: None,
             wait: None,
             governor: None,
             arena_offload: false,
@@ -220,8 +224,11 @@ pub enum VmError {
     #[error("cannot start KSM dedup (--vm-ram-dedup)")]
     Dedup(#[from] DedupError),
     /// The model gateway could not start.
-    #[error("cannot start the model gateway (--vm-model-upstream)")]
+    #[error("cannot start the gateway of model requests, downloads and image reads")]
     Gateway(#[from] crate::gateway::GatewayError),
+    /// The image could not be opened.
+    #[error("cannot open the VM's image (--vm-image)")]
+    Image(#[from] crate::image::ImageError),
     /// The memory pool could not be joined.
     #[error("cannot join the memory pool (--vm-memory-pool)")]
     Pool(#[from] uffd_pager::sharing::PoolError),
@@ -289,6 +296,16 @@ impl RemoteSnapshot {
 
     /// Connects to it.
     pub fn connect(&self) -> Result<crate::snapshot::SnapshotAt, crate::snapshot::SnapshotError> {
+        Ok(crate::snapshot::SnapshotAt::Remote(
+            Box::new(self.remote()?),
+            self.manifest.clone(),
+        ))
+    }
+
+    /// A connection to its prefix.
+    pub fn remote(
+        &self,
+    ) -> Result<compressed_backing::remote::Remote, crate::snapshot::SnapshotError> {
         use compressed_backing::remote::{Remote, RemoteOptions, RemoteUrl};
         let url =
             RemoteUrl::parse(&self.url).map_err(|e| crate::snapshot::SnapshotError::Manifest {
@@ -316,10 +333,7 @@ impl RemoteSnapshot {
             })?;
             options.key = Some(std::sync::Arc::new(key));
         }
-        Ok(crate::snapshot::SnapshotAt::Remote(
-            Box::new(Remote::connect(&url, &options)?),
-            self.manifest.clone(),
-        ))
+        Ok(Remote::connect(&url, &options)?)
     }
 }
 

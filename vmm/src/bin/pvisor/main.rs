@@ -147,6 +147,15 @@ enum Command {
     /// report memory × time (guest-RAM PSS and cgroup memory, GiB·s per task), the completion
     /// window and throughput. Exit 1 if any check or the sampling's integrity failed.
     Replay(replay::ReplayArgs),
+    /// Index a directory as a VM image (`pvisor run --vm-image DIR`): writes DIR/image.json,
+    /// listing every regular file under DIR with its length and xxh3-128 (symbolic links
+    /// and special files are left out, and said). Upload the directory to an s3:// prefix to
+    /// serve it from an object store.
+    ImageIndex {
+        /// The image's root.
+        #[arg(value_name = "DIR")]
+        dir: PathBuf,
+    },
     /// Boot a 512 MiB VM, fill 64 MiB, and print its resident memory as it is, after an
     /// offload and after a compressed offload, with the digest checked after each resume.
     Demo(demo::DemoArgs),
@@ -195,6 +204,20 @@ fn main() -> ExitCode {
         Command::GovernorStatus { socket } => serve::status(&socket),
         Command::Replay(args) => replay::replay(&args),
         Command::Demo(args) => demo::demo(&args),
+        Command::ImageIndex { dir } => vmm::image::index(&dir)
+            .map(|(manifest, left_out)| {
+                for what in left_out {
+                    eprintln!("pvisor: left out of the image: {what}");
+                }
+                let bytes: u64 = manifest.files.iter().map(|f| f.bytes).sum();
+                println!(
+                    "{}: {} files, {bytes} bytes",
+                    dir.join(vmm::image::MANIFEST).display(),
+                    manifest.files.len()
+                );
+                ExitCode::SUCCESS
+            })
+            .map_err(|e| basics::error_chain(&e).into()),
     };
     // Nobody reads the output any more (`… | head`): it ends quietly.
     basics::output::exit_code("pvisor: ", result)

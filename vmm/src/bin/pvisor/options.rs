@@ -143,6 +143,16 @@ pub struct RunArgs {
     /// (30000).
     #[arg(long = "vm-net-stall-ms", value_name = "MS")]
     pub net_stall_ms: Option<u64>,
+    /// A read-only file tree for the guest's `read PATH` commands: a directory, or
+    /// s3://BUCKET/PREFIX (the S3 options below), holding `image.json` (`pvisor image-index
+    /// DIR` writes it). A file is fetched from there on its first read, checked against the
+    /// manifest and staged in the VM's runtime directory for later reads.
+    #[arg(long = "vm-image", value_name = "DIR|s3://BUCKET/PREFIX")]
+    pub image: Option<String>,
+    /// Hold the image's origin to this rate, bytes a second (e.g. 40MiB): a slow origin
+    /// modelled on a fast one. Default: as fast as it serves.
+    #[arg(long = "vm-image-rate", value_parser = parse_size, value_name = "SIZE")]
+    pub image_rate: Option<u64>,
     /// While a `model` request is out, pause the VM after 20 ms and offload it after 50 ms
     /// (at most every 5 s, and only when the wait is expected to pay for it: see
     /// --vm-wait-break-even); load it back when the answer arrives. Needs --vm-model-upstream.
@@ -263,6 +273,8 @@ struct ConfigVm {
     net_chunk_ms: Option<u64>,
     net_buffer: Option<String>,
     net_stall_ms: Option<u64>,
+    image: Option<String>,
+    image_rate: Option<String>,
     wait_management: Option<bool>,
     wait_strategy: Option<String>,
     wait_scale: Option<f64>,
@@ -311,6 +323,8 @@ pub struct Resolved {
     pub model_upstream: Option<String>,
     pub model_batching: vmm::gateway::Batching,
     pub net: vmm::net::NetOptions,
+    /// Where the image is and its origin's rate (the staging is the job's).
+    pub image: Option<(vmm::image::ImageLocation, Option<u64>)>,
     pub wait: Option<vmm::wait::WaitPolicy>,
 }
 
@@ -418,6 +432,28 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
     };
     let model_batching = batching(args, &config)?;
     let net = net(args, &config)?;
+    let image = match args.image.clone().or(config.image.clone()) {
+        None => None,
+        Some(text) => {
+            let at = match compressed_backing::remote::StoreLocation::parse(&text)
+                .map_err(|e| format!("--vm-image: {e}"))?
+            {
+                compressed_backing::remote::StoreLocation::Local(dir) => {
+                    vmm::image::ImageLocation::Dir(
+                        std::path::absolute(dir).map_err(|e| format!("--vm-image: {e}"))?,
+                    )
+                }
+                compressed_backing::remote::StoreLocation::Remote(url) => {
+                    let options = args.remote.options()?;
+                    vmm::image::ImageLocation::Remote(vmm::vm::RemoteSnapshot::new(
+                        &url, &options, None,
+                    ))
+                }
+            };
+            let rate = size(args.image_rate, &config.image_rate, "image-rate")?;
+            Some((at, rate))
+        }
+    };
     let executor = args
         .executor
         .clone()
@@ -713,10 +749,10 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
     if args.wait_strategy.is_some() && !wait_management {
         return Err("--vm-wait-strategy needs --vm-wait-management".into());
     }
-    if wait_management && model_upstream.is_none() && net.allow.is_empty() {
+    if wait_management && model_upstream.is_none() && net.allow.is_empty() && image.is_none() {
         return Err(
-            "--vm-wait-management manages the waits of `model` requests and downloads: it \
-             needs --vm-model-upstream or --vm-net-allow"
+            "--vm-wait-management manages the waits of `model` requests, downloads and image \
+             reads: it needs --vm-model-upstream, --vm-net-allow or --vm-image"
                 .into(),
         );
     }
@@ -852,6 +888,7 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
         model_upstream,
         model_batching,
         net,
+        image,
         wait,
         memory,
         vcpus: args.vcpus.or(config.vcpus).unwrap_or(1),

@@ -51,6 +51,14 @@ pub fn run(args: RunArgs) -> CliResult {
             model_upstream: resolved.model_upstream.clone(),
             model_batching: resolved.model_batching,
             net: resolved.net.clone(),
+            image: resolved
+                .image
+                .clone()
+                .map(|(at, rate)| vmm::image::ImageOptions {
+                    at,
+                    staging: dir.join("image"),
+                    rate,
+                }),
             wait: resolved.wait,
             governor: resolved
                 .governor
