@@ -12,7 +12,8 @@
 //! against a truncated or corrupted origin; the manifest is trusted as the operator gave it.
 
 use std::collections::BTreeMap;
-use std::io::Read;
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
 use std::path::{Component, Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -77,6 +78,27 @@ pub enum ImageError {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// Drops `file`'s pages from the page cache: the page cache is charged to the VM's memory
+/// cgroup, and a staged or origin file is read once per read, rarely.
+fn uncache(file: &std::fs::File) {
+    // SAFETY: posix_fadvise on a descriptor we own; no memory is passed. Advice only: a
+    // failure leaves the pages cached, nothing else.
+    unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+}
+
+/// `path` whole if it has exactly `len` bytes (read bounded), its pages dropped from the
+/// page cache after.
+fn read_uncached(path: &Path, len: u64) -> Option<Vec<u8>> {
+    let mut file = file::open_read(path).ok()?;
+    let mut bytes = Vec::new();
+    (&mut file)
+        .take(len.saturating_add(1))
+        .read_to_end(&mut bytes)
+        .ok()?;
+    uncache(&file);
+    Some(bytes)
 }
 
 /// Whether `path` names a file inside an image: relative, `/`-separated plain names.
@@ -326,7 +348,7 @@ impl Image {
             .entry(path)
             .ok_or_else(|| format!("`{path}` is not in the image"))?;
         let staged = self.staged_path(entry);
-        if let Ok(bytes) = file::read_bounded(&staged, entry.bytes) {
+        if let Some(bytes) = read_uncached(&staged, entry.bytes) {
             if bytes.len() as u64 == entry.bytes && digest(&bytes) == entry.xxh3_128 {
                 return Ok(Fetched {
                     bytes,
@@ -356,13 +378,19 @@ impl Image {
                 entry.xxh3_128
             ));
         }
-        // Staged under a fresh name, then renamed: a staged file is always whole. A failure
-        // to stage costs a later read another trip, nothing else.
+        // Staged under a fresh name, then renamed: a staged file is always whole. Written
+        // back and dropped from the page cache (charged to the VM otherwise). A failure to
+        // stage costs a later read another trip, nothing else.
         let partial = self.staging.join(format!(".{}.part", entry.xxh3_128));
         let _ = std::fs::remove_file(&partial);
         let written = file::create_private(&partial)
             .map_err(std::io::Error::other)
-            .and_then(|mut f| std::io::Write::write_all(&mut f, &bytes))
+            .and_then(|mut f| {
+                f.write_all(&bytes)?;
+                f.sync_data()?;
+                uncache(&f);
+                Ok(())
+            })
             .and_then(|()| std::fs::rename(&partial, &staged));
         if written.is_err() {
             let _ = std::fs::remove_file(&partial);
@@ -390,13 +418,8 @@ impl Image {
         if !(parent_inside && plain) {
             return Err(format!("`{}` is outside the image directory", entry.path));
         }
-        let mut f = file::open_read(&path).map_err(|e| basics::error_chain(&e))?;
-        let mut bytes = Vec::new();
-        (&mut f)
-            .take(entry.bytes.saturating_add(1))
-            .read_to_end(&mut bytes)
-            .map_err(|e| format!("reading {}: {e}", path.display()))?;
-        Ok(bytes)
+        file::open_read(&path).map_err(|e| basics::error_chain(&e))?;
+        read_uncached(&path, entry.bytes).ok_or_else(|| format!("cannot read {}", path.display()))
     }
 }
 

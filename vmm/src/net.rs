@@ -89,6 +89,29 @@ pub struct Checked {
     pub url: (u64, u64),
 }
 
+/// The waits of one source and what was done in them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SourceStats {
+    /// Waits (a model answer's, a chunk's, a file's; a model wait the guest's timer broke
+    /// counts once per part).
+    pub waits: u64,
+    /// Seconds waited in all.
+    pub wait_s: f64,
+    /// Offloads made during them.
+    pub offloads: u64,
+}
+
+/// The waits by source: what each contributed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct BySource {
+    /// Model answers.
+    pub model: SourceStats,
+    /// Downloads' chunks.
+    pub download: SourceStats,
+    /// Image reads.
+    pub read: SourceStats,
+}
+
 /// What the guest's downloads and image reads came to.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct IoStats {

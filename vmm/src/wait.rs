@@ -74,6 +74,57 @@ pub struct WaitPolicy {
     /// while the rest of the answer streams in, rather than on the guest's faults after it.
     #[serde(default = "default_warm")]
     pub warm: bool,
+    /// Which waits are managed (the others the VM only waits through).
+    #[serde(default)]
+    pub sources: Sources,
+}
+
+/// The wait sources of the seed: which of them a policy manages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Sources {
+    /// Model answers.
+    pub model: bool,
+    /// Downloads' chunks.
+    pub download: bool,
+    /// Image reads.
+    pub read: bool,
+}
+
+impl Default for Sources {
+    fn default() -> Self {
+        Self {
+            model: true,
+            download: true,
+            read: true,
+        }
+    }
+}
+
+impl Sources {
+    /// Parses `model,download,read` (any of them, at least one; `all` for the three).
+    pub fn parse(text: &str) -> Result<Self, String> {
+        if text == "all" {
+            return Ok(Self::default());
+        }
+        let mut sources = Self {
+            model: false,
+            download: false,
+            read: false,
+        };
+        for word in text.split(',').map(str::trim) {
+            match word {
+                "model" => sources.model = true,
+                "download" => sources.download = true,
+                "read" => sources.read = true,
+                other => {
+                    return Err(format!(
+                        "wait source `{other}`: expected model, download, read or all"
+                    ))
+                }
+            }
+        }
+        Ok(sources)
+    }
 }
 
 fn default_warm() -> bool {
@@ -103,6 +154,7 @@ impl WaitPolicy {
             break_even: self.break_even,
             reload: self.reload,
             warm: self.warm,
+            sources: self.sources,
         }
     }
 }
@@ -118,6 +170,7 @@ impl Default for WaitPolicy {
             break_even: default_break_even(),
             reload: default_reload(),
             warm: default_warm(),
+            sources: Sources::default(),
         }
     }
 }

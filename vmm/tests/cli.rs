@@ -1067,6 +1067,8 @@ fn vm_with_slow_model(
             wait_ms,
             answer_bytes: 5000,
         }],
+        download_rate: None,
+        image_rate: None,
     };
     let server = vmm::replay::ReplayServer::start(&trajectory).unwrap();
     let url = server.url();

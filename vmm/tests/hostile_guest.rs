@@ -185,6 +185,8 @@ fn model() -> (ReplayServer, Arc<Gateway>) {
             wait_ms: 1.0,
             answer_bytes: 64,
         }],
+        download_rate: None,
+        image_rate: None,
     };
     let server = ReplayServer::start(&trajectory).unwrap();
     let gateway = Gateway::new(Some(&server.url()), "t", 0, Duration::from_secs(5)).unwrap();

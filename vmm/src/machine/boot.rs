@@ -229,6 +229,7 @@ impl Machine {
             net_error: None,
             image: None,
             io_stats: crate::net::IoStats::default(),
+            by_source: crate::net::BySource::default(),
             release_error: None,
             arenas: restored_arenas(config)?,
             arena_offload: None,

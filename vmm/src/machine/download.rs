@@ -294,7 +294,8 @@ impl Machine {
                     Waited::Download(chunking) => Some(chunking),
                     Waited::Model | Waited::Read(_) => None,
                 };
-                let outcome = match self.wait.clone() {
+                let began = Instant::now();
+                let outcome = match self.management_of(transfer.waited) {
                     Some(wait) => self.managed_wait(
                         &*port,
                         transfer.request,
@@ -305,6 +306,7 @@ impl Machine {
                     ),
                     None => self.plain_wait(&*port, transfer.request, None, chunking),
                 };
+                self.count_wait(transfer.waited, began);
                 match outcome {
                     WaitOutcome::Batch(bytes, deliverable) => {
                         transfer.leftover = bytes;

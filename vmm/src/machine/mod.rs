@@ -254,6 +254,8 @@ pub struct Machine {
     image: Option<std::sync::Arc<crate::image::Image>>,
     /// What its downloads and image reads came to.
     io_stats: crate::net::IoStats,
+    /// Its waits by source.
+    by_source: crate::net::BySource,
     /// Why the last free report was refused, for the command's error.
     release_error: Option<String>,
     /// The guest's phase arenas (docs/arenas.md).
@@ -522,6 +524,12 @@ impl Machine {
     /// What the guest's downloads and image reads came to, if it has done any.
     pub fn io_stats(&self) -> Option<crate::net::IoStats> {
         Some(self.io_stats).filter(|s| s.downloads + s.reads > 0)
+    }
+
+    /// Its waits by source, if it has waited for any.
+    pub fn source_stats_all(&self) -> Option<crate::net::BySource> {
+        let s = self.by_source;
+        Some(s).filter(|_| s.model.waits + s.download.waits + s.read.waits > 0)
     }
 
     /// The virtual disk's file.

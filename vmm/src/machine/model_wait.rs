@@ -38,6 +38,36 @@ pub(super) enum Waited {
     Read(Option<Instant>),
 }
 
+impl Machine {
+    /// The counters of the waits for `waited`.
+    pub(super) fn source_stats(&mut self, waited: Waited) -> &mut crate::net::SourceStats {
+        match waited {
+            Waited::Model => &mut self.by_source.model,
+            Waited::Download(_) => &mut self.by_source.download,
+            Waited::Read(_) => &mut self.by_source.read,
+        }
+    }
+
+    /// A wait for `waited` that began at `began` is over.
+    pub(super) fn count_wait(&mut self, waited: Waited, began: Instant) {
+        let stats = self.source_stats(waited);
+        stats.waits += 1;
+        stats.wait_s += began.elapsed().as_secs_f64();
+    }
+
+    /// Whether the wait for `waited` is managed (`--vm-wait-sources`), and how.
+    pub(super) fn management_of(&self, waited: Waited) -> Option<WaitManagement> {
+        let wait = self.wait.as_ref()?;
+        let sources = wait.policy.sources;
+        let managed = match waited {
+            Waited::Model => sources.model,
+            Waited::Download(_) => sources.download,
+            Waited::Read(_) => sources.read,
+        };
+        managed.then(|| wait.clone())
+    }
+}
+
 /// How often a model wait without wait management looks for a stop.
 const STOP_POLL: Duration = Duration::from_millis(50);
 
@@ -91,7 +121,9 @@ impl Machine {
         };
         // A guest that takes the answer in batches as it streams in.
         let batching = (mailbox.op == guest::Op::ModelStream as u64).then_some(self.model_batching);
-        let outcome = match (self.model.clone(), self.wait.clone()) {
+        let began = Instant::now();
+        let managed = self.management_of(Waited::Model);
+        let outcome = match (self.model.clone(), managed) {
             (Some(port), Some(wait)) => {
                 self.managed_wait(&*port, request, timer, batching, &wait, Waited::Model)
             }
@@ -100,6 +132,7 @@ impl Machine {
                 "this VM has no model gateway (pvisor run --vm-model-upstream URL)".into(),
             )),
         };
+        self.count_wait(Waited::Model, began);
         // (The command clears `model_pending` when it ends, however it ends.)
         let answer = match outcome {
             WaitOutcome::Answer(answer) => {
@@ -284,6 +317,7 @@ impl Machine {
             for action in actions.drain(..) {
                 if let Some(took) = self.carry_out(action, wait, &mut w.offloaded) {
                     coordinator.offload_took(took);
+                    self.source_stats(waited).offloads += 1;
                 }
                 if action == WaitAction::Offload {
                     self.report_offload(&coordinator, &w, std::mem::take(&mut reclaiming));

@@ -38,6 +38,9 @@ pub struct VmStats {
     /// What the guest's downloads and image reads came to, if it did any.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub io: Option<crate::net::IoStats>,
+    /// Its waits by source (model, download, read), if it waited for any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sources: Option<crate::net::BySource>,
     /// What the memory pool did, with `--vm-memory-pool`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pool: Option<PoolLinkStats>,
@@ -108,6 +111,7 @@ impl Vm {
             }),
             wait: self.machine.wait_stats(),
             io: self.machine.io_stats(),
+            sources: self.machine.source_stats_all(),
             state: self.state,
             memory_bytes: self.options.memory,
             backing_disk_bytes,

@@ -192,6 +192,10 @@ pub struct RunArgs {
     /// resident (true).
     #[arg(long = "vm-wait-warm", value_name = "BOOL")]
     pub wait_warm: Option<bool>,
+    /// Which waits are managed: any of model, download, read, comma-separated, or all (the
+    /// default); the VM only waits through the others.
+    #[arg(long = "vm-wait-sources", value_name = "LIST")]
+    pub wait_sources: Option<String>,
     /// Guest RAM mapping: anon (private anonymous, default), memfd (shared memfd), hugetlb
     /// (private 2 MiB huge pages) or hugetlb-memfd (a shared memfd of 2 MiB huge pages). Huge
     /// pages come from the host's pool: raise /proc/sys/vm/nr_overcommit_hugepages (or
@@ -281,6 +285,7 @@ struct ConfigVm {
     wait_break_even: Option<f64>,
     wait_reload: Option<String>,
     wait_warm: Option<bool>,
+    wait_sources: Option<String>,
     wait_pause_ms: Option<u64>,
     wait_offload_ms: Option<u64>,
     wait_timer_budget_ms: Option<u64>,
@@ -814,6 +819,12 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
             }
         },
         warm: args.wait_warm.or(config.wait_warm).unwrap_or(default.warm),
+        sources: match args.wait_sources.as_deref().or(config.wait_sources.as_deref()) {
+            Some(text) => {
+                vmm::wait::Sources::parse(text).map_err(|e| format!("--vm-wait-sources: {e}"))?
+            }
+            None => default.sources,
+        },
     };
     // Flags that tune a policy that is off are a mistake; a config file may hold a policy
     // for when it is on.
@@ -827,6 +838,7 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
     .any(Option::is_some)
         || args.wait_reload.is_some()
         || args.wait_warm.is_some()
+        || args.wait_sources.is_some()
         || args.wait_scale.is_some()
         || args.wait_break_even.is_some();
     if tuned && !wait_management {

@@ -267,6 +267,17 @@ fn run_replay(
         args.memory,
         args.strategy
     );
+    // The trajectory's I/O: downloads from the replay server, reads of an image the replay
+    // writes (removed with it); each VM stages the files it reads in its own directory.
+    let (downloads, reads) = trajectory.has_io();
+    let image = if reads {
+        let dir = tempfile::Builder::new().prefix("pvisor-replay-image-").tempdir()?;
+        trajectory.write_image(dir.path())?;
+        Some(dir)
+    } else {
+        None
+    };
+    let image_rate = trajectory.image_rate_replayed().to_string();
     let exe = std::env::current_exe()?;
     let mut vms = Vec::new();
     for i in 0..args.vms {
@@ -276,6 +287,13 @@ fn run_replay(
         let mut command = Process::new(&exe);
         command.args(["run", "--detach", "--job", &job, "--memory", &args.memory]);
         command.args(["--vm-model-upstream", &url, "--cgroup", &cgroup]);
+        if downloads {
+            command.args(["--vm-net-allow", &url]);
+        }
+        if let Some(dir) = &image {
+            command.arg("--vm-image").arg(dir.path());
+            command.args(["--vm-image-rate", &image_rate]);
+        }
         command.args(extra);
         if let Some(socket) = &governor {
             command.arg("--vm-governor").arg(socket);
@@ -322,7 +340,7 @@ fn run_replay(
         }));
     }
     let script = trajectory
-        .script_taking(args.stream_answers)
+        .script_taking(args.stream_answers, &url)
         .iter()
         .map(ToString::to_string)
         .collect::<Vec<_>>()
@@ -423,6 +441,9 @@ fn run_replay(
     // What wait management did, summed over the VMs (a VM without it has none); how long
     // their faults were held at the resident limit, each VM's (its pager's `held_us`).
     let mut wait = serde_json::Map::new();
+    // And what the waits of each source (model, download, read) and the I/O came to.
+    let mut sources = serde_json::Map::new();
+    let mut io = serde_json::Map::new();
     let mut held_s = Vec::new();
     for vm in &vms {
         let stats = call(vm, Method::Stats).ok();
@@ -433,19 +454,14 @@ fn run_replay(
                 .and_then(|s| s["pager"]["held_us"].as_u64())
                 .map_or(0.0, |us| us as f64 / 1e6),
         );
-        if let Some(stats) = stats {
-            for (name, value) in stats["wait"].as_object().into_iter().flatten() {
-                // A VM's own estimate, not a count: a sum over VMs means nothing.
-                if name == "offload_cost_ms" {
-                    continue;
-                }
-                let sum = wait
-                    .get(name)
-                    .and_then(serde_json::Value::as_u64)
-                    .unwrap_or(0)
-                    + value.as_u64().unwrap_or(0);
-                wait.insert(name.clone(), sum.into());
+        if let Some(mut stats) = stats {
+            // A VM's own estimate, not a count: a sum over VMs means nothing.
+            if let Some(own) = stats["wait"].as_object_mut() {
+                own.remove("offload_cost_ms");
             }
+            add_numbers(&mut wait, &stats["wait"]);
+            add_numbers(&mut sources, &stats["sources"]);
+            add_numbers(&mut io, &stats["io"]);
         }
     }
     // Which VMs the kernel's OOM killer killed, from their cgroups' counters (read before
@@ -473,7 +489,7 @@ fn run_replay(
 
     // Every result against the trajectory: each answer's digest, each command's success, and
     // the same digests in every VM.
-    let commands = trajectory.script_taking(args.stream_answers);
+    let commands = trajectory.script_taking(args.stream_answers, &url);
     let requests = trajectory.requests();
     let mut failures = Vec::new();
     let mut reference: Option<Vec<Option<String>>> = None;
@@ -589,6 +605,8 @@ fn run_replay(
         "harness": harness,
         "cpu": cpu,
         "wait": wait,
+        "sources": sources,
+        "io": io,
         "memory_budget_bytes": budget,
         "oom_killed": oom_killed,
         "oom_kills": oom_kills.iter().sum::<u64>(),
@@ -641,6 +659,23 @@ fn run_replay(
             n("failed_loads"),
         );
     }
+    if !sources.is_empty() {
+        let part = |name: &str| {
+            let s = &sources[name];
+            format!(
+                "{name} {} waits, {:.1} s, {} offloads",
+                s["waits"].as_u64().unwrap_or(0),
+                s["wait_s"].as_f64().unwrap_or(0.0),
+                s["offloads"].as_u64().unwrap_or(0)
+            )
+        };
+        basics::say!(
+            "  waits by source, all VMs: {}; {}; {}",
+            part("model"),
+            part("download"),
+            part("read")
+        );
+    }
     if let Some(status) = &governor_status {
         basics::say!(
             "  memory governor: {}",
@@ -660,6 +695,32 @@ fn run_replay(
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// Adds the numbers of `from` (an object, nested objects summed likewise) into `into`:
+/// counts stay whole, anything with a fraction is summed as a float.
+fn add_numbers(into: &mut serde_json::Map<String, serde_json::Value>, from: &serde_json::Value) {
+    use serde_json::Value;
+    for (name, value) in from.as_object().into_iter().flatten() {
+        let slot = into.entry(name.clone()).or_insert(Value::Null);
+        match (value, &mut *slot) {
+            (Value::Object(_), Value::Null) => {
+                *slot = Value::Object(serde_json::Map::new());
+                if let Value::Object(inner) = slot {
+                    add_numbers(inner, value);
+                }
+            }
+            (Value::Object(_), Value::Object(inner)) => add_numbers(inner, value),
+            (Value::Number(n), old) => {
+                *old = match (n.as_u64(), old.as_u64()) {
+                    (Some(a), Some(b)) => (a + b).into(),
+                    (Some(a), None) if old.is_null() => a.into(),
+                    _ => (n.as_f64().unwrap_or(0.0) + old.as_f64().unwrap_or(0.0)).into(),
+                };
+            }
+            _ => {}
+        }
+    }
 }
 
 /// CPU time of `pid` (`None`: this process), seconds; `None` where it cannot be read (the
@@ -728,7 +789,21 @@ fn digest_difference(reference: &[Option<String>], digests: &[Option<String>]) -
 
 #[cfg(test)]
 mod tests {
-    use super::digest_difference;
+    use super::{add_numbers, digest_difference};
+
+    #[test]
+    fn add_numbers_sums_counts_whole_and_seconds_as_floats_nested() {
+        let mut into = serde_json::Map::new();
+        let a = serde_json::json!({"waits": 2, "wait_s": 1.5, "model": {"offloads": 1}});
+        let b = serde_json::json!({"waits": 3, "wait_s": 0.25, "model": {"offloads": 4}});
+        add_numbers(&mut into, &a);
+        add_numbers(&mut into, &b);
+        add_numbers(&mut into, &serde_json::Value::Null);
+        assert_eq!(
+            serde_json::Value::Object(into),
+            serde_json::json!({"waits": 5, "wait_s": 1.75, "model": {"offloads": 5}})
+        );
+    }
 
     #[test]
     fn digest_difference_names_the_first_command_that_differs() {

@@ -22,6 +22,10 @@ use hyper::body::Bytes;
 
 use crate::script::{self, Command};
 
+mod io;
+
+pub use io::{download_body, DEFAULT_DOWNLOAD_RATE, DEFAULT_IMAGE_RATE, MAX_IO_BYTES};
+
 /// Errors of trajectories and the replay server.
 #[derive(Debug, thiserror::Error)]
 pub enum ReplayError {
@@ -63,6 +67,21 @@ pub enum Step {
         /// The script.
         script: String,
     },
+    /// The agent downloads this many bytes (a package, a checkout) from an origin held to
+    /// the trajectory's download rate: `download` of the replay server's download `k`
+    /// (counting download steps from 1).
+    Download {
+        /// Its length.
+        bytes: u64,
+    },
+    /// The agent reads a file of its image, fetched at the trajectory's image rate on its
+    /// first read: `read PATH`.
+    Read {
+        /// The file, from the image's root (the same length wherever it is read).
+        path: String,
+        /// Its length.
+        bytes: u64,
+    },
 }
 
 /// A recorded agent run.
@@ -79,6 +98,13 @@ pub struct Trajectory {
     pub time_scale: f64,
     /// The steps, in order.
     pub steps: Vec<Step>,
+    /// The rate of the downloads' origin, bytes a second, as recorded (default
+    /// [`DEFAULT_DOWNLOAD_RATE`]); a replay divides it by `time_scale`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub download_rate: Option<u64>,
+    /// The rate of the image's origin on a first read (default [`DEFAULT_IMAGE_RATE`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_rate: Option<u64>,
 }
 
 fn one() -> f64 {
@@ -163,6 +189,7 @@ impl Trajectory {
                         ));
                     }
                 }
+                Step::Download { .. } | Step::Read { .. } => self.check_io(n, step)?,
                 Step::Tool { script } => {
                     let commands =
                         script::parse(script).map_err(|e| format!("step {n} (tool): {e}"))?;
@@ -203,7 +230,7 @@ impl Trajectory {
                     id += 1;
                     Some((id, Duration::from_secs_f64(wait_ms / 1e3), *answer_bytes))
                 }
-                Step::Tool { .. } => None,
+                Step::Tool { .. } | Step::Download { .. } | Step::Read { .. } => None,
             })
             .collect()
     }
@@ -214,17 +241,36 @@ impl Trajectory {
     }
 
     /// The whole run as one workload script: `model ID` for each model step, the tool
-    /// scripts as they are.
-    pub fn script(&self) -> Vec<Command> {
-        self.script_taking(false)
+    /// scripts as they are, the downloads from the replay server at `origin` and the reads
+    /// of the image, each with the length and digest it must have.
+    pub fn script(&self, origin: &str) -> Vec<Command> {
+        self.script_taking(false, origin)
+    }
+
+    /// Whether it downloads, and whether it reads an image.
+    pub fn has_io(&self) -> (bool, bool) {
+        let has = |f: fn(&Step) -> bool| self.steps.iter().any(f);
+        (
+            has(|s| matches!(s, Step::Download { .. })),
+            has(|s| matches!(s, Step::Read { .. })),
+        )
     }
 
     /// The same, with each answer taken in batches as it streams in (`model ID stream`) if
     /// `stream`.
-    pub fn script_taking(&self, stream: bool) -> Vec<Command> {
+    pub fn script_taking(&self, stream: bool, origin: &str) -> Vec<Command> {
         let mut id = 0;
+        let mut downloads = 0;
+        let files = self.image_files();
         let mut out = Vec::new();
         for step in &self.steps {
+            if matches!(step, Step::Download { .. }) {
+                downloads += 1;
+            }
+            if let Some(command) = Self::io_command(step, downloads, origin, &files) {
+                out.push(command);
+                continue;
+            }
             match step {
                 Step::Model { .. } => {
                     id += 1;
@@ -237,6 +283,7 @@ impl Trajectory {
                 Step::Tool { script } => {
                     out.extend(script::parse(script).expect("checked when loaded"));
                 }
+                Step::Download { .. } | Step::Read { .. } => {}
             }
         }
         out
@@ -274,8 +321,15 @@ const MAX_REQUEST_BODY: usize = 1 << 20;
 /// How long reading one request's head may wait for its peer.
 const REQUEST_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// A request's recorded answer: (id, wait, answer bytes).
-type Recorded = Arc<Vec<(u64, Duration, u64)>>;
+/// What the server answers: each model request's recorded answer (id, wait, answer bytes),
+/// and the downloads.
+#[derive(Debug)]
+struct Replies {
+    requests: Vec<(u64, Duration, u64)>,
+    downloads: Arc<io::Downloads>,
+}
+
+type Recorded = Arc<Replies>;
 
 /// An answer streams in this many equal chunks (fewer if it has fewer bytes).
 pub const ANSWER_CHUNKS: u64 = 20;
@@ -314,7 +368,10 @@ impl ReplayServer {
             .enable_all()
             .build()
             .map_err(ReplayError::Listen)?;
-        let requests: Recorded = Arc::new(trajectory.requests());
+        let requests: Recorded = Arc::new(Replies {
+            requests: trajectory.requests(),
+            downloads: io::Downloads::of(trajectory),
+        });
         let served = Arc::new(AtomicU64::new(0));
         let (stop, stopped) = tokio::sync::oneshot::channel();
         let counter = Arc::clone(&served);
@@ -410,7 +467,22 @@ async fn respond(
         return reply(hyper::StatusCode::PAYLOAD_TOO_LARGE, why.into_bytes());
     }
     let id: Option<u64> = path.rsplit('/').next().and_then(|id| id.parse().ok());
-    match id.and_then(|id| requests.iter().find(|r| r.0 == id)) {
+    if path.starts_with("/downloads/") {
+        return match id.and_then(|k| requests.downloads.serve(k)) {
+            Some((len, body)) => {
+                let mut response = hyper::Response::new(Either::Right(body));
+                response
+                    .headers_mut()
+                    .insert(hyper::header::CONTENT_LENGTH, len.into());
+                Ok(response)
+            }
+            None => reply(
+                hyper::StatusCode::NOT_FOUND,
+                format!("no download {path}").into_bytes(),
+            ),
+        };
+    }
+    match id.and_then(|id| requests.requests.iter().find(|r| r.0 == id)) {
         Some(&(id, wait, len)) => {
             let started = tokio::time::Instant::now();
             let (mut sender, body) = Channel::new(1);
@@ -460,7 +532,7 @@ mod tests {
         assert_eq!(requests.len(), 2);
         assert_eq!(requests[1], (2, Duration::from_micros(10_500), 7));
         assert_eq!(t.total_wait(), Duration::from_micros(30_500));
-        let script: Vec<String> = t.script().iter().map(ToString::to_string).collect();
+        let script: Vec<String> = t.script("").iter().map(ToString::to_string).collect();
         assert_eq!(
             script,
             ["model 1", "fill 1048576 random seed=2", "digest", "model 2"]
