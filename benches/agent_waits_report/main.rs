@@ -10,6 +10,11 @@
 //!   With `AGENT_BENCH_STEPS=N`, only the trajectory's first N steps (24: the density bench's
 //!   prefix, about a minute a run), reported as `docs/bench/agent-waits-prefix.*`.
 //!   `AGENT_BENCH_STRATEGIES=off,offload,offload-late` runs only those (off first).
+//! - `AGENT_BENCH_WAITS=io`: the trajectory with downloads and image reads (issue 38,
+//!   `docs/trajectories/qutebrowser-667-io.json`), 16 VMs, off against offload managing model
+//!   waits only (`offload-model`) and all three sources (`offload`); regenerates
+//!   `docs/bench/agent-waits-io.*`, or with `AGENT_BENCH_STEPS=N` `agent-waits-io-prefix.*`
+//!   (42 steps hold the same 12 model waits and tool phases as the 24-step prefix).
 //!
 //! `cargo bench --bench agent_waits_report` runs `AGENT_BENCH_RUNS` (default 5) interleaved
 //! rounds. In each round every group — N VMs (`Settings::vms`: 1 and 16) under a strategy
@@ -60,6 +65,8 @@ use common::Res;
 const TRAJECTORY: &str = "docs/trajectories/qutebrowser-667-scaled.json";
 /// The trajectory with the waits as recorded.
 const TRAJECTORY_RECORDED: &str = "docs/trajectories/qutebrowser-667.json";
+/// The same with downloads and image reads (issue 38).
+const TRAJECTORY_IO: &str = "docs/trajectories/qutebrowser-667-io.json";
 /// Steps of the trajectory the smoke run replays (its first six model waits).
 const SMOKE_STEPS: usize = 12;
 
@@ -81,6 +88,9 @@ pub enum Strategy {
     /// guest's faults after the answer only (`--vm-wait-warm false`), as before issue 35's
     /// item 3c.
     OffloadLate,
+    /// Offload during model waits only; the VM just waits through downloads and image reads
+    /// (`--vm-wait-sources model`).
+    OffloadModel,
 }
 
 impl Strategy {
@@ -102,6 +112,7 @@ impl Strategy {
             Strategy::OffloadCompressed => "offload-compressed",
             Strategy::OffloadLazy => "offload-lazy",
             Strategy::OffloadLate => "offload-late",
+            Strategy::OffloadModel => "offload-model",
         }
     }
 
@@ -110,6 +121,7 @@ impl Strategy {
         match self {
             Strategy::OffloadLazy => ("offload", Some("[vm]\nwait-reload = \"lazy\"\n")),
             Strategy::OffloadLate => ("offload", Some("[vm]\nwait-warm = false\n")),
+            Strategy::OffloadModel => ("offload", Some("[vm]\nwait-sources = \"model\"\n")),
             other => (other.key(), None),
         }
     }
@@ -129,6 +141,11 @@ impl Strategy {
                 "`--vm-wait-management --vm-wait-warm false`: no warm-up as the answer streams \
                  in (as `pvisor replay --strategy offload --vm-config FILE` with \
                  `wait-warm = false`)"
+            }
+            Strategy::OffloadModel => {
+                "`--vm-wait-management --vm-wait-sources model`: model waits managed, downloads \
+                 and image reads only waited through (as `pvisor replay --strategy offload \
+                 --vm-config FILE` with `wait-sources = \"model\"`)"
             }
         }
     }
@@ -256,8 +273,18 @@ fn settings(tmp: &Path, render: bool) -> Res<Result<Settings, String>> {
             run_limit: Duration::from_secs(600),
             pvisor: pvisor?,
         },
-        "recorded" => {
-            let recorded = root.join(TRAJECTORY_RECORDED);
+        "recorded" | "io" => {
+            let io = waits == "io";
+            let (file, stem_all, stem_prefix) = if io {
+                (TRAJECTORY_IO, "agent-waits-io", "agent-waits-io-prefix")
+            } else {
+                (
+                    TRAJECTORY_RECORDED,
+                    "agent-waits-recorded",
+                    "agent-waits-prefix",
+                )
+            };
+            let recorded = root.join(file);
             // `AGENT_BENCH_STEPS=N`: the first N steps only (the density bench's prefix is 24),
             // reported apart (`agent-waits-prefix`) so that the whole run's report stays.
             let steps = match std::env::var("AGENT_BENCH_STEPS") {
@@ -270,27 +297,33 @@ fn settings(tmp: &Path, render: bool) -> Res<Result<Settings, String>> {
                 Some(steps) => {
                     let (path, short) =
                         common::replay::prefix(&recorded, steps, tmp, "prefix-trajectory.json")?;
-                    (path, short, "agent-waits-prefix")
+                    (path, short, stem_prefix)
                 }
-                None => (
-                    recorded.clone(),
-                    Trajectory::load(&recorded)?,
-                    "agent-waits-recorded",
-                ),
+                None => (recorded.clone(), Trajectory::load(&recorded)?, stem_all),
             };
-            let (source, picks) = match steps {
-                Some(steps) => (
-                    format!("the first {steps} steps of `{TRAJECTORY_RECORDED}`"),
-                    if steps == 24 {
-                        "AGENT_BENCH_WAITS=recorded AGENT_BENCH_STEPS=24 "
-                    } else {
-                        "AGENT_BENCH_WAITS=recorded AGENT_BENCH_STEPS=N "
+            let (source, picks) = match (steps, io) {
+                (Some(steps), _) => (
+                    format!("the first {steps} steps of `{file}`"),
+                    match (steps, io) {
+                        (24, false) => "AGENT_BENCH_WAITS=recorded AGENT_BENCH_STEPS=24 ",
+                        (42, true) => "AGENT_BENCH_WAITS=io AGENT_BENCH_STEPS=42 ",
+                        (_, false) => "AGENT_BENCH_WAITS=recorded AGENT_BENCH_STEPS=N ",
+                        (_, true) => "AGENT_BENCH_WAITS=io AGENT_BENCH_STEPS=N ",
                     },
                 ),
-                None => (
-                    format!("`{TRAJECTORY_RECORDED}`"),
-                    "AGENT_BENCH_WAITS=recorded ",
-                ),
+                (None, false) => (format!("`{file}`"), "AGENT_BENCH_WAITS=recorded "),
+                (None, true) => (format!("`{file}`"), "AGENT_BENCH_WAITS=io "),
+            };
+            let strategies: &[Strategy] = if io {
+                &[Strategy::Off, Strategy::OffloadModel, Strategy::Offload]
+            } else {
+                &[
+                    Strategy::Off,
+                    Strategy::Offload,
+                    Strategy::OffloadLate,
+                    Strategy::OffloadCompressed,
+                    Strategy::OffloadLazy,
+                ]
             };
             Settings {
                 runs,
@@ -299,13 +332,7 @@ fn settings(tmp: &Path, render: bool) -> Res<Result<Settings, String>> {
                 vms: vec![16],
                 // Pausing frees nothing (the scaled bench shows it): the time goes to the
                 // other ways of bringing RAM back instead.
-                strategies: chosen_strategies(&[
-                    Strategy::Off,
-                    Strategy::Offload,
-                    Strategy::OffloadLate,
-                    Strategy::OffloadCompressed,
-                    Strategy::OffloadLazy,
-                ])?,
+                strategies: chosen_strategies(strategies)?,
                 memory: "512MiB",
                 sample_ms: 100,
                 replayed,
@@ -317,7 +344,9 @@ fn settings(tmp: &Path, render: bool) -> Res<Result<Settings, String>> {
             }
         }
         other => {
-            return Err(format!("AGENT_BENCH_WAITS=`{other}`: expected scaled or recorded").into())
+            return Err(
+                format!("AGENT_BENCH_WAITS=`{other}`: expected scaled, recorded or io").into(),
+            )
         }
     }))
 }

@@ -60,7 +60,7 @@ pub fn record(
         .map_or(f64::NAN, f64::from);
     put("exit_status", "code", code);
     put("wall_s", "s", outcome.wall_s);
-    let numbers: [(&str, &'static str, &[&str]); 17] = [
+    let numbers: [(&str, &'static str, &[&str]); 26] = [
         (
             "charged_gib_s",
             "GiB·s per task",
@@ -100,6 +100,29 @@ pub fn record(
             &["wait", "skipped_for_cooldown"],
         ),
         ("skipped_for_gain", "waits", &["wait", "skipped_for_gain"]),
+        // Batches of streamed answers and download chunks: how soon they reached the guest.
+        ("batches", "batches", &["wait", "batches"]),
+        ("batch_delay_us", "µs", &["wait", "batch_delay_us"]),
+        ("batches_late", "batches", &["wait", "batches_late"]),
+        // The waits by source (issue 38), summed over the VMs (NaN without them).
+        ("model_wait_s", "s", &["sources", "model", "wait_s"]),
+        (
+            "model_offloads",
+            "offloads",
+            &["sources", "model", "offloads"],
+        ),
+        ("download_wait_s", "s", &["sources", "download", "wait_s"]),
+        (
+            "download_offloads",
+            "offloads",
+            &["sources", "download", "offloads"],
+        ),
+        ("read_wait_s", "s", &["sources", "read", "wait_s"]),
+        (
+            "read_offloads",
+            "offloads",
+            &["sources", "read", "offloads"],
+        ),
     ];
     for (quantity, unit, path) in numbers {
         let value = if quantity == "sampling_passed" {

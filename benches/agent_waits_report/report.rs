@@ -62,6 +62,9 @@ pub fn markdown(results: &Results, settings: &Settings, run: &BenchRun, log: &Lo
         vms_label(s.judged_vms())
     );
     wait_share(&mut t, results, &cx);
+    if s.replayed.has_io() != (false, false) {
+        sources_table(&mut t, results, s);
+    }
     let mut sizes = s.vms.clone();
     sizes.sort_unstable_by(|a, b| b.cmp(a));
     for &vms in &sizes {
@@ -99,6 +102,44 @@ fn chart_section(t: &mut String, cx: &Context<'_>) {
     let note =
         crate::common::render::kept_chart(svg, &cx.run.date, crate::common::render::MEMORY_PANELS);
     let _ = writeln!(t, "{note}\n");
+}
+
+/// What each wait source contributed (issue 38): the time the VMs waited for it and the
+/// offloads made in those waits, summed over the VMs, median over the rounds.
+fn sources_table(t: &mut String, results: &Results, s: &Settings) {
+    let vms = s.judged_vms();
+    let (downloads, reads) = (s.replayed.downloads(), s.replayed.image_files());
+    let _ = writeln!(
+        t,
+        "## What each wait source contributed ({})
+
+         Per task: {} downloads, {:.0} MiB in all, from an origin at {:.1} MiB/s as replayed, and reads of {}          files, {:.0} MiB, from an image origin at {:.1} MiB/s on a first read (each VM stages its own          copies). Seconds waited and offloads made during those waits, summed over the {vms} VMs, median over          the rounds; with `off` nothing is managed, so no offload is made (the waits are the same).
+
+         | strategy | model waits | offloads in them | download waits | offloads in them | image-read waits |          offloads in them |
+|---|---|---|---|---|---|---|",
+        vms_label(vms),
+        downloads.len(),
+        downloads.iter().map(|d| d.1).sum::<u64>() as f64 / f64::from(1 << 20),
+        s.replayed.download_rate_replayed() / f64::from(1 << 20),
+        reads.len(),
+        reads.values().map(|r| r.0).sum::<u64>() as f64 / f64::from(1 << 20),
+        s.replayed.image_rate_replayed() as f64 / f64::from(1 << 20),
+    );
+    for &strategy in &s.strategies {
+        let f = |q: &str, d: usize| fig(results, &key(vms, strategy, q), d);
+        let _ = writeln!(
+            t,
+            "| {} | {} s | {} | {} s | {} | {} s | {} |",
+            strategy.key(),
+            f("model_wait_s", 1),
+            f("model_offloads", 0),
+            f("download_wait_s", 1),
+            f("download_offloads", 0),
+            f("read_wait_s", 1),
+            f("read_offloads", 0),
+        );
+    }
+    t.push('\n');
 }
 
 /// The paragraph under the title.
@@ -504,6 +545,7 @@ fn stroke(strategy: Strategy) -> Stroke {
         Strategy::OffloadCompressed => Stroke::solid(GREEN),
         Strategy::OffloadLazy => Stroke::dashed(RUST, 2, 2),
         Strategy::OffloadLate => Stroke::dashed(GREEN, 2, 2),
+        Strategy::OffloadModel => Stroke::dashed(VIOLET, 2, 2),
     }
 }
 

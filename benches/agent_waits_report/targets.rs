@@ -13,6 +13,12 @@ pub const MEMORY_PCT_MAX: f64 = 25.0;
 pub const WINDOW_CHANGE_MAX_PCT: f64 = 5.0;
 /// The VMs' CPU under a judged strategy, % of off's (at most; issue 35).
 pub const CPU_PCT_MAX: f64 = 130.0;
+/// With downloads and image reads (issue 38): memory charged × time managing all three
+/// sources, % of managing model waits only (at most).
+pub const IO_MEMORY_PCT_MAX: f64 = 70.0;
+/// A streamed batch or a download's chunk reaches the guest at most this long after it
+/// became deliverable (issue 38), ms.
+pub const BATCH_DELAY_MAX_MS: f64 = 20.0;
 
 /// The per-round figures against off: (derived quantity, measured quantity, as a change).
 /// `…_pct_of_off` is strategy ÷ off × 100; `…_change_pct` is (strategy ÷ off − 1) × 100.
@@ -50,7 +56,72 @@ pub fn derive(results: &mut Results, settings: &Settings) {
                 }
             }
         }
+        // All three sources managed against model waits only, round by round.
+        let (all, model) = (Strategy::Offload, Strategy::OffloadModel);
+        if settings.strategies.contains(&all) && settings.strategies.contains(&model) {
+            for round in 0..results.runs {
+                let value = |s| {
+                    results
+                        .values(&key(vms, s, "charged_gib_s"))
+                        .get(round)
+                        .copied()
+                };
+                if let (Some(a), Some(m)) = (value(all), value(model)) {
+                    let pct = a / m * 100.0;
+                    if pct.is_finite() {
+                        results.put(&key(vms, all, "charged_pct_of_model"), "%", round, pct);
+                    }
+                }
+            }
+        }
     }
+}
+
+/// Issue 38's targets, on a trajectory with downloads and image reads: all three sources
+/// managed against model waits only, and how soon batches and chunks reached the guests.
+fn io_verdicts(results: &Results, vms: usize) -> Vec<Verdict> {
+    let k = key(vms, Strategy::Offload, "charged_pct_of_model");
+    let s = results.summary(&k);
+    let memory = Verdict {
+        target: format!(
+            "{}, offload: memory charged×time ≤ {IO_MEMORY_PCT_MAX:.0}% of offload-model's              (issue 38: all three sources managed against model waits only)",
+            vms_label(vms)
+        ),
+        figure: if s.n == 0 {
+            "not measured in this run".to_owned()
+        } else {
+            format!(
+                "{}% ({} of {} rounds meet it): {} against {} GiB·s per task",
+                fig(results, &k, 1),
+                results.count(&k, |v| v <= IO_MEMORY_PCT_MAX),
+                s.n,
+                fig(results, &key(vms, Strategy::Offload, "charged_gib_s"), 3),
+                fig(results, &key(vms, Strategy::OffloadModel, "charged_gib_s"), 3),
+            )
+        },
+        result: result(true, s.n > 0, s.median <= IO_MEMORY_PCT_MAX),
+    };
+    // Summed over the rounds: the mean delay of every batch, and how many were late.
+    let sum = |q: &str| -> f64 {
+        results
+            .values(&key(vms, Strategy::Offload, q))
+            .iter()
+            .filter(|v| v.is_finite())
+            .sum()
+    };
+    let (batches, late) = (sum("batches"), sum("batches_late"));
+    let mean_ms = sum("batch_delay_us") / 1e3 / batches.max(1.0);
+    let delay = Verdict {
+        target: format!(
+            "{}, offload: a batch or chunk reaches the guest ≤ {BATCH_DELAY_MAX_MS:.0} ms after              it became deliverable (issue 38)",
+            vms_label(vms)
+        ),
+        figure: format!(
+            "{batches:.0} batches and chunks over all rounds: {mean_ms:.1} ms after on average,              {late:.0} later than {BATCH_DELAY_MAX_MS:.0} ms"
+        ),
+        result: result(true, batches > 0.0, late == 0.0),
+    };
+    vec![memory, delay]
 }
 
 /// The strategy the chart's round is chosen by: offload if measured, else the first other
@@ -198,6 +269,9 @@ pub fn verdicts(results: &Results, settings: &Settings, log: &Log) -> Vec<Verdic
             }
         }
         if judged {
+            if settings.replayed.has_io() != (false, false) {
+                out.extend(io_verdicts(results, vms));
+            }
             out.push(integrity(log));
         }
     }

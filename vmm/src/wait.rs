@@ -927,6 +927,105 @@ mod tests {
     }
 
     #[test]
+    fn wait_sources_parse_any_of_the_three_or_all() {
+        let all = Sources::default();
+        assert_eq!(Sources::parse("all"), Ok(all));
+        assert_eq!(Sources::parse("model, read,download"), Ok(all));
+        let model = Sources::parse("model").expect("valid");
+        assert!(model.model && !model.download && !model.read);
+        assert!(Sources::parse("model,disk").is_err());
+        assert!(Sources::parse("").is_err());
+    }
+
+    #[test]
+    fn wait_estimate_of_a_source_replaces_the_history_and_stays_out_of_it() {
+        let base = Instant::now();
+        let policy = WaitPolicy {
+            offload_cooldown: Duration::ZERO,
+            ..WaitPolicy::default()
+        };
+        let mut c = WaitCoordinator::new(policy, 1);
+        c.offload_took(Duration::from_millis(100));
+        // A long model wait in the history: a wait would be expected to pay.
+        c.handle(
+            base,
+            WaitEvent::WaitStart {
+                request: 1,
+                epoch: 1,
+            },
+        );
+        c.handle(
+            at(base, 10_000),
+            WaitEvent::DataReady {
+                request: 1,
+                epoch: 1,
+            },
+        );
+        // A download's chunk due in 200 ms: less than 4 offloads' cost, so no offload.
+        let t = at(base, 20_000);
+        c.handle(
+            t,
+            WaitEvent::GuestIdle {
+                epoch: 1,
+                timer_due: None,
+            },
+        );
+        c.handle(
+            t,
+            WaitEvent::WaitStart {
+                request: 9,
+                epoch: 1,
+            },
+        );
+        c.expect(t, 9, Some(Duration::from_millis(200)));
+        c.tick(at(base, 20_020));
+        assert!(!c.tick(at(base, 20_050)).contains(&Action::Offload));
+        assert_eq!(c.stats().skipped_for_gain, 1);
+        // Its end stays out of the history: the next model wait still expects ~10 s.
+        c.handle(
+            at(base, 20_200),
+            WaitEvent::DataReady {
+                request: 9,
+                epoch: 1,
+            },
+        );
+        assert_eq!(
+            c.expected_remaining(Duration::ZERO),
+            Some(Duration::from_secs(10))
+        );
+        // A wait its source cannot tell yet is offloaded as a first wait would be.
+        let t = at(base, 30_000);
+        c.handle(
+            t,
+            WaitEvent::GuestIdle {
+                epoch: 1,
+                timer_due: None,
+            },
+        );
+        c.handle(
+            t,
+            WaitEvent::WaitStart {
+                request: 10,
+                epoch: 1,
+            },
+        );
+        c.expect(t, 10, None);
+        c.tick(at(base, 30_020));
+        assert!(c.tick(at(base, 30_050)).contains(&Action::Offload));
+        // Given up: no longer waited for; its data, if it comes, is stale.
+        c.forget(10);
+        assert!(c
+            .handle(
+                at(base, 30_100),
+                WaitEvent::DataReady {
+                    request: 10,
+                    epoch: 1
+                }
+            )
+            .is_empty());
+    }
+
+    #[test]
     fn wait_warm_up_is_timed_to_end_with_the_answer_once_answers_have_been_seen_streaming() {
         let base = Instant::now();
         let policy = WaitPolicy {

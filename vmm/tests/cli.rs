@@ -335,6 +335,19 @@ fn cli_bad_input_gets_clear_messages() {
             &["an image path is relative"],
         ),
         (
+            &[
+                "run",
+                "--vm-net-allow",
+                "http://127.0.0.1:9",
+                "--vm-wait-management",
+                "--vm-wait-sources",
+                "model,disk",
+                "--",
+                "idle",
+            ],
+            &["--vm-wait-sources", "wait source `disk`"],
+        ),
+        (
             &["run", "--vm-net-allow", "https://mirror:443", "--", "idle"],
             &["--vm-net-allow `https://mirror:443`", "only plain http://"],
         ),

@@ -68,8 +68,14 @@ impl Trajectory {
     }
 
     /// The image origin's rate as replayed, bytes a second (see `download_rate_replayed`).
+    #[allow(
+        clippy::cast_sign_loss,
+        clippy::cast_possible_truncation,
+        clippy::cast_precision_loss,
+        reason = "a positive rate over a scale in (0, 100], checked at load"
+    )]
     pub fn image_rate_replayed(&self) -> u64 {
-        (self.image_rate.unwrap_or(DEFAULT_IMAGE_RATE) as f64 / self.time_scale) as u64
+        (self.image_rate.unwrap_or(DEFAULT_IMAGE_RATE) as f64 / self.time_scale).max(1.0) as u64
     }
 
     /// Checks an I/O step (`n` its position): sizes, paths, and one length per path.
@@ -251,12 +257,19 @@ mod tests {
                 crate::guest::digest_hex(&body)
             )
         );
-        assert!(script[2].starts_with("read lib/a.so bytes=5000 digest="), "{}", script[2]);
+        assert!(
+            script[2].starts_with("read lib/a.so bytes=5000 digest="),
+            "{}",
+            script[2]
+        );
         assert_eq!(script[2], script[6]);
         assert!(script[5].starts_with("download http://o:1/downloads/2 bytes=10 "));
         // Every command parses back as it prints.
         for line in &script {
-            assert_eq!(&crate::script::parse(line).expect("parses")[0].to_string(), line);
+            assert_eq!(
+                &crate::script::parse(line).expect("parses")[0].to_string(),
+                line
+            );
         }
         // The image holds the file the reads expect.
         let dir = tempfile::tempdir().expect("a directory");
@@ -298,7 +311,11 @@ mod tests {
         let reply = get("/downloads/1");
         let took = started.elapsed();
         assert!(took >= Duration::from_millis(30), "{took:?}");
-        let head_end = reply.windows(4).position(|w| w == b"\r\n\r\n").expect("a head") + 4;
+        let head_end = reply
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .expect("a head")
+            + 4;
         let head = String::from_utf8_lossy(&reply[..head_end]).to_ascii_lowercase();
         assert!(head.contains("content-length: 300000"), "{head}");
         assert!(reply[head_end..] == download_body(1, 300_000)[..]);

@@ -819,7 +819,11 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
             }
         },
         warm: args.wait_warm.or(config.wait_warm).unwrap_or(default.warm),
-        sources: match args.wait_sources.as_deref().or(config.wait_sources.as_deref()) {
+        sources: match args
+            .wait_sources
+            .as_deref()
+            .or(config.wait_sources.as_deref())
+        {
             Some(text) => {
                 vmm::wait::Sources::parse(text).map_err(|e| format!("--vm-wait-sources: {e}"))?
             }

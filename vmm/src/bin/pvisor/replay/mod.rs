@@ -271,7 +271,9 @@ fn run_replay(
     // writes (removed with it); each VM stages the files it reads in its own directory.
     let (downloads, reads) = trajectory.has_io();
     let image = if reads {
-        let dir = tempfile::Builder::new().prefix("pvisor-replay-image-").tempdir()?;
+        let dir = tempfile::Builder::new()
+            .prefix("pvisor-replay-image-")
+            .tempdir()?;
         trajectory.write_image(dir.path())?;
         Some(dir)
     } else {
