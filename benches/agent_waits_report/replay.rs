@@ -53,46 +53,20 @@ pub fn record(
     let mut put = |quantity: &str, unit: &'static str, value: f64| {
         results.put(&key(vms, strategy, quantity), unit, round, value);
     };
-    let flag = |ok: bool| if ok { 1.0 } else { 0.0 };
-    let code = outcome
-        .status
-        .and_then(|s| s.code())
-        .map_or(f64::NAN, f64::from);
-    put("exit_status", "code", code);
-    put("wall_s", "s", outcome.wall_s);
-    let numbers: [(&str, &'static str, &[&str]); 26] = [
-        (
-            "charged_gib_s",
-            "GiB·s per task",
-            &["memory_charged_gib_s_per_task"],
-        ),
-        // The VM processes' CPU, and the replay's own (sampler, model server) apart.
+    // Besides the figures every replay bench keeps (`common::replay::SUMMARY_FIGURES`): the
+    // VM processes' CPU and the replay's own (sampler, model server) apart, the throughput,
+    // the sampling's record, what wait management did (summed over the VMs; NaN without
+    // it), how soon batches reached the guests, and the waits by source (issue 38).
+    let more: [(&str, &'static str, &[&str]); 17] = [
         ("cpu_s", "s", &["cpu", "vms_s"]),
         ("replay_cpu_s", "s", &["cpu", "replay_s"]),
-        (
-            "guest_pss_gib_s",
-            "GiB·s per task",
-            &["guest_pss_gib_s_per_task"],
-        ),
-        (
-            "cgroup_gib_s",
-            "GiB·s per task",
-            &["cgroup_mem_gib_s_per_task"],
-        ),
-        ("window_s", "s", &["completion_window_s"]),
         (
             "throughput_per_min",
             "tasks/min",
             &["throughput_tasks_per_min"],
         ),
-        ("requests_served", "requests", &["model_requests_served"]),
-        ("samples", "samples", &["sampling", "samples"]),
-        ("largest_gap_s", "s", &["sampling", "largest_gap_s"]),
         ("long_gaps", "gaps", &["sampling", "long_gaps"]),
         ("dropped", "readings", &["sampling", "dropped"]),
-        ("sampling_passed", "1 = passed", &["sampling", "passed"]),
-        // What wait management did, summed over the VMs (NaN without it).
-        ("offloads", "offloads", &["wait", "offloads"]),
         ("offload_ms", "ms", &["wait", "offload_ms"]),
         (
             "skipped_for_cooldown",
@@ -100,11 +74,9 @@ pub fn record(
             &["wait", "skipped_for_cooldown"],
         ),
         ("skipped_for_gain", "waits", &["wait", "skipped_for_gain"]),
-        // Batches of streamed answers and download chunks: how soon they reached the guest.
         ("batches", "batches", &["wait", "batches"]),
         ("batch_delay_us", "µs", &["wait", "batch_delay_us"]),
         ("batches_late", "batches", &["wait", "batches_late"]),
-        // The waits by source (issue 38), summed over the VMs (NaN without them).
         ("model_wait_s", "s", &["sources", "model", "wait_s"]),
         (
             "model_offloads",
@@ -124,18 +96,16 @@ pub fn record(
             &["sources", "read", "offloads"],
         ),
     ];
-    for (quantity, unit, path) in numbers {
-        let value = if quantity == "sampling_passed" {
-            let passed = outcome
-                .summary
-                .as_ref()
-                .map(|s| s["sampling"]["passed"] == true);
-            passed.map_or(f64::NAN, flag)
-        } else {
-            outcome.number(path)
-        };
-        put(quantity, unit, value);
-    }
+    outcome.figures(&more, &mut put);
+    let passed = outcome
+        .summary
+        .as_ref()
+        .map(|s| s["sampling"]["passed"] == true);
+    put(
+        "sampling_passed",
+        "1 = passed",
+        passed.map_or(f64::NAN, |ok| if ok { 1.0 } else { 0.0 }),
+    );
     // What one offload took, over all the VMs' offloads.
     let offloads = outcome.number(&["wait", "offloads"]);
     if offloads > 0.0 {

@@ -111,12 +111,13 @@ fn sources_table(t: &mut String, results: &Results, s: &Settings) {
     let (downloads, reads) = (s.replayed.downloads(), s.replayed.image_files());
     let _ = writeln!(
         t,
-        "## What each wait source contributed ({})
-
-         Per task: {} downloads, {:.0} MiB in all, from an origin at {:.1} MiB/s as replayed, and reads of {}          files, {:.0} MiB, from an image origin at {:.1} MiB/s on a first read (each VM stages its own          copies). Seconds waited and offloads made during those waits, summed over the {vms} VMs, median over          the rounds; with `off` nothing is managed, so no offload is made (the waits are the same).
-
-         | strategy | model waits | offloads in them | download waits | offloads in them | image-read waits |          offloads in them |
-|---|---|---|---|---|---|---|",
+        "## What each wait source contributed ({})\n\n\
+         Per task: {} downloads, {:.0} MiB in all, from an origin at {:.1} MiB/s as replayed, and reads of {} \
+         files, {:.0} MiB, from an image origin at {:.1} MiB/s on a first read (each VM stages its own \
+         copies). Seconds waited and offloads made during those waits, summed over the {vms} VMs, median over \
+         the rounds; with `off` nothing is managed, so no offload is made (the waits are the same).\n\n\
+         | strategy | model waits | offloads in them | download waits | offloads in them | image-read waits | \
+         offloads in them |\n|---|---|---|---|---|---|---|",
         vms_label(vms),
         downloads.len(),
         downloads.iter().map(|d| d.1).sum::<u64>() as f64 / f64::from(1 << 20),

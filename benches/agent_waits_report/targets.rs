@@ -84,7 +84,7 @@ fn io_verdicts(results: &Results, vms: usize) -> Vec<Verdict> {
     let s = results.summary(&k);
     let memory = Verdict {
         target: format!(
-            "{}, offload: memory charged×time ≤ {IO_MEMORY_PCT_MAX:.0}% of offload-model's              (issue 38: all three sources managed against model waits only)",
+            "{}, offload: memory charged×time ≤ {IO_MEMORY_PCT_MAX:.0}% of offload-model's (issue 38: all three sources managed against model waits only)",
             vms_label(vms)
         ),
         figure: if s.n == 0 {
@@ -113,11 +113,11 @@ fn io_verdicts(results: &Results, vms: usize) -> Vec<Verdict> {
     let mean_ms = sum("batch_delay_us") / 1e3 / batches.max(1.0);
     let delay = Verdict {
         target: format!(
-            "{}, offload: a batch or chunk reaches the guest ≤ {BATCH_DELAY_MAX_MS:.0} ms after              it became deliverable (issue 38)",
+            "{}, offload: a batch or chunk reaches the guest ≤ {BATCH_DELAY_MAX_MS:.0} ms after it became deliverable (issue 38)",
             vms_label(vms)
         ),
         figure: format!(
-            "{batches:.0} batches and chunks over all rounds: {mean_ms:.1} ms after on average,              {late:.0} later than {BATCH_DELAY_MAX_MS:.0} ms"
+            "{batches:.0} batches and chunks over all rounds: {mean_ms:.1} ms after on average, {late:.0} later than {BATCH_DELAY_MAX_MS:.0} ms"
         ),
         result: result(true, batches > 0.0, late == 0.0),
     };

@@ -39,48 +39,16 @@ pub fn run(settings: &Settings, strategy: Strategy, samples: &Path) -> Res<Outco
     .run(samples, settings.cpu.as_ref())
 }
 
-/// The numbers of the replay's summary the bench keeps: (quantity, unit, path in the summary).
-const SUMMARY_NUMBERS: [(&str, &str, &[&str]); 8] = [
-    (
-        "charged_gib_s",
-        "GiB·s per task",
-        &["memory_charged_gib_s_per_task"],
-    ),
-    (
-        "guest_pss_gib_s",
-        "GiB·s per task",
-        &["guest_pss_gib_s_per_task"],
-    ),
-    (
-        "cgroup_gib_s",
-        "GiB·s per task",
-        &["cgroup_mem_gib_s_per_task"],
-    ),
-    ("window_s", "s", &["completion_window_s"]),
-    ("requests_served", "requests", &["model_requests_served"]),
-    ("samples", "samples", &["sampling", "samples"]),
-    ("largest_gap_s", "s", &["sampling", "largest_gap_s"]),
-    ("offloads", "offloads", &["wait", "offloads"]),
-];
-
-/// Records `outcome` as round `round` under `strategy`.
+/// Records `outcome` as round `round` under `strategy`: the figures every replay bench keeps
+/// (`common::replay::SUMMARY_FIGURES`), and the CPU of the replay and all it started.
 pub fn record(outcome: &Outcome, strategy: Strategy, round: usize, results: &mut Results) {
-    let code = outcome
-        .status
-        .and_then(|s| s.code())
-        .map_or(f64::NAN, f64::from);
-    let cpu = outcome.cpu.map_or(f64::NAN, |c| c.total_s());
-    let mut figures = vec![
-        ("exit_status", "code", code),
-        ("wall_s", "s", outcome.wall_s),
-        ("cpu_s", "CPU s", cpu),
-    ];
-    figures.extend(
-        SUMMARY_NUMBERS
-            .iter()
-            .map(|&(quantity, unit, path)| (quantity, unit, outcome.number(path))),
-    );
-    for (quantity, unit, value) in figures {
+    let mut put = |quantity: &str, unit, value| {
         results.put(&key(strategy, quantity), unit, round, value);
-    }
+    };
+    put(
+        "cpu_s",
+        "CPU s",
+        outcome.cpu.map_or(f64::NAN, |c| c.total_s()),
+    );
+    outcome.figures(&[], put);
 }

@@ -137,6 +137,31 @@ impl Timeline {
     }
 }
 
+/// The numbers of a replay's summary every replay bench keeps: (quantity, unit, path in the
+/// summary). Memory charged is the headline; wait management's offloads are NaN without it.
+pub const SUMMARY_FIGURES: [(&str, &str, &[&str]); 8] = [
+    (
+        "charged_gib_s",
+        "GiB·s per task",
+        &["memory_charged_gib_s_per_task"],
+    ),
+    (
+        "guest_pss_gib_s",
+        "GiB·s per task",
+        &["guest_pss_gib_s_per_task"],
+    ),
+    (
+        "cgroup_gib_s",
+        "GiB·s per task",
+        &["cgroup_mem_gib_s_per_task"],
+    ),
+    ("window_s", "s", &["completion_window_s"]),
+    ("requests_served", "requests", &["model_requests_served"]),
+    ("samples", "samples", &["sampling", "samples"]),
+    ("largest_gap_s", "s", &["sampling", "largest_gap_s"]),
+    ("offloads", "offloads", &["wait", "offloads"]),
+];
+
 /// What one `pvisor replay` gave.
 #[derive(Debug)]
 pub struct Outcome {
@@ -531,6 +556,25 @@ impl Outcome {
             && self.problem.is_none()
             && self.failures().is_empty()
             && self.sampling_failure().is_some()
+    }
+
+    /// Puts, with `put(quantity, unit, value)`, the figures every replay bench keeps: the
+    /// exit status, the wall time and [`SUMMARY_FIGURES`]; then the summary's numbers that
+    /// `more` names (NaN where missing).
+    pub fn figures(
+        &self,
+        more: &[(&'static str, &'static str, &[&str])],
+        mut put: impl FnMut(&str, &'static str, f64),
+    ) {
+        let code = self
+            .status
+            .and_then(|s| s.code())
+            .map_or(f64::NAN, f64::from);
+        put("exit_status", "code", code);
+        put("wall_s", "s", self.wall_s);
+        for &(quantity, unit, path) in SUMMARY_FIGURES.iter().chain(more) {
+            put(quantity, unit, self.number(path));
+        }
     }
 
     /// A number of the summary at `path` (`["sampling", "samples"]`); NaN if missing.

@@ -257,6 +257,9 @@ pub struct Image {
     files: BTreeMap<String, FileEntry>,
     staging: PathBuf,
     rate: Option<u64>,
+    /// Held by the one fetch under way: a read given up does not stop its fetch, and a
+    /// guest that asks for file after file must not have them all in memory at once.
+    fetching: std::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for Image {
@@ -317,6 +320,7 @@ impl Image {
                 .collect(),
             staging: options.staging.clone(),
             rate: options.rate.filter(|&r| r > 0),
+            fetching: std::sync::Mutex::new(()),
         })
     }
 
@@ -347,6 +351,10 @@ impl Image {
         let entry = self
             .entry(path)
             .ok_or_else(|| format!("`{path}` is not in the image"))?;
+        let _one = self
+            .fetching
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let staged = self.staged_path(entry);
         if let Some(bytes) = read_uncached(&staged, entry.bytes) {
             if bytes.len() as u64 == entry.bytes && digest(&bytes) == entry.xxh3_128 {

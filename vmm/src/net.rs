@@ -341,6 +341,9 @@ pub struct NetOptions {
     pub chunking: crate::gateway::Batching,
     /// A download whose origin sends nothing for this long ends with an error.
     pub stall: std::time::Duration,
+    /// A download not over after this long ends with an error (an origin that sends a byte
+    /// now and then is no stall).
+    pub timeout: std::time::Duration,
 }
 
 impl Default for NetOptions {
@@ -353,6 +356,7 @@ impl Default for NetOptions {
                 buffer: 4 << 20,
             },
             stall: std::time::Duration::from_secs(30),
+            timeout: std::time::Duration::from_secs(3600),
         }
     }
 }

@@ -32,6 +32,7 @@ fn body(len: usize) -> Vec<u8> {
 /// - `/chunked/N`: N bytes, chunked, no length announced;
 /// - `/stall/N`: announces N bytes, sends half, then nothing (the connection stays open);
 /// - `/short/N`: announces N bytes, sends half and closes;
+/// - `/trickle`: announces a megabyte and sends a byte every 200 ms;
 /// - `/missing`: 404.
 fn origin() -> String {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -80,6 +81,15 @@ fn origin() -> String {
                         }
                         let _ = stream.write_all(b"0\r\n\r\n");
                     }
+                    "trickle" => {
+                        let _ = stream.write_all(head(1 << 20).as_bytes());
+                        for _ in 0..100 {
+                            std::thread::sleep(Duration::from_millis(200));
+                            if stream.write_all(b"x").is_err() {
+                                break;
+                            }
+                        }
+                    }
                     "stall" | "short" => {
                         let len = number(1).unwrap();
                         let _ = stream.write_all(head(len).as_bytes());
@@ -111,6 +121,7 @@ fn start(dir: &Path, memory: u64, allow: &[&str], wait: Option<WaitPolicy>) -> V
                 buffer: 4 << 20,
             },
             stall: Duration::from_millis(700),
+            timeout: Duration::from_millis(2500),
         },
         wait,
         ..VmOptions::new(memory, RamKind::Anon, dir.join("disk"), dir.join("ram"))
@@ -211,6 +222,18 @@ fn download_refused_origins_and_failing_origins_end_the_command_and_the_vm_goes_
     );
     assert!(
         started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    // One that sends a byte now and then: no stall, but over in the download's time limit.
+    let started = std::time::Instant::now();
+    let why = fails(&mut vm, format!("download {url}/trickle"));
+    assert!(
+        why.contains("not done within") && why.contains("errno 110"),
+        "{why}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(6),
         "{:?}",
         started.elapsed()
     );

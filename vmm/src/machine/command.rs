@@ -282,8 +282,8 @@ impl Machine {
                 coordinator.forget(request);
             }
         }
-        // A download it left unfinished goes with it.
-        self.transfer = None;
+        // A download or read it left unfinished goes with it.
+        self.end_transfer();
         if let Err(e) = ran {
             self.broken = Some(basics::error_chain(&e));
             return Err(e);

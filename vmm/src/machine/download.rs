@@ -17,9 +17,10 @@ use crate::guest::Refused;
 use crate::net::{self, Kind, Target};
 use crate::wait::Phase;
 
-/// The gateway's ids of downloads: the top half of the id space. The guest picks its model
-/// requests' ids; one from up here can only get in the way of its own download (a command
-/// has one request out at a time).
+/// The gateway's ids of downloads and reads: the top half of the id space. The guest picks
+/// its model requests' ids; one from up here can only get in the way of its own download,
+/// and never does: a model request gives up the transfer in progress, a transfer the model
+/// request in flight.
 const NET_REQUESTS: u64 = 1 << 63;
 
 /// A download in progress.
@@ -29,8 +30,12 @@ pub(super) struct Transfer {
     id: u64,
     /// The gateway's.
     request: u64,
-    /// Bytes received and not yet written to the guest (more than its buffer had room for).
+    /// Bytes received and not yet written to the guest (more than its buffer had room for),
+    /// from `written` on.
     leftover: Vec<u8>,
+    written: usize,
+    /// Bytes handed to the guest so far.
+    delivered: u64,
     /// The body has ended: whole (`Ok`: `leftover` is all that is left), or not (why).
     ended: Option<Result<(), String>>,
     /// The length the origin announced, if it did.
@@ -145,21 +150,20 @@ impl Machine {
     }
 
     /// Gives the download in progress up: the gateway reads no more of it.
-    fn end_transfer(&mut self) {
-        let Some(transfer) = self.transfer.take() else {
-            return;
-        };
-        if self
-            .model_pending
-            .is_some_and(|(r, _)| r == transfer.request)
-        {
-            self.model_pending = None;
-            if let Some(port) = &self.model {
-                port.cancel(transfer.request);
-            }
-            if let Some(coordinator) = self.coordinator.as_mut() {
-                coordinator.forget(transfer.request);
-            }
+    pub(super) fn end_transfer(&mut self) {
+        if let Some(transfer) = self.transfer.take() {
+            self.give_up(transfer.request);
+        }
+    }
+
+    /// Request `request` goes nowhere from now on: the gateway reads no more of it, the
+    /// coordinator waits for it no more (harmless for one already over).
+    pub(super) fn give_up(&mut self, request: u64) {
+        if let Some(port) = &self.model {
+            port.cancel(request);
+        }
+        if let Some(coordinator) = self.coordinator.as_mut() {
+            coordinator.forget(request);
         }
     }
 
@@ -181,11 +185,17 @@ impl Machine {
 
     /// The transfer `request` of the guest's `id` is under way.
     fn begin(&mut self, id: u64, request: u64, waited: Waited) {
-        self.model_pending = Some((request, Instant::now()));
+        // A model request left in flight (a guest may knock on the model port whenever it
+        // likes) is given up: one request at a time.
+        if let Some((pending, _)) = self.model_pending.take() {
+            self.give_up(pending);
+        }
         self.transfer = Some(Transfer {
             id,
             request,
             leftover: Vec::new(),
+            written: 0,
+            delivered: 0,
             ended: None,
             total: None,
             waited,
@@ -227,8 +237,9 @@ impl Machine {
         self.net_sent += 1;
         let request = NET_REQUESTS | self.net_sent;
         port.read(request, &image, &path);
-        let due = expected.and_then(|e| Instant::now().checked_add(e));
-        self.begin(checked.id, request, Waited::Read(due));
+        let sent = Instant::now();
+        let due = expected.and_then(|e| sent.checked_add(e));
+        self.begin(checked.id, request, Waited::Read { due, sent });
         Ok(())
     }
 
@@ -262,8 +273,12 @@ impl Machine {
         let request = NET_REQUESTS | self.net_sent;
         // The guest's buffer at the start bounds the whole body.
         let limit = checked.buf.1;
-        port.fetch(request, &target, options.chunking, limit, options.stall);
-        self.begin(checked.id, request, Waited::Download(options.chunking));
+        port.fetch(request, &target, &options, limit);
+        let waited = Waited::Download {
+            chunking: options.chunking,
+            sent: Instant::now(),
+        };
+        self.begin(checked.id, request, waited);
         Ok(())
     }
 
@@ -284,72 +299,34 @@ impl Machine {
                 .map_or(0, |c| c.stats().resumes)
         };
         let resumes_before = resumes(self);
-        if transfer.leftover.is_empty() && transfer.ended.is_none() {
-            if let Some(port) = self.model.clone() {
-                if let Some(flow) = port.flow(transfer.request) {
-                    transfer.total = flow.total.or(transfer.total);
-                }
-                // A read is handed over whole, once fetched and checked.
-                let chunking = match transfer.waited {
-                    Waited::Download(chunking) => Some(chunking),
-                    Waited::Model | Waited::Read(_) => None,
-                };
-                let began = Instant::now();
-                let outcome = match self.management_of(transfer.waited) {
-                    Some(wait) => self.managed_wait(
-                        &*port,
-                        transfer.request,
-                        None,
-                        chunking,
-                        &wait,
-                        transfer.waited,
-                    ),
-                    None => self.plain_wait(&*port, transfer.request, None, chunking),
-                };
-                self.count_wait(transfer.waited, began);
-                match outcome {
-                    WaitOutcome::Batch(bytes, deliverable) => {
-                        transfer.leftover = bytes;
-                        if let Some(coordinator) = self.coordinator.as_mut() {
-                            coordinator.batch_delivered(deliverable.elapsed());
-                        }
-                    }
-                    WaitOutcome::Answer(Answer::Data(rest)) => {
-                        self.model_pending = None;
-                        transfer.leftover = rest;
-                        transfer.ended = Some(Ok(()));
-                    }
-                    WaitOutcome::Answer(Answer::Error(why)) => {
-                        self.model_pending = None;
-                        transfer.ended = Some(Err(why));
-                    }
-                    // No timer is kept while a download waits.
-                    WaitOutcome::Timer => {}
-                }
-            }
+        if transfer.written == transfer.leftover.len() && transfer.ended.is_none() {
+            self.wait_chunk(&mut transfer);
         }
         if let Some(Err(why)) = &transfer.ended {
             self.io_stats.failed += 1;
-            let errno = if why.contains("nothing from the origin") {
-                libc::ETIMEDOUT
-            } else if why.contains("is over") {
-                libc::EFBIG
-            } else {
-                libc::EIO
-            };
-            return Ok(Err(refuse(errno, why.clone())));
+            // The gateway's own words (an origin's error body is not quoted for a GET).
+            let errno =
+                if why.contains("nothing from the origin for") || why.contains("not done within") {
+                    libc::ETIMEDOUT
+                } else if why.contains("the answer is over") {
+                    libc::EFBIG
+                } else {
+                    libc::EIO
+                };
+            let why = why.clone();
+            self.give_up(transfer.request);
+            return Ok(Err(refuse(errno, why)));
         }
         let (gpa, room) = checked.buf;
-        let n = transfer
-            .leftover
-            .len()
-            .min(usize::try_from(room).unwrap_or(usize::MAX));
+        let rest = &transfer.leftover[transfer.written..];
+        let n = rest.len().min(usize::try_from(room).unwrap_or(usize::MAX));
         // The RAM gate: the device writes guest RAM only while the VM runs, its RAM back.
         let phase = self
             .coordinator
             .as_ref()
             .map_or(Phase::Running, |c| c.phase());
         if phase != Phase::Running {
+            self.give_up(transfer.request);
             return Err(MachineError::Command {
                 command: "download".into(),
                 reason: format!("a chunk was about to be written while the VM is {phase:?}"),
@@ -357,9 +334,14 @@ impl Machine {
         }
         self.ram
             .memory()
-            .write_slice(&transfer.leftover[..n], GuestAddress(gpa))
+            .write_slice(&rest[..n], GuestAddress(gpa))
             .map_err(|e| MachineError::GuestMemory { gpa, source: e })?;
-        transfer.leftover.drain(..n);
+        transfer.written += n;
+        transfer.delivered += n as u64;
+        if transfer.written == transfer.leftover.len() {
+            transfer.leftover = Vec::new();
+            transfer.written = 0;
+        }
         self.io_stats.bytes += n as u64;
         if n > 0 {
             self.io_stats.chunks += 1;
@@ -368,6 +350,10 @@ impl Machine {
             }
         }
         let more = !transfer.leftover.is_empty() || transfer.ended.is_none();
+        if !more {
+            // Whole: its length is what came.
+            transfer.total = Some(transfer.delivered);
+        }
         let reply = Reply {
             len: n as u64,
             more,
@@ -377,6 +363,47 @@ impl Machine {
             self.transfer = Some(transfer);
         }
         Ok(Ok(reply))
+    }
+
+    /// Waits for the next chunk of `transfer` (plainly, or managed if `--vm-wait-sources`
+    /// manages its kind) and keeps it, or the end, or why it failed.
+    fn wait_chunk(&mut self, transfer: &mut Transfer) {
+        let Some(port) = self.model.clone() else {
+            transfer.ended = Some(Err("this VM has no gateway".into()));
+            return;
+        };
+        if let Some(flow) = port.flow(transfer.request) {
+            transfer.total = flow.total.or(transfer.total);
+        }
+        // A read is handed over whole, once fetched and checked.
+        let chunking = match transfer.waited {
+            Waited::Download { chunking, .. } => Some(chunking),
+            Waited::Model | Waited::Read { .. } => None,
+        };
+        let began = Instant::now();
+        let (request, waited) = (transfer.request, transfer.waited);
+        let outcome = match self.management_of(waited) {
+            Some(wait) => self.managed_wait(&*port, request, None, chunking, &wait, waited),
+            None => self.plain_wait(&*port, request, None, chunking, waited),
+        };
+        self.count_wait(waited, began);
+        match outcome {
+            WaitOutcome::Batch(bytes, deliverable) => {
+                transfer.leftover = bytes;
+                transfer.written = 0;
+                if let Some(coordinator) = self.coordinator.as_mut() {
+                    coordinator.batch_delivered(deliverable.elapsed());
+                }
+            }
+            WaitOutcome::Answer(Answer::Data(rest)) => {
+                transfer.leftover = rest;
+                transfer.written = 0;
+                transfer.ended = Some(Ok(()));
+            }
+            WaitOutcome::Answer(Answer::Error(why)) => transfer.ended = Some(Err(why)),
+            // No timer is kept while a transfer waits.
+            WaitOutcome::Timer => {}
+        }
     }
 }
 

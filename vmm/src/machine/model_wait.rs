@@ -26,16 +26,18 @@ pub(super) enum WaitOutcome {
     Batch(Vec<u8>, Instant),
 }
 
-/// What a managed wait waits for, and so what tells how long it will last.
+/// What a wait waits for, and so what tells how long it will last.
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Waited {
-    /// A model answer: the VM's past model waits.
+    /// A model answer (sent by the wait, unless it is out already): the VM's past model
+    /// waits.
     Model,
-    /// A download's next chunk, handed over as this says: the bytes it still needs at the
-    /// rate seen.
-    Download(Batching),
-    /// An image read: when its origin is expected to be done, if it is held to a rate.
-    Read(Option<Instant>),
+    /// A download's next chunk, the download sent at `sent`, its body handed over as
+    /// `chunking` says: the bytes a chunk still needs at the rate seen.
+    Download { chunking: Batching, sent: Instant },
+    /// An image read sent at `sent`: when its origin is expected to be done, if it is held
+    /// to a rate.
+    Read { due: Option<Instant>, sent: Instant },
 }
 
 impl Machine {
@@ -43,8 +45,8 @@ impl Machine {
     pub(super) fn source_stats(&mut self, waited: Waited) -> &mut crate::net::SourceStats {
         match waited {
             Waited::Model => &mut self.by_source.model,
-            Waited::Download(_) => &mut self.by_source.download,
-            Waited::Read(_) => &mut self.by_source.read,
+            Waited::Download { .. } => &mut self.by_source.download,
+            Waited::Read { .. } => &mut self.by_source.read,
         }
     }
 
@@ -61,8 +63,8 @@ impl Machine {
         let sources = wait.policy.sources;
         let managed = match waited {
             Waited::Model => sources.model,
-            Waited::Download(_) => sources.download,
-            Waited::Read(_) => sources.read,
+            Waited::Download { .. } => sources.download,
+            Waited::Read { .. } => sources.read,
         };
         managed.then(|| wait.clone())
     }
@@ -121,13 +123,15 @@ impl Machine {
         };
         // A guest that takes the answer in batches as it streams in.
         let batching = (mailbox.op == guest::Op::ModelStream as u64).then_some(self.model_batching);
+        // A download or read the guest left open is given up: one request at a time.
+        self.end_transfer();
         let began = Instant::now();
         let managed = self.management_of(Waited::Model);
         let outcome = match (self.model.clone(), managed) {
             (Some(port), Some(wait)) => {
                 self.managed_wait(&*port, request, timer, batching, &wait, Waited::Model)
             }
-            (Some(port), None) => self.plain_wait(&*port, request, timer, batching),
+            (Some(port), None) => self.plain_wait(&*port, request, timer, batching, Waited::Model),
             (None, _) => WaitOutcome::Answer(Answer::Error(
                 "this VM has no model gateway (pvisor run --vm-model-upstream URL)".into(),
             )),
@@ -202,17 +206,26 @@ impl Machine {
         Ok(true)
     }
 
-    /// Sends `request` unless it is already out (the guest is back from a timer or a batch);
-    /// returns when it went out.
+    /// Sends model request `request` unless it is already out (the guest is back from a
+    /// timer or a batch); returns when it went out. A download or read was sent when it
+    /// began (`waited` says when): it is never sent here.
     fn send_once(
         &mut self,
         port: &dyn ModelPort,
         request: u64,
         batching: Option<Batching>,
+        waited: Waited,
     ) -> Instant {
+        if let Waited::Download { sent, .. } | Waited::Read { sent, .. } = waited {
+            return sent;
+        }
         match self.model_pending {
             Some((pending, since)) if pending == request => since,
-            _ => {
+            other => {
+                // Another request left in flight (the guest asked for a new id) goes nowhere.
+                if let Some((pending, _)) = other {
+                    self.give_up(pending);
+                }
                 let now = Instant::now();
                 port.send(request, batching);
                 self.model_pending = Some((request, now));
@@ -230,8 +243,9 @@ impl Machine {
         request: u64,
         timer: Option<Duration>,
         batching: Option<Batching>,
+        waited: Waited,
     ) -> WaitOutcome {
-        self.send_once(port, request, batching);
+        self.send_once(port, request, batching, waited);
         let until = timer.and_then(|t| Instant::now().checked_add(t));
         // In slices, so that a stop ends the wait.
         loop {
@@ -273,10 +287,10 @@ impl Machine {
             let now = Instant::now();
             let left = match waited {
                 Waited::Model => return,
-                Waited::Download(chunking) => {
+                Waited::Download { chunking, .. } => {
                     super::download::next_chunk(port.flow(request), chunking, now)
                 }
-                Waited::Read(due) => due.map(|due| due.saturating_duration_since(now)),
+                Waited::Read { due, .. } => due.map(|due| due.saturating_duration_since(now)),
             };
             coordinator.expect(now, request, left);
         };
@@ -285,7 +299,7 @@ impl Machine {
             .take()
             .unwrap_or_else(|| WaitCoordinator::new(wait.policy, 0));
         let mut operator = self.operator.take();
-        let began = self.send_once(port, request, batching);
+        let began = self.send_once(port, request, batching, waited);
         let now = Instant::now();
         let mut w = ModelWait {
             request,
@@ -435,7 +449,9 @@ impl Machine {
                     }
                 }
             }
-            estimate(&mut coordinator);
+            if w.held.is_none() {
+                estimate(&mut coordinator);
+            }
             actions.extend(coordinator.tick(Instant::now()));
         };
         if let Some(link) = &self.governor {
