@@ -276,6 +276,59 @@ fn cli_image_in_an_object_store_is_fetched_on_first_read_and_staged() {
 }
 
 #[test]
+fn cli_status_during_a_download_names_its_source_and_the_download_offloads() {
+    if skip() {
+        return;
+    }
+    use std::io::{BufRead, Write};
+    // An origin that sends 2 MiB in two halves, 1.5 s apart.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let body: Vec<u8> = (0..2u32 << 20).map(|i| (i % 239) as u8).collect();
+    let sent = body.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut reader = std::io::BufReader::new(stream.try_clone().unwrap());
+            let mut line = String::new();
+            while reader.read_line(&mut line).unwrap_or(0) > 0 && line != "\r\n" {
+                line.clear();
+            }
+            let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", sent.len());
+            let _ = stream.write_all(head.as_bytes());
+            let _ = stream.write_all(&sent[..1 << 20]);
+            std::thread::sleep(std::time::Duration::from_millis(1500));
+            let _ = stream.write_all(&sent[1 << 20..]);
+        }
+    });
+    let runtime = tempfile::tempdir().unwrap();
+    let vm = Detached::start(
+        runtime.path(),
+        &["--vm-net-allow", &url, "--vm-wait-management"],
+        "fill 16MiB random seed=2; idle",
+    );
+    let script = format!("download {url}/big bytes=2MiB");
+    std::thread::scope(|scope| {
+        let command = scope.spawn(|| vm.exec(&script));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        let stats = vm.stats_until(deadline, |s| s["model_wait"]["source"] == "download");
+        assert!(
+            stats["model_wait"]["request"].as_u64().unwrap() >= 1 << 63,
+            "{stats}"
+        );
+        let results = command.join().unwrap();
+        assert_eq!(results[0]["digest"], vmm::guest::digest_hex(&body).as_str());
+    });
+    // The second half's wait was long enough to offload in, and is counted as a download's.
+    let stats = vm.stats();
+    assert!(
+        stats["sources"]["download"]["offloads"].as_u64().unwrap() >= 1,
+        "{stats}"
+    );
+    assert_eq!(stats["io"]["downloads"], 1, "{stats}");
+}
+
+#[test]
 fn cli_bad_input_gets_clear_messages() {
     if skip() {
         return;
@@ -1108,6 +1161,7 @@ fn cli_operator_takes_a_vm_over_during_a_model_wait_and_gets_the_answer_on_resum
         // The VM answers while the answer is out: stats show the wait.
         let stats = vm.stats_until(deadline, |s| s["model_wait"]["request"] == 1);
         assert_eq!(stats["model_wait"]["answer_ready"], false, "{stats}");
+        assert_eq!(stats["model_wait"]["source"], "model", "{stats}");
         // The operator takes it over and offloads it.
         let suspended = vm.call("suspend", &["--vm-offload"]);
         assert_eq!(suspended["state"], "offloaded", "{suspended}");

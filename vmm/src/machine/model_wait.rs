@@ -70,6 +70,17 @@ impl Machine {
     }
 }
 
+impl Waited {
+    /// The source's name, as `stats` and the log say it.
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            Waited::Model => "model",
+            Waited::Download { .. } => "download",
+            Waited::Read { .. } => "read",
+        }
+    }
+}
+
 /// How often a model wait without wait management looks for a stop.
 const STOP_POLL: Duration = Duration::from_millis(50);
 
@@ -78,6 +89,8 @@ const OPERATOR_POLL: Duration = Duration::from_millis(20);
 
 /// One model wait in progress.
 pub(super) struct ModelWait {
+    /// What it waits for (`Waited::name`).
+    pub(super) source: &'static str,
     pub(super) request: u64,
     pub(super) began: Instant,
     /// The VM's RAM is in the store (by the coordinator or an operator).
@@ -302,6 +315,7 @@ impl Machine {
         let began = self.send_once(port, request, batching, waited);
         let now = Instant::now();
         let mut w = ModelWait {
+            source: waited.name(),
             request,
             began,
             offloaded: false,
@@ -332,6 +346,11 @@ impl Machine {
                 if let Some(took) = self.carry_out(action, wait, &mut w.offloaded) {
                     coordinator.offload_took(took);
                     self.source_stats(waited).offloads += 1;
+                    tracing::debug!(
+                        "pvisor: offloaded in {} ms during a {} wait (request {request})",
+                        took.as_millis(),
+                        waited.name()
+                    );
                 }
                 if action == WaitAction::Offload {
                     self.report_offload(&coordinator, &w, std::mem::take(&mut reclaiming));

@@ -18,6 +18,8 @@ use crate::wait::{Action as WaitAction, Phase, WaitCoordinator, WaitEvent, WaitS
 /// The model wait in progress, as replies show it.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct WaitView {
+    /// What the guest waits for: `model`, `download` or `read` (a file of its image).
+    pub source: &'static str,
     /// The request the guest waits on.
     pub request: u64,
     /// Since it went out, seconds.
@@ -31,6 +33,7 @@ pub struct WaitView {
 impl WaitView {
     fn of(w: &ModelWait, phase: Phase) -> Self {
         Self {
+            source: w.source,
             request: w.request,
             waited_s: w.began.elapsed().as_secs_f64(),
             phase,
@@ -231,6 +234,7 @@ mod tests {
 
     fn wait(offloaded: bool, held: bool) -> ModelWait {
         ModelWait {
+            source: "model",
             request: 7,
             began: Instant::now(),
             offloaded,
