@@ -281,17 +281,13 @@ fn read_cost(run: usize, region: usize, sources: &Sources, results: &mut Results
             ns.push(u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX));
         }
         ns.sort_unstable();
-        results.put(
-            &format!("latency.{name}.read_p50_us"),
-            "µs",
+        results.put_all(
+            &format!("latency.{name}"),
             run,
-            quantile_us(&ns, 500),
-        );
-        results.put(
-            &format!("latency.{name}.read_p99_us"),
-            "µs",
-            run,
-            quantile_us(&ns, 990),
+            [
+                ("read_p50_us", "µs", quantile_us(&ns, 500)),
+                ("read_p99_us", "µs", quantile_us(&ns, 990)),
+            ],
         );
     }
     // The same reads split: fetch the payload and check its checksum, then decode it.
@@ -315,23 +311,18 @@ fn read_cost(run: usize, region: usize, sources: &Sources, results: &mut Results
         }
         fetch.sort_unstable();
         decode.sort_unstable();
-        results.put(
-            &format!("latency.{name}.fetch_p50_us"),
-            "µs",
+        results.put_all(
+            &format!("latency.{name}"),
             run,
-            quantile_us(&fetch, 500),
-        );
-        results.put(
-            &format!("latency.{name}.decode_p50_us"),
-            "µs",
-            run,
-            quantile_us(&decode, 500),
-        );
-        results.put(
-            &format!("latency.{name}.payload_kib"),
-            "KiB",
-            run,
-            payload_bytes as f64 / 1024.0 / (region / BLOCK) as f64,
+            [
+                ("fetch_p50_us", "µs", quantile_us(&fetch, 500)),
+                ("decode_p50_us", "µs", quantile_us(&decode, 500)),
+                (
+                    "payload_kib",
+                    "KiB",
+                    payload_bytes as f64 / 1024.0 / (region / BLOCK) as f64,
+                ),
+            ],
         );
     }
     Ok(())
@@ -380,60 +371,21 @@ fn measure(
     latencies.sort_unstable();
     let key = config.key();
     let faults = (m.faults_copy + m.faults_zero) as f64;
-    results.put(
-        &format!("{key}.touch_p50_us"),
-        "µs",
+    results.put_all(
+        &key,
         run,
-        quantile_us(&latencies, 500),
-    );
-    results.put(
-        &format!("{key}.touch_p99_us"),
-        "µs",
-        run,
-        quantile_us(&latencies, 990),
-    );
-    results.put(
-        &format!("{key}.pager_p50_us"),
-        "µs",
-        run,
-        m.fault_latency.p50_us,
-    );
-    results.put(
-        &format!("{key}.pager_p99_us"),
-        "µs",
-        run,
-        m.fault_latency.p99_us,
-    );
-    results.put(&format!("{key}.faults"), "faults", run, faults);
-    results.put(
-        &format!("{key}.thread_faults"),
-        "faults",
-        run,
-        thread_faults as f64,
-    );
-    results.put(
-        &format!("{key}.faults_per_s"),
-        "faults/s",
-        run,
-        faults / wall.as_secs_f64(),
-    );
-    results.put(
-        &format!("{key}.wall_ms"),
-        "ms",
-        run,
-        wall.as_secs_f64() * 1e3,
-    );
-    results.put(
-        &format!("{key}.fault_cpu_us_per_fault"),
-        "µs",
-        run,
-        cpu_ns as f64 / 1e3 / faults,
-    );
-    results.put(
-        &format!("{key}.busiest_fault_thread_share"),
-        "share",
-        run,
-        busiest,
+        [
+            ("touch_p50_us", "µs", quantile_us(&latencies, 500)),
+            ("touch_p99_us", "µs", quantile_us(&latencies, 990)),
+            ("pager_p50_us", "µs", m.fault_latency.p50_us),
+            ("pager_p99_us", "µs", m.fault_latency.p99_us),
+            ("faults", "faults", faults),
+            ("thread_faults", "faults", thread_faults as f64),
+            ("faults_per_s", "faults/s", faults / wall.as_secs_f64()),
+            ("wall_ms", "ms", wall.as_secs_f64() * 1e3),
+            ("fault_cpu_us_per_fault", "µs", cpu_ns as f64 / 1e3 / faults),
+            ("busiest_fault_thread_share", "share", busiest),
+        ],
     );
     Ok(())
 }

@@ -129,38 +129,23 @@ fn measure(
     drop(map);
     std::fs::remove_dir_all(&dir)?;
     let key = format!("offload.{}.{}", content.key(), codec_key(codec));
-    results.put(&format!("{key}.ms"), "ms", run, elapsed * 1e3);
-    results.put(&format!("{key}.write_ms"), "ms", run, report.write_ms);
-    results.put(&format!("{key}.drop_ms"), "ms", run, report.drop_ms);
-    results.put(
-        &format!("{key}.resident_mib"),
-        "MiB",
+    results.put_all(
+        &key,
         run,
-        resident as f64 / f64::from(1u32 << 20),
-    );
-    results.put(
-        &format!("{key}.gbps"),
-        "GB/s",
-        run,
-        resident as f64 / 1e9 / elapsed,
-    );
-    results.put(
-        &format!("{key}.stored_bytes"),
-        "bytes",
-        run,
-        report.stored_bytes as f64,
-    );
-    results.put(
-        &format!("{key}.disk_bytes"),
-        "bytes",
-        run,
-        report.store.disk_bytes as f64,
-    );
-    results.put(
-        &format!("{key}.blocks"),
-        "blocks",
-        run,
-        report.blocks_written as f64,
+        [
+            ("ms", "ms", elapsed * 1e3),
+            ("write_ms", "ms", report.write_ms),
+            ("drop_ms", "ms", report.drop_ms),
+            (
+                "resident_mib",
+                "MiB",
+                resident as f64 / f64::from(1u32 << 20),
+            ),
+            ("gbps", "GB/s", resident as f64 / 1e9 / elapsed),
+            ("stored_bytes", "bytes", report.stored_bytes as f64),
+            ("disk_bytes", "bytes", report.store.disk_bytes as f64),
+            ("blocks", "blocks", report.blocks_written as f64),
+        ],
     );
     Ok(())
 }

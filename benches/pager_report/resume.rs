@@ -81,48 +81,27 @@ fn chain(run: usize, head_start_ms: u64, setup: &Setup<'_>, results: &mut Result
         let raced = after.eexist_races - before.eexist_races;
         let key = key(head_start_ms, resume);
         let mib = f64::from(1u32 << 20);
-        results.put(
-            &format!("{key}.sync_faults"),
-            "faults",
+        results.put_all(
+            &key,
             run,
-            sync_faults as f64,
-        );
-        results.put(
-            &format!("{key}.thread_faults"),
-            "faults",
-            run,
-            pass.faults as f64,
-        );
-        results.put(&format!("{key}.raced"), "faults", run, raced as f64);
-        results.put(
-            &format!("{key}.other_cpu_pct"),
-            "% of a CPU",
-            run,
-            other_cpu,
-        );
-        results.put(
-            &format!("{key}.touch_ms"),
-            "ms",
-            run,
-            pass.elapsed.as_secs_f64() * 1e3,
-        );
-        results.put(
-            &format!("{key}.prefetched_before_mib"),
-            "MiB",
-            run,
-            ((before.prefetch_pages - at_load.prefetch_pages) * PAGE as u64) as f64 / mib,
-        );
-        results.put(
-            &format!("{key}.prefetched_during_mib"),
-            "MiB",
-            run,
-            ((after.prefetch_pages - before.prefetch_pages) * PAGE as u64) as f64 / mib,
-        );
-        results.put(
-            &format!("{key}.ws_blocks"),
-            "blocks",
-            run,
-            load.working_set_blocks as f64,
+            [
+                ("sync_faults", "faults", sync_faults as f64),
+                ("thread_faults", "faults", pass.faults as f64),
+                ("raced", "faults", raced as f64),
+                ("other_cpu_pct", "% of a CPU", other_cpu),
+                ("touch_ms", "ms", pass.elapsed.as_secs_f64() * 1e3),
+                (
+                    "prefetched_before_mib",
+                    "MiB",
+                    ((before.prefetch_pages - at_load.prefetch_pages) * PAGE as u64) as f64 / mib,
+                ),
+                (
+                    "prefetched_during_mib",
+                    "MiB",
+                    ((after.prefetch_pages - before.prefetch_pages) * PAGE as u64) as f64 / mib,
+                ),
+                ("ws_blocks", "blocks", load.working_set_blocks as f64),
+            ],
         );
         pager.wait_prefetch();
         // Stored pages left once the prefetcher has returned: it stopped before the end (it

@@ -163,6 +163,9 @@ pub fn run_case(
 ) -> Res<()> {
     let name = case.name();
     let key = |quantity: &str| format!("vm.{}.{name}.{quantity}", content.name());
+    let mut put = |quantity: &str, unit: &'static str, value: f64| {
+        results.put(&key(quantity), unit, run, value);
+    };
     let codec = match case {
         Case::Base | Case::HugeBase | Case::Thp => Codec::Raw,
         Case::Resume { codec, .. }
@@ -192,16 +195,14 @@ pub fn run_case(
     let out = vm.exec(&script::parse(&fill)?)?;
     let digest = out[1].digest.clone().ok_or("digest gave no digest")?;
     let running = vm.stats();
-    results.put(
-        &key("pss_running_mib"),
+    put(
+        "pss_running_mib",
         "MiB",
-        run,
         mib(running.memory.process_pss_bytes),
     );
-    results.put(
-        &key("guest_pss_running_mib"),
+    put(
+        "guest_pss_running_mib",
         "MiB",
-        run,
         mib(running.memory.guest_ram_pss_bytes),
     );
     let task = script::parse("task")?;
@@ -222,12 +223,12 @@ pub fn run_case(
             crate::settle();
             let started = Instant::now();
             let out = vm.exec(&task)?;
-            results.put(&key("task_ms"), "ms", run, ms(started));
+            put("task_ms", "ms", ms(started));
             check(&out, "task")?;
             let started = Instant::now();
             let out = vm.exec(&touch)?;
-            results.put(&key("touch_ms"), "ms", run, ms(started));
-            results.put(&key("touch_cmd_ms"), "ms", run, out[0].elapsed_ms);
+            put("touch_ms", "ms", ms(started));
+            put("touch_cmd_ms", "ms", out[0].elapsed_ms);
             drop(vm);
             let _ = fs::remove_file(&disk);
             return Ok(());
@@ -240,38 +241,25 @@ pub fn run_case(
     crate::settle();
     let suspend = vm.suspend(true, None)?;
     let offload = suspend.offload.ok_or("suspend --offload did no offload")?;
-    results.put(&key("offload_ms"), "ms", run, suspend.elapsed_ms);
-    results.put(&key("offload_write_ms"), "ms", run, offload.write_ms);
-    results.put(&key("offload_drop_ms"), "ms", run, offload.drop_ms);
-    results.put(
-        &key("offload_pages"),
-        "pages",
-        run,
-        offload.pages_dropped as f64,
-    );
+    put("offload_ms", "ms", suspend.elapsed_ms);
+    put("offload_write_ms", "ms", offload.write_ms);
+    put("offload_drop_ms", "ms", offload.drop_ms);
+    put("offload_pages", "pages", offload.pages_dropped as f64);
     let offloaded = vm.stats();
-    results.put(
-        &key("pss_offloaded_mib"),
+    put(
+        "pss_offloaded_mib",
         "MiB",
-        run,
         mib(offloaded.memory.process_pss_bytes),
     );
-    results.put(
-        &key("guest_pss_offloaded_mib"),
+    put(
+        "guest_pss_offloaded_mib",
         "MiB",
-        run,
         mib(offloaded.memory.guest_ram_pss_bytes),
     );
-    results.put(
-        &key("backing_mib"),
+    put("backing_mib", "MiB", mib(offloaded.backing_disk_bytes));
+    put(
+        "store_cached_mib",
         "MiB",
-        run,
-        mib(offloaded.backing_disk_bytes),
-    );
-    results.put(
-        &key("store_cached_mib"),
-        "MiB",
-        run,
         mib(testkit::page_cache::cached_bytes(&store_dir)),
     );
     let before = offloaded.pager;
@@ -291,42 +279,36 @@ pub fn run_case(
     crate::settle();
     let started = Instant::now();
     let resume = vm.resume(eager)?;
-    results.put(&key("resume_ms"), "ms", run, resume.elapsed_ms);
+    put("resume_ms", "ms", resume.elapsed_ms);
     if let Some(collapse) = &resume.collapse {
-        results.put(&key("collapse_ms"), "ms", run, collapse.elapsed_ms);
-        results.put(
-            &key("collapsed_mib"),
-            "MiB",
-            run,
-            collapse.huge_pages as f64 * 2.0,
-        );
+        put("collapse_ms", "ms", collapse.elapsed_ms);
+        put("collapsed_mib", "MiB", collapse.huge_pages as f64 * 2.0);
     }
     if let Some(load) = &resume.load {
-        results.put(&key("load_blocks"), "blocks", run, load.blocks as f64);
+        put("load_blocks", "blocks", load.blocks as f64);
     }
     if touch_first {
         let out = vm.exec(&touch)?;
-        results.put(&key("resume_touch_ms"), "ms", run, ms(started));
-        results.put(&key("touch_cmd_ms"), "ms", run, out[0].elapsed_ms);
-        faults(&key, &before, &vm.stats().pager, run, results);
+        put("resume_touch_ms", "ms", ms(started));
+        put("touch_cmd_ms", "ms", out[0].elapsed_ms);
+        faults(&mut put, &before, &vm.stats().pager);
         let started = Instant::now();
         let out = vm.exec(&task)?;
-        results.put(&key("task_after_touch_ms"), "ms", run, ms(started));
+        put("task_after_touch_ms", "ms", ms(started));
         check(&out, "task after touch")?;
     } else {
         let out = vm.exec(&task)?;
-        results.put(&key("resume_task_ms"), "ms", run, ms(started));
-        results.put(&key("task_cmd_ms"), "ms", run, out[0].elapsed_ms);
+        put("resume_task_ms", "ms", ms(started));
+        put("task_cmd_ms", "ms", out[0].elapsed_ms);
         check(&out, "task after resume")?;
-        faults(&key, &before, &vm.stats().pager, run, results);
+        faults(&mut put, &before, &vm.stats().pager);
     }
     // The prefetcher of a lazy load may still be running; let it finish before the VM goes.
     vm.machine().pager().wait_prefetch();
     let after = vm.stats();
-    results.put(
-        &key("pss_resumed_mib"),
+    put(
+        "pss_resumed_mib",
         "MiB",
-        run,
         mib(after.memory.process_pss_bytes),
     );
     if after.fault_errors > 0 {
@@ -362,6 +344,9 @@ fn floor(
     run: usize,
     results: &mut Results,
 ) -> Res<()> {
+    let mut put = |quantity: &str, unit: &'static str, value: f64| {
+        results.put(&key(quantity), unit, run, value);
+    };
     use compressed_backing::BlockKind;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use uffd_pager::addr::{HostAddr, HostRange};
@@ -413,15 +398,14 @@ fn floor(
     };
 
     testkit::page_cache::drop_cached(store_dir);
-    results.put(
-        &key("floor_store_cached_mib"),
+    put(
+        "floor_store_cached_mib",
         "MiB",
-        run,
         mib(testkit::page_cache::cached_bytes(store_dir)),
     );
     crate::settle();
     let read = in_parallel(&|b, _, buf| reader.get(b, buf).map(drop).map_err(|e| e.to_string()))?;
-    results.put(&key("floor_read_ms"), "ms", run, read);
+    put("floor_read_ms", "ms", read);
 
     let map = testkit::Mapping::try_anon(total)?;
     let range = HostRange::new(HostAddr::from_ptr(map.as_ptr()), total as u64)?;
@@ -434,56 +418,48 @@ fn floor(
             .map(drop)
             .map_err(|e| e.to_string())
     })?;
-    results.put(&key("floor_install_ms"), "ms", run, install);
-    results.put(&key("floor_mib"), "MiB", run, mib(total as u64));
-    results.put(&key("floor_blocks"), "blocks", run, blocks.len() as f64);
-    results.put(&key("floor_threads"), "threads", run, threads as f64);
+    put("floor_install_ms", "ms", install);
+    put("floor_mib", "MiB", mib(total as u64));
+    put("floor_blocks", "blocks", blocks.len() as f64);
+    put("floor_threads", "threads", threads as f64);
     Ok(())
 }
 
 /// Pager counters between two snapshots.
 fn faults(
-    key: &dyn Fn(&str) -> String,
+    put: &mut dyn FnMut(&str, &'static str, f64),
     before: &MetricsSnapshot,
     after: &MetricsSnapshot,
-    run: usize,
-    results: &mut Results,
 ) {
     let delta = |a: u64, b: u64| a.saturating_sub(b) as f64;
-    results.put(
-        &key("faults_copy"),
+    put(
+        "faults_copy",
         "faults",
-        run,
         delta(after.faults_copy, before.faults_copy),
     );
-    results.put(
-        &key("faults_zero"),
+    put(
+        "faults_zero",
         "faults",
-        run,
         delta(after.faults_zero, before.faults_zero),
     );
-    results.put(
-        &key("block_copies"),
+    put(
+        "block_copies",
         "blocks",
-        run,
         delta(after.block_copies, before.block_copies),
     );
-    results.put(
-        &key("pages_copied"),
+    put(
+        "pages_copied",
         "pages",
-        run,
         delta(after.pages_copied, before.pages_copied),
     );
-    results.put(
-        &key("prefetch_pages"),
+    put(
+        "prefetch_pages",
         "pages",
-        run,
         delta(after.prefetch_pages, before.prefetch_pages),
     );
-    results.put(
-        &key("eexist_races"),
+    put(
+        "eexist_races",
         "faults",
-        run,
         delta(after.eexist_races, before.eexist_races),
     );
     // The histogram is cumulative: the mean of the faults in between, from counts and means.
@@ -491,6 +467,6 @@ fn faults(
     if n1 > n0 {
         let total =
             after.fault_latency.mean_us * n1 as f64 - before.fault_latency.mean_us * n0 as f64;
-        results.put(&key("fault_mean_us"), "µs", run, total / (n1 - n0) as f64);
+        put("fault_mean_us", "µs", total / (n1 - n0) as f64);
     }
 }

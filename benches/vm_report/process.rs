@@ -35,6 +35,9 @@ pub fn run_case(
 ) -> Res<()> {
     let name = case_name(case);
     let key = |quantity: &str| format!("pvisor.{}.{name}.{quantity}", content.name());
+    let mut put = |quantity: &str, unit: &'static str, value: f64| {
+        results.put(&key(quantity), unit, run, value);
+    };
     let job_id = format!(
         "vmbench-{}-{run}-{}-{name}",
         std::process::id(),
@@ -58,16 +61,14 @@ pub fn run_case(
     // Answered once the script has run: the VM takes requests only then.
     let digest = job.exec("digest")?.ok_or("digest gave no digest")?;
     let running = job.cli(&["stats"])?;
-    results.put(
-        &key("pss_running_mib"),
+    put(
+        "pss_running_mib",
         "MiB",
-        run,
         mib(&running, "process_pss_bytes")?,
     );
-    results.put(
-        &key("guest_pss_running_mib"),
+    put(
+        "guest_pss_running_mib",
         "MiB",
-        run,
         mib(&running, "guest_ram_pss_bytes")?,
     );
     let check = |got: Option<String>| -> Res<()> {
@@ -84,69 +85,40 @@ pub fn run_case(
         crate::settle();
         let started = Instant::now();
         let got = job.exec("task")?;
-        results.put(
-            &key("task_ms"),
-            "ms",
-            run,
-            started.elapsed().as_secs_f64() * 1e3,
-        );
+        put("task_ms", "ms", started.elapsed().as_secs_f64() * 1e3);
         return check(got);
     }
     crate::settle();
     let suspend = job.cli(&["suspend", "--vm-offload"])?;
-    results.put(
-        &key("offload_ms"),
-        "ms",
-        run,
-        json_number(&suspend, "elapsed_ms")?,
-    );
-    results.put(
-        &key("offload_write_ms"),
-        "ms",
-        run,
-        json_number(&suspend, "write_ms")?,
-    );
-    results.put(
-        &key("offload_drop_ms"),
-        "ms",
-        run,
-        json_number(&suspend, "drop_ms")?,
-    );
+    put("offload_ms", "ms", json_number(&suspend, "elapsed_ms")?);
+    put("offload_write_ms", "ms", json_number(&suspend, "write_ms")?);
+    put("offload_drop_ms", "ms", json_number(&suspend, "drop_ms")?);
     let offloaded = job.cli(&["stats"])?;
-    results.put(
-        &key("pss_offloaded_mib"),
+    put(
+        "pss_offloaded_mib",
         "MiB",
-        run,
         mib(&offloaded, "process_pss_bytes")?,
     );
-    results.put(
-        &key("guest_pss_offloaded_mib"),
+    put(
+        "guest_pss_offloaded_mib",
         "MiB",
-        run,
         mib(&offloaded, "guest_ram_pss_bytes")?,
     );
-    results.put(
-        &key("backing_mib"),
-        "MiB",
-        run,
-        mib(&offloaded, "backing_disk_bytes")?,
-    );
+    put("backing_mib", "MiB", mib(&offloaded, "backing_disk_bytes")?);
     crate::settle();
     let started = Instant::now();
     job.resume()?;
     let got = job.exec("task")?;
-    results.put(
-        &key("resume_task_ms"),
+    put(
+        "resume_task_ms",
         "ms",
-        run,
         started.elapsed().as_secs_f64() * 1e3,
     );
     check(got)?;
     let resumed = job.cli(&["stats"])?;
-    results.put(
-        &key("pss_resumed_mib"),
+    put(
+        "pss_resumed_mib",
         "MiB",
-        run,
         mib(&resumed, "process_pss_bytes")?,
     );
     Ok(())

@@ -450,18 +450,17 @@ fn time_tables(t: &mut String, results: &Results) {
         "\n## Resume + task (ms, and ratio to the never-offloaded task of the same run)\n\n",
     );
     t.push_str(HEAD);
-    row(
-        t,
-        results,
-        "never-offloaded task (in process)",
-        &|c| format!("vm.{c}.base.task_ms"),
+    // (label, key with `{c}` for the content, decimals)
+    let mut rows: Vec<(String, String, usize)> = Vec::new();
+    let mut add = |label: String, key: &str, d| rows.push((label, key.to_owned(), d));
+    add(
+        "never-offloaded task (in process)".into(),
+        "vm.{c}.base.task_ms",
         1,
     );
-    row(
-        t,
-        results,
-        "never-offloaded task (`pvisor`)",
-        &|c| format!("pvisor.{c}.base.task_ms"),
+    add(
+        "never-offloaded task (`pvisor`)".into(),
+        "pvisor.{c}.base.task_ms",
         1,
     );
     for case in [
@@ -471,94 +470,51 @@ fn time_tables(t: &mut String, results: &Results) {
         "raw-eager",
         "lz4-eager",
     ] {
-        row(
-            t,
-            results,
-            &format!("{case}: resume + task (in process)"),
-            &|c| format!("vm.{c}.{case}.resume_task_ms"),
+        let key = |q: &str| format!("vm.{{c}}.{case}.{q}");
+        add(
+            format!("{case}: resume + task (in process)"),
+            &key("resume_task_ms"),
             1,
         );
-        row(
-            t,
-            results,
-            &format!("{case}: **ratio** (in process)"),
-            &|c| format!("vm.{c}.{case}.ratio"),
-            2,
-        );
+        add(format!("{case}: **ratio** (in process)"), &key("ratio"), 2);
     }
-    row(
-        t,
-        results,
-        "raw-eager + THP collapse: resume + task (in process)",
-        &|c| format!("vm.{c}.thp-raw-eager.resume_task_ms"),
-        1,
-    );
-    row(
-        t,
-        results,
-        "raw-eager + THP collapse: the collapse alone (ms)",
-        &|c| format!("vm.{c}.thp-raw-eager.collapse_ms"),
-        1,
-    );
-    row(
-        t,
-        results,
-        "raw-eager + THP collapse: MiB collapsed",
-        &|c| format!("vm.{c}.thp-raw-eager.collapsed_mib"),
-        0,
-    );
-    row(
-        t,
-        results,
-        "raw-eager + THP collapse: **ratio** (in process)",
-        &|c| format!("vm.{c}.thp-raw-eager.ratio"),
-        2,
-    );
-    row(
-        t,
-        results,
-        "never-offloaded task, huge-page RAM (in process)",
-        &|c| format!("vm.{c}.huge-base.task_ms"),
-        1,
-    );
+    for (what, q, d) in [
+        ("resume + task (in process)", "resume_task_ms", 1),
+        ("the collapse alone (ms)", "collapse_ms", 1),
+        ("MiB collapsed", "collapsed_mib", 0),
+        ("**ratio** (in process)", "ratio", 2),
+    ] {
+        let key = format!("vm.{{c}}.thp-raw-eager.{q}");
+        add(format!("raw-eager + THP collapse: {what}"), &key, d);
+    }
+    let huge = "never-offloaded task, huge-page RAM (in process)";
+    add(huge.into(), "vm.{c}.huge-base.task_ms", 1);
     for case in ["raw-lazy", "lz4-lazy", "raw-eager", "lz4-eager"] {
-        row(
-            t,
-            results,
-            &format!("huge pages, {case}: resume + task (in process)"),
-            &|c| format!("vm.{c}.huge-{case}.resume_task_ms"),
+        let key = |q: &str| format!("vm.{{c}}.huge-{case}.{q}");
+        let label = |what: &str| format!("huge pages, {case}: {what}");
+        add(
+            label("resume + task (in process)"),
+            &key("resume_task_ms"),
             1,
         );
-        row(
-            t,
-            results,
-            &format!("huge pages, {case}: **ratio** (in process)"),
-            &|c| format!("vm.{c}.huge-{case}.ratio"),
-            2,
-        );
-        row(
-            t,
-            results,
-            &format!("huge pages, {case}: synchronous faults"),
-            &|c| format!("vm.{c}.huge-{case}.faults_copy"),
-            0,
-        );
+        add(label("**ratio** (in process)"), &key("ratio"), 2);
+        add(label("synchronous faults"), &key("faults_copy"), 0);
     }
     for codec in ["raw", "lz4", "zstd"] {
-        row(
-            t,
-            results,
-            &format!("{codec}, lazy: resume + task (`pvisor`)"),
-            &|c| format!("pvisor.{c}.{codec}.resume_task_ms"),
+        let key = |q: &str| format!("pvisor.{{c}}.{codec}.{q}");
+        add(
+            format!("{codec}, lazy: resume + task (`pvisor`)"),
+            &key("resume_task_ms"),
             1,
         );
-        row(
-            t,
-            results,
-            &format!("{codec}, lazy: **ratio** (`pvisor`)"),
-            &|c| format!("pvisor.{c}.{codec}.ratio"),
+        add(
+            format!("{codec}, lazy: **ratio** (`pvisor`)"),
+            &key("ratio"),
             2,
         );
+    }
+    for (label, key, d) in &rows {
+        row(t, results, label, &|c| key.replace("{c}", c), *d);
     }
     t.push('\n');
 }

@@ -126,6 +126,19 @@ impl Results {
         series.values[run] = value;
     }
 
+    /// Sets the values of `run` of every `(quantity, unit, value)` of `figures` under
+    /// `prefix` (`PREFIX.QUANTITY`), as [`Results::put`] does.
+    pub fn put_all<'a>(
+        &mut self,
+        prefix: &str,
+        run: usize,
+        figures: impl IntoIterator<Item = (&'a str, &'static str, f64)>,
+    ) {
+        for (quantity, unit, value) in figures {
+            self.put(&format!("{prefix}.{quantity}"), unit, run, value);
+        }
+    }
+
     /// The results a CSV written by [`Results::csv`] in `style` holds: the exact inverse, as
     /// far as the CSV's numbers go (a value is read as written, four decimals at most). The
     /// min/median/max columns are checked against the runs'.
