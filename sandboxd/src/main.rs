@@ -57,6 +57,11 @@ struct Cli {
     /// come back when the last one ends).
     #[arg(long)]
     share_template_pages: bool,
+    /// An origin the sandboxes' `download URL` commands may fetch from, http://HOST[:PORT]
+    /// (repeatable; none: the sandboxes have no network). Plain HTTP, GET only; a download's
+    /// wait between chunks is managed like any wait (docs/waits.md).
+    #[arg(long, value_name = "ORIGIN")]
+    sandbox_net_allow: Vec<String>,
     /// Offload a running sandbox's memory once it has run no command for this long (it comes
     /// back on its next command; the client sees only latency): `30s`, `5m`; `0` never.
     #[arg(long, value_name = "TIME", default_value = "60s", value_parser = parse_idle)]
@@ -191,6 +196,11 @@ fn serve(cli: Cli) -> MainResult {
             .then_some(cli.idle_offload),
         managed: cli.memory_management,
         share_template_pages: cli.share_template_pages,
+        net: vmm::net::NetOptions {
+            allow: vmm::net::Allow::parse(&cli.sandbox_net_allow)
+                .map_err(|e| e.replace("--vm-net-allow", "--sandbox-net-allow"))?,
+            ..vmm::net::NetOptions::default()
+        },
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

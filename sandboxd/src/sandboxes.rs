@@ -106,7 +106,7 @@ pub enum SandboxError {
 }
 
 /// How the daemon sizes its sandboxes.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Limits {
     /// How long a create waits for room in the memory budget before it is refused.
     pub admission_timeout: Duration,
@@ -121,6 +121,9 @@ pub struct Limits {
     /// Sandboxes of snapshot templates share the pages they restored alike through KSM
     /// (`--share-template-pages`).
     pub share_template_pages: bool,
+    /// Where the sandboxes' `download` commands may fetch from (`--sandbox-net-allow`; none:
+    /// no network).
+    pub net: vmm::net::NetOptions,
 }
 
 /// How often a create waiting for room looks at the budget again.
@@ -422,6 +425,7 @@ impl Sandboxes {
                 .managed
                 .then(|| self.governed.socket().to_path_buf()),
             cgroup: self.governed.vm_cgroup(&id),
+            net: self.limits.net.clone(),
         };
         let job = id.clone();
         let started = Instant::now();

@@ -41,6 +41,8 @@ pub struct Plan {
     pub governor: Option<PathBuf>,
     /// Its memory cgroup, relative to the daemon's.
     pub cgroup: PathBuf,
+    /// Its downloads: the origins allowed (none: no network).
+    pub net: vmm::net::NetOptions,
 }
 
 /// Starts the VM of sandbox `id` by `plan` (its files in the job directory `id` of the
@@ -54,6 +56,7 @@ pub fn start(id: &str, plan: &Plan) -> Result<VmRef, VmError> {
     // `Spec::in_job_dir` gives), never the snapshot's image mapped: the governor limits and
     // takes back what the pager serves, and no sandbox sees another's writes.
     spec.options.restore = plan.restore.clone();
+    spec.options.net = plan.net.clone();
     if plan.dedup {
         spec.options.dedup = Some(vmm::dedup::DedupOptions::default());
     }

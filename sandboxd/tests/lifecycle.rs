@@ -807,3 +807,61 @@ fn daemon_refuses_requests_past_its_rate_and_serves_again_after() {
         .unwrap();
     assert!(counted >= limited.len() as f64, "{metrics}");
 }
+
+#[test]
+fn sandbox_downloads_from_the_origins_the_daemon_allows_only() {
+    if skip() {
+        return;
+    }
+    use std::io::{BufRead, Write};
+    // An origin that answers every GET with the same 200000 bytes.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let body: Vec<u8> = (0..200_000u32).map(|i| (i % 241) as u8).collect();
+    let sent = body.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut reader = std::io::BufReader::new(stream.try_clone().unwrap());
+            let mut line = String::new();
+            while reader.read_line(&mut line).unwrap_or(0) > 0 && line != "\r\n" {
+                line.clear();
+            }
+            let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", sent.len());
+            let _ = stream.write_all(head.as_bytes());
+            let _ = stream.write_all(&sent);
+        }
+    });
+    let daemon = Daemon::start(&["--sandbox-net-allow", &url]);
+    let created = daemon.api(
+        "POST",
+        "/v1/sandboxes",
+        Some(r#"{"image":{"uri":"pvisor:workload"},"timeout":600,"resourceLimits":{},"entrypoint":["idle"]}"#),
+    );
+    assert_eq!(created.status, 202, "{}", created.text());
+    let id = created.json()["id"].as_str().unwrap().to_owned();
+    daemon.wait_ready(&id);
+    let events = daemon.command(&id, &format!("download {url}/pkg.tar bytes=200000; digest"));
+    let (stdout, code) = outcome(&events);
+    assert_eq!(code, 0, "{events:?}");
+    let digest = vmm::guest::digest_hex(&body);
+    assert_eq!(stdout[0]["download_bytes"], 200_000, "{stdout:?}");
+    assert_eq!(stdout[1]["digest"], digest.as_str(), "{stdout:?}");
+    // Any other origin is refused: the command fails with the reason, the sandbox goes on.
+    let events = daemon.command(&id, "download http://127.0.0.1:9/x");
+    let (_, code) = outcome(&events);
+    assert_eq!(code, 1, "{events:?}");
+    assert!(
+        events.iter().any(|e| e["type"] == "stderr"
+            && e["text"]
+                .as_str()
+                .unwrap()
+                .contains("not an allowed origin")),
+        "{events:?}"
+    );
+    let (stdout, code) = outcome(&daemon.command(&id, "digest"));
+    assert_eq!(
+        (code, stdout[0]["digest"].as_str()),
+        (0, Some(digest.as_str()))
+    );
+}
