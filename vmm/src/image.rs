@@ -389,7 +389,10 @@ impl Image {
         // Staged under a fresh name, then renamed: a staged file is always whole. Written
         // back and dropped from the page cache (charged to the VM otherwise). A failure to
         // stage costs a later read another trip, nothing else.
-        let partial = self.staging.join(format!(".{}.part", entry.xxh3_128));
+        // Named for this process too: a staging directory may be shared.
+        let partial = self
+            .staging
+            .join(format!(".{}.{}.part", entry.xxh3_128, std::process::id()));
         let _ = std::fs::remove_file(&partial);
         let written = file::create_private(&partial)
             .map_err(std::io::Error::other)
