@@ -62,6 +62,11 @@ struct Cli {
     /// wait between chunks is managed like any wait (docs/waits.md).
     #[arg(long, value_name = "ORIGIN")]
     sandbox_net_allow: Vec<String>,
+    /// A read-only file tree the sandboxes' `read PATH` commands read (a directory holding
+    /// `image.json`: `pvisor image-index DIR`): each file fetched on its first read in a
+    /// sandbox, checked against the manifest and staged in the sandbox's own directory.
+    #[arg(long, value_name = "DIR")]
+    sandbox_image: Option<PathBuf>,
     /// Offload a running sandbox's memory once it has run no command for this long (it comes
     /// back on its next command; the client sees only latency): `30s`, `5m`; `0` never.
     #[arg(long, value_name = "TIME", default_value = "60s", value_parser = parse_idle)]
@@ -189,6 +194,20 @@ fn serve(cli: Cli) -> MainResult {
     // The VMs' budget cgroup and their governor, before any VM (re-adopted ones included)
     // needs them.
     let governed = Governed::start(&cli.state, cli.memory_budget)?;
+    let image = match &cli.sandbox_image {
+        Some(dir) => {
+            let dir = std::path::absolute(dir)?;
+            // Checked now: a daemon whose sandboxes could not start says so at once.
+            let manifest = dir.join(vmm::image::MANIFEST);
+            let text =
+                compressed_backing::file::read_bounded(&manifest, vmm::image::MANIFEST_LIMIT)
+                    .map_err(|e| format!("--sandbox-image: {}", basics::error_chain(&e)))?;
+            vmm::image::Manifest::parse(&text, &manifest.display().to_string())
+                .map_err(|e| format!("--sandbox-image: {}", basics::error_chain(&e)))?;
+            Some(dir)
+        }
+        None => None,
+    };
     let limits = Limits {
         admission_timeout: cli.admission_timeout,
         admission_reserve: cli.admission_reserve,
@@ -201,6 +220,7 @@ fn serve(cli: Cli) -> MainResult {
                 .map_err(|e| e.replace("--vm-net-allow", "--sandbox-net-allow"))?,
             ..vmm::net::NetOptions::default()
         },
+        image,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -124,6 +124,8 @@ pub struct Limits {
     /// Where the sandboxes' `download` commands may fetch from (`--sandbox-net-allow`; none:
     /// no network).
     pub net: vmm::net::NetOptions,
+    /// The read-only image the sandboxes' `read` commands read (`--sandbox-image`).
+    pub image: Option<std::path::PathBuf>,
 }
 
 /// How often a create waiting for room looks at the budget again.
@@ -426,6 +428,7 @@ impl Sandboxes {
                 .then(|| self.governed.socket().to_path_buf()),
             cgroup: self.governed.vm_cgroup(&id),
             net: self.limits.net.clone(),
+            image: self.limits.image.clone(),
         };
         let job = id.clone();
         let started = Instant::now();

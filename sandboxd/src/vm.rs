@@ -43,6 +43,8 @@ pub struct Plan {
     pub cgroup: PathBuf,
     /// Its downloads: the origins allowed (none: no network).
     pub net: vmm::net::NetOptions,
+    /// Its read-only image (a directory with `image.json`), if any.
+    pub image: Option<PathBuf>,
 }
 
 /// Starts the VM of sandbox `id` by `plan` (its files in the job directory `id` of the
@@ -57,6 +59,12 @@ pub fn start(id: &str, plan: &Plan) -> Result<VmRef, VmError> {
     // takes back what the pager serves, and no sandbox sees another's writes.
     spec.options.restore = plan.restore.clone();
     spec.options.net = plan.net.clone();
+    // The files it reads are staged in its own job directory, removed with it.
+    spec.options.image = plan.image.clone().map(|dir| vmm::image::ImageOptions {
+        at: vmm::image::ImageLocation::Dir(dir),
+        staging: vmm::runtime::job_dir(id).join("image"),
+        rate: None,
+    });
     if plan.dedup {
         spec.options.dedup = Some(vmm::dedup::DedupOptions::default());
     }

@@ -865,3 +865,44 @@ fn sandbox_downloads_from_the_origins_the_daemon_allows_only() {
         (0, Some(digest.as_str()))
     );
 }
+
+#[test]
+fn sandbox_reads_files_of_the_daemons_image_fetched_on_first_read() {
+    if skip() {
+        return;
+    }
+    // An image of one file, indexed.
+    let work = tempfile::tempdir().unwrap();
+    let root = work.path().join("image");
+    std::fs::create_dir_all(root.join("lib")).unwrap();
+    let lib: Vec<u8> = (0..300_000u32).map(|i| (i % 233) as u8).collect();
+    std::fs::write(root.join("lib/a.so"), &lib).unwrap();
+    vmm::image::index(&root).unwrap();
+    let daemon = Daemon::start(&["--sandbox-image", root.to_str().unwrap()]);
+    let created = daemon.api(
+        "POST",
+        "/v1/sandboxes",
+        Some(r#"{"image":{"uri":"pvisor:workload"},"timeout":600,"resourceLimits":{},"entrypoint":["idle"]}"#),
+    );
+    assert_eq!(created.status, 202, "{}", created.text());
+    let id = created.json()["id"].as_str().unwrap().to_owned();
+    daemon.wait_ready(&id);
+    let events = daemon.command(&id, "read lib/a.so bytes=300000; read lib/a.so; digest");
+    let (stdout, code) = outcome(&events);
+    assert_eq!(code, 0, "{events:?}");
+    let digest = vmm::guest::digest_hex(&lib);
+    for line in &stdout {
+        assert_eq!(line["digest"], digest.as_str(), "{stdout:?}");
+    }
+    // Not in the image: the command fails with the reason.
+    let events = daemon.command(&id, "read lib/b.so");
+    let (_, code) = outcome(&events);
+    assert_eq!(code, 1, "{events:?}");
+    assert!(
+        events
+            .iter()
+            .any(|e| e["type"] == "stderr"
+                && e["text"].as_str().unwrap().contains("not in the image")),
+        "{events:?}"
+    );
+}

@@ -191,3 +191,29 @@ fn daemon_refuses_a_template_that_is_no_snapshot() {
         assert!(stderr.contains(says), "{template}: {stderr}");
     }
 }
+
+#[test]
+fn daemon_refuses_an_image_without_a_manifest_and_a_bad_origin() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let image = empty.to_str().unwrap().to_owned();
+    for (flag, value, says) in [
+        ("--sandbox-image", image.as_str(), "image.json"),
+        (
+            "--sandbox-net-allow",
+            "https://mirror:443",
+            "--sandbox-net-allow",
+        ),
+    ] {
+        let out = Command::new(binary())
+            .args(["--listen", "127.0.0.1:0", "--state"])
+            .arg(dir.path().join("state"))
+            .args(["--memory-budget", "1GiB", "--no-auth", flag, value])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{flag} {value}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(says), "{flag} {value}: {stderr}");
+    }
+}
