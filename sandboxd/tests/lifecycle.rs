@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{alive, outcome, request, send_raw, skip, vm_pids, Daemon};
+use common::{alive, outcome, request, send_raw, skip, stderr_of, vm_pids, Daemon};
 use testkit::rss_bytes;
 
 #[test]
@@ -58,10 +58,7 @@ fn sandbox_runs_commands_pauses_resumes_and_is_deleted() {
     let (_, code) = outcome(&events);
     assert_eq!(code, 1, "{events:?}");
     assert!(
-        events
-            .iter()
-            .any(|e| e["type"] == "stderr"
-                && e["text"].as_str().unwrap().contains("application memory")),
+        stderr_of(&events).contains("application memory"),
         "{events:?}"
     );
     // The failed fill did not touch the data.
@@ -813,25 +810,9 @@ fn sandbox_downloads_from_the_origins_the_daemon_allows_only() {
     if skip() {
         return;
     }
-    use std::io::{BufRead, Write};
     // An origin that answers every GET with the same 200000 bytes.
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
     let body: Vec<u8> = (0..200_000u32).map(|i| (i % 241) as u8).collect();
-    let sent = body.clone();
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut stream) = stream else { continue };
-            let mut reader = std::io::BufReader::new(stream.try_clone().unwrap());
-            let mut line = String::new();
-            while reader.read_line(&mut line).unwrap_or(0) > 0 && line != "\r\n" {
-                line.clear();
-            }
-            let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", sent.len());
-            let _ = stream.write_all(head.as_bytes());
-            let _ = stream.write_all(&sent);
-        }
-    });
+    let url = testkit::http::serve_body(body.clone(), None);
     let daemon = Daemon::start(&["--sandbox-net-allow", &url]);
     let created = daemon.api(
         "POST",
@@ -852,11 +833,7 @@ fn sandbox_downloads_from_the_origins_the_daemon_allows_only() {
     let (_, code) = outcome(&events);
     assert_eq!(code, 1, "{events:?}");
     assert!(
-        events.iter().any(|e| e["type"] == "stderr"
-            && e["text"]
-                .as_str()
-                .unwrap()
-                .contains("not an allowed origin")),
+        stderr_of(&events).contains("not an allowed origin"),
         "{events:?}"
     );
     let (stdout, code) = outcome(&daemon.command(&id, "digest"));
@@ -899,10 +876,7 @@ fn sandbox_reads_files_of_the_daemons_image_fetched_on_first_read() {
     let (_, code) = outcome(&events);
     assert_eq!(code, 1, "{events:?}");
     assert!(
-        events
-            .iter()
-            .any(|e| e["type"] == "stderr"
-                && e["text"].as_str().unwrap().contains("not in the image")),
+        stderr_of(&events).contains("not in the image"),
         "{events:?}"
     );
 }

@@ -1,7 +1,8 @@
 //! A small HTTP/1.1 client for the tests and benches that drive a real server on loopback
 //! (`pvisor-sandboxd`): one request per connection (`Connection: close`), the whole answer
 //! read and unframed (chunked or not), and, for a streamed answer, when a given piece of it
-//! first arrived (a command's first output).
+//! first arrived (a command's first output); and a tiny origin server for the tests whose
+//! VMs download ([`serve_body`], [`read_head`]).
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -223,6 +224,47 @@ pub fn events(text: &str) -> Vec<Value> {
             })
         })
         .collect()
+}
+
+/// Reads a request's head (request line and headers, up to the blank line or the end) from
+/// `stream`; its path (empty if there is none).
+pub fn read_head(stream: &TcpStream) -> String {
+    use std::io::BufRead;
+    let Ok(clone) = stream.try_clone() else {
+        return String::new();
+    };
+    let mut reader = std::io::BufReader::new(clone);
+    let mut line = String::new();
+    let _ = reader.read_line(&mut line);
+    let path = line.split_whitespace().nth(1).unwrap_or("").to_owned();
+    loop {
+        let mut header = String::new();
+        if reader.read_line(&mut header).unwrap_or(0) == 0 || header.trim().is_empty() {
+            return path;
+        }
+    }
+}
+
+/// An HTTP/1.1 origin on a thread of its own that answers every request, one at a time, with
+/// `body`, its length announced; with `pause` `(at, for)`, the first `at` bytes, then the rest
+/// `for` later. Its `http://127.0.0.1:PORT`.
+pub fn serve_body(body: Vec<u8>, pause: Option<(usize, Duration)>) -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a loopback port");
+    let url = format!("http://{}", listener.local_addr().expect("bound"));
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            read_head(&stream);
+            let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len());
+            let _ = stream.write_all(head.as_bytes());
+            let (at, wait) = pause.unwrap_or((body.len(), Duration::ZERO));
+            let at = at.min(body.len());
+            let _ = stream.write_all(&body[..at]);
+            std::thread::sleep(wait);
+            let _ = stream.write_all(&body[at..]);
+        }
+    });
+    url
 }
 
 #[cfg(test)]

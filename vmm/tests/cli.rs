@@ -163,25 +163,9 @@ fn cli_download_from_an_allowed_origin_given_by_flag_or_config() {
     if skip() {
         return;
     }
-    use std::io::{BufRead, Write};
     // An origin that answers every GET with the same 300000 bytes.
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
     let body: Vec<u8> = (0..300_000u32).map(|i| (i % 253) as u8).collect();
-    let sent = body.clone();
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut stream) = stream else { continue };
-            let mut reader = std::io::BufReader::new(stream.try_clone().unwrap());
-            let mut line = String::new();
-            while reader.read_line(&mut line).unwrap_or(0) > 0 && line != "\r\n" {
-                line.clear();
-            }
-            let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", sent.len());
-            let _ = stream.write_all(head.as_bytes());
-            let _ = stream.write_all(&sent);
-        }
-    });
+    let url = testkit::http::serve_body(body.clone(), None);
     let runtime = tempfile::tempdir().unwrap();
     let script = format!("download {url}/pkg.tar bytes=300000; digest");
     let lines = ok(
@@ -280,27 +264,10 @@ fn cli_status_during_a_download_names_its_source_and_the_download_offloads() {
     if skip() {
         return;
     }
-    use std::io::{BufRead, Write};
     // An origin that sends 2 MiB in two halves, 1.5 s apart.
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
     let body: Vec<u8> = (0..2u32 << 20).map(|i| (i % 239) as u8).collect();
-    let sent = body.clone();
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut stream) = stream else { continue };
-            let mut reader = std::io::BufReader::new(stream.try_clone().unwrap());
-            let mut line = String::new();
-            while reader.read_line(&mut line).unwrap_or(0) > 0 && line != "\r\n" {
-                line.clear();
-            }
-            let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", sent.len());
-            let _ = stream.write_all(head.as_bytes());
-            let _ = stream.write_all(&sent[..1 << 20]);
-            std::thread::sleep(std::time::Duration::from_millis(1500));
-            let _ = stream.write_all(&sent[1 << 20..]);
-        }
-    });
+    let pause = (1 << 20, std::time::Duration::from_millis(1500));
+    let url = testkit::http::serve_body(body.clone(), Some(pause));
     let runtime = tempfile::tempdir().unwrap();
     let vm = Detached::start(
         runtime.path(),

@@ -6,7 +6,7 @@
 // Test code: a failed setup step should stop the test on the spot.
 #![allow(clippy::unwrap_used)]
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::net::TcpListener;
 use std::path::Path;
 use std::time::Duration;
@@ -41,16 +41,7 @@ fn origin() -> String {
         for stream in listener.incoming() {
             let Ok(mut stream) = stream else { continue };
             std::thread::spawn(move || {
-                let mut reader = BufReader::new(stream.try_clone().unwrap());
-                let mut line = String::new();
-                reader.read_line(&mut line).unwrap();
-                let path = line.split_whitespace().nth(1).unwrap_or("").to_owned();
-                loop {
-                    let mut header = String::new();
-                    if reader.read_line(&mut header).unwrap_or(0) == 0 || header.trim().is_empty() {
-                        break;
-                    }
-                }
+                let path = testkit::http::read_head(&stream);
                 let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
                 let number = |i: usize| parts.get(i).and_then(|p| p.parse::<usize>().ok());
                 let head = |len: usize| {

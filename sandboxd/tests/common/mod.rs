@@ -293,6 +293,15 @@ pub fn outcome(events: &[Value]) -> (Vec<Value>, i64) {
     (stdout, code)
 }
 
+/// What a command's events said on stderr, joined.
+pub fn stderr_of(events: &[Value]) -> String {
+    events
+        .iter()
+        .filter(|e| e["type"] == "stderr")
+        .filter_map(|e| e["text"].as_str())
+        .collect()
+}
+
 /// The VM processes and supervisors (pids) the daemon's sandboxes have now.
 pub fn vm_pids(state: &Path) -> Vec<u32> {
     let mut pids = Vec::new();

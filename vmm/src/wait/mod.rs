@@ -701,6 +701,16 @@ mod tests {
         base + Duration::from_millis(ms)
     }
 
+    /// The guest of `c` reports idle with no timer and waits for `request`, at `t`.
+    fn idle_waiting_for(c: &mut WaitCoordinator, t: Instant, request: u64) {
+        let idle = WaitEvent::GuestIdle {
+            epoch: 1,
+            timer_due: None,
+        };
+        c.handle(t, idle);
+        c.handle(t, WaitEvent::WaitStart { request, epoch: 1 });
+    }
+
     fn waiting_idle(base: Instant, policy: WaitPolicy, timer_ms: Option<u64>) -> WaitCoordinator {
         let mut c = WaitCoordinator::new(policy, 1);
         let timer_due = timer_ms.map(|t| at(base, t));
@@ -837,20 +847,7 @@ mod tests {
         );
         // A download's chunk due in 200 ms: less than 4 offloads' cost, so no offload.
         let t = at(base, 20_000);
-        c.handle(
-            t,
-            WaitEvent::GuestIdle {
-                epoch: 1,
-                timer_due: None,
-            },
-        );
-        c.handle(
-            t,
-            WaitEvent::WaitStart {
-                request: 9,
-                epoch: 1,
-            },
-        );
+        idle_waiting_for(&mut c, t, 9);
         c.expect(t, 9, Some(Duration::from_millis(200)));
         c.tick(at(base, 20_020));
         assert!(!c.tick(at(base, 20_050)).contains(&Action::Offload));
@@ -869,20 +866,7 @@ mod tests {
         );
         // A wait its source cannot tell yet is offloaded as a first wait would be.
         let t = at(base, 30_000);
-        c.handle(
-            t,
-            WaitEvent::GuestIdle {
-                epoch: 1,
-                timer_due: None,
-            },
-        );
-        c.handle(
-            t,
-            WaitEvent::WaitStart {
-                request: 10,
-                epoch: 1,
-            },
-        );
+        idle_waiting_for(&mut c, t, 10);
         c.expect(t, 10, None);
         c.tick(at(base, 30_020));
         assert!(c.tick(at(base, 30_050)).contains(&Action::Offload));
