@@ -88,17 +88,18 @@ fn uncache(file: &std::fs::File) {
     unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
 }
 
-/// `path` whole if it has exactly `len` bytes (read bounded), its pages dropped from the
-/// page cache after.
-fn read_uncached(path: &Path, len: u64) -> Option<Vec<u8>> {
-    let mut file = file::open_read(path).ok()?;
+/// The regular file at `path` (no link followed: [`file::open_read`]) read to its end, at
+/// most `len` bytes and one more (which tells a longer file), its pages dropped from the page
+/// cache after.
+fn read_uncached(path: &Path, len: u64) -> Result<Vec<u8>, String> {
+    let mut file = file::open_read(path).map_err(|e| basics::error_chain(&e))?;
     let mut bytes = Vec::new();
     (&mut file)
         .take(len.saturating_add(1))
         .read_to_end(&mut bytes)
-        .ok()?;
+        .map_err(|e| format!("reading {}: {e}", path.display()))?;
     uncache(&file);
-    Some(bytes)
+    Ok(bytes)
 }
 
 /// Whether `path` names a file inside an image: relative, `/`-separated plain names.
@@ -356,7 +357,7 @@ impl Image {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let staged = self.staged_path(entry);
-        if let Some(bytes) = read_uncached(&staged, entry.bytes) {
+        if let Ok(bytes) = read_uncached(&staged, entry.bytes) {
             if bytes.len() as u64 == entry.bytes && digest(&bytes) == entry.xxh3_128 {
                 return Ok(Fetched {
                     bytes,
@@ -429,8 +430,7 @@ impl Image {
         if !(parent_inside && plain) {
             return Err(format!("`{}` is outside the image directory", entry.path));
         }
-        file::open_read(&path).map_err(|e| basics::error_chain(&e))?;
-        read_uncached(&path, entry.bytes).ok_or_else(|| format!("cannot read {}", path.display()))
+        read_uncached(&path, entry.bytes)
     }
 }
 

@@ -95,7 +95,8 @@ pub(super) async fn post(
         .body(Full::new(Bytes::from(body)))
         .map_err(|e| format!("request {request}: {e}"))?;
     let what = format!("request {request}");
-    exchange(&upstream.authority, built, &what, MAX_ANSWER, None, sink).await
+    let side = Side::Upstream;
+    exchange(&upstream.authority, built, &what, MAX_ANSWER, side, sink).await
 }
 
 /// A download: `GET` of `target` on a fresh connection, its body to `sink` as it arrives, at
@@ -113,13 +114,19 @@ pub(super) async fn get(
         .body(Full::new(Bytes::new()))
         .map_err(|e| format!("GET {target}: {e}"))?;
     let what = format!("GET {target}");
-    exchange(target.authority(), built, &what, limit, Some(stall), sink).await
+    let side = Side::Origin { stall };
+    exchange(target.authority(), built, &what, limit, side, sink).await
 }
 
-/// Whether a failed exchange's error quotes the body of the answer: a model upstream's says
-/// why; an origin's is not quoted (it could pass for the gateway's own words).
-fn quotes_body(what: &str) -> bool {
-    !what.starts_with("GET ")
+/// Who answers an exchange, and so how it is waited for and what of its words is said.
+#[derive(Debug, Clone, Copy)]
+enum Side {
+    /// A model upstream: waited for within the request's timeout; the body of an error
+    /// answer says why, and is quoted.
+    Upstream,
+    /// A download's origin: given up after `stall` of silence; its error bodies are not
+    /// quoted (they could pass for the gateway's own words).
+    Origin { stall: Duration },
 }
 
 /// Waits for `step`, at most `stall` if given.
@@ -147,9 +154,13 @@ async fn exchange(
     request: hyper::Request<Full<Bytes>>,
     what: &str,
     limit: u64,
-    stall: Option<Duration>,
+    side: Side,
     sink: &Sink,
 ) -> Result<(), String> {
+    let stall = match side {
+        Side::Upstream => None,
+        Side::Origin { stall } => Some(stall),
+    };
     let stream = within(stall, what, tokio::net::TcpStream::connect(authority))
         .await?
         .map_err(|e| format!("cannot connect to {authority}: {e}"))?;
@@ -177,7 +188,7 @@ async fn exchange(
     if !status.is_success() {
         // An error's body is no answer: nothing to get ready for, nothing to hand over; a
         // little of it says why.
-        if !quotes_body(what) {
+        if let Side::Origin { .. } = side {
             return Err(format!("{what}: {authority} answered {status}"));
         }
         let body = read_bounded(response.into_body(), 4096, None, stall)

@@ -716,7 +716,7 @@ mod tests {
 
     #[test]
     fn gateway_batched_answer_holds_the_upstream_back_past_its_buffer_and_loses_nothing() {
-        use std::io::{BufRead, Write};
+        use std::io::Write;
         const ONE_READ: usize = 400 << 10;
         // An upstream that sends 1 MiB as fast as it can.
         let len = 1usize << 20;
@@ -726,11 +726,7 @@ mod tests {
         let sent = body.clone();
         std::thread::spawn(move || {
             let (mut stream, _) = listener.accept().expect("the gateway connects");
-            let mut reader = std::io::BufReader::new(stream.try_clone().expect("a clone"));
-            let mut line = String::new();
-            while reader.read_line(&mut line).unwrap_or(0) > 0 && line != "\r\n" {
-                line.clear();
-            }
+            testkit::http::read_head(&stream);
             let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {len}\r\n\r\n");
             let _ = stream.write_all(head.as_bytes());
             let _ = stream.write_all(&sent);
@@ -774,7 +770,7 @@ mod tests {
 
     #[test]
     fn gateway_request_sent_again_in_flight_supersedes_its_first_send_and_cancel_drops_it() {
-        use std::io::{BufRead, Write};
+        use std::io::Write;
         // An upstream whose k-th connection answers 4096 bytes of b'a' + k, in two halves.
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a local port");
         let url = format!("http://{}", listener.local_addr().expect("bound"));
@@ -782,11 +778,7 @@ mod tests {
             for (k, stream) in listener.incoming().enumerate() {
                 let Ok(mut stream) = stream else { continue };
                 std::thread::spawn(move || {
-                    let mut reader = std::io::BufReader::new(stream.try_clone().expect("a clone"));
-                    let mut line = String::new();
-                    while reader.read_line(&mut line).unwrap_or(0) > 0 && line != "\r\n" {
-                        line.clear();
-                    }
+                    testkit::http::read_head(&stream);
                     std::thread::sleep(Duration::from_millis(100));
                     let head = "HTTP/1.1 200 OK\r\ncontent-length: 4096\r\n\r\n";
                     let body = vec![b'a' + k as u8; 4096];

@@ -78,17 +78,19 @@ impl Trajectory {
         (self.image_rate.unwrap_or(DEFAULT_IMAGE_RATE) as f64 / self.time_scale).max(1.0) as u64
     }
 
-    /// Checks an I/O step (`n` its position): sizes, paths, and one length per path.
-    pub(super) fn check_io(&self, n: usize, step: &Step) -> Result<(), String> {
+    /// Checks an I/O step (`n` its position): sizes, paths, and one length per path (`files`:
+    /// [`Trajectory::image_files`], each path's first length).
+    pub(super) fn check_io(
+        &self,
+        n: usize,
+        step: &Step,
+        files: &BTreeMap<String, (u64, u64)>,
+    ) -> Result<(), String> {
         let bytes = match step {
             Step::Download { bytes } => *bytes,
             Step::Read { path, bytes } => {
                 crate::image::check_path(path).map_err(|e| format!("step {n} (read): {e}"))?;
-                let first = self.steps.iter().find_map(|s| match s {
-                    Step::Read { path: p, bytes } if p == path => Some(*bytes),
-                    _ => None,
-                });
-                if first != Some(*bytes) {
+                if files.get(path).map(|f| f.0) != Some(*bytes) {
                     return Err(format!(
                         "step {n} (read): `{path}` is read with two lengths"
                     ));
@@ -110,13 +112,22 @@ impl Trajectory {
         Ok(())
     }
 
+    /// The digests of the image's files, by path.
+    pub(super) fn image_digests(&self) -> BTreeMap<String, u64> {
+        self.image_files()
+            .into_iter()
+            .map(|(path, (bytes, seed))| (path, crate::guest::digest(&answer(seed, bytes))))
+            .collect()
+    }
+
     /// The commands of I/O step `step`, the `k`th download if it is one, for a VM whose
-    /// downloads come from `origin`: with the length and digest they must have.
+    /// downloads come from `origin`: with the length and digest they must have (a file's
+    /// from `digests`, [`Trajectory::image_digests`]).
     pub(super) fn io_command(
         step: &Step,
         k: u64,
         origin: &str,
-        files: &BTreeMap<String, (u64, u64)>,
+        digests: &BTreeMap<String, u64>,
     ) -> Option<Command> {
         match step {
             Step::Download { bytes } => Some(Command::Download {
@@ -126,16 +137,13 @@ impl Trajectory {
                     digest: Some(crate::guest::digest(&download_body(k, *bytes))),
                 },
             }),
-            Step::Read { path, bytes } => {
-                let seed = files.get(path).map_or(0, |f| f.1);
-                Some(Command::Read {
-                    path: path.clone(),
-                    expect: Expect {
-                        bytes: Some(*bytes),
-                        digest: Some(crate::guest::digest(&answer(seed, *bytes))),
-                    },
-                })
-            }
+            Step::Read { path, bytes } => Some(Command::Read {
+                path: path.clone(),
+                expect: Expect {
+                    bytes: Some(*bytes),
+                    digest: digests.get(path).copied(),
+                },
+            }),
             Step::Model { .. } | Step::Tool { .. } => None,
         }
     }

@@ -169,6 +169,8 @@ impl Trajectory {
                 self.time_scale
             ));
         }
+        // Each file's first length, gathered once for the reads' checks.
+        let files = self.image_files();
         for (i, step) in self.steps.iter().enumerate() {
             let n = i + 1;
             match step {
@@ -189,7 +191,7 @@ impl Trajectory {
                         ));
                     }
                 }
-                Step::Download { .. } | Step::Read { .. } => self.check_io(n, step)?,
+                Step::Download { .. } | Step::Read { .. } => self.check_io(n, step, &files)?,
                 Step::Tool { script } => {
                     let commands =
                         script::parse(script).map_err(|e| format!("step {n} (tool): {e}"))?;
@@ -261,13 +263,13 @@ impl Trajectory {
     pub fn script_taking(&self, stream: bool, origin: &str) -> Vec<Command> {
         let mut id = 0;
         let mut downloads = 0;
-        let files = self.image_files();
+        let digests = self.image_digests();
         let mut out = Vec::new();
         for step in &self.steps {
             if matches!(step, Step::Download { .. }) {
                 downloads += 1;
             }
-            if let Some(command) = Self::io_command(step, downloads, origin, &files) {
+            if let Some(command) = Self::io_command(step, downloads, origin, &digests) {
                 out.push(command);
                 continue;
             }

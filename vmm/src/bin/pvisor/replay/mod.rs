@@ -341,8 +341,10 @@ fn run_replay(
             cgroup: stats["cgroup_dir"].as_str().map(PathBuf::from),
         }));
     }
-    let script = trajectory
-        .script_taking(args.stream_answers, &url)
+    // Built once (each download's and file's digest computed): the VMs' script, and what
+    // their results are checked against.
+    let commands = trajectory.script_taking(args.stream_answers, &url);
+    let script = commands
         .iter()
         .map(ToString::to_string)
         .collect::<Vec<_>>()
@@ -491,7 +493,6 @@ fn run_replay(
 
     // Every result against the trajectory: each answer's digest, each command's success, and
     // the same digests in every VM.
-    let commands = trajectory.script_taking(args.stream_answers, &url);
     let requests = trajectory.requests();
     let mut failures = Vec::new();
     let mut reference: Option<Vec<Option<String>>> = None;
