@@ -89,8 +89,10 @@ pub struct Checked {
     pub url: (u64, u64),
 }
 
-/// The waits of one source and what was done in them.
+/// The waits of one source and what was done in them: the wait coordinator's decisions
+/// ([`crate::wait::WaitStats`], all sources together) split by the source waited for.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct SourceStats {
     /// Waits (a model answer's, a chunk's, a file's; a model wait the guest's timer broke
     /// counts once per part).
@@ -99,6 +101,53 @@ pub struct SourceStats {
     pub wait_s: f64,
     /// Offloads made during them.
     pub offloads: u64,
+    /// Offloads skipped during them because the last one was too recent.
+    pub skipped_for_cooldown: u64,
+    /// Offloads skipped during them as not paying (the wait expected too short).
+    pub skipped_for_gain: u64,
+    /// Offloads skipped during them because the guest's timer was too close.
+    pub skipped_for_timer: u64,
+    /// Warm-ups started during them.
+    pub warms: u64,
+    /// Parts handed to the guest before the end (a streamed answer's batches, a download's
+    /// chunks), managed or not.
+    pub batches: u64,
+    /// Microseconds from the moments those parts became deliverable to their being in the
+    /// guest's buffer, summed (with `batches`: the mean).
+    pub batch_delay_us: u64,
+    /// Parts handed over more than [`crate::wait::BATCH_LATE`] after they became deliverable.
+    pub batches_late: u64,
+}
+
+impl SourceStats {
+    /// Counts a part handed to the guest `delay` after it became deliverable.
+    pub fn batch_delivered(&mut self, delay: std::time::Duration) {
+        self.batches += 1;
+        let us = u64::try_from(delay.as_micros()).unwrap_or(u64::MAX);
+        self.batch_delay_us = self.batch_delay_us.saturating_add(us);
+        if delay > crate::wait::BATCH_LATE {
+            self.batches_late += 1;
+        }
+    }
+
+    /// Adds the coordinator's skips and warm-ups from `before` to `after` (its counters around
+    /// one wait of this source).
+    pub fn add_decisions(
+        &mut self,
+        before: &crate::wait::WaitStats,
+        after: &crate::wait::WaitStats,
+    ) {
+        self.skipped_for_cooldown += after
+            .skipped_for_cooldown
+            .saturating_sub(before.skipped_for_cooldown);
+        self.skipped_for_gain += after
+            .skipped_for_gain
+            .saturating_sub(before.skipped_for_gain);
+        self.skipped_for_timer += after
+            .skipped_for_timer
+            .saturating_sub(before.skipped_for_timer);
+        self.warms += after.warms.saturating_sub(before.warms);
+    }
 }
 
 /// The waits by source: what each contributed.

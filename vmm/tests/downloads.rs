@@ -187,6 +187,18 @@ fn download_across_three_offloads_is_byte_exact_and_keeps_the_rest_of_ram() {
     // Each chunk was handed over within the bound once deliverable.
     assert!(wait.batches >= 3, "{wait:?}");
     assert_eq!(wait.batches_late, 0, "{wait:?}");
+    // All of it in the download's counters, none in the model's.
+    let sources = stats.sources.unwrap();
+    let (download, model) = (sources.download, sources.model);
+    assert_eq!(download.offloads, wait.offloads, "{sources:?}");
+    assert_eq!(download.batches, wait.batches, "{sources:?}");
+    assert_eq!(download.batch_delay_us, wait.batch_delay_us, "{sources:?}");
+    assert_eq!(download.batches_late, 0, "{sources:?}");
+    assert_eq!(
+        (model.waits, model.offloads, model.batches),
+        (0, 0, 0),
+        "{sources:?}"
+    );
 }
 
 #[test]

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 
-use super::{lock, Shared, State, Upstream, MAX_ANSWER, MAX_HEAD};
+use super::{lock, Failure, FailureKind, Shared, State, Upstream, MAX_ANSWER, MAX_HEAD};
 use crate::wait::WaitEvent;
 
 /// Where a successful answer's body goes as it arrives: its request's [`Partial`] in the
@@ -87,7 +87,7 @@ pub(super) async fn post(
     label: &str,
     request: u64,
     sink: &Sink,
-) -> Result<(), String> {
+) -> Result<(), Failure> {
     let body = serde_json::json!({ "request": request, "vm": label }).to_string();
     let built = hyper::Request::post(format!("{}/requests/{request}", upstream.prefix))
         .header(hyper::header::HOST, &upstream.authority)
@@ -96,7 +96,16 @@ pub(super) async fn post(
         .map_err(|e| format!("request {request}: {e}"))?;
     let what = format!("request {request}");
     let side = Side::Upstream;
-    exchange(&upstream.authority, built, &what, MAX_ANSWER, side, sink).await
+    exchange(
+        &upstream.authority,
+        built,
+        &what,
+        MAX_ANSWER,
+        side,
+        Some(sink),
+    )
+    .await
+    .map(drop)
 }
 
 /// A download: `GET` of `target` on a fresh connection, its body to `sink` as it arrives, at
@@ -107,7 +116,27 @@ pub(super) async fn get(
     limit: u64,
     stall: Duration,
     sink: &Sink,
-) -> Result<(), String> {
+) -> Result<(), Failure> {
+    get_to(target, limit, stall, Some(sink)).await.map(drop)
+}
+
+/// `GET` of `target` on a fresh connection, its whole body returned: at most `limit` bytes,
+/// given up when the origin is silent for `stall` (an image file from an HTTP origin).
+pub(crate) async fn get_whole(
+    target: &crate::net::Target,
+    limit: u64,
+    stall: Duration,
+) -> Result<Vec<u8>, Failure> {
+    get_to(target, limit, stall, None).await
+}
+
+/// `GET` of `target`: its body to `sink` as it arrives, or returned if there is none.
+async fn get_to(
+    target: &crate::net::Target,
+    limit: u64,
+    stall: Duration,
+    sink: Option<&Sink>,
+) -> Result<Vec<u8>, Failure> {
     let built = hyper::Request::get(target.path())
         .header(hyper::header::HOST, target.authority())
         .header(hyper::header::USER_AGENT, "pvisor")
@@ -134,29 +163,37 @@ async fn within<T>(
     stall: Option<Duration>,
     what: &str,
     step: impl std::future::Future<Output = T>,
-) -> Result<T, String> {
+) -> Result<T, Failure> {
     match stall {
         None => Ok(step.await),
-        Some(stall) => tokio::time::timeout(stall, step).await.map_err(|_| {
-            format!(
-                "{what}: nothing from the origin for {} s",
-                stall.as_secs_f64()
-            )
-        }),
+        Some(stall) => tokio::time::timeout(stall, step)
+            .await
+            .map_err(|_| silent(what, stall)),
     }
 }
 
+/// `what` was given up: nothing came from the origin for `stall`.
+fn silent(what: &str, stall: Duration) -> Failure {
+    Failure::new(
+        FailureKind::TimedOut,
+        format!(
+            "{what}: nothing from the origin for {} s",
+            stall.as_secs_f64()
+        ),
+    )
+}
+
 /// One HTTP/1.1 exchange with `authority` on a fresh connection: `request` sent, the body of
-/// a successful answer (2xx) to `sink` as it arrives, at most `limit` bytes; anything else an
-/// error naming `what`.
+/// a successful answer (2xx) to `sink` as it arrives (or returned, without one), at most
+/// `limit` bytes; anything else an error naming `what`.
 async fn exchange(
     authority: &str,
     request: hyper::Request<Full<Bytes>>,
     what: &str,
     limit: u64,
     side: Side,
-    sink: &Sink,
-) -> Result<(), String> {
+    sink: Option<&Sink>,
+) -> Result<Vec<u8>, Failure> {
     let stall = match side {
         Side::Upstream => None,
         Side::Origin { stall } => Some(stall),
@@ -180,16 +217,17 @@ async fn exchange(
             return Err(format!(
                 "{what} to {authority}: the answer's head (status line and headers, at most {} KiB) is invalid: {e}",
                 MAX_HEAD >> 10
-            ))
+            )
+            .into())
         }
-        Err(e) => return Err(format!("{what} to {authority}: {e}")),
+        Err(e) => return Err(format!("{what} to {authority}: {e}").into()),
     };
     let status = response.status();
     if !status.is_success() {
         // An error's body is no answer: nothing to get ready for, nothing to hand over; a
         // little of it says why.
         if let Side::Origin { .. } = side {
-            return Err(format!("{what}: {authority} answered {status}"));
+            return Err(format!("{what}: {authority} answered {status}").into());
         }
         let body = read_bounded(response.into_body(), 4096, None, stall)
             .await
@@ -197,23 +235,24 @@ async fn exchange(
         return Err(format!(
             "{what}: {authority} answered {status}: {}",
             String::from_utf8_lossy(&body[..body.len().min(200)]).trim()
-        ));
+        )
+        .into());
     }
-    {
+    if let Some(sink) = sink {
         use hyper::body::Body;
         if let Some(total) = response.body().size_hint().exact() {
             sink.announce(total);
         }
     }
-    match read_bounded(response.into_body(), limit, Some(sink), stall).await {
-        Ok(_) => Ok(()),
-        Err(BodyError::TooLarge) => Err(format!("{what}: the answer is over {limit} bytes")),
-        Err(BodyError::Read(e)) => Err(format!("{what}: reading the answer: {e}")),
-        Err(BodyError::Stalled) => Err(format!(
-            "{what}: nothing from the origin for {} s",
-            stall.unwrap_or_default().as_secs_f64()
+    match read_bounded(response.into_body(), limit, sink, stall).await {
+        Ok(bytes) => Ok(bytes),
+        Err(BodyError::TooLarge) => Err(Failure::new(
+            FailureKind::TooLarge,
+            format!("{what}: the answer is over {limit} bytes"),
         )),
-        Err(BodyError::Abandoned) => Err(format!("{what} was sent again or given up")),
+        Err(BodyError::Read(e)) => Err(format!("{what}: reading the answer: {e}").into()),
+        Err(BodyError::Stalled) => Err(silent(what, stall.unwrap_or_default())),
+        Err(BodyError::Abandoned) => Err(format!("{what} was sent again or given up").into()),
     }
 }
 

@@ -27,6 +27,7 @@ use crate::wait::{EventSource, WaitEvent};
 
 mod http;
 
+pub(crate) use http::get_whole;
 use http::{get, post, Sink};
 
 /// What a request got.
@@ -35,7 +36,57 @@ pub enum Answer {
     /// The response body.
     Data(Vec<u8>),
     /// Why there is none (the upstream's status, a connection error, a timeout).
-    Error(String),
+    Error(Failure),
+}
+
+/// Why a request got no answer: its kind (which decides what the guest is told, such as its
+/// errno) and the words for people.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    /// What kind of failure.
+    pub kind: FailureKind,
+    /// Why, in words.
+    pub message: String,
+}
+
+/// The kinds of [`Failure`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// The other side was silent too long, or the exchange outlasted its time.
+    TimedOut,
+    /// The body was larger than its bound.
+    TooLarge,
+    /// Anything else: no connection, an error status, a broken or short body, a file that
+    /// differs from its manifest.
+    Failed,
+}
+
+impl Failure {
+    /// A failure of `kind`, said in `message`.
+    pub fn new(kind: FailureKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl From<String> for Failure {
+    fn from(message: String) -> Self {
+        Self::new(FailureKind::Failed, message)
+    }
+}
+
+impl From<&str> for Failure {
+    fn from(message: &str) -> Self {
+        Self::new(FailureKind::Failed, message)
+    }
 }
 
 /// Errors setting the gateway up.
@@ -284,7 +335,7 @@ impl State {
     /// what it has not taken, read now, not when the body ended, as a batch may have been
     /// taken in between) or not (why). Kept for it, unless it was superseded or cancelled
     /// meanwhile.
-    fn finish_send(&mut self, request: u64, send: u64, read: Result<(), String>) -> bool {
+    fn finish_send(&mut self, request: u64, send: u64, read: Result<(), Failure>) -> bool {
         if self.partial.get(&request).is_none_or(|p| p.send != send) {
             return false;
         }
@@ -449,7 +500,7 @@ impl Gateway {
             request,
             epoch: self.epoch,
         });
-        state.keep_answer(request, Answer::Error(why));
+        state.keep_answer(request, Answer::Error(why.into()));
         state.push_event(WaitEvent::DataReady {
             request,
             epoch: self.epoch,
@@ -503,7 +554,10 @@ impl Gateway {
                     let post = post(&upstream, &label, request, &sink);
                     match tokio::time::timeout(timeout, post).await {
                         Ok(read) => read,
-                        Err(_) => Err(format!("no answer within {} s", timeout.as_secs_f64())),
+                        Err(_) => Err(Failure::new(
+                            FailureKind::TimedOut,
+                            format!("no answer within {} s", timeout.as_secs_f64()),
+                        )),
                     }
                 }
                 Exchange::Get {
@@ -515,9 +569,9 @@ impl Gateway {
                     let get = get(&target, limit, stall, &sink);
                     match tokio::time::timeout(timeout, get).await {
                         Ok(read) => read,
-                        Err(_) => Err(format!(
-                            "GET {target}: not done within {} s",
-                            timeout.as_secs_f64()
+                        Err(_) => Err(Failure::new(
+                            FailureKind::TimedOut,
+                            format!("GET {target}: not done within {} s", timeout.as_secs_f64()),
                         )),
                     }
                 }
@@ -533,8 +587,8 @@ impl Gateway {
                                 Err("the read was given up".into())
                             }
                         }
-                        Ok(Err(why)) => Err(why),
-                        Err(e) => Err(format!("the read failed: {e}")),
+                        Ok(Err(why)) => Err(why.into()),
+                        Err(e) => Err(format!("the read failed: {e}").into()),
                     }
                 }
             };
@@ -707,7 +761,7 @@ mod tests {
         gateway.send(u64::MAX, None);
         let answer = ModelPort::wait_for(&gateway, u64::MAX, Duration::from_secs(2));
         match answer {
-            Some(Answer::Error(why)) => assert!(why.contains("in flight"), "{why}"),
+            Some(Answer::Error(why)) => assert!(why.message.contains("in flight"), "{why}"),
             other => panic!("request over the cap got {other:?}"),
         }
         // The ones within the cap are still waiting for the upstream.

@@ -37,7 +37,7 @@ pub(super) struct Transfer {
     /// Bytes handed to the guest so far.
     delivered: u64,
     /// The body has ended: whole (`Ok`: `leftover` is all that is left), or not (why).
-    ended: Option<Result<(), String>>,
+    ended: Option<Result<(), crate::gateway::Failure>>,
     /// The length the origin announced, if it did.
     total: Option<u64>,
     /// What its waits wait for.
@@ -304,16 +304,14 @@ impl Machine {
         }
         if let Some(Err(why)) = &transfer.ended {
             self.io_stats.failed += 1;
-            // The gateway's own words (an origin's error body is not quoted for a GET).
-            let errno =
-                if why.contains("nothing from the origin for") || why.contains("not done within") {
-                    libc::ETIMEDOUT
-                } else if why.contains("the answer is over") {
-                    libc::EFBIG
-                } else {
-                    libc::EIO
-                };
-            let why = why.clone();
+            // By its kind; the words are the gateway's own (an origin's error body is not
+            // quoted for a GET).
+            let errno = match why.kind {
+                crate::gateway::FailureKind::TimedOut => libc::ETIMEDOUT,
+                crate::gateway::FailureKind::TooLarge => libc::EFBIG,
+                crate::gateway::FailureKind::Failed => libc::EIO,
+            };
+            let why = why.message.clone();
             self.give_up(transfer.request);
             return Ok(Err(refuse(errno, why)));
         }
@@ -391,9 +389,7 @@ impl Machine {
             WaitOutcome::Batch(bytes, deliverable) => {
                 transfer.leftover = bytes;
                 transfer.written = 0;
-                if let Some(coordinator) = self.coordinator.as_mut() {
-                    coordinator.batch_delivered(deliverable.elapsed());
-                }
+                self.batch_delivered(waited, deliverable);
             }
             WaitOutcome::Answer(Answer::Data(rest)) => {
                 transfer.leftover = rest;

@@ -50,6 +50,17 @@ impl Machine {
         }
     }
 
+    /// A part of the data of a wait for `waited` (a batch, a chunk) that became deliverable
+    /// at `deliverable` is in the guest's hands now: how long after, for the coordinator and
+    /// the source's counters.
+    pub(super) fn batch_delivered(&mut self, waited: Waited, deliverable: Instant) {
+        let delay = deliverable.elapsed();
+        if let Some(coordinator) = self.coordinator.as_mut() {
+            coordinator.batch_delivered(delay);
+        }
+        self.source_stats(waited).batch_delivered(delay);
+    }
+
     /// A wait for `waited` that began at `began` is over.
     pub(super) fn count_wait(&mut self, waited: Waited, began: Instant) {
         let stats = self.source_stats(waited);
@@ -169,9 +180,7 @@ impl Machine {
                 self.write(guest::MAILBOX_GPA, mailbox)?;
                 // In the guest's hands now (its RAM back if it was offloaded: the copy
                 // faulted the buffer in): how long after it could have been.
-                if let Some(coordinator) = self.coordinator.as_mut() {
-                    coordinator.batch_delivered(deliverable.elapsed());
-                }
+                self.batch_delivered(Waited::Model, deliverable);
                 return Ok(());
             }
         };
@@ -182,7 +191,7 @@ impl Machine {
                 self.model_received = 0;
             }
             Answer::Error(why) => {
-                self.model_error = Some(why);
+                self.model_error = Some(why.message);
                 mailbox.arg[2] = 1;
             }
         }
@@ -263,9 +272,12 @@ impl Machine {
         // In slices, so that a stop ends the wait.
         loop {
             if self.interrupter.stopped() {
-                return WaitOutcome::Answer(Answer::Error(format!(
-                    "the VM was stopped while it waited for the answer to request {request}"
-                )));
+                return WaitOutcome::Answer(Answer::Error(
+                    format!(
+                        "the VM was stopped while it waited for the answer to request {request}"
+                    )
+                    .into(),
+                ));
             }
             let left = until.map_or(STOP_POLL, |u| u.saturating_duration_since(Instant::now()));
             match port.wait_progress(request, left.min(STOP_POLL), batching.is_some()) {
@@ -311,6 +323,7 @@ impl Machine {
             .coordinator
             .take()
             .unwrap_or_else(|| WaitCoordinator::new(wait.policy, 0));
+        let decided = coordinator.stats();
         let mut operator = self.operator.take();
         let began = self.send_once(port, request, batching, waited);
         let now = Instant::now();
@@ -369,9 +382,12 @@ impl Machine {
                 }
             }
             if self.stop_requested || self.interrupter.stopped() {
-                break WaitOutcome::Answer(Answer::Error(format!(
-                    "the VM was stopped while it waited for the answer to request {request}"
-                )));
+                break WaitOutcome::Answer(Answer::Error(
+                    format!(
+                        "the VM was stopped while it waited for the answer to request {request}"
+                    )
+                    .into(),
+                ));
             }
             // The guest's timer runs when the VM runs: at once if the coordinator let it run,
             // after the coordinator's resume (for that timer) if it had paused or offloaded it,
@@ -480,6 +496,9 @@ impl Machine {
         // The guest runs on (after the answer, or its timer's work): its idleness is reported
         // anew next time.
         coordinator.handle(Instant::now(), WaitEvent::GuestBusy { epoch: 0 });
+        // What it decided in this wait, by the source waited for.
+        self.source_stats(waited)
+            .add_decisions(&decided, &coordinator.stats());
         self.coordinator = Some(coordinator);
         self.operator = operator;
         outcome

@@ -723,7 +723,7 @@ mod tests {
         let crate::gateway::Answer::Error(why) = gateway.wait(7) else {
             panic!("an answer for a request not in the trajectory");
         };
-        assert!(why.contains("404"), "{why}");
+        assert!(why.message.contains("404"), "{why}");
         // The server counts a request once its answer is written, which may be just after the
         // client has read it.
         let deadline = std::time::Instant::now() + Duration::from_secs(5);

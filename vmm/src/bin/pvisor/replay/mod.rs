@@ -665,11 +665,17 @@ fn run_replay(
     if !sources.is_empty() {
         let part = |name: &str| {
             let s = &sources[name];
+            let n = |k: &str| s[k].as_u64().unwrap_or(0);
             format!(
-                "{name} {} waits, {:.1} s, {} offloads",
-                s["waits"].as_u64().unwrap_or(0),
+                "{name} {} waits, {:.1} s, {} offloads (skipped {} for the cooldown, {} as not \
+                 paying), {} parts handed over early ({} over 20 ms)",
+                n("waits"),
                 s["wait_s"].as_f64().unwrap_or(0.0),
-                s["offloads"].as_u64().unwrap_or(0)
+                n("offloads"),
+                n("skipped_for_cooldown"),
+                n("skipped_for_gain"),
+                n("batches"),
+                n("batches_late"),
             )
         };
         basics::say!(
