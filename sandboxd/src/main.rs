@@ -45,12 +45,17 @@ struct Cli {
     /// template's VMs have the snapshot's.
     #[arg(long, value_name = "SIZE", default_value = "512MiB", value_parser = basics::parse_size)]
     vm_memory: u64,
-    /// Serve a snapshot made with `pvisor snapshot --out DIR` as the template NAME
-    /// (`image.uri` or `snapshotId`): each sandbox of it is restored into its own RAM, loaded
-    /// from DIR as its guest touches it. Repeatable. DIR is read, never written: keep it
-    /// while the daemon runs.
-    #[arg(long, value_name = "NAME=DIR", value_parser = sandboxd::templates::parse_template)]
-    template: Vec<(String, PathBuf)>,
+    /// Serve a snapshot made with `pvisor snapshot --out DIR` (or `--out s3://…`) as the
+    /// template NAME (`image.uri` or `snapshotId`): each sandbox of it is restored into its own
+    /// RAM, loaded from there as its guest touches it (from a bucket through a cache under the
+    /// state directory, credentials from the environment). Repeatable. The snapshot is read,
+    /// never written: keep it while the daemon runs.
+    #[arg(
+        long,
+        value_name = "NAME=DIR|s3://BUCKET/PREFIX",
+        value_parser = sandboxd::templates::parse_template
+    )]
+    template: Vec<(String, compressed_backing::remote::StoreLocation)>,
     /// Sandboxes of a snapshot template mark their RAM mergeable for KSM: the pages they
     /// restored from the same snapshot and have not written are kept once, copy-on-write
     /// (ksmd is tuned to merge fast while any such VM runs, and the host's KSM settings
@@ -62,11 +67,19 @@ struct Cli {
     /// wait between chunks is managed like any wait (docs/waits.md).
     #[arg(long, value_name = "ORIGIN")]
     sandbox_net_allow: Vec<String>,
-    /// A read-only file tree the sandboxes' `read PATH` commands read (a directory holding
-    /// `image.json`: `pvisor image-index DIR`): each file fetched on its first read in a
-    /// sandbox, checked against the manifest and staged in the sandbox's own directory.
-    #[arg(long, value_name = "DIR")]
-    sandbox_image: Option<PathBuf>,
+    /// A read-only file tree the sandboxes' `read PATH` commands read: a directory holding
+    /// `image.json` (`pvisor image-index DIR`), a prefix of an S3 bucket holding such a
+    /// tree (`s3://BUCKET/PREFIX`; credentials from the environment, `AWS_ACCESS_KEY_ID` and
+    /// `AWS_SECRET_ACCESS_KEY`), or the root of such a tree on a plain-HTTP server. Each
+    /// file is fetched on its first read by any sandbox, checked against the manifest and
+    /// staged under the state directory (`image-staging`), where every sandbox's later reads
+    /// of it find it.
+    #[arg(long, value_name = "DIR|s3://BUCKET/PREFIX|http://HOST[:PORT]/PATH")]
+    sandbox_image: Option<String>,
+    /// The S3 endpoint of `s3://` templates and images (`http://127.0.0.1:9000` for a local
+    /// S3-compatible server); by default `AWS_ENDPOINT_URL`, else AWS itself.
+    #[arg(long, value_name = "URL")]
+    s3_endpoint: Option<String>,
     /// Offload a running sandbox's memory once it has run no command for this long (it comes
     /// back on its next command; the client sees only latency): `30s`, `5m`; `0` never.
     #[arg(long, value_name = "TIME", default_value = "60s", value_parser = parse_idle)]
@@ -184,7 +197,8 @@ fn serve(cli: Cli) -> MainResult {
     if cli.admission_reserve >= cli.memory_budget {
         return Err("--admission-reserve must be less than --memory-budget".into());
     }
-    let templates = sandboxd::templates::Templates::new(cli.vm_memory, &cli.template)?;
+    let remote = remote_options(cli.s3_endpoint.clone(), &cli.state)?;
+    let templates = sandboxd::templates::Templates::new(cli.vm_memory, &cli.template, &remote)?;
     let store = Store::open(&cli.state)?;
     let state_dir = cli.state.clone();
     // The sandboxes' VMs keep their sockets and files under the state directory. Set before
@@ -195,17 +209,12 @@ fn serve(cli: Cli) -> MainResult {
     // needs them.
     let governed = Governed::start(&cli.state, cli.memory_budget)?;
     let image = match &cli.sandbox_image {
-        Some(dir) => {
-            let dir = std::path::absolute(dir)?;
-            // Checked now: a daemon whose sandboxes could not start says so at once.
-            let manifest = dir.join(vmm::image::MANIFEST);
-            let text =
-                compressed_backing::file::read_bounded(&manifest, vmm::image::MANIFEST_LIMIT)
-                    .map_err(|e| format!("--sandbox-image: {}", basics::error_chain(&e)))?;
-            vmm::image::Manifest::parse(&text, &manifest.display().to_string())
-                .map_err(|e| format!("--sandbox-image: {}", basics::error_chain(&e)))?;
-            Some(dir)
-        }
+        // Staged once for every sandbox: the first to read a file fetches it.
+        Some(text) => Some(vmm::image::ImageOptions {
+            at: sandbox_image(text, &remote)?,
+            staging: std::path::absolute(&cli.state)?.join("image-staging"),
+            rate: None,
+        }),
         None => None,
     };
     let limits = Limits {
@@ -338,4 +347,31 @@ fn main() -> ExitCode {
         }
     };
     basics::output::exit_code("pvisor-sandboxd: ", result)
+}
+
+/// How the daemon and its VMs reach an object store: at `endpoint` (else the environment's),
+/// caching what they fetch under the state directory.
+fn remote_options(
+    endpoint: Option<String>,
+    state: &std::path::Path,
+) -> Result<compressed_backing::remote::RemoteOptions, String> {
+    let mut options = compressed_backing::remote::RemoteOptions::new();
+    options.endpoint = endpoint;
+    options.cache_dir = std::path::absolute(state)
+        .map_err(|e| format!("--state: {e}"))?
+        .join("s3-cache");
+    Ok(options)
+}
+
+/// The image `--sandbox-image` names, its manifest read and checked now: a daemon whose
+/// sandboxes could not read it says so at once.
+fn sandbox_image(
+    text: &str,
+    remote: &compressed_backing::remote::RemoteOptions,
+) -> Result<vmm::image::ImageLocation, String> {
+    let at = vmm::image::ImageLocation::parse(text, remote)
+        .map_err(|e| format!("--sandbox-image: {e}"))?;
+    at.manifest()
+        .map_err(|e| format!("--sandbox-image: {}", basics::error_chain(&e)))?;
+    Ok(at)
 }

@@ -406,7 +406,12 @@ mod tests {
     use super::*;
 
     fn request(json: &str) -> Result<Create, Invalid> {
-        let templates = Templates::new(64 << 20, &[]).expect("the workload guest");
+        let templates = Templates::new(
+            64 << 20,
+            &[],
+            &compressed_backing::remote::RemoteOptions::new(),
+        )
+        .expect("the workload guest");
         serde_json::from_str::<CreateRequest>(json)
             .expect("parses")
             .check(&templates)

@@ -125,7 +125,7 @@ pub struct Limits {
     /// no network).
     pub net: vmm::net::NetOptions,
     /// The read-only image the sandboxes' `read` commands read (`--sandbox-image`).
-    pub image: Option<std::path::PathBuf>,
+    pub image: Option<vmm::image::ImageOptions>,
 }
 
 /// How often a create waiting for room looks at the budget again.

@@ -32,7 +32,7 @@ pub struct Plan {
     pub memory: u64,
     /// The snapshot it is restored from, into its own RAM (`None`: the workload guest,
     /// started afresh).
-    pub restore: Option<PathBuf>,
+    pub restore: Option<crate::templates::SnapshotAt>,
     /// Its RAM is marked mergeable for KSM (`--vm-ram-dedup`), so that the pages sandboxes of
     /// one snapshot restored alike and have not written are kept once, copy-on-write.
     pub dedup: bool,
@@ -43,8 +43,9 @@ pub struct Plan {
     pub cgroup: PathBuf,
     /// Its downloads: the origins allowed (none: no network).
     pub net: vmm::net::NetOptions,
-    /// Its read-only image (a directory with `image.json`), if any.
-    pub image: Option<PathBuf>,
+    /// Its read-only image (a directory, a bucket's prefix or an HTTP root with
+    /// `image.json`) and where its files are staged, if any.
+    pub image: Option<vmm::image::ImageOptions>,
 }
 
 /// Starts the VM of sandbox `id` by `plan` (its files in the job directory `id` of the
@@ -57,14 +58,15 @@ pub fn start(id: &str, plan: &Plan) -> Result<VmRef, VmError> {
     // Anonymous RAM its pager loads from the snapshot as the guest touches it (the kind
     // `Spec::in_job_dir` gives), never the snapshot's image mapped: the governor limits and
     // takes back what the pager serves, and no sandbox sees another's writes.
-    spec.options.restore = plan.restore.clone();
+    match plan.restore.clone() {
+        Some(crate::templates::SnapshotAt::Dir(dir)) => spec.options.restore = Some(dir),
+        Some(crate::templates::SnapshotAt::Remote(remote)) => {
+            spec.options.restore_remote = Some(*remote);
+        }
+        None => {}
+    }
     spec.options.net = plan.net.clone();
-    // The files it reads are staged in its own job directory, removed with it.
-    spec.options.image = plan.image.clone().map(|dir| vmm::image::ImageOptions {
-        at: vmm::image::ImageLocation::Dir(dir),
-        staging: vmm::runtime::job_dir(id).join("image"),
-        rate: None,
-    });
+    spec.options.image = plan.image.clone();
     if plan.dedup {
         spec.options.dedup = Some(vmm::dedup::DedupOptions::default());
     }

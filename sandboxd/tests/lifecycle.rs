@@ -805,6 +805,42 @@ fn daemon_refuses_requests_past_its_rate_and_serves_again_after() {
     assert!(counted >= limited.len() as f64, "{metrics}");
 }
 
+/// A sandbox of the workload guest that idles, ready: its id.
+fn idle_sandbox(daemon: &Daemon) -> String {
+    let created = daemon.api(
+        "POST",
+        "/v1/sandboxes",
+        Some(r#"{"image":{"uri":"pvisor:workload"},"timeout":600,"resourceLimits":{},"entrypoint":["idle"]}"#),
+    );
+    assert_eq!(created.status, 202, "{}", created.text());
+    let id = created.json()["id"].as_str().unwrap().to_owned();
+    daemon.wait_ready(&id);
+    id
+}
+
+/// An image of one file, `lib/a.so` of `len` bytes, indexed under `dir/image`: its root and
+/// the file's bytes.
+fn one_file_image(dir: &std::path::Path, len: u32) -> (std::path::PathBuf, Vec<u8>) {
+    let root = dir.join("image");
+    std::fs::create_dir_all(root.join("lib")).unwrap();
+    let lib: Vec<u8> = (0..len).map(|i| (i % 239) as u8).collect();
+    std::fs::write(root.join("lib/a.so"), &lib).unwrap();
+    vmm::image::index(&root).unwrap();
+    (root, lib)
+}
+
+/// Sandbox `id` reads `lib/a.so` twice (its length checked) and digests it: `lib` each time.
+fn read_twice(daemon: &Daemon, id: &str, lib: &[u8]) {
+    let script = format!("read lib/a.so bytes={}; read lib/a.so; digest", lib.len());
+    let events = daemon.command(id, &script);
+    let (stdout, code) = outcome(&events);
+    assert_eq!(code, 0, "{events:?}");
+    let digest = vmm::guest::digest_hex(lib);
+    for line in &stdout {
+        assert_eq!(line["digest"], digest.as_str(), "{stdout:?}");
+    }
+}
+
 #[test]
 fn sandbox_downloads_from_the_origins_the_daemon_allows_only() {
     if skip() {
@@ -814,14 +850,7 @@ fn sandbox_downloads_from_the_origins_the_daemon_allows_only() {
     let body: Vec<u8> = (0..200_000u32).map(|i| (i % 241) as u8).collect();
     let url = testkit::http::serve_body(body.clone(), None);
     let daemon = Daemon::start(&["--sandbox-net-allow", &url]);
-    let created = daemon.api(
-        "POST",
-        "/v1/sandboxes",
-        Some(r#"{"image":{"uri":"pvisor:workload"},"timeout":600,"resourceLimits":{},"entrypoint":["idle"]}"#),
-    );
-    assert_eq!(created.status, 202, "{}", created.text());
-    let id = created.json()["id"].as_str().unwrap().to_owned();
-    daemon.wait_ready(&id);
+    let id = idle_sandbox(&daemon);
     let events = daemon.command(&id, &format!("download {url}/pkg.tar bytes=200000; digest"));
     let (stdout, code) = outcome(&events);
     assert_eq!(code, 0, "{events:?}");
@@ -848,29 +877,11 @@ fn sandbox_reads_files_of_the_daemons_image_fetched_on_first_read() {
     if skip() {
         return;
     }
-    // An image of one file, indexed.
     let work = tempfile::tempdir().unwrap();
-    let root = work.path().join("image");
-    std::fs::create_dir_all(root.join("lib")).unwrap();
-    let lib: Vec<u8> = (0..300_000u32).map(|i| (i % 233) as u8).collect();
-    std::fs::write(root.join("lib/a.so"), &lib).unwrap();
-    vmm::image::index(&root).unwrap();
+    let (root, lib) = one_file_image(work.path(), 300_000);
     let daemon = Daemon::start(&["--sandbox-image", root.to_str().unwrap()]);
-    let created = daemon.api(
-        "POST",
-        "/v1/sandboxes",
-        Some(r#"{"image":{"uri":"pvisor:workload"},"timeout":600,"resourceLimits":{},"entrypoint":["idle"]}"#),
-    );
-    assert_eq!(created.status, 202, "{}", created.text());
-    let id = created.json()["id"].as_str().unwrap().to_owned();
-    daemon.wait_ready(&id);
-    let events = daemon.command(&id, "read lib/a.so bytes=300000; read lib/a.so; digest");
-    let (stdout, code) = outcome(&events);
-    assert_eq!(code, 0, "{events:?}");
-    let digest = vmm::guest::digest_hex(&lib);
-    for line in &stdout {
-        assert_eq!(line["digest"], digest.as_str(), "{stdout:?}");
-    }
+    let id = idle_sandbox(&daemon);
+    read_twice(&daemon, &id, &lib);
     // Not in the image: the command fails with the reason.
     let events = daemon.command(&id, "read lib/b.so");
     let (_, code) = outcome(&events);
@@ -879,4 +890,68 @@ fn sandbox_reads_files_of_the_daemons_image_fetched_on_first_read() {
         stderr_of(&events).contains("not in the image"),
         "{events:?}"
     );
+}
+
+#[test]
+fn sandbox_reads_files_of_an_image_in_an_object_store() {
+    if skip() {
+        return;
+    }
+    // An image of one file, put in a bucket of a real S3 server.
+    let work = tempfile::tempdir().unwrap();
+    let (root, lib) = one_file_image(work.path(), 400_000);
+    let server = testkit::s3::S3Server::start();
+    server.create_bucket("images");
+    for name in ["image.json", "lib/a.so"] {
+        let object = server.object_path("images", &format!("base/{name}"));
+        std::fs::create_dir_all(object.parent().unwrap()).unwrap();
+        std::fs::copy(root.join(name), object).unwrap();
+    }
+    let endpoint = server.endpoint();
+    // A prefix with no image there: the daemon refuses to start, and says why.
+    let state = work.path().join("state");
+    let out = Command::new(common::binary())
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--no-auth",
+            "--memory-budget",
+            "1GiB",
+        ])
+        .args([
+            "--sandbox-image",
+            "s3://images/other",
+            "--s3-endpoint",
+            &endpoint,
+        ])
+        .arg("--state")
+        .arg(&state)
+        .envs(server.env())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("no manifest"),
+        "{stderr}"
+    );
+    let flags = [
+        "--sandbox-image",
+        "s3://images/base",
+        "--s3-endpoint",
+        endpoint.as_str(),
+    ];
+    let daemon = Daemon::start_env(&flags, &server.env());
+    let id = idle_sandbox(&daemon);
+    read_twice(&daemon, &id, &lib);
+    let digest = vmm::guest::digest_hex(&lib);
+    // A second sandbox reads it from the daemon's staging: the bucket served it once.
+    let other = idle_sandbox(&daemon);
+    let events = daemon.command(&other, "read lib/a.so; digest");
+    let (stdout, code) = outcome(&events);
+    assert_eq!(
+        (code, stdout[0]["digest"].as_str()),
+        (0, Some(digest.as_str()))
+    );
+    let served = server.bytes_out();
+    assert!(served < 2 * lib.len() as u64, "{served} bytes served");
 }

@@ -1,4 +1,4 @@
-//! Snapshot templates (`--template NAME=DIR`): sandboxes restored from a snapshot made with
+//! Snapshot templates (`--template NAME=DIR|s3://BUCKET/PREFIX`): sandboxes restored from a snapshot made with
 //! `pvisor snapshot`, each into its own RAM, with real VMs (/dev/kvm, /dev/userfaultfd).
 
 // Test code: a failed setup step should stop the test on the spot.
@@ -80,6 +80,14 @@ fn sandboxes_of_a_snapshot_template_start_from_its_state_and_keep_their_writes_a
 
 /// A snapshot of a 64 MiB VM that filled 24 MiB, in `dir`; with the digest of its data.
 fn template_snapshot(dir: &std::path::Path) -> (std::path::PathBuf, String) {
+    template_snapshot_kept(dir, None)
+}
+
+/// The same, its RAM kept as `store` says (`None`: raw).
+fn template_snapshot_kept(
+    dir: &std::path::Path,
+    store: Option<vmm::snapshot::RamStore>,
+) -> (std::path::PathBuf, String) {
     let snap = dir.join("base");
     let mut vm = Vm::start(VmOptions {
         io_threads: 1,
@@ -89,8 +97,83 @@ fn template_snapshot(dir: &std::path::Path) -> (std::path::PathBuf, String) {
     let out = vm
         .exec(&script::parse("fill 24MiB random seed=21; digest").unwrap())
         .unwrap();
-    vm.snapshot(&snap, None).unwrap();
+    vm.snapshot(&snap, store).unwrap();
     (snap, out[1].digest.clone().unwrap())
+}
+
+#[test]
+fn sandboxes_of_a_template_in_an_object_store_start_from_its_state() {
+    if skip() {
+        return;
+    }
+    // The template: the snapshot kept in a store (lz4) and uploaded to a real S3 server.
+    let snaps = tempfile::tempdir().unwrap();
+    let (snap, filled) = template_snapshot_kept(
+        snaps.path(),
+        Some(vmm::snapshot::RamStore::new(
+            compressed_backing::CodecConfig::new(compressed_backing::Codec::Lz4),
+        )),
+    );
+    let server = testkit::s3::S3Server::start();
+    server.create_bucket("snaps");
+    let endpoint = server.endpoint();
+    let mut options = compressed_backing::remote::RemoteOptions::new();
+    options.endpoint = Some(endpoint.clone());
+    options.credentials = Some((
+        testkit::s3::ACCESS_KEY.to_owned(),
+        testkit::s3::SECRET_KEY.to_owned(),
+    ));
+    options.cache_dir = snaps.path().join("cache");
+    let url = compressed_backing::remote::RemoteUrl::parse("s3://snaps/base").unwrap();
+    let remote = compressed_backing::remote::Remote::connect(&url, &options).unwrap();
+    vmm::snapshot::upload(&snap, &remote, None, &|_| {}).unwrap();
+    std::fs::remove_dir_all(&snap).unwrap();
+    // Two sandboxes start from the snapshot's data, each in its own RAM.
+    let daemon = Daemon::start_env(
+        &[
+            "--template",
+            "base=s3://snaps/base",
+            "--s3-endpoint",
+            &endpoint,
+        ],
+        &server.env(),
+    );
+    let a = create(&daemon, r#""image":{"uri":"base"}"#);
+    let b = create(&daemon, r#""snapshotId":"base""#);
+    for id in [&a, &b] {
+        daemon.wait_ready(id);
+        assert_eq!(digest(&daemon, id, "digest"), filled);
+    }
+    let written = digest(&daemon, &a, "rewrite 50 seed=3; digest");
+    assert_ne!(written, filled);
+    assert_eq!(digest(&daemon, &b, "digest"), filled);
+    drop(daemon);
+    // A prefix that holds no snapshot stops the daemon with the template's name.
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(binary())
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--no-auth",
+            "--memory-budget",
+            "1GiB",
+        ])
+        .args([
+            "--template",
+            "gone=s3://snaps/none",
+            "--s3-endpoint",
+            &endpoint,
+        ])
+        .arg("--state")
+        .arg(dir.path().join("state"))
+        .envs(server.env())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("template `gone`"),
+        "{stderr}"
+    );
 }
 
 /// KSM's global knobs that VMs tune: run, pages_to_scan, sleep_millisecs.
@@ -200,6 +283,11 @@ fn daemon_refuses_an_image_without_a_manifest_and_a_bad_origin() {
     let image = empty.to_str().unwrap().to_owned();
     for (flag, value, says) in [
         ("--sandbox-image", image.as_str(), "image.json"),
+        (
+            "--sandbox-image",
+            "ftp://mirror/image",
+            "expected a directory, s3://",
+        ),
         (
             "--sandbox-net-allow",
             "https://mirror:443",

@@ -1,8 +1,8 @@
 //! A small HTTP/1.1 client for the tests and benches that drive a real server on loopback
 //! (`pvisor-sandboxd`): one request per connection (`Connection: close`), the whole answer
 //! read and unframed (chunked or not), and, for a streamed answer, when a given piece of it
-//! first arrived (a command's first output); and a tiny origin server for the tests whose
-//! VMs download ([`serve_body`], [`read_head`]).
+//! first arrived (a command's first output); and tiny origin servers for the tests whose
+//! VMs download or read an image ([`serve_body`], [`serve_dir`], [`read_head`]).
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -265,6 +265,63 @@ pub fn serve_body(body: Vec<u8>, pause: Option<(usize, Duration)>) -> String {
         }
     });
     url
+}
+
+/// An HTTP/1.1 file server on a thread of its own for the files under `root`, one request at a
+/// time: `GET /PATH` (`%XX` escapes decoded) answers the regular file at `root/PATH`, anything
+/// else 404. Its `http://127.0.0.1:PORT` and the count of files it has served.
+pub fn serve_dir(
+    root: std::path::PathBuf,
+) -> (String, std::sync::Arc<std::sync::atomic::AtomicU64>) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a loopback port");
+    let url = format!("http://{}", listener.local_addr().expect("bound"));
+    let served = std::sync::Arc::new(AtomicU64::new(0));
+    let counter = std::sync::Arc::clone(&served);
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let path = percent_decoded(&read_head(&stream));
+            let plain = path.split('/').skip(1).all(|c| !c.is_empty() && c != "..");
+            let body = path
+                .strip_prefix('/')
+                .filter(|_| plain)
+                .and_then(|p| std::fs::read(root.join(p)).ok());
+            let Some(body) = body else {
+                let _ = stream.write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n");
+                continue;
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+            let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len());
+            let _ = stream.write_all(head.as_bytes());
+            let _ = stream.write_all(&body);
+        }
+    });
+    (url, served)
+}
+
+/// `path` with its `%XX` escapes decoded (bytes that are not UTF-8 replaced).
+fn percent_decoded(path: &str) -> String {
+    let bytes = path.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (bytes[i], hex) {
+            (b'%', Some(b)) => {
+                out.push(b);
+                i += 3;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 #[cfg(test)]

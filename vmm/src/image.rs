@@ -1,8 +1,9 @@
 //! Lazy images (issue 38, the seed's third wait): a read-only file tree for the guest
-//! (`--vm-image DIR|s3://BUCKET/PREFIX`), whose files are fetched from their origin on the
-//! first read, checked against the image's manifest and staged on the host; later reads of
-//! the same file are served from the staging. The guest's `read PATH` waits on the fetch like
-//! a download waits on its next chunk (`vmm::net`'s channel, kind READ): the host fetches,
+//! (`--vm-image DIR|s3://BUCKET/PREFIX|http://HOST[:PORT]/PATH`), whose files are fetched
+//! from their origin on the first read, checked against the image's manifest and staged on the
+//! host (in the VM's runtime directory, or one shared by the VMs of the image); later reads of
+//! the same file are served from the staging. The guest's `read PATH` waits on the fetch like a
+//! download waits on its next chunk (`vmm::net`'s channel, kind READ): the host fetches,
 //! verifies and stages while the VM sleeps (paused, offloaded), resumes it, and only then
 //! writes the reply into its RAM (the seed's RAM gate).
 //!
@@ -27,6 +28,8 @@ pub const VERSION: u32 = 1;
 pub const MANIFEST_LIMIT: u64 = 16 << 20;
 /// Longest path of a file in an image, bytes.
 pub const PATH_MAX: usize = 1024;
+/// How long an HTTP origin may send nothing before its fetch is given up.
+const HTTP_STALL: Duration = Duration::from_secs(30);
 
 /// One file of an image.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -232,6 +235,96 @@ pub enum ImageLocation {
     Dir(PathBuf),
     /// A prefix of an object store.
     Remote(crate::vm::RemoteSnapshot),
+    /// A plain-HTTP origin: the URL of the image's root (`http://HOST[:PORT][/PATH]`), each
+    /// file fetched with one GET of the root's URL, `/`, its path.
+    Http(String),
+}
+
+impl ImageLocation {
+    /// `DIR`, `s3://BUCKET/PREFIX` or `http://HOST[:PORT][/PATH]`, as a user writes it; a
+    /// directory is made absolute.
+    pub fn parse(
+        text: &str,
+        remote: &compressed_backing::remote::RemoteOptions,
+    ) -> Result<Self, String> {
+        use compressed_backing::remote::StoreLocation;
+        if text
+            .get(..7)
+            .is_some_and(|p| p.eq_ignore_ascii_case("http://"))
+        {
+            let root = crate::net::Target::parse(text)?;
+            if text.contains('?') {
+                return Err(format!(
+                    "image origin `{text}`: no query, the URL of a root"
+                ));
+            }
+            return Ok(Self::Http(format!(
+                "http://{}{}",
+                root.authority(),
+                root.path()
+            )));
+        }
+        let scheme = text.split_once("://").map(|(scheme, _)| scheme);
+        if scheme.is_some_and(|s| !s.is_empty() && !s.eq_ignore_ascii_case("s3")) {
+            return Err(format!(
+                "image `{text}`: expected a directory, s3://BUCKET/PREFIX or \
+                 http://HOST[:PORT]/PATH"
+            ));
+        }
+        Ok(
+            match StoreLocation::parse(text).map_err(|e| e.to_string())? {
+                StoreLocation::Local(dir) => {
+                    Self::Dir(std::path::absolute(dir).map_err(|e| format!("{text}: {e}"))?)
+                }
+                StoreLocation::Remote(url) => {
+                    Self::Remote(crate::vm::RemoteSnapshot::new(&url, remote, None))
+                }
+            },
+        )
+    }
+
+    /// Reads and checks the manifest of the image here: what a starter checks before any VM
+    /// is to read it.
+    pub fn manifest(&self) -> Result<Manifest, ImageError> {
+        reach(self).map(|(_, manifest)| manifest)
+    }
+}
+
+/// The origin of the image at `location`, and its manifest read from there and checked.
+fn reach(location: &ImageLocation) -> Result<(Origin, Manifest), ImageError> {
+    let (origin, text, at) = match location {
+        ImageLocation::Dir(dir) => {
+            let at = dir.join(MANIFEST);
+            let text = file::read_bounded(&at, MANIFEST_LIMIT)?;
+            (Origin::Dir(dir.clone()), text, at.display().to_string())
+        }
+        ImageLocation::Remote(remote) => {
+            let remote = remote.remote().map_err(|e| ImageError::Manifest {
+                at: remote.url.clone(),
+                reason: basics::error_chain(&e),
+            })?;
+            let at = format!("{}/{MANIFEST}", remote.url());
+            let text = remote
+                .get_bounded(MANIFEST, MANIFEST_LIMIT)?
+                .ok_or_else(|| ImageError::Manifest {
+                    at: at.clone(),
+                    reason: "there is no image there (no manifest)".into(),
+                })?;
+            (Origin::Remote(Box::new(remote)), text, at)
+        }
+        ImageLocation::Http(root) => {
+            let root = root.trim_end_matches('/').to_owned();
+            let at = http_url(&root, MANIFEST);
+            let bad = |reason: String| ImageError::Manifest {
+                at: at.clone(),
+                reason,
+            };
+            let text = http_get(&at, MANIFEST_LIMIT).map_err(bad)?;
+            (Origin::Http(root), text, at.clone())
+        }
+    };
+    let manifest = Manifest::parse(&text, &at)?;
+    Ok((origin, manifest))
 }
 
 /// How a VM's image is served (`--vm-image*`).
@@ -250,6 +343,39 @@ pub struct ImageOptions {
 enum Origin {
     Dir(PathBuf),
     Remote(Box<compressed_backing::remote::Remote>),
+    /// The root's URL, without a trailing `/`.
+    Http(String),
+}
+
+/// `root`/`path` as a URL, the path's bytes other than letters, digits, `/-._~` escaped.
+fn http_url(root: &str, path: &str) -> String {
+    let mut url = String::with_capacity(root.len() + 1 + path.len());
+    url.push_str(root);
+    url.push('/');
+    for &b in path.as_bytes() {
+        if b.is_ascii_alphanumeric() || b"/-._~".contains(&b) {
+            url.push(char::from(b));
+        } else {
+            url.push_str(&format!("%{b:02X}"));
+        }
+    }
+    url
+}
+
+/// The body of `GET url`, at most `limit` bytes, blocking: on the calling thread's runtime if
+/// it runs in one (a gateway's blocking task), else on one of its own.
+fn http_get(url: &str, limit: u64) -> Result<Vec<u8>, String> {
+    let target = crate::net::Target::parse(url)?;
+    let fetch = async move { crate::gateway::get_whole(&target, limit, HTTP_STALL).await };
+    let got = match tokio::runtime::Handle::try_current() {
+        Ok(handle) => handle.block_on(fetch),
+        Err(_) => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| format!("cannot start a runtime for GET {url}: {e}"))?
+            .block_on(fetch),
+    };
+    got.map_err(|failure| failure.message)
 }
 
 /// An open image: its manifest and its origin.
@@ -285,33 +411,22 @@ impl Image {
     /// Opens the image `options` describe: reads its manifest and creates the staging
     /// directory (private).
     pub fn open(options: &ImageOptions) -> Result<Self, ImageError> {
-        let (origin, text, at) = match &options.at {
-            ImageLocation::Dir(dir) => {
-                let at = dir.join(MANIFEST);
-                let text = file::read_bounded(&at, MANIFEST_LIMIT)?;
-                (Origin::Dir(dir.clone()), text, at.display().to_string())
-            }
-            ImageLocation::Remote(remote) => {
-                let remote = remote.remote().map_err(|e| ImageError::Manifest {
-                    at: remote.url.clone(),
-                    reason: basics::error_chain(&e),
-                })?;
-                let at = format!("{}/{MANIFEST}", remote.url());
-                let text = remote
-                    .get_bounded(MANIFEST, MANIFEST_LIMIT)?
-                    .ok_or_else(|| ImageError::Manifest {
-                        at: at.clone(),
-                        reason: "there is no image there (no manifest)".into(),
-                    })?;
-                (Origin::Remote(Box::new(remote)), text, at)
-            }
-        };
-        let manifest = Manifest::parse(&text, &at)?;
-        file::create_private_dir(&options.staging).map_err(|source| ImageError::Io {
-            what: "create the staging directory",
-            path: options.staging.clone(),
-            source,
-        })?;
+        let (origin, manifest) = reach(&options.at)?;
+        // Perhaps shared by the VMs of the image (`--vm-image-staging`): ours alone to write.
+        file::create_private_dir(&options.staging)
+            .and_then(|()| crate::runtime::not_private(&options.staging))
+            .and_then(|why| match why {
+                None => Ok(()),
+                Some(why) => Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    why,
+                )),
+            })
+            .map_err(|source| ImageError::Io {
+                what: "use the staging directory",
+                path: options.staging.clone(),
+                source,
+            })?;
         Ok(Self {
             origin,
             files: manifest
@@ -372,6 +487,9 @@ impl Image {
                 .get_bounded(&entry.path, entry.bytes)
                 .map_err(|e| format!("`{path}`: {}", basics::error_chain(&e)))?
                 .ok_or_else(|| format!("`{path}` is listed but missing at the origin"))?,
+            // One byte more than the manifest's tells a longer file.
+            Origin::Http(root) => http_get(&http_url(root, &entry.path), entry.bytes + 1)
+                .map_err(|e| format!("`{path}`: {e}"))?,
         };
         if let Some(rate) = self.rate {
             // The modelled origin delivers at its rate: the rest of the time it would take.
@@ -438,6 +556,35 @@ impl Image {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn image_locations_are_told_apart_and_paths_escaped_in_urls() {
+        let remote = compressed_backing::remote::RemoteOptions::new();
+        let parse = |text: &str| ImageLocation::parse(text, &remote);
+        assert!(matches!(parse("/srv/image"), Ok(ImageLocation::Dir(_))));
+        assert!(matches!(
+            parse("s3://images/base"),
+            Ok(ImageLocation::Remote(_))
+        ));
+        match parse("HTTP://Mirror:8080/images/base") {
+            Ok(ImageLocation::Http(root)) => assert_eq!(root, "http://mirror:8080/images/base"),
+            other => panic!("{other:?}"),
+        }
+        for bad in [
+            "ftp://mirror/image",
+            "https://mirror/image",
+            "http://mirror/image?x=1",
+            "http://mir ror/image",
+            "ht\u{e9}tp://x",
+            "h\u{e9}://x",
+        ] {
+            assert!(parse(bad).is_err(), "{bad}");
+        }
+        assert_eq!(
+            http_url("http://h:80/root", "etc/a b%+c.so"),
+            "http://h:80/root/etc/a%20b%25%2Bc.so"
+        );
+    }
 
     #[test]
     fn paths_are_plain_relative_names() {

@@ -341,6 +341,21 @@ pub fn ensure_runtime_dir() -> std::io::Result<PathBuf> {
 
 /// Refuses `dir` unless it is a real directory of ours that only we can write.
 fn check_private_dir(dir: &Path) -> std::io::Result<()> {
+    match not_private(dir)? {
+        None => Ok(()),
+        Some(why) => Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "runtime directory {} is not safe to use: {why}; remove it or point \
+                 PVISOR_RUNTIME_DIR at a private directory",
+                dir.display()
+            ),
+        )),
+    }
+}
+
+/// Why `dir` is not a real directory of ours that only we can write (`None`: it is one).
+pub(crate) fn not_private(dir: &Path) -> std::io::Result<Option<String>> {
     use std::os::unix::fs::MetadataExt;
     let meta = std::fs::symlink_metadata(dir)?;
     // SAFETY: geteuid cannot fail.
@@ -359,17 +374,7 @@ fn check_private_dir(dir: &Path) -> std::io::Result<()> {
     } else {
         None
     };
-    match why {
-        None => Ok(()),
-        Some(why) => Err(std::io::Error::new(
-            std::io::ErrorKind::PermissionDenied,
-            format!(
-                "runtime directory {} is not safe to use: {why}; remove it or point \
-                 PVISOR_RUNTIME_DIR at a private directory",
-                dir.display()
-            ),
-        )),
-    }
+    Ok(why)
 }
 
 /// The directory of `job`.

@@ -372,6 +372,14 @@ fn cli_bad_input_gets_clear_messages() {
             &["--vm-net-allow `https://mirror:443`", "only plain http://"],
         ),
         (
+            &["run", "--vm-image-staging", "/tmp/x", "--", "idle"],
+            &["--vm-image-staging needs --vm-image"],
+        ),
+        (
+            &["run", "--vm-image", "ftp://mirror/image", "--", "idle"],
+            &["--vm-image", "expected a directory, s3://"],
+        ),
+        (
             &[
                 "run",
                 "--vm-net-allow",

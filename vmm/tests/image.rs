@@ -159,3 +159,107 @@ fn image_reads_that_cannot_be_served_end_the_command_and_the_vm_goes_on() {
     let why = fails(&mut bare, "read lib/a.so");
     assert!(why.contains("has no image"), "{why}");
 }
+
+#[test]
+fn image_from_an_http_origin_is_fetched_once_checked_and_staged() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("served/base");
+    std::fs::create_dir_all(root.join("etc")).unwrap();
+    std::fs::write(root.join("etc/a%20b+c"), pattern(70_000, 4)).unwrap();
+    std::fs::write(root.join("etc/plain"), pattern(3000, 5)).unwrap();
+    vmm::image::index(&root).unwrap();
+    let (origin, served) = testkit::http::serve_dir(dir.path().join("served"));
+    let at = |url: String| {
+        ImageLocation::parse(&url, &compressed_backing::remote::RemoteOptions::new()).unwrap()
+    };
+    let options = |url: String| VmOptions {
+        io_threads: 1,
+        image: Some(ImageOptions {
+            at: at(url),
+            staging: dir.path().join("staging"),
+            rate: None,
+        }),
+        ..VmOptions::new(
+            16 << 20,
+            RamKind::Anon,
+            dir.path().join("disk"),
+            dir.path().join("ram"),
+        )
+    };
+    // No image at that root: the VM does not start, and says where it looked.
+    let err = Vm::start(options(format!("{origin}/elsewhere"))).unwrap_err();
+    let why = basics::error_chain(&err);
+    assert!(
+        why.contains("/elsewhere/image.json") && why.contains("404"),
+        "{why}"
+    );
+    let mut vm = Vm::start(options(format!("{origin}/base/"))).unwrap();
+    // A name that must be escaped in a URL, read twice: one trip to the origin.
+    let out = vm
+        .exec(&script::parse("read etc/a%20b+c bytes=70000; read etc/a%20b+c").unwrap())
+        .unwrap();
+    let expected = digest(70_000, 4);
+    assert_eq!(out[0].digest.as_deref(), Some(expected.as_str()));
+    assert_eq!(out[1].digest.as_deref(), Some(expected.as_str()));
+    let before = served.load(std::sync::atomic::Ordering::Relaxed);
+    // Changed at the origin: never handed over; the VM goes on.
+    std::fs::write(root.join("etc/plain"), pattern(3000, 6)).unwrap();
+    let err = vm
+        .exec(&script::parse("read etc/plain").unwrap())
+        .unwrap_err();
+    let why = basics::error_chain(&err);
+    assert!(why.contains("errno 5") && why.contains("differs"), "{why}");
+    // Longer at the origin than the manifest says: refused too.
+    std::fs::write(root.join("etc/plain"), pattern(3001, 5)).unwrap();
+    let err = vm
+        .exec(&script::parse("read etc/plain").unwrap())
+        .unwrap_err();
+    assert!(basics::error_chain(&err).contains("errno 5"), "{err}");
+    assert_eq!(
+        served.load(std::sync::atomic::Ordering::Relaxed),
+        before + 2
+    );
+    let io = vm.stats().io.unwrap();
+    assert_eq!((io.reads, io.staged_reads, io.failed), (4, 1, 2), "{io:?}");
+    // A second VM given the same staging reads what the first fetched, from there.
+    let second = tempfile::tempdir().unwrap();
+    let mut other = Vm::start(VmOptions {
+        disk: second.path().join("disk"),
+        store_dir: second.path().join("ram"),
+        ..options(format!("{origin}/base"))
+    })
+    .unwrap();
+    let out = other
+        .exec(&script::parse("read etc/a%20b+c").unwrap())
+        .unwrap();
+    assert_eq!(out[0].digest.as_deref(), Some(expected.as_str()));
+    assert_eq!(other.stats().io.unwrap().staged_reads, 1);
+    // It fetched the manifest, and no file.
+    assert_eq!(
+        served.load(std::sync::atomic::Ordering::Relaxed),
+        before + 3
+    );
+    // A staging directory others may write is refused.
+    let open = dir.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let err = Vm::start(VmOptions {
+        image: Some(ImageOptions {
+            at: at(format!("{origin}/base")),
+            staging: open,
+            rate: None,
+        }),
+        ..VmOptions::new(
+            16 << 20,
+            RamKind::Anon,
+            second.path().join("d2"),
+            second.path().join("r2"),
+        )
+    })
+    .unwrap_err();
+    let why = basics::error_chain(&err);
+    assert!(why.contains("writable by group or others"), "{why}");
+}

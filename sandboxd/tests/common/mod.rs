@@ -33,20 +33,25 @@ pub struct Daemon {
     pub dir: tempfile::TempDir,
     pub addr: String,
     args: Vec<String>,
+    /// The daemon's environment beyond the test's.
+    env: Vec<(String, String)>,
     child: Child,
     /// The child was waited for (its pid may be another process's now).
     ended: bool,
 }
 
 /// Starts the daemon with `args`; it and its address once it says it listens.
-fn spawn(dir: &Path, args: &[String]) -> (Child, String) {
+fn spawn(dir: &Path, args: &[String], env: &[(String, String)]) -> (Child, String) {
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(dir.join("daemon.log"))
         .unwrap();
     testkit::http::spawn_listening(
-        Command::new(binary()).args(args).stderr(log),
+        Command::new(binary())
+            .args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .stderr(log),
         &dir.join("daemon.log"),
     )
     .unwrap_or_else(|why| panic!("{why}"))
@@ -55,6 +60,15 @@ fn spawn(dir: &Path, args: &[String]) -> (Child, String) {
 impl Daemon {
     /// Starts the daemon with an API key and a 4 GiB budget, plus `extra` arguments.
     pub fn start(extra: &[&str]) -> Daemon {
+        Self::start_env(extra, &[])
+    }
+
+    /// The same, with `env` set in the daemon's environment (and so its VMs').
+    pub fn start_env(extra: &[&str], env: &[(&str, &str)]) -> Daemon {
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
         let dir = tempfile::tempdir().unwrap();
         let key = dir.path().join("key");
         std::fs::write(&key, format!("{KEY}\n")).unwrap();
@@ -70,11 +84,12 @@ impl Daemon {
             key.display().to_string(),
         ];
         args.extend(extra.iter().map(|s| (*s).to_owned()));
-        let (child, addr) = spawn(dir.path(), &args);
+        let (child, addr) = spawn(dir.path(), &args, &env);
         Daemon {
             dir,
             addr,
             args,
+            env,
             child,
             ended: false,
         }
@@ -97,7 +112,7 @@ impl Daemon {
     /// Starts the killed daemon again on the same state directory (on a new port).
     pub fn respawn(&mut self) {
         assert!(self.ended, "the daemon runs");
-        let (child, addr) = spawn(self.dir.path(), &self.args);
+        let (child, addr) = spawn(self.dir.path(), &self.args, &self.env);
         self.child = child;
         self.addr = addr;
         self.ended = false;

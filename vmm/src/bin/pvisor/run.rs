@@ -54,10 +54,10 @@ pub fn run(args: RunArgs) -> CliResult {
             image: resolved
                 .image
                 .clone()
-                .map(|(at, rate)| vmm::image::ImageOptions {
-                    at,
-                    staging: dir.join("image"),
-                    rate,
+                .map(|image| vmm::image::ImageOptions {
+                    at: image.at,
+                    staging: image.staging.unwrap_or_else(|| dir.join("image")),
+                    rate: image.rate,
                 }),
             wait: resolved.wait,
             governor: resolved

@@ -150,16 +150,26 @@ pub struct RunArgs {
     /// A download not over after MS ends with an error, however it trickles (3600000).
     #[arg(long = "vm-net-timeout-ms", value_name = "MS")]
     pub net_timeout_ms: Option<u64>,
-    /// A read-only file tree for the guest's `read PATH` commands: a directory, or
-    /// s3://BUCKET/PREFIX (the S3 options below), holding `image.json` (`pvisor image-index
-    /// DIR` writes it). A file is fetched from there on its first read, checked against the
-    /// manifest and staged in the VM's runtime directory for later reads.
-    #[arg(long = "vm-image", value_name = "DIR|s3://BUCKET/PREFIX")]
+    /// A read-only file tree for the guest's `read PATH` commands: a directory,
+    /// s3://BUCKET/PREFIX (the S3 options below) or the root URL of a plain-HTTP server
+    /// (http://HOST[:PORT]/PATH: a GET of ROOT/FILE per file), holding `image.json` (`pvisor
+    /// image-index DIR` writes it). A file is fetched from there on its first read, checked
+    /// against the manifest and staged in the VM's runtime directory for later reads.
+    #[arg(
+        long = "vm-image",
+        value_name = "DIR|s3://BUCKET/PREFIX|http://HOST[:PORT]/PATH"
+    )]
     pub image: Option<String>,
     /// Hold the image's origin to this rate, bytes a second (e.g. 40MiB): a slow origin
     /// modelled on a fast one. Default: as fast as it serves.
     #[arg(long = "vm-image-rate", value_parser = parse_size, value_name = "SIZE")]
     pub image_rate: Option<u64>,
+    /// Stage the image's fetched files in DIR (created 0700; an existing one must be this
+    /// user's, writable by no one else) instead of the VM's runtime directory: VMs of one
+    /// image given one DIR fetch each file from the origin once between them. Files are named
+    /// by their digest and checked on every read; DIR holds at most the image's files.
+    #[arg(long = "vm-image-staging", value_name = "DIR")]
+    pub image_staging: Option<PathBuf>,
     /// While a `model` request is out, pause the VM after 20 ms and offload it after 50 ms
     /// (at most every 5 s, and only when the wait is expected to pay for it: see
     /// --vm-wait-break-even); load it back when the answer arrives. Needs --vm-model-upstream.
@@ -287,6 +297,7 @@ struct ConfigVm {
     net_timeout_ms: Option<u64>,
     image: Option<String>,
     image_rate: Option<String>,
+    image_staging: Option<PathBuf>,
     wait_management: Option<bool>,
     wait_strategy: Option<String>,
     wait_scale: Option<f64>,
@@ -336,8 +347,9 @@ pub struct Resolved {
     pub model_upstream: Option<String>,
     pub model_batching: vmm::gateway::Batching,
     pub net: vmm::net::NetOptions,
-    /// Where the image is and its origin's rate (the staging is the job's).
-    pub image: Option<(vmm::image::ImageLocation, Option<u64>)>,
+    /// Where the image is, its origin's rate and where its files are staged (`None`: the
+    /// job's directory).
+    pub image: Option<waits::ImageChoice>,
     pub wait: Option<vmm::wait::WaitPolicy>,
 }
 

@@ -108,31 +108,36 @@ pub(super) fn batching(
     Ok(batching)
 }
 
-/// The VM's image and its origin's rate, from the flags and the config file.
-pub(super) fn image(
-    args: &RunArgs,
-    config: &ConfigVm,
-) -> Result<Option<(vmm::image::ImageLocation, Option<u64>)>, String> {
+/// The VM's image as the flags and the config file give it.
+#[derive(Debug, Clone)]
+pub struct ImageChoice {
+    /// Where it is.
+    pub at: vmm::image::ImageLocation,
+    /// Its origin's rate, if held to one.
+    pub rate: Option<u64>,
+    /// Where its files are staged (`None`: the job's directory).
+    pub staging: Option<std::path::PathBuf>,
+}
+
+/// The VM's image, its origin's rate and its staging, from the flags and the config file.
+pub(super) fn image(args: &RunArgs, config: &ConfigVm) -> Result<Option<ImageChoice>, String> {
     Ok(match args.image.clone().or(config.image.clone()) {
+        None if args.image_staging.is_some() || config.image_staging.is_some() => {
+            return Err("--vm-image-staging needs --vm-image".into())
+        }
         None => None,
         Some(text) => {
-            let at = match compressed_backing::remote::StoreLocation::parse(&text)
-                .map_err(|e| format!("--vm-image: {e}"))?
-            {
-                compressed_backing::remote::StoreLocation::Local(dir) => {
-                    vmm::image::ImageLocation::Dir(
-                        std::path::absolute(dir).map_err(|e| format!("--vm-image: {e}"))?,
-                    )
-                }
-                compressed_backing::remote::StoreLocation::Remote(url) => {
-                    let options = args.remote.options()?;
-                    vmm::image::ImageLocation::Remote(vmm::vm::RemoteSnapshot::new(
-                        &url, &options, None,
-                    ))
-                }
-            };
+            let at = vmm::image::ImageLocation::parse(&text, &args.remote.options()?)
+                .map_err(|e| format!("--vm-image: {e}"))?;
             let rate = size(args.image_rate, &config.image_rate, "image-rate")?;
-            Some((at, rate))
+            let staging = args
+                .image_staging
+                .clone()
+                .or(config.image_staging.clone())
+                .map(std::path::absolute)
+                .transpose()
+                .map_err(|e| format!("--vm-image-staging: {e}"))?;
+            Some(ImageChoice { at, rate, staging })
         }
     })
 }
