@@ -9,7 +9,9 @@
 //!   `docs/bench/agent-waits-recorded.*` (about 4 minutes a run, 100 minutes for 5 rounds).
 //!   With `AGENT_BENCH_STEPS=N`, only the trajectory's first N steps (24: the density bench's
 //!   prefix, about a minute a run), reported as `docs/bench/agent-waits-prefix.*`.
-//!   `AGENT_BENCH_STRATEGIES=off,offload,offload-late` runs only those (off first).
+//!   `AGENT_BENCH_STRATEGIES=off,offload,offload-late` runs only those (off first); naming
+//!   `off-huge` or `offload-huge` (guest RAM in 2 MiB huge pages, which the bench has the
+//!   kernel lend while it runs) reports as `agent-waits-huge*` instead.
 //! - `AGENT_BENCH_WAITS=io`: the trajectory with downloads and image reads (issue 38,
 //!   `docs/trajectories/qutebrowser-667-io.json`), 16 VMs, off against offload managing model
 //!   waits only (`offload-model`) and all three sources (`offload`); regenerates
@@ -91,7 +93,14 @@ pub enum Strategy {
     /// Offload during model waits only; the VM just waits through downloads and image reads
     /// (`--vm-wait-sources model`).
     OffloadModel,
+    /// Off, guest RAM in 2 MiB huge pages (`--vm-ram-backing hugetlb`).
+    OffHuge,
+    /// Offload, guest RAM in 2 MiB huge pages.
+    OffloadHuge,
 }
+
+/// The `[vm]` config of the huge-page strategies.
+const HUGE: &str = "[vm]\nram-backing = \"hugetlb\"\n";
 
 impl Strategy {
     /// Every strategy, in the order of round 0; the first is the one the others are compared
@@ -113,6 +122,8 @@ impl Strategy {
             Strategy::OffloadLazy => "offload-lazy",
             Strategy::OffloadLate => "offload-late",
             Strategy::OffloadModel => "offload-model",
+            Strategy::OffHuge => "off-huge",
+            Strategy::OffloadHuge => "offload-huge",
         }
     }
 
@@ -122,6 +133,8 @@ impl Strategy {
             Strategy::OffloadLazy => ("offload", Some("[vm]\nwait-reload = \"lazy\"\n")),
             Strategy::OffloadLate => ("offload", Some("[vm]\nwait-warm = false\n")),
             Strategy::OffloadModel => ("offload", Some("[vm]\nwait-sources = \"model\"\n")),
+            Strategy::OffHuge => ("off", Some(HUGE)),
+            Strategy::OffloadHuge => ("offload", Some(HUGE)),
             other => (other.key(), None),
         }
     }
@@ -147,7 +160,16 @@ impl Strategy {
                  and image reads only waited through (as `pvisor replay --strategy offload \
                  --vm-config FILE` with `wait-sources = \"model\"`)"
             }
+            Strategy::OffHuge | Strategy::OffloadHuge => {
+                "as off or offload, with guest RAM in 2 MiB huge pages (`pvisor replay --strategy \
+                 off|offload --vm-config FILE` with `ram-backing = \"hugetlb\"`)"
+            }
         }
+    }
+
+    /// Whether its guest RAM is in huge pages.
+    pub fn huge(self) -> bool {
+        matches!(self, Strategy::OffHuge | Strategy::OffloadHuge)
     }
 
     /// Whether the issue's memory and window targets are judged on it.
@@ -325,6 +347,17 @@ fn settings(tmp: &Path, render: bool) -> Res<Result<Settings, String>> {
                     Strategy::OffloadLazy,
                 ]
             };
+            let strategies =
+                chosen_strategies(strategies, &[Strategy::OffHuge, Strategy::OffloadHuge])?;
+            // Huge pages are reported apart, so that the 4 KiB report stays.
+            let (stem, picks) = match (strategies.iter().any(|s| s.huge()), steps) {
+                (false, _) => (stem, picks),
+                (true, Some(_)) => ("agent-waits-huge-prefix", HUGE_PICKS),
+                (true, None) => (
+                    "agent-waits-huge",
+                    HUGE_PICKS.trim_end_matches("AGENT_BENCH_STEPS=24 "),
+                ),
+            };
             Settings {
                 runs,
                 write_docs: true,
@@ -332,7 +365,7 @@ fn settings(tmp: &Path, render: bool) -> Res<Result<Settings, String>> {
                 vms: vec![16],
                 // Pausing frees nothing (the scaled bench shows it): the time goes to the
                 // other ways of bringing RAM back instead.
-                strategies: chosen_strategies(strategies)?,
+                strategies,
                 memory: "512MiB",
                 sample_ms: 100,
                 replayed,
@@ -351,12 +384,18 @@ fn settings(tmp: &Path, render: bool) -> Res<Result<Settings, String>> {
     }))
 }
 
+/// The variables that pick a huge-page report.
+const HUGE_PICKS: &str = "AGENT_BENCH_WAITS=recorded \
+                          AGENT_BENCH_STRATEGIES=off,offload,off-huge,offload-huge \
+                          AGENT_BENCH_STEPS=24 ";
+
 /// `AGENT_BENCH_STRATEGIES=off,offload,…`: the strategies to run, off first (what the others
-/// are compared with); else `all`.
-fn chosen_strategies(all: &[Strategy]) -> Res<Vec<Strategy>> {
+/// are compared with), of `all` and `more`; else `all`.
+fn chosen_strategies(all: &[Strategy], more: &[Strategy]) -> Res<Vec<Strategy>> {
     let Ok(text) = std::env::var("AGENT_BENCH_STRATEGIES") else {
         return Ok(all.to_vec());
     };
+    let all = [all, more].concat();
     let mut chosen = Vec::new();
     for key in text.split(',').map(str::trim) {
         let strategy = all.iter().find(|s| s.key() == key).ok_or_else(|| {
@@ -459,6 +498,13 @@ fn run() -> Res<()> {
         }
     };
     common::host::check_vm_devices()?;
+    // Huge-page VMs need the kernel to lend them pages; the host's setting is put back after.
+    let _huge = settings.strategies.iter().any(|s| s.huge()).then(|| {
+        let per_vm = basics::parse_size(settings.memory).unwrap_or(512 << 20) >> 21;
+        testkit::hugepages::HugePages::lend(
+            per_vm * settings.vms.iter().max().map_or(1, |&n| n as u64) + 64,
+        )
+    });
     let run_dir = tmp.path.join("run");
     fs::create_dir_all(&run_dir)?;
     // Read by `vmm::runtime` here and inherited by every `pvisor` started; set before any

@@ -547,6 +547,8 @@ fn stroke(strategy: Strategy) -> Stroke {
         Strategy::OffloadLazy => Stroke::dashed(RUST, 2, 2),
         Strategy::OffloadLate => Stroke::dashed(GREEN, 2, 2),
         Strategy::OffloadModel => Stroke::dashed(VIOLET, 2, 2),
+        Strategy::OffHuge => Stroke::dashed(BLUE, 6, 3),
+        Strategy::OffloadHuge => Stroke::dashed(RUST, 6, 3),
     }
 }
 

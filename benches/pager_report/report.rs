@@ -54,6 +54,14 @@ fn row(label: impl Into<String>, key: impl Into<String>) -> (String, String, boo
     (label.into(), key.into(), false)
 }
 
+/// The rows `{name}: WHAT` of the figures `{k}.QUANTITY`, for each `(WHAT, QUANTITY)`, the
+/// first in bold.
+fn rows_of(rows: &mut Vec<(String, String, bool)>, name: &str, k: &str, list: &[(&str, &str)]) {
+    for (i, (what, quantity)) in list.iter().enumerate() {
+        rows.push((format!("{name}: {what}"), format!("{k}.{quantity}"), i == 0));
+    }
+}
+
 fn bold(label: impl Into<String>, key: impl Into<String>) -> (String, String, bool) {
     (label.into(), key.into(), true)
 }
@@ -284,78 +292,50 @@ fn latency_section(out: &mut String, results: &Results) {
     let mut rows = Vec::new();
     for source in Source::ALL {
         let k = format!("latency.{}.t1.c1", source.key());
-        let name = source.label();
-        rows.push(bold(
-            format!("{name}: p50, touching thread"),
-            format!("{k}.touch_p50_us"),
-        ));
-        rows.push(row(
-            format!("{name}: p99, touching thread"),
-            format!("{k}.touch_p99_us"),
-        ));
-        rows.push(row(
-            format!("{name}: p50, pager histogram"),
-            format!("{k}.pager_p50_us"),
-        ));
-        rows.push(row(
-            format!("{name}: p99, pager histogram"),
-            format!("{k}.pager_p99_us"),
-        ));
-        rows.push(row(
-            format!("{name}: faults taken by the touching thread"),
-            format!("{k}.thread_faults"),
-        ));
-        rows.push(row(
-            format!("{name}: faults counted by the pager"),
-            format!("{k}.faults"),
-        ));
-        rows.push(row(
-            format!("{name}: fault-thread CPU per fault"),
-            format!("{k}.fault_cpu_us_per_fault"),
-        ));
+        let list = [
+            ("p50, touching thread", "touch_p50_us"),
+            ("p99, touching thread", "touch_p99_us"),
+            ("p50, pager histogram", "pager_p50_us"),
+            ("p99, pager histogram", "pager_p99_us"),
+            ("faults taken by the touching thread", "thread_faults"),
+            ("faults counted by the pager", "faults"),
+            ("fault-thread CPU per fault", "fault_cpu_us_per_fault"),
+        ];
+        rows_of(&mut rows, source.label(), &k, &list);
     }
     out.push_str("One fault thread, one touching thread:\n\n");
     table(out, results, &rows);
     out.push_str("Reading a block from each source alone (no userfaultfd, one thread):\n\n");
     let mut rows = Vec::new();
     for source in ["raw", "lz4", "zstd"] {
-        rows.push(row(
-            format!("{source}: `PageSource::read` p50"),
-            format!("latency.{source}.read_p50_us"),
-        ));
-        rows.push(row(
-            format!("{source}: `PageSource::read` p99"),
-            format!("latency.{source}.read_p99_us"),
-        ));
-        rows.push(row(
-            format!("{source}: fetch + checksum p50"),
-            format!("latency.{source}.fetch_p50_us"),
-        ));
-        rows.push(row(
-            format!("{source}: decode p50"),
-            format!("latency.{source}.decode_p50_us"),
-        ));
-        rows.push(row(
-            format!("{source}: payload per 64 KiB block"),
-            format!("latency.{source}.payload_kib"),
-        ));
+        for (what, quantity) in [
+            ("`PageSource::read` p50", "read_p50_us"),
+            ("`PageSource::read` p99", "read_p99_us"),
+            ("fetch + checksum p50", "fetch_p50_us"),
+            ("decode p50", "decode_p50_us"),
+            ("payload per 64 KiB block", "payload_kib"),
+        ] {
+            let key = format!("latency.{source}.{quantity}");
+            rows.push(row(format!("{source}: {what}"), key));
+        }
     }
     table(out, results, &rows);
     out.push_str("Ratios to the raw-file fault, run by run:\n\n");
     let mut rows = Vec::new();
     for source in ["lz4", "zstd", "zero"] {
-        rows.push(bold(
-            format!("{source} / raw p50, touching thread"),
-            format!("ratio.latency.{source}_over_raw.touch_p50_us"),
-        ));
-        rows.push(row(
-            format!("{source} / raw p50, pager histogram"),
-            format!("ratio.latency.{source}_over_raw.pager_p50_us"),
-        ));
-        rows.push(row(
-            format!("{source} / raw p99, touching thread"),
-            format!("ratio.latency.{source}_over_raw.touch_p99_us"),
-        ));
+        let k = format!("ratio.latency.{source}_over_raw");
+        let list = [
+            ("p50, touching thread", "touch_p50_us"),
+            ("p50, pager histogram", "pager_p50_us"),
+            ("p99, touching thread", "touch_p99_us"),
+        ];
+        for (i, (what, quantity)) in list.iter().enumerate() {
+            rows.push((
+                format!("{source} / raw {what}"),
+                format!("{k}.{quantity}"),
+                i == 0,
+            ));
+        }
     }
     table(out, results, &rows);
     out.push_str(
@@ -376,22 +356,13 @@ fn latency_section(out: &mut String, results: &Results) {
             if config.threads > 1 { "s" } else { "" },
             config.touchers
         );
-        rows.push(bold(
-            format!("{name}: faults per second"),
-            format!("{k}.faults_per_s"),
-        ));
-        rows.push(row(
-            format!("{name}: p50, touching threads"),
-            format!("{k}.touch_p50_us"),
-        ));
-        rows.push(row(
-            format!("{name}: p99, touching threads"),
-            format!("{k}.touch_p99_us"),
-        ));
-        rows.push(row(
-            format!("{name}: p50, pager histogram"),
-            format!("{k}.pager_p50_us"),
-        ));
+        let list = [
+            ("faults per second", "faults_per_s"),
+            ("p50, touching threads", "touch_p50_us"),
+            ("p99, touching threads", "touch_p99_us"),
+            ("p50, pager histogram", "pager_p50_us"),
+        ];
+        rows_of(&mut rows, &name, &k, &list);
         if config.threads > 1 {
             rows.push(row(
                 format!("{name}: busiest fault thread's share"),
@@ -414,22 +385,13 @@ fn restore_section(out: &mut String, results: &Results, s: &Settings) {
         for who in Who::ALL {
             let k = format!("restore.{touch}.{}", who.key());
             let name = format!("{touch}, {}", who.label());
-            rows.push(bold(
-                format!("{name}: first touch to last"),
-                format!("{k}.ms"),
-            ));
-            rows.push(row(
-                format!("{name}: touched MiB per second"),
-                format!("{k}.mib_per_s"),
-            ));
-            rows.push(row(
-                format!("{name}: faults taken by the touching thread"),
-                format!("{k}.faults"),
-            ));
-            rows.push(row(
-                format!("{name}: faults served (handler's count)"),
-                format!("{k}.handler_faults"),
-            ));
+            let list = [
+                ("first touch to last", "ms"),
+                ("touched MiB per second", "mib_per_s"),
+                ("faults taken by the touching thread", "faults"),
+                ("faults served (handler's count)", "handler_faults"),
+            ];
+            rows_of(&mut rows, &name, &k, &list);
         }
         for ours in ["ours_raw", "ours_lz4", "ours_raw_huge", "ours_lz4_huge"] {
             rows.push(bold(

@@ -431,37 +431,22 @@ fn faults(
     before: &MetricsSnapshot,
     after: &MetricsSnapshot,
 ) {
-    let delta = |a: u64, b: u64| a.saturating_sub(b) as f64;
-    put(
-        "faults_copy",
-        "faults",
-        delta(after.faults_copy, before.faults_copy),
-    );
-    put(
-        "faults_zero",
-        "faults",
-        delta(after.faults_zero, before.faults_zero),
-    );
-    put(
-        "block_copies",
-        "blocks",
-        delta(after.block_copies, before.block_copies),
-    );
-    put(
-        "pages_copied",
-        "pages",
-        delta(after.pages_copied, before.pages_copied),
-    );
-    put(
-        "prefetch_pages",
-        "pages",
-        delta(after.prefetch_pages, before.prefetch_pages),
-    );
-    put(
-        "eexist_races",
-        "faults",
-        delta(after.eexist_races, before.eexist_races),
-    );
+    let (a, b) = (after, before);
+    for (name, unit, now, then) in [
+        ("faults_copy", "faults", a.faults_copy, b.faults_copy),
+        ("faults_zero", "faults", a.faults_zero, b.faults_zero),
+        ("block_copies", "blocks", a.block_copies, b.block_copies),
+        ("pages_copied", "pages", a.pages_copied, b.pages_copied),
+        (
+            "prefetch_pages",
+            "pages",
+            a.prefetch_pages,
+            b.prefetch_pages,
+        ),
+        ("eexist_races", "faults", a.eexist_races, b.eexist_races),
+    ] {
+        put(name, unit, now.saturating_sub(then) as f64);
+    }
     // The histogram is cumulative: the mean of the faults in between, from counts and means.
     let (n0, n1) = (before.fault_latency.count, after.fault_latency.count);
     if n1 > n0 {
