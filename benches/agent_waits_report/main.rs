@@ -347,8 +347,8 @@ fn settings(tmp: &Path, render: bool) -> Res<Result<Settings, String>> {
                     Strategy::OffloadLazy,
                 ]
             };
-            let strategies =
-                chosen_strategies(strategies, &[Strategy::OffHuge, Strategy::OffloadHuge])?;
+            let huge = [Strategy::OffHuge, Strategy::OffloadHuge];
+            let strategies = chosen_strategies(strategies, if io { &[] } else { &huge })?;
             // Huge pages are reported apart, so that the 4 KiB report stays.
             let (stem, picks) = match (strategies.iter().any(|s| s.huge()), steps) {
                 (false, _) => (stem, picks),

@@ -20,6 +20,8 @@ use std::time::{Duration, Instant};
 
 use compressed_backing::file;
 
+use crate::gateway::{Failure, FailureKind};
+
 /// The manifest's name at the image's root.
 pub const MANIFEST: &str = "image.json";
 /// The manifest version this host reads.
@@ -30,6 +32,9 @@ pub const MANIFEST_LIMIT: u64 = 16 << 20;
 pub const PATH_MAX: usize = 1024;
 /// How long an HTTP origin may send nothing before its fetch is given up.
 const HTTP_STALL: Duration = Duration::from_secs(30);
+/// The slowest an HTTP origin may send a file in all, bytes a second (a fetch of N bytes is
+/// given up after 30 s plus N at this rate, however it trickles).
+const HTTP_MIN_RATE: u64 = 256 << 10;
 
 /// One file of an image.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -319,7 +324,7 @@ fn reach(location: &ImageLocation) -> Result<(Origin, Manifest), ImageError> {
                 at: at.clone(),
                 reason,
             };
-            let text = http_get(&at, MANIFEST_LIMIT).map_err(bad)?;
+            let text = http_get(&at, MANIFEST_LIMIT).map_err(|f| bad(f.message))?;
             (Origin::Http(root), text, at.clone())
         }
     };
@@ -332,7 +337,8 @@ fn reach(location: &ImageLocation) -> Result<(Origin, Manifest), ImageError> {
 pub struct ImageOptions {
     /// Where it is.
     pub at: ImageLocation,
-    /// Where fetched files are staged (private to the VM: its job directory).
+    /// Where fetched files are staged: private to this user (the VM's job directory, or one
+    /// that VMs of the image share).
     pub staging: PathBuf,
     /// The origin's rate, bytes a second, if it is to be held to one (a slow origin modelled
     /// on a fast one: `--vm-image-rate`); `None`: as fast as it serves.
@@ -362,20 +368,32 @@ fn http_url(root: &str, path: &str) -> String {
     url
 }
 
-/// The body of `GET url`, at most `limit` bytes, blocking: on the calling thread's runtime if
-/// it runs in one (a gateway's blocking task), else on one of its own.
-fn http_get(url: &str, limit: u64) -> Result<Vec<u8>, String> {
+/// The body of `GET url`, at most `limit` bytes, given up after [`HTTP_STALL`] of silence or
+/// once slower than [`HTTP_MIN_RATE`] in all. Blocking, on a thread and runtime of its own, so
+/// that any thread may call it (a command's, a gateway's blocking task) and no other runtime's
+/// end cuts it short.
+fn http_get(url: &str, limit: u64) -> Result<Vec<u8>, Failure> {
     let target = crate::net::Target::parse(url)?;
-    let fetch = async move { crate::gateway::get_whole(&target, limit, HTTP_STALL).await };
-    let got = match tokio::runtime::Handle::try_current() {
-        Ok(handle) => handle.block_on(fetch),
-        Err(_) => tokio::runtime::Builder::new_current_thread()
+    let most = HTTP_STALL + Duration::from_secs(limit / HTTP_MIN_RATE);
+    let fetch = || -> Result<Vec<u8>, Failure> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
-            .map_err(|e| format!("cannot start a runtime for GET {url}: {e}"))?
-            .block_on(fetch),
+            .map_err(|e| format!("cannot start a runtime for GET {url}: {e}"))?;
+        runtime.block_on(async {
+            let get = crate::gateway::get_whole(&target, limit, HTTP_STALL);
+            tokio::time::timeout(most, get).await.unwrap_or_else(|_| {
+                let why = format!("GET {url}: not done within {} s", most.as_secs());
+                Err(Failure::new(FailureKind::TimedOut, why))
+            })
+        })
     };
-    got.map_err(|failure| failure.message)
+    std::thread::scope(|scope| {
+        scope
+            .spawn(fetch)
+            .join()
+            .unwrap_or_else(|_| Err(format!("GET {url}: its thread panicked").into()))
+    })
 }
 
 /// An open image: its manifest and its origin.
@@ -462,8 +480,8 @@ impl Image {
 
     /// Reads `path` for the guest (blocking): from the staging if it was fetched before,
     /// else from the origin (held to its rate), checked against the manifest and staged.
-    /// Why not, if it cannot.
-    pub fn fetch(&self, path: &str) -> Result<Fetched, String> {
+    /// Why not, if it cannot (an origin that timed out is [`FailureKind::TimedOut`]).
+    pub fn fetch(&self, path: &str) -> Result<Fetched, Failure> {
         let entry = self
             .entry(path)
             .ok_or_else(|| format!("`{path}` is not in the image"))?;
@@ -489,7 +507,7 @@ impl Image {
                 .ok_or_else(|| format!("`{path}` is listed but missing at the origin"))?,
             // One byte more than the manifest's tells a longer file.
             Origin::Http(root) => http_get(&http_url(root, &entry.path), entry.bytes + 1)
-                .map_err(|e| format!("`{path}`: {e}"))?,
+                .map_err(|f| Failure::new(f.kind, format!("`{path}`: {}", f.message)))?,
         };
         if let Some(rate) = self.rate {
             // The modelled origin delivers at its rate: the rest of the time it would take.
@@ -503,15 +521,21 @@ impl Image {
                 digest(&bytes),
                 entry.bytes,
                 entry.xxh3_128
-            ));
+            )
+            .into());
         }
         // Staged under a fresh name, then renamed: a staged file is always whole. Written
         // back and dropped from the page cache (charged to the VM otherwise). A failure to
         // stage costs a later read another trip, nothing else.
-        // Named for this process too: a staging directory may be shared.
-        let partial = self
-            .staging
-            .join(format!(".{}.{}.part", entry.xxh3_128, std::process::id()));
+        // Named for this process and this fetch too: a staging directory may be shared, by
+        // VMs of other processes and of this one.
+        static FETCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let fetch = FETCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let partial = self.staging.join(format!(
+            ".{}.{}.{fetch}.part",
+            entry.xxh3_128,
+            std::process::id()
+        ));
         let _ = std::fs::remove_file(&partial);
         let written = file::create_private(&partial)
             .map_err(std::io::Error::other)
@@ -643,11 +667,15 @@ mod tests {
         assert!(image
             .fetch("usr/link")
             .unwrap_err()
+            .message
             .contains("not in the image"));
         assert!(image.fetch("image.json").is_err());
         std::fs::write(root.join("README"), b"HELLO").unwrap();
         let why = image.fetch("README").unwrap_err();
-        assert!(why.contains("differs from the image's manifest"), "{why}");
+        assert!(
+            why.message.contains("differs from the image's manifest"),
+            "{why}"
+        );
         std::fs::write(root.join("README"), b"hello, longer").unwrap();
         assert!(image.fetch("README").is_err());
         // A manifest that lists a path twice, or out of the tree, is refused.

@@ -587,7 +587,7 @@ impl Gateway {
                                 Err("the read was given up".into())
                             }
                         }
-                        Ok(Err(why)) => Err(why.into()),
+                        Ok(Err(why)) => Err(why),
                         Err(e) => Err(format!("the read failed: {e}").into()),
                     }
                 }

@@ -167,7 +167,8 @@ pub struct RunArgs {
     /// Stage the image's fetched files in DIR (created 0700; an existing one must be this
     /// user's, writable by no one else) instead of the VM's runtime directory: VMs of one
     /// image given one DIR fetch each file from the origin once between them. Files are named
-    /// by their digest and checked on every read; DIR holds at most the image's files.
+    /// by their digest and checked on every read. Give each image its own DIR, and put it
+    /// where only you can write its parents.
     #[arg(long = "vm-image-staging", value_name = "DIR")]
     pub image_staging: Option<PathBuf>,
     /// While a `model` request is out, pause the VM after 20 ms and offload it after 50 ms
