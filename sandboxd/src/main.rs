@@ -197,7 +197,8 @@ fn serve(cli: Cli) -> MainResult {
     if cli.admission_reserve >= cli.memory_budget {
         return Err("--admission-reserve must be less than --memory-budget".into());
     }
-    let remote = remote_options(cli.s3_endpoint.clone(), &cli.state)?;
+    let state = std::path::absolute(&cli.state).map_err(|e| format!("--state: {e}"))?;
+    let remote = remote_options(cli.s3_endpoint.clone(), &state);
     let templates = sandboxd::templates::Templates::new(cli.vm_memory, &cli.template, &remote)?;
     let store = Store::open(&cli.state)?;
     let state_dir = cli.state.clone();
@@ -212,7 +213,7 @@ fn serve(cli: Cli) -> MainResult {
         // Staged once for every sandbox: the first to read a file fetches it.
         Some(text) => Some(vmm::image::ImageOptions {
             at: sandbox_image(text, &remote)?,
-            staging: std::path::absolute(&cli.state)?.join("image-staging"),
+            staging: state.join("image-staging"),
             rate: None,
         }),
         None => None,
@@ -350,17 +351,15 @@ fn main() -> ExitCode {
 }
 
 /// How the daemon and its VMs reach an object store: at `endpoint` (else the environment's),
-/// caching what they fetch under the state directory.
+/// caching what they fetch under the state directory `state` (absolute).
 fn remote_options(
     endpoint: Option<String>,
     state: &std::path::Path,
-) -> Result<compressed_backing::remote::RemoteOptions, String> {
+) -> compressed_backing::remote::RemoteOptions {
     let mut options = compressed_backing::remote::RemoteOptions::new();
     options.endpoint = endpoint;
-    options.cache_dir = std::path::absolute(state)
-        .map_err(|e| format!("--state: {e}"))?
-        .join("s3-cache");
-    Ok(options)
+    options.cache_dir = state.join("s3-cache");
+    options
 }
 
 /// The image `--sandbox-image` names, its manifest read and checked now: a daemon whose

@@ -131,8 +131,7 @@ fn reach(
         StoreLocation::Remote(url) => {
             let mut snapshot = vmm::vm::RemoteSnapshot::new(url, remote, None);
             let manifest = snapshot
-                .connect()
-                .and_then(|at| at.read_manifest())
+                .fetch_manifest()
                 .map_err(|e| basics::error_chain(&e))?;
             if manifest.leased {
                 return Err(
@@ -141,7 +140,6 @@ fn reach(
                         .into(),
                 );
             }
-            snapshot.manifest = Some(Box::new(manifest.clone()));
             Ok((SnapshotAt::Remote(Box::new(snapshot)), manifest))
         }
     }

@@ -909,31 +909,14 @@ fn sandbox_reads_files_of_an_image_in_an_object_store() {
     }
     let endpoint = server.endpoint();
     // A prefix with no image there: the daemon refuses to start, and says why.
-    let state = work.path().join("state");
-    let out = Command::new(common::binary())
-        .args([
-            "--listen",
-            "127.0.0.1:0",
-            "--no-auth",
-            "--memory-budget",
-            "1GiB",
-        ])
-        .args([
-            "--sandbox-image",
-            "s3://images/other",
-            "--s3-endpoint",
-            &endpoint,
-        ])
-        .arg("--state")
-        .arg(&state)
-        .envs(server.env())
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && stderr.contains("no manifest"),
-        "{stderr}"
-    );
+    let flags = [
+        "--sandbox-image",
+        "s3://images/other",
+        "--s3-endpoint",
+        &endpoint,
+    ];
+    let stderr = common::refusal(&work.path().join("state"), &flags, &server.env());
+    assert!(stderr.contains("no manifest"), "{stderr}");
     let flags = [
         "--sandbox-image",
         "s3://images/base",

@@ -4,10 +4,8 @@
 // Test code: a failed setup step should stop the test on the spot.
 #![allow(clippy::unwrap_used)]
 
-use std::process::Command;
-
 mod common;
-use common::{binary, outcome, skip, Daemon};
+use common::{outcome, refusal, skip, Daemon};
 use uffd_pager::pager::RamKind;
 use vmm::script;
 use vmm::vm::{Vm, VmOptions};
@@ -149,31 +147,14 @@ fn sandboxes_of_a_template_in_an_object_store_start_from_its_state() {
     assert_eq!(digest(&daemon, &b, "digest"), filled);
     drop(daemon);
     // A prefix that holds no snapshot stops the daemon with the template's name.
-    let dir = tempfile::tempdir().unwrap();
-    let out = Command::new(binary())
-        .args([
-            "--listen",
-            "127.0.0.1:0",
-            "--no-auth",
-            "--memory-budget",
-            "1GiB",
-        ])
-        .args([
-            "--template",
-            "gone=s3://snaps/none",
-            "--s3-endpoint",
-            &endpoint,
-        ])
-        .arg("--state")
-        .arg(dir.path().join("state"))
-        .envs(server.env())
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && stderr.contains("template `gone`"),
-        "{stderr}"
-    );
+    let flags = [
+        "--template",
+        "gone=s3://snaps/none",
+        "--s3-endpoint",
+        &endpoint,
+    ];
+    let stderr = refusal(&snaps.path().join("state"), &flags, &server.env());
+    assert!(stderr.contains("template `gone`"), "{stderr}");
 }
 
 /// KSM's global knobs that VMs tune: run, pages_to_scan, sleep_millisecs.
@@ -257,20 +238,7 @@ fn daemon_refuses_a_template_that_is_no_snapshot() {
         ("pvisor:workload=/x".to_owned(), "served always"),
         ("no-dir".to_owned(), "NAME=DIR"),
     ] {
-        let out = Command::new(binary())
-            .args(["--listen", "127.0.0.1:0", "--state"])
-            .arg(dir.path().join("state"))
-            .args([
-                "--memory-budget",
-                "1GiB",
-                "--no-auth",
-                "--template",
-                &template,
-            ])
-            .output()
-            .unwrap();
-        assert!(!out.status.success(), "{template}");
-        let stderr = String::from_utf8_lossy(&out.stderr);
+        let stderr = refusal(&dir.path().join("state"), &["--template", &template], &[]);
         assert!(stderr.contains(says), "{template}: {stderr}");
     }
 }
@@ -294,14 +262,7 @@ fn daemon_refuses_an_image_without_a_manifest_and_a_bad_origin() {
             "--sandbox-net-allow",
         ),
     ] {
-        let out = Command::new(binary())
-            .args(["--listen", "127.0.0.1:0", "--state"])
-            .arg(dir.path().join("state"))
-            .args(["--memory-budget", "1GiB", "--no-auth", flag, value])
-            .output()
-            .unwrap();
-        assert!(!out.status.success(), "{flag} {value}");
-        let stderr = String::from_utf8_lossy(&out.stderr);
+        let stderr = refusal(&dir.path().join("state"), &[flag, value], &[]);
         assert!(stderr.contains(says), "{flag} {value}: {stderr}");
     }
 }

@@ -28,6 +28,29 @@ pub fn binary() -> &'static str {
     env!("CARGO_BIN_EXE_pvisor-sandboxd")
 }
 
+/// Starts the daemon on loopback without auth, with a 1 GiB budget, the state directory
+/// `state`, `extra` arguments and `env` in its environment, where it must refuse to start: what
+/// it said on stderr.
+pub fn refusal(state: &Path, extra: &[&str], env: &[(&str, &str)]) -> String {
+    let out = Command::new(binary())
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--no-auth",
+            "--memory-budget",
+            "1GiB",
+        ])
+        .arg("--state")
+        .arg(state)
+        .args(extra)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "started with {extra:?}: {stderr}");
+    stderr
+}
+
 /// A running daemon, stopped on drop (SIGTERM), with every VM it left killed.
 pub struct Daemon {
     pub dir: tempfile::TempDir,

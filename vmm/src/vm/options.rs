@@ -302,6 +302,16 @@ impl RemoteSnapshot {
         ))
     }
 
+    /// Reads and checks its manifest, and keeps it: the VM process given this description
+    /// takes it from there instead of fetching it again.
+    pub fn fetch_manifest(
+        &mut self,
+    ) -> Result<crate::snapshot::Manifest, crate::snapshot::SnapshotError> {
+        let manifest = self.connect()?.read_manifest()?;
+        self.manifest = Some(Box::new(manifest.clone()));
+        Ok(manifest)
+    }
+
     /// A connection to its prefix.
     pub fn remote(
         &self,

@@ -403,7 +403,7 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
             .restore
             .map(compressed_backing::remote::StoreLocation::Local),
     };
-    let (restore, restore_remote) = match location {
+    let (restore, mut restore_remote) = match location {
         None => (None, None),
         Some(compressed_backing::remote::StoreLocation::Local(dir)) => (
             Some(std::path::absolute(dir).map_err(|e| format!("--restore: {e}"))?),
@@ -425,18 +425,14 @@ pub fn resolve(args: &RunArgs) -> Result<Resolved, String> {
             )
         }
     };
-    let snapshot = match (&restore, &restore_remote) {
+    // Kept with a remote snapshot: the VM process need not fetch it again.
+    let snapshot = match (&restore, &mut restore_remote) {
         (Some(dir), _) => Some(vmm::snapshot::read_manifest(dir)),
-        (None, Some(remote)) => Some(remote.connect().and_then(|at| at.read_manifest())),
+        (None, Some(remote)) => Some(remote.fetch_manifest()),
         (None, None) => None,
     }
     .transpose()
     .map_err(|e| format!("--restore: {}", basics::error_chain(&e)))?;
-    // The VM process need not fetch it again.
-    let restore_remote = restore_remote.map(|mut remote| {
-        remote.manifest = snapshot.clone().map(Box::new);
-        remote
-    });
     let memory = match (args.memory, config.memory) {
         (Some(bytes), _) => bytes,
         (None, Some(toml::Value::String(text))) => {
