@@ -82,6 +82,7 @@ struct Cli {
     s3_endpoint: Option<String>,
     /// Offload a running sandbox's memory once it has run no command for this long (it comes
     /// back on its next command; the client sees only latency): `30s`, `5m`; `0` never.
+    /// Checked every tenth of this time (50 ms to 1 s); at most two offloads run at once.
     #[arg(long, value_name = "TIME", default_value = "60s", value_parser = parse_idle)]
     idle_offload: Duration,
     /// The file holding the API key clients send in `OPEN-SANDBOX-API-KEY`.
@@ -264,6 +265,18 @@ fn serve(cli: Cli) -> MainResult {
                 }
             })
         };
+        // Idle offload on a clock of its own: the second's tick may wait on an expiry.
+        let idler = sandboxes.idle_check_period().map(|period| {
+            let sandboxes = Arc::clone(&sandboxes);
+            tokio::spawn(async move {
+                let mut every = tokio::time::interval(period);
+                every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    every.tick().await;
+                    sandboxes.offload_idle().await;
+                }
+            })
+        });
         tracing::info!(
             "pvisor-sandboxd: listening on {bound} (auth {})",
             if app.api_key.is_some() { "on" } else { "off" }
@@ -294,6 +307,9 @@ fn serve(cli: Cli) -> MainResult {
             }
         }
         ticker.abort();
+        if let Some(idler) = idler {
+            idler.abort();
+        }
         if cli.stop_on_exit {
             sandboxes.shutdown().await;
             sandboxes.stop_governor(true);

@@ -174,6 +174,8 @@ pub struct Sandboxes {
     /// What sandboxes are made from.
     templates: crate::templates::Templates,
     table: Mutex<HashMap<String, Slot>>,
+    /// One permit per idle offload in progress ([`idle::AT_ONCE`]).
+    idle_slots: Arc<tokio::sync::Semaphore>,
     /// What `GET /metrics` counts.
     pub metrics: Metrics,
 }
@@ -593,7 +595,6 @@ impl Sandboxes {
     /// removed), marks those whose VM died `Failed` with its tombstone's reason, and forgets
     /// terminated ones after a while. Called every second.
     pub async fn tick(&self) {
-        self.offload_idle().await;
         let now = clock::now_ms();
         let (expired, live): (Vec<Record>, Vec<Record>) = {
             let mut table = self.table();

@@ -220,6 +220,7 @@ impl Sandboxes {
             governed,
             templates,
             table: Mutex::new(table),
+            idle_slots: Arc::new(tokio::sync::Semaphore::new(idle::AT_ONCE)),
             metrics: Metrics::default(),
         }
     }

@@ -6,7 +6,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use vmm::control::Method;
 
@@ -26,6 +26,19 @@ pub(super) struct Use {
     pub offloading: bool,
 }
 
+impl super::Slot {
+    /// Its VM, when it is `Running`, not offloaded nor being offloaded, with no command in
+    /// flight, and has been so for `idle`.
+    fn idle_for(&self, idle: Duration) -> Option<VmRef> {
+        let idle = self.record.state == State::Running
+            && !self.used.offloaded
+            && !self.used.offloading
+            && self.commands.available_permits() == MAX_COMMANDS
+            && self.used.last.elapsed() >= idle;
+        self.record.vm.clone().filter(|_| idle)
+    }
+}
+
 impl Default for Use {
     fn default() -> Self {
         Self {
@@ -36,59 +49,84 @@ impl Default for Use {
     }
 }
 
+/// The most idle offloads in progress at once. Each writes a VM's memory out on a blocking
+/// thread of the daemon's; two keep both of a small host's cores busy without a burst of
+/// sandboxes going idle together queueing every later command behind a disk full of writes.
+pub(super) const AT_ONCE: usize = 2;
+
 impl Sandboxes {
-    /// Offloads the `Running` sandboxes that have had no command in flight for the idle time.
-    /// Skips one an operation holds (it is not idle). Called every second.
-    pub(super) async fn offload_idle(&self) {
+    /// How often the daemon looks for idle sandboxes (`None`: no idle offload): a tenth of the
+    /// idle time, so that a sandbox is offloaded within 10% of it, between 50 ms and a second.
+    pub fn idle_check_period(&self) -> Option<Duration> {
+        let idle = self.limits.idle_offload?;
+        Some((idle / 10).clamp(Duration::from_millis(50), Duration::from_secs(1)))
+    }
+
+    /// Starts offloading the `Running` sandboxes that have had no command in flight for the
+    /// idle time, the longest idle first, at most [`AT_ONCE`] at a time; each offload runs as a
+    /// task of its own, so that the check never waits for one. Skips a sandbox an operation
+    /// holds (it is not idle). A failed offload is tried again after another idle time.
+    /// Called every [`Sandboxes::idle_check_period`], apart from [`Sandboxes::tick`].
+    pub async fn offload_idle(self: &Arc<Self>) {
         let Some(idle) = self.limits.idle_offload else {
             return;
         };
-        let due: Vec<(String, Arc<tokio::sync::Mutex<()>>)> = self
+        let mut due: Vec<(Duration, String, Arc<tokio::sync::Mutex<()>>)> = self
             .table()
             .iter()
-            .filter(|(_, s)| {
-                s.record.state == State::Running
-                    && !s.used.offloaded
-                    && s.record.vm.is_some()
-                    && s.commands.available_permits() == MAX_COMMANDS
-                    && s.used.last.elapsed() >= idle
-            })
-            .map(|(id, s)| (id.clone(), Arc::clone(&s.ops)))
+            .filter(|(_, s)| s.idle_for(idle).is_some())
+            .map(|(id, s)| (s.used.last.elapsed(), id.clone(), Arc::clone(&s.ops)))
             .collect();
-        for (id, ops) in due {
-            let Ok(_op) = ops.try_lock() else { continue };
-            // Still idle, still running, under the operation's lock: no command started since
-            // (a command takes this lock to bring an offloaded sandbox back).
-            let vm = {
-                let table = self.table();
-                let Some(slot) = table.get(&id) else { continue };
-                let still = slot.record.state == State::Running
-                    && !slot.used.offloaded
-                    && slot.commands.available_permits() == MAX_COMMANDS
-                    && slot.used.last.elapsed() >= idle;
-                match (still, slot.record.vm.clone()) {
-                    (true, Some(vm)) => vm,
-                    _ => continue,
-                }
+        due.sort_by_key(|d| std::cmp::Reverse(d.0));
+        for (_, id, ops) in due {
+            let Ok(slot) = Arc::clone(&self.idle_slots).try_acquire_owned() else {
+                return;
             };
-            let started = Instant::now();
-            let method = Method::Suspend {
-                offload: true,
-                ram_file: None,
+            let Ok(op) = ops.try_lock_owned() else {
+                continue;
             };
-            self.mark_offloading(&id, true);
-            let result = tokio::task::spawn_blocking(move || vm::call(&vm, method)).await;
-            self.mark_offloading(&id, false);
-            match result {
-                Ok(Ok(_)) => {
-                    self.set_offloaded(&id, true);
-                    self.metrics.idle_offloads.fetch_add(1, Ordering::Relaxed);
-                    tracing::info!(%id, ms = started.elapsed().as_millis(), "offloaded while idle");
-                }
-                Ok(Err(e)) => tracing::warn!(%id, "idle offload: {}", basics::error_chain(&e)),
-                Err(e) => tracing::warn!(%id, "idle offload: {e}"),
-            }
+            // Still idle, under the operation's lock, checked and marked under one lock of the
+            // table: a command that starts later sees the mark, waits for this lock and
+            // brings the VM back.
+            let vm = self.table().get_mut(&id).and_then(|s| {
+                let vm = s.idle_for(idle)?;
+                s.used.offloading = true;
+                Some(vm)
+            });
+            let Some(vm) = vm else { continue };
+            let this = Arc::clone(self);
+            tokio::spawn(async move {
+                this.offload_now(&id, vm).await;
+                drop((op, slot));
+            });
         }
+    }
+
+    /// Offloads `id`'s VM, suspended, for idle offload.
+    async fn offload_now(&self, id: &str, vm: VmRef) {
+        let started = Instant::now();
+        let method = Method::Suspend {
+            offload: true,
+            ram_file: None,
+        };
+        let result = tokio::task::spawn_blocking(move || vm::call(&vm, method)).await;
+        if let Ok(Ok(_)) = result {
+            // Offloaded before no longer offloading: a pause or command meanwhile sees one.
+            self.set_offloaded(id, true);
+            self.mark_offloading(id, false);
+            self.metrics.idle_offloads.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(%id, ms = started.elapsed().as_millis(), "offloaded while idle");
+            return;
+        }
+        self.mark_offloading(id, false);
+        match result {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::warn!(%id, "idle offload: {}", basics::error_chain(&e)),
+            Err(e) => tracing::warn!(%id, "idle offload: {e}"),
+        }
+        // Tried again after another idle time, not at once: a VM that cannot offload now
+        // (its store full, say) should not take a slot from every check.
+        self.used(id);
     }
 
     fn mark_offloading(&self, id: &str, now: bool) {
@@ -136,8 +174,12 @@ impl Sandboxes {
             return Ok((record, None));
         };
         self.used(id);
-        let offloaded = self.table().get(id).is_some_and(|s| s.used.offloaded);
-        if !offloaded {
+        // Offloaded, or being offloaded now (then its lock is held until the VM is out).
+        let out = self
+            .table()
+            .get(id)
+            .is_some_and(|s| s.used.offloaded || s.used.offloading);
+        if !out {
             return Ok((record, Some((vm, permit))));
         }
         // The first command after an idle offload resumes the VM; others wait for it.
