@@ -20,6 +20,8 @@ const SAMPLE: Duration = Duration::from_millis(250);
 /// The first output of a command: the `stdout` event.
 const FIRST_OUTPUT: &[u8] = b"\"type\":\"stdout\"";
 const TOKEN_HEADER: &str = "X-Pvisor-Sandbox-Token";
+/// The name the template layout's snapshot is served under.
+const TEMPLATE: &str = "base";
 
 /// What one sandbox's client saw.
 #[derive(Debug, Default)]
@@ -98,7 +100,7 @@ struct Daemon {
 impl Daemon {
     fn start(settings: &Settings, mode: Mode, dir: &Path) -> Res<Daemon> {
         std::fs::create_dir_all(dir)?;
-        let state = dir.join("state");
+        let state = dir.join("s");
         let log = std::fs::File::create(dir.join("daemon.log"))?;
         let (child, addr) = http::spawn_listening(
             Command::new(&settings.daemon)
@@ -108,6 +110,12 @@ impl Daemon {
                 .args(["--memory-budget", &format!("{}MiB", settings.budget_mib)])
                 .args(["--admission-timeout", ADMISSION_TIMEOUT])
                 .args(mode.flags())
+                .args(settings.template.iter().flat_map(|t| {
+                    [
+                        "--template".into(),
+                        format!("{TEMPLATE}={}", t.dir.display()),
+                    ]
+                }))
                 .stderr(log),
             &dir.join("daemon.log"),
         )?;
@@ -192,6 +200,16 @@ fn command(
     Ok((stdout, first.as_secs_f64() * 1e3))
 }
 
+/// The sandbox's status as the API tells it (for a failed one, its VM's tombstone).
+fn status(daemon: &Daemon, id: &str) -> Value {
+    daemon
+        .api("GET", &format!("/v1/sandboxes/{id}"), None)
+        .ok()
+        .and_then(|a| serde_json::from_slice::<Value>(&a.body).ok())
+        .map(|b| b["status"].clone())
+        .unwrap_or_default()
+}
+
 fn ms_since(at: Instant) -> f64 {
     at.elapsed().as_secs_f64() * 1e3
 }
@@ -204,9 +222,14 @@ fn drive(
     began: Instant,
     out: &mut Sandbox,
 ) -> Result<(), String> {
-    let body = r#"{"image":{"uri":"pvisor:workload"},"entrypoint":["tail","-f","/dev/null"]}"#;
+    let uri = if settings.template.is_some() {
+        TEMPLATE
+    } else {
+        "pvisor:workload"
+    };
+    let body = format!(r#"{{"image":{{"uri":"{uri}"}},"entrypoint":["tail","-f","/dev/null"]}}"#);
     let asked = Instant::now();
-    let created = daemon.api("POST", "/v1/sandboxes", Some(body))?;
+    let created = daemon.api("POST", "/v1/sandboxes", Some(&body))?;
     out.create_ms = ms_since(asked);
     match created.status {
         202 => {
@@ -233,17 +256,33 @@ fn drive(
             break;
         }
         if asked.elapsed() > Duration::from_secs(60) {
-            return Err(format!("{id} not ready within 60 s"));
+            return Err(format!(
+                "{id} not ready within 60 s ({})",
+                status(daemon, &id)
+            ));
         }
         std::thread::sleep(Duration::from_millis(20));
     }
     out.ready_ms = ms_since(asked);
-    let fill = format!("fill {} random seed={i}; digest", settings.working_set);
-    let (stdout, _) = command(daemon, &execd, &fill)?;
-    let digest = stdout
-        .get(1)
-        .map(|r| r["digest"].clone())
-        .ok_or("no digest")?;
+    // Its working set: its own, filled now, or the template's, restored from the snapshot.
+    let digest = match &settings.template {
+        None => {
+            let fill = format!("fill {} random seed={i}; digest", settings.working_set);
+            let (stdout, _) = command(daemon, &execd, &fill)?;
+            stdout
+                .get(1)
+                .map(|r| r["digest"].clone())
+                .ok_or("no digest")?
+        }
+        Some(template) => {
+            let (stdout, _) = command(daemon, &execd, "digest")?;
+            let digest = stdout.first().map(|r| r["digest"].clone());
+            if digest != Some(Value::from(template.digest.as_str())) {
+                return Err(format!("{id} did not start with the template's data"));
+            }
+            Value::from(template.digest.as_str())
+        }
+    };
     for iteration in 0..settings.iterations {
         std::thread::sleep(settings.idle);
         if iteration == settings.iterations / 2 {
@@ -257,16 +296,8 @@ fn drive(
             }
         }
         let at = began.elapsed().as_secs_f64();
-        let (stdout, first_ms) = command(daemon, &execd, "digest").map_err(|e| {
-            // Why the sandbox failed, if it did (its VM's tombstone, as the API tells it).
-            let status = daemon
-                .api("GET", &format!("/v1/sandboxes/{id}"), None)
-                .ok()
-                .and_then(|a| serde_json::from_slice::<Value>(&a.body).ok())
-                .map(|b| b["status"].clone())
-                .unwrap_or_default();
-            format!("{e} ({status})")
-        })?;
+        let (stdout, first_ms) = command(daemon, &execd, "digest")
+            .map_err(|e| format!("{e} ({})", status(daemon, &id)))?;
         if let Some(trace) = std::env::var_os("SANDBOX_BENCH_TRACE") {
             use std::io::Write as _;
             if let Ok(mut f) = std::fs::OpenOptions::new()
@@ -378,13 +409,24 @@ pub fn run(settings: &Settings, mode: Mode, dir: &Path) -> Res<Outcome> {
     });
     let oom_kills = oom_kills(&cgroup).max(killed);
     drop(daemon);
+    let problems: Vec<String> = sandboxes.iter().filter_map(|s| s.problem.clone()).collect();
+    if !problems.is_empty() && !settings.write_docs {
+        // A smoke run's failure is read in CI's log, where the daemon's log is not kept.
+        let log = std::fs::read_to_string(dir.join("daemon.log")).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        eprintln!(
+            "sandbox_report: {}: the daemon's last log lines:\n{}",
+            mode.key(),
+            lines[lines.len().saturating_sub(30)..].join("\n")
+        );
+    }
     let all = |f: fn(&Sandbox) -> Vec<f64>| sandboxes.iter().flat_map(f).collect::<Vec<f64>>();
     Ok(Outcome {
         sandboxes: settings.sandboxes,
         admitted: sandboxes.iter().filter(|s| s.admitted).count(),
         completed: sandboxes.iter().filter(|s| s.completed).count(),
         held_at_once: at_once(sandboxes.iter().filter(|s| s.completed).map(|s| s.live)),
-        problems: sandboxes.iter().filter_map(|s| s.problem.clone()).collect(),
+        problems,
         oom_kills,
         create_ms: all(|s| vec![s.create_ms]),
         ready_ms: all(|s| s.admitted.then_some(s.ready_ms).into_iter().collect()),

@@ -19,6 +19,14 @@
 //! kernel's OOM kills in it, and how many sandboxes the budget held (admitted and every
 //! iteration right).
 //!
+//! `SANDBOX_BENCH_TEMPLATE=1` runs the template layout instead (issue 37 item 6; report
+//! `docs/bench/sandbox-template.md`): the bench first snapshots a 512 MiB VM that filled the
+//! working set, the daemon serves it as a template, and each sandbox starts with that working
+//! set restored from the snapshot and reads it; three modes: `template-shared` (its pages
+//! shared through KSM, `--share-template-pages`, under the governor, no idle offload),
+//! `template` (managed as `managed` is) and `template-unmanaged`. A smoke run tries both
+//! layouts.
+//!
 //! `SANDBOX_BENCH_TRACE=FILE` appends one line per command (`sandbox,id,iteration,at_s,
 //! first_output_ms`) to FILE, to see where the slow ones fall.
 //!
@@ -45,32 +53,90 @@ use common::Res;
 mod client;
 mod report;
 
-/// How the daemon treats memory.
+/// How the daemon treats memory, and what the sandboxes are made from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
     /// The governor, admission by memory charged, and idle offload after a second.
     Managed,
     /// `--memory-management off`.
     Unmanaged,
+    /// Sandboxes of a snapshot template, its pages shared through KSM
+    /// (`--share-template-pages`) under the governor, without idle offload.
+    TemplateShared,
+    /// Sandboxes of a snapshot template, managed as `Managed` is.
+    Template,
+    /// Sandboxes of a snapshot template, `--memory-management off`.
+    TemplateUnmanaged,
 }
 
 impl Mode {
-    pub const ALL: [Mode; 2] = [Mode::Managed, Mode::Unmanaged];
-
     pub fn key(self) -> &'static str {
         match self {
             Mode::Managed => "managed",
             Mode::Unmanaged => "unmanaged",
+            Mode::TemplateShared => "template-shared",
+            Mode::Template => "template",
+            Mode::TemplateUnmanaged => "template-unmanaged",
         }
     }
 
     /// The daemon's flags of the mode.
     fn flags(self) -> &'static [&'static str] {
         match self {
-            Mode::Managed => &["--idle-offload", "1s"],
-            Mode::Unmanaged => &["--memory-management", "off"],
+            Mode::Managed | Mode::Template => &["--idle-offload", "1s"],
+            Mode::Unmanaged | Mode::TemplateUnmanaged => &["--memory-management", "off"],
+            Mode::TemplateShared => &["--share-template-pages", "--idle-offload", "0"],
         }
     }
+}
+
+/// The modes one bench compares: the managed ones, then the unmanaged one they are judged
+/// against (the last).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// Sandboxes of the workload guest, each filling its own working set.
+    Workload,
+    /// Sandboxes of one snapshot template whose RAM holds the working set (item 6): each
+    /// reads it as restored from the snapshot.
+    Template,
+}
+
+impl Layout {
+    pub fn modes(self) -> &'static [Mode] {
+        match self {
+            Layout::Workload => &[Mode::Managed, Mode::Unmanaged],
+            Layout::Template => &[
+                Mode::TemplateShared,
+                Mode::Template,
+                Mode::TemplateUnmanaged,
+            ],
+        }
+    }
+
+    /// The modes judged against the last.
+    pub fn managed(self) -> &'static [Mode] {
+        let modes = self.modes();
+        &modes[..modes.len() - 1]
+    }
+
+    pub fn unmanaged(self) -> Mode {
+        self.modes()[self.modes().len() - 1]
+    }
+
+    /// The report's file stem under `docs/bench/`.
+    pub fn stem(self) -> &'static str {
+        match self {
+            Layout::Workload => "sandbox",
+            Layout::Template => "sandbox-template",
+        }
+    }
+}
+
+/// A snapshot template: its directory, and the digest of its working set.
+#[derive(Debug, Clone)]
+pub struct TemplateSnapshot {
+    pub dir: PathBuf,
+    pub digest: String,
 }
 
 /// Sizes of one bench (full or smoke).
@@ -85,6 +151,9 @@ pub struct Settings {
     pub budget_mib: u64,
     pub working_set: &'static str,
     pub daemon: PathBuf,
+    pub layout: Layout,
+    /// The template of [`Layout::Template`], made before the first round.
+    pub template: Option<TemplateSnapshot>,
 }
 
 fn settings() -> Res<Result<Settings, String>> {
@@ -93,6 +162,11 @@ fn settings() -> Res<Result<Settings, String>> {
         Ok(path) => path,
         Err(why) if !common::is_bench_run() => return Ok(Err(why)),
         Err(why) => return Err(why.into()),
+    };
+    let layout = if std::env::var_os("SANDBOX_BENCH_TEMPLATE").is_some_and(|v| v == "1") {
+        Layout::Template
+    } else {
+        Layout::Workload
     };
     if !common::is_bench_run() {
         return Ok(Ok(Settings {
@@ -105,6 +179,8 @@ fn settings() -> Res<Result<Settings, String>> {
             budget_mib: 512,
             working_set: "16MiB",
             daemon,
+            layout,
+            template: None,
         }));
     }
     let n = |name, default, min| common::env_number(name, default, min);
@@ -118,6 +194,8 @@ fn settings() -> Res<Result<Settings, String>> {
         budget_mib: n("SANDBOX_BENCH_BUDGET_MIB", 1024, 256)?,
         working_set: "64MiB",
         daemon,
+        layout,
+        template: None,
     }))
 }
 
@@ -126,7 +204,6 @@ fn main() {
 }
 
 fn run_bench() -> Res<()> {
-    let started = Instant::now();
     let bench_run = common::host::BenchRun::begin();
     if common::skip_smoke("sandbox_report", common::is_bench_run()) {
         return Ok(());
@@ -142,25 +219,102 @@ fn run_bench() -> Res<()> {
     // One directory per bench process: a smoke run cannot clear a running bench's files.
     let relative = Path::new("sandbox").join(format!("p{}", std::process::id()));
     let tmp = TempRoot::create("sandbox_report", &relative)?;
+    // A smoke run tries both layouts; a bench run the one asked for.
+    let layouts = if settings.write_docs {
+        vec![settings.layout]
+    } else {
+        vec![Layout::Workload, Layout::Template]
+    };
+    for layout in layouts {
+        let mut settings = Settings {
+            layout,
+            ..settings.clone()
+        };
+        if layout == Layout::Template {
+            settings.template = Some(template_snapshot(&settings, &tmp.path.join("template"))?);
+        }
+        // Short names: the daemon's state directory must leave room for its VMs' socket
+        // paths (107 bytes) under a checkout anywhere.
+        let short = if layout == Layout::Template { "t" } else { "w" };
+        run_layout(&settings, &tmp.path.join(short), &bench_run)?;
+    }
+    Ok(())
+}
+
+/// Bytes of guest RAM of the template's VM: the daemon's default for the workload guest, so
+/// that both layouts' sandboxes are alike but for where their data comes from; smaller in a
+/// smoke run.
+fn template_memory(settings: &Settings) -> u64 {
+    if settings.write_docs {
+        512 << 20
+    } else {
+        128 << 20
+    }
+}
+
+/// Makes the template: a VM that filled the working set, snapshotted into `dir`.
+fn template_snapshot(settings: &Settings, dir: &Path) -> Res<TemplateSnapshot> {
+    use vmm::vm::{Vm, VmOptions};
+    std::fs::create_dir_all(dir)?;
+    let started = Instant::now();
+    let mut vm = Vm::start(VmOptions {
+        io_threads: 1,
+        ..VmOptions::new(
+            template_memory(settings),
+            uffd_pager::pager::RamKind::Anon,
+            dir.join("disk"),
+            dir.join("ram"),
+        )
+    })?;
+    let script = format!("fill {} random seed=1; digest", settings.working_set);
+    let out = vm.exec(&vmm::script::parse(&script)?)?;
+    let digest = out
+        .get(1)
+        .and_then(|o| o.digest.clone())
+        .ok_or("the template's VM printed no digest")?;
+    let snap = dir.join("snapshot");
+    vm.snapshot(&snap, None)?;
+    drop(vm);
+    eprintln!(
+        "sandbox_report: template of {} MiB holding {} made in {:.1} s",
+        template_memory(settings) >> 20,
+        settings.working_set,
+        started.elapsed().as_secs_f64()
+    );
+    Ok(TemplateSnapshot { dir: snap, digest })
+}
+
+/// Every round of one layout, and its report.
+fn run_layout(settings: &Settings, tmp: &Path, bench_run: &common::host::BenchRun) -> Res<()> {
+    let started = Instant::now();
+    let layout = settings.layout;
     eprintln!(
         "sandbox_report: {} round(s) of {} sandboxes × {} iterations ({} s idle) in {} MiB, \
-         managed and unmanaged; {}",
+         modes {}; {}",
         settings.runs,
         settings.sandboxes,
         settings.iterations,
         settings.idle.as_secs(),
         settings.budget_mib,
+        layout
+            .modes()
+            .iter()
+            .map(|m| m.key())
+            .collect::<Vec<_>>()
+            .join(", "),
         settings.daemon.display()
     );
     let mut results = Results::new(settings.runs);
     let mut memory = Vec::new();
     for round in 0..settings.runs {
         let round_started = Instant::now();
-        let mut modes = Mode::ALL;
-        modes.rotate_left(round % Mode::ALL.len());
+        let mut modes = layout.modes().to_vec();
+        let turn = round % modes.len();
+        modes.rotate_left(turn);
         for mode in modes {
-            let dir = tmp.path.join(format!("{}-{round}", mode.key()));
-            let outcome = client::run(&settings, mode, &dir)?;
+            let index = layout.modes().iter().position(|m| *m == mode).unwrap_or(0);
+            let dir = tmp.join(format!("m{index}-{round}"));
+            let outcome = client::run(settings, mode, &dir)?;
             eprintln!(
                 "sandbox_report: round {}, {}: {}",
                 round + 1,
@@ -172,27 +326,26 @@ fn run_bench() -> Res<()> {
         }
         common::end_round("sandbox_report", &mut results, round, round_started);
     }
-    drop(tmp);
-    report::derive(&mut results);
-    let verdicts = report::verdicts(&results, &settings);
+    report::derive(&mut results, layout);
+    let verdicts = report::verdicts(&results, settings);
     for v in &verdicts {
         eprintln!("sandbox_report: {}: {} ({})", v.target, v.result, v.figure);
     }
     if !settings.write_docs {
-        report::smoke_checks(&results, &settings)?;
+        report::smoke_checks(&results, settings)?;
     }
     let outputs = [
         ("csv", results.csv(&common::results::KEY_RUN_CSV)),
-        ("svg", report::chart(&memory, &settings)?),
+        ("svg", report::chart(&memory, settings)?),
         (
             "md",
-            report::markdown(&results, &verdicts, &settings, &bench_run),
+            report::markdown(&results, &verdicts, settings, bench_run),
         ),
     ];
     common::finish(
         "sandbox_report",
         settings.write_docs,
-        "sandbox",
+        layout.stem(),
         &outputs,
         started,
     )

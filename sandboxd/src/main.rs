@@ -108,6 +108,32 @@ struct Cli {
     stop_on_exit: bool,
 }
 
+/// The most bytes of a Unix socket's path (`sun_path` less its closing NUL).
+const SOCKET_PATH_MAX: usize = 107;
+
+/// Refuses a state directory so deep that its VMs' sockets could not be bound: each sandbox's
+/// VM binds `STATE/vms/ID/control.sock` through a staging directory beside it, and a path
+/// over [`SOCKET_PATH_MAX`] bytes would fail every sandbox's start, not the daemon's.
+fn check_socket_depth(state: &std::path::Path) -> Result<(), String> {
+    // The longest: a sandbox id, and the staging directory of a 7-digit pid's millionth bind.
+    let deepest = state
+        .join("vms")
+        .join("sb-000000000000")
+        .join(".sock-4194304-999999")
+        .join("s");
+    let len = deepest.as_os_str().len();
+    if len > SOCKET_PATH_MAX {
+        return Err(format!(
+            "--state {}: too deep for the sandboxes' VMs to bind their sockets under it (paths \
+             of up to {len} bytes, over the {SOCKET_PATH_MAX} a Unix socket's path may have): \
+             give a state directory at most {} bytes long",
+            state.display(),
+            state.as_os_str().len() - (len - SOCKET_PATH_MAX)
+        ));
+    }
+    Ok(())
+}
+
 /// `--idle-offload` and `--admission-timeout`: a whole number of seconds or minutes (`30s`,
 /// `5m`; `0`: never, or not at all).
 fn parse_idle(text: &str) -> Result<Duration, String> {
@@ -199,6 +225,7 @@ fn serve(cli: Cli) -> MainResult {
         return Err("--admission-reserve must be less than --memory-budget".into());
     }
     let state = std::path::absolute(&cli.state).map_err(|e| format!("--state: {e}"))?;
+    check_socket_depth(&state)?;
     let remote = remote_options(cli.s3_endpoint.clone(), &state);
     let templates = sandboxd::templates::Templates::new(cli.vm_memory, &cli.template, &remote)?;
     let store = Store::open(&cli.state)?;

@@ -550,6 +550,16 @@ fn sandbox_pauses_at_once_and_a_delete_during_a_resume_are_race_free() {
 }
 
 #[test]
+fn daemon_refuses_a_state_directory_too_deep_for_its_vms_sockets() {
+    let dir = tempfile::tempdir().unwrap();
+    // Deep enough that STATE/vms/ID/control.sock would be over a socket path's 107 bytes.
+    let deep = dir.path().join("d".repeat(100)).join("state");
+    let stderr = common::refusal(&deep, &[], &[]);
+    assert!(stderr.contains("too deep"), "{stderr}");
+    assert!(!deep.exists(), "the refused state directory was made");
+}
+
+#[test]
 fn daemon_refuses_to_start_without_a_key_or_off_loopback_without_auth() {
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
