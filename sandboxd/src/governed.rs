@@ -89,21 +89,7 @@ impl Room {
     /// The budget as the governor's `status` has it (`remainder`: what it expects an offload
     /// to leave resident).
     fn of(status: &policy::Status, remainder: u64) -> Room {
-        let reclaimable = status
-            .vms
-            .iter()
-            .filter(|vm| vm.order.is_none())
-            .map(|vm| match vm.state {
-                // Between commands, or waiting for a model: an offload takes all but a
-                // remainder.
-                VmState::Idle | VmState::Waiting { .. } => {
-                    vm.charge.saturating_sub(vm.overhead + remainder)
-                }
-                // Its limit beyond its resident is a reservation the governor revokes.
-                VmState::Offloaded => vm.limit.unwrap_or(0).saturating_sub(vm.resident),
-                VmState::Running => 0,
-            })
-            .sum();
+        let reclaimable = status.vms.iter().map(|vm| reclaimable(vm, remainder)).sum();
         Room {
             budget: status.budget,
             high: status.high_bytes,
@@ -112,6 +98,23 @@ impl Room {
             vms: status.vms.len(),
             joined: status.vms.iter().map(|vm| vm.name.clone()).collect(),
         }
+    }
+}
+
+/// What an offload or a revocation could take from `vm` now (`remainder`: what an offload
+/// leaves resident).
+fn reclaimable(vm: &policy::VmStatus, remainder: u64) -> u64 {
+    if vm.order.is_some() {
+        return 0;
+    }
+    match vm.state {
+        // Between commands, or waiting for a model: an offload takes all but a remainder.
+        VmState::Idle | VmState::Waiting { .. } => {
+            vm.charge.saturating_sub(vm.overhead + remainder)
+        }
+        // Its limit beyond its resident is a reservation the governor revokes.
+        VmState::Offloaded => vm.limit.unwrap_or(0).saturating_sub(vm.resident),
+        VmState::Running => 0,
     }
 }
 
@@ -235,6 +238,22 @@ impl Governed {
     /// The budget now, as the governor sees it.
     pub fn room(&self) -> Room {
         self.reading().0
+    }
+
+    /// The budget now, and for each VM by name what it holds and cannot give back now (its
+    /// charge less what is reclaimable) and its overhead.
+    pub fn holdings(&self) -> (Room, std::collections::HashMap<String, (u64, u64)>) {
+        let (room, status) = self.reading();
+        let remainder = self.config.offload_remainder;
+        let each = status
+            .vms
+            .iter()
+            .map(|vm| {
+                let held = vm.charge.saturating_sub(reclaimable(vm, remainder));
+                (vm.name.clone(), (held, vm.overhead))
+            })
+            .collect();
+        (room, each)
     }
 
     /// The budget now and the governor's whole status (for `GET /metrics`).

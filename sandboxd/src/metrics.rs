@@ -70,6 +70,9 @@ pub struct Metrics {
     pub idle_offloads: AtomicU64,
     /// Commands started.
     pub commands: AtomicU64,
+    /// Commands of sandboxes offloaded while idle that waited for room in the budget before
+    /// their VM came back (see `sandboxes::gate`).
+    pub commands_waited: AtomicU64,
     /// Resumes asked for through the API, by how long the VM took to come back.
     pub resumes: Histogram,
     /// Sandboxes offloaded while idle brought back for a command, by how long that took (the
@@ -127,7 +130,7 @@ impl Metrics {
             "The sum of pvisor_sandbox_memory_charged_bytes.",
         );
         let _ = writeln!(out, "pvisor_sandboxes_memory_charged_bytes {total}");
-        let counters: [(&str, &AtomicU64, &str); 6] = [
+        let counters: [(&str, &AtomicU64, &str); 7] = [
             (
                 "pvisor_sandbox_requests_rate_limited_total",
                 &self.rate_limited,
@@ -157,6 +160,11 @@ impl Metrics {
                 "pvisor_sandbox_commands_total",
                 &self.commands,
                 "Commands started.",
+            ),
+            (
+                "pvisor_sandbox_commands_waited_total",
+                &self.commands_waited,
+                "Commands that waited for room in the memory budget before their idle-offloaded VM came back.",
             ),
         ];
         for (name, value, text) in counters {

@@ -17,7 +17,10 @@ use crate::store::{Record, Store, StoreError, VmRef};
 use crate::vm::{self, VmError};
 
 mod adopt;
+mod gate;
 mod idle;
+
+pub use idle::CommandHold;
 mod measure;
 
 /// Errors of a sandbox operation.
@@ -176,6 +179,8 @@ pub struct Sandboxes {
     table: Mutex<HashMap<String, Slot>>,
     /// One permit per idle offload in progress ([`idle::AT_ONCE`]).
     idle_slots: Arc<tokio::sync::Semaphore>,
+    /// Commands of idle-offloaded sandboxes admitted by memory.
+    gate: Arc<gate::Gate>,
     /// What `GET /metrics` counts.
     pub metrics: Metrics,
 }

@@ -173,3 +173,59 @@ fn budget_admits_by_memory_charged_and_sandboxes_take_turns_in_it() {
     );
     assert_eq!(oom_kills(&daemon), 0);
 }
+
+#[test]
+fn commands_of_idle_offloaded_sandboxes_wait_for_room_then_run_whole() {
+    if skip() {
+        return;
+    }
+    // 128 MiB, 115 under the governor's high watermark: two working sets of 64 MiB, each
+    // offloaded while idle, cannot come back at once beside the VMs' floors.
+    let daemon = Daemon::start(&[
+        "--memory-budget",
+        "128MiB",
+        "--admission-reserve",
+        "16MiB",
+        "--idle-offload",
+        "1s",
+    ]);
+    let ids: Vec<String> = (0..2)
+        .map(|_| {
+            let id = daemon.create("");
+            daemon.wait_ready(&id);
+            id
+        })
+        .collect();
+    let digests: Vec<String> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| {
+            let script = format!("fill 64MiB random seed={i}; digest");
+            let (stdout, code) = outcome(&daemon.command(id, &script));
+            assert_eq!(code, 0, "{stdout:?}");
+            stdout[1]["digest"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while metric(&daemon, "pvisor_sandbox_idle_offloads_total") < 2.0 {
+        assert!(Instant::now() < deadline, "{}", daemon.log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Both at once: the second waits for the first to have its memory back and be done,
+    // then runs; both find their data.
+    std::thread::scope(|scope| {
+        for (id, digest) in ids.iter().zip(&digests) {
+            let daemon = &daemon;
+            scope.spawn(move || {
+                let (stdout, code) = outcome(&daemon.command(id, "digest"));
+                assert_eq!(code, 0, "{stdout:?}");
+                assert_eq!(stdout[0]["digest"].as_str().unwrap(), digest);
+            });
+        }
+    });
+    assert!(
+        metric(&daemon, "pvisor_sandbox_commands_waited_total") >= 1.0,
+        "{}",
+        daemon.log()
+    );
+}

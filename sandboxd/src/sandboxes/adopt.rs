@@ -221,6 +221,7 @@ impl Sandboxes {
             templates,
             table: Mutex::new(table),
             idle_slots: Arc::new(tokio::sync::Semaphore::new(idle::AT_ONCE)),
+            gate: Arc::default(),
             metrics: Metrics::default(),
         }
     }

@@ -26,6 +26,14 @@ pub(super) struct Use {
     pub offloading: bool,
 }
 
+/// What a command holds while it runs: its permit among the sandbox's commands, and its
+/// admission by memory if its sandbox was offloaded while idle.
+#[derive(Debug)]
+pub struct CommandHold {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    _admitted: Option<super::gate::Admitted>,
+}
+
 impl super::Slot {
     /// Its VM, when it is `Running`, not offloaded nor being offloaded, with no command in
     /// flight, and has been so for `idle`.
@@ -102,6 +110,28 @@ impl Sandboxes {
         }
     }
 
+    /// Waits (first come, first served, at most the admission timeout) until the budget has
+    /// room for what `id`'s idle-offloaded VM will bring back: what it offloaded, or at the
+    /// least its learned peak less its overhead (see [`super::gate`]).
+    async fn admit_command(&self, id: &str) -> Option<super::gate::Admitted> {
+        let (_, status) = self.governed.reading();
+        let vm = status.vms.iter().find(|vm| vm.name == id)?;
+        let need = vm.offloaded_bytes.max(vm.peak.saturating_sub(vm.overhead));
+
+        if need == 0 {
+            return None;
+        }
+        let bound = self.limits.admission_timeout;
+        let asked = Instant::now();
+        let read = || self.governed.holdings();
+        let (admitted, waited) = self.gate.admit(id, need, bound, read).await;
+        if waited {
+            self.metrics.commands_waited.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(%id, need, ms = asked.elapsed().as_millis(), "waited for room to come back");
+        }
+        Some(admitted)
+    }
+
     /// Offloads `id`'s VM, suspended, for idle offload.
     async fn offload_now(&self, id: &str, vm: VmRef) {
         let started = Instant::now();
@@ -162,16 +192,20 @@ impl Sandboxes {
         }
     }
 
-    /// The record of `id` and, when it is `Running`, its VM with a permit to run a command in
+    /// The record of `id` and, when it is `Running`, its VM with what lets a command run in
     /// it (held until the command is over), the VM brought back first if the daemon offloaded
-    /// it while idle.
+    /// it while idle, once the budget has room for what it will bring back.
     pub async fn command_vm(
         &self,
         id: &str,
-    ) -> Result<(Record, Option<(VmRef, tokio::sync::OwnedSemaphorePermit)>), SandboxError> {
+    ) -> Result<(Record, Option<(VmRef, CommandHold)>), SandboxError> {
         let (record, vm) = self.running_vm(id)?;
         let Some((vm, permit)) = vm else {
             return Ok((record, None));
+        };
+        let mut permit = CommandHold {
+            _permit: permit,
+            _admitted: None,
         };
         self.used(id);
         // Offloaded, or being offloaded now (then its lock is held until the VM is out).
@@ -182,6 +216,7 @@ impl Sandboxes {
         if !out {
             return Ok((record, Some((vm, permit))));
         }
+        permit._admitted = self.admit_command(id).await;
         // The first command after an idle offload resumes the VM; others wait for it.
         let ops = self.ops(id)?;
         let _op = ops.lock().await;
