@@ -19,13 +19,8 @@
 //! kernel's OOM kills in it, and how many sandboxes the budget held (admitted and every
 //! iteration right).
 //!
-//! `SANDBOX_BENCH_TEMPLATE=1` runs the template layout instead (issue 37 item 6; report
-//! `docs/bench/sandbox-template.md`): the bench first snapshots a 512 MiB VM that filled the
-//! working set, the daemon serves it as a template, and each sandbox starts with that working
-//! set restored from the snapshot and reads it; three modes: `template-shared` (its pages
-//! shared through KSM, `--share-template-pages`, under the governor, no idle offload),
-//! `template` (managed as `managed` is) and `template-unmanaged`. A smoke run tries both
-//! layouts.
+//! `SANDBOX_BENCH_TEMPLATE=1` runs the template layout (issue 37 item 6, `docs/bench/sandbox-
+//! template.md`; see `Layout::Template` and the modes); a smoke run tries both layouts.
 //!
 //! `SANDBOX_BENCH_TRACE=FILE` appends one line per command (`sandbox,id,iteration,at_s,
 //! first_output_ms`) to FILE, to see where the slow ones fall.

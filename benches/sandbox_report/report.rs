@@ -78,11 +78,7 @@ pub fn derive(results: &mut Results, layout: Layout) {
 }
 
 fn judged(met: bool) -> &'static str {
-    if met {
-        "met"
-    } else {
-        "missed"
-    }
+    ["missed", "met"][usize::from(met)]
 }
 
 /// The targets of issue 37, judged on the median round (and every round for OOM kills), for
