@@ -291,12 +291,7 @@ fn run_layout(settings: &Settings, tmp: &Path, bench_run: &common::host::BenchRu
         settings.iterations,
         settings.idle.as_secs(),
         settings.budget_mib,
-        layout
-            .modes()
-            .iter()
-            .map(|m| m.key())
-            .collect::<Vec<_>>()
-            .join(", "),
+        report::modes_text(layout),
         settings.daemon.display()
     );
     let mut results = Results::new(settings.runs);

@@ -150,7 +150,7 @@ pub fn smoke_checks(results: &Results, settings: &Settings) -> Res<()> {
 }
 
 /// The layout's modes, as a chart's title names them.
-fn modes_text(layout: Layout) -> String {
+pub fn modes_text(layout: Layout) -> String {
     let keys: Vec<&str> = layout.modes().iter().map(|m| m.key()).collect();
     match keys.split_last() {
         Some((last, [])) => (*last).to_owned(),

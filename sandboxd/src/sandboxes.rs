@@ -19,9 +19,9 @@ use crate::vm::{self, VmError};
 mod adopt;
 mod gate;
 mod idle;
+mod measure;
 
 pub use idle::CommandHold;
-mod measure;
 
 /// Errors of a sandbox operation.
 #[derive(Debug, thiserror::Error)]

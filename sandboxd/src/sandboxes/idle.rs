@@ -87,7 +87,7 @@ impl Sandboxes {
             .collect();
         due.sort_by_key(|d| std::cmp::Reverse(d.0));
         for (_, id, ops) in due {
-            let Ok(slot) = Arc::clone(&self.idle_slots).try_acquire_owned() else {
+            let Ok(permit) = Arc::clone(&self.idle_slots).try_acquire_owned() else {
                 return;
             };
             let Ok(op) = ops.try_lock_owned() else {
@@ -105,7 +105,7 @@ impl Sandboxes {
             let this = Arc::clone(self);
             tokio::spawn(async move {
                 this.offload_now(&id, vm).await;
-                drop((op, slot));
+                drop((op, permit));
             });
         }
     }
@@ -117,7 +117,6 @@ impl Sandboxes {
         let (_, status) = self.governed.reading();
         let vm = status.vms.iter().find(|vm| vm.name == id)?;
         let need = vm.offloaded_bytes.max(vm.peak.saturating_sub(vm.overhead));
-
         if need == 0 {
             return None;
         }
@@ -139,21 +138,19 @@ impl Sandboxes {
             offload: true,
             ram_file: None,
         };
-        let result = tokio::task::spawn_blocking(move || vm::call(&vm, method)).await;
-        if let Ok(Ok(_)) = result {
-            // Offloaded before no longer offloading: a pause or command meanwhile sees one.
-            self.set_offloaded(id, true);
-            self.mark_offloading(id, false);
-            self.metrics.idle_offloads.fetch_add(1, Ordering::Relaxed);
-            tracing::info!(%id, ms = started.elapsed().as_millis(), "offloaded while idle");
-            return;
-        }
-        self.mark_offloading(id, false);
-        match result {
-            Ok(Ok(_)) => {}
+        match tokio::task::spawn_blocking(move || vm::call(&vm, method)).await {
+            Ok(Ok(_)) => {
+                // Offloaded before no longer offloading: a pause or command meanwhile sees one.
+                self.set_offloaded(id, true);
+                self.mark_offloading(id, false);
+                self.metrics.idle_offloads.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(%id, ms = started.elapsed().as_millis(), "offloaded while idle");
+                return;
+            }
             Ok(Err(e)) => tracing::warn!(%id, "idle offload: {}", basics::error_chain(&e)),
             Err(e) => tracing::warn!(%id, "idle offload: {e}"),
         }
+        self.mark_offloading(id, false);
         // Tried again after another idle time, not at once: a VM that cannot offload now
         // (its store full, say) should not take a slot from every check.
         self.used(id);
@@ -203,7 +200,7 @@ impl Sandboxes {
         let Some((vm, permit)) = vm else {
             return Ok((record, None));
         };
-        let mut permit = CommandHold {
+        let mut hold = CommandHold {
             _permit: permit,
             _admitted: None,
         };
@@ -214,9 +211,9 @@ impl Sandboxes {
             .get(id)
             .is_some_and(|s| s.used.offloaded || s.used.offloading);
         if !out {
-            return Ok((record, Some((vm, permit))));
+            return Ok((record, Some((vm, hold))));
         }
-        permit._admitted = self.admit_command(id).await;
+        hold._admitted = self.admit_command(id).await;
         // The first command after an idle offload resumes the VM; others wait for it.
         let ops = self.ops(id)?;
         let _op = ops.lock().await;
@@ -253,6 +250,6 @@ impl Sandboxes {
                 }
             }
         }
-        Ok((record, Some((vm, permit))))
+        Ok((record, Some((vm, hold))))
     }
 }
