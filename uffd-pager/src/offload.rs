@@ -35,20 +35,22 @@
 //! hit it. 2 MiB batches cost 49–66% more time (index commits); 16 and 32 MiB save at most 8%
 //! for 1.7× and 3× the memory.
 
-use std::cell::RefCell;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use compressed_backing::bulk::{self, BlockSource, BulkOptions};
-use compressed_backing::{
-    CodecConfig, DiskStore, Durability, StoreConfig, StoreError, StoreReader, StoreStats,
-};
+use compressed_backing::bulk::{self, BulkOptions};
+use compressed_backing::{CodecConfig, DiskStore, Durability, StoreConfig, StoreError, StoreStats};
 
 use crate::addr::{HostRange, PAGE_SIZE};
 use crate::pager::{Pager, RamKind, Region, Shared};
-use crate::source::PageSource;
 use crate::state::PageState;
+
+mod clean;
+mod compose;
+
+pub(crate) use clean::StoredHashes;
+use compose::{resident_block, resident_or_zero_block, Composer};
 
 /// Store metadata key of the recorded working set (block indices, little-endian u64).
 pub const WORKING_SET_KEY: &str = "working-set";
@@ -123,6 +125,8 @@ impl Default for Batching {
 pub struct OffloadReport {
     /// Blocks written to the store.
     pub blocks_written: u64,
+    /// Blocks the store held already as they were (see `clean`): dropped, not written.
+    pub blocks_clean: u64,
     /// Resident pages written (and then dropped).
     pub pages_dropped: u64,
     /// Payload bytes written for those blocks.
@@ -226,114 +230,10 @@ impl OffloadError {
     }
 }
 
-thread_local! {
-    /// Per-thread buffers for the old stored block, the restore block and the pooled block of
-    /// a mixed block.
-    static COMPOSE: RefCell<(Vec<u8>, Vec<u8>, Vec<u8>)> =
-        const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
-}
-
-/// Builds each block to write from its pages' current homes: resident pages from memory,
-/// stored pages from the store as it was, restore pages from the restore image, zeros.
-struct Composer<'a> {
-    shared: &'a Shared,
-    stored: &'a StoreReader,
-}
-
-impl BlockSource for Composer<'_> {
-    fn prepare(&self, block_bytes: usize) {
-        COMPOSE.with(|scratch| {
-            let (old, restore, pooled) = &mut *scratch.borrow_mut();
-            for buf in [old, restore, pooled] {
-                buf.resize(block_bytes, 0);
-            }
-        });
-    }
-
-    fn block<'s>(&'s self, block: u64, buf: &mut [u8]) -> std::io::Result<Option<&'s [u8]>> {
-        let shared = self.shared;
-        let first = block * shared.block_size.pages() as u64;
-        let len = buf.len();
-        let pages = len as u64 / PAGE_SIZE;
-        // A block that is wholly resident in one region is encoded from guest memory as it is.
-        if let Some(region) = shared.region_of_page(first) {
-            if region.pages().contains(&(first + pages - 1))
-                && shared.table.all(first..first + pages, PageState::Resident)
-            {
-                let view = region.view_of(first).expect("checked before the offload");
-                let start = view.as_ptr().cast::<u8>().cast_const();
-                // SAFETY: the region's view is mapped for the pager's lifetime (checked before
-                // the offload), which outlives `self`; the pages are resident, so reading them
-                // does not fault into the pager, and they stay resident until the offload's
-                // write is done (drops come after); the VM is paused, so nothing writes them
-                // while the slice lives.
-                return Ok(Some(unsafe { std::slice::from_raw_parts(start, len) }));
-            }
-        }
-        COMPOSE.with(|scratch| {
-            let (old, restore, pooled) = &mut *scratch.borrow_mut();
-            let (mut have_old, mut have_restore, mut have_pooled) = (false, false, false);
-            for page in first..first + pages {
-                let at = ((page - first) * PAGE_SIZE) as usize;
-                let dst = &mut buf[at..at + PAGE_SIZE as usize];
-                match shared.table.get(page) {
-                    PageState::Resident | PageState::Dropping => {
-                        let region = shared
-                            .region_of_page(page)
-                            .expect("a resident page lies in a region");
-                        let view = region.view_of(page).expect("checked before the offload");
-                        let src = view.as_ptr().cast::<u8>().cast_const();
-                        // SAFETY: the region's view is mapped for the pager's lifetime and the
-                        // page is resident, so reading it does not fault into the pager; the
-                        // VM is paused, so nothing writes it meanwhile.
-                        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
-                    }
-                    PageState::Stored => {
-                        if !have_old {
-                            old.resize(len, 0);
-                            self.stored.get(block, old).map_err(std::io::Error::other)?;
-                            have_old = true;
-                        }
-                        dst.copy_from_slice(&old[at..at + PAGE_SIZE as usize]);
-                    }
-                    PageState::Source => {
-                        if !have_restore {
-                            let source = shared.restore.as_ref().ok_or_else(|| {
-                                std::io::Error::other("a restore-state page without a source")
-                            })?;
-                            restore.resize(len, 0);
-                            let offset = block * shared.block_size.bytes_u64();
-                            source
-                                .read(offset, restore, &mut 0)
-                                .map_err(std::io::Error::other)?;
-                            have_restore = true;
-                        }
-                        dst.copy_from_slice(&restore[at..at + PAGE_SIZE as usize]);
-                    }
-                    PageState::Pooled => {
-                        if !have_pooled {
-                            let pool = shared.pool.get().ok_or_else(|| {
-                                std::io::Error::other("a pooled page without a pool")
-                            })?;
-                            pooled.resize(len, 0);
-                            let offset = block * shared.block_size.bytes_u64();
-                            pool.read(offset, pooled, &mut 0)
-                                .map_err(std::io::Error::other)?;
-                            have_pooled = true;
-                        }
-                        dst.copy_from_slice(&pooled[at..at + PAGE_SIZE as usize]);
-                    }
-                    PageState::Zero => dst.fill(0),
-                }
-            }
-            Ok::<(), std::io::Error>(())
-        })?;
-        Ok(None)
-    }
-}
-
 fn open_store(config: &OffloadConfig, shared: &Shared) -> Result<DiskStore, OffloadError> {
     let mut store = open_or_create(config, shared)?;
+    // A store opened anew holds nothing this pager knows of.
+    shared.stored_hashes.clear();
     // Every block read back goes into guest RAM: a cached copy of it would only double the
     // memory the offload gave back (and be charged to the VM's memory cgroup).
     store.set_drop_behind(true);
@@ -495,6 +395,33 @@ impl Pager {
                     || shared.table.any(pages_of(b), PageState::Pooled)
             })
             .collect();
+        // Blocks the store holds as they are cost only their drop (see `clean`), first.
+        shared.stored_hashes.begin(config.durability);
+        let mut scratch = Vec::new();
+        let clean: Vec<u64> = blocks
+            .iter()
+            .copied()
+            .filter(|&b| {
+                let len = shared.block_size.len_in_image(b, shared.image_size);
+                // SAFETY: the VM is paused and nothing drops pages until this filter is done;
+                // the slice lives only while it is hashed.
+                if let Some(bytes) = unsafe { resident_block(shared, b, len) } {
+                    return shared.stored_hashes.holds(b, bytes);
+                }
+                // Resident pages beside never-touched ones, which read as zeros.
+                // SAFETY: as above, while the block is copied into `scratch`.
+                let composed = unsafe { resident_or_zero_block(shared, b, len, &mut scratch) };
+                composed && shared.stored_hashes.holds(b, &scratch)
+            })
+            .collect();
+        if !clean.is_empty() {
+            blocks.retain(|b| clean.binary_search(b).is_err());
+            let dropping = Instant::now();
+            let dropped = self.drop_resident(&clean, progress.batches);
+            progress.drop_time += dropping.elapsed();
+            progress.dropped += dropped?;
+        }
+        shared.stored_hashes.forget(&blocks);
         let batch_blocks = batching.blocks(shared.block_size.bytes_u64());
         // The working set is the VM's, for its own offload.
         let working_set = if only.is_none() {
@@ -621,6 +548,7 @@ impl Pager {
         let elapsed = started.elapsed();
         Ok(OffloadReport {
             blocks_written: report.blocks + passed.len() as u64,
+            blocks_clean: clean.len() as u64,
             pages_dropped: progress.dropped,
             stored_bytes: report.stored_bytes,
             tag_blocks: report.zero_blocks + report.fill_blocks,
@@ -645,6 +573,7 @@ impl Pager {
         turn()
             .commit_uncached()
             .map_err(|e| progress.store_error(e))?;
+        self.shared().stored_hashes.committed(blocks);
         progress.batches += 1;
         let dropping = Instant::now();
         let dropped = self.drop_resident(blocks, progress.batches);

@@ -283,6 +283,8 @@ pub(crate) struct Shared {
     /// Where `states` lives when it must outlive the process; its read marker brackets every
     /// read of events until the read's discards are in the table.
     pub journal: Option<Arc<Journal>>,
+    /// What the offload store holds already, block by block (see `offload::clean`).
+    pub(crate) stored_hashes: crate::offload::StoredHashes,
 }
 
 /// What the pager tells a layer above it (cold compression) of the guest's accesses it sees.
@@ -554,6 +556,7 @@ impl Pager {
             dropped_lock: Mutex::new(()),
             on_error,
             journal,
+            stored_hashes: crate::offload::StoredHashes::new(),
         });
         let mut threads = Vec::new();
         for index in 0..config.threads.max(1) {
