@@ -28,11 +28,12 @@ const MAX_CHUNK_BYTES: u64 = 4 << 20;
 /// How long a load waiting for room under the resident limit sleeps before it looks again.
 pub const LIMIT_WAIT: Duration = Duration::from_millis(1);
 
-/// How long a prefetch thread sleeps before it looks again whether the faults it gave way to
-/// are served. It used to yield the CPU (`sched_yield`) instead, which is a busy wait: with 64
-/// sandboxes resuming on 2 cores the prefetch threads spent 16% of all CPU time spinning
-/// there (`perf record -a`, 2026-12-07), time the fault threads they waited for needed.
-pub const FAULT_WAIT: Duration = Duration::from_micros(50);
+/// The longest a prefetch thread waits for the faults in flight to be served before it looks
+/// again. It waits on a condition variable the fault threads signal when the last one is
+/// served. It used to yield the CPU (`sched_yield`) in a loop instead, a busy wait: with 64
+/// sandboxes resuming on 2 cores the prefetch threads spent 16% of all CPU time spinning there
+/// (`perf record -a`, 2026-12-07), time the fault threads they waited for needed.
+pub const FAULT_WAIT: Duration = Duration::from_millis(1);
 
 /// How to bring offloaded RAM back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -336,16 +337,14 @@ fn eager(shared: &Shared, blocks: &[u64], threads: usize) -> Result<u64, LoadErr
 }
 
 /// Lets pending faults go first: sleeps [`LIMIT_WAIT`] while faults are held at the resident
-/// limit (the room is theirs), [`FAULT_WAIT`] while others are pending; false if none are.
+/// limit (the room is theirs), until the others are served (at most [`FAULT_WAIT`]) while
+/// they are pending; false if none are.
 fn yield_to_faults(shared: &Shared) -> bool {
     if shared.metrics.held_now.load(Ordering::Relaxed) > 0 {
         std::thread::sleep(LIMIT_WAIT);
         true
-    } else if shared.faults_in_flight.load(Ordering::Relaxed) > 0 {
-        std::thread::sleep(FAULT_WAIT);
-        true
     } else {
-        false
+        shared.wait_for_no_faults(FAULT_WAIT)
     }
 }
 

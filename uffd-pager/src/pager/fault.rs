@@ -169,7 +169,7 @@ impl Shared {
                 };
                 match result {
                     Ok(Attempt::Resolved) => {
-                        self.faults_in_flight.fetch_sub(1, Ordering::Relaxed);
+                        self.fault_done();
                         if let Some(at) = fault.held_since {
                             let us = u64::try_from(at.elapsed().as_micros()).unwrap_or(u64::MAX);
                             self.metrics.held_us.fetch_add(us, Ordering::Relaxed);
@@ -213,7 +213,7 @@ impl Shared {
                         return;
                     }
                     Err(e) => {
-                        self.faults_in_flight.fetch_sub(1, Ordering::Relaxed);
+                        self.fault_done();
                         let counter = if e.is_ignored() {
                             &self.metrics.events_ignored
                         } else {

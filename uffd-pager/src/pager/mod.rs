@@ -17,6 +17,7 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use basics::PageSize;
 use compressed_backing::BlockSize;
@@ -242,8 +243,12 @@ pub(crate) struct Shared {
     pub restore: Option<Arc<dyn PageSource>>,
     pub store: StoreSource,
     pub metrics: Metrics,
-    /// Faults read and not yet resolved (the prefetcher yields while this is non-zero).
+    /// Faults read and not yet resolved (the prefetcher gives way while this is non-zero).
     pub faults_in_flight: AtomicU64,
+    /// Signalled when `faults_in_flight` falls to zero (a prefetch thread waits on it;
+    /// `no_faults_lock` orders the two).
+    pub(crate) no_faults: parking_lot::Condvar,
+    pub(crate) no_faults_lock: Mutex<()>,
     /// The blocks being read from a source now, one reader each.
     pub(crate) fetches: fetch::Fetches,
     /// Ranges marked to come back together (see [`ahead`]).
@@ -308,6 +313,34 @@ impl Drop for EvictionHold<'_> {
 }
 
 impl Shared {
+    /// A fault read is resolved (or failed): one fewer in flight, and the prefetch threads
+    /// waiting for none are woken when that was the last.
+    pub(crate) fn fault_done(&self) {
+        if self.faults_in_flight.fetch_sub(1, Ordering::Relaxed) == 1 {
+            let _ordered = self.no_faults_lock.lock();
+            self.no_faults.notify_all();
+        }
+    }
+
+    /// Waits until no fault is in flight, or `at_most` passed; false if none was.
+    pub(crate) fn wait_for_no_faults(&self, at_most: Duration) -> bool {
+        if self.faults_in_flight.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
+        let deadline = Instant::now() + at_most;
+        let mut ordered = self.no_faults_lock.lock();
+        while self.faults_in_flight.load(Ordering::Relaxed) > 0 {
+            if self
+                .no_faults
+                .wait_until(&mut ordered, deadline)
+                .timed_out()
+            {
+                break;
+            }
+        }
+        true
+    }
+
     /// Attaches the memory pool as the tier of `Pooled` pages and `observer` to the accesses
     /// the fault threads see; false if one is attached already.
     pub(crate) fn attach_pool(
@@ -538,6 +571,8 @@ impl Pager {
             store: StoreSource::empty(),
             metrics: Metrics::default(),
             faults_in_flight: AtomicU64::new(0),
+            no_faults: parking_lot::Condvar::new(),
+            no_faults_lock: Mutex::new(()),
             fetches: fetch::Fetches::new(blocks),
             together: ahead::Together::default(),
             stride: stride::Stride::new(huge),
