@@ -204,7 +204,10 @@ counters! {
         fault_errors,
         /// Pages written to the store by offloads.
         pages_offloaded,
-        /// Pages dropped from memory after a durable offload.
+        /// Pages an offload dropped without writing them: their blocks were in the store as
+        /// they are (see `offload::clean`).
+        pages_clean,
+        /// Pages dropped from memory after a durable offload (written or clean).
         pages_dropped,
         /// Faults held at the resident limit at least once (see [`crate::limit`]).
         faults_held,

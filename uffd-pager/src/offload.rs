@@ -414,12 +414,14 @@ impl Pager {
                 composed && shared.stored_hashes.holds(b, &scratch)
             })
             .collect();
+        let mut clean_pages = 0;
         if !clean.is_empty() {
             blocks.retain(|b| clean.binary_search(b).is_err());
             let dropping = Instant::now();
             let dropped = self.drop_resident(&clean, progress.batches);
             progress.drop_time += dropping.elapsed();
-            progress.dropped += dropped?;
+            clean_pages = dropped?;
+            progress.dropped += clean_pages;
         }
         shared.stored_hashes.forget(&blocks);
         let batch_blocks = batching.blocks(shared.block_size.bytes_u64());
@@ -537,12 +539,15 @@ impl Pager {
             let store = turn();
             (store.stats(), store.syncs() - syncs_before)
         };
-        shared
-            .metrics
+        let metrics = &shared.metrics;
+        let written = progress.dropped - clean_pages;
+        metrics
             .pages_offloaded
-            .fetch_add(progress.dropped, Ordering::Relaxed);
-        shared
-            .metrics
+            .fetch_add(written, Ordering::Relaxed);
+        metrics
+            .pages_clean
+            .fetch_add(clean_pages, Ordering::Relaxed);
+        metrics
             .pages_dropped
             .fetch_add(progress.dropped, Ordering::Relaxed);
         let elapsed = started.elapsed();

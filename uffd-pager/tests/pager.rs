@@ -438,6 +438,9 @@ fn pager_offload_after_a_read_only_resume_writes_nothing_and_every_byte_comes_ba
         );
         assert_eq!(again.pages_dropped, first.pages_dropped, "{again:?}");
         assert_eq!(again.stored_bytes, 0, "{again:?}");
+        let counted = pager.metrics().snapshot();
+        assert_eq!(counted.pages_clean, again.pages_dropped);
+        assert_eq!(counted.pages_offloaded, first.pages_dropped);
         assert_eq!(ram.resident(), 0);
         // Back lazily; one byte changed in each of three blocks, one block's page zeroed
         // back to what a never-touched page reads as: only those four are written.

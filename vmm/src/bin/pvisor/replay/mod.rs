@@ -448,6 +448,8 @@ fn run_replay(
     // And what the waits of each source (model, download, read) and the I/O came to.
     let mut sources = serde_json::Map::new();
     let mut io = serde_json::Map::new();
+    // And what the offloads wrote and what they only dropped (their pagers' counters).
+    let mut offloaded = serde_json::Map::new();
     let mut held_s = Vec::new();
     for vm in &vms {
         let stats = call(vm, Method::Stats).ok();
@@ -466,6 +468,12 @@ fn run_replay(
             add_numbers(&mut wait, &stats["wait"]);
             add_numbers(&mut sources, &stats["sources"]);
             add_numbers(&mut io, &stats["io"]);
+            for key in ["pages_offloaded", "pages_clean"] {
+                add_numbers(
+                    &mut offloaded,
+                    &serde_json::json!({ key: stats["pager"][key] }),
+                );
+            }
         }
     }
     // Which VMs the kernel's OOM killer killed, from their cgroups' counters (read before
@@ -610,6 +618,7 @@ fn run_replay(
         "wait": wait,
         "sources": sources,
         "io": io,
+        "offloaded_pages": offloaded,
         "memory_budget_bytes": budget,
         "oom_killed": oom_killed,
         "oom_kills": oom_kills.iter().sum::<u64>(),
@@ -660,6 +669,17 @@ fn run_replay(
             n("skipped_for_gain"),
             n("failed_offloads"),
             n("failed_loads"),
+        );
+    }
+    let pages = |k: &str| offloaded.get(k).and_then(serde_json::Value::as_u64);
+    if let (Some(written), Some(clean)) = (pages("pages_offloaded"), pages("pages_clean")) {
+        #[allow(clippy::cast_precision_loss, reason = "pages of one run")]
+        let mib = |pages: u64| (pages * uffd_pager::addr::PAGE_SIZE) as f64 / f64::from(1 << 20);
+        basics::say!(
+            "  offloads, all VMs: {:.1} MiB written, {:.1} MiB dropped clean (the store held \
+             it as it was)",
+            mib(written),
+            mib(clean)
         );
     }
     if !sources.is_empty() {
