@@ -197,6 +197,70 @@ impl CpuTimes {
     }
 }
 
+/// The disk under `target/` (where the benches' stores live) and the machine's I/O stalls,
+/// as counters: how busy the disk was and how much moved while a bench ran. A store's speed
+/// drifts with the host's disk as its CPU figures drift with the host's CPUs.
+#[derive(Debug, Clone)]
+pub struct IoTimes {
+    /// The block device holding `target/` (`/proc/diskstats`): its name, milliseconds it was
+    /// doing I/O, and sectors (512 bytes) read and written; `None` if it cannot be told.
+    disk: Option<(String, u64, u64, u64)>,
+    /// Microseconds in which some task was stalled on I/O (`/proc/pressure/io`, `some`).
+    stall_us: Option<u64>,
+}
+
+impl IoTimes {
+    pub fn now() -> Self {
+        use procfs::Current;
+        use std::os::unix::fs::MetadataExt;
+        let disk = fs::metadata(target_dir()).ok().and_then(|meta| {
+            let dev = meta.dev();
+            let (major, minor) = (libc::major(dev), libc::minor(dev));
+            procfs::diskstats().ok()?.into_iter().find_map(|d| {
+                (u32::try_from(d.major) == Ok(major) && u32::try_from(d.minor) == Ok(minor))
+                    .then_some((
+                        d.name,
+                        d.time_in_progress,
+                        d.sectors_read,
+                        d.sectors_written,
+                    ))
+            })
+        });
+        let stall_us = procfs::IoPressure::current().ok().map(|p| p.some.total);
+        Self { disk, stall_us }
+    }
+
+    /// What moved since `then`, over `wall_s` seconds: `the disk under target/ (NAME) busy P%
+    /// of the time, W GiB written, R GiB read; some task stalled on I/O S% of the time`, the
+    /// parts that could be read; `None` if neither could.
+    fn since(&self, then: &Self, wall_s: f64) -> Option<String> {
+        let gib = |sectors: u64| sectors as f64 * 512.0 / f64::from(1u32 << 30);
+        let pct = |part: f64| 100.0 * part / wall_s.max(1e-9);
+        let disk = match (&self.disk, &then.disk) {
+            (Some((name, busy, read, written)), Some((before, busy0, read0, written0)))
+                if name == before =>
+            {
+                Some(format!(
+                    "the disk under target/ ({name}) busy {:.0}% of the time, {:.2} GiB written, \
+                     {:.2} GiB read",
+                    pct(busy.saturating_sub(*busy0) as f64 / 1e3),
+                    gib(written.saturating_sub(*written0)),
+                    gib(read.saturating_sub(*read0)),
+                ))
+            }
+            _ => None,
+        };
+        let stall = self.stall_us.zip(then.stall_us).map(|(now, before)| {
+            format!(
+                "some task stalled on I/O {:.0}% of the time (`/proc/pressure/io`)",
+                pct(now.saturating_sub(before) as f64 / 1e6)
+            )
+        });
+        let parts: Vec<String> = disk.into_iter().chain(stall).collect();
+        (!parts.is_empty()).then(|| parts.join("; "))
+    }
+}
+
 /// Clock ticks per second of `/proc/stat`.
 pub fn ticks_per_second() -> f64 {
     procfs::ticks_per_second().max(1) as f64
@@ -224,6 +288,7 @@ pub struct BenchRun {
     pub date: String,
     began: Instant,
     cpu: Option<CpuTimes>,
+    io: Option<IoTimes>,
     kept: Option<Kept>,
 }
 
@@ -253,6 +318,7 @@ impl BenchRun {
             date: utc_now(),
             began: Instant::now(),
             cpu: CpuTimes::now(),
+            io: Some(IoTimes::now()),
             kept: None,
         }
     }
@@ -284,6 +350,7 @@ impl BenchRun {
             date,
             began: Instant::now(),
             cpu: None,
+            io: None,
             kept: Some(Kept {
                 elapsed_s,
                 cpu_line: line(CPU_USED)
@@ -346,9 +413,14 @@ impl BenchRun {
             }
         } else if let Some((then, now)) = self.cpu.zip(CpuTimes::now()) {
             let s = |from: u64, to: u64| to.saturating_sub(from) as f64 / ticks_per_second();
+            let io = self
+                .io
+                .as_ref()
+                .and_then(|then| IoTimes::now().since(then, self.elapsed_s()))
+                .map_or(String::new(), |io| format!("; {io}"));
             out.push_str(&format!(
                 "{CPU_USED} (`/proc/stat`): the whole machine {:.1} s of the {:.0} s its {} CPUs had while the \
-                 bench ran, this bench process {:.1} s, stolen by the host {:.1} s.\n",
+                 bench ran, this bench process {:.1} s, stolen by the host {:.1} s{io}.\n",
                 s(then.busy, now.busy),
                 self.elapsed_s() * m.nproc as f64,
                 m.nproc,
@@ -409,16 +481,14 @@ mod tests {
         let mut run = BenchRun::begin();
         run.machine.cpu = "Intel(R) Xeon(R) CPU @ 2.20GHz".to_owned();
         run.machine.commit = "2a9156b (with uncommitted changes in the work tree)".to_owned();
-        let report = format!(
-            "# T\n\n{}\n## Method\n\n{}",
-            run.generated("b", 5),
-            run.machine_markdown()
-        );
+        // Written once: its CPU and I/O shares change from one reading to the next.
+        let machine = run.machine_markdown();
+        let report = format!("# T\n\n{}\n## Method\n\n{machine}", run.generated("b", 5));
 
         let kept = BenchRun::kept(&report, "2026-12-05 10:00 UTC".to_owned()).expect("kept");
 
         assert_eq!(kept.date, run.date);
-        assert_eq!(kept.machine_markdown(), run.machine_markdown());
+        assert_eq!(kept.machine_markdown(), machine);
         let generated = kept.generated("b", 5);
         assert!(generated.contains("Re-rendered on 2026-12-05 10:00 UTC"));
         let (head, tail) = generated
@@ -460,5 +530,38 @@ mod tests {
     fn bench_run_kept_without_a_generated_line_says_so() {
         let err = BenchRun::kept("# T\n", "x".into()).expect_err("no line");
         assert!(err.contains("Generated by"));
+    }
+
+    #[test]
+    fn io_times_say_how_busy_the_disk_was_and_what_moved() {
+        let then = IoTimes {
+            disk: Some(("vda".into(), 1_000, 0, 0)),
+            stall_us: Some(5_000_000),
+        };
+        let now = IoTimes {
+            disk: Some(("vda".into(), 31_000, 1 << 21, 3 << 21)),
+            stall_us: Some(20_000_000),
+        };
+
+        assert_eq!(
+            now.since(&then, 100.0).as_deref(),
+            Some(
+                "the disk under target/ (vda) busy 30% of the time, 3.00 GiB written, 1.00 GiB \
+                 read; some task stalled on I/O 15% of the time (`/proc/pressure/io`)"
+            )
+        );
+        let unknown = IoTimes {
+            disk: None,
+            stall_us: None,
+        };
+        assert_eq!(unknown.since(&then, 100.0), None);
+        // Readings of another device are not subtracted.
+        let other = IoTimes {
+            disk: Some(("vdb".into(), 9, 9, 9)),
+            stall_us: None,
+        };
+        assert_eq!(other.since(&then, 100.0), None);
+        // What this machine gives is read without failing.
+        let _ = IoTimes::now().since(&IoTimes::now(), 1.0);
     }
 }
