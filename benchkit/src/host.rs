@@ -230,9 +230,11 @@ impl IoTimes {
         Self { disk, stall_us }
     }
 
-    /// What moved since `then`, over `wall_s` seconds: `the disk under target/ (NAME) busy P%
-    /// of the time, W GiB written, R GiB read; some task stalled on I/O S% of the time`, the
-    /// parts that could be read; `None` if neither could.
+    /// What moved since `then`, over `wall_s` seconds: `the disk under target/ (NAME) had I/O
+    /// in flight P% of the time, W GiB written, R GiB read; some task stalled on I/O S% of the
+    /// time`, the parts that could be read; `None` if neither could. (A disk that serves many
+    /// requests at once may have I/O in flight all the time without being saturated; a
+    /// `target/` on overlayfs, btrfs or tmpfs names no block device, and its part is left out.)
     fn since(&self, then: &Self, wall_s: f64) -> Option<String> {
         let gib = |sectors: u64| sectors as f64 * 512.0 / f64::from(1u32 << 30);
         let pct = |part: f64| 100.0 * part / wall_s.max(1e-9);
@@ -241,7 +243,7 @@ impl IoTimes {
                 if name == before =>
             {
                 Some(format!(
-                    "the disk under target/ ({name}) busy {:.0}% of the time, {:.2} GiB written, \
+                    "the disk under target/ ({name}) had I/O in flight {:.0}% of the time, {:.2} GiB written, \
                      {:.2} GiB read",
                     pct(busy.saturating_sub(*busy0) as f64 / 1e3),
                     gib(written.saturating_sub(*written0)),
@@ -546,7 +548,7 @@ mod tests {
         assert_eq!(
             now.since(&then, 100.0).as_deref(),
             Some(
-                "the disk under target/ (vda) busy 30% of the time, 3.00 GiB written, 1.00 GiB \
+                "the disk under target/ (vda) had I/O in flight 30% of the time, 3.00 GiB written, 1.00 GiB \
                  read; some task stalled on I/O 15% of the time (`/proc/pressure/io`)"
             )
         );

@@ -127,7 +127,7 @@ pub struct OffloadReport {
     pub blocks_written: u64,
     /// Blocks the store held already as they were (see `clean`): dropped, not written.
     pub blocks_clean: u64,
-    /// Resident pages written (and then dropped).
+    /// Resident pages dropped: those written, and those of clean blocks.
     pub pages_dropped: u64,
     /// Payload bytes written for those blocks.
     pub stored_bytes: u64,

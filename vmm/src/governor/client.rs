@@ -452,8 +452,12 @@ impl Shared {
                 let guest_pss_bytes = (now >= next_pss && !still)
                     .then(|| {
                         next_pss = now + self.config.pss_every;
-                        pss_read = Some((now, resident_bytes));
-                        self.control.guest_pss_bytes()
+                        let pss = self.control.guest_pss_bytes();
+                        // A failed reading is tried again at the next `pss_every`.
+                        if pss.is_some() {
+                            pss_read = Some((now, resident_bytes));
+                        }
+                        pss
                     })
                     .flatten();
                 self.send(ToGovernor::Reading {
