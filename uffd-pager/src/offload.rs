@@ -287,6 +287,20 @@ struct Progress {
 }
 
 impl Progress {
+    /// `pages` left memory, `clean` (their blocks were in the store as they are) or written:
+    /// counted here and in the pager's counters at once, so that an offload failing later
+    /// still counts what it dropped.
+    fn dropped(&mut self, metrics: &crate::metrics::Metrics, pages: u64, clean: bool) {
+        self.dropped += pages;
+        let kind = if clean {
+            &metrics.pages_clean
+        } else {
+            &metrics.pages_offloaded
+        };
+        kind.fetch_add(pages, Ordering::Relaxed);
+        metrics.pages_dropped.fetch_add(pages, Ordering::Relaxed);
+    }
+
     fn store_error(&self, source: StoreError) -> OffloadError {
         OffloadError::Store {
             batches: self.batches,
@@ -414,14 +428,12 @@ impl Pager {
                 composed && shared.stored_hashes.holds(b, &scratch)
             })
             .collect();
-        let mut clean_pages = 0;
         if !clean.is_empty() {
             blocks.retain(|b| clean.binary_search(b).is_err());
             let dropping = Instant::now();
             let dropped = self.drop_resident(&clean, progress.batches);
             progress.drop_time += dropping.elapsed();
-            clean_pages = dropped?;
-            progress.dropped += clean_pages;
+            progress.dropped(&shared.metrics, dropped?, true);
         }
         shared.stored_hashes.forget(&blocks);
         let batch_blocks = batching.blocks(shared.block_size.bytes_u64());
@@ -539,17 +551,6 @@ impl Pager {
             let store = turn();
             (store.stats(), store.syncs() - syncs_before)
         };
-        let metrics = &shared.metrics;
-        let written = progress.dropped - clean_pages;
-        metrics
-            .pages_offloaded
-            .fetch_add(written, Ordering::Relaxed);
-        metrics
-            .pages_clean
-            .fetch_add(clean_pages, Ordering::Relaxed);
-        metrics
-            .pages_dropped
-            .fetch_add(progress.dropped, Ordering::Relaxed);
         let elapsed = started.elapsed();
         Ok(OffloadReport {
             blocks_written: report.blocks + passed.len() as u64,
@@ -583,8 +584,9 @@ impl Pager {
         let dropping = Instant::now();
         let dropped = self.drop_resident(blocks, progress.batches);
         progress.drop_time += dropping.elapsed();
-        progress.dropped += dropped?;
-        progress.dropped += self.retire_pooled(blocks);
+        let metrics = &self.shared().metrics;
+        progress.dropped(metrics, dropped?, false);
+        progress.dropped(metrics, self.retire_pooled(blocks), false);
         Ok(())
     }
 

@@ -641,6 +641,17 @@ fn pager_offload_that_fails_half_way_leaves_memory_intact() {
     }
     let resident_pages = written[committed as usize..].iter().filter(|&&w| w).count();
     assert_eq!(ram.resident(), resident_pages * PAGE_SIZE as usize);
+    // What it dropped before failing is counted: written, none clean.
+    let counted = pager.metrics().snapshot();
+    let dropped = written[..committed as usize].iter().filter(|&&w| w).count() as u64;
+    assert_eq!(
+        (
+            counted.pages_offloaded,
+            counted.pages_dropped,
+            counted.pages_clean
+        ),
+        (dropped, dropped, 0)
+    );
     // Every byte is there: the stored pages are served from the store on fault.
     let copies = pager.metrics().snapshot().pages_copied;
     for (page, want) in expect.chunks(PAGE_SIZE as usize).enumerate() {
