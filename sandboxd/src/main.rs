@@ -108,8 +108,7 @@ struct Cli {
     stop_on_exit: bool,
 }
 
-/// The most bytes of a Unix socket's path (`sun_path` less its closing NUL).
-const SOCKET_PATH_MAX: usize = 107;
+use uffd_pager::socket::SOCKET_PATH_MAX;
 
 /// Refuses a state directory so deep that its VMs' sockets could not be bound: each sandbox's
 /// VM binds `STATE/vms/ID/control.sock` through a staging directory beside it, and a path

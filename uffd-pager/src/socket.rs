@@ -43,6 +43,9 @@ pub fn announce(path: &Path) -> io::Result<()> {
 /// `AlreadyExists`, so that a wrong path never destroys a file. The returned listener is
 /// blocking, close-on-exec.
 pub fn bind_private(path: &Path) -> io::Result<UnixListener> {
+    // Clients connect to `path` itself: it must fit a socket address as well as the staging
+    // path it is bound at.
+    fits_socket_address(path, path)?;
     match std::fs::symlink_metadata(path) {
         Ok(meta) if meta.file_type().is_socket() => {
             if UnixStream::connect(path).is_ok() {
@@ -68,10 +71,34 @@ pub fn bind_private(path: &Path) -> io::Result<UnixListener> {
     remove_stale_staging(parent);
     let staging = Staging::create(parent)?;
     let temp = staging.dir.join("s");
+    fits_socket_address(path, &temp)?;
     let listener = UnixListener::bind(&temp)?;
     std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(0o600))?;
     std::fs::rename(&temp, path)?;
     Ok(listener)
+}
+
+/// The most bytes a Unix socket's path may have (`sun_path` less its closing NUL).
+pub const SOCKET_PATH_MAX: usize = 107;
+
+/// `InvalidInput`, naming `path` and saying how long it may be, when `bound` (the path
+/// itself, or the staging path it is bound at) is over [`SOCKET_PATH_MAX`] bytes; the kernel's
+/// own refusal names neither.
+fn fits_socket_address(path: &Path, bound: &Path) -> io::Result<()> {
+    let len = bound.as_os_str().len();
+    if len <= SOCKET_PATH_MAX {
+        return Ok(());
+    }
+    let over = len - SOCKET_PATH_MAX;
+    Err(io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!(
+            "cannot bind a socket at {}: binding it takes a path of {len} bytes ({}), over the \
+             {SOCKET_PATH_MAX} a Unix socket's path may have; give a path {over} bytes shorter",
+            path.display(),
+            bound.display(),
+        ),
+    ))
 }
 
 /// How old one of this process's own staging directories must be to count as left behind
@@ -420,6 +447,37 @@ mod tests {
         drop(live);
         let _again = bind_private(&path).unwrap();
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn bind_private_refuses_a_path_too_long_for_a_socket_saying_so() {
+        let dir = tempfile::tempdir().unwrap();
+        // A directory whose socket `z` fits, but not its staging path (`.sock-PID-N/s`).
+        let deep = dir
+            .path()
+            .join("y".repeat(SOCKET_PATH_MAX - 2 - dir.path().as_os_str().len() - 1));
+        std::fs::create_dir(&deep).unwrap();
+        let path = deep.join("z");
+        assert_eq!(path.as_os_str().len(), SOCKET_PATH_MAX);
+        let err = bind_private(&path).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{err}");
+        assert!(
+            err.to_string().contains(".sock-"),
+            "names the staging path: {err}"
+        );
+        assert!(err.to_string().contains("bytes shorter"), "{err}");
+        // Too long itself.
+        let err = bind_private(&deep.join("zz")).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{err}");
+        assert!(
+            err.to_string()
+                .contains(&format!("{} bytes", SOCKET_PATH_MAX + 1)),
+            "{err}"
+        );
+        // Nothing is left behind, staging included.
+        assert_eq!(std::fs::read_dir(&deep).unwrap().count(), 0);
+        // A path that fits, staging and all, binds.
+        assert!(bind_private(&dir.path().join("z")).is_ok());
     }
 
     #[test]
