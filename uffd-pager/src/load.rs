@@ -11,7 +11,10 @@
 //! [`LIMIT_WAIT`] (until the limit is raised or removed, or pages are discarded or offloaded).
 //! The prefetcher also waits while faults are held, so that room goes to them first, and stops
 //! waiting as soon as it is stopped or the pager is dropped. An eager load waits the same way
-//! (until the owner of the memory exits): under a limit that nobody raises it does not return.
+//! (until the owner of the memory exits), and, since no fault of the stopped VM asks for room,
+//! it asks itself: while the limit keeps it from its next block it counts the pages it has left
+//! as held and reports the shortfall to the limit's owner, as a held fault does (`EagerNeed`).
+//! Under a limit that nobody raises it does not return.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -299,8 +302,60 @@ pub(crate) enum Busy {
     Wait,
 }
 
+/// An eager load's claim on room under the resident limit. A held fault asks the limit's
+/// owner (a governor) for room; an eager load runs with the vCPUs stopped, so no fault would
+/// ask for it, and a load waiting under a limit nobody raises would wait forever. So while it
+/// waits it counts the stored pages it has yet to install as held and reports the shortfall,
+/// as a held fault does; it counts nothing once it is done, or while no limit is set.
+struct EagerNeed<'a> {
+    shared: &'a Shared,
+    /// Pages counted as held now.
+    held: parking_lot::Mutex<u64>,
+}
+
+impl<'a> EagerNeed<'a> {
+    fn new(shared: &'a Shared) -> Self {
+        Self {
+            shared,
+            held: parking_lot::Mutex::new(0),
+        }
+    }
+
+    /// The load waits (for room, or for a block another thread reads): if the limit keeps
+    /// it from installing its next block, counts what it has left as held and reports the
+    /// shortfall; else counts nothing (a hold that is not one would set off the governor
+    /// client's fail-safe for holds that last).
+    fn waiting(&self) {
+        let limit = &self.shared.limit;
+        let resident = self.shared.table.resident();
+        let mut held = self.held.lock();
+        limit.held_changed(*held, 0);
+        let block = self.shared.block_size.pages() as u64;
+        let short = limit.shortfall(resident.saturating_add(block)) > 0;
+        *held = if short {
+            self.shared.table.count(PageState::Stored)
+        } else {
+            0
+        };
+        limit.held_changed(0, *held);
+        let shortfall = limit.shortfall(resident);
+        drop(held);
+        if short && shortfall > 0 {
+            limit.report(shortfall);
+        }
+    }
+}
+
+impl Drop for EagerNeed<'_> {
+    fn drop(&mut self) {
+        let held = *self.held.lock();
+        self.shared.limit.held_changed(held, 0);
+    }
+}
+
 /// Installs every stored page of `blocks` with `threads` workers; returns the pages filled.
 fn eager(shared: &Shared, blocks: &[u64], threads: usize) -> Result<u64, LoadError> {
+    let need = EagerNeed::new(shared);
     let next = AtomicUsize::new(0);
     let results: Vec<Result<u64, LoadError>> = std::thread::scope(|scope| {
         let workers: Vec<_> = (0..threads.max(1))
@@ -318,7 +373,10 @@ fn eager(shared: &Shared, blocks: &[u64], threads: usize) -> Result<u64, LoadErr
                             PageState::Stored,
                             &mut buf,
                             Busy::Wait,
-                            &|| shared.owner_gone.load(Ordering::Relaxed),
+                            &|| {
+                                need.waiting();
+                                shared.owner_gone.load(Ordering::Relaxed)
+                            },
                         )?;
                     }
                 })

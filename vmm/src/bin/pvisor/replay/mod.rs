@@ -21,6 +21,7 @@ use vmm::stats::MemoryCgroup;
 use crate::CliResult;
 
 mod teardown;
+mod text;
 
 use teardown::{call, oom_kills_of, watch_signals, Teardown};
 
@@ -624,98 +625,7 @@ fn run_replay(
         "oom_kills": oom_kills.iter().sum::<u64>(),
         "governor": governor_status,
     });
-    basics::say!(
-        "replay {}: {} VM(s), {}: window {:.2} s, memory charged×time {:.4} GiB·s per task \
-         (guest PSS×time {:.4}), {} samples (largest gap {:.3} s, {} dropped); integrity {}",
-        trajectory.name,
-        n,
-        args.strategy,
-        window,
-        charged_per_task,
-        guest_per_task,
-        integrity.samples,
-        integrity.largest_gap_s,
-        integrity.dropped,
-        if passed { "passed" } else { "FAILED" }
-    );
-    basics::say!(
-        "  harness: {} sampling threads, a tick {:.2} ms mean, {:.2} ms p99, {:.2} ms max \
-         ({} PSS readings), {:.2} s CPU; this process {:.2} s CPU in all, the VMs {:.2} s",
-        harness.threads,
-        harness.tick_mean_ms,
-        harness.tick_p99_ms,
-        harness.tick_max_ms,
-        harness.pss_reads,
-        harness.cpu_s,
-        cpu["replay_s"].as_f64().unwrap_or(0.0),
-        cpu["vms_s"].as_f64().unwrap_or(0.0),
-    );
-    if !wait.is_empty() {
-        let n = |k: &str| wait.get(k).and_then(serde_json::Value::as_u64).unwrap_or(0);
-        basics::say!(
-            "  wait management, all VMs: {} pauses, {} offloads ({} ms in all), {} warm-ups, {} \
-             batches delivered ({:.1} ms after they became deliverable on average, {} over 20 \
-             ms), skipped {} for the cooldown, {} for the guest's timer, {} as not paying; {} \
-             failed offloads, {} failed loads",
-            n("pauses"),
-            n("offloads"),
-            n("offload_ms"),
-            n("warms"),
-            n("batches"),
-            n("batch_delay_us") as f64 / 1e3 / n("batches").max(1) as f64,
-            n("batches_late"),
-            n("skipped_for_cooldown"),
-            n("skipped_for_timer"),
-            n("skipped_for_gain"),
-            n("failed_offloads"),
-            n("failed_loads"),
-        );
-    }
-    let pages = |k: &str| offloaded.get(k).and_then(serde_json::Value::as_u64);
-    if let (Some(written), Some(clean)) = (pages("pages_offloaded"), pages("pages_clean")) {
-        #[allow(clippy::cast_precision_loss, reason = "pages of one run")]
-        let mib = |pages: u64| (pages * uffd_pager::addr::PAGE_SIZE) as f64 / f64::from(1 << 20);
-        basics::say!(
-            "  offloads, all VMs: {:.1} MiB written, {:.1} MiB dropped clean (the store held \
-             it as it was)",
-            mib(written),
-            mib(clean)
-        );
-    }
-    if !sources.is_empty() {
-        let part = |name: &str| {
-            let s = &sources[name];
-            let n = |k: &str| s[k].as_u64().unwrap_or(0);
-            format!(
-                "{name} {} waits, {:.1} s, {} offloads (skipped {} for the cooldown, {} as not \
-                 paying), {} parts handed over early ({} over 20 ms)",
-                n("waits"),
-                s["wait_s"].as_f64().unwrap_or(0.0),
-                n("offloads"),
-                n("skipped_for_cooldown"),
-                n("skipped_for_gain"),
-                n("batches"),
-                n("batches_late"),
-            )
-        };
-        basics::say!(
-            "  waits by source, all VMs: {}; {}; {}",
-            part("model"),
-            part("download"),
-            part("read")
-        );
-    }
-    if let Some(status) = &governor_status {
-        basics::say!(
-            "  memory governor: {}",
-            status
-                .get("decisions")
-                .map_or_else(|| status.to_string(), ToString::to_string)
-        );
-    }
-    for failure in summary["failures"].as_array().into_iter().flatten() {
-        basics::say!("  {}", failure.as_str().unwrap_or_default());
-    }
+    text::print(&summary)?;
     if args.json {
         basics::say!("{summary}");
     }
