@@ -430,10 +430,7 @@ impl Pager {
             .collect();
         if !clean.is_empty() {
             blocks.retain(|b| clean.binary_search(b).is_err());
-            let dropping = Instant::now();
-            let dropped = self.drop_resident(&clean, progress.batches);
-            progress.drop_time += dropping.elapsed();
-            progress.dropped(&shared.metrics, dropped?, true);
+            self.drop_counted(&clean, &mut progress, true)?;
         }
         shared.stored_hashes.forget(&blocks);
         let batch_blocks = batching.blocks(shared.block_size.bytes_u64());
@@ -581,12 +578,24 @@ impl Pager {
             .map_err(|e| progress.store_error(e))?;
         self.shared().stored_hashes.committed(blocks);
         progress.batches += 1;
+        self.drop_counted(blocks, progress, false)?;
+        let retired = self.retire_pooled(blocks);
+        progress.dropped(&self.shared().metrics, retired, false);
+        Ok(())
+    }
+
+    /// [`drop_resident`](Self::drop_resident), timed and counted in `progress` (as `clean`
+    /// or written).
+    fn drop_counted(
+        &self,
+        blocks: &[u64],
+        progress: &mut Progress,
+        clean: bool,
+    ) -> Result<(), OffloadError> {
         let dropping = Instant::now();
         let dropped = self.drop_resident(blocks, progress.batches);
         progress.drop_time += dropping.elapsed();
-        let metrics = &self.shared().metrics;
-        progress.dropped(metrics, dropped?, false);
-        progress.dropped(metrics, self.retire_pooled(blocks), false);
+        progress.dropped(&self.shared().metrics, dropped?, clean);
         Ok(())
     }
 

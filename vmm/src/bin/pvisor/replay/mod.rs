@@ -469,12 +469,14 @@ fn run_replay(
             add_numbers(&mut wait, &stats["wait"]);
             add_numbers(&mut sources, &stats["sources"]);
             add_numbers(&mut io, &stats["io"]);
-            for key in ["pages_offloaded", "pages_clean"] {
-                add_numbers(
-                    &mut offloaded,
-                    &serde_json::json!({ key: stats["pager"][key] }),
-                );
-            }
+            let pager = &stats["pager"];
+            add_numbers(
+                &mut offloaded,
+                &serde_json::json!({
+                    "pages_offloaded": pager["pages_offloaded"],
+                    "pages_clean": pager["pages_clean"],
+                }),
+            );
         }
     }
     // Which VMs the kernel's OOM killer killed, from their cgroups' counters (read before
