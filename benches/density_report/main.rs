@@ -42,7 +42,7 @@
 //! (`DENSITY_BENCH_REPORT=NAME`: `docs/bench/NAME.*`, for a sweep that is not the issue's, such
 //! as a few strategies at one budget).
 //! Run without `--bench` (`cargo test --bench density_report`), it runs its unit tests, then a
-//! smoke run (6 steps, 1 and 2 VMs, off and off+zram, 512 MiB, one round; no report; then the same sweep
+//! smoke run (4 steps, 1 and 2 VMs, off and off+zram, 512 MiB, one round; no report; then the same sweep
 //! again from the runs it kept, which must run nothing and judge alike), skipped when
 //! `target/release/pvisor` is missing or stale or with `PVISOR_SKIP_DEVICE_TESTS=1`;
 //! `cargo test --bench density_report -- --unit` runs the unit tests only.
@@ -195,7 +195,7 @@ fn settings(tmp: &Path) -> Res<Result<Settings, String>> {
     let bench = common::is_bench_run();
     let quick = bench && std::env::var_os("DENSITY_BENCH_QUICK").is_some_and(|v| v == "1");
     let (rounds, budgets, vms, steps, strategies) = if !bench {
-        (1, "512MiB", "1,2", 6, "off,off+zram")
+        (1, "512MiB", "1,2", 4, "off,off+zram")
     } else if quick {
         (1, "512MiB", "1,2,4,6,8", 12, "off,offload")
     } else {

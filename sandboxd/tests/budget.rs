@@ -47,6 +47,11 @@ fn metric(daemon: &Daemon, name: &str) -> f64 {
         .unwrap_or_else(|| panic!("no `{name}` in\n{text}"))
 }
 
+/// How many VMs the daemon's governor counts.
+fn governed(daemon: &Daemon) -> f64 {
+    metric(daemon, "pvisor_governor_vms")
+}
+
 #[test]
 fn budget_admits_by_memory_charged_and_sandboxes_take_turns_in_it() {
     if skip() {
@@ -141,29 +146,50 @@ fn budget_admits_by_memory_charged_and_sandboxes_take_turns_in_it() {
     }
     daemon.kill();
     daemon.respawn_with(&["--admission-timeout", "60s"]);
-    let waiting = {
-        let (addr, body) = (daemon.addr.clone(), BODY.to_owned());
-        std::thread::spawn(move || {
-            let asked = Instant::now();
-            let answer = common::request(
-                &addr,
-                "POST",
-                "/v1/sandboxes",
-                &[("OPEN-SANDBOX-API-KEY", common::KEY)],
-                Some(&body),
-            );
-            (answer.status, asked.elapsed(), answer.text())
+    // Once every VM has joined the new daemon's governor (one still joining is counted at a
+    // whole start's need, more than it holds), creates until one waits: the VMs' charges moved
+    // while no daemon watched them (a dozen more sandboxes may fit now). A create that finds
+    // room is answered at once, its VM starting after.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while governed(&daemon) < admitted.len() as f64 {
+        assert!(Instant::now() < deadline, "VMs not back: {}", daemon.log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let waiting = (0..64)
+        .find_map(|_| {
+            let (addr, body) = (daemon.addr.clone(), BODY.to_owned());
+            let create = std::thread::spawn(move || {
+                let asked = Instant::now();
+                let answer = common::request(
+                    &addr,
+                    "POST",
+                    "/v1/sandboxes",
+                    &[("OPEN-SANDBOX-API-KEY", common::KEY)],
+                    Some(&body),
+                );
+                (answer, asked.elapsed())
+            });
+            std::thread::sleep(Duration::from_secs(1));
+            if !create.is_finished() {
+                return Some(create);
+            }
+            let (answer, _) = create.join().unwrap();
+            assert_eq!(answer.status, 202, "{}", answer.text());
+            let id = answer.json()["id"].as_str().unwrap().to_owned();
+            daemon.wait_ready(&id);
+            eprintln!("admitted after the restart: {id}");
+            admitted.push(id);
+            None
         })
-    };
-    std::thread::sleep(Duration::from_secs(2));
+        .expect("every create found room: the budget never filled");
     // Each VM left holds about 5 MiB now (offloaded, or never used): a start's 40 MiB and
     // the reserve come free when a dozen or so go.
     for id in admitted.iter().rev().take(16) {
         let deleted = daemon.api("DELETE", &format!("/v1/sandboxes/{id}"), None);
         assert_eq!(deleted.status, 204, "{}", deleted.text());
     }
-    let (status, waited, text) = waiting.join().unwrap();
-    assert_eq!(status, 202, "{text}; {}", daemon.log());
+    let (answer, waited) = waiting.join().unwrap();
+    assert_eq!(answer.status, 202, "{}; {}", answer.text(), daemon.log());
     assert!(waited >= Duration::from_secs(1), "{waited:?}");
     assert!(
         metric(
