@@ -5,14 +5,14 @@
 //! budget (`SANDBOX_BENCH_BUDGET_MIB`, 1024). Each fills a 64 MiB working set, then
 //! `SANDBOX_BENCH_ITERATIONS` (10) times waits `SANDBOX_BENCH_IDLE_S` (20) seconds idle and runs
 //! `digest`, which reads its whole working set and must find it intact; halfway it is paused
-//! and resumed through the API. Two modes run the same load: `managed` (the governor, admission
-//! by memory charged, and `--idle-offload 1s`) and `unmanaged`
-//! (`--memory-management off`: the VMs only in the budget's cgroup, nothing taken back,
-//! admission by what they are charged). A create waits up to 60 s for room, then counts as
-//! refused. Regenerates `docs/bench/sandbox.md`, `.csv` and `.svg`.
+//! and resumed through the API. Three modes run the same load: `managed` (the governor,
+//! admission by memory charged, and `--idle-offload 1s`), `managed-eager` (the same with
+//! `--idle-resume eager`) and `unmanaged` (`--memory-management off`: the VMs only in the
+//! budget's cgroup, nothing taken back, admission by what they are charged). A create waits
+//! up to 60 s for room, then counts as refused. Regenerates `docs/bench/sandbox.md`, `.csv` and `.svg`.
 //!
 //! `cargo bench --bench sandbox_report` runs `SANDBOX_BENCH_RUNS` (default 3: one round takes
-//! about 9 minutes) interleaved rounds, the order of the modes alternating. Measured by the
+//! about 13 minutes) interleaved rounds, the order of the modes alternating. Measured by the
 //! client: create (the API's answer) and ready (execd's ping) latency, resume to the first
 //! output of a command after an idle wait (p50/p99 over every iteration), pause and resume;
 //! by the bench: the budget cgroup's usage every 250 ms (memory charged × time, peak), the
@@ -53,6 +53,8 @@ mod report;
 pub enum Mode {
     /// The governor, admission by memory charged, and idle offload after a second.
     Managed,
+    /// `Managed` with `--idle-resume eager`: all memory back before an idle sandbox's command.
+    ManagedEager,
     /// `--memory-management off`.
     Unmanaged,
     /// Sandboxes of a snapshot template, its pages shared through KSM
@@ -68,6 +70,7 @@ impl Mode {
     pub fn key(self) -> &'static str {
         match self {
             Mode::Managed => "managed",
+            Mode::ManagedEager => "managed-eager",
             Mode::Unmanaged => "unmanaged",
             Mode::TemplateShared => "template-shared",
             Mode::Template => "template",
@@ -79,6 +82,7 @@ impl Mode {
     fn flags(self) -> &'static [&'static str] {
         match self {
             Mode::Managed | Mode::Template => &["--idle-offload", "1s"],
+            Mode::ManagedEager => &["--idle-offload", "1s", "--idle-resume", "eager"],
             Mode::Unmanaged | Mode::TemplateUnmanaged => &["--memory-management", "off"],
             Mode::TemplateShared => &["--share-template-pages", "--idle-offload", "0"],
         }
@@ -99,7 +103,7 @@ pub enum Layout {
 impl Layout {
     pub fn modes(self) -> &'static [Mode] {
         match self {
-            Layout::Workload => &[Mode::Managed, Mode::Unmanaged],
+            Layout::Workload => &[Mode::Managed, Mode::ManagedEager, Mode::Unmanaged],
             Layout::Template => &[
                 Mode::TemplateShared,
                 Mode::Template,

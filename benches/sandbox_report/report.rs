@@ -171,7 +171,7 @@ pub fn chart(memory: &[Samples], settings: &Settings) -> Res<String> {
             label: format!("{}: charged to the budget cgroup", mode.key()),
             stroke: Stroke::solid(match mode {
                 Mode::Managed | Mode::Template => BLUE,
-                Mode::TemplateShared => GREEN,
+                Mode::TemplateShared | Mode::ManagedEager => GREEN,
                 Mode::Unmanaged | Mode::TemplateUnmanaged => RUST,
             }),
             points: points.clone(),

@@ -85,6 +85,12 @@ struct Cli {
     /// Checked every tenth of this time (50 ms to 1 s); at most two offloads run at once.
     #[arg(long, value_name = "TIME", default_value = "60s", value_parser = parse_idle)]
     idle_offload: Duration,
+    /// How a sandbox offloaded while idle comes back for its next command: `lazy`, each page
+    /// read back as the command first touches it; `eager`, all its memory read back (in
+    /// large reads, with the VM stopped) before the command starts, which then runs without
+    /// faults.
+    #[arg(long, value_enum, value_name = "lazy|eager", default_value = "lazy")]
+    idle_resume: IdleResume,
     /// The file holding the API key clients send in `OPEN-SANDBOX-API-KEY`.
     #[arg(long, value_name = "F", required_unless_present = "no_auth")]
     api_key_file: Option<PathBuf>,
@@ -150,6 +156,13 @@ fn parse_idle(text: &str) -> Result<Duration, String> {
             .ok_or_else(bad),
         _ => Err(bad()),
     }
+}
+
+/// `--idle-resume`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum IdleResume {
+    Lazy,
+    Eager,
 }
 
 fn parse_on_off(text: &str) -> Result<bool, String> {
@@ -250,6 +263,7 @@ fn serve(cli: Cli) -> MainResult {
         admission_reserve: cli.admission_reserve,
         idle_offload: (cli.memory_management && !cli.idle_offload.is_zero())
             .then_some(cli.idle_offload),
+        eager_idle_resume: cli.idle_resume == IdleResume::Eager,
         managed: cli.memory_management,
         share_template_pages: cli.share_template_pages,
         net: vmm::net::NetOptions {

@@ -118,6 +118,9 @@ pub struct Limits {
     pub admission_reserve: u64,
     /// A running sandbox with no command for this long is offloaded (see [`idle`]).
     pub idle_offload: Option<Duration>,
+    /// A sandbox offloaded while idle comes back for its next command eagerly, all its memory
+    /// read back before the command starts (`--idle-resume eager`), not page by page.
+    pub eager_idle_resume: bool,
     /// The VMs join the memory governor (`--memory-management on`, the default); else they
     /// only run in the budget's cgroup and keep what they touch.
     pub managed: bool,

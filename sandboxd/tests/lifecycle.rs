@@ -640,20 +640,65 @@ fn eventually(within: Duration, mut ok: impl FnMut() -> bool) -> bool {
     ok()
 }
 
+/// Waits up to 20 s for the daemon's log to hold `text`.
+fn wait_for_log(daemon: &Daemon, text: &str) {
+    let found = eventually(Duration::from_secs(20), || daemon.log().contains(text));
+    assert!(found, "no `{text}` in the log: {}", daemon.log());
+}
+
+/// A new sandbox that has filled 64 MiB of random data: its id, the data's digest, its VM's
+/// pid and that VM's resident bytes.
+fn filled_sandbox(daemon: &Daemon, seed: u32) -> (String, String, u32, u64) {
+    let id = daemon.create("");
+    daemon.wait_ready(&id);
+    let fill = format!("fill 64MiB random seed={seed}; digest");
+    let (stdout, code) = outcome(&daemon.command(&id, &fill));
+    assert_eq!(code, 0);
+    let digest = stdout[1]["digest"].as_str().unwrap().to_owned();
+    let vm = daemon.vm_pid(&id);
+    let full = rss_bytes(vm);
+    assert!(full >= 64 << 20, "{full}");
+    (id, digest, vm, full)
+}
+
+#[test]
+fn idle_sandbox_resumed_eagerly_has_its_memory_back_before_its_command_reads_any() {
+    if skip() {
+        return;
+    }
+    let daemon = Daemon::start(&["--idle-offload", "2s", "--idle-resume", "eager"]);
+    let (id, digest, vm, full) = filled_sandbox(&daemon, 6);
+    wait_for_log(&daemon, "offloaded while idle");
+    assert!(rss_bytes(vm) + (48 << 20) <= full, "{}", rss_bytes(vm));
+    // A command that reads none of the working set finds it resident (a lazy resume would
+    // have brought back only what the command touched), and the log says how it came back.
+    let (_, code) = outcome(&daemon.command(&id, "sleep 1"));
+    assert_eq!(code, 0);
+    let back = rss_bytes(vm);
+    assert!(
+        back >= 64 << 20,
+        "resident {back} bytes after an eager resume"
+    );
+    let log = daemon.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("back for a command") && l.contains("eager=true")),
+        "{log}"
+    );
+    let (stdout, code) = outcome(&daemon.command(&id, "digest"));
+    assert_eq!(
+        (stdout[0]["digest"].as_str().unwrap(), code),
+        (digest.as_str(), 0)
+    );
+}
+
 #[test]
 fn idle_sandbox_is_offloaded_and_comes_back_on_its_next_command() {
     if skip() {
         return;
     }
     let mut daemon = Daemon::start(&["--idle-offload", "1s"]);
-    let id = daemon.create("");
-    daemon.wait_ready(&id);
-    let (stdout, code) = outcome(&daemon.command(&id, "fill 64MiB random seed=5; digest"));
-    assert_eq!(code, 0);
-    let digest = stdout[1]["digest"].as_str().unwrap().to_owned();
-    let vm = daemon.vm_pid(&id);
-    let full = rss_bytes(vm);
-    assert!(full >= 64 << 20, "{full}");
+    let (id, digest, vm, full) = filled_sandbox(&daemon, 5);
 
     // Idle for a second: the daemon offloads it on its own; the client still sees Running.
     assert!(
@@ -664,13 +709,7 @@ fn idle_sandbox_is_offloaded_and_comes_back_on_its_next_command() {
         daemon.log()
     );
     // (The memory goes while the offload runs; its log line comes once it is done.)
-    assert!(
-        eventually(Duration::from_secs(20), || daemon
-            .log()
-            .contains("offloaded while idle")),
-        "{}",
-        daemon.log()
-    );
+    wait_for_log(&daemon, "offloaded while idle");
     let get = daemon
         .api("GET", &format!("/v1/sandboxes/{id}"), None)
         .json();

@@ -225,15 +225,16 @@ impl Sandboxes {
         if offloaded {
             let started = Instant::now();
             let back = vm.clone();
-            let resumed = tokio::task::spawn_blocking(move || {
-                vm::call(&back, Method::Resume { eager: false })
-            })
-            .await?;
+            let eager = self.limits.eager_idle_resume;
+            let resumed =
+                tokio::task::spawn_blocking(move || vm::call(&back, Method::Resume { eager }))
+                    .await?;
             match resumed {
                 Ok(_) => {
                     self.set_offloaded(id, false);
                     self.metrics.idle_resumes.observe(started.elapsed());
-                    tracing::info!(%id, ms = started.elapsed().as_millis(), "back for a command");
+                    let ms = started.elapsed().as_millis();
+                    tracing::info!(%id, ms, eager, "back for a command");
                 }
                 Err(VmError::Ended(reason)) => {
                     self.transition(id, State::Failed, Some("VM_ENDED"), Some(reason.clone()))?;
