@@ -693,6 +693,44 @@ fn idle_sandbox_resumed_eagerly_has_its_memory_back_before_its_command_reads_any
 }
 
 #[test]
+fn idle_sandbox_whose_client_leaves_during_its_resume_still_runs_the_next_command() {
+    if skip() {
+        return;
+    }
+    // An eager resume of 256 MiB takes a while: the client leaves in the middle of it.
+    let daemon = Daemon::start(&["--idle-offload", "1s", "--idle-resume", "eager"]);
+    let id = daemon.create("");
+    daemon.wait_ready(&id);
+    let fill = "fill 256MiB random seed=7; digest";
+    let (stdout, code) = outcome(&daemon.command(&id, fill));
+    assert_eq!(code, 0);
+    let digest = stdout[1]["digest"].as_str().unwrap().to_owned();
+    wait_for_log(&daemon, "offloaded while idle");
+    let (path, token) = daemon.execd(&id);
+    let raw = testkit::http::raw_request(
+        &daemon.addr,
+        "POST",
+        &format!("{path}/command"),
+        &[("X-Pvisor-Sandbox-Token", &token)],
+        Some(r#"{"command":"digest"}"#),
+    );
+    let mut gone = std::net::TcpStream::connect(&daemon.addr).unwrap();
+    std::io::Write::write_all(&mut gone, &raw).unwrap();
+    std::thread::sleep(Duration::from_millis(30));
+    drop(gone);
+    // The resume it asked for ends, and the sandbox knows its VM is back: the next command
+    // runs (it failed with "not suspended" when the dropped request took the resume's end
+    // with it) and finds every byte.
+    let (stdout, code) = outcome(&daemon.command(&id, "digest"));
+    assert_eq!(
+        (stdout[0]["digest"].as_str().unwrap_or_default(), code),
+        (digest.as_str(), 0),
+        "{stdout:?}; {}",
+        daemon.log()
+    );
+}
+
+#[test]
 fn idle_sandbox_is_offloaded_and_comes_back_on_its_next_command() {
     if skip() {
         return;

@@ -219,3 +219,35 @@ fn daemon_stopped_with_sigterm_and_stop_on_exit_stops_its_vms_and_keeps_their_re
     assert_eq!(record["reason"], "DAEMON_STOPPED", "{record}");
     assert!(record["vm"].is_null(), "{record}");
 }
+
+#[test]
+fn restarted_daemon_adopts_a_sandbox_busy_with_a_long_command_and_keeps_its_data() {
+    if skip() {
+        return;
+    }
+    let mut daemon = Daemon::start(&["--idle-offload", "0"]);
+    let id = daemon.create("");
+    daemon.wait_ready(&id);
+    let before = fill(&daemon, &id, 9);
+    let pid = daemon.vm_pid(&id);
+    // A command that outlasts the next daemon's status deadline (10 s): the VM answers its
+    // requests one at a time, so the adoption's status waits behind it and times out.
+    let stream = daemon.open_command(&id, "sleep 13000");
+    // The stream's head is answered before the VM is asked: give the request time to reach it.
+    std::thread::sleep(Duration::from_millis(500));
+    daemon.kill();
+    drop(stream);
+    daemon.respawn();
+    // Busy, not gone: adopted as it runs (it was stopped, `VM_UNREACHABLE`, and its memory
+    // lost), the same process with the same data once the command is over.
+    let body = state_of(&daemon, &id);
+    assert_eq!(
+        body["status"]["state"],
+        "Running",
+        "{body}; {}",
+        daemon.log()
+    );
+    assert_eq!(daemon.vm_pid(&id), pid);
+    assert!(alive(pid));
+    assert_eq!(digest(&daemon, &id), before);
+}

@@ -523,10 +523,12 @@ fn second_wait(dir: &Path, warm: bool) -> (vmm::vm::VmStats, u64) {
         out[0].digest.as_deref(),
         Some(vmm::guest::digest_hex(&expected).as_str())
     );
-    // A warm-up timed to end with the answer may still be installing the last blocks.
+    // A warm-up timed to end with the answer may still be installing the last blocks (the
+    // test judges both figures: on a busy host the last 112 pages were still out once).
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     let mut stats = vm.stats();
-    while warm && stats.pages.stored >= 256 && std::time::Instant::now() < deadline {
+    let installing = |s: &vmm::vm::VmStats| s.pages.stored >= 256 || s.pages.resident < 8192;
+    while warm && installing(&stats) && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
         stats = vm.stats();
     }

@@ -101,7 +101,7 @@ fn cold_compressed_memfd_ram_unmapped_but_resident_is_charged() {
         return;
     }
     let runtime = tempfile::tempdir().unwrap();
-    let name = format!("pvisor-test/figures-{}", std::process::id());
+    let name = format!("pvisor-test-figures-{}/vm", std::process::id());
     // Random data does not compress: cold compression probes each block (unmaps it to watch
     // for a touch) and leaves it resident in the memfd.
     let vm = Detached::start(
@@ -200,7 +200,7 @@ fn offloaded_idle_vm_costs_its_floor_and_no_more() {
         return;
     }
     let runtime = tempfile::tempdir().unwrap();
-    let name = format!("pvisor-test/floor-{}", std::process::id());
+    let name = format!("pvisor-test-floor-{}/vm", std::process::id());
     let vm = Detached::start(
         runtime.path(),
         &["--cgroup", &name],

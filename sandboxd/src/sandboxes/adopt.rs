@@ -13,7 +13,9 @@
 //! | `Paused`, `Pausing`, `Resuming` | answering `offloaded` or `paused` | `Paused` |
 //! | `Running`, `Pending` | answering `offloaded` or `paused` | `Running`, offloaded while idle (its next command resumes it) |
 //! | any live state | ended | `Failed`, `VM_ENDED`, with its tombstone's reason |
-//! | any live state | alive but not answering | `Failed`, `VM_UNREACHABLE`, VM stopped |
+//! | `Pausing`, `Paused` | the recorded process, its answer not back within the status deadline (busy: a VM answers one request at a time) | `Paused` |
+//! | other live states | the same | `Running` (a long command, or a resume, holds it) |
+//! | any live state | alive but not answering (refused, or broken) | `Failed`, `VM_UNREACHABLE`, VM stopped |
 //!
 //! A VM job directory that no record names (its record was removed but the stop did not
 //! finish) has its VM stopped and its files removed: none is left orphaned.
@@ -43,6 +45,10 @@ enum Found {
     Suspended,
     /// It is gone: why.
     Ended(String),
+    /// It is the recorded process, but did not answer within the status deadline: busy
+    /// with a request of the previous daemon's that it answers first (a long command, an
+    /// eager resume).
+    Busy,
     /// Its process lives but its control socket does not answer: why.
     Unreachable(String),
 }
@@ -59,6 +65,7 @@ fn look_at(vm: &VmRef) -> Found {
             other => Found::Unreachable(format!("its status names no known state: {other:?}")),
         },
         Err(vm::VmError::Ended(reason)) => Found::Ended(reason),
+        Err(vm::VmError::Call(vmm::control::ClientError::Timeout { .. })) => Found::Busy,
         Err(e) => Found::Unreachable(basics::error_chain(&e)),
     }
 }
@@ -88,6 +95,11 @@ fn settle(state: State, found: Option<Found>) -> Settled {
             Settled::Adopted(State::Paused, false)
         }
         (Some(Found::Suspended), _) => Settled::Adopted(State::Running, true),
+        // What it is busy with ends as the record says: a pause paused, else running.
+        (Some(Found::Busy), State::Pausing | State::Paused) => {
+            Settled::Adopted(State::Paused, false)
+        }
+        (Some(Found::Busy), _) => Settled::Adopted(State::Running, false),
         (Some(Found::Ended(why)), _) => Settled::Failed("VM_ENDED", why),
         (Some(Found::Unreachable(why)), _) => Settled::Failed(
             "VM_UNREACHABLE",
@@ -247,7 +259,7 @@ mod tests {
 
     #[test]
     fn a_record_is_settled_by_what_its_vm_does_now() {
-        use Found::{Ended, Running, Suspended, Unreachable};
+        use Found::{Busy, Ended, Running, Suspended, Unreachable};
         let adopted = |s, offloaded| Settled::Adopted(s, offloaded);
         for state in [
             State::Pending,
@@ -269,6 +281,16 @@ mod tests {
                 settle(state, Some(Unreachable("timeout".into()))),
                 Settled::Failed("VM_UNREACHABLE", _)
             ));
+        }
+        // Busy with what the previous daemon asked: adopted, never stopped.
+        for (state, now) in [
+            (State::Pending, State::Running),
+            (State::Running, State::Running),
+            (State::Resuming, State::Running),
+            (State::Pausing, State::Paused),
+            (State::Paused, State::Paused),
+        ] {
+            assert_eq!(settle(state, Some(Busy)), adopted(now, false), "{state:?}");
         }
         // A pause the previous daemon did not see finish, or a resume it did not start.
         for state in [State::Pausing, State::Paused, State::Resuming] {

@@ -193,7 +193,7 @@ impl Sandboxes {
     /// it (held until the command is over), the VM brought back first if the daemon offloaded
     /// it while idle, once the budget has room for what it will bring back.
     pub async fn command_vm(
-        &self,
+        self: &Arc<Self>,
         id: &str,
     ) -> Result<(Record, Option<(VmRef, CommandHold)>), SandboxError> {
         let (record, vm) = self.running_vm(id)?;
@@ -214,43 +214,54 @@ impl Sandboxes {
             return Ok((record, Some((vm, hold))));
         }
         hold._admitted = self.admit_command(id).await;
-        // The first command after an idle offload resumes the VM; others wait for it.
-        let ops = self.ops(id)?;
-        let _op = ops.lock().await;
+        // The first command after an idle offload resumes the VM; others wait for it. The
+        // resume is a task of its own, holding the sandbox's lock: a client gone meanwhile
+        // (its request dropped) must not leave the VM running and marked offloaded.
+        let ops = self.ops(id)?.lock_owned().await;
+        let this = Arc::clone(self);
+        let (key, back) = (id.to_owned(), vm.clone());
+        let record =
+            tokio::spawn(async move { this.resume_for_command(&key, back, ops).await }).await??;
+        let running = record.state == State::Running;
+        Ok((record, running.then_some((vm, hold))))
+    }
+
+    /// Brings `id` back for a command if the daemon offloaded it while idle, under its lock
+    /// (`_op`); its record.
+    async fn resume_for_command(
+        &self,
+        id: &str,
+        vm: VmRef,
+        _op: tokio::sync::OwnedMutexGuard<()>,
+    ) -> Result<Record, SandboxError> {
         let record = self.get(id)?;
         let offloaded = self.table().get(id).is_some_and(|s| s.used.offloaded);
-        if record.state != State::Running {
-            return Ok((record, None));
+        if record.state != State::Running || !offloaded {
+            return Ok(record);
         }
-        if offloaded {
-            let started = Instant::now();
-            let back = vm.clone();
-            let eager = self.limits.eager_idle_resume;
-            let resumed =
-                tokio::task::spawn_blocking(move || vm::call(&back, Method::Resume { eager }))
-                    .await?;
-            match resumed {
-                Ok(_) => {
-                    self.set_offloaded(id, false);
-                    self.metrics.idle_resumes.observe(started.elapsed());
-                    let ms = started.elapsed().as_millis();
-                    tracing::info!(%id, ms, eager, "back for a command");
-                }
-                Err(VmError::Ended(reason)) => {
-                    self.transition(id, State::Failed, Some("VM_ENDED"), Some(reason.clone()))?;
-                    return Err(SandboxError::Vm {
-                        id: id.to_owned(),
-                        source: VmError::Ended(reason),
-                    });
-                }
-                Err(source) => {
-                    return Err(SandboxError::Vm {
-                        id: id.to_owned(),
-                        source,
-                    })
-                }
+        let started = Instant::now();
+        let eager = self.limits.eager_idle_resume;
+        let resumed =
+            tokio::task::spawn_blocking(move || vm::call(&vm, Method::Resume { eager })).await?;
+        match resumed {
+            Ok(_) => {
+                self.set_offloaded(id, false);
+                self.metrics.idle_resumes.observe(started.elapsed());
+                let ms = started.elapsed().as_millis();
+                tracing::info!(%id, ms, eager, "back for a command");
+                Ok(record)
             }
+            Err(VmError::Ended(reason)) => {
+                self.transition(id, State::Failed, Some("VM_ENDED"), Some(reason.clone()))?;
+                Err(SandboxError::Vm {
+                    id: id.to_owned(),
+                    source: VmError::Ended(reason),
+                })
+            }
+            Err(source) => Err(SandboxError::Vm {
+                id: id.to_owned(),
+                source,
+            }),
         }
-        Ok((record, Some((vm, hold))))
     }
 }
