@@ -1,5 +1,5 @@
 //! Sealed payloads: guest memory encrypted and authenticated on the client before it leaves
-//! for an object store (`--store-key FILE`). AES-256-GCM from `aws-lc-rs` (the crypto library
+//! for an object store (`--store-key FILE`). AES-256-GCM from `ring` (the crypto library
 //! the S3 client's TLS already builds on), a random 96-bit nonce per payload stored before it,
 //! the 128-bit tag after it. Each payload's associated data binds the store's id (random per
 //! upload) and the block's index, so a payload forged, moved to another block, or replayed
@@ -11,7 +11,8 @@ use std::io::Read;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use aws_lc_rs::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, NONCE_LEN};
+use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, NONCE_LEN};
+use ring::rand::{SecureRandom, SystemRandom};
 
 use crate::file::{self, FileError};
 
@@ -141,7 +142,9 @@ impl StoreKey {
     /// Appends `plain` sealed to `out`: nonce, ciphertext, tag.
     pub(crate) fn seal(&self, aad: &[u8], plain: &[u8], out: &mut Vec<u8>) {
         let mut nonce = [0u8; NONCE_LEN];
-        aws_lc_rs::rand::fill(&mut nonce).expect("the system's random source works");
+        SystemRandom::new()
+            .fill(&mut nonce)
+            .expect("the system's random source works");
         let start = out.len();
         out.extend_from_slice(&nonce);
         out.extend_from_slice(plain);
@@ -177,7 +180,9 @@ impl StoreKey {
 /// A new random store id.
 pub(crate) fn new_store_id() -> [u8; STORE_ID_LEN] {
     let mut id = [0u8; STORE_ID_LEN];
-    aws_lc_rs::rand::fill(&mut id).expect("the system's random source works");
+    SystemRandom::new()
+        .fill(&mut id)
+        .expect("the system's random source works");
     id
 }
 

@@ -269,6 +269,10 @@ pub struct Remote {
 impl Remote {
     /// Sets up the client for `url` and opens the cache. Nothing is requested yet.
     pub fn connect(url: &RemoteUrl, options: &RemoteOptions) -> Result<Self, RemoteError> {
+        // The TLS of the client (rustls, under reqwest) is built without a crypto provider of
+        // its own: this process's default is ring's. An error means one is installed already
+        // (by an earlier connect, or by the program), which then serves.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let mut builder = AmazonS3Builder::from_env()
             .with_bucket_name(&url.bucket)
             .with_retry(RetryConfig {
