@@ -509,10 +509,14 @@ impl Sandboxes {
     ) -> Result<(Record, Duration), SandboxError> {
         let ops = self.ops(id)?;
         // A second request while one is in progress sees its in-between state.
-        // The daemon's own idle offload is waited for: the client asked for nothing else.
+        // The daemon's own idle offload, or the resume for a command after it, is waited for:
+        // the client asked for nothing else.
         let _op = match ops.try_lock() {
             Ok(op) => op,
-            Err(_) if self.offloading(id) => ops.lock().await,
+            Err(_) if self.idle_work(id) => {
+                tracing::info!(%id, "{what} waits for the daemon's idle offload or resume");
+                ops.lock().await
+            }
             Err(_) => {
                 let state = self.get(id)?.state;
                 return Err(SandboxError::Busy {

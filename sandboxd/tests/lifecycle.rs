@@ -649,15 +649,20 @@ fn wait_for_log(daemon: &Daemon, text: &str) {
 /// A new sandbox that has filled 64 MiB of random data: its id, the data's digest, its VM's
 /// pid and that VM's resident bytes.
 fn filled_sandbox(daemon: &Daemon, seed: u32) -> (String, String, u32, u64) {
+    filled_with(daemon, 64, seed)
+}
+
+/// `filled_sandbox` with `mib` MiB.
+fn filled_with(daemon: &Daemon, mib: u64, seed: u32) -> (String, String, u32, u64) {
     let id = daemon.create("");
     daemon.wait_ready(&id);
-    let fill = format!("fill 64MiB random seed={seed}; digest");
+    let fill = format!("fill {mib}MiB random seed={seed}; digest");
     let (stdout, code) = outcome(&daemon.command(&id, &fill));
     assert_eq!(code, 0);
     let digest = stdout[1]["digest"].as_str().unwrap().to_owned();
     let vm = daemon.vm_pid(&id);
     let full = rss_bytes(vm);
-    assert!(full >= 64 << 20, "{full}");
+    assert!(full >= mib << 20, "{full}");
     (id, digest, vm, full)
 }
 
@@ -699,12 +704,7 @@ fn idle_sandbox_whose_client_leaves_during_its_resume_still_runs_the_next_comman
     }
     // An eager resume of 256 MiB takes a while: the client leaves in the middle of it.
     let daemon = Daemon::start(&["--idle-offload", "1s", "--idle-resume", "eager"]);
-    let id = daemon.create("");
-    daemon.wait_ready(&id);
-    let fill = "fill 256MiB random seed=7; digest";
-    let (stdout, code) = outcome(&daemon.command(&id, fill));
-    assert_eq!(code, 0);
-    let digest = stdout[1]["digest"].as_str().unwrap().to_owned();
+    let (id, digest, _, _) = filled_with(&daemon, 256, 7);
     wait_for_log(&daemon, "offloaded while idle");
     let (path, token) = daemon.execd(&id);
     let raw = testkit::http::raw_request(
@@ -728,6 +728,38 @@ fn idle_sandbox_whose_client_leaves_during_its_resume_still_runs_the_next_comman
         "{stdout:?}; {}",
         daemon.log()
     );
+}
+
+#[test]
+fn pause_during_an_idle_resume_waits_for_it_then_pauses() {
+    if skip() {
+        return;
+    }
+    let daemon = Daemon::start(&["--idle-offload", "1s", "--idle-resume", "eager"]);
+    let (id, digest, _, _) = filled_with(&daemon, 256, 3);
+    wait_for_log(&daemon, "offloaded while idle");
+    let pause = format!("/v1/sandboxes/{id}/pause");
+    std::thread::scope(|s| {
+        // A command brings the sandbox back (an eager resume of 256 MiB: a while)...
+        let command = s.spawn(|| outcome(&daemon.command(&id, "digest")));
+        std::thread::sleep(Duration::from_millis(30));
+        // ...and a pause meanwhile waits for that resume, then pauses (it answered 409 busy).
+        let paused = daemon.api("POST", &pause, None);
+        assert_eq!(paused.status, 202, "{}; {}", paused.text(), daemon.log());
+        assert!(daemon
+            .log()
+            .contains("pause waits for the daemon's idle offload or resume"));
+        let get = daemon.api("GET", &format!("/v1/sandboxes/{id}"), None);
+        assert_eq!(get.json()["status"]["state"], "Paused");
+        // Resumed, the command (suspended with its VM) ends with every byte right.
+        let resume = format!("/v1/sandboxes/{id}/resume");
+        assert_eq!(daemon.api("POST", &resume, None).status, 202);
+        let (stdout, code) = command.join().unwrap();
+        assert_eq!(
+            (stdout[0]["digest"].as_str(), code),
+            (Some(digest.as_str()), 0)
+        );
+    });
 }
 
 #[test]

@@ -56,23 +56,37 @@ pub(super) type Holdings = HashMap<String, (u64, u64)>;
 
 impl Gate {
     /// What the admitted commands add to the readings: each one's VM counted at no less
-    /// than its need and overhead; and how many run.
+    /// than its need and overhead, once however many of its commands are admitted (they
+    /// bring the same memory back); and how many run.
     fn extra(&self, holdings: &Holdings) -> (u64, usize) {
         let running = self.running.lock().unwrap_or_else(PoisonError::into_inner);
-        let extra = running
-            .values()
+        let mut needs: HashMap<&str, u64> = HashMap::new();
+        for (id, need) in running.values() {
+            let most = needs.entry(id).or_default();
+            *most = (*most).max(*need);
+        }
+        let extra = needs
+            .iter()
             .map(|(id, need)| {
-                let (held, overhead) = holdings.get(id).copied().unwrap_or((0, 0));
+                let (held, overhead) = holdings.get(*id).copied().unwrap_or((0, 0));
                 need.saturating_add(overhead).saturating_sub(held)
             })
             .fold(0u64, u64::saturating_add);
         (extra, running.len())
     }
 
+    /// Whether a command of sandbox `id` is admitted and running: another one of it needs
+    /// no room of its own.
+    fn admitted(&self, id: &str) -> bool {
+        let running = self.running.lock().unwrap_or_else(PoisonError::into_inner);
+        running.values().any(|(admitted, _)| admitted == id)
+    }
+
     /// Waits for room for `need` bytes of sandbox `id` (at most `bound`; alone, it never
-    /// waits: a command that needs more than the budget still runs, under the governor),
-    /// reading the budget and the VMs' holdings with `read`. Returns its admission and
-    /// whether it waited.
+    /// waits: a command that needs more than the budget still runs, under the governor; nor
+    /// does a second command of a sandbox with one admitted already, arriving while the
+    /// first brings the memory back), reading the budget and the VMs' holdings with `read`.
+    /// Returns its admission and whether it waited.
     pub(super) async fn admit(
         self: &Arc<Self>,
         id: &str,
@@ -80,10 +94,16 @@ impl Gate {
         bound: Duration,
         read: impl Fn() -> (Room, Holdings),
     ) -> (Admitted, bool) {
-        let _turn = self.turn.lock().await;
+        let turn = if self.admitted(id) {
+            None
+        } else {
+            Some(self.turn.lock().await)
+        };
         let asked = Instant::now();
         let mut waited = false;
-        loop {
+        // Admitted meanwhile (a command of the same sandbox was ahead in the queue): the room
+        // it was given serves this one too.
+        while turn.is_some() && !self.admitted(id) {
             let (room, holdings) = read();
             let (extra, running) = self.extra(&holdings);
             if running == 0 || fits(&room, extra, need) || asked.elapsed() >= bound {
@@ -151,5 +171,23 @@ mod tests {
         // A bound ends the wait.
         let (_third, waited) = gate.admit("c", 900, Duration::from_millis(50), read).await;
         assert!(waited);
+    }
+
+    #[tokio::test]
+    async fn a_sandbox_with_two_commands_admitted_is_counted_once() {
+        let gate = Arc::new(Gate::default());
+        // 100 held; the high watermark is 900.
+        let read = || (room(100, 0), HashMap::new());
+        let (_a1, _) = gate.admit("a", 400, Duration::from_secs(60), read).await;
+        // A second command of `a`, while its first brings 400 back, waits for nothing, even
+        // with the queue held by another sandbox's waiter...
+        let queued = gate.turn.lock().await;
+        let (_a2, waited) = gate.admit("a", 400, Duration::from_secs(60), read).await;
+        assert!(!waited);
+        drop(queued);
+        // ...and `a` counts 400, not 800: 300 more for `b` fit (100 + 400 + 300 <= 900).
+        assert_eq!(gate.extra(&HashMap::new()), (400, 2));
+        let (_b, waited) = gate.admit("b", 300, Duration::from_millis(200), read).await;
+        assert!(!waited);
     }
 }

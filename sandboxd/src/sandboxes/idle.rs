@@ -162,9 +162,12 @@ impl Sandboxes {
         }
     }
 
-    /// Whether the daemon is offloading `id` while idle right now.
-    pub(super) fn offloading(&self, id: &str) -> bool {
-        self.table().get(id).is_some_and(|s| s.used.offloading)
+    /// Whether the daemon is offloading `id` while idle, or has and is to bring it back for a
+    /// command (an operation that finds its lock held then waits, where it would be busy).
+    pub(super) fn idle_work(&self, id: &str) -> bool {
+        self.table()
+            .get(id)
+            .is_some_and(|s| s.used.offloading || s.used.offloaded)
     }
 
     fn set_offloaded(&self, id: &str, offloaded: bool) {
