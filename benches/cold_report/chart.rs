@@ -4,8 +4,8 @@
 //! whiskers min–max.
 
 use crate::common::chart::{Colour, Figure, Row, Rows, Scale, BLUE, GREEN, PURPLE};
+use crate::common::results::{num, secs, Results};
 use crate::common::Res;
-use crate::results::{num, secs, Results};
 use crate::seed;
 use crate::targets::{cold_variants, IDLE_CPU_PCT, RANDOM_COST_PCT, REPEATED_SAVING_PCT};
 use crate::{Case, Settings, Variant, DEFAULT, VARIANTS};

@@ -42,13 +42,12 @@ mod chart;
 mod cpu;
 mod measure;
 mod report;
-mod results;
 mod seed;
 mod targets;
 
 use common::host::TempRoot;
+use common::results::{Results, KEY_RUN_CSV as CSV};
 use common::Res;
-use results::Results;
 
 const MIB: u64 = 1 << 20;
 
@@ -332,9 +331,9 @@ fn run() -> Res<()> {
     }
     drop(tmp);
     targets::derive(&mut results);
-    let csv = results.csv(&results::CSV);
+    let csv = results.csv(&CSV);
     // The report says what its CSV keeps, as render mode does.
-    let results = Results::from_csv(&csv, &results::CSV)?;
+    let results = Results::from_csv(&csv, &CSV)?;
     for v in targets::verdicts(&results, &settings) {
         eprintln!("cold_report: {}: {} ({})", v.target, v.result, v.figure);
     }
@@ -348,7 +347,7 @@ fn run() -> Res<()> {
     ];
     if !settings.write_docs {
         common::render::check(&outputs[0].1, |run| {
-            let results = Results::from_csv(&outputs[1].1, &results::CSV)?;
+            let results = Results::from_csv(&outputs[1].1, &CSV)?;
             Ok(report_of(
                 &results,
                 &settings,
@@ -401,7 +400,7 @@ fn unsupported_in(results: &Results) -> BTreeMap<&'static str, String> {
 
 /// Render mode: `cold.md` and `cold.svg` written again from the kept CSV and report.
 fn render(settings: &Settings, started: Instant) -> Res<()> {
-    let (results, run) = common::render::load(settings.write_docs, "cold", &results::CSV)?;
+    let (results, run) = common::render::load(settings.write_docs, "cold", &CSV)?;
     let settings = Settings {
         runs: results.runs,
         ..settings.clone()

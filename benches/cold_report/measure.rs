@@ -28,10 +28,9 @@ use vmm::guest::APP_BASE;
 use vmm::script::Command;
 use vmm::vm::{Vm, VmError, VmOptions, VmStats};
 
-use crate::common::results::Summary;
+use crate::common::results::{Results, Summary};
 use crate::common::Res;
 use crate::cpu::{PagerCpu, Threads};
-use crate::results::Results;
 use crate::{Case, Settings, Variant, MIB};
 
 const PAGE: u64 = 4096;

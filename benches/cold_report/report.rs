@@ -4,8 +4,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use crate::common::host::BenchRun;
+use crate::common::results::{fig, num, secs, signed, signed_fig, Results};
 use crate::measure::timeline;
-use crate::results::{fig, num, secs, signed, signed_fig, Results};
 use crate::seed;
 use crate::targets::{cold_variants, Verdict};
 use uffd_pager::pager::RamKind;

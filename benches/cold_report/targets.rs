@@ -1,6 +1,6 @@
 //! The figures derived round by round, and the verdict on each target of issue 5.
 
-use crate::results::{fig, num, secs, signed, signed_fig, Results};
+use crate::common::results::{fig, num, secs, signed, signed_fig, Results};
 use crate::seed;
 use crate::{Case, Settings, Variant, DEFAULT, MIB, VARIANTS};
 

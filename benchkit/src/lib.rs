@@ -5,7 +5,7 @@
 //! - `host`: the temporary directory under `target/bench-tmp/`, the machine facts the reports
 //!   state, CPU time from `/proc/stat`;
 //! - `results`: one value per run under a key, min/median/max summaries, the CSV, the numbers
-//!   of the tables (`num`, `signed`, `fig`: `median (min–max)`);
+//!   of the tables (`num`, `signed`, `fig`: `median (min–max)`, `secs`);
 //! - `chart`: the reports' charts, drawn with `plotters` (memory over time with a budget,
 //!   panels of rows with min–max whiskers on a log or linear axis, stacked rows);
 //! - `verdict`: a target judged, and the reports' table of targets;

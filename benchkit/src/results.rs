@@ -5,6 +5,7 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::time::Duration;
 
 /// min / median / max of a quantity's values.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -313,6 +314,13 @@ pub fn num(v: f64, d: usize) -> String {
     }
 }
 
+/// Seconds of `d`: whole ones bare (`2`), else to the millisecond, trailing zeros cut (`0.6`,
+/// `0.25`).
+pub fn secs(d: Duration) -> String {
+    let text = format!("{:.3}", d.as_secs_f64());
+    text.trim_end_matches('0').trim_end_matches('.').to_owned()
+}
+
 /// `v` with `d` decimals and its sign when not zero: `+18.2`, `-60.1`, `0.0`.
 pub fn signed(v: f64, d: usize) -> String {
     let text = num(v, d);
@@ -376,6 +384,16 @@ mod tests {
         assert!(back.values("a.window_s")[2].is_nan());
         assert_eq!(back.values("b.ratio")[2], f64::NEG_INFINITY);
         assert_eq!(back.summary("c.flag").n, 1);
+    }
+
+    #[test]
+    fn secs_are_whole_or_to_the_millisecond() {
+        let ms = |ms| secs(Duration::from_millis(ms));
+        assert_eq!(ms(12_000), "12");
+        assert_eq!(ms(600), "0.6");
+        assert_eq!(ms(250), "0.25");
+        assert_eq!(ms(1_001), "1.001");
+        assert_eq!(ms(0), "0");
     }
 
     #[test]
