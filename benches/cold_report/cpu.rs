@@ -7,8 +7,9 @@
 //! ones of those names born after the moment `Threads::before` was taken.
 
 use std::fs;
+use std::path::Path;
 
-use crate::common::host::ticks_per_second;
+use crate::common::host::task_cpu_seconds;
 
 /// Thread ids alive now.
 fn tids() -> Vec<u64> {
@@ -18,26 +19,6 @@ fn tids() -> Vec<u64> {
     tasks
         .filter_map(|t| t.ok()?.file_name().to_str()?.parse().ok())
         .collect()
-}
-
-/// CPU time of thread `tid`, seconds; `None` once it has exited.
-fn thread_seconds(tid: u64) -> Option<f64> {
-    let dir = format!("/proc/self/task/{tid}");
-    if let Ok(text) = fs::read_to_string(format!("{dir}/schedstat")) {
-        if let Some(ns) = text
-            .split_whitespace()
-            .next()
-            .and_then(|f| f.parse::<u64>().ok())
-        {
-            return Some(ns as f64 / 1e9);
-        }
-    }
-    // utime and stime are fields 14 and 15; counted after the command name (which may hold
-    // spaces), they are the 12th and 13th.
-    let stat = fs::read_to_string(format!("{dir}/stat")).ok()?;
-    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-    let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-    Some(ticks as f64 / ticks_per_second())
 }
 
 /// The threads born with one VM; which of them are the pager's is read from their names
@@ -119,7 +100,8 @@ impl Threads {
     pub fn cpu(&self) -> PagerCpu {
         let mut cpu = PagerCpu::default();
         for &tid in &self.tids {
-            let seconds = || thread_seconds(tid).unwrap_or(0.0);
+            let dir = format!("/proc/self/task/{tid}");
+            let seconds = || task_cpu_seconds(Path::new(&dir)).unwrap_or(0.0);
             match role(tid) {
                 Role::Scanner => cpu.scanner_s += seconds(),
                 Role::Faults => cpu.faults_s += seconds(),

@@ -3,6 +3,7 @@
 //! tunes and must give back (`ksm_advisor::Ksm::knobs`).
 
 use std::fs;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -10,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use ksm_advisor::Ksm;
 
+use crate::common::host::task_cpu_seconds;
 use crate::common::Res;
 
 /// KSM's tunable knobs by name.
@@ -89,7 +91,7 @@ impl GroupKnobs {
 /// The ksmd kernel thread.
 #[derive(Debug, Clone)]
 pub struct Ksmd {
-    dir: String,
+    dir: PathBuf,
 }
 
 impl Ksmd {
@@ -102,24 +104,12 @@ impl Ksmd {
             .find(|entry| {
                 fs::read_to_string(entry.path().join("comm")).is_ok_and(|c| c.trim() == "ksmd")
             })
-            .map(|entry| Self {
-                dir: entry.path().display().to_string(),
-            })
+            .map(|entry| Self { dir: entry.path() })
     }
 
     /// CPU seconds ksmd has used since boot.
     pub fn cpu_seconds(&self) -> Option<f64> {
-        if let Ok(text) = fs::read_to_string(format!("{}/schedstat", self.dir)) {
-            if let Some(ns) = text
-                .split_whitespace()
-                .next()
-                .and_then(|f| f.parse::<u64>().ok())
-            {
-                return Some(ns as f64 / 1e9);
-            }
-        }
-        let stat = fs::read_to_string(format!("{}/stat", self.dir)).ok()?;
-        ksm_advisor::sys::cpu_seconds(&stat)
+        task_cpu_seconds(&self.dir)
     }
 }
 

@@ -1,7 +1,7 @@
 //! The machine side of the scenario benches: the temporary directory under
 //! `target/bench-tmp/` (on the real disk, never tmpfs), the facts about the machine that the
 //! reports state, and the CPU time of the whole machine and of the bench from `/proc/stat`
-//! (`BenchRun` gathers them for a report).
+//! (`BenchRun` gathers them for a report), and of one process or thread.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -268,6 +268,22 @@ pub fn ticks_per_second() -> f64 {
     procfs::ticks_per_second().max(1) as f64
 }
 
+/// CPU time of the task (process or thread) whose `/proc` directory is `dir`, seconds: its
+/// `schedstat`'s time on a CPU (ns), or its `stat`'s utime + stime (clock ticks) where the
+/// kernel keeps no schedstat; `None` once it has exited.
+pub fn task_cpu_seconds(dir: &Path) -> Option<f64> {
+    let schedstat = fs::read_to_string(dir.join("schedstat")).ok();
+    if let Some(ns) = schedstat.and_then(|t| t.split_whitespace().next()?.parse::<u64>().ok()) {
+        return Some(ns as f64 / 1e9);
+    }
+    // utime and stime are fields 14 and 15; counted after the command name (which may hold
+    // spaces), they are the 12th and 13th.
+    let stat = fs::read_to_string(dir.join("stat")).ok()?;
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(ticks as f64 / ticks_per_second())
+}
+
 /// Fails with a clear message unless `/dev/kvm` and `/dev/userfaultfd` open read-write.
 pub fn check_vm_devices() -> Res<()> {
     for device in ["/dev/kvm", "/dev/userfaultfd"] {
@@ -477,6 +493,18 @@ fn parse_machine_list(markdown: &str) -> Option<Machine> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn task_cpu_seconds_reads_schedstat_else_stat() {
+        assert!(task_cpu_seconds(Path::new("/proc/thread-self")).is_some_and(|s| s >= 0.0));
+        let dir = std::env::temp_dir().join(format!("benchkit-stat-{}", std::process::id()));
+        fs::create_dir_all(&dir).expect("a temporary directory");
+        assert_eq!(task_cpu_seconds(&dir), None, "no task");
+        let stat = "7 (a) b) S 1 7 7 0 -1 0 0 0 0 0 250 150 0 0 20 0 1 0";
+        fs::write(dir.join("stat"), stat).expect("a stat file");
+        assert_eq!(task_cpu_seconds(&dir), Some(400.0 / ticks_per_second()));
+        fs::remove_dir_all(&dir).expect("removed");
+    }
 
     #[test]
     fn bench_run_kept_reads_back_what_a_report_says_of_its_run() {
