@@ -242,10 +242,7 @@ fn run() -> Res<()> {
     if common::render::requested() {
         return render(&settings, started);
     }
-    if !settings.write_docs
-        && std::env::var_os("PVISOR_SKIP_DEVICE_TESTS").is_some_and(|v| v == "1")
-    {
-        eprintln!("cold_report: smoke run skipped (PVISOR_SKIP_DEVICE_TESTS=1)");
+    if common::skip_smoke("cold_report", settings.write_docs) {
         return Ok(());
     }
     common::host::check_vm_devices()?;
