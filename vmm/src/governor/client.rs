@@ -237,6 +237,12 @@ impl GovernorLink {
         };
         *lock(&self.shared.state) = Some(message.clone());
         self.shared.send(message);
+        // Offloaded, it holds no fault, and the governor drops a request it queued before:
+        // the next held fault asks anew (forgotten after the state is sent, so that no
+        // request goes out ahead of it to be dropped with the stale one).
+        if state == WireState::Offloaded {
+            self.shared.requested.store(false, Ordering::SeqCst);
+        }
     }
 
     /// The VM's faults are held: asks for room (at most one request is out at a time; called

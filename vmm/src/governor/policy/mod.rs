@@ -382,6 +382,9 @@ impl Governor {
         if new_run {
             v.since = now;
         }
+        // Just offloaded (by an order or by its owner), it holds no fault: a request queued
+        // before is stale (see `drop_request`). Its client forgets it as it reports the state.
+        let offloaded_now = state == VmState::Offloaded && v.state != VmState::Offloaded;
         if v.state != state {
             // An order refused in the state it was sent for (an idle VM whose next command
             // had begun) says nothing of the new one: a VM that starts to wait is a victim
@@ -390,6 +393,9 @@ impl Governor {
             v.failed_at = [None; 2];
         }
         v.state = state;
+        if offloaded_now {
+            self.drop_request(vm);
+        }
         if new_run {
             // Its place in the queue follows its seniority.
             let vms = &self.vms;
@@ -593,9 +599,7 @@ impl Governor {
             }
         }
         for id in dropped {
-            let before = self.queue.len();
-            self.queue.retain(|q| q.vm != id);
-            self.events.requests_dropped += (before - self.queue.len()) as u64;
+            self.drop_request(id);
         }
     }
 
@@ -1188,6 +1192,45 @@ mod tests {
                 .any(|d| matches!(d, Decision::SetLimit { vm, .. } if *vm == a)),
             "{out:?}"
         );
+    }
+
+    #[test]
+    fn governor_a_request_queued_before_its_vm_was_offloaded_is_dropped_and_its_room_revoked() {
+        let base = Instant::now();
+        let mut g = Governor::new(config());
+        let a = vm(&mut g, base, "a", 1, VmState::Running);
+        let b = vm(&mut g, at(base, 1), "b", 1, VmState::Running);
+        // a, the elder, is granted 800 MiB, then asks for 250 more, past the budget: queued,
+        // at the head, ahead of b's 100.
+        let out = g.request(at(base, 2), a, 800 * M);
+        assert!(out.contains(&set(a, 801, Reason::Grant)), "{out:?}");
+        g.reading(at(base, 3), a, res(801));
+        let granted = |out: &[Decision]| {
+            out.iter().any(|d| {
+                matches!(
+                    d,
+                    Decision::SetLimit {
+                        reason: Reason::Grant,
+                        ..
+                    }
+                )
+            })
+        };
+        assert!(!granted(&g.request(at(base, 4), a, 250 * M)));
+        assert!(!granted(&g.request(at(base, 5), b, 100 * M)));
+        assert_eq!(queued(&g, at(base, 5)), vec![a, b]);
+        // Its owner offloads it (its command over, idle): nothing of it is resident, 801
+        // MiB reserved. Its request goes, its reservation is taken back, and b is granted.
+        g.reading(at(base, 6), a, res(0));
+        let out = g.state(at(base, 7), a, VmState::Offloaded);
+        assert!(out.contains(&set(a, 0, Reason::Revoke)), "{out:?}");
+        assert!(
+            out.iter().any(
+                |d| matches!(d, Decision::SetLimit { vm, reason: Reason::Grant, .. } if *vm == b)
+            ),
+            "{out:?}"
+        );
+        assert!(queued(&g, at(base, 7)).is_empty());
     }
 
     #[test]
