@@ -142,9 +142,7 @@ impl StoreKey {
     /// Appends `plain` sealed to `out`: nonce, ciphertext, tag.
     pub(crate) fn seal(&self, aad: &[u8], plain: &[u8], out: &mut Vec<u8>) {
         let mut nonce = [0u8; NONCE_LEN];
-        SystemRandom::new()
-            .fill(&mut nonce)
-            .expect("the system's random source works");
+        fill_random(&mut nonce);
         let start = out.len();
         out.extend_from_slice(&nonce);
         out.extend_from_slice(plain);
@@ -180,10 +178,15 @@ impl StoreKey {
 /// A new random store id.
 pub(crate) fn new_store_id() -> [u8; STORE_ID_LEN] {
     let mut id = [0u8; STORE_ID_LEN];
-    SystemRandom::new()
-        .fill(&mut id)
-        .expect("the system's random source works");
+    fill_random(&mut id);
     id
+}
+
+/// Fills `bytes` from the system's random source.
+fn fill_random(bytes: &mut [u8]) {
+    SystemRandom::new()
+        .fill(bytes)
+        .expect("the system's random source works");
 }
 
 /// The associated data of block `block`'s payload in the store `store_id`.

@@ -697,15 +697,23 @@ fn idle_sandbox_resumed_eagerly_has_its_memory_back_before_its_command_reads_any
     );
 }
 
+/// A daemon that offloads after 1 s idle and resumes eagerly, and its sandbox, filled with
+/// 256 MiB (seed `seed`: its digest) and offloaded while idle since: its next command's
+/// resume takes a while.
+fn offloaded_for_an_eager_resume(seed: u32) -> (Daemon, String, String) {
+    let daemon = Daemon::start(&["--idle-offload", "1s", "--idle-resume", "eager"]);
+    let (id, digest, _, _) = filled_with(&daemon, 256, seed);
+    wait_for_log(&daemon, "offloaded while idle");
+    (daemon, id, digest)
+}
+
 #[test]
 fn idle_sandbox_whose_client_leaves_during_its_resume_still_runs_the_next_command() {
     if skip() {
         return;
     }
     // An eager resume of 256 MiB takes a while: the client leaves in the middle of it.
-    let daemon = Daemon::start(&["--idle-offload", "1s", "--idle-resume", "eager"]);
-    let (id, digest, _, _) = filled_with(&daemon, 256, 7);
-    wait_for_log(&daemon, "offloaded while idle");
+    let (daemon, id, digest) = offloaded_for_an_eager_resume(7);
     let (path, token) = daemon.execd(&id);
     let raw = testkit::http::raw_request(
         &daemon.addr,
@@ -735,9 +743,7 @@ fn pause_during_an_idle_resume_waits_for_it_then_pauses() {
     if skip() {
         return;
     }
-    let daemon = Daemon::start(&["--idle-offload", "1s", "--idle-resume", "eager"]);
-    let (id, digest, _, _) = filled_with(&daemon, 256, 3);
-    wait_for_log(&daemon, "offloaded while idle");
+    let (daemon, id, digest) = offloaded_for_an_eager_resume(3);
     let pause = format!("/v1/sandboxes/{id}/pause");
     std::thread::scope(|s| {
         // A command brings the sandbox back (an eager resume of 256 MiB: a while)...
