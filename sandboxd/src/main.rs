@@ -88,7 +88,7 @@ struct Cli {
     /// How a sandbox offloaded while idle comes back for its next command: `lazy`, each page
     /// read back as the command first touches it; `eager`, all its memory read back (in
     /// large reads, with the VM stopped) before the command starts, which then runs without
-    /// faults.
+    /// faults; lazily still when the budget has no room for all of it at once.
     #[arg(long, value_enum, value_name = "lazy|eager", default_value = "lazy")]
     idle_resume: IdleResume,
     /// The file holding the API key clients send in `OPEN-SANDBOX-API-KEY`.

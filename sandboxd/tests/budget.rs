@@ -213,21 +213,20 @@ fn budget_admits_by_memory_charged_and_sandboxes_take_turns_in_it() {
     assert_eq!(oom_kills(&daemon), 0);
 }
 
-#[test]
-fn commands_of_idle_offloaded_sandboxes_wait_for_room_then_run_whole() {
-    if skip() {
-        return;
-    }
-    // 128 MiB, 115 under the governor's high watermark: two working sets of 64 MiB, each
-    // offloaded while idle, cannot come back at once beside the VMs' floors.
-    let daemon = Daemon::start(&[
+/// A daemon under a budget of 128 MiB (115 under the governor's high watermark) with `extra`
+/// flags, and two sandboxes that filled 64 MiB each (their digests), both offloaded while
+/// idle since: their working sets cannot come back at once beside the VMs' floors.
+fn two_idle_offloaded(extra: &[&str]) -> (Daemon, Vec<String>, Vec<String>) {
+    let mut args = vec![
         "--memory-budget",
         "128MiB",
         "--admission-reserve",
         "16MiB",
         "--idle-offload",
         "1s",
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    let daemon = Daemon::start(&args);
     let ids: Vec<String> = (0..2)
         .map(|_| {
             let id = daemon.create("");
@@ -252,21 +251,55 @@ fn commands_of_idle_offloaded_sandboxes_wait_for_room_then_run_whole() {
         assert!(Instant::now() < deadline, "{}", daemon.log());
         std::thread::sleep(Duration::from_millis(100));
     }
-    // Both at once: the second waits for the first to have its memory back and be done,
-    // then runs; both find their data.
+    (daemon, ids, digests)
+}
+
+/// Runs `script` (which begins with `digest`) in every sandbox of `ids` at once; each finds
+/// its digest.
+fn digests_at_once(daemon: &Daemon, ids: &[String], digests: &[String], script: &str) {
     std::thread::scope(|scope| {
-        for (id, digest) in ids.iter().zip(&digests) {
-            let daemon = &daemon;
+        for (id, digest) in ids.iter().zip(digests) {
             scope.spawn(move || {
-                let (stdout, code) = outcome(&daemon.command(id, "digest"));
+                let (stdout, code) = outcome(&daemon.command(id, script));
                 assert_eq!(code, 0, "{stdout:?}");
                 assert_eq!(stdout[0]["digest"].as_str().unwrap(), digest);
             });
         }
     });
+}
+
+#[test]
+fn commands_of_idle_offloaded_sandboxes_wait_for_room_then_run_whole() {
+    if skip() {
+        return;
+    }
+    let (daemon, ids, digests) = two_idle_offloaded(&[]);
+    // Both at once: the second waits for the first to have its memory back and be done,
+    // then runs; both find their data.
+    digests_at_once(&daemon, &ids, &digests, "digest");
     assert!(
         metric(&daemon, "pvisor_sandbox_commands_waited_total") >= 1.0,
         "{}",
         daemon.log()
     );
+}
+
+#[test]
+fn an_eager_resume_let_in_without_room_comes_back_lazily() {
+    if skip() {
+        return;
+    }
+    let (daemon, ids, digests) =
+        two_idle_offloaded(&["--idle-resume", "eager", "--admission-timeout", "1s"]);
+    // Both at once, the first holding its room for 3 s: the second is let in after its
+    // second without room, and resumes lazily (an eager resume would hold the governor's
+    // room for all of its 64 MiB at once, its vCPU stopped); both find their data.
+    digests_at_once(&daemon, &ids, &digests, "digest; sleep 3000");
+    let log = daemon.log();
+    assert_eq!(log.matches("eager=true").count(), 1, "{log}");
+    assert!(
+        log.contains("resumed lazily: no room for all of it at once"),
+        "{log}"
+    );
+    assert_eq!(oom_kills(&daemon), 0);
 }

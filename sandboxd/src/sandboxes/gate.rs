@@ -31,6 +31,9 @@ pub(super) struct Gate {
 pub struct Admitted {
     gate: Arc<Gate>,
     key: u64,
+    /// What it will bring back fitted (or its sandbox had a command admitted already); not
+    /// when it was let in alone or at the end of its wait without room.
+    pub room: bool,
 }
 
 impl Drop for Admitted {
@@ -101,12 +104,14 @@ impl Gate {
         };
         let asked = Instant::now();
         let mut waited = false;
+        let mut fitted = true;
         // Admitted meanwhile (a command of the same sandbox was ahead in the queue): the room
         // it was given serves this one too.
         while turn.is_some() && !self.admitted(id) {
             let (room, holdings) = read();
             let (extra, running) = self.extra(&holdings);
-            if running == 0 || fits(&room, extra, need) || asked.elapsed() >= bound {
+            fitted = fits(&room, extra, need);
+            if running == 0 || fitted || asked.elapsed() >= bound {
                 break;
             }
             waited = true;
@@ -121,6 +126,7 @@ impl Gate {
             Admitted {
                 gate: Arc::clone(self),
                 key,
+                room: fitted,
             },
             waited,
         )
@@ -157,7 +163,7 @@ mod tests {
         let read = || (room(500, 0), HashMap::new());
         // Alone, a command never waits, even one larger than the room.
         let (first, waited) = gate.admit("a", 600, Duration::from_secs(60), read).await;
-        assert!(!waited);
+        assert!(!waited && !first.room);
         // The next one waits while the first is still to bring its 600 back...
         let gate2 = Arc::clone(&gate);
         let second =
@@ -166,11 +172,11 @@ mod tests {
         assert!(!second.is_finished());
         // ...and goes once the first is over.
         drop(first);
-        let (_second, waited) = second.await.unwrap();
-        assert!(waited);
-        // A bound ends the wait.
-        let (_third, waited) = gate.admit("c", 900, Duration::from_millis(50), read).await;
-        assert!(waited);
+        let (second, waited) = second.await.unwrap();
+        assert!(waited && second.room);
+        // A bound ends the wait, without room.
+        let (third, waited) = gate.admit("c", 900, Duration::from_millis(50), read).await;
+        assert!(waited && !third.room);
     }
 
     #[tokio::test]
@@ -182,8 +188,8 @@ mod tests {
         // A second command of `a`, while its first brings 400 back, waits for nothing, even
         // with the queue held by another sandbox's waiter...
         let queued = gate.turn.lock().await;
-        let (_a2, waited) = gate.admit("a", 400, Duration::from_secs(60), read).await;
-        assert!(!waited);
+        let (a2, waited) = gate.admit("a", 400, Duration::from_secs(60), read).await;
+        assert!(!waited && a2.room);
         drop(queued);
         // ...and `a` counts 400, not 800: 300 more for `b` fit (100 + 400 + 300 <= 900).
         assert_eq!(gate.extra(&HashMap::new()), (400, 2));

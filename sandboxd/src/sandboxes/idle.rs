@@ -217,6 +217,11 @@ impl Sandboxes {
             return Ok((record, Some((vm, hold))));
         }
         hold._admitted = self.admit_command(id).await;
+        // An eager resume only with room for all it brings back: one let in without room
+        // (alone, or at the end of its wait) would hold the governor's room for all of it at
+        // once, the vCPU stopped, where a lazy one runs and comes back as it touches.
+        let room = hold._admitted.as_ref().is_none_or(|a| a.room);
+        let eager = self.limits.eager_idle_resume && room;
         // The first command after an idle offload resumes the VM; others wait for it. The
         // resume is a task of its own, holding the sandbox's lock: a client gone meanwhile
         // (its request dropped) must not leave the VM running and marked offloaded.
@@ -224,17 +229,19 @@ impl Sandboxes {
         let this = Arc::clone(self);
         let (key, back) = (id.to_owned(), vm.clone());
         let record =
-            tokio::spawn(async move { this.resume_for_command(&key, back, ops).await }).await??;
+            tokio::spawn(async move { this.resume_for_command(&key, back, eager, ops).await })
+                .await??;
         let running = record.state == State::Running;
         Ok((record, running.then_some((vm, hold))))
     }
 
-    /// Brings `id` back for a command if the daemon offloaded it while idle, under its lock
-    /// (`_op`); its record.
+    /// Brings `id` back for a command if the daemon offloaded it while idle (`eager`: all of
+    /// it before the command runs), under its lock (`_op`); its record.
     async fn resume_for_command(
         &self,
         id: &str,
         vm: VmRef,
+        eager: bool,
         _op: tokio::sync::OwnedMutexGuard<()>,
     ) -> Result<Record, SandboxError> {
         let record = self.get(id)?;
@@ -243,7 +250,9 @@ impl Sandboxes {
             return Ok(record);
         }
         let started = Instant::now();
-        let eager = self.limits.eager_idle_resume;
+        if self.limits.eager_idle_resume && !eager {
+            tracing::info!(%id, "resumed lazily: no room for all of it at once");
+        }
         let resumed =
             tokio::task::spawn_blocking(move || vm::call(&vm, Method::Resume { eager })).await?;
         match resumed {

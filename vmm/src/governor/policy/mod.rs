@@ -456,8 +456,8 @@ impl Governor {
         out
     }
 
-    /// A VM's order (offload or cold compression) was carried out (`ok`) or failed;
-    /// `resident_after` is what it holds resident now.
+    /// A VM's order (offload or cold compression) was carried out (`ok`) or failed, or, with
+    /// no order out, its owner offloaded it; `resident_after` is what it holds resident now.
     pub fn offloaded(
         &mut self,
         now: Instant,
@@ -488,18 +488,23 @@ impl Governor {
                 v.cold_unable |= order.kind == OrderKind::ColdCompress;
             }
             self.events.orders_failed += u64::from(order.is_some());
-        } else if let Some(order) = order {
-            self.events.orders_done += 1;
-            match order.kind {
-                OrderKind::Offload => {
-                    // The VM lowers its own limit to what stays resident as it reports; the
-                    // decision says so again after any limit sent while the order ran, so
-                    // that both sides agree.
+        } else {
+            self.events.orders_done += u64::from(order.is_some());
+            match order.map(|o| o.kind) {
+                // Ordered, or its owner's own (a pause, a daemon's idle offload; its state
+                // comes next): the VM lowers its own limit to what stays resident as it
+                // reports, and the decision says so again after any limit sent meanwhile.
+                // Kept, an owner's offload left a reservation the VM no longer had, and its
+                // next request was charged on top: at the queue's head, never a victim as
+                // one that asks, it was granted nothing (two sandboxes under 128 MiB).
+                kind @ (None | Some(OrderKind::Offload)) => {
                     new_limit = Some((resident_after, Reason::Offloaded));
-                    v.state = VmState::Offloaded;
                     v.offloaded_bytes = before.saturating_sub(resident_after);
+                    if kind.is_some() {
+                        v.state = VmState::Offloaded;
+                    }
                 }
-                OrderKind::ColdCompress => {
+                Some(OrderKind::ColdCompress) => {
                     let lower = resident_after.saturating_add(grant);
                     if v.limit.is_some_and(|l| l > lower) {
                         new_limit = Some((lower, Reason::Compressed));
@@ -576,31 +581,6 @@ impl Governor {
         self.projected()
             .checked_add(add)
             .is_some_and(|total| total <= ceiling)
-    }
-
-    /// Marks silent VMs unreachable (dropping their queued requests) and orders past their
-    /// timeout as timed out.
-    fn sweep(&mut self, now: Instant) {
-        let mut dropped = Vec::new();
-        for (&id, v) in &mut self.vms {
-            if v.reachable && now.saturating_duration_since(v.last_heard) >= self.config.stale_after
-            {
-                v.reachable = false;
-                self.events.unreachable += 1;
-                dropped.push(id);
-            }
-            if let Some(order) = v.order.as_mut() {
-                if !order.timed_out
-                    && now.saturating_duration_since(order.at) >= self.config.order_timeout
-                {
-                    order.timed_out = true;
-                    self.events.orders_timed_out += 1;
-                }
-            }
-        }
-        for id in dropped {
-            self.drop_request(id);
-        }
     }
 
     /// Bytes the outstanding (not timed out) orders are expected to free.
@@ -1231,6 +1211,31 @@ mod tests {
             "{out:?}"
         );
         assert!(queued(&g, at(base, 7)).is_empty());
+    }
+
+    #[test]
+    fn governor_an_owner_offload_lowers_the_limit_so_the_vm_coming_back_is_granted() {
+        let base = Instant::now();
+        let mut g = Governor::new(config());
+        let a = vm(&mut g, base, "a", 1, VmState::Running);
+        let b = vm(&mut g, at(base, 1), "b", 300, VmState::Running);
+        assert!(g
+            .request(at(base, 2), a, 499 * M)
+            .contains(&set(a, 500, Reason::Grant)));
+        g.reading(at(base, 3), a, res(500));
+        // Its owner offloads it (a pause, or the daemon's idle offload: no order out). The VM
+        // lowers its own limit as it reports; so does the governor's record.
+        let out = g.offloaded(at(base, 4), a, 0, true);
+        assert_eq!(out, vec![set(a, 0, Reason::Offloaded)]);
+        g.state(at(base, 5), a, VmState::Offloaded);
+        assert_eq!(limit(&g, at(base, 5), a), Some(0));
+        // It resumes and asks for what it held: 300 of b and 500 fit under 900. Charged its
+        // old 500 MiB as well, it sat at the queue's head, granted nothing.
+        g.state(at(base, 6), a, VmState::Running);
+        let out = g.request(at(base, 7), a, 500 * M);
+        assert!(out.contains(&set(a, 500, Reason::Grant)), "{out:?}");
+        assert_eq!(limit(&g, at(base, 7), b), Some(300 * M));
+        assert_eq!(g.status(at(base, 7)).events.orders_done, 0);
     }
 
     #[test]

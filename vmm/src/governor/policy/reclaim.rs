@@ -118,6 +118,31 @@ impl Governor {
         }
     }
 
+    /// Marks silent VMs unreachable (dropping their queued requests) and orders past their
+    /// timeout as timed out.
+    pub(super) fn sweep(&mut self, now: Instant) {
+        let mut dropped = Vec::new();
+        for (&id, v) in &mut self.vms {
+            if v.reachable && now.saturating_duration_since(v.last_heard) >= self.config.stale_after
+            {
+                v.reachable = false;
+                self.events.unreachable += 1;
+                dropped.push(id);
+            }
+            if let Some(order) = v.order.as_mut() {
+                if !order.timed_out
+                    && now.saturating_duration_since(order.at) >= self.config.order_timeout
+                {
+                    order.timed_out = true;
+                    self.events.orders_timed_out += 1;
+                }
+            }
+        }
+        for id in dropped {
+            self.drop_request(id);
+        }
+    }
+
     /// Drops `vm`'s queued request, counted: a silent VM's, or one queued before its VM was
     /// offloaded. Left queued, a stale one kept its VM out of every reclaim (a VM that asks
     /// is never a victim) and, its own reservation charged, from fitting: at the queue's head
