@@ -238,10 +238,16 @@ pub fn supervise() -> ProcessResult {
     }
     signals.thread_block()?;
     let mut spec = receive_spec()?;
-    let mut child = std::process::Command::new(std::env::current_exe()?)
-        .arg(VM_ARG)
-        .stdin(Stdio::piped())
-        .spawn()?;
+    let mut command = std::process::Command::new(std::env::current_exe()?);
+    command.arg(VM_ARG).stdin(Stdio::piped());
+    // In its memory cgroup from its exec on, so that it is charged for all it holds; the VM
+    // joins it again by its full path (a no-op), not under its own.
+    if let Some(name) = &spec.options.cgroup {
+        let cgroup = crate::stats::MemoryCgroup::create(name)?;
+        cgroup.join_before_exec(&mut command)?;
+        spec.options.cgroup = Some(cgroup.dir().to_path_buf());
+    }
+    let mut child = command.spawn()?;
     let stdin = child.stdin.take().ok_or("the VM process has no stdin")?;
     send_spec(stdin, &spec)?;
     // The script may be large and is the VM's business now.

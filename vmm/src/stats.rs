@@ -205,7 +205,7 @@ impl MemoryCgroup {
 
     /// Creates `name` (a relative path, and what leads to it) under this process's own memory
     /// cgroup.
-    fn create(name: &Path) -> Result<Self, CgroupError> {
+    pub(crate) fn create(name: &Path) -> Result<Self, CgroupError> {
         let (base, v2) = Self::own_base()?;
         let dir = base.join(name);
         std::fs::create_dir_all(&dir).map_err(|source| CgroupError::Io {
@@ -214,6 +214,45 @@ impl MemoryCgroup {
             source,
         })?;
         Ok(Self { dir, v2 })
+    }
+
+    /// Has the process `command` starts join this cgroup between its fork and its exec: all
+    /// it touches from its first instruction on is charged here. A process that joins on
+    /// its own ([`MemoryCgroup::join`]) does so only once it runs, and v1 leaves what it
+    /// touched before where it was: a detached VM left 0.86 MiB of its 1.75 MiB of
+    /// anonymous memory (its relocated binary, its early heap) charged to its launcher's
+    /// cgroup, outside a sandbox daemon's budget.
+    pub(crate) fn join_before_exec(
+        &self,
+        command: &mut std::process::Command,
+    ) -> std::io::Result<()> {
+        use std::os::unix::ffi::OsStrExt;
+        use std::os::unix::process::CommandExt;
+        let procs = std::ffi::CString::new(self.dir.join("cgroup.procs").as_os_str().as_bytes())
+            .map_err(std::io::Error::other)?;
+        let join = move || {
+            // SAFETY: `procs` is a NUL-terminated path that lives as long as the closure.
+            let fd = unsafe { libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC) };
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // "0": the writing process itself, in v1 and v2 alike.
+            // SAFETY: one byte from a static buffer to the descriptor just opened.
+            let written = unsafe { libc::write(fd, b"0".as_ptr().cast(), 1) };
+            let error = std::io::Error::last_os_error();
+            // SAFETY: the descriptor is ours, closed once.
+            unsafe { libc::close(fd) };
+            if written == 1 {
+                Ok(())
+            } else {
+                Err(error)
+            }
+        };
+        // SAFETY: `join` runs in the child between fork and exec, where only
+        // async-signal-safe calls may be made: open, write and close are, and it allocates
+        // nothing (the path was built before the fork; an error is an errno, kept inline).
+        unsafe { command.pre_exec(join) };
+        Ok(())
     }
 
     /// A cgroup that exists already (e.g. one a VM process joined), without joining it: v2 if
