@@ -745,10 +745,18 @@ fn pause_during_an_idle_resume_waits_for_it_then_pauses() {
     }
     let (daemon, id, digest) = offloaded_for_an_eager_resume(3);
     let pause = format!("/v1/sandboxes/{id}/pause");
+    let resumes = || daemon.log().matches("resuming for a command").count();
+    let before = resumes();
     std::thread::scope(|s| {
         // A command brings the sandbox back (an eager resume of 256 MiB: a while)...
         let command = s.spawn(|| outcome(&daemon.command(&id, "digest")));
-        std::thread::sleep(Duration::from_millis(30));
+        // (Its resume begun: a pause sent first found the sandbox idle and paused it, and the
+        // command then found it paused.)
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while resumes() == before {
+            assert!(Instant::now() < deadline, "no resume: {}", daemon.log());
+            std::thread::sleep(Duration::from_millis(2));
+        }
         // ...and a pause meanwhile waits for that resume, then pauses (it answered 409 busy).
         let paused = daemon.api("POST", &pause, None);
         assert_eq!(paused.status, 202, "{}; {}", paused.text(), daemon.log());

@@ -253,6 +253,7 @@ impl Sandboxes {
         if self.limits.eager_idle_resume && !eager {
             tracing::info!(%id, "resumed lazily: no room for all of it at once");
         }
+        tracing::info!(%id, eager, "resuming for a command");
         let resumed =
             tokio::task::spawn_blocking(move || vm::call(&vm, Method::Resume { eager })).await?;
         match resumed {

@@ -195,8 +195,8 @@ impl Daemon {
         }
     }
 
-    /// Starts `command` in sandbox `id` and returns its stream once the answer has begun
-    /// (`200 OK`): the command runs while the stream is held, and goes on if it is dropped.
+    /// Starts `command` in sandbox `id` and returns its stream once its `init` event came:
+    /// the command runs while the stream is held, and goes on if it is dropped.
     pub fn open_command(&self, id: &str, command: &str) -> std::net::TcpStream {
         use std::io::{Read, Write};
         let (path, token) = self.execd(id);
@@ -210,12 +210,20 @@ impl Daemon {
         );
         let mut stream = std::net::TcpStream::connect(&self.addr).unwrap();
         stream.write_all(&raw).unwrap();
-        let mut first = [0u8; 512];
-        let n = stream.read(&mut first).unwrap();
+        // Up to the `init` event, which the daemon sends as it hands the command to the VM:
+        // the answer's head alone comes before, and a command sent next could reach the VM
+        // first.
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 512];
+        while !String::from_utf8_lossy(&seen).contains("init") {
+            let n = stream.read(&mut buf).unwrap();
+            assert!(n > 0, "{}", String::from_utf8_lossy(&seen));
+            seen.extend_from_slice(&buf[..n]);
+        }
         assert!(
-            String::from_utf8_lossy(&first[..n]).contains("200 OK"),
+            String::from_utf8_lossy(&seen).contains("200 OK"),
             "{}",
-            String::from_utf8_lossy(&first[..n])
+            String::from_utf8_lossy(&seen)
         );
         stream
     }
