@@ -16,8 +16,8 @@ use uffd_pager::pager::PagerConfig;
 use uffd_pager::source::PageSource;
 use uffd_pager::state::PageState;
 
+use crate::common::results::Results;
 use crate::ram::{self, Mapping, BLOCK};
-use crate::results::Results;
 use crate::Res;
 
 /// Where faulting pages come from.

@@ -41,7 +41,6 @@ mod offload;
 mod ram;
 mod report;
 mod restore;
-mod results;
 mod resume;
 mod targets;
 mod upgrade;
@@ -276,7 +275,7 @@ fn run() -> Res<()> {
         started.elapsed().as_secs_f64()
     );
 
-    let mut results = results::Results::new(settings.runs);
+    let mut results = common::results::Results::new(settings.runs);
     for run in 0..settings.runs {
         let round = Instant::now();
         let mut parts = settings.parts.clone();
@@ -303,25 +302,17 @@ fn run() -> Res<()> {
                     }
                 }
             }
-            results.put(
-                &format!("bench.part{part}_s"),
-                "s",
-                run,
-                t.elapsed().as_secs_f64(),
-            );
+            let part_s = t.elapsed().as_secs_f64();
             let (other, steal) = cpu.since();
-            results.put(
-                &format!("bench.part{part}_other_cpu_pct"),
-                "% of a CPU",
-                run,
-                other,
-            );
-            results.put(
-                &format!("bench.part{part}_steal_pct"),
-                "% of a CPU",
-                run,
-                steal,
-            );
+            let pct = "% of a CPU";
+            let figures = [
+                ("s", "s", part_s),
+                ("other_cpu_pct", pct, other),
+                ("steal_pct", pct, steal),
+            ];
+            for (quantity, unit, value) in figures {
+                results.put(&format!("bench.part{part}_{quantity}"), unit, run, value);
+            }
         }
         eprintln!(
             "pager_report: round {}/{} done in {:.1} s",
@@ -351,7 +342,7 @@ fn run() -> Res<()> {
         elapsed_s: started.elapsed().as_secs_f64(),
         filesystem: common::host::filesystem_of(&common::host::target_dir())?,
     };
-    let csv = results.csv(&results::CSV);
+    let csv = results.csv(&common::results::KEY_RUN_CSV);
     let outputs = [
         ("md", report::markdown(&results, &verdicts, &context)),
         ("csv", csv.clone()),

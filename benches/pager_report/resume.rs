@@ -17,8 +17,8 @@ use uffd_pager::load::LoadMode;
 use uffd_pager::offload::OffloadConfig;
 use uffd_pager::pager::PagerConfig;
 
+use crate::common::results::Results;
 use crate::ram::{self, Mapping, PAGE};
-use crate::results::Results;
 use crate::Res;
 
 /// Resumes per chain: the first (nothing recorded), the second (the first's working set), and
