@@ -35,7 +35,6 @@ use benchkit as common;
 mod chart;
 mod findings;
 mod firecracker;
-mod host;
 mod latency;
 mod offload;
 mod ram;
@@ -179,7 +178,8 @@ fn run() -> Res<()> {
         tmp.path.display(),
         tmp.filesystem
     );
-    let image = host::image(settings.image, settings.tile)?;
+    let tile = settings.tile.min(settings.image);
+    let image = common::elf_sample(tile, "PAGER_BENCH_SAMPLE")?.tiled(settings.image);
     let (repeated, random) = offload::mixed_data(settings.repeated, settings.random);
     let lazy = ram::scattered(settings.image, settings.lazy_total, settings.lazy_chunk);
 
@@ -284,7 +284,7 @@ fn run() -> Res<()> {
         }
         for part in parts {
             let t = Instant::now();
-            let cpu = host::CpuSample::now();
+            let cpu = common::host::CpuSample::now();
             match part {
                 1 => latency::round(
                     run,

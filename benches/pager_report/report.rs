@@ -5,7 +5,6 @@ use std::fmt::Write as _;
 use crate::common::host;
 use crate::common::results::{fig_with, minmax_table, sig3, Results};
 use crate::common::verdict::Verdict;
-use crate::host::Image;
 use crate::latency::{self, Source};
 use crate::restore::Who;
 use crate::resume::{self, RESUMES};
@@ -13,7 +12,7 @@ use crate::{Prepared, Settings, MIB};
 
 pub struct Context<'a> {
     pub settings: &'a Settings,
-    pub image: &'a Image,
+    pub image: &'a crate::common::Sample,
     pub prepared: &'a Prepared,
     pub elapsed_s: f64,
     pub filesystem: String,
@@ -144,7 +143,7 @@ fn method(out: &mut String, results: &Results, context: &Context<'_>) {
         "**The image** ({} MiB): real x86-64 ELF code and data, {} MiB of it repeated; FNV-1a 64 \
          `{:016x}`; from:",
         s.image / MIB,
-        image.tile / MIB,
+        s.tile.min(s.image) / MIB,
         image.fnv
     );
     for source in &image.sources {

@@ -201,7 +201,7 @@ fn measure(
         Who::OursLz4 | Who::OursLz4Huge => &setup.lz4_server.socket,
         Who::Firecracker | Who::FirecrackerHuge => setup.fc_socket,
     };
-    let cpu = crate::host::CpuSample::now();
+    let cpu = crate::common::host::CpuSample::now();
     let stream = vm.connect(socket)?;
     let pass = ram::touch_pages(&vm.map, ranges);
     let (other_cpu, _) = cpu.since();
