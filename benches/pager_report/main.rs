@@ -329,12 +329,7 @@ fn run() -> Res<()> {
 
     targets::derive(&mut results, &settings);
     let verdicts = targets::verdicts(&results, &settings);
-    for verdict in &verdicts {
-        eprintln!(
-            "pager_report: {}: {} ({})",
-            verdict.target, verdict.result, verdict.figure
-        );
-    }
+    common::verdict::log("pager_report", &verdicts);
     let context = report::Context {
         settings: &settings,
         image: &image,

@@ -48,18 +48,14 @@ pub fn derive(results: &mut Results, settings: &Settings) {
     }
     for head in [0, settings.head_start_ms] {
         for later in 2..=RESUMES {
-            results.ratio(
-                &format!("ratio.resume.h{head}.first_over_r{later}"),
-                &format!("{}.sync_faults", resume::key(head, 1)),
-                &format!("{}.sync_faults", resume::key(head, later)),
-                "×",
-            );
-            results.ratio(
-                &format!("ratio.resume.h{head}.first_over_r{later}.thread_faults"),
-                &format!("{}.thread_faults", resume::key(head, 1)),
-                &format!("{}.thread_faults", resume::key(head, later)),
-                "×",
-            );
+            for (quantity, suffix) in [("sync_faults", ""), ("thread_faults", ".thread_faults")] {
+                results.ratio(
+                    &format!("ratio.resume.h{head}.first_over_r{later}{suffix}"),
+                    &format!("{}.{quantity}", resume::key(head, 1)),
+                    &format!("{}.{quantity}", resume::key(head, later)),
+                    "×",
+                );
+            }
         }
     }
 }

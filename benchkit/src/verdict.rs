@@ -85,6 +85,13 @@ impl Target {
     }
 }
 
+/// Says each of `verdicts` on stderr: `BENCH: TARGET: RESULT (FIGURE)`.
+pub fn log(bench: &str, verdicts: &[Verdict]) {
+    for v in verdicts {
+        eprintln!("{bench}: {}: {} ({})", v.target, v.result, v.figure);
+    }
+}
+
 /// `## {heading}` and the table of `verdicts`, whose figure column is headed `figure`; with
 /// `bold`, each result in bold.
 pub fn table(heading: &str, figure: &str, verdicts: &[Verdict], bold: bool) -> String {
