@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use crate::results::{fmt, Results};
+use crate::common::results::{sig3, Results, Summary};
 use crate::resume;
 use crate::Settings;
 
@@ -78,26 +78,26 @@ fn compressed_faults(out: &mut String, results: &Results) {
          only pages 0..=*k* decoded (the rest can follow, or go to the prefetcher), or smaller blocks \
          for compressed stores — or decoding ahead of the faults on the other core. zstd:3 decodes at \
          {} GB/s here ({} µs a block).\n",
-        fmt(touch_ratio),
-        fmt(lz4_fault / raw_fault),
-        fmt(raw_fault),
-        fmt(raw_read),
-        fmt(raw_fault - raw_read),
-        fmt(lz4_fault),
-        fmt(lz4_fault - lz4_read),
-        fmt(lz4_read),
-        fmt(fetch),
-        fmt(med(results, "latency.lz4.payload_kib")),
-        fmt(decode),
-        fmt(gbps(decode)),
-        fmt(decode / raw_fault),
-        fmt(budget.max(0.0)),
-        fmt(gbps(budget.max(0.1))),
-        fmt(decode / budget.max(0.1)),
-        fmt(fetch),
-        fmt(raw_read),
-        fmt(gbps(zstd_decode)),
-        fmt(zstd_decode),
+        sig3(touch_ratio),
+        sig3(lz4_fault / raw_fault),
+        sig3(raw_fault),
+        sig3(raw_read),
+        sig3(raw_fault - raw_read),
+        sig3(lz4_fault),
+        sig3(lz4_fault - lz4_read),
+        sig3(lz4_read),
+        sig3(fetch),
+        sig3(med(results, "latency.lz4.payload_kib")),
+        sig3(decode),
+        sig3(gbps(decode)),
+        sig3(decode / raw_fault),
+        sig3(budget.max(0.0)),
+        sig3(gbps(budget.max(0.1))),
+        sig3(decode / budget.max(0.1)),
+        sig3(fetch),
+        sig3(raw_read),
+        sig3(gbps(zstd_decode)),
+        sig3(zstd_decode),
     );
 }
 
@@ -127,25 +127,25 @@ fn prefetcher(out: &mut String, results: &Results, settings: &Settings) {
          of blocks; it installed {} MiB during the touch) and {} more found their block installed when \
          a fault thread got to them (`eexist_races`). Halving the vCPU's stalls for a 64 MiB set needs \
          about half of it installed before the first access.\n",
-        fmt(m(format!("{}.thread_faults", k0(1)))),
-        fmt(m(format!("{}.thread_faults", k0(2)))),
-        fmt(m("ratio.resume.h0.first_over_r2.thread_faults".into())),
-        fmt(m(format!("{}.thread_faults", kh(1)))),
-        fmt(m(format!("{}.thread_faults", kh(2)))),
-        fmt(m(format!("ratio.resume.h{h}.first_over_r2.thread_faults"))),
-        fmt(m(format!("{}.touch_ms", k0(1)))),
-        fmt(m(format!("{}.touch_ms", k0(2)))),
-        fmt(m(format!("{}.touch_ms", kh(1)))),
-        fmt(m(format!("{}.touch_ms", kh(2)))),
-        fmt(m(format!("{}.sync_faults", k0(1)))),
-        fmt(m(format!("{}.sync_faults", k0(2)))),
-        fmt(m(format!("{}.prefetched_before_mib", kh(2)))),
-        fmt(m(format!("{}.prefetched_before_mib", kh(1)))),
-        fmt(unseen),
-        fmt(m(format!("{}.thread_faults", k0(2)))),
-        fmt(unseen / 16.0),
-        fmt(m(format!("{}.prefetched_during_mib", k0(2)))),
-        fmt(m(format!("{}.raced", k0(2)))),
+        sig3(m(format!("{}.thread_faults", k0(1)))),
+        sig3(m(format!("{}.thread_faults", k0(2)))),
+        sig3(m("ratio.resume.h0.first_over_r2.thread_faults".into())),
+        sig3(m(format!("{}.thread_faults", kh(1)))),
+        sig3(m(format!("{}.thread_faults", kh(2)))),
+        sig3(m(format!("ratio.resume.h{h}.first_over_r2.thread_faults"))),
+        sig3(m(format!("{}.touch_ms", k0(1)))),
+        sig3(m(format!("{}.touch_ms", k0(2)))),
+        sig3(m(format!("{}.touch_ms", kh(1)))),
+        sig3(m(format!("{}.touch_ms", kh(2)))),
+        sig3(m(format!("{}.sync_faults", k0(1)))),
+        sig3(m(format!("{}.sync_faults", k0(2)))),
+        sig3(m(format!("{}.prefetched_before_mib", kh(2)))),
+        sig3(m(format!("{}.prefetched_before_mib", kh(1)))),
+        sig3(unseen),
+        sig3(m(format!("{}.thread_faults", k0(2)))),
+        sig3(unseen / 16.0),
+        sig3(m(format!("{}.prefetched_during_mib", k0(2)))),
+        sig3(m(format!("{}.raced", k0(2)))),
     );
 }
 
@@ -160,16 +160,16 @@ fn working_set(out: &mut String, results: &Results, settings: &Settings) {
          the first resume recorded {} blocks of the {} MiB set; the second faulted {} times and \
          saved {} blocks for the third, which faulted {} times (first {}, second {}; with no head \
          start: {} → {} → {}).\n",
-        fmt(med(results, &format!("{}.ws_blocks", kh(2)))),
+        sig3(med(results, &format!("{}.ws_blocks", kh(2)))),
         settings.lazy_total >> 20,
-        fmt(med(results, &format!("{}.sync_faults", kh(2)))),
-        fmt(med(results, &format!("{}.ws_blocks", kh(3)))),
-        fmt(med(results, &format!("{}.sync_faults", kh(3)))),
-        fmt(med(results, &format!("{}.sync_faults", kh(1)))),
-        fmt(med(results, &format!("{}.sync_faults", kh(2)))),
-        fmt(med(results, &format!("{}.sync_faults", resume::key(0, 1)))),
-        fmt(med(results, &format!("{}.sync_faults", resume::key(0, 2)))),
-        fmt(med(results, &format!("{}.sync_faults", resume::key(0, 3)))),
+        sig3(med(results, &format!("{}.sync_faults", kh(2)))),
+        sig3(med(results, &format!("{}.ws_blocks", kh(3)))),
+        sig3(med(results, &format!("{}.sync_faults", kh(3)))),
+        sig3(med(results, &format!("{}.sync_faults", kh(1)))),
+        sig3(med(results, &format!("{}.sync_faults", kh(2)))),
+        sig3(med(results, &format!("{}.sync_faults", resume::key(0, 1)))),
+        sig3(med(results, &format!("{}.sync_faults", resume::key(0, 2)))),
+        sig3(med(results, &format!("{}.sync_faults", resume::key(0, 3)))),
     );
 }
 
@@ -177,22 +177,9 @@ fn working_set(out: &mut String, results: &Results, settings: &Settings) {
 /// processes using less (`busy` false) or at least (`busy` true) half a CPU.
 fn median_where(results: &Results, key: &str, busy: bool) -> Option<f64> {
     let other = results.values("restore.full.firecracker.other_cpu_pct");
-    let mut picked: Vec<f64> = results
-        .values(key)
-        .iter()
-        .zip(other)
-        .filter(|(v, o)| !v.is_nan() && !o.is_nan() && (**o >= 50.0) == busy)
-        .map(|(v, _)| *v)
-        .collect();
-    picked.sort_by(f64::total_cmp);
-    let n = picked.len();
-    (n > 0).then(|| {
-        if n % 2 == 1 {
-            picked[n / 2]
-        } else {
-            (picked[n / 2 - 1] + picked[n / 2]) / 2.0
-        }
-    })
+    let picked = results.values(key).iter().zip(other);
+    let picked = picked.filter(|(_, o)| !o.is_nan() && (**o >= 50.0) == busy);
+    Some(Summary::of(picked.map(|(v, _)| *v))?.median)
 }
 
 fn regimes(out: &mut String, results: &Results) {
@@ -224,9 +211,9 @@ fn regimes(out: &mut String, results: &Results) {
         parts.push(format!(
             "in the {runs} run(s) where the machine was {name}, a Firecracker-style fault took {} µs and \
              the ratios were {}× (raw) and {}× (lz4)",
-            fmt(fc * 1e3 / 131_072.0),
-            fmt(raw),
-            fmt(lz4)
+            sig3(fc * 1e3 / 131_072.0),
+            sig3(raw),
+            sig3(lz4)
         ));
     }
     if !parts.is_empty() {
@@ -251,14 +238,14 @@ fn restore(out: &mut String, results: &Results) {
          with nothing to run halts (halt polling is off) and must be woken through the host: when \
          other processes keep both vCPUs busy, hand-offs are cheap and the Firecracker-style \
          handler's 16× more faults cost less.",
-        fmt(med(results, "restore.full.ours_raw.faults")),
-        fmt(med(results, "restore.full.firecracker.faults")),
-        fmt(per_fault("ours_raw")),
-        fmt(per_fault("ours_lz4")),
-        fmt(per_fault("firecracker")),
-        fmt(med(results, "ratio.restore.full.firecracker_over_ours_raw")),
-        fmt(med(results, "ratio.restore.full.firecracker_over_ours_lz4")),
-        fmt(results.summary("ratio.restore.full.firecracker_over_ours_lz4").min),
+        sig3(med(results, "restore.full.ours_raw.faults")),
+        sig3(med(results, "restore.full.firecracker.faults")),
+        sig3(per_fault("ours_raw")),
+        sig3(per_fault("ours_lz4")),
+        sig3(per_fault("firecracker")),
+        sig3(med(results, "ratio.restore.full.firecracker_over_ours_raw")),
+        sig3(med(results, "ratio.restore.full.firecracker_over_ours_lz4")),
+        sig3(results.summary("ratio.restore.full.firecracker_over_ours_lz4").min),
     );
     regimes(out, results);
     out.push_str("\n\n");
@@ -278,12 +265,12 @@ fn delivery(out: &mut String, results: &Results) {
          `resolve` returns, when the faulting thread is already awake, so if that thread preempts the \
          fault thread on its CPU the wait until the fault thread runs again is counted too (it can \
          put a pager p50 above the touching thread's).\n",
-        fmt(med(results, "latency.raw.t1.c1.touch_p50_us")),
-        fmt(med(results, "latency.raw.t1.c1.pager_p50_us")),
-        fmt(med(results, "latency.raw.t1.c1.touch_p99_us")),
-        fmt(med(results, "latency.raw.t1.c1.pager_p99_us")),
-        fmt(med(results, "latency.lz4.t1.c4.touch_p50_us")),
-        fmt(med(results, "latency.lz4.t2.c4.touch_p50_us")),
-        fmt(med(results, "latency.lz4.t2.c4.busiest_fault_thread_share")),
+        sig3(med(results, "latency.raw.t1.c1.touch_p50_us")),
+        sig3(med(results, "latency.raw.t1.c1.pager_p50_us")),
+        sig3(med(results, "latency.raw.t1.c1.touch_p99_us")),
+        sig3(med(results, "latency.raw.t1.c1.pager_p99_us")),
+        sig3(med(results, "latency.lz4.t1.c4.touch_p50_us")),
+        sig3(med(results, "latency.lz4.t2.c4.touch_p50_us")),
+        sig3(med(results, "latency.lz4.t2.c4.busiest_fault_thread_share")),
     );
 }

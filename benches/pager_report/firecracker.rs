@@ -14,12 +14,13 @@
 
 use std::collections::HashSet;
 use std::fs::File;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
 
 use uffd_pager::addr::{HostAddr, HostRange, PAGE_SIZE};
+use uffd_pager::socket::recv_with_fds;
 use uffd_pager::uffd::{Event, UffdError, Userfaultfd};
 
 use crate::ram::{Mapping, PAGE};
@@ -126,36 +127,14 @@ fn serve(listener: &UnixListener, mem_file: &Path) -> Res<u64> {
     }
 }
 
-/// Receives the handshake: the JSON text and the one descriptor.
+/// Receives the handshake: the JSON text and the one descriptor (one `recvmsg`, the
+/// descriptor passed with `SCM_RIGHTS`).
 fn receive(stream: &UnixStream) -> Res<(String, OwnedFd)> {
     let mut buf = vec![0u8; 4096];
-    let mut control = [0u64; 8];
-    let mut iov = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
-    };
-    // SAFETY: an all-zero msghdr is valid; the fields are set below.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = std::mem::size_of_val(&control) as _;
-    // SAFETY: `msg` describes our own buffers.
-    let n = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-    let len = usize::try_from(n).map_err(|_| std::io::Error::last_os_error())?;
-    // SAFETY: the kernel filled the control buffer that `msg` describes.
-    let cmsg = unsafe { libc::CMSG_FIRSTHDR(&msg) };
-    // SAFETY: a non-null header points into `control`.
-    if cmsg.is_null() || unsafe { (*cmsg).cmsg_type } != libc::SCM_RIGHTS {
-        return Err("the handshake carries no descriptor".into());
-    }
-    // SAFETY: an SCM_RIGHTS message carries at least one descriptor, which is now ours.
-    let fd = unsafe {
-        OwnedFd::from_raw_fd(std::ptr::read_unaligned(
-            libc::CMSG_DATA(cmsg).cast::<i32>(),
-        ))
-    };
-    Ok((String::from_utf8(buf[..len].to_vec())?, fd))
+    let received = recv_with_fds::<1>(stream, &mut buf)?;
+    let uffd = received.fds.into_iter().next();
+    let uffd = uffd.ok_or("the handshake carries no descriptor")?;
+    Ok((String::from_utf8(buf[..received.bytes].to_vec())?, uffd))
 }
 
 /// The regions of a bare JSON array of `{base_host_virt_addr, size, offset, ...}` (the bench

@@ -16,8 +16,8 @@ use uffd_pager::pager::PagerConfig;
 use uffd_pager::source::PageSource;
 use uffd_pager::state::PageState;
 
+use crate::common::results::Results;
 use crate::ram::{self, Mapping, BLOCK};
-use crate::results::Results;
 use crate::Res;
 
 /// Where faulting pages come from.
@@ -153,6 +153,21 @@ fn ns(d: std::time::Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
+/// Untimed: every block of `map` holds the image's bytes (zeros from the zero page).
+fn check(map: &Mapping, source: Source, image: &[u8], blocks: usize) -> Res<()> {
+    for block in 0..blocks {
+        let want = if source == Source::Zero {
+            0
+        } else {
+            image[block * BLOCK]
+        };
+        if map.read(block * BLOCK) != want {
+            return Err(format!("{source:?}: block {block} differs from the image").into());
+        }
+    }
+    Ok(())
+}
+
 /// All four sources side by side: one region and one pager (one fault thread) each; one
 /// thread touches block 0 of every region, then block 1 of every region, and so on (the order
 /// of the sources rotating from block to block), so that every source's faults are spread over
@@ -209,16 +224,7 @@ fn interleaved(
     }
     let cpu_after = ram::fault_thread_cpu();
     for (i, source) in Source::ALL.into_iter().enumerate() {
-        for block in 0..blocks {
-            let want = if source == Source::Zero {
-                0
-            } else {
-                image[block * BLOCK]
-            };
-            if maps[i].read(block * BLOCK) != want {
-                return Err(format!("{source:?}: block {block} differs from the image").into());
-            }
-        }
+        check(&maps[i], source, image, blocks)?;
         let m = pagers[i].metrics().snapshot();
         let mine = |list: &[(u64, u64)]| -> Vec<(u64, u64)> {
             list.iter()
@@ -237,27 +243,25 @@ fn interleaved(
         }
         .key();
         let pager_faults = (m.faults_copy + m.faults_zero) as f64;
-        let put = |results: &mut Results, what: &str, unit, value| {
-            results.put(&format!("{key}.{what}"), unit, run, value);
-        };
-        put(results, "touch_p50_us", "µs", quantile_us(lat, 500));
-        put(results, "touch_p99_us", "µs", quantile_us(lat, 990));
-        put(results, "pager_p50_us", "µs", m.fault_latency.p50_us);
-        put(results, "pager_p99_us", "µs", m.fault_latency.p99_us);
-        put(results, "faults", "faults", pager_faults);
-        put(results, "thread_faults", "faults", faults[i] as f64);
-        put(
-            results,
-            "faults_per_s",
-            "faults/s",
-            pager_faults / (busy_ns as f64 / 1e9),
-        );
-        put(
-            results,
-            "fault_cpu_us_per_fault",
-            "µs",
-            cpu_ns as f64 / 1e3 / pager_faults,
-        );
+        let figures = [
+            ("touch_p50_us", "µs", quantile_us(lat, 500)),
+            ("touch_p99_us", "µs", quantile_us(lat, 990)),
+            ("pager_p50_us", "µs", m.fault_latency.p50_us),
+            ("pager_p99_us", "µs", m.fault_latency.p99_us),
+            ("faults", "faults", pager_faults),
+            ("thread_faults", "faults", faults[i] as f64),
+            (
+                "faults_per_s",
+                "faults/s",
+                pager_faults / (busy_ns as f64 / 1e9),
+            ),
+            (
+                "fault_cpu_us_per_fault",
+                "µs",
+                cpu_ns as f64 / 1e3 / pager_faults,
+            ),
+        ];
+        results.put_all(&key, run, figures);
     }
     drop(pagers);
     drop(maps);
@@ -273,20 +277,20 @@ fn read_cost(run: usize, region: usize, sources: &Sources, results: &mut Results
         ("lz4", &sources.lz4),
         ("zstd", &sources.zstd),
     ] {
-        let mut ns = Vec::with_capacity(region / BLOCK);
+        let mut times = Vec::with_capacity(region / BLOCK);
         let mut decompressed = 0;
         for block in 0..region / BLOCK {
             let started = Instant::now();
             source.read((block * BLOCK) as u64, &mut buf, &mut decompressed)?;
-            ns.push(u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX));
+            times.push(ns(started.elapsed()));
         }
-        ns.sort_unstable();
+        times.sort_unstable();
         results.put_all(
             &format!("latency.{name}"),
             run,
             [
-                ("read_p50_us", "µs", quantile_us(&ns, 500)),
-                ("read_p99_us", "µs", quantile_us(&ns, 990)),
+                ("read_p50_us", "µs", quantile_us(&times, 500)),
+                ("read_p99_us", "µs", quantile_us(&times, 990)),
             ],
         );
     }
@@ -306,8 +310,8 @@ fn read_cost(run: usize, region: usize, sources: &Sources, results: &mut Results
             }
             let t2 = Instant::now();
             payload_bytes += payload.len();
-            fetch.push(u64::try_from((t1 - t0).as_nanos()).unwrap_or(u64::MAX));
-            decode.push(u64::try_from((t2 - t1).as_nanos()).unwrap_or(u64::MAX));
+            fetch.push(ns(t1 - t0));
+            decode.push(ns(t2 - t1));
         }
         fetch.sort_unstable();
         decode.sort_unstable();
@@ -352,19 +356,7 @@ fn measure(
     let cpu_before = ram::fault_thread_cpu();
     let (mut latencies, wall, thread_faults) = ram::touch_blocks(&map, blocks, config.touchers);
     let (cpu_ns, busiest) = ram::fault_thread_work(&cpu_before, &ram::fault_thread_cpu());
-    // Untimed: every block holds the image's bytes (or zeros).
-    for block in 0..blocks {
-        let want = if config.source == Source::Zero {
-            0
-        } else {
-            image[block * BLOCK]
-        };
-        if map.read(block * BLOCK) != want {
-            return Err(
-                format!("{config:?}: block {block} does not hold the image's bytes").into(),
-            );
-        }
-    }
+    check(&map, config.source, image, blocks)?;
     let m = pager.metrics().snapshot();
     drop(pager);
     drop(map);

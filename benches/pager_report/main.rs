@@ -35,13 +35,11 @@ use benchkit as common;
 mod chart;
 mod findings;
 mod firecracker;
-mod host;
 mod latency;
 mod offload;
 mod ram;
 mod report;
 mod restore;
-mod results;
 mod resume;
 mod targets;
 mod upgrade;
@@ -180,7 +178,8 @@ fn run() -> Res<()> {
         tmp.path.display(),
         tmp.filesystem
     );
-    let image = host::image(settings.image, settings.tile)?;
+    let tile = settings.tile.min(settings.image);
+    let image = common::elf_sample(tile, "PAGER_BENCH_SAMPLE")?.tiled(settings.image);
     let (repeated, random) = offload::mixed_data(settings.repeated, settings.random);
     let lazy = ram::scattered(settings.image, settings.lazy_total, settings.lazy_chunk);
 
@@ -276,7 +275,7 @@ fn run() -> Res<()> {
         started.elapsed().as_secs_f64()
     );
 
-    let mut results = results::Results::new(settings.runs);
+    let mut results = common::results::Results::new(settings.runs);
     for run in 0..settings.runs {
         let round = Instant::now();
         let mut parts = settings.parts.clone();
@@ -285,7 +284,7 @@ fn run() -> Res<()> {
         }
         for part in parts {
             let t = Instant::now();
-            let cpu = host::CpuSample::now();
+            let cpu = common::host::CpuSample::now();
             match part {
                 1 => latency::round(
                     run,
@@ -303,25 +302,17 @@ fn run() -> Res<()> {
                     }
                 }
             }
-            results.put(
-                &format!("bench.part{part}_s"),
-                "s",
-                run,
-                t.elapsed().as_secs_f64(),
-            );
+            let part_s = t.elapsed().as_secs_f64();
             let (other, steal) = cpu.since();
-            results.put(
-                &format!("bench.part{part}_other_cpu_pct"),
-                "% of a CPU",
-                run,
-                other,
-            );
-            results.put(
-                &format!("bench.part{part}_steal_pct"),
-                "% of a CPU",
-                run,
-                steal,
-            );
+            let pct = "% of a CPU";
+            let figures = [
+                ("s", "s", part_s),
+                ("other_cpu_pct", pct, other),
+                ("steal_pct", pct, steal),
+            ];
+            for (quantity, unit, value) in figures {
+                results.put(&format!("bench.part{part}_{quantity}"), unit, run, value);
+            }
         }
         eprintln!(
             "pager_report: round {}/{} done in {:.1} s",
@@ -338,12 +329,7 @@ fn run() -> Res<()> {
 
     targets::derive(&mut results, &settings);
     let verdicts = targets::verdicts(&results, &settings);
-    for verdict in &verdicts {
-        eprintln!(
-            "pager_report: {}: {} ({})",
-            verdict.target, verdict.result, verdict.figure
-        );
-    }
+    common::verdict::log("pager_report", &verdicts);
     let context = report::Context {
         settings: &settings,
         image: &image,
@@ -351,7 +337,7 @@ fn run() -> Res<()> {
         elapsed_s: started.elapsed().as_secs_f64(),
         filesystem: common::host::filesystem_of(&common::host::target_dir())?,
     };
-    let csv = results.csv(&results::CSV);
+    let csv = results.csv(&common::results::KEY_RUN_CSV);
     let outputs = [
         ("md", report::markdown(&results, &verdicts, &context)),
         ("csv", csv.clone()),

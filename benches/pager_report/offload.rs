@@ -13,8 +13,8 @@ use uffd_pager::offload::OffloadConfig;
 use uffd_pager::pager::PagerConfig;
 
 use crate::common;
+use crate::common::results::Results;
 use crate::ram::{self, Mapping, PAGE};
-use crate::results::Results;
 use crate::Res;
 
 /// What the region holds.

@@ -3,67 +3,41 @@
 use std::fmt::Write as _;
 
 use crate::common::host;
-use crate::host::Image;
+use crate::common::results::{fig_with, minmax_table, sig3, Results};
+use crate::common::verdict::Verdict;
 use crate::latency::{self, Source};
 use crate::restore::Who;
-use crate::results::{fmt, Results};
 use crate::resume::{self, RESUMES};
-use crate::targets::Verdict;
 use crate::{Prepared, Settings, MIB};
 
 pub struct Context<'a> {
     pub settings: &'a Settings,
-    pub image: &'a Image,
+    pub image: &'a crate::common::Sample,
     pub prepared: &'a Prepared,
     pub elapsed_s: f64,
     pub filesystem: String,
 }
 
-/// "median (min–max)".
+/// "median (min–max)"; the value alone after one run, `–` when nothing was measured.
 fn span(results: &Results, key: &str) -> String {
-    let s = results.summary(key);
-    format!("{} ({}–{})", fmt(s.median), fmt(s.min), fmt(s.max))
+    fig_with(results, key, 0, |v, _| sig3(v))
 }
 
-/// A table of `(label, key, bold)` rows: quantity | min | median | max.
-fn table(out: &mut String, results: &Results, rows: &[(String, String, bool)]) {
-    out.push_str("| quantity | min | median | max |\n|---|---:|---:|---:|\n");
-    for (label, key, bold) in rows {
-        if !results.has(key) {
-            continue;
-        }
-        let s = results.summary(key);
-        let unit = results.unit(key);
-        let label = if *bold {
-            format!("**{label}**")
-        } else {
-            label.clone()
-        };
-        let _ = writeln!(
-            out,
-            "| {label} ({unit}) | {} | {} | {} |",
-            fmt(s.min),
-            fmt(s.median),
-            fmt(s.max)
-        );
+/// The rows of a table: `(label, key, bold)`.
+type Rows = Vec<(String, String, bool)>;
+
+/// The table of `rows`: quantity | min | median | max.
+fn table(out: &mut String, results: &Results, rows: &Rows) {
+    out.push_str(&minmax_table(results, rows, sig3));
+}
+
+/// The rows `{prefix}WHAT` of the figures `{k}.QUANTITY`, for each `(WHAT, QUANTITY)`, in bold
+/// those of the quantities `bold`.
+fn rows_of(rows: &mut Rows, prefix: &str, k: &str, list: &[(&str, &str)], bold: &[&str]) {
+    for (what, quantity) in list {
+        let row = (format!("{prefix}{what}"), format!("{k}.{quantity}"));
+        rows.push((row.0, row.1, bold.contains(quantity)));
     }
-    out.push('\n');
-}
-
-fn row(label: impl Into<String>, key: impl Into<String>) -> (String, String, bool) {
-    (label.into(), key.into(), false)
-}
-
-/// The rows `{name}: WHAT` of the figures `{k}.QUANTITY`, for each `(WHAT, QUANTITY)`, the
-/// first in bold.
-fn rows_of(rows: &mut Vec<(String, String, bool)>, name: &str, k: &str, list: &[(&str, &str)]) {
-    for (i, (what, quantity)) in list.iter().enumerate() {
-        rows.push((format!("{name}: {what}"), format!("{k}.{quantity}"), i == 0));
-    }
-}
-
-fn bold(label: impl Into<String>, key: impl Into<String>) -> (String, String, bool) {
-    (label.into(), key.into(), true)
 }
 
 pub fn markdown(results: &Results, verdicts: &[Verdict], context: &Context<'_>) -> String {
@@ -169,7 +143,7 @@ fn method(out: &mut String, results: &Results, context: &Context<'_>) {
         "**The image** ({} MiB): real x86-64 ELF code and data, {} MiB of it repeated; FNV-1a 64 \
          `{:016x}`; from:",
         s.image / MIB,
-        image.tile / MIB,
+        s.tile.min(s.image) / MIB,
         image.fnv
     );
     for source in &image.sources {
@@ -301,41 +275,36 @@ fn latency_section(out: &mut String, results: &Results) {
             ("faults counted by the pager", "faults"),
             ("fault-thread CPU per fault", "fault_cpu_us_per_fault"),
         ];
-        rows_of(&mut rows, source.label(), &k, &list);
+        let (name, bold) = (format!("{}: ", source.label()), ["touch_p50_us"]);
+        rows_of(&mut rows, &name, &k, &list, &bold);
     }
     out.push_str("One fault thread, one touching thread:\n\n");
     table(out, results, &rows);
     out.push_str("Reading a block from each source alone (no userfaultfd, one thread):\n\n");
     let mut rows = Vec::new();
     for source in ["raw", "lz4", "zstd"] {
-        for (what, quantity) in [
+        let list = [
             ("`PageSource::read` p50", "read_p50_us"),
             ("`PageSource::read` p99", "read_p99_us"),
             ("fetch + checksum p50", "fetch_p50_us"),
             ("decode p50", "decode_p50_us"),
             ("payload per 64 KiB block", "payload_kib"),
-        ] {
-            let key = format!("latency.{source}.{quantity}");
-            rows.push(row(format!("{source}: {what}"), key));
-        }
+        ];
+        let k = format!("latency.{source}");
+        rows_of(&mut rows, &format!("{source}: "), &k, &list, &[]);
     }
     table(out, results, &rows);
     out.push_str("Ratios to the raw-file fault, run by run:\n\n");
     let mut rows = Vec::new();
     for source in ["lz4", "zstd", "zero"] {
-        let k = format!("ratio.latency.{source}_over_raw");
         let list = [
             ("p50, touching thread", "touch_p50_us"),
             ("p50, pager histogram", "pager_p50_us"),
             ("p99, touching thread", "touch_p99_us"),
         ];
-        for (i, (what, quantity)) in list.iter().enumerate() {
-            rows.push((
-                format!("{source} / raw {what}"),
-                format!("{k}.{quantity}"),
-                i == 0,
-            ));
-        }
+        let k = format!("ratio.latency.{source}_over_raw");
+        let (name, bold) = (format!("{source} / raw "), ["touch_p50_us"]);
+        rows_of(&mut rows, &name, &k, &list, &bold);
     }
     table(out, results, &rows);
     out.push_str(
@@ -348,9 +317,8 @@ fn latency_section(out: &mut String, results: &Results) {
         .into_iter()
         .filter(|c| c.source == Source::Raw || c.source == Source::Lz4)
     {
-        let k = config.key();
         let name = format!(
-            "{}, {} fault thread{}, {} touching",
+            "{}, {} fault thread{}, {} touching: ",
             config.source.key(),
             config.threads,
             if config.threads > 1 { "s" } else { "" },
@@ -362,12 +330,10 @@ fn latency_section(out: &mut String, results: &Results) {
             ("p99, touching threads", "touch_p99_us"),
             ("p50, pager histogram", "pager_p50_us"),
         ];
-        rows_of(&mut rows, &name, &k, &list);
+        rows_of(&mut rows, &name, &config.key(), &list, &["faults_per_s"]);
         if config.threads > 1 {
-            rows.push(row(
-                format!("{name}: busiest fault thread's share"),
-                format!("{k}.busiest_fault_thread_share"),
-            ));
+            let share = ("busiest fault thread's share", "busiest_fault_thread_share");
+            rows_of(&mut rows, &name, &config.key(), &[share], &[]);
         }
     }
     table(out, results, &rows);
@@ -383,33 +349,30 @@ fn restore_section(out: &mut String, results: &Results, s: &Settings) {
     let mut rows = Vec::new();
     for touch in ["lazy", "full"] {
         for who in Who::ALL {
-            let k = format!("restore.{touch}.{}", who.key());
-            let name = format!("{touch}, {}", who.label());
             let list = [
                 ("first touch to last", "ms"),
                 ("touched MiB per second", "mib_per_s"),
                 ("faults taken by the touching thread", "faults"),
                 ("faults served (handler's count)", "handler_faults"),
             ];
-            rows_of(&mut rows, &name, &k, &list);
+            let (name, k) = (format!("{touch}, {}: ", who.label()), who.key());
+            let k = format!("restore.{touch}.{k}");
+            rows_of(&mut rows, &name, &k, &list, &["ms"]);
         }
+        let k = format!("ratio.restore.{touch}");
         for ours in ["ours_raw", "ours_lz4", "ours_raw_huge", "ours_lz4_huge"] {
-            rows.push(bold(
-                format!(
-                    "{touch}: Firecracker-style time / {} time",
-                    ours.replace('_', ", ")
-                ),
-                format!("ratio.restore.{touch}.firecracker_over_{ours}"),
-            ));
+            let label = format!(
+                "{touch}: Firecracker-style time / {} time",
+                ours.replace('_', ", ")
+            );
+            rows.push((label, format!("{k}.firecracker_over_{ours}"), true));
         }
         for ours in ["ours_raw_huge", "ours_lz4_huge"] {
-            rows.push(bold(
-                format!(
-                    "{touch}: {} time / Firecracker-style time on 2 MiB pages",
-                    ours.replace('_', ", ")
-                ),
-                format!("ratio.restore.{touch}.{ours}_over_firecracker_huge"),
-            ));
+            let label = format!(
+                "{touch}: {} time / Firecracker-style time on 2 MiB pages",
+                ours.replace('_', ", ")
+            );
+            rows.push((label, format!("{k}.{ours}_over_firecracker_huge"), true));
         }
     }
     table(out, results, &rows);
@@ -431,12 +394,12 @@ fn restore_section(out: &mut String, results: &Results, s: &Settings) {
             out,
             "| {} | {} | {} | {} | {} | {} | {} |",
             run + 1,
-            fmt(at(&other)),
-            fmt(at(&fc)),
-            fmt(at(&raw)),
-            fmt(at(&lz4)),
-            fmt(at(&fc) / at(&raw)),
-            fmt(at(&fc) / at(&lz4)),
+            sig3(at(&other)),
+            sig3(at(&fc)),
+            sig3(at(&raw)),
+            sig3(at(&lz4)),
+            sig3(at(&fc) / at(&raw)),
+            sig3(at(&fc) / at(&lz4)),
         );
     }
     out.push('\n');
@@ -447,32 +410,21 @@ fn offload_section(out: &mut String, results: &Results, s: &Settings) {
     let mut rows = Vec::new();
     for (content, name) in [("mixed", "repeated + random"), ("full", "fully written")] {
         for codec in ["none", "lz4"] {
+            let list = [
+                ("resident RAM", "resident_mib"),
+                ("offload time", "ms"),
+                ("throughput of resident RAM", "gbps"),
+                ("write + commit", "write_ms"),
+                ("drop", "drop_ms"),
+                ("payload written", "stored_bytes"),
+                ("store's disk bytes", "disk_bytes"),
+            ];
             let k = format!("offload.{content}.{codec}");
-            let n = format!("{name}, {codec}");
-            rows.push(row(
-                format!("{n}: resident RAM"),
-                format!("{k}.resident_mib"),
-            ));
-            rows.push(bold(format!("{n}: offload time"), format!("{k}.ms")));
-            rows.push(bold(
-                format!("{n}: throughput of resident RAM"),
-                format!("{k}.gbps"),
-            ));
-            rows.push(row(format!("{n}: write + commit"), format!("{k}.write_ms")));
-            rows.push(row(format!("{n}: drop"), format!("{k}.drop_ms")));
-            rows.push(row(
-                format!("{n}: payload written"),
-                format!("{k}.stored_bytes"),
-            ));
-            rows.push(row(
-                format!("{n}: store's disk bytes"),
-                format!("{k}.disk_bytes"),
-            ));
+            let (name, bold) = (format!("{name}, {codec}: "), ["ms", "gbps"]);
+            rows_of(&mut rows, &name, &k, &list, &bold);
         }
-        rows.push(bold(
-            format!("{name}: lz4 time / raw time"),
-            format!("ratio.offload.{content}.lz4_over_none"),
-        ));
+        let key = format!("ratio.offload.{content}.lz4_over_none");
+        rows.push((format!("{name}: lz4 time / raw time"), key, true));
     }
     table(out, results, &rows);
 }
@@ -486,42 +438,32 @@ fn resume_section(out: &mut String, results: &Results, s: &Settings) {
     let mut rows = Vec::new();
     for head in [0, s.head_start_ms] {
         for r in 1..=RESUMES {
-            let k = resume::key(head, r);
-            let n = format!("{head} ms head start, resume {r}");
-            rows.push(row(
-                format!("{n}: recorded working set"),
-                format!("{k}.ws_blocks"),
-            ));
-            rows.push(row(
-                format!("{n}: prefetched before the touch"),
-                format!("{k}.prefetched_before_mib"),
-            ));
-            rows.push(bold(
-                format!("{n}: synchronous faults"),
-                format!("{k}.sync_faults"),
-            ));
-            rows.push(row(
-                format!("{n}: faults taken by the touching thread"),
-                format!("{k}.thread_faults"),
-            ));
-            rows.push(row(
-                format!("{n}: of those, resolved by a prefetcher install while waiting"),
-                format!("{k}.raced"),
-            ));
-            rows.push(bold(format!("{n}: time to touch"), format!("{k}.touch_ms")));
-            rows.push(row(
-                format!("{n}: prefetched during the touch"),
-                format!("{k}.prefetched_during_mib"),
-            ));
+            let list = [
+                ("recorded working set", "ws_blocks"),
+                ("prefetched before the touch", "prefetched_before_mib"),
+                ("synchronous faults", "sync_faults"),
+                ("faults taken by the touching thread", "thread_faults"),
+                (
+                    "of those, resolved by a prefetcher install while waiting",
+                    "raced",
+                ),
+                ("time to touch", "touch_ms"),
+                ("prefetched during the touch", "prefetched_during_mib"),
+            ];
+            let name = format!("{head} ms head start, resume {r}: ");
+            let (k, bold) = (resume::key(head, r), ["sync_faults", "touch_ms"]);
+            rows_of(&mut rows, &name, &k, &list, &bold);
         }
         for r in 2..=RESUMES {
-            rows.push(bold(
-                format!("{head} ms head start: first / resume {r} synchronous faults"),
+            let (n, k) = (
+                format!("{head} ms head start: first / resume {r}"),
                 format!("ratio.resume.h{head}.first_over_r{r}"),
-            ));
-            rows.push(row(
-                format!("{head} ms head start: first / resume {r} faults the touching thread took"),
-                format!("ratio.resume.h{head}.first_over_r{r}.thread_faults"),
+            );
+            rows.push((format!("{n} synchronous faults"), k.clone(), true));
+            rows.push((
+                format!("{n} faults the touching thread took"),
+                format!("{k}.thread_faults"),
+                false,
             ));
         }
     }
@@ -541,14 +483,6 @@ fn upgrade_section(out: &mut String, results: &Results) {
          the same pass with no restart. Median (min–max) over the runs:\n\n\
          | figure | baseline | upgrade |\n|---|---:|---:|\n",
     );
-    let fig = |key: &str| {
-        let s = results.summary(key);
-        if s.median.is_nan() {
-            "–".to_owned()
-        } else {
-            format!("{} ({}–{})", fmt(s.median), fmt(s.min), fmt(s.max))
-        }
-    };
     for (label, q) in [
         ("longest single page read (ms)", "longest_read_ms"),
         ("the whole pass (ms)", "pass_ms"),
@@ -558,8 +492,8 @@ fn upgrade_section(out: &mut String, results: &Results) {
         let _ = writeln!(
             out,
             "| {label} | {} | {} |",
-            fig(&format!("upgrade.baseline.{q}")),
-            fig(&format!("upgrade.upgrade.{q}"))
+            span(results, &format!("upgrade.baseline.{q}")),
+            span(results, &format!("upgrade.upgrade.{q}"))
         );
     }
     out.push_str(

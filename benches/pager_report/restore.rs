@@ -18,9 +18,9 @@ use compressed_backing::BlockSize;
 use uffd_pager::server::{Server, ServerConfig};
 use uffd_pager::source::PageSource;
 
+use crate::common::results::Results;
 use crate::firecracker;
 use crate::ram::{self, FirecrackerVm};
-use crate::results::Results;
 use crate::Res;
 
 /// Who serves the faults.
@@ -201,7 +201,7 @@ fn measure(
         Who::OursLz4 | Who::OursLz4Huge => &setup.lz4_server.socket,
         Who::Firecracker | Who::FirecrackerHuge => setup.fc_socket,
     };
-    let cpu = crate::host::CpuSample::now();
+    let cpu = crate::common::host::CpuSample::now();
     let stream = vm.connect(socket)?;
     let pass = ram::touch_pages(&vm.map, ranges);
     let (other_cpu, _) = cpu.since();
@@ -229,19 +229,14 @@ fn measure(
     drop(vm);
     let key = format!("restore.{}.{}", touch.key(), who.key());
     let touched = ranges.iter().map(|r| r.1).sum::<usize>() as f64;
-    results.put(
-        &format!("{key}.ms"),
-        "ms",
-        run,
-        pass.elapsed.as_secs_f64() * 1e3,
-    );
-    results.put(&format!("{key}.faults"), "faults", run, pass.faults as f64);
-    results.put(
-        &format!("{key}.other_cpu_pct"),
-        "% of a CPU",
-        run,
-        other_cpu,
-    );
+    let secs = pass.elapsed.as_secs_f64();
+    let figures = [
+        ("ms", "ms", secs * 1e3),
+        ("faults", "faults", pass.faults as f64),
+        ("other_cpu_pct", "% of a CPU", other_cpu),
+        ("mib_per_s", "MiB/s", touched / f64::from(1u32 << 20) / secs),
+    ];
+    results.put_all(&key, run, figures);
     if !handler_faults.is_nan() {
         results.put(
             &format!("{key}.handler_faults"),
@@ -250,11 +245,5 @@ fn measure(
             handler_faults,
         );
     }
-    results.put(
-        &format!("{key}.mib_per_s"),
-        "MiB/s",
-        run,
-        touched / f64::from(1u32 << 20) / pass.elapsed.as_secs_f64(),
-    );
     Ok(())
 }

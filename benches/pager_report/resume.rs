@@ -17,8 +17,8 @@ use uffd_pager::load::LoadMode;
 use uffd_pager::offload::OffloadConfig;
 use uffd_pager::pager::PagerConfig;
 
+use crate::common::results::Results;
 use crate::ram::{self, Mapping, PAGE};
-use crate::results::Results;
 use crate::Res;
 
 /// Resumes per chain: the first (nothing recorded), the second (the first's working set), and
@@ -67,7 +67,7 @@ fn chain(run: usize, head_start_ms: u64, setup: &Setup<'_>, results: &mut Result
         let load = pager.load(LoadMode::Lazy, 2)?;
         std::thread::sleep(Duration::from_millis(head_start_ms));
         let before = pager.metrics().snapshot();
-        let cpu = crate::host::CpuSample::now();
+        let cpu = crate::common::host::CpuSample::now();
         let pass = ram::touch_pages(&map, setup.working_set);
         let (other_cpu, _) = cpu.since();
         let after = pager.metrics().snapshot();

@@ -1,6 +1,7 @@
-//! The ratios derived run by run, and the verdict on each target of issue 3.
+//! The ratios derived run by run, and the targets of issues 3, 14 and 36 as data, judged.
 
-use crate::results::{fmt, Results};
+use crate::common::results::{sig3, Results};
+use crate::common::verdict::{result, Target, Verdict, PASS_FAIL};
 use crate::resume::{self, RESUMES};
 use crate::Settings;
 
@@ -47,206 +48,195 @@ pub fn derive(results: &mut Results, settings: &Settings) {
     }
     for head in [0, settings.head_start_ms] {
         for later in 2..=RESUMES {
-            results.ratio(
-                &format!("ratio.resume.h{head}.first_over_r{later}"),
-                &format!("{}.sync_faults", resume::key(head, 1)),
-                &format!("{}.sync_faults", resume::key(head, later)),
-                "×",
-            );
-            results.ratio(
-                &format!("ratio.resume.h{head}.first_over_r{later}.thread_faults"),
-                &format!("{}.thread_faults", resume::key(head, 1)),
-                &format!("{}.thread_faults", resume::key(head, later)),
-                "×",
-            );
+            for (quantity, suffix) in [("sync_faults", ""), ("thread_faults", ".thread_faults")] {
+                results.ratio(
+                    &format!("ratio.resume.h{head}.first_over_r{later}{suffix}"),
+                    &format!("{}.{quantity}", resume::key(head, 1)),
+                    &format!("{}.{quantity}", resume::key(head, later)),
+                    "×",
+                );
+            }
         }
     }
 }
 
-pub use crate::common::verdict::Verdict;
-
-/// "1.23× (median of 5; min 1.1, max 1.4; 4 of 5 runs meet it)".
-fn ratio_figure(results: &Results, key: &str, ok: &dyn Fn(f64) -> bool) -> String {
-    let s = results.summary(key);
-    format!(
-        "{}× (median of {}; min {}, max {}; {} of {} runs meet it)",
-        fmt(s.median),
-        s.n,
-        fmt(s.min),
-        fmt(s.max),
-        results.count(key, ok),
-        s.n
-    )
+/// A target of the report: the figure judged against it, its words, and what its figure says
+/// after the spread; with a `chart` label, a row of the chart's panel of targets.
+pub struct Goal {
+    pub target: Target,
+    words: String,
+    /// The figure's unit after its median (`×`, ` ms`).
+    unit: &'static str,
+    note: String,
+    pub chart: Option<String>,
 }
 
-fn verdict(
-    results: &Results,
-    target: String,
-    key: &str,
-    ok: &dyn Fn(f64) -> bool,
-    extra: String,
-) -> Verdict {
-    let median = results.summary(key).median;
-    Verdict {
-        target,
-        figure: format!("{}{extra}", ratio_figure(results, key, ok)),
-        result: if median.is_nan() {
-            "NOT MEASURED"
-        } else if ok(median) {
-            "PASS"
-        } else {
-            "FAIL"
-        },
+impl Goal {
+    fn new(target: Target, words: String, note: String, chart: Option<String>) -> Self {
+        let unit = "×";
+        Self {
+            target,
+            words,
+            unit,
+            note,
+            chart,
+        }
+    }
+
+    /// "1.23× (median of 5; min 1.1, max 1.4; 4 of 5 runs meet it)" and the note.
+    fn verdict(&self, results: &Results) -> Verdict {
+        let (s, meeting, result) = self.target.judge(results, PASS_FAIL);
+        let (median, min, max) = (sig3(s.median), sig3(s.min), sig3(s.max));
+        let (unit, n, note) = (self.unit, s.n, &self.note);
+        let figure = format!(
+            "{median}{unit} (median of {n}; min {min}, max {max}; {meeting} of {n} runs meet \
+             it){note}"
+        );
+        let target = self.words.clone();
+        Verdict {
+            target,
+            figure,
+            result,
+        }
     }
 }
 
 /// Issue 36: the longest a guest's fault may wait across a SIGTERM upgrade, ms.
 pub const UPGRADE_STALL_MS: f64 = 10.0;
 
-pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
-    let mut out = Vec::new();
-    let le = |limit: f64| move |v: f64| v <= limit;
-    let ge = |limit: f64| move |v: f64| v >= limit;
+/// Every target judged on a median, in the report's order.
+pub fn goals(results: &Results, settings: &Settings) -> Vec<Goal> {
+    let image = settings.image >> 20;
+    let median = |key: &str| sig3(results.summary(key).median);
     let pager = results.summary("ratio.latency.lz4_over_raw.pager_p50_us");
-    out.push(verdict(
-        results,
+    let mut out = vec![Goal::new(
+        Target::at_most("ratio.latency.lz4_over_raw.touch_p50_us", 1.3),
         "lz4-compressed fault p50 ≤ 1.3× raw-file fault p50 (touching thread)".into(),
-        "ratio.latency.lz4_over_raw.touch_p50_us",
-        &le(1.3),
         format!(
             ", lz4 p50 / raw p50; by the pager's histogram {}× (min {}, max {})",
-            fmt(pager.median),
-            fmt(pager.min),
-            fmt(pager.max)
+            sig3(pager.median),
+            sig3(pager.min),
+            sig3(pager.max)
         ),
-    ));
-    for (ours, what) in [
-        ("ours_raw", "raw file, like for like"),
-        ("ours_lz4", "lz4 store"),
-        ("ours_raw_huge", "raw file, on 2 MiB pages"),
-        ("ours_lz4_huge", "lz4 store, on 2 MiB pages"),
+        Some("lz4 / raw fault p50".into()),
+    )];
+    for (ours, what, chart) in [
+        ("ours_raw", "raw file, like for like", Some("ours raw")),
+        ("ours_lz4", "lz4 store", Some("ours lz4")),
+        ("ours_raw_huge", "raw file, on 2 MiB pages", None),
+        ("ours_lz4_huge", "lz4 store, on 2 MiB pages", None),
     ] {
-        out.push(verdict(
-            results,
+        out.push(Goal::new(
+            Target::at_least(format!("ratio.restore.full.firecracker_over_{ours}"), 3.0),
             format!(
-                "full restore of {} MiB ≥ 3× faster than the Firecracker-style handler on 4 KiB \
-                 pages (ours from the {what})",
-                settings.image >> 20
+                "full restore of {image} MiB ≥ 3× faster than the Firecracker-style handler on 4 KiB \
+                 pages (ours from the {what})"
             ),
-            &format!("ratio.restore.full.firecracker_over_{ours}"),
-            &ge(3.0),
             ", Firecracker-style time / our time".into(),
+            chart.map(|c| format!("full restore: Firecracker-style / {c}")),
         ));
     }
     for (ours, what, limit) in [
         ("ours_raw_huge", "raw file", 1.05),
         ("ours_lz4_huge", "lz4 store", 1.3),
     ] {
-        out.push(verdict(
-            results,
+        out.push(Goal::new(
+            Target::at_most(format!("ratio.restore.full.{ours}_over_firecracker_huge"), limit),
             format!(
-                "full restore of {} MiB on 2 MiB pages ≤ {limit}× the Firecracker-style handler's \
-                 on 2 MiB pages (ours from the {what})",
-                settings.image >> 20
+                "full restore of {image} MiB on 2 MiB pages ≤ {limit}× the Firecracker-style handler's \
+                 on 2 MiB pages (ours from the {what})"
             ),
-            &format!("ratio.restore.full.{ours}_over_firecracker_huge"),
-            &le(limit),
             ", our time / Firecracker-style time".into(),
+            None,
         ));
     }
-    // Issue 14: the touching thread's synchronous faults per 64 MiB touched on 2 MiB pages.
-    let per_64 = 64.0 * f64::from(1u32 << 20) / settings.lazy_total as f64;
-    for who in ["ours_raw_huge", "ours_lz4_huge"] {
-        let key = format!("restore.lazy.{who}.faults");
-        let faults = results.summary(&key);
-        let worst = faults.max * per_64;
-        out.push(Verdict {
-            target: format!(
-                "lazy restore on 2 MiB pages ({}): ≤ 64 synchronous faults per 64 MiB touched",
-                who.trim_start_matches("ours_").trim_end_matches("_huge")
-            ),
-            figure: format!(
-                "{} per 64 MiB (min {}, max {}) over {} runs",
-                fmt(faults.median * per_64),
-                fmt(faults.min * per_64),
-                fmt(worst),
-                faults.n
-            ),
-            result: if worst.is_nan() {
-                "NOT MEASURED"
-            } else if worst <= 64.0 {
-                "PASS"
-            } else {
-                "FAIL"
-            },
-        });
-    }
     let mixed = format!(
-        "{} MiB repeated + {} MiB random in {} MiB",
+        "{} MiB repeated + {} MiB random in {image} MiB",
         settings.repeated >> 20,
         settings.random >> 20,
-        settings.image >> 20
     );
-    let full = format!("{} MiB fully written", settings.image >> 20);
-    for (content, what) in [("mixed", mixed.as_str()), ("full", full.as_str())] {
-        out.push(verdict(
-            results,
+    let full = format!("{image} MiB fully written");
+    for (content, what) in [("mixed", mixed), ("full", full)] {
+        out.push(Goal::new(
+            Target::at_most(format!("ratio.offload.{content}.lz4_over_none"), 1.5),
             format!("compressed (lz4) offload time ≤ 1.5× raw offload time ({what})"),
-            &format!("ratio.offload.{content}.lz4_over_none"),
-            &le(1.5),
             ", lz4 time / raw time, write + commit + drop".into(),
+            Some(format!("offload lz4 / raw time, {content}")),
         ));
     }
     for head in [settings.head_start_ms, 0] {
-        let first = results.summary(&format!("{}.sync_faults", resume::key(head, 1)));
-        let second = results.summary(&format!("{}.sync_faults", resume::key(head, 2)));
-        out.push(verdict(
-            results,
+        let faults = |r| median(&format!("{}.sync_faults", resume::key(head, r)));
+        let ratio = format!("ratio.resume.h{head}.first_over_r2");
+        out.push(Goal::new(
+            Target::at_least(&ratio, 2.0),
             format!("second resume takes ≥ 2× fewer synchronous faults than the first ({head} ms head start)"),
-            &format!("ratio.resume.h{head}.first_over_r2"),
-            &ge(2.0),
             format!(
                 ", first / second `faults_copy + faults_zero`; median {} vs {} faults. Counting every \
                  fault the touching thread waited for (also those the prefetcher resolved while it \
                  waited): {}×",
-                fmt(first.median),
-                fmt(second.median),
-                fmt(results
-                    .summary(&format!("ratio.resume.h{head}.first_over_r2.thread_faults"))
-                    .median),
+                faults(1),
+                faults(2),
+                median(&format!("{ratio}.thread_faults")),
             ),
+            Some(match head {
+                0 => "resume 1 / 2 sync faults, no head".to_owned(),
+                h => format!("resume 1 / 2 sync faults, {h} ms head"),
+            }),
         ));
     }
     // Issue 36: a SIGTERM upgrade stalls a guest's faults for milliseconds.
-    let key = "upgrade.upgrade.longest_read_ms";
-    let longest = results.summary(key);
-    let baseline = results.summary("upgrade.baseline.longest_read_ms");
-    out.push(Verdict {
+    out.push(Goal {
+        unit: " ms",
+        ..Goal::new(
+            Target::at_most("upgrade.upgrade.longest_read_ms", UPGRADE_STALL_MS),
+            format!(
+                "a SIGTERM upgrade of `uffd-pager serve` stalls the guest's faults ≤ {UPGRADE_STALL_MS} ms \
+                 (its longest page read across the upgrade)"
+            ),
+            format!(
+                "; without an upgrade {} ms; the old server exited {} ms after SIGTERM, the new one \
+                 listened at {} ms (medians)",
+                median("upgrade.baseline.longest_read_ms"),
+                median("upgrade.upgrade.exit_ms"),
+                median("upgrade.upgrade.listening_ms"),
+            ),
+            None,
+        )
+    });
+    out
+}
+
+/// Issue 14, judged on the worst run: the touching thread's synchronous faults per 64 MiB
+/// touched in a lazy restore on 2 MiB pages (`who`), at most 64.
+fn lazy_huge(results: &Results, settings: &Settings, who: &str) -> Verdict {
+    let per_64 = 64.0 * f64::from(1u32 << 20) / settings.lazy_total as f64;
+    let faults = results.summary(&format!("restore.lazy.{who}.faults"));
+    let worst = faults.max * per_64;
+    Verdict {
         target: format!(
-            "a SIGTERM upgrade of `uffd-pager serve` stalls the guest's faults ≤ {UPGRADE_STALL_MS} ms \
-             (its longest page read across the upgrade)"
+            "lazy restore on 2 MiB pages ({}): ≤ 64 synchronous faults per 64 MiB touched",
+            who.trim_start_matches("ours_").trim_end_matches("_huge")
         ),
         figure: format!(
-            "{} ms (median of {}; min {}, max {}; {} of {} runs meet it); without an upgrade \
-             {} ms; the old server exited {} ms after SIGTERM, the new one listened at {} ms \
-             (medians)",
-            fmt(longest.median),
-            longest.n,
-            fmt(longest.min),
-            fmt(longest.max),
-            results.count(key, le(UPGRADE_STALL_MS)),
-            longest.n,
-            fmt(baseline.median),
-            fmt(results.summary("upgrade.upgrade.exit_ms").median),
-            fmt(results.summary("upgrade.upgrade.listening_ms").median),
+            "{} per 64 MiB (min {}, max {}) over {} runs",
+            sig3(faults.median * per_64),
+            sig3(faults.min * per_64),
+            sig3(worst),
+            faults.n
         ),
-        result: if longest.median.is_nan() {
-            "NOT MEASURED"
-        } else if longest.median <= UPGRADE_STALL_MS {
-            "PASS"
-        } else {
-            "FAIL"
-        },
-    });
+        result: result(!worst.is_nan(), worst <= 64.0, PASS_FAIL),
+    }
+}
+
+/// The verdicts of the report's table: the goals, issue 14's before the offload's.
+pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
+    let goals = goals(results, settings);
+    let offload = goals
+        .iter()
+        .position(|g| g.target.key.starts_with("ratio.offload."))
+        .unwrap_or(goals.len());
+    let mut out: Vec<Verdict> = goals.iter().map(|g| g.verdict(results)).collect();
+    let lazy = ["ours_raw_huge", "ours_lz4_huge"].map(|who| lazy_huge(results, settings, who));
+    out.splice(offload..offload, lazy);
     out
 }

@@ -17,8 +17,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::common::results::Results;
 use crate::ram::{self, FirecrackerVm, PAGE};
-use crate::results::Results;
 use crate::Res;
 
 /// How long any step may take before the bench gives up (a frozen guest).

@@ -1,7 +1,8 @@
 //! The machine side of the scenario benches: the temporary directory under
 //! `target/bench-tmp/` (on the real disk, never tmpfs), the facts about the machine that the
 //! reports state, and the CPU time of the whole machine and of the bench from `/proc/stat`
-//! (`BenchRun` gathers them for a report), and of one process or thread.
+//! (`BenchRun` gathers them for a report; `CpuSample`, what other work took during a
+//! measurement), and of one process or thread.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -194,6 +195,35 @@ impl CpuTimes {
             steal: cpu.steal.unwrap_or(0),
             own: own.utime + own.stime,
         })
+    }
+}
+
+/// The CPU times of [`CpuTimes`] at an instant, to tell how much other work ran during a
+/// measurement (the machine is shared).
+#[derive(Debug, Clone, Copy)]
+pub struct CpuSample {
+    at: Instant,
+    times: Option<CpuTimes>,
+}
+
+impl CpuSample {
+    pub fn now() -> Self {
+        let (times, at) = (CpuTimes::now(), Instant::now());
+        Self { at, times }
+    }
+
+    /// `(other, steal)`: CPU used by other processes and stolen by the host since `self`, in
+    /// percent of one CPU (zero if `/proc/stat` cannot be read).
+    pub fn since(&self) -> (f64, f64) {
+        let now = Self::now();
+        let (Some(then), Some(times)) = (self.times, now.times) else {
+            return (0.0, 0.0);
+        };
+        let hz = ticks_per_second();
+        let secs = now.at.duration_since(self.at).as_secs_f64().max(1e-3);
+        let pct = |ticks: u64| ticks as f64 / hz / secs * 100.0;
+        let other = (times.busy - then.busy).saturating_sub(times.own - then.own);
+        (pct(other), pct(times.steal - then.steal))
     }
 }
 

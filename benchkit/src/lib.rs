@@ -267,6 +267,20 @@ pub struct Sample {
     pub fnv: u64,
 }
 
+impl Sample {
+    /// The sample repeated up to `len` bytes, its hash that of the whole.
+    pub fn tiled(mut self, len: usize) -> Self {
+        let tile = self.bytes.len();
+        self.bytes.reserve(len.saturating_sub(tile));
+        while tile > 0 && self.bytes.len() < len {
+            let take = tile.min(len - self.bytes.len());
+            self.bytes.extend_from_within(..take);
+        }
+        self.fnv = fnv1a64(&self.bytes);
+        self
+    }
+}
+
 /// Reads the realistic sample: `len` bytes of real ELF files (see the module documentation).
 pub fn realistic(len: usize) -> io::Result<Sample> {
     elf_sample(len, "STORE_BENCH_SAMPLE")
@@ -405,7 +419,22 @@ pub fn end_round(
 
 #[cfg(test)]
 mod tests {
-    use super::check_shape;
+    use super::{check_shape, fnv1a64, Sample};
+
+    #[test]
+    fn sample_tiled_repeats_its_bytes_up_to_the_length() {
+        let (bytes, sources) = (vec![1, 2, 3], Vec::new());
+
+        let sample = Sample {
+            bytes,
+            sources,
+            fnv: 0,
+        }
+        .tiled(7);
+
+        assert_eq!(sample.bytes, [1, 2, 3, 1, 2, 3, 1]);
+        assert_eq!(sample.fnv, fnv1a64(&sample.bytes));
+    }
 
     #[test]
     fn check_shape_accepts_reports_and_names_what_is_wrong() {

@@ -358,6 +358,44 @@ pub fn signed_fig(results: &Results, key: &str, d: usize) -> String {
     fig_with(results, key, d, signed)
 }
 
+/// `v` to about three significant digits for a table: `123`, `12.3`, `1.23`, `0.123`; `∞` for
+/// an infinite ratio, `–` for NaN.
+pub fn sig3(v: f64) -> String {
+    let a = v.abs();
+    if a.is_nan() {
+        return "–".to_owned();
+    } else if a.is_infinite() {
+        return "∞".to_owned();
+    } else if a == 0.0 {
+        return "0".to_owned();
+    }
+    let d = [100.0, 10.0, 1.0].iter().take_while(|&&at| a < at).count();
+    format!("{v:.d$}")
+}
+
+/// The table `quantity | min | median | max` of `rows`, each `(label, key, bold)`: the label
+/// (in bold where asked) with the series' unit, the figures written by `write`; a key with no
+/// series is left out. An empty line ends it.
+pub fn minmax_table(
+    results: &Results,
+    rows: &[(String, String, bool)],
+    write: fn(f64) -> String,
+) -> String {
+    let mut out = "| quantity | min | median | max |\n|---|---:|---:|---:|\n".to_owned();
+    for (label, key, bold) in rows.iter().filter(|(_, key, _)| results.has(key)) {
+        let s = results.summary(key);
+        let label = if *bold {
+            format!("**{label}**")
+        } else {
+            label.clone()
+        };
+        let label = format!("{label} ({})", results.unit(key));
+        let (min, median, max) = (write(s.min), write(s.median), write(s.max));
+        let _ = writeln!(out, "| {label} | {min} | {median} | {max} |");
+    }
+    out + "\n"
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -406,5 +444,26 @@ mod tests {
         assert!(bad("key,unit,min,median,max,run1\nx,s,1,1,1,z\n").contains("`z`"));
         assert!(bad("key,unit,min,median,max,run1\nx,s,2,1,2,1\n").contains("min/median/max"));
         assert!(bad("key,unit,min,median,max,run1\nx,s,1,1,1,1\nx,s,1,1,1,1\n").contains("twice"));
+    }
+
+    #[test]
+    fn minmax_table_writes_a_row_per_measured_key_with_its_unit() {
+        let mut results = Results::new(3);
+        for (run, v) in [0.5, f64::INFINITY, 1234.4].into_iter().enumerate() {
+            results.put("a", "ms", run, v);
+        }
+        let rows = [
+            ("A".into(), "a".into(), true),
+            ("B".into(), "b".into(), false),
+        ];
+
+        let table = minmax_table(&results, &rows, sig3);
+
+        assert!(table.ends_with("| **A** (ms) | 0.500 | 1234 | ∞ |\n\n"));
+        assert_eq!(table.lines().count(), 4);
+        assert_eq!(
+            [sig3(f64::NAN), sig3(0.0), sig3(-12.34)],
+            ["–", "0", "-12.3"]
+        );
     }
 }
