@@ -242,12 +242,20 @@ pub fn supervise() -> ProcessResult {
     command.arg(VM_ARG).stdin(Stdio::piped());
     // In its memory cgroup from its exec on, so that it is charged for all it holds; the VM
     // joins it again by its full path (a no-op), not under its own.
+    let mut placed = None;
     if let Some(name) = &spec.options.cgroup {
         let cgroup = crate::stats::MemoryCgroup::create(name)?;
         cgroup.join_before_exec(&mut command)?;
         spec.options.cgroup = Some(cgroup.dir().to_path_buf());
+        placed = spec.options.cgroup.clone();
     }
-    let mut child = command.spawn()?;
+    let mut child = command.spawn().map_err(|e| match &placed {
+        Some(dir) => format!(
+            "cannot start the VM process in memory cgroup {}: {e}",
+            dir.display()
+        ),
+        None => format!("cannot start the VM process: {e}"),
+    })?;
     let stdin = child.stdin.take().ok_or("the VM process has no stdin")?;
     send_spec(stdin, &spec)?;
     // The script may be large and is the VM's business now.

@@ -104,6 +104,9 @@ fn parse_kib(rest: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// Where the cgroup file systems are mounted.
+const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+
 /// A memory cgroup the VM runs in.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemoryCgroup {
@@ -114,6 +117,10 @@ pub struct MemoryCgroup {
 /// Errors joining a cgroup.
 #[derive(Debug, thiserror::Error)]
 pub enum CgroupError {
+    /// A name that is no relative path of plain names: `..`, `.`, or a root other than the
+    /// cgroup file system's would reach out of the process's own cgroup.
+    #[error("memory cgroup `{}`: expected a relative path of plain names (no `..`, `.` or leading `/`)", .0.display())]
+    Name(PathBuf),
     /// Neither a v2 memory controller nor a v1 memory hierarchy is mounted.
     #[error("no memory cgroup controller is available (looked for cgroup v2 with `memory` and v1 at /sys/fs/cgroup/memory)")]
     NoController,
@@ -163,7 +170,7 @@ impl MemoryCgroup {
             None => procfs::process::Process::myself(),
         };
         let own = process.and_then(|p| p.cgroups()).map_err(read_error)?.0;
-        let v2_root = Path::new("/sys/fs/cgroup");
+        let v2_root = Path::new(CGROUP_ROOT);
         let v2_has_memory = std::fs::read_to_string(v2_root.join("cgroup.controllers"))
             .map(|c| c.split_whitespace().any(|c| c == "memory"))
             .unwrap_or(false);
@@ -203,9 +210,17 @@ impl MemoryCgroup {
         Ok(Self { dir, v2 })
     }
 
-    /// Creates `name` (a relative path, and what leads to it) under this process's own memory
-    /// cgroup.
+    /// Creates `name` (a relative path of plain names, and what leads to it) under this
+    /// process's own memory cgroup; or, absolute, that cgroup below `/sys/fs/cgroup` (where a
+    /// supervisor placed its VM).
     pub(crate) fn create(name: &Path) -> Result<Self, CgroupError> {
+        let below = name.strip_prefix(CGROUP_ROOT).unwrap_or(name);
+        let plain = below
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)));
+        if !plain || below.as_os_str().is_empty() {
+            return Err(CgroupError::Name(name.to_path_buf()));
+        }
         let (base, v2) = Self::own_base()?;
         let dir = base.join(name);
         std::fs::create_dir_all(&dir).map_err(|source| CgroupError::Io {
@@ -530,6 +545,24 @@ fn stat_value(text: &str, key: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cgroup_names_that_reach_out_of_the_own_cgroup_are_refused() {
+        for name in [
+            "../x",
+            "a/../../b",
+            "./a",
+            "/tmp/x",
+            "/sys/fs/cgroup/../../tmp/x",
+            "",
+        ] {
+            let refused = MemoryCgroup::create(Path::new(name));
+            assert!(
+                matches!(refused, Err(CgroupError::Name(_))),
+                "{name}: {refused:?}"
+            );
+        }
+    }
 
     #[test]
     fn clean_file_pages_are_file_pages_less_dirty_and_writeback() {

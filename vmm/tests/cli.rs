@@ -622,6 +622,33 @@ fn cli_cgroup_accounts_the_vm_and_its_offload() {
 }
 
 #[test]
+fn cli_cgroup_names_out_of_pvisors_own_cgroup_are_refused() {
+    if skip() {
+        return;
+    }
+    let runtime = tempfile::tempdir().unwrap();
+    let outside = runtime.path().join("outside");
+    let escape = format!("../../../../../../../..{}", outside.display());
+    for detach in [true, false] {
+        for name in [escape.as_str(), "/tmp/pvisor-cgroup-test", "./a"] {
+            let mut args = vec!["run", "--executor", "vm", "--memory", "16MiB"];
+            if detach {
+                args.push("--detach");
+            }
+            args.extend_from_slice(&["--cgroup", name, "--", "idle"]);
+            let err = fails(runtime.path(), &args);
+            assert!(
+                err.contains("expected a relative path of plain names"),
+                "{name} (detach: {detach}): {err}"
+            );
+        }
+    }
+    // Nothing was made where the name pointed.
+    assert!(!outside.exists());
+    assert!(!std::path::Path::new("/tmp/pvisor-cgroup-test").exists());
+}
+
+#[test]
 fn cli_offloaded_ram_is_shown_as_a_plain_file() {
     if skip() || testkit::skip_unless(&["/dev/fuse"]) {
         return;
