@@ -269,9 +269,7 @@ fn run() -> Res<()> {
     let csv = results.csv();
     // The report says what its CSV keeps, as render mode does.
     let results = Results::from_csv(&csv)?;
-    for v in targets::verdicts(&results, &settings) {
-        eprintln!("vm_report: {}: {} ({})", v.target, v.result, v.figure);
-    }
+    common::verdict::log("vm_report", &targets::verdicts(&results, &settings));
     if settings.only.is_some() {
         let csv = common::host::target_dir().join("vm_report-cases.csv");
         write(&csv, &results.csv())?;
