@@ -201,7 +201,7 @@ fn run() -> Res<()> {
         pvisor_text
     );
 
-    let cpu = host::CpuSample::now();
+    let cpu = common::host::CpuSample::now();
     let mut results = Results::default();
     for run in 0..settings.runs {
         let round = Instant::now();
@@ -255,7 +255,7 @@ fn run() -> Res<()> {
             round.elapsed().as_secs_f64()
         );
     }
-    let (busy_s, own_s, steal_s) = cpu.since();
+    let (busy_s, own_s, steal_s) = cpu.seconds();
     drop(tmp);
     derive(&mut results, &settings);
 
