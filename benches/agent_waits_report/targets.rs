@@ -284,7 +284,7 @@ fn integrity(log: &Log) -> Verdict {
     log.integrity.verdict(
         "zero integrity failures (every answer's digest, every command, the same digests in every \
          VM, sampling without long gaps or drops; across all runs)",
-        ["NOT MEASURED", "**PASS**", "**FAIL**"],
+        crate::common::verdict::BOLD_PASS_FAIL,
     )
 }
 

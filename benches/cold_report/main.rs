@@ -331,9 +331,7 @@ fn run() -> Res<()> {
     let csv = results.csv(&CSV);
     // The report says what its CSV keeps, as render mode does.
     let results = Results::from_csv(&csv, &CSV)?;
-    for v in targets::verdicts(&results, &settings) {
-        eprintln!("cold_report: {}: {} ({})", v.target, v.result, v.figure);
-    }
+    common::verdict::log("cold_report", &targets::verdicts(&results, &settings));
     let markdown = report_of(&results, &settings, &bench_run, &unsupported);
     // Built in the smoke run too (under target/, its shape checked), and its render mode
     // checked on its own CSV.

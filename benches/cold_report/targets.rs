@@ -75,22 +75,24 @@ pub fn derive(results: &mut Results) {
 }
 
 pub use crate::common::verdict::Verdict;
+use crate::common::verdict::{result, Target, Words, BOLD_PASS_FAIL};
 
-/// The verdict; in plain type for a variant the targets are not judged on.
-fn result(variant: Variant, measured: bool, ok: bool) -> &'static str {
-    match (measured, ok, variant.judged) {
-        (false, _, _) => "NOT MEASURED",
-        (true, true, true) => "**PASS**",
-        (true, false, true) => "**FAIL**",
-        (true, true, false) => "pass (for information)",
-        (true, false, false) => "fail (for information)",
-    }
-}
+/// The words of the verdicts of a variant the targets are not judged on: in plain type.
+const FOR_INFORMATION: Words = [
+    "NOT MEASURED",
+    "pass (for information)",
+    "fail (for information)",
+];
 
 pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
     let mut out = Vec::new();
     for variant in cold_variants() {
         let v = variant.key;
+        let words = if variant.judged {
+            BOLD_PASS_FAIL
+        } else {
+            FOR_INFORMATION
+        };
         let who = match (cold_variants().count() > 1, variant.judged) {
             (false, _) => String::new(),
             (true, true) => format!(" ({})", variant.describe()),
@@ -109,8 +111,8 @@ pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
             )
         };
 
-        let key = k(Case::Repeated, "change_pct");
-        let s = results.summary(&key);
+        let saving = Target::at_most(k(Case::Repeated, "change_pct"), -REPEATED_SAVING_PCT);
+        let (s, meeting, verdict) = saving.judge(results, words);
         let seed = seed::figure(Case::Repeated).change_pct();
         out.push(Verdict {
             target: format!(
@@ -118,20 +120,19 @@ pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
                 -seed
             ),
             figure: format!(
-                "saves {}% (min {}, max {}; {} of {} rounds meet it); {}; by PSS alone {}%",
+                "saves {}% (min {}, max {}; {meeting} of {} rounds meet it); {}; by PSS alone {}%",
                 num(-s.median, 1),
                 num(-s.max, 1),
                 num(-s.min, 1),
-                results.count(&key, |x| x <= -REPEATED_SAVING_PCT),
                 s.n,
                 memory(Case::Repeated),
                 signed_fig(results, &k(Case::Repeated, "pss_change_pct"), 1)
             ),
-            result: result(variant, s.n > 0, s.median <= -REPEATED_SAVING_PCT),
+            result: verdict,
         });
 
-        let key = k(Case::Random, "change_pct");
-        let s = results.summary(&key);
+        let cost = Target::at_most(k(Case::Random, "change_pct"), RANDOM_COST_PCT);
+        let (s, meeting, verdict) = cost.judge(results, words);
         let seed = seed::figure(Case::Random).change_pct();
         out.push(Verdict {
             target: format!(
@@ -140,11 +141,10 @@ pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
                 seed::LATER_COST_PCT.1
             ),
             figure: format!(
-                "{}% (min {}, max {}; {} of {} rounds meet it); {}{}",
+                "{}% (min {}, max {}; {meeting} of {} rounds meet it); {}{}",
                 signed(s.median, 2),
                 signed(s.min, 2),
                 signed(s.max, 2),
-                results.count(&key, |x| x <= RANDOM_COST_PCT),
                 s.n,
                 memory(Case::Random),
                 match variant.plain().filter(|&p| p != DEFAULT) {
@@ -156,7 +156,7 @@ pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
                     None => String::new(),
                 }
             ),
-            result: result(variant, s.n > 0, s.median <= RANDOM_COST_PCT),
+            result: verdict,
         });
 
         let hot = Case::HotCold;
@@ -184,24 +184,19 @@ pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
                 memory(hot),
                 fig(results, &k(hot, "hot_touch_ratio"), 2)
             ),
-            result: result(variant, hot_pooled.n > 0 && cold_part.n > 0, ok),
+            result: result(hot_pooled.n > 0 && cold_part.n > 0, ok, words),
         });
 
-        let idle_cases = [Case::Repeated, Case::Random, Case::Distinct];
-        let mut ok = true;
-        let mut measured = true;
-        let mut parts = Vec::new();
-        for case in idle_cases {
-            let key = k(case, "idle_cpu_pct");
-            let s = results.summary(&key);
-            measured &= s.n > 0;
-            ok &= s.median <= IDLE_CPU_PCT;
+        let (mut ok, mut measured, mut parts) = (true, true, Vec::new());
+        for case in [Case::Repeated, Case::Random, Case::Distinct] {
+            let idle = Target::at_most(k(case, "idle_cpu_pct"), IDLE_CPU_PCT);
+            let (s, meeting, _) = idle.judge(results, words);
+            (measured, ok) = (measured && s.n > 0, ok && idle.meets(s.median));
             parts.push(format!(
-                "{} {}% (max {}; {} of {} rounds meet it)",
+                "{} {}% (max {}; {meeting} of {} rounds meet it)",
                 case.name(),
                 num(s.median, 2),
                 num(s.max, 2),
-                results.count(&key, |x| x <= IDLE_CPU_PCT),
                 s.n
             ));
         }
@@ -217,7 +212,7 @@ pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
                 settings.tick.as_secs_f64() * 1e3,
                 fig(results, &k(hot, "idle_cpu_pct"), 2)
             ),
-            result: result(variant, measured, ok),
+            result: result(measured, ok, words),
         });
     }
     out

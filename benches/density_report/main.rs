@@ -454,9 +454,7 @@ fn run() -> Res<()> {
     drop(cpu);
     drop(tmp);
     let targets = report::targets(&log, s);
-    for t in &targets {
-        eprintln!("{BENCH}: {}: {} ({})", t.target, t.result, t.figure);
-    }
+    common::verdict::log(BENCH, &targets);
     for (b, (budget, _)) in s.budgets.iter().enumerate() {
         for (i, strategy) in s.strategies.iter().enumerate() {
             eprintln!(

@@ -322,9 +322,7 @@ fn run_layout(settings: &Settings, tmp: &Path, bench_run: &common::host::BenchRu
     }
     report::derive(&mut results, layout);
     let verdicts = report::verdicts(&results, settings);
-    for v in &verdicts {
-        eprintln!("sandbox_report: {}: {} ({})", v.target, v.result, v.figure);
-    }
+    common::verdict::log("sandbox_report", &verdicts);
     if !settings.write_docs {
         report::smoke_checks(&results, settings)?;
     }

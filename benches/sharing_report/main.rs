@@ -419,9 +419,7 @@ fn run() -> Res<()> {
     drop(tmp);
     targets::derive(&mut results, &settings);
     let verdicts = targets::verdicts(&results, &settings);
-    for v in &verdicts {
-        eprintln!("sharing_report: {}: {} ({})", v.target, v.result, v.figure);
-    }
+    common::verdict::log("sharing_report", &verdicts);
     let context = report::Context {
         settings: &settings,
         run: &bench_run,

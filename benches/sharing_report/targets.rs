@@ -91,14 +91,7 @@ pub fn restored(results: &Results, mode: Mode) -> (usize, usize) {
 }
 
 pub use crate::common::verdict::Verdict;
-
-fn result(measured: bool, ok: bool) -> &'static str {
-    match (measured, ok) {
-        (false, _) => "NOT MEASURED",
-        (true, true) => "**PASS**",
-        (true, false) => "**FAIL**",
-    }
-}
+use crate::common::verdict::{result, Target, BOLD_PASS_FAIL};
 
 pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
     let mut out = Vec::new();
@@ -106,8 +99,8 @@ pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
         let first = Point::Filled(settings.ksm_readings[0]);
         let initial = mode.initial(settings);
         let repeated = Content::Repeated;
-        let saving = key(repeated, mode, first, "saving_pct");
-        let s = results.summary(&saving);
+        let saving = Target::at_least(key(repeated, mode, first, "saving_pct"), KSM_2S_SAVING_PCT);
+        let (s, meeting, verdict) = saving.judge(results, BOLD_PASS_FAIL);
         out.push(Verdict {
             target: format!(
                 "KSM saves ≥ {KSM_2S_SAVING_PCT:.0}% within {} s of the content being written, on identical \
@@ -117,11 +110,10 @@ pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
                 num(seed::System::Ksm.saving(repeated, false), 1)
             ),
             figure: format!(
-                "saves {}% {} s after the fills ({} of {} rounds meet it): {} MiB per instance against {} MiB \
+                "saves {}% {} s after the fills ({meeting} of {} rounds meet it): {} MiB per instance against {} MiB \
                  unshared, {} pages merged per VM; {}% {}",
-                fig(results, &saving, 1),
+                fig(results, &saving.key, 1),
                 secs(settings.ksm_readings[0]),
-                results.count(&saving, |v| v >= KSM_2S_SAVING_PCT),
                 s.n,
                 fig(results, &key(repeated, mode, first, "per_instance_mib"), 1),
                 fig(
@@ -133,11 +125,11 @@ pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
                 fig(results, &key(repeated, mode, initial, "saving_pct"), 1),
                 initial.label()
             ),
-            result: result(s.n > 0, s.median >= KSM_2S_SAVING_PCT),
+            result: verdict,
         });
 
-        let peak = peak_key(mode);
-        let s = results.summary(&peak);
+        let peak = Target::at_most(peak_key(mode), KSMD_PEAK_PCT);
+        let (s, meeting, verdict) = peak.judge(results, BOLD_PASS_FAIL);
         let cpu: Vec<String> = Content::ALL
             .into_iter()
             .map(|c| {
@@ -149,16 +141,15 @@ pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
             target: "ksmd ≤ 1 core while converging".to_owned(),
             figure: format!(
                 "busiest {} s of ksmd from the first fill to the {} reading, highest over the contents: {}% of a \
-                 core (max {}; {} of {} rounds meet it); ksmd CPU over that time: {}",
+                 core (max {}; {meeting} of {} rounds meet it); ksmd CPU over that time: {}",
                 secs(settings.peak_span),
                 initial.label(),
-                fig(results, &peak, 1),
+                fig(results, &peak.key, 1),
                 num(s.max, 1),
-                results.count(&peak, |v| v <= KSMD_PEAK_PCT),
                 s.n,
                 cpu.join(", ")
             ),
-            result: result(s.n > 0, s.median <= KSMD_PEAK_PCT),
+            result: verdict,
         });
 
         let (restored, groups) = restored(results, mode);
@@ -168,7 +159,7 @@ pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
                 "restored after {restored} of {groups} groups (knobs read before the group's first VM started and \
                  after all its VM processes were gone; every group must pass)"
             ),
-            result: result(groups > 0, restored == groups),
+            result: result(groups > 0, restored == groups, BOLD_PASS_FAIL),
         });
     }
     let measured = measured(results);
@@ -176,26 +167,24 @@ pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
     if measured.contains(&Mode::Snapshot) {
         let mode = Mode::Snapshot;
         let initial = mode.initial(settings);
-        let parts: Vec<String> =
-            identical
-                .iter()
-                .map(|&c| {
-                    let k = key(c, mode, initial, "saving_pct");
-                    format!(
-                    "{} saves {}% ({} of {} rounds meet it; {} MiB per instance against {} MiB)",
+        let mut ok = true;
+        let parts: Vec<String> = identical
+            .iter()
+            .map(|&c| {
+                let cow = Target::at_least(key(c, mode, initial, "saving_pct"), COW_SAVING_PCT);
+                let (s, meeting, _) = cow.judge(results, BOLD_PASS_FAIL);
+                ok &= s.n > 0 && cow.meets(s.median);
+                let unshared = key(c, BASE, BASE.initial(settings), "per_instance_mib");
+                format!(
+                    "{} saves {}% ({meeting} of {} rounds meet it; {} MiB per instance against {} MiB)",
                     c.name(),
-                    fig(results, &k, 1),
-                    results.count(&k, |v| v >= COW_SAVING_PCT),
-                    results.summary(&k).n,
+                    fig(results, &cow.key, 1),
+                    s.n,
                     fig(results, &key(c, mode, initial, "per_instance_mib"), 1),
-                    fig(results, &key(c, BASE, BASE.initial(settings), "per_instance_mib"), 1),
+                    fig(results, &unshared, 1),
                 )
-                })
-                .collect();
-        let ok = identical.iter().all(|&c| {
-            let s = results.summary(&key(c, mode, initial, "saving_pct"));
-            s.n > 0 && s.median >= COW_SAVING_PCT
-        });
+            })
+            .collect();
         out.push(Verdict {
             target: format!(
                 "snapshot COW saves ≥ {COW_SAVING_PCT:.0}% on identical content (pvisor: {}% repeated, {}% same \
@@ -204,20 +193,18 @@ pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
                 num(seed::System::SnapshotCow.saving(Content::SameRandom, false), 1),
             ),
             figure: parts.join("; "),
-            result: result(true, ok),
+            result: result(true, ok, BOLD_PASS_FAIL),
         });
     }
     if measured.contains(&Mode::Pool) && measured.contains(&Mode::Snapshot) {
+        let mut ok = true;
         let parts: Vec<String> = identical
             .iter()
             .map(|&c| {
-                let pool = key(c, Mode::Pool, Mode::Pool.initial(settings), "saving_pct");
-                let cow = key(
-                    c,
-                    Mode::Snapshot,
-                    Mode::Snapshot.initial(settings),
-                    "saving_pct",
-                );
+                let [pool, cow] = [Mode::Pool, Mode::Snapshot]
+                    .map(|m| key(c, m, m.initial(settings), "saving_pct"));
+                let [p, s] = [&pool, &cow].map(|k| results.summary(k));
+                ok &= p.n > 0 && s.n > 0 && p.median >= s.median;
                 format!(
                     "{}: pool {}% vs snapshot COW {}%",
                     c.name(),
@@ -226,21 +213,6 @@ pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
                 )
             })
             .collect();
-        let ok = identical.iter().all(|&c| {
-            let pool = results.summary(&key(
-                c,
-                Mode::Pool,
-                Mode::Pool.initial(settings),
-                "saving_pct",
-            ));
-            let cow = results.summary(&key(
-                c,
-                Mode::Snapshot,
-                Mode::Snapshot.initial(settings),
-                "saving_pct",
-            ));
-            pool.n > 0 && cow.n > 0 && pool.median >= cow.median
-        });
         out.push(Verdict {
             target: format!(
                 "the memory pool saves at least as much as snapshot COW on identical content (pvisor's pool: \
@@ -249,7 +221,7 @@ pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
                 num(seed::System::Pool.saving(Content::SameRandom, false), 1),
             ),
             figure: parts.join("; "),
-            result: result(true, ok),
+            result: result(true, ok, BOLD_PASS_FAIL),
         });
     }
     out

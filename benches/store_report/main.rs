@@ -133,12 +133,7 @@ fn run() -> Res<()> {
 
     results::derive(&mut results, image);
     let verdicts = targets::verdicts(&results, image);
-    for verdict in &verdicts {
-        eprintln!(
-            "store_report: {}: {} ({})",
-            verdict.target, verdict.result, verdict.figure
-        );
-    }
+    common::verdict::log("store_report", &verdicts);
     let elapsed_s = started.elapsed().as_secs_f64();
     let disturbance = report::disturbance(cpu_at_start, CpuTimes::now(), elapsed_s);
     eprintln!("store_report: CPU used meanwhile: {disturbance}");

@@ -13,12 +13,9 @@ use crate::results::Results;
 
 pub use crate::common::verdict::Verdict;
 
+/// `PASS` or `FAIL`.
 fn pass(ok: bool) -> &'static str {
-    if ok {
-        "PASS"
-    } else {
-        "FAIL"
-    }
+    crate::common::verdict::result(true, ok, crate::common::verdict::PASS_FAIL)
 }
 
 /// `0.17× WHAT (median of 7; min 0.16, max 0.22; 0 of 7 runs meet it)` for the ratio `key`,

@@ -1,5 +1,4 @@
-//! The machine the bench runs on (`common::host`'s facts and KVM's), and the CPU time used
-//! beside it.
+//! The machine the bench runs on: `common::host`'s facts and KVM's.
 
 use std::path::Path;
 
@@ -70,72 +69,5 @@ pub fn machine(filesystem: &str, pvisor: &str) -> Machine {
         pvisor: pvisor.to_owned(),
         paging: paging(),
         pre_fault: pre_fault(),
-    }
-}
-
-/// CPU time of the whole machine and of this process, for "what else ran".
-#[derive(Debug, Clone, Copy)]
-pub struct CpuSample {
-    busy_s: f64,
-    steal_s: f64,
-    own_s: f64,
-}
-
-/// Clock ticks per second of `/proc/stat`.
-fn ticks() -> f64 {
-    // SAFETY: sysconf has no memory-safety preconditions.
-    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    if t > 0 {
-        t as f64
-    } else {
-        100.0
-    }
-}
-
-impl CpuSample {
-    pub fn now() -> Self {
-        let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-        let fields: Vec<f64> = stat
-            .lines()
-            .next()
-            .unwrap_or_default()
-            .split_whitespace()
-            .skip(1)
-            .filter_map(|f| f.parse().ok())
-            .collect();
-        let at = |i: usize| fields.get(i).copied().unwrap_or(0.0);
-        // user nice system idle iowait irq softirq steal
-        let busy = at(0) + at(1) + at(2) + at(5) + at(6);
-        let own = std::fs::read_to_string("/proc/self/stat")
-            .ok()
-            .and_then(|s| {
-                let rest = s.rsplit_once(") ")?.1.to_owned();
-                let f: Vec<&str> = rest.split_whitespace().collect();
-                // utime, stime, cutime, cstime are fields 14..=17 (1-based); the first field
-                // after the command name is field 3, so they are 11..=14 here.
-                Some(
-                    (11..=14)
-                        .filter_map(|i| f.get(i)?.parse::<f64>().ok())
-                        .sum(),
-                )
-            })
-            .unwrap_or(0.0);
-        let t = ticks();
-        Self {
-            busy_s: busy / t,
-            steal_s: at(7) / t,
-            own_s: own / t,
-        }
-    }
-
-    /// (CPU seconds of the whole machine, of this process and its waited-for children, and
-    /// stolen by the host) since `self`.
-    pub fn since(self) -> (f64, f64, f64) {
-        let now = Self::now();
-        (
-            now.busy_s - self.busy_s,
-            now.own_s - self.own_s,
-            now.steal_s - self.steal_s,
-        )
     }
 }

@@ -201,7 +201,7 @@ fn run() -> Res<()> {
         pvisor_text
     );
 
-    let cpu = host::CpuSample::now();
+    let cpu = common::host::CpuSample::now();
     let mut results = Results::default();
     for run in 0..settings.runs {
         let round = Instant::now();
@@ -255,7 +255,7 @@ fn run() -> Res<()> {
             round.elapsed().as_secs_f64()
         );
     }
-    let (busy_s, own_s, steal_s) = cpu.since();
+    let (busy_s, own_s, steal_s) = cpu.seconds();
     drop(tmp);
     derive(&mut results, &settings);
 
@@ -269,9 +269,7 @@ fn run() -> Res<()> {
     let csv = results.csv();
     // The report says what its CSV keeps, as render mode does.
     let results = Results::from_csv(&csv)?;
-    for v in targets::verdicts(&results, &settings) {
-        eprintln!("vm_report: {}: {} ({})", v.target, v.result, v.figure);
-    }
+    common::verdict::log("vm_report", &targets::verdicts(&results, &settings));
     if settings.only.is_some() {
         let csv = common::host::target_dir().join("vm_report-cases.csv");
         write(&csv, &results.csv())?;

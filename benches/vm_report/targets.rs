@@ -5,6 +5,7 @@ use crate::results::Results;
 use crate::{Codec, Content, Settings, MIB};
 
 pub use crate::common::verdict::Verdict;
+use crate::common::verdict::{result, BOLD_PASS_FAIL};
 
 pub const RATIO_TARGET: f64 = 1.3;
 /// Issue 14: resume + task on huge-page RAM.
@@ -17,12 +18,9 @@ pub const LOAD_FLOOR_TARGET: f64 = 1.2;
 pub const PSS_TARGET_MIB: f64 = 4.0;
 pub const BACKING_TARGET_MIB: f64 = 1.0;
 
+/// `**PASS**` or `**FAIL**`: a target measured or not, every figure it needs must meet it.
 fn verdict(ok: bool) -> &'static str {
-    if ok {
-        "**PASS**"
-    } else {
-        "**FAIL**"
-    }
+    result(true, ok, BOLD_PASS_FAIL)
 }
 
 pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
@@ -87,67 +85,37 @@ pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
             result: verdict(worst <= BACKING_TARGET_MIB),
         });
     }
-    let ratio_rows: [(&str, String, &str); 8] = [
-        (
-            "vm",
-            "raw-lazy".into(),
-            "in process, raw offload, lazy resume",
-        ),
-        (
-            "vm",
-            "lz4-lazy".into(),
-            "in process, lz4 offload, lazy resume",
-        ),
-        (
-            "vm",
-            "raw-eager".into(),
-            "in process, raw offload, eager resume",
-        ),
-        (
-            "vm",
-            "lz4-eager".into(),
-            "in process, lz4 offload, eager resume",
-        ),
-        (
-            "pvisor",
-            "raw".into(),
-            "`pvisor` process, raw offload, lazy resume",
-        ),
-        (
-            "pvisor",
-            "lz4".into(),
-            "`pvisor` process, lz4 offload, lazy resume",
-        ),
-        (
-            "vm",
-            "zstd-lazy".into(),
-            "in process, zstd offload, lazy resume (for information)",
-        ),
-        (
-            "vm",
-            "thp-raw-eager".into(),
-            "in process, raw offload, eager resume, then MADV_COLLAPSE (for information: \
-             issue 14 asks whether it pays)",
-        ),
-    ];
-    for (scope, case, what) in ratio_rows {
-        if scope == "pvisor" && !has_pvisor {
-            continue;
-        }
-        out.push(ratio_verdict(results, scope, &case, what, RATIO_TARGET));
-    }
-    for case in ["raw-lazy", "lz4-lazy", "raw-eager", "lz4-eager"] {
-        let what = format!(
-            "in process, huge-page RAM (hugetlb), {}, against the never-offloaded task on it",
-            case.replace('-', " offload, ") + " resume"
-        );
-        out.push(ratio_verdict(
+    // Resume + task of `case` in `scope` (in process or in `pvisor`, said as `place`) within
+    // `target`× the never-offloaded task, by its median over the runs, for both contents.
+    let (vm, pvisor) = (("vm", "in process"), ("pvisor", "`pvisor` process"));
+    let mut ratio = |(scope, place): (&str, &str), case: &str, what: String, target: f64| {
+        out.push(median_verdict(
             results,
-            "vm",
-            &format!("huge-{case}"),
-            &what,
-            HUGE_RATIO_TARGET,
+            &|c| format!("{scope}.{c}.{case}.ratio"),
+            target,
+            format!("resume + task ≤ {target}× the never-offloaded task, {place}, {what}"),
         ));
+    };
+    let offload = |case: &str| case.replace('-', " offload, ") + " resume";
+    let cases = ["raw-lazy", "lz4-lazy", "raw-eager", "lz4-eager"];
+    for case in cases {
+        ratio(vm, case, offload(case), RATIO_TARGET);
+    }
+    for codec in ["raw", "lz4"].into_iter().filter(|_| has_pvisor) {
+        let what = offload(&format!("{codec}-lazy"));
+        ratio(pvisor, codec, what, RATIO_TARGET);
+    }
+    let zstd = offload("zstd-lazy") + " (for information)";
+    ratio(vm, "zstd-lazy", zstd, RATIO_TARGET);
+    let thp = "raw offload, eager resume, then MADV_COLLAPSE (for information: issue 14 asks \
+               whether it pays)";
+    ratio(vm, "thp-raw-eager", thp.to_owned(), RATIO_TARGET);
+    for case in cases {
+        let what = format!(
+            "huge-page RAM (hugetlb), {}, against the never-offloaded task on it",
+            offload(case)
+        );
+        ratio(vm, &format!("huge-{case}"), what, HUGE_RATIO_TARGET);
     }
     for codec in [Codec::Raw, Codec::Lz4] {
         for mode in ["lazy", "eager"] {
@@ -198,17 +166,6 @@ pub fn verdicts(results: &Results, settings: &Settings) -> Vec<Verdict> {
         result: verdict(ok),
     });
     out
-}
-
-/// Whether resume + task of `case` in `scope` stays within `target`× the never-offloaded
-/// task, by its median over the runs, for both contents.
-fn ratio_verdict(results: &Results, scope: &str, case: &str, what: &str, target: f64) -> Verdict {
-    median_verdict(
-        results,
-        &|c| format!("{scope}.{c}.{case}.ratio"),
-        target,
-        format!("resume + task ≤ {target}× the never-offloaded task, {what}"),
-    )
 }
 
 /// Whether the ratio at `key(content)` stays within `target` by its median over the runs, for

@@ -196,6 +196,14 @@ impl CpuTimes {
             own: own.utime + own.stime,
         })
     }
+
+    /// `(busy, own, steal)`: the CPU seconds the whole machine used, this process used and the
+    /// host stole from `then` to `self`.
+    pub fn seconds_since(self, then: Self) -> (f64, f64, f64) {
+        let s = |from: u64, to: u64| to.saturating_sub(from) as f64 / ticks_per_second();
+        let (busy, own) = (s(then.busy, self.busy), s(then.own, self.own));
+        (busy, own, s(then.steal, self.steal))
+    }
 }
 
 /// The CPU times of [`CpuTimes`] at an instant, to tell how much other work ran during a
@@ -224,6 +232,14 @@ impl CpuSample {
         let pct = |ticks: u64| ticks as f64 / hz / secs * 100.0;
         let other = (times.busy - then.busy).saturating_sub(times.own - then.own);
         (pct(other), pct(times.steal - then.steal))
+    }
+
+    /// [`CpuTimes::seconds_since`] `self`, up to now (zeros if `/proc/stat` cannot be read).
+    pub fn seconds(&self) -> (f64, f64, f64) {
+        let now = CpuTimes::now();
+        self.times
+            .zip(now)
+            .map_or((0.0, 0.0, 0.0), |(then, now)| now.seconds_since(then))
     }
 }
 
@@ -460,7 +476,7 @@ impl BenchRun {
                 out.push('\n');
             }
         } else if let Some((then, now)) = self.cpu.zip(CpuTimes::now()) {
-            let s = |from: u64, to: u64| to.saturating_sub(from) as f64 / ticks_per_second();
+            let (busy, own, steal) = now.seconds_since(then);
             let io = self
                 .io
                 .as_ref()
@@ -469,11 +485,11 @@ impl BenchRun {
             out.push_str(&format!(
                 "{CPU_USED} (`/proc/stat`): the whole machine {:.1} s of the {:.0} s its {} CPUs had while the \
                  bench ran, this bench process {:.1} s, stolen by the host {:.1} s{io}.\n",
-                s(then.busy, now.busy),
+                busy,
                 self.elapsed_s() * m.nproc as f64,
                 m.nproc,
-                s(then.own, now.own),
-                s(then.steal, now.steal),
+                own,
+                steal,
             ));
         }
         out
@@ -523,6 +539,15 @@ fn parse_machine_list(markdown: &str) -> Option<Machine> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cpu_times_seconds_since_are_the_differences_never_below_zero() {
+        let at = |busy, steal, own| CpuTimes { busy, steal, own };
+        let hz = procfs::ticks_per_second().max(1);
+        let (then, now) = (at(100, 5, 10), at(100 + 3 * hz, 5, 10 + hz));
+        assert_eq!(now.seconds_since(then), (3.0, 1.0, 0.0));
+        assert_eq!(then.seconds_since(now), (0.0, 0.0, 0.0));
+    }
 
     #[test]
     fn task_cpu_seconds_reads_schedstat_else_stat() {

@@ -21,6 +21,9 @@ pub type Words = [&'static str; 3];
 /// `NOT MEASURED`, `PASS`, `FAIL`.
 pub const PASS_FAIL: Words = ["NOT MEASURED", "PASS", "FAIL"];
 
+/// [`PASS_FAIL`], the two verdicts in bold.
+pub const BOLD_PASS_FAIL: Words = ["NOT MEASURED", "**PASS**", "**FAIL**"];
+
 /// `words`' first when not `measured`, else its second when `met`, else its third.
 pub fn result(measured: bool, met: bool, words: Words) -> &'static str {
     match (measured, met) {
