@@ -5,8 +5,6 @@
 //! command detaches are not counted there).
 
 use std::fs::{self, File, OpenOptions};
-use std::os::fd::AsRawFd;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -108,24 +106,7 @@ impl CpuGroup {
         let Meter::Cgroup { procs, .. } = &self.meter else {
             return Ok(());
         };
-        let fd = procs.as_raw_fd();
-        let enter = move || {
-            // `0`: the writing process itself.
-            let line = b"0\n";
-            // SAFETY: `line` is valid for its length; `fd` stays open while `self` lives,
-            // which is until after the spawn.
-            let written = unsafe { libc::write(fd, line.as_ptr().cast(), line.len()) };
-            if written == 2 {
-                Ok(())
-            } else {
-                Err(std::io::Error::last_os_error())
-            }
-        };
-        // SAFETY: the hook runs between fork and exec and calls only write(2), which is
-        // async-signal-safe, and allocates nothing.
-        unsafe {
-            command.pre_exec(enter);
-        }
+        vmm::stats::enter_on_spawn(procs.try_clone()?, command);
         Ok(())
     }
 

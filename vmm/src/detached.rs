@@ -242,14 +242,12 @@ pub fn supervise() -> ProcessResult {
     command.arg(VM_ARG).stdin(Stdio::piped());
     // In its memory cgroup from its exec on, so that it is charged for all it holds; the VM
     // joins it again by its full path (a no-op), not under its own.
-    let mut placed = None;
     if let Some(name) = &spec.options.cgroup {
         let cgroup = crate::stats::MemoryCgroup::create(name)?;
         cgroup.join_before_exec(&mut command)?;
         spec.options.cgroup = Some(cgroup.dir().to_path_buf());
-        placed = spec.options.cgroup.clone();
     }
-    let mut child = command.spawn().map_err(|e| match &placed {
+    let mut child = command.spawn().map_err(|e| match &spec.options.cgroup {
         Some(dir) => format!(
             "cannot start the VM process in memory cgroup {}: {e}",
             dir.display()

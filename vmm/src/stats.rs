@@ -104,6 +104,28 @@ fn parse_kib(rest: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// Has the process `command` starts write itself into `procs` (a cgroup's `cgroup.procs` or
+/// `tasks`, v1 or v2, opened for writing) between its fork and its exec, so that it is in that
+/// cgroup from its first instruction on. The file stays open, with the hook, until `command`
+/// is dropped (close-on-exec: the child's copy goes at its exec).
+pub fn enter_on_spawn(procs: std::fs::File, command: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    let enter = move || {
+        // "0": the writing process itself.
+        let line = b"0\n";
+        // SAFETY: `line` is valid for its length; `procs` is open while the hook lives.
+        let written = unsafe { libc::write(procs.as_raw_fd(), line.as_ptr().cast(), line.len()) };
+        if written == 2 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
+    };
+    // SAFETY: the hook runs between fork and exec and calls only write(2), which is
+    // async-signal-safe, and allocates nothing (an error is an errno, kept inline).
+    unsafe { command.pre_exec(enter) };
+}
+
 /// Where the cgroup file systems are mounted.
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
@@ -240,33 +262,17 @@ impl MemoryCgroup {
     pub(crate) fn join_before_exec(
         &self,
         command: &mut std::process::Command,
-    ) -> std::io::Result<()> {
-        use std::os::unix::ffi::OsStrExt;
-        use std::os::unix::process::CommandExt;
-        let procs = std::ffi::CString::new(self.dir.join("cgroup.procs").as_os_str().as_bytes())
-            .map_err(std::io::Error::other)?;
-        let join = move || {
-            // SAFETY: `procs` is a NUL-terminated path that lives as long as the closure.
-            let fd = unsafe { libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC) };
-            if fd < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // "0": the writing process itself, in v1 and v2 alike.
-            // SAFETY: one byte from a static buffer to the descriptor just opened.
-            let written = unsafe { libc::write(fd, b"0".as_ptr().cast(), 1) };
-            let error = std::io::Error::last_os_error();
-            // SAFETY: the descriptor is ours, closed once.
-            unsafe { libc::close(fd) };
-            if written == 1 {
-                Ok(())
-            } else {
-                Err(error)
-            }
-        };
-        // SAFETY: `join` runs in the child between fork and exec, where only
-        // async-signal-safe calls may be made: open, write and close are, and it allocates
-        // nothing (the path was built before the fork; an error is an errno, kept inline).
-        unsafe { command.pre_exec(join) };
+    ) -> Result<(), CgroupError> {
+        let path = self.dir.join("cgroup.procs");
+        let procs = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .map_err(|source| CgroupError::Io {
+                op: "open",
+                path,
+                source,
+            })?;
+        enter_on_spawn(procs, command);
         Ok(())
     }
 
