@@ -129,6 +129,9 @@ pub fn enter_on_spawn(procs: std::fs::File, command: &mut std::process::Command)
 /// Where the cgroup file systems are mounted.
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
+/// Set by [`MemoryCgroup::place_self`] for the image it executes: the cgroup it was put in.
+pub const PLACED_ENV: &str = "PVISOR_CGROUP_PLACED";
+
 /// A memory cgroup the VM runs in.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemoryCgroup {
@@ -146,6 +149,14 @@ pub enum CgroupError {
     /// Neither a v2 memory controller nor a v1 memory hierarchy is mounted.
     #[error("no memory cgroup controller is available (looked for cgroup v2 with `memory` and v1 at /sys/fs/cgroup/memory)")]
     NoController,
+    /// [`PLACED_ENV`] names a cgroup this process is not in, or not the one asked for.
+    #[error("{PLACED_ENV} names {}, which is not this process's memory cgroup ({}) or not the one asked for", .placed.display(), .own.display())]
+    Placed {
+        /// What the variable says.
+        placed: PathBuf,
+        /// The cgroup this process is in.
+        own: PathBuf,
+    },
     /// Creating or joining failed.
     #[error("cannot {op} {path}")]
     Io {
@@ -220,16 +231,19 @@ impl MemoryCgroup {
     /// host has its memory controller, else v1 — and moves this process into it. Call it
     /// before allocating guest RAM: v1 does not move charges made earlier.
     pub fn join(name: &Path) -> Result<Self, CgroupError> {
-        let Self { dir, v2 } = Self::create(name)?;
-        let procs = dir.join("cgroup.procs");
-        std::fs::write(&procs, std::process::id().to_string()).map_err(|source| {
-            CgroupError::Io {
-                op: "join",
-                path: procs,
-                source,
-            }
-        })?;
-        Ok(Self { dir, v2 })
+        let cgroup = Self::create(name)?;
+        cgroup.enter()?;
+        Ok(cgroup)
+    }
+
+    /// Moves this process into this cgroup.
+    fn enter(&self) -> Result<(), CgroupError> {
+        let procs = self.dir.join("cgroup.procs");
+        std::fs::write(&procs, std::process::id().to_string()).map_err(|source| CgroupError::Io {
+            op: "join",
+            path: procs,
+            source,
+        })
     }
 
     /// Creates `name` (a relative path of plain names, and what leads to it) under this
@@ -274,6 +288,41 @@ impl MemoryCgroup {
             })?;
         enter_on_spawn(procs, command);
         Ok(())
+    }
+
+    /// For a process that runs its VM itself (`pvisor run` in the foreground, each VM of a
+    /// replay): puts it into cgroup `name` with all it will touch. On the first call this
+    /// creates `name`, moves the process in and executes the same program again with the same
+    /// arguments, so that the new image (its relocated binary, its heap, its page tables) is
+    /// charged there from its first instruction; the fresh image's call returns the cgroup's
+    /// full directory, for the VM to join by that path (a no-op). It tells the two calls
+    /// apart by [`PLACED_ENV`], which it believes only when this process is in that very
+    /// cgroup already.
+    pub fn place_self(name: &Path) -> Result<PathBuf, CgroupError> {
+        use std::os::unix::process::CommandExt;
+        let (own, _) = Self::own_base()?;
+        if let Some(placed) = std::env::var_os(PLACED_ENV).map(PathBuf::from) {
+            let below = name.strip_prefix(CGROUP_ROOT).unwrap_or(name);
+            if placed == own && placed.ends_with(below) {
+                return Ok(placed);
+            }
+            return Err(CgroupError::Placed { placed, own });
+        }
+        let cgroup = Self::create(name)?;
+        cgroup.enter()?;
+        let program = PathBuf::from("/proc/self/exe");
+        let error = std::process::Command::new(&program)
+            .args(std::env::args_os().skip(1))
+            .arg0(std::env::args_os().next().unwrap_or_default())
+            .env(PLACED_ENV, &cgroup.dir)
+            .exec();
+        // Still here: the exec failed. Back out, so that nothing stays charged there.
+        cgroup.leave_and_remove();
+        Err(CgroupError::Io {
+            op: "execute again in its cgroup",
+            path: program,
+            source: error,
+        })
     }
 
     /// A cgroup that exists already (e.g. one a VM process joined), without joining it: v2 if

@@ -6,13 +6,14 @@ use std::process::ExitCode;
 use vmm::detached::{self, Spec};
 use vmm::runtime;
 use vmm::script;
+use vmm::stats::MemoryCgroup;
 use vmm::vm::VmOptions;
 
 use crate::options::{self, RunArgs};
 use crate::CliResult;
 
 pub fn run(args: RunArgs) -> CliResult {
-    let resolved = options::resolve(&args)?;
+    let mut resolved = options::resolve(&args)?;
     let script = args.script.join(" ");
     script::parse(&script)?;
     let job = match &args.job {
@@ -20,6 +21,13 @@ pub fn run(args: RunArgs) -> CliResult {
         None => runtime::new_id("vm-"),
     };
     runtime::check_job_id(&job)?;
+    // A VM in the foreground is this process: it goes into its cgroup by executing itself
+    // again there (the detached VM's supervisor does it for its VM between fork and exec).
+    if !args.detach {
+        if let Some(name) = &resolved.cgroup {
+            resolved.cgroup = Some(MemoryCgroup::place_self(name)?);
+        }
+    }
     let dir = runtime::job_dir(&job);
     let spec = Spec {
         attempt: runtime::new_id(""),

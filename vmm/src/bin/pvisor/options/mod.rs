@@ -247,7 +247,9 @@ pub struct RunArgs {
     /// The virtual disk's host file (default: a fresh file in the VM's runtime directory).
     #[arg(long, value_name = "FILE")]
     pub disk: Option<PathBuf>,
-    /// Run in this memory cgroup (created under pvisor's own; v2, else v1).
+    /// Run in this memory cgroup (created under pvisor's own; v2, else v1). In the
+    /// foreground pvisor moves itself in and executes itself again there, so that all it
+    /// touches is charged there.
     #[arg(long, value_name = "PATH")]
     pub cgroup: Option<PathBuf>,
     /// Fault-serving threads of the pager.
