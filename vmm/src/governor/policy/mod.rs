@@ -675,19 +675,22 @@ impl Governor {
     }
 
     /// Grants queued requests in order while the head fits under the last-resort watermark: a
-    /// whole grant, or, where that does not fit, just what the head asked for (a VM near the
-    /// budget that needs 64 KiB more would else wait for room that nothing is going to make).
+    /// whole grant, or, where that does not fit, all the room left under the watermark if
+    /// what the head asked for fits in it (a VM near the budget that needs 64 KiB more would
+    /// else wait for room that nothing is going to make). Not just what it asked for: a VM
+    /// paging its working set back in under a full budget asks 4-64 KiB at a time, and was
+    /// granted each about 12 ms after the last.
     fn last_resort(&mut self, now: Instant, out: &mut Vec<Decision>) {
         while let Some(head) = self.queue.front().copied() {
             let ceiling = self.config.last_resort_bytes();
             let limit = match self.head_limit(&head, ceiling, false) {
                 Some((limit, _)) => limit,
-                // Not a whole grant: what it asked for, if that fits.
                 None if head.kind == QueueKind::Grant && self.fits(head.bytes, ceiling) => {
                     let Some(v) = self.vms.get(&head.vm) else {
                         return;
                     };
-                    v.charged_ram().saturating_add(head.bytes)
+                    let room = ceiling.saturating_sub(self.projected());
+                    v.charged_ram().saturating_add(room.max(head.bytes))
                 }
                 None => return,
             };
@@ -1570,7 +1573,7 @@ mod tests {
     }
 
     #[test]
-    fn governor_last_resort_grants_what_was_asked_where_a_whole_grant_does_not_fit() {
+    fn governor_last_resort_grants_the_room_left_where_a_whole_grant_does_not_fit() {
         let base = Instant::now();
         let mut g = last_resort_at(0.95);
         // One VM, running, near the budget: nothing to reclaim; a whole grant (16 MiB) would
@@ -1578,8 +1581,9 @@ mod tests {
         let a = vm(&mut g, base, "a", 940, VmState::Running);
         // Its cold RAM was asked for first, and freed nothing.
         g.offloaded(base, a, 940 * M, true);
+        // All 10 MiB left under 950 at once, not 1 MiB now and the next in a new round.
         let out = g.request(base, a, M);
-        assert_eq!(out, vec![set(a, 941, Reason::LastResort)]);
+        assert_eq!(out, vec![set(a, 950, Reason::LastResort)]);
         // What would pass it stays queued.
         assert!(g.request(at(base, 1), a, 20 * M).is_empty());
         assert_eq!(queued(&g, at(base, 1)), vec![a]);
