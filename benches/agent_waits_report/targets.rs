@@ -80,8 +80,11 @@ pub fn derive(results: &mut Results, settings: &Settings) {
 /// Issue 38's targets, on a trajectory with downloads and image reads: all three sources
 /// managed against model waits only, and how soon batches and chunks reached the guests.
 fn io_verdicts(results: &Results, vms: usize) -> Vec<Verdict> {
-    let k = key(vms, Strategy::Offload, "charged_pct_of_model");
-    let s = results.summary(&k);
+    let bound = Target::at_most(
+        key(vms, Strategy::Offload, "charged_pct_of_model"),
+        IO_MEMORY_PCT_MAX,
+    );
+    let (s, meeting, result) = bound.judge(results, BOLD_PASS_FAIL);
     let memory = Verdict {
         target: format!(
             "{}, offload: memory charged×time ≤ {IO_MEMORY_PCT_MAX:.0}% of offload-model's (issue 38: all three sources managed against model waits only)",
@@ -91,15 +94,14 @@ fn io_verdicts(results: &Results, vms: usize) -> Vec<Verdict> {
             "not measured in this run".to_owned()
         } else {
             format!(
-                "{}% ({} of {} rounds meet it): {} against {} GiB·s per task",
-                fig(results, &k, 1),
-                results.count(&k, |v| v <= IO_MEMORY_PCT_MAX),
+                "{}% ({meeting} of {} rounds meet it): {} against {} GiB·s per task",
+                fig(results, &bound.key, 1),
                 s.n,
                 fig(results, &key(vms, Strategy::Offload, "charged_gib_s"), 3),
                 fig(results, &key(vms, Strategy::OffloadModel, "charged_gib_s"), 3),
             )
         },
-        result: result(true, s.n > 0, s.median <= IO_MEMORY_PCT_MAX),
+        result,
     };
     // Summed over the rounds: the mean delay of every batch, and how many were late.
     let sum = |q: &str| -> f64 {
@@ -119,7 +121,7 @@ fn io_verdicts(results: &Results, vms: usize) -> Vec<Verdict> {
         figure: format!(
             "{batches:.0} batches and chunks over all rounds: {mean_ms:.1} ms after on average, {late:.0} later than {BATCH_DELAY_MAX_MS:.0} ms"
         ),
-        result: result(true, batches > 0.0, late == 0.0),
+        result: verdict::result(batches > 0.0, late == 0.0, BOLD_PASS_FAIL),
     };
     vec![memory, delay]
 }
@@ -144,17 +146,14 @@ pub fn median_round(results: &Results, settings: &Settings) -> usize {
 }
 
 pub use crate::common::verdict::Verdict;
+use crate::common::verdict::{self, Target, Words, BOLD_PASS_FAIL};
 
-/// `**PASS**` / `**FAIL**` for a judged target, `meets` / `misses` for information.
-fn result(judged: bool, measured: bool, ok: bool) -> &'static str {
-    match (measured, judged, ok) {
-        (false, _, _) => "NOT MEASURED",
-        (true, true, true) => "**PASS**",
-        (true, true, false) => "**FAIL**",
-        (true, false, true) => "meets (for information)",
-        (true, false, false) => "misses (for information)",
-    }
-}
+/// The verdicts of a target on a group judged for information: `meets` / `misses`.
+const FOR_INFORMATION: Words = [
+    "NOT MEASURED",
+    "meets (for information)",
+    "misses (for information)",
+];
 
 /// `16 VMs`, `1 VM`.
 pub fn vms_label(vms: usize) -> String {
@@ -181,32 +180,32 @@ struct Bound {
 
 impl Bound {
     fn verdict(&self, results: &Results, vms: usize, strategy: Strategy, judged: bool) -> Verdict {
-        let k = key(vms, strategy, self.derived);
-        let s = results.summary(&k);
+        let bound = Target::at_most(key(vms, strategy, self.derived), self.max);
+        let words = if judged {
+            BOLD_PASS_FAIL
+        } else {
+            FOR_INFORMATION
+        };
+        let (s, meeting, result) = bound.judge(results, words);
         let (quantity, d, unit) = self.measured;
         let (value, of) = if self.change {
-            (signed_fig(results, &k, 1), "")
+            (signed_fig(results, &bound.key, 1), "")
         } else {
-            (fig(results, &k, 1), " of off")
+            (fig(results, &bound.key, 1), " of off")
         };
-        let target = format!("{}, {}: {}", vms_label(vms), strategy.key(), self.target);
-        if s.n == 0 {
-            return Verdict {
-                target,
-                figure: format!("not measured in this run (its CSV has no `{quantity}`)"),
-                result: result(judged, false, false),
-            };
-        }
         Verdict {
-            target,
-            figure: format!(
-                "{value}%{of} ({} of {} rounds meet it): {}{unit} against {}{unit}",
-                results.count(&k, |v| v <= self.max),
-                s.n,
-                fig(results, &key(vms, strategy, quantity), d),
-                fig(results, &key(vms, BASE, quantity), d),
-            ),
-            result: result(judged, s.n > 0, s.median <= self.max),
+            target: format!("{}, {}: {}", vms_label(vms), strategy.key(), self.target),
+            figure: if s.n == 0 {
+                format!("not measured in this run (its CSV has no `{quantity}`)")
+            } else {
+                format!(
+                    "{value}%{of} ({meeting} of {} rounds meet it): {}{unit} against {}{unit}",
+                    s.n,
+                    fig(results, &key(vms, strategy, quantity), d),
+                    fig(results, &key(vms, BASE, quantity), d),
+                )
+            },
+            result,
         }
     }
 }
@@ -265,7 +264,7 @@ pub fn verdicts(results: &Results, settings: &Settings, log: &Log) -> Vec<Verdic
         let judged = vms == judged_vms;
         for bound in &bounds {
             for &strategy in &strategies {
-                out.push(bound.verdict(results, vms, strategy, vms == judged_vms));
+                out.push(bound.verdict(results, vms, strategy, judged));
             }
         }
         if judged {
@@ -284,7 +283,7 @@ fn integrity(log: &Log) -> Verdict {
     log.integrity.verdict(
         "zero integrity failures (every answer's digest, every command, the same digests in every \
          VM, sampling without long gaps or drops; across all runs)",
-        crate::common::verdict::BOLD_PASS_FAIL,
+        BOLD_PASS_FAIL,
     )
 }
 

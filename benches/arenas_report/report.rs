@@ -7,17 +7,20 @@ use std::fmt::Write as _;
 use crate::common::chart::{Figure, Lines, Series, Stroke, BLUE, GREEN, RUST, VIOLET};
 use crate::common::host::BenchRun;
 use crate::common::results::{fig, num, signed_fig, Results};
-use crate::common::verdict::{table, Verdict};
+use crate::common::verdict::{result, table, Target, Verdict, Words};
 use crate::common::Res;
 use crate::run::key;
 use crate::{Log, Settings, Strategy, BASE};
 
-/// A target met.
-pub const PASS: &str = "PASS";
-/// A target missed.
-pub const MISS: &str = "MISS";
-/// A target without a figure (a strategy not run, or no run of it gave one).
-const NOT_MEASURED: &str = "NOT MEASURED";
+/// The verdicts: a target without a figure (a strategy not run, or no run of it gave one), a
+/// target met, a target missed.
+const WORDS: Words = ["NOT MEASURED", "PASS", "MISS"];
+/// The verdicts of a target given for information.
+const FOR_INFORMATION: Words = [
+    "NOT MEASURED",
+    "met (for information)",
+    "missed (for information)",
+];
 
 /// The arenas' memory charged × time, % of cold compression's (at most). Issue 16 set it on
 /// guest PSS × time; issue 35 judges it on memory charged, the threshold kept: guest PSS
@@ -112,42 +115,33 @@ pub fn median_round(results: &Results, settings: &Settings) -> usize {
     results.median_round(&k)
 }
 
-/// The verdict on `derived` (a per-round figure, %) whose median must be at most `max`; the
-/// figure names `measured` of `strategy` and of `against` (decimals `d`, `unit`).
+/// The verdict on `bound`, a target on a per-round figure (%) whose median must be at most its
+/// threshold, written by `fig`; the figure names `measured` of `strategy` and of `against`
+/// (decimals `d`, `unit`).
 struct Bound<'a> {
     target: String,
-    derived: String,
-    max: f64,
-    signed: bool,
+    bound: Target,
+    fig: fn(&Results, &str, usize) -> String,
     measured: (&'a str, usize, &'a str),
     strategy: Strategy,
     against: Strategy,
 }
 
 impl Bound<'_> {
-    fn verdict(&self, results: &Results) -> Verdict {
-        let s = results.summary(&self.derived);
-        let value = if self.signed {
-            signed_fig(results, &self.derived, 1)
-        } else {
-            fig(results, &self.derived, 1)
-        };
+    fn verdict(&self, results: &Results, words: Words) -> Verdict {
+        let (s, meeting, result) = self.bound.judge(results, words);
+        let value = (self.fig)(results, &self.bound.key, 1);
         let (quantity, d, unit) = self.measured;
         Verdict {
             target: self.target.clone(),
             figure: format!(
-                "{value}% ({} of {} rounds meet it): {}{unit} against {}{unit} ({})",
-                results.count(&self.derived, |v| v <= self.max),
+                "{value}% ({meeting} of {} rounds meet it): {}{unit} against {}{unit} ({})",
                 s.n,
                 fig(results, &key(self.strategy, quantity), d),
                 fig(results, &key(self.against, quantity), d),
                 self.against.key(),
             ),
-            result: match (s.n, s.median <= self.max) {
-                (0, _) => NOT_MEASURED,
-                (_, true) => PASS,
-                (_, false) => MISS,
-            },
+            result,
         }
     }
 }
@@ -156,14 +150,10 @@ impl Bound<'_> {
 /// ratio under 100%.
 fn lowest(results: &Results, settings: &Settings, quantity: &str, words: &str) -> Verdict {
     let me = Strategy::ArenasOffload;
-    let others: Vec<Strategy> = settings
+    let medians: Vec<(Strategy, f64)> = settings
         .strategies
         .iter()
-        .copied()
-        .filter(|&o| o != me)
-        .collect();
-    let medians: Vec<(Strategy, f64)> = others
-        .iter()
+        .filter(|&&o| o != me)
         .map(|&o| (o, results.summary(&key(me, &pct_of(quantity, o))).median))
         .collect();
     let parts: Vec<String> = medians
@@ -178,11 +168,7 @@ fn lowest(results: &Results, settings: &Settings, quantity: &str, words: &str) -
             fig(results, &key(me, quantity), 3),
             parts.join(", ")
         ),
-        result: match (measured, medians.iter().all(|(_, m)| *m < 100.0)) {
-            (false, _) => NOT_MEASURED,
-            (true, true) => PASS,
-            (true, false) => MISS,
-        },
+        result: result(measured, medians.iter().all(|(_, m)| *m < 100.0), WORDS),
     }
 }
 
@@ -192,21 +178,22 @@ pub fn verdicts(results: &Results, settings: &Settings, log: &Log) -> Vec<Verdic
             "{}: completion window ≤ +{max:.0}% over off",
             strategy.key()
         ),
-        derived: key(strategy, "window_change_pct"),
-        max,
-        signed: true,
+        bound: Target::at_most(key(strategy, "window_change_pct"), max),
+        fig: signed_fig,
         measured: ("window_s", 2, " s"),
         strategy,
         against: BASE,
     };
     let of_cold = |quantity: &'static str, target: String| Bound {
         target,
-        derived: key(
-            Strategy::Arenas,
-            &pct_of(quantity, Strategy::ColdCompression),
+        bound: Target::at_most(
+            key(
+                Strategy::Arenas,
+                &pct_of(quantity, Strategy::ColdCompression),
+            ),
+            ARENAS_OF_COLD_MAX_PCT,
         ),
-        max: ARENAS_OF_COLD_MAX_PCT,
-        signed: false,
+        fig,
         measured: (quantity, 3, " GiB·s per task"),
         strategy: Strategy::Arenas,
         against: Strategy::ColdCompression,
@@ -219,28 +206,24 @@ pub fn verdicts(results: &Results, settings: &Settings, log: &Log) -> Vec<Verdic
                  guest PSS×time until issue 35)"
             ),
         )
-        .verdict(results),
-        window(Strategy::Arenas, ARENAS_WINDOW_MAX_PCT).verdict(results),
+        .verdict(results, WORDS),
+        window(Strategy::Arenas, ARENAS_WINDOW_MAX_PCT).verdict(results, WORDS),
     ];
-    for (quantity, words) in MEASURES {
-        out.push(lowest(results, settings, quantity, words));
-    }
-    out.push(window(Strategy::ArenasOffload, ARENAS_OFFLOAD_WINDOW_MAX_PCT).verdict(results));
+    out.extend(MEASURES.map(|(quantity, words)| lowest(results, settings, quantity, words)));
+    out.push(
+        window(Strategy::ArenasOffload, ARENAS_OFFLOAD_WINDOW_MAX_PCT).verdict(results, WORDS),
+    );
     out.push(integrity(log));
-    let mut before = of_cold(
-        "guest_pss_gib_s",
-        format!(
-            "for information: arenas: guest PSS×time ≤ {ARENAS_OF_COLD_MAX_PCT:.0}% of \
-             cold-compression's (the target before issue 35)"
-        ),
-    )
-    .verdict(results);
-    before.result = match before.result {
-        PASS => "met (for information)",
-        MISS => "missed (for information)",
-        other => other,
-    };
-    out.push(before);
+    out.push(
+        of_cold(
+            "guest_pss_gib_s",
+            format!(
+                "for information: arenas: guest PSS×time ≤ {ARENAS_OF_COLD_MAX_PCT:.0}% of \
+                 cold-compression's (the target before issue 35)"
+            ),
+        )
+        .verdict(results, FOR_INFORMATION),
+    );
     out
 }
 
@@ -250,7 +233,7 @@ pub fn integrity(log: &Log) -> Verdict {
     log.integrity.verdict(
         "integrity: every run's check passed (answers, commands, the same digests in every VM, \
          sampling) and every run gave the same results_digest",
-        [NOT_MEASURED, PASS, MISS],
+        WORDS,
     )
 }
 

@@ -5,6 +5,7 @@ use std::fmt::Write as _;
 
 use crate::common::host::BenchRun;
 use crate::common::results::{fig, num, Results};
+use crate::common::verdict::Target;
 use crate::{batch_key, Settings, MIB};
 
 /// Target of issue 13: budgeted time per MiB at most this many times the unbudgeted.
@@ -137,19 +138,17 @@ fn findings(out: &mut String, s: &Settings, r: &Results) {
     for codec in &s.codecs {
         let new = format!("{codec}.{}", batch_key(default));
         let old = format!("{codec}.{}", batch_key(None));
-        let ratio = r.summary(&format!("{new}.ratio"));
-        let verdict = if ratio.median <= TARGET_RATIO {
-            "meets"
-        } else {
-            "misses"
-        };
+        let target = Target::at_most(format!("{new}.ratio"), TARGET_RATIO);
+        // Not measured, it misses, as the report has always said.
+        let verdict = target.judge(r, ["misses", "meets", "misses"]).2;
         let _ = writeln!(
             out,
             "- **{codec}, {} (the default)**: budgeted / unbudgeted {} ({verdict} the target \
-             ≤ {TARGET_RATIO}×); {} ms/MiB budgeted against {} unbudgeted; peak {} MiB over \
+             {}×); {} ms/MiB budgeted against {} unbudgeted; peak {} MiB over \
              the usage before the offload (budgeted), limit hit {} times.",
             batch_name(default),
-            fig(r, &format!("{new}.ratio"), 2),
+            fig(r, &target.key, 2),
+            target.short(),
             fig(r, &format!("{new}.on.ms_per_mib"), 2),
             fig(r, &format!("{new}.off.ms_per_mib"), 2),
             fig(r, &format!("{new}.on.peak_over_base_mib"), 1),
