@@ -223,8 +223,10 @@ fn printing_and_test_module_rules_read_code_as_meant() {
 /// targets through `verdict::Target`, and the verdict words `BOLD_PASS_FAIL`, took 134 out;
 /// then arenas_report's, agent_waits_report's, remote_report's and offload_report's targets
 /// through `verdict::Target` and their verdict words as `verdict::Words`, and density_report's
-/// not-measured verdicts written once, took 42 out).
-const BENCH_LINES: usize = 24_583;
+/// not-measured verdicts written once, took 42 out; then the prologue arenas_report and
+/// agent_waits_report each wrote, now `scenario::begin`, put 7 in: one copy less, its
+/// documentation in the kit).
+const BENCH_LINES: usize = 24_590;
 
 #[test]
 fn benches_and_their_kit_stay_within_their_line_budget() {

@@ -44,9 +44,8 @@
 
 #![allow(clippy::cast_possible_truncation, clippy::cast_precision_loss)]
 
-use std::fs;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use vmm::replay::{Step, Trajectory};
 
@@ -56,7 +55,7 @@ mod seed;
 mod targets;
 
 use benchkit as common;
-use common::host::{BenchRun, TempRoot};
+use common::host::BenchRun;
 use common::replay::Outcome;
 use common::results::Results;
 use common::scenario::{self, ReplayBench};
@@ -480,24 +479,10 @@ impl ReplayBench for Settings {
 }
 
 fn run() -> Res<()> {
-    let started = Instant::now();
-    let render = common::render::requested();
-    if !render && common::skip_smoke("agent_waits_report", common::is_bench_run()) {
+    let Some(begun) = scenario::begin("agent-waits", settings)? else {
         return Ok(());
-    }
-    let bench_run = BenchRun::begin();
-    // One directory per bench process, so that a smoke run cannot clear a running bench's files.
-    let relative = Path::new("agent-waits").join(format!("p{}", std::process::id()));
-    let tmp = TempRoot::create("agent_waits_report", &relative)?;
-    let settings = match settings(&tmp.path, render)? {
-        Ok(settings) if render => return scenario::render(settings, started),
-        Ok(settings) => settings,
-        Err(why) => {
-            eprintln!("agent_waits_report: smoke run skipped: {why}");
-            return Ok(());
-        }
     };
-    common::host::check_vm_devices()?;
+    let settings = &begun.bench;
     // Huge-page VMs need the kernel to lend them pages; the host's setting is put back after.
     let _huge = settings.strategies.iter().any(|s| s.huge()).then(|| {
         let per_vm = basics::parse_size(settings.memory).unwrap_or(512 << 20) >> 21;
@@ -505,25 +490,8 @@ fn run() -> Res<()> {
             per_vm * settings.vms.iter().max().map_or(1, |&n| n as u64) + 64,
         )
     });
-    let run_dir = tmp.path.join("run");
-    fs::create_dir_all(&run_dir)?;
-    // Read by `vmm::runtime` here and inherited by every `pvisor` started; set before any
-    // thread exists.
-    std::env::set_var("PVISOR_RUNTIME_DIR", &run_dir);
-    eprintln!(
-        "agent_waits_report: {} round(s) of {:?} VMs × {} strategies replaying {} ({} model waits, {:.1} s of \
-         waits); {}; temporary files in {} ({})",
-        settings.runs,
-        settings.vms,
-        settings.strategies.len(),
-        settings.replayed.name,
-        settings.replayed.requests().len(),
-        settings.replayed.total_wait().as_secs_f64(),
-        settings.pvisor.display(),
-        tmp.path.display(),
-        tmp.filesystem
-    );
-    scenario::run(&settings, &bench_run, &tmp.path, started)
+    begun.announce(&settings.vms, settings.strategies.len(), &settings.replayed);
+    begun.run()
 }
 
 /// The model steps and the tool steps of a trajectory.

@@ -32,7 +32,7 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use vmm::replay::Trajectory;
 
@@ -41,7 +41,7 @@ mod report;
 mod run;
 
 use common::cpu::CpuGroup;
-use common::host::{BenchRun, TempRoot};
+use common::host::BenchRun;
 use common::replay::Outcome;
 use common::results::Results;
 use common::scenario::{self, ReplayBench};
@@ -258,45 +258,14 @@ impl ReplayBench for Settings {
 }
 
 fn run_bench() -> Res<()> {
-    let started = Instant::now();
-    let render = common::render::requested();
-    if !render && common::skip_smoke("arenas_report", common::is_bench_run()) {
+    let Some(mut begun) = scenario::begin("arenas", settings)? else {
         return Ok(());
-    }
-    let bench_run = BenchRun::begin();
-    // One directory per bench process, so that a smoke run cannot clear a running bench's files.
-    let relative = Path::new("arenas").join(format!("p{}", std::process::id()));
-    let tmp = TempRoot::create("arenas_report", &relative)?;
-    let mut settings = match settings(&tmp.path, render)? {
-        Ok(settings) if render => return scenario::render(settings, started),
-        Ok(settings) => settings,
-        Err(why) => {
-            eprintln!("arenas_report: smoke run skipped: {why}");
-            return Ok(());
-        }
     };
-    common::host::check_vm_devices()?;
-    let run_dir = tmp.path.join("run");
-    fs::create_dir_all(&run_dir)?;
-    // Read by `vmm::runtime` here and inherited by every `pvisor` started; set before any
-    // thread exists.
-    std::env::set_var("PVISOR_RUNTIME_DIR", &run_dir);
-    settings.cpu = Some(CpuGroup::create(&format!(
+    begun.bench.cpu = Some(CpuGroup::create(&format!(
         "arenas-bench-{}",
         std::process::id()
     ))?);
-    eprintln!(
-        "arenas_report: {} round(s) of {} VMs × {} strategies replaying {} ({} model waits, {:.1} s of \
-         waits); {}; temporary files in {} ({})",
-        settings.runs,
-        settings.vms,
-        settings.strategies.len(),
-        settings.replayed.name,
-        settings.replayed.requests().len(),
-        settings.replayed.total_wait().as_secs_f64(),
-        settings.pvisor.display(),
-        tmp.path.display(),
-        tmp.filesystem
-    );
-    scenario::run(&settings, &bench_run, &tmp.path, started)
+    let settings = &begun.bench;
+    begun.announce(&settings.vms, settings.strategies.len(), &settings.replayed);
+    begun.run()
 }

@@ -9,12 +9,13 @@ use std::fs;
 use std::path::Path;
 use std::time::Instant;
 
-use crate::host::BenchRun;
+use crate::host::{BenchRun, TempRoot};
 use crate::render;
 use crate::replay::{Integrity, Outcome, Timeline};
 use crate::results::{Results, KEY_RUN_CSV};
 use crate::verdict::Verdict;
 use crate::Res;
+use vmm::replay::Trajectory;
 
 /// What the runs of a replay bench give that is not a single number: their integrity and the
 /// memory over time; rebuilt from the CSV in render mode, with what else the run kept.
@@ -74,6 +75,75 @@ pub trait ReplayBench {
     fn verdicts(&self, results: &Results, log: &Log<Self::Run>) -> Vec<Verdict>;
     fn markdown(&self, results: &Results, run: &BenchRun, log: &Log<Self::Run>) -> String;
     fn chart(&self, results: &Results, log: &Log<Self::Run>) -> Res<String>;
+}
+
+/// A replay bench ready to run: its settings, its run's facts, its temporary files (their
+/// `run/` is `PVISOR_RUNTIME_DIR`) and when its process started.
+#[derive(Debug)]
+pub struct Begun<B> {
+    pub bench: B,
+    pub run: BenchRun,
+    pub tmp: TempRoot,
+    pub started: Instant,
+}
+
+/// A replay bench's prologue: a smoke run skipped where asked, temporary files under `dir`
+/// (one directory per process, so that a smoke run cannot clear a running bench's), the
+/// settings read (`Err`: a smoke run cannot run here, and why), render mode carried out, the
+/// VM devices checked. `None`: nothing more to do.
+pub fn begin<B: ReplayBench>(
+    dir: &str,
+    settings: impl FnOnce(&Path, bool) -> Res<Result<B, String>>,
+) -> Res<Option<Begun<B>>> {
+    let (started, rendering) = (Instant::now(), render::requested());
+    if !rendering && crate::skip_smoke(B::NAME, crate::is_bench_run()) {
+        return Ok(None);
+    }
+    let run = BenchRun::begin();
+    let relative = Path::new(dir).join(format!("p{}", std::process::id()));
+    let tmp = TempRoot::create(B::NAME, &relative)?;
+    let bench = match settings(&tmp.path, rendering)? {
+        Ok(bench) if rendering => return render(bench, started).map(|()| None),
+        Ok(bench) => bench,
+        Err(why) => {
+            eprintln!("{}: smoke run skipped: {why}", B::NAME);
+            return Ok(None);
+        }
+    };
+    crate::host::check_vm_devices()?;
+    let run_dir = tmp.path.join("run");
+    fs::create_dir_all(&run_dir)?;
+    // Inherited by every `pvisor` started; set before any thread exists.
+    std::env::set_var("PVISOR_RUNTIME_DIR", &run_dir);
+    let begun = Begun {
+        bench,
+        run,
+        tmp,
+        started,
+    };
+    Ok(Some(begun))
+}
+
+impl<B: ReplayBench> Begun<B> {
+    /// Says what runs: `vms` VMs under `strategies` strategies replaying `replayed`.
+    pub fn announce(&self, vms: &dyn std::fmt::Debug, strategies: usize, replayed: &Trajectory) {
+        eprintln!(
+            "{}: {} round(s) of {vms:?} VMs × {strategies} strategies replaying {} ({} model \
+             waits, {:.1} s of waits); temporary files in {} ({})",
+            B::NAME,
+            self.bench.rounds(),
+            replayed.name,
+            replayed.requests().len(),
+            replayed.total_wait().as_secs_f64(),
+            self.tmp.path.display(),
+            self.tmp.filesystem
+        );
+    }
+
+    /// Runs every round and writes the report ([`run`]).
+    pub fn run(&self) -> Res<()> {
+        run(&self.bench, &self.run, &self.tmp.path, self.started)
+    }
 }
 
 /// Runs every round of `bench` (its temporary files in `tmp`), then writes its report: see
