@@ -300,8 +300,8 @@ impl MemoryCgroup {
     /// cgroup already.
     pub fn place_self(name: &Path) -> Result<PathBuf, CgroupError> {
         use std::os::unix::process::CommandExt;
-        let (own, _) = Self::own_base()?;
         if let Some(placed) = std::env::var_os(PLACED_ENV).map(PathBuf::from) {
+            let (own, _) = Self::own_base()?;
             let below = name.strip_prefix(CGROUP_ROOT).unwrap_or(name);
             if placed == own && placed.ends_with(below) {
                 return Ok(placed);

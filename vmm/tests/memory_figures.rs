@@ -201,6 +201,13 @@ fn stat_field(cgroup: &Path, name: &str) -> Option<u64> {
         })
 }
 
+/// The anonymous memory charged to a memory cgroup (v1 `rss`, v2 `anon`).
+fn charged_anon(cgroup: &Path) -> u64 {
+    stat_field(cgroup, "rss")
+        .or_else(|| stat_field(cgroup, "anon"))
+        .unwrap()
+}
+
 /// The anonymous memory process `pid` holds (`RssAnon`), wherever it is charged.
 fn rss_anon(pid: u64) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -255,9 +262,7 @@ fn a_foreground_vm_is_charged_to_its_cgroup_from_its_first_instruction() {
         s["guest_ram_resident_bytes"].as_u64().unwrap() >= 16 << 20
     });
     assert_eq!(stats["memory_charged_by"], "cgroup", "{stats}");
-    let anon = stat_field(&cgroup, "rss")
-        .or_else(|| stat_field(&cgroup, "anon"))
-        .unwrap();
+    let anon = charged_anon(&cgroup);
     let held_anon = rss_anon(u64::from(child.id()));
     eprintln!("foreground VM: {anon} bytes of anonymous memory charged of {held_anon} held");
     // Joined only once it ran (as before 2026-12-08), the image's relocations and early heap
@@ -290,9 +295,7 @@ fn offloaded_idle_vm_costs_its_floor_and_no_more() {
     let pid = vm.identity["pid"].as_u64().unwrap();
     let usage = stats["memory_charged_bytes"].as_u64().unwrap();
     // Anonymous memory charged to the VM (v1 `rss`, v2 `anon`): what is ours.
-    let anon = stat_field(&cgroup, "rss")
-        .or_else(|| stat_field(&cgroup, "anon"))
-        .unwrap();
+    let anon = charged_anon(&cgroup);
     // The kernel's part (v1 kmem, v2 `kernel`): KVM, page tables, the threads' stacks.
     let kernel = std::fs::read_to_string(cgroup.join("memory.kmem.usage_in_bytes"))
         .ok()
